@@ -1,0 +1,46 @@
+"""The `moebus` console script: one subcommand per tool or service.
+
+Each subcommand lives in its own module and exposes `main(argv: list[str]) -> int`
+with its own argparse; this file only maps names to modules, imported lazily so
+that `moebus request` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny": ("shared.model.tiny", "write a small random Qwen3-MoE checkpoint"),
+    "generate": ("shared.model.offline", "generate offline from a checkpoint (no services)"),
+    "quantize": ("shared.model.quantize", "convert a bf16 checkpoint to FP8 block-scaled or MXFP8"),
+    "up": ("services.launch", "start nats-server and a compose stack as local processes"),
+    "request": ("services.client", "send one request to a running stack"),
+    "gateway": ("services.gateway.__main__", "run a gateway"),
+    "scheduler": ("services.scheduler.__main__", "run a scheduler"),
+    "prefill": ("services.prefill.__main__", "run a prefill instance"),
+    "decode": ("services.decode.__main__", "run a decode instance"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: moebus <command> [options]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"moebus: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

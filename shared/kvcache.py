@@ -1,0 +1,131 @@
+"""Paged KV cache: one pool per layer in HND layout, and the page allocator.
+
+Pool shape per layer: ``[num_pages, 2, kv_heads, page_size, head_dim]`` (index 0 of
+the second axis is K, 1 is V). Inside a page every head's tokens are contiguous, so
+the block ``pool[p, kv, h0:h1]`` is one contiguous range of memory: a prefill rank
+that owns heads ``[h0, h1)`` can write its share of a page with one copy (DESIGN §5).
+
+A sequence's KV lives in the pages of its *page table* (a list of page ids, in
+order); token ``t`` of the sequence is at page ``table[t // page_size]``, offset
+``t % page_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheError(Exception):
+    """Base class of KV cache errors."""
+
+
+class OutOfPages(KVCacheError):
+    """The allocator cannot satisfy a request; nothing was allocated."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"out of KV pages: requested {requested}, {free} free")
+        self.requested = requested
+        self.free = free
+
+
+class InvalidPages(KVCacheError):
+    """A page id that is out of range, duplicated, or not currently allocated."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one rank's KV cache; the same on every layer."""
+
+    num_layers: int
+    num_pages: int
+    kv_heads: int
+    page_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes across all layers (K and V, all local heads)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * elem
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+class PageAllocator:
+    """Free list of page ids. Allocation is all-or-nothing and O(n) in pages asked."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        # Pop from the end; start with low ids at the end so first allocations are 0, 1, 2...
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def alloc(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise OutOfPages(n, len(self._free))
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        bad = [p for p in pages if p not in self._used]
+        if bad or len(set(pages)) != len(pages):
+            raise InvalidPages(f"freeing pages that are not allocated (or twice): {bad or pages}")
+        self._used.difference_update(pages)
+        self._free.extend(reversed(pages))
+
+
+class PagedKVCache:
+    """The per-layer pools of one rank plus the slot arithmetic the model uses."""
+
+    def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        shape = (layout.num_pages, *layout.page_shape)
+        self.pools: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
+        ]
+        self.allocator = PageAllocator(layout.num_pages)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pools[0].device
+
+    def slots(self, page_table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page id, offset in page) of each logical position of one sequence."""
+        ps = self.layout.page_size
+        return page_table[positions // ps], positions % ps
+
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens. ``k``/``v``: ``[T, kv_heads, head_dim]``; pages/offsets: ``[T]``."""
+        pool = self.pools[layer]
+        pool[pages, 0, :, offsets, :] = k.to(pool.dtype)
+        pool[pages, 1, :, offsets, :] = v.to(pool.dtype)
+
+    def read(self, layer: int, page_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``length`` tokens of one sequence, each ``[kv_heads, length, head_dim]``."""
+        ps = self.layout.page_size
+        n_pages = -(-length // ps)
+        blocks = self.pools[layer][page_table[:n_pages]]  # [P, 2, H, ps, D]
+        H, D = self.layout.kv_heads, self.layout.head_dim
+        kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, H, n_pages * ps, D)[:, :, :length]
+        return kv[0], kv[1]
