@@ -1,0 +1,276 @@
+"""FP8 storage formats as data and math (no I/O): block-scaled FP8, MXFP8, and
+per-token-group activation quantization.
+
+All three store values as E4M3 (``torch.float8_e4m3fn``, largest finite 448) next
+to one scale per block of values; they differ in the block shape and the scale type:
+
+* **Block FP8** (Qwen / DeepSeek checkpoints): one fp32 ``scale_inv`` per 128x128
+  block of a weight ``[N, K]``. ``scale_inv = amax(block) / 448`` and the real
+  weight is ``w_fp8 * scale_inv`` (the name says it is the inverse of the factor
+  that was multiplied in at quantization time).
+* **MXFP8** (OCP Microscaling spec v1.0): one E8M0 scale (a bare power of two,
+  stored as its biased exponent in a uint8, bias 127) per 32 consecutive values
+  along K. The shared exponent is ``floor(log2(amax)) - 8``, 8 being the exponent
+  of E4M3's largest normal (448 = 1.75 * 2^8); scaled values up to 512 can then
+  exceed 448 and are saturated to it, as the spec prescribes.
+* **Activations**: one fp32 scale per token per 128 channels, ``amax / 448``, the
+  layout the FP8 GEMMs of DeepSeek-V3 / DeepGEMM consume next to block weights.
+
+Shapes that are not multiples of the block are handled by treating the missing
+part of the last block as zeros (the scale covers only the values that exist).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# exponent of E4M3's largest normal value: 448 = 1.75 * 2**8 (OCP MX spec "emax_elem")
+E4M3_EMAX = 8
+E8M0_BIAS = 127
+MX_BLOCK = 32
+WEIGHT_BLOCK = (128, 128)
+ACT_GROUP = 128
+# An all-zero block would give scale 0 and 0/0 on quantization; flooring amax keeps
+# the scale positive and still maps such a block to exact zeros.
+_AMAX_FLOOR = 1e-12
+
+
+class QuantFormatError(ValueError):
+    """A quantized tensor whose dtype, shape or scale layout is inconsistent."""
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    size = x.shape[dim]
+    missing = _ceil_div(size, multiple) * multiple - size
+    if missing == 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[dim] = missing
+    return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    # torch's float->float8_e4m3fn cast does not saturate (out of range becomes
+    # NaN), so clamp first; the scales keep values in range up to rounding anyway.
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+# --------------------------------------------------------------------------- block FP8
+
+
+@dataclass(frozen=True)
+class BlockFp8Weight:
+    """A weight ``[..., N, K]`` in E4M3 with one fp32 scale per ``block`` tile.
+
+    ``scale_inv`` has shape ``[..., ceil(N/block[0]), ceil(K/block[1])]``; leading
+    dimensions (e.g. experts stacked as ``[E, N, K]``) are carried through.
+    """
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int] = WEIGHT_BLOCK
+
+    def __post_init__(self) -> None:
+        check_block_fp8(self.weight, self.scale_inv, self.block)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_block_fp8(self.weight, self.scale_inv, self.block).to(dtype)
+
+
+def check_block_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK
+) -> None:
+    """Raise QuantFormatError unless ``weight``/``scale_inv`` form a valid block-FP8 pair."""
+    if weight.dtype != FP8_DTYPE:
+        raise QuantFormatError(f"block FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    if not scale_inv.is_floating_point() or scale_inv.element_size() < 2:
+        raise QuantFormatError(f"block FP8 scale_inv must be a float tensor, got {scale_inv.dtype}")
+    if len(block) != 2 or min(block) <= 0:
+        raise QuantFormatError(f"block must be two positive sizes, got {block}")
+    if weight.dim() < 2:
+        raise QuantFormatError(f"block FP8 weight must be at least 2-D, got shape {tuple(weight.shape)}")
+    *lead, n, k = weight.shape
+    expected = (*lead, _ceil_div(n, block[0]), _ceil_div(k, block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise QuantFormatError(
+            f"block FP8 scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+            f"{tuple(weight.shape)} with block {tuple(block)}: expected {expected}"
+        )
+
+
+def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> BlockFp8Weight:
+    """Quantize a weight ``[..., N, K]`` to E4M3 with one ``amax/448`` scale per block."""
+    if w.dim() < 2:
+        raise QuantFormatError(f"block FP8 quantization needs a >= 2-D tensor, got {tuple(w.shape)}")
+    bn, bk = block
+    *lead, n, k = w.shape
+    padded = _pad_to_multiple(_pad_to_multiple(w.float(), -2, bn), -1, bk)
+    nb, kb = padded.shape[-2] // bn, padded.shape[-1] // bk
+    tiles = padded.reshape(*lead, nb, bn, kb, bk)
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_AMAX_FLOOR)
+    scale_inv = amax / E4M3_MAX
+    q = _to_e4m3(tiles / scale_inv).reshape(padded.shape)[..., :n, :k]
+    return BlockFp8Weight(
+        weight=q.contiguous(),
+        scale_inv=scale_inv.reshape(*lead, nb, kb).contiguous(),
+        block=(bn, bk),
+    )
+
+
+def dequantize_block_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK
+) -> torch.Tensor:
+    """``weight * scale_inv`` broadcast over each block, as fp32 ``[..., N, K]``."""
+    check_block_fp8(weight, scale_inv, block)
+    n, k = weight.shape[-2:]
+    scales = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :n, :]
+    scales = scales.repeat_interleave(block[1], dim=-1)[..., :k]
+    return weight.float() * scales
+
+
+# --------------------------------------------------------------------------- MXFP8
+
+
+@dataclass(frozen=True)
+class Mxfp8Weight:
+    """A tensor ``[..., K]`` in E4M3 with one E8M0 scale per ``block_size`` values of K.
+
+    ``scale_e8m0`` is uint8 ``[..., ceil(K/block_size)]`` holding biased exponents:
+    the scale of a block is ``2 ** (scale_e8m0 - 127)`` (255, the spec's NaN, is
+    never produced).
+    """
+
+    weight: torch.Tensor
+    scale_e8m0: torch.Tensor
+    block_size: int = MX_BLOCK
+
+    def __post_init__(self) -> None:
+        check_mxfp8(self.weight, self.scale_e8m0, self.block_size)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_mxfp8(self.weight, self.scale_e8m0, self.block_size).to(dtype)
+
+
+def check_mxfp8(weight: torch.Tensor, scale_e8m0: torch.Tensor, block_size: int = MX_BLOCK) -> None:
+    """Raise QuantFormatError unless ``weight``/``scale_e8m0`` form a valid MXFP8 pair."""
+    if weight.dtype != FP8_DTYPE:
+        raise QuantFormatError(f"MXFP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    if scale_e8m0.dtype != torch.uint8:
+        raise QuantFormatError(f"MXFP8 scale must be uint8 (biased E8M0 exponents), got {scale_e8m0.dtype}")
+    if block_size <= 0 or weight.dim() < 1:
+        raise QuantFormatError(f"invalid MXFP8 block size {block_size} or 0-D weight")
+    expected = (*weight.shape[:-1], _ceil_div(weight.shape[-1], block_size))
+    if tuple(scale_e8m0.shape) != expected:
+        raise QuantFormatError(
+            f"MXFP8 scale shape {tuple(scale_e8m0.shape)} does not match weight "
+            f"{tuple(weight.shape)} with block size {block_size}: expected {expected}"
+        )
+
+
+def quantize_mxfp8(w: torch.Tensor, block_size: int = MX_BLOCK) -> Mxfp8Weight:
+    """Quantize ``[..., K]`` to E4M3 with a power-of-two scale per ``block_size`` values."""
+    if w.dim() < 1:
+        raise QuantFormatError("MXFP8 quantization needs at least a 1-D tensor")
+    k = w.shape[-1]
+    padded = _pad_to_multiple(w.float(), -1, block_size)
+    blocks = padded.reshape(*padded.shape[:-1], -1, block_size)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # floor(log2(0)) = -inf: clamping maps an all-zero block to the smallest scale.
+    shared_exp = (torch.floor(torch.log2(amax)) - E4M3_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+    q = _to_e4m3(blocks / torch.exp2(shared_exp)).reshape(padded.shape)[..., :k]
+    scale = (shared_exp + E8M0_BIAS).squeeze(-1).to(torch.uint8)
+    return Mxfp8Weight(weight=q.contiguous(), scale_e8m0=scale.contiguous(), block_size=block_size)
+
+
+def e8m0_to_float(scale_e8m0: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponents (uint8) to their fp32 power-of-two values."""
+    return torch.exp2(scale_e8m0.float() - E8M0_BIAS)
+
+
+def dequantize_mxfp8(
+    weight: torch.Tensor, scale_e8m0: torch.Tensor, block_size: int = MX_BLOCK
+) -> torch.Tensor:
+    """``weight * 2**(e - 127)`` per block of ``block_size`` values, as fp32."""
+    check_mxfp8(weight, scale_e8m0, block_size)
+    k = weight.shape[-1]
+    scales = e8m0_to_float(scale_e8m0).repeat_interleave(block_size, dim=-1)[..., :k]
+    return weight.float() * scales
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def quantize_act_per_token_group(
+    x: torch.Tensor, group: int = ACT_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations ``[..., K]`` per token per ``group`` channels.
+
+    Returns ``(x_fp8 [..., K], scales fp32 [..., ceil(K/group)])`` with
+    ``x ~= x_fp8 * scales`` broadcast over each group (``scales = amax / 448``).
+    """
+    if x.dim() < 1 or group <= 0:
+        raise QuantFormatError(f"activation quantization needs a >= 1-D tensor and group > 0, got {group}")
+    k = x.shape[-1]
+    padded = _pad_to_multiple(x.float(), -1, group)
+    groups = padded.reshape(*padded.shape[:-1], -1, group)
+    scales = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) / E4M3_MAX
+    q = _to_e4m3(groups / scales).reshape(padded.shape)[..., :k]
+    return q.contiguous(), scales.squeeze(-1).contiguous()
+
+
+def dequantize_act_per_token_group(
+    x_fp8: torch.Tensor, scales: torch.Tensor, group: int = ACT_GROUP
+) -> torch.Tensor:
+    """Inverse of `quantize_act_per_token_group`, as fp32 ``[..., K]``."""
+    if x_fp8.dtype != FP8_DTYPE:
+        raise QuantFormatError(f"quantized activations must be float8_e4m3fn, got {x_fp8.dtype}")
+    expected = (*x_fp8.shape[:-1], _ceil_div(x_fp8.shape[-1], group))
+    if tuple(scales.shape) != expected:
+        raise QuantFormatError(
+            f"activation scales shape {tuple(scales.shape)} does not match "
+            f"{tuple(x_fp8.shape)} with group {group}: expected {expected}"
+        )
+    k = x_fp8.shape[-1]
+    return x_fp8.float() * scales.float().repeat_interleave(group, dim=-1)[..., :k]
+
+
+# --------------------------------------------------------------------------- error statistics
+
+
+@dataclass(frozen=True)
+class QuantError:
+    """How far an approximation is from its reference."""
+
+    rel_fro: float  # ||approx - ref||_F / ||ref||_F
+    max_abs: float  # max |approx - ref|
+    snr_db: float  # 10 log10(||ref||^2 / ||approx - ref||^2); inf when exact
+
+    def as_dict(self) -> dict[str, float]:
+        return {"rel_fro": self.rel_fro, "max_abs": self.max_abs, "snr_db": self.snr_db}
+
+
+def quant_error(ref: torch.Tensor, approx: torch.Tensor) -> QuantError:
+    ref64, diff = ref.double(), approx.double() - ref.double()
+    signal, noise = float(ref64.square().sum()), float(diff.square().sum())
+    return QuantError(
+        rel_fro=math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf),
+        max_abs=float(diff.abs().max()) if diff.numel() else 0.0,
+        snr_db=10 * math.log10(signal / noise) if noise > 0 else math.inf,
+    )
