@@ -1,0 +1,114 @@
+"""The public API on `llm.generate`, `llm.models` and `llm.cancel` (DESIGN §2).
+
+JSON by default, msgpack when the request carries `Content-Type: application/msgpack`.
+Replies are tagged by a `type` field ("response", "chunk", "error", "models") so a
+client decodes one union and never guesses.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length"]
+
+# Error codes a client can receive, with their meaning:
+ErrorCode = Literal[
+    "invalid_request",  # the request itself is wrong (field, type, range, length)
+    "unknown_model",  # `model` names a model this deployment does not serve
+    "overloaded",  # no capacity within the scheduler's bounded wait; retry later
+    "timeout",  # the request's deadline passed before it finished
+    "cancelled",  # cancelled through llm.cancel
+    "unavailable",  # a stage serving the request died or no stage of a role is up
+    "internal",  # a bug or an unexpected failure inside moebus
+]
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One completion. Exactly one of `prompt`, `messages`, `input_ids` is given."""
+
+    model: str | None = None  # optional while one model is served
+    prompt: str | None = None  # raw text, tokenized as is
+    messages: list[ChatMessage] | None = None  # chat; the model's chat template is applied
+    input_ids: list[int] | None = None  # pre-tokenized prompt
+    max_tokens: int = 64
+    temperature: float | None = None  # None: the model's generation_config default; 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None  # same seed + same request -> same tokens
+    stop: list[str] = []  # generation ends before the first occurrence of any of these strings
+    stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
+    logprobs: bool = False  # include the log-probability of each generated token
+    timeout_ms: int | None = None  # client deadline, relative to arrival at the gateway
+    request_id: str | None = None  # optional client-chosen id (letters, digits, '-', '_'), e.g. to cancel
+
+
+class Usage(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timing(msgspec.Struct, forbid_unknown_fields=True):
+    queue_ms: float  # arrival at the gateway -> placed by the scheduler
+    ttft_ms: float  # arrival at the gateway -> first token at the gateway
+    total_ms: float  # arrival at the gateway -> reply
+
+
+class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True, tag="response", tag_field="type", kw_only=True):
+    request_id: str
+    model: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+    logprobs: list[float] | None = None
+
+
+class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag_field="type", kw_only=True):
+    """One piece of a streamed reply; the last chunk has `finish_reason`, `usage` and `timing`."""
+
+    request_id: str
+    index: int  # 0, 1, 2... per request
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timing: Timing | None = None
+
+
+class ErrorInfo(msgspec.Struct, forbid_unknown_fields=True):
+    code: ErrorCode
+    message: str
+
+
+class ErrorReply(msgspec.Struct, forbid_unknown_fields=True, tag="error", tag_field="type", kw_only=True):
+    """Terminal: nothing follows an error on the same reply subject."""
+
+    error: ErrorInfo
+    request_id: str | None = None
+
+
+GenerateReply = GenerateResponse | GenerateChunk | ErrorReply
+
+
+class ModelCard(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    max_context: int  # prompt + completion tokens
+    max_tokens: int  # the largest `max_tokens` accepted
+
+
+class ModelList(msgspec.Struct, forbid_unknown_fields=True, tag="models", tag_field="type"):
+    models: list[ModelCard]
+
+
+class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
+    request_id: str
+    reason: str = "cancelled by client"

@@ -1,0 +1,235 @@
+"""NATS plumbing every service uses: connection, codecs, request/stream helpers, deadlines.
+
+- `connect()` owns the connection through an AsyncExitStack; leaving it drains
+  subscriptions (in-flight handlers finish) before the connection closes.
+- Public payloads are JSON unless the message says `Content-Type: application/msgpack`;
+  internal payloads are always msgpack (DESIGN §2).
+- Handlers run as separate tasks so that one slow request never blocks a subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATSClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NATSTimeoutError
+
+from shared.logging import get_logger
+
+T = TypeVar("T")
+log = get_logger(__name__)
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+CONTENT_TYPE = "Content-Type"
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+class BusError(Exception):
+    """A request over the bus failed (no responder, timeout)."""
+
+
+class NoResponders(BusError):
+    pass
+
+
+class RequestTimeout(BusError):
+    pass
+
+
+# ---------------------------------------------------------------- deadlines
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """An absolute Unix time; comparable across processes on synchronized hosts."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.time() + seconds)
+
+    def remaining(self) -> float:
+        return self.at - time.time()
+
+    @property
+    def expired(self) -> bool:
+        return self.remaining() <= 0
+
+    def timeout(self, cap: float | None = None) -> float:
+        """Seconds left, at least a millisecond (for APIs that reject 0), at most `cap`."""
+        left = max(self.remaining(), 0.001)
+        return left if cap is None else min(left, cap)
+
+
+# ---------------------------------------------------------------- codecs
+
+
+@lru_cache(maxsize=None)
+def _json_decoder(type_: Any) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(type_)
+
+
+@lru_cache(maxsize=None)
+def _msgpack_decoder(type_: Any) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(type_)
+
+
+_json_encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+def content_type(msg: Msg) -> str:
+    """The public content type a message asked for: msgpack if its header says so, else JSON."""
+    headers = msg.headers or {}
+    value = headers.get(CONTENT_TYPE, "").split(";")[0].strip().lower()
+    return MSGPACK if value == MSGPACK else JSON
+
+
+def encode_public(obj: Any, ctype: str = JSON) -> bytes:
+    return _msgpack_encoder.encode(obj) if ctype == MSGPACK else _json_encoder.encode(obj)
+
+
+def decode_public(data: bytes, type_: type[T] | Any, ctype: str = JSON) -> T:
+    """Decode and validate; raises msgspec.DecodeError / msgspec.ValidationError."""
+    decoder = _msgpack_decoder(type_) if ctype == MSGPACK else _json_decoder(type_)
+    return decoder.decode(data)
+
+
+def pack(obj: Any) -> bytes:
+    """Internal payloads: msgpack."""
+    return _msgpack_encoder.encode(obj)
+
+
+def unpack(data: bytes, type_: type[T] | Any) -> T:
+    return _msgpack_decoder(type_).decode(data)
+
+
+# ---------------------------------------------------------------- the bus
+
+
+class Bus:
+    """A connected NATS client plus the handler tasks it runs. Build with `connect()`."""
+
+    def __init__(self, nc: NATSClient, name: str) -> None:
+        self.nc = nc
+        self.name = name
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subs: list[Subscription] = []
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True) -> Subscription:
+        """Run `handler(msg)` for each message. `concurrent`: each message in its own task.
+
+        Exceptions in a handler are logged, never propagated: one bad message must not
+        stop a subscription.
+        """
+
+        async def run(msg: Msg) -> None:
+            try:
+                await handler(msg)
+            except Exception:
+                log.exception("handler_failed", subject=msg.subject)
+
+        async def dispatch(msg: Msg) -> None:
+            if concurrent:
+                task = asyncio.get_running_loop().create_task(run(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                await run(msg)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=dispatch)
+        self._subs.append(sub)
+        return sub
+
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, payload, headers=headers)
+
+    async def request(self, subject: str, obj: Any, reply_type: type[T] | Any, timeout: float) -> T:
+        """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout."""
+        try:
+            msg = await self.nc.request(subject, pack(obj), timeout=timeout)
+        except NoRespondersError as e:
+            raise NoResponders(f"no responder on {subject}") from e
+        except NATSTimeoutError as e:
+            raise RequestTimeout(f"no reply on {subject} within {timeout:.3f}s") from e
+        return unpack(msg.data, reply_type)
+
+    async def stream(
+        self,
+        subject: str,
+        payload: bytes,
+        is_last: Callable[[Msg], bool],
+        deadline: Deadline,
+        headers: dict[str, str] | None = None,
+    ) -> AsyncIterator[Msg]:
+        """Send one request and yield every reply until `is_last(reply)` or the deadline.
+
+        Raises NoResponders when nobody listens on `subject` and RequestTimeout when the
+        deadline passes before the last reply.
+        """
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(subject, payload, reply=inbox, headers=headers)
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=deadline.timeout())
+                except NATSTimeoutError as e:
+                    raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
+                if msg.headers and msg.headers.get("Status") == "503":
+                    raise NoResponders(f"no responder on {subject}")
+                yield msg
+                if is_last(msg):
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Stop taking messages, let in-flight handlers finish (up to `timeout`), flush, close."""
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in pending:
+                task.cancel()
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+
+@contextlib.asynccontextmanager
+async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeout: float = 10.0) -> AsyncIterator[Bus]:
+    """Connect to NATS; on exit drain (handlers finish) and close.
+
+    Fails fast (after `connect_timeout`) when no server listens, instead of retrying forever.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await nats.connect(
+            url,
+            name=name,
+            connect_timeout=connect_timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+        )
+        stack.push_async_callback(nc.close)
+        bus = Bus(nc, name)
+        stack.push_async_callback(bus.drain, drain_timeout)
+        yield bus

@@ -1,0 +1,162 @@
+"""Typed settings, one msgspec struct per service, from a TOML file and the environment.
+
+Sources, later ones win:
+1. TOML file (`--config FILE` or `MOEBUS_CONFIG`): top-level keys apply to every
+   service that has such a field, the table `[<service>]` to that service only;
+2. `MOEBUS_<FIELD>` environment variables (shared by all services, e.g. `MOEBUS_NATS_URL`);
+3. `MOEBUS_<SERVICE>_<FIELD>` environment variables (e.g. `MOEBUS_DECODE_MAX_BATCH=64`);
+4. explicit overrides (command-line flags).
+
+Unknown keys in a `[<service>]` table or `MOEBUS_<SERVICE>_*` variables are errors
+(a typo must not silently fall back to a default). Values from the environment are
+strings and are converted to the field's type; lists are written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tomllib
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class SettingsError(ValueError):
+    """Invalid configuration; the message names the source (file, variable, field)."""
+
+
+def default_instance_id() -> str:
+    """hostname-pid-random, restricted to characters valid in a NATS subject token."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:24]
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class ServiceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields every service has."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    model: str = ""  # checkpoint directory (config.json, tokenizer, weights)
+    model_name: str = ""  # name served on llm.models; default: the directory's name
+    instance: str = ""  # id in subjects and heartbeats; default: hostname-pid-random
+    log_level: str = "info"
+    log_json: bool | None = None  # None: JSON when stderr is not a terminal
+    heartbeat_interval_s: float = 0.5
+    drain_timeout_s: float = 10.0  # SIGTERM: how long in-flight work may take to finish
+
+
+class GatewaySettings(ServiceSettings, kw_only=True):
+    max_tokens_limit: int = 4096  # largest max_tokens accepted (also capped by the context)
+    max_context: int = 0  # prompt + completion; 0: the model's max_position_embeddings
+    default_timeout_ms: int = 120_000  # deadline of requests that set none
+    max_timeout_ms: int = 600_000
+    max_in_flight: int = 4096  # requests beyond this get `overloaded` at once
+    stage_expiry_s: float = 2.0  # a decode rank silent this long fails its requests
+
+
+class SchedulerSettings(ServiceSettings, kw_only=True):
+    heartbeat_expiry_s: float = 1.5  # registry drops members silent for this long
+    queue_wait_ms: int = 1000  # how long a request may wait for capacity before `overloaded`
+    max_queued: int = 256  # requests waiting for capacity; beyond -> `overloaded` at once
+    reserve_timeout_ms: int = 500  # a decode rank must answer a reservation within this
+    lease_s: float = 30.0  # reserved KV pages are freed if prefill has not started decode by then
+
+
+class PrefillSettings(ServiceSettings, kw_only=True):
+    tp: int = 1  # tensor-parallel ranks (processes) of this instance
+    device: str = "cpu"
+    page_size: int = 16
+    kv_pages: int = 512  # KV pages of the prefill-side cache (per rank)
+    max_batch_tokens: int = 8192  # prompts run together in one forward pass, up to this many tokens
+    dist_port: int = 0  # torch.distributed rendezvous port; 0: pick a free one
+    transfer_timeout_s: float = 30.0
+
+
+class DecodeSettings(ServiceSettings, kw_only=True):
+    dp: int = 1  # data-parallel ranks (processes); experts are sharded over all of them (EP = dp)
+    device: str = "cpu"
+    page_size: int = 16
+    kv_pages: int = 512  # KV pages per rank
+    max_batch: int = 32  # running + reserved requests per rank
+    dist_port: int = 0
+    idle_sleep_ms: float = 2.0  # lockstep poll interval while every rank is idle
+
+
+SERVICES: dict[str, type[ServiceSettings]] = {
+    "gateway": GatewaySettings,
+    "scheduler": SchedulerSettings,
+    "prefill": PrefillSettings,
+    "decode": DecodeSettings,
+}
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def load_settings(
+    cls: type[S],
+    service: str,
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> S:
+    env = os.environ if env is None else env
+    fields = {f.name for f in msgspec.structs.fields(cls)}
+    values: dict[str, Any] = {}
+
+    path = config_file or env.get("MOEBUS_CONFIG")
+    if path:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise SettingsError(f"config file {path}: {e}") from e
+        values.update({k: v for k, v in doc.items() if k in fields})
+        section = doc.get(service, {})
+        unknown = sorted(set(section) - fields)
+        if unknown:
+            raise SettingsError(f"config file {path}: unknown key(s) in [{service}]: {', '.join(unknown)}")
+        values.update(section)
+
+    prefix = f"MOEBUS_{service.upper()}_"
+    for name in fields:
+        if (raw := env.get(f"MOEBUS_{name.upper()}")) is not None:
+            values[name] = _from_env(raw)
+    for var, raw in env.items():
+        if var.startswith(prefix):
+            name = var[len(prefix) :].lower()
+            if name not in fields:
+                raise SettingsError(f"environment variable {var}: {cls.__name__} has no field {name!r}")
+            values[name] = _from_env(raw)
+
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        settings = msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as e:
+        raise SettingsError(f"{service} settings: {e}") from e
+    return _fill_defaults(settings)
+
+
+def _from_env(raw: str) -> Any:
+    """Environment values are strings; JSON lists/objects are parsed, the rest converted by msgspec."""
+    if raw[:1] in "[{":
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def _fill_defaults(settings: S) -> S:
+    if not settings.instance:
+        settings.instance = default_instance_id()
+    if not _NAME.match(settings.instance):
+        raise SettingsError(f"instance {settings.instance!r}: use 1-64 letters, digits, '-' or '_'")
+    if settings.model and not settings.model_name:
+        settings.model_name = Path(settings.model).resolve().name
+    return settings
