@@ -1,0 +1,402 @@
+"""Tokenizer of a Hugging Face checkpoint: `tokenizer.json` through the `tokenizers`
+library, the chat template from `tokenizer_config.json` (or `chat_template.jinja`)
+rendered with Jinja the way `transformers` renders it, and incremental detokenization
+for streaming.
+
+Rendering follows `transformers.utils.chat_template_utils` (v5): an
+``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks`` and the
+``loopcontrols`` extension; ``raise_exception``, ``strftime_now``, a ``tojson`` that
+does not HTML-escape, a restricted ``dict`` and ``namespace``; the named special
+tokens (``bos_token``, ``eos_token``, ...) passed as template variables; messages
+with their ``None`` fields dropped and reasoning aliased under ``reasoning_content``
+and ``thinking``. The tests compare the output with ``transformers`` itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HfTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+# The named special tokens transformers hands to a chat template (SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Names a message's reasoning may arrive under; templates read the first.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TokenizerError(Exception):
+    """Base class of tokenizer errors."""
+
+
+class TokenizerFilesError(TokenizerError):
+    """A tokenizer file is missing, unreadable or malformed; the message names it."""
+
+
+class InvalidPromptError(TokenizerError, ValueError):
+    """The caller's prompt or messages cannot be tokenized (maps to `invalid_request`)."""
+
+
+class EmptyPromptError(InvalidPromptError):
+    """An empty prompt text or an empty list of messages."""
+
+
+class ChatTemplateError(InvalidPromptError):
+    """The chat template is absent, fails to compile, or rejects the messages."""
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    text: str
+    id: int
+
+
+class Tokenizer:
+    """Encode/decode and chat templating for one checkpoint directory."""
+
+    def __init__(
+        self,
+        backend: HfTokenizer,
+        chat_template: str | dict[str, str] | None,
+        special_tokens: dict[str, SpecialToken],
+        source: str = "<memory>",
+    ) -> None:
+        self._backend = backend
+        self._chat_template = chat_template
+        self._compiled: dict[str, jinja2.Template] = {}
+        self.special_tokens = special_tokens
+        self.source = source
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tokenizer:
+        root = Path(directory)
+        if not root.is_dir():
+            raise TokenizerFilesError(f"tokenizer directory {root} does not exist")
+        tok_path = root / TOKENIZER_FILE
+        if not tok_path.is_file():
+            raise TokenizerFilesError(f"{tok_path} is missing (moebus reads the fast-tokenizer file)")
+        try:
+            backend = HfTokenizer.from_file(str(tok_path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+            raise TokenizerFilesError(f"{tok_path} is not a valid tokenizer file: {exc}") from exc
+
+        config = _read_json(root / TOKENIZER_CONFIG_FILE) if (root / TOKENIZER_CONFIG_FILE).is_file() else {}
+        template_path = root / CHAT_TEMPLATE_FILE
+        # transformers gives a standalone chat_template.jinja priority over the config entry
+        if template_path.is_file():
+            chat_template: str | dict[str, str] | None = template_path.read_text(encoding="utf-8")
+        else:
+            chat_template = _template_from_config(config.get("chat_template"), root / TOKENIZER_CONFIG_FILE)
+
+        special: dict[str, SpecialToken] = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            text = _token_content(config.get(name))
+            if text is None:
+                continue
+            token_id = backend.token_to_id(text)
+            if token_id is None:
+                raise TokenizerFilesError(
+                    f"{root / TOKENIZER_CONFIG_FILE}: {name} {text!r} is not in the vocabulary of {tok_path}"
+                )
+            special[name] = SpecialToken(text, token_id)
+        return cls(backend, chat_template, special, source=str(root))
+
+    # ------------------------------------------------------------------ vocabulary
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def _special_id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return token.id if token else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; an empty prompt is an `EmptyPromptError`.
+
+        ``add_special_tokens`` applies the tokenizer's post-processor (BOS etc.), as
+        ``tokenizer(text)`` does in transformers; text rendered by a chat template
+        already carries its special tokens, so encode it with ``False``.
+        """
+        if not isinstance(text, str):
+            raise InvalidPromptError(f"prompt must be a string, got {type(text).__name__}")
+        if not text:
+            raise EmptyPromptError("prompt is empty")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat template
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` to the prompt text the model expects.
+
+        ``enable_thinking=None`` leaves the variable undefined, so the template's
+        default applies; extra keyword arguments become template variables, as in
+        transformers.
+        """
+        if not messages:
+            raise EmptyPromptError("messages is empty")
+        template = self._template(tools)
+        chat = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise ChatTemplateError(f"messages[{index}] must be an object, got {type(message).__name__}")
+            plain = {key: _plain(value, f"messages[{index}].{key}") for key, value in message.items()}
+            chat.append(_alias_reasoning({key: value for key, value in plain.items() if value is not None}))
+        variables = {name: token.text for name, token in self.special_tokens.items()}
+        variables.update({key: _plain(value, key) for key, value in template_kwargs.items()})
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
+        try:
+            return template.render(
+                messages=chat,
+                tools=_plain(list(tools), "tools") if tools is not None else None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template of {self.source} rejected the messages: {exc}") from exc
+
+    def _template(self, tools: Sequence[Mapping[str, Any]] | None) -> jinja2.Template:
+        source = self._chat_template
+        if isinstance(source, dict):
+            # transformers' choice among named templates
+            name = "tool_use" if tools is not None and "tool_use" in source else "default"
+            if name not in source:
+                raise ChatTemplateError(
+                    f"{self.source} has several chat templates ({sorted(source)}) and none named 'default'"
+                )
+            source = source[name]
+        if source is None:
+            raise ChatTemplateError(f"{self.source} has no chat template")
+        if source not in self._compiled:
+            try:
+                self._compiled[source] = _jinja_env().from_string(source)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ChatTemplateError(f"chat template of {self.source} does not compile: {exc}") from exc
+        return self._compiled[source]
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces that never split a character.
+
+    Byte-level tokens can end inside a UTF-8 sequence (an emoji spans up to four
+    tokens). Decoding the ids since the last emitted boundary and holding back
+    while the result ends in U+FFFD keeps every emitted piece whole; once a piece
+    ends on a character boundary it is final, so the concatenation of ``add``
+    results followed by ``flush`` equals ``decode(all ids)``. The window starts at
+    the previous boundary (``prefix_offset``) rather than at the new ids, so
+    decoders that treat the first token specially (leading-space stripping) see
+    the same context as a full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # ids before this are emitted
+        self._emitted: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Append ids; returns the text they complete (possibly empty)."""
+        if isinstance(token_ids, int):
+            self.token_ids.append(token_ids)
+        else:
+            self.token_ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (U+FFFD included): the stream has ended."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read_offset == len(self.token_ids):
+            return ""
+        decode = self._tokenizer.decode
+        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset], self._skip_special)
+        window = decode(self.token_ids[self._prefix_offset :], self._skip_special)
+        if not final and window.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the ids that finish it
+        piece = window[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self._emitted.append(piece)
+        return piece
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerFilesError(f"{path} is not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerFilesError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _template_from_config(entry: Any, path: Path) -> str | dict[str, str] | None:
+    """``chat_template`` of tokenizer_config.json: a string, or a list of named templates."""
+    if entry is None or isinstance(entry, str):
+        return entry
+    if isinstance(entry, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in entry):
+        return {t["name"]: t["template"] for t in entry}
+    raise TokenizerFilesError(f"{path}: chat_template must be a string or a list of {{name, template}} objects")
+
+
+def _token_content(entry: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
+    if isinstance(entry, dict):
+        return entry.get("content")
+    return entry if isinstance(entry, str) else None
+
+
+def _plain(value: Any, where: str) -> Any:
+    """JSON-like data only: the template sees nothing with methods it could abuse."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    # subclasses (enums, numpy scalars...) carry extra methods: back to the base type
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    raise ChatTemplateError(f"{where}: {type(value).__name__} is not JSON data")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes (<, >, &, '), which would change the prompt
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """``dict(...)`` for templates without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """Jinja's namespace, refusing underscore attributes (a path to CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training
+    masks in transformers; for inference it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
