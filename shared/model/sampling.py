@@ -1,0 +1,166 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Reproducibility: a request with a seed owns a `torch.Generator`, and its row is
+drawn only from that generator, with a draw whose size does not depend on the
+batch (one exponential variate per vocabulary entry, then ``argmax(p / q)``,
+which picks token ``i`` with probability ``p_i``). The same seed therefore yields
+the same tokens whatever else shares the batch — on the same device type, since
+CPU and CUDA generators produce different streams.
+
+Order of the filters, as in transformers and vLLM: temperature, then top-k, then
+top-p over the distribution top-k left. Logprobs are those of the raw logits
+(``log_softmax`` before temperature and filtering), as vLLM and the OpenAI API
+report them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MAX_SEED = 2**64 - 1
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter outside its domain; the message names the field."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens; 0 disables.
+    top_p: keep the smallest set of most likely tokens whose probability reaches
+        top_p; 1 disables.
+    seed: makes the request's samples reproducible; None draws from a shared stream.
+    logprobs: report the log-probability of each chosen token.
+    max_tokens: the most tokens to generate.
+    stop_token_ids: ids that end generation (besides EOS, which the caller adds).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise InvalidSamplingParams(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidSamplingParams(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidSamplingParams(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
+            raise InvalidSamplingParams(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidSamplingParams(f"logprobs must be a boolean, got {self.logprobs!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidSamplingParams(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        stop = self.stop_token_ids
+        if not isinstance(stop, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in stop):
+            raise InvalidSamplingParams(f"stop_token_ids must be non-negative integers, got {stop!r}")
+        # frozen: normalise a list to a tuple so the params stay hashable
+        object.__setattr__(self, "stop_token_ids", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The request's own generator (None without a seed)."""
+        return None if self.seed is None else make_generator(self.seed, device)
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Picks one token per row of a logits batch.
+
+    ``default_generator`` serves the rows without a generator of their own (None:
+    torch's global stream).
+    """
+
+    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+        self._default_generator = default_generator
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids ``[B]`` (int64) and, if any row asked, their logprobs ``[B]`` (fp32)."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch, _ = logits.shape
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(
+                f"{batch} logits rows but {len(params)} sampling params and {len(generators)} generators"
+            )
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            probs = self._filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+            noise = self._exponential_noise(probs, [generators[i] for i in sampled_rows])
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        logprobs = None
+        if any(p.logprobs for p in params):
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logprobs
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Probabilities after temperature, top-k and top-p (masked tokens get 0)."""
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        scaled = logits / temperature[:, None]
+        if all(p.top_k == 0 and p.top_p == 1 for p in params):
+            return torch.softmax(scaled, dim=-1)
+        vocab = scaled.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([float(p.top_p) for p in params], device=device)
+        # Work in descending order: both filters keep a prefix of the sorted row.
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], -math.inf)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the
+        # first token always stays (its exclusive sum is 0).
+        mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_above >= top_p[:, None], -math.inf)
+        filtered = torch.full_like(scaled, -math.inf).scatter(-1, order, sorted_logits)
+        return torch.softmax(filtered, dim=-1)
+
+    def _exponential_noise(
+        self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        """One Exp(1) variate per (row, token), each seeded row from its own generator."""
+        noise = torch.empty_like(probs)
+        shared_rows = [i for i, g in enumerate(generators) if g is None]
+        if shared_rows:
+            draw = torch.empty(len(shared_rows), probs.shape[-1], device=probs.device)
+            noise[shared_rows] = draw.exponential_(generator=self._default_generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        # An exact zero would turn p/q into inf (or nan for a masked token).
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

@@ -1,0 +1,154 @@
+"""Sampler: greedy, seeded reproducibility, top-k / top-p masks, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.model.sampling import InvalidSamplingParams, Sampler, SamplingParams, make_generator
+
+VOCAB = 97
+
+
+def _random_logits(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=make_generator(seed)) * 3
+
+
+def test_greedy_is_argmax_and_ignores_generators() -> None:
+    logits = _random_logits(6)
+    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=i) for i in range(6)]
+    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params])
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens.dtype == torch.int64
+    assert logprobs is None
+
+
+def _draw_sequence(params: SamplingParams, position: int, others: list[SamplingParams], steps: int) -> list[int]:
+    """Tokens of the request `params` over `steps` steps, sitting at row `position`
+    of a batch whose other rows are `others` (their logits differ every step)."""
+    sampler = Sampler(default_generator=make_generator(12345 + position))
+    batch = others[:position] + [params] + others[position:]
+    generators = [p.generator() for p in batch]
+    out = []
+    for step in range(steps):
+        logits = _random_logits(len(batch), seed=1000 + step + 7 * position)
+        # the row of our request always sees the same logits at a given step
+        logits[position] = _random_logits(1, seed=step)[0]
+        tokens, _ = sampler.sample(logits, batch, generators)
+        out.append(int(tokens[position]))
+    return out
+
+
+def test_seeded_sampling_is_independent_of_batch_composition() -> None:
+    request = SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=2024)
+    alone = _draw_sequence(request, 0, [], steps=24)
+    crowded = [
+        SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_p=0.5),  # unseeded: shared stream
+    ]
+    assert _draw_sequence(request, 2, crowded, steps=24) == alone
+    assert _draw_sequence(request, 3, crowded, steps=24) == alone
+    other_seed = SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=2025)
+    # a different seed must give a different stream (proves the seed is used)
+    assert _draw_sequence(other_seed, 0, [], steps=24) != alone
+    # and the draws are really random, not a greedy walk
+    assert len(set(alone)) > 8
+
+
+def _frequencies(logits_row: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    batch = [params] * draws
+    generators = [make_generator(seed) for seed in range(draws)]
+    tokens, _ = Sampler().sample(logits_row.expand(draws, -1).clone(), batch, generators)
+    return torch.bincount(tokens, minlength=logits_row.numel()).double() / draws
+
+
+def _assert_matches(freq: torch.Tensor, expected: torch.Tensor, draws: int) -> None:
+    # tokens with probability 0 must never appear; the rest within 5 binomial sigmas
+    assert torch.all(freq[expected == 0] == 0), f"masked token drawn: {freq}"
+    sigma = torch.sqrt(expected * (1 - expected) / draws)
+    assert torch.all((freq - expected).abs() <= 5 * sigma + 1e-12), f"{freq} vs {expected}"
+
+
+DRAWS = 6000
+PROBS = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.15])
+
+
+def test_plain_temperature_sampling_matches_softmax() -> None:
+    logits = PROBS.log() * 2.0  # temperature 2 undoes the factor
+    _assert_matches(_frequencies(logits, SamplingParams(temperature=2.0), DRAWS), PROBS, DRAWS)
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_renormalised() -> None:
+    freq = _frequencies(PROBS.log(), SamplingParams(top_k=3), DRAWS)
+    expected = torch.tensor([0.0, 0.40, 0.0, 0.30, 0.15]) / 0.85
+    _assert_matches(freq, expected, DRAWS)
+
+
+def test_top_p_keeps_smallest_set_reaching_p() -> None:
+    # sorted: 0.40, 0.30, 0.15 (cum 0.85 >= 0.8) -> the 0.10 and 0.05 tokens go
+    freq = _frequencies(PROBS.log(), SamplingParams(top_p=0.8), DRAWS)
+    _assert_matches(freq, torch.tensor([0.0, 0.40, 0.0, 0.30, 0.15]) / 0.85, DRAWS)
+    # a small top_p leaves only the most likely token
+    freq = _frequencies(PROBS.log(), SamplingParams(top_p=0.1), 200)
+    assert freq[1] == 1.0
+
+
+def test_top_p_applies_to_the_distribution_left_by_top_k() -> None:
+    # top_k=2 leaves {0.40, 0.30} -> renormalised 0.571, 0.429; top_p=0.5 keeps only the first
+    freq = _frequencies(PROBS.log(), SamplingParams(top_k=2, top_p=0.5), 300)
+    assert freq[1] == 1.0
+    # top_p=0.6 needs both
+    freq = _frequencies(PROBS.log(), SamplingParams(top_k=2, top_p=0.6), DRAWS)
+    _assert_matches(freq, torch.tensor([0.0, 0.40, 0.0, 0.30, 0.0]) / 0.70, DRAWS)
+
+
+def test_logprobs_are_log_softmax_of_raw_logits() -> None:
+    logits = _random_logits(5)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True),
+        SamplingParams(temperature=0.5, top_k=3, logprobs=True, seed=1),
+        SamplingParams(temperature=1.5, top_p=0.3, logprobs=True, seed=2),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=1.0, logprobs=True),
+    ]
+    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params])
+    assert logprobs is not None and logprobs.dtype == torch.float32
+    expected = torch.log_softmax(logits.double(), dim=-1)[torch.arange(5), tokens]
+    torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=1e-5)
+    assert torch.all(logprobs <= 0)
+
+
+def test_sampler_rejects_mismatched_batch() -> None:
+    with pytest.raises(ValueError, match="2 logits rows"):
+        Sampler().sample(_random_logits(2), [SamplingParams()], [None])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -0.2),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("seed", -3),
+        ("seed", 2**64),
+        ("max_tokens", 0),
+        ("logprobs", 1),
+        ("stop_token_ids", (1, -2)),
+    ],
+)
+def test_invalid_params_raise_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(InvalidSamplingParams, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_valid_edge_params_are_accepted() -> None:
+    params = SamplingParams(temperature=0, top_p=1, top_k=0, seed=2**64 - 1, stop_token_ids=[1, 2])
+    assert params.greedy and params.stop_token_ids == (1, 2)
