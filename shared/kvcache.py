@@ -129,3 +129,15 @@ class PagedKVCache:
         H, D = self.layout.kv_heads, self.layout.head_dim
         kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, H, n_pages * ps, D)[:, :, :length]
         return kv[0], kv[1]
+
+    def gather(self, layer: int, page_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a batch of sequences, each ``[B, kv_heads, P * page_size, head_dim]``.
+
+        ``page_tables`` is ``[B, P]``: each row a sequence's pages, padded with any valid
+        page id; the caller masks positions past each sequence's length.
+        """
+        blocks = self.pools[layer][page_tables]  # [B, P, 2, H, ps, D]
+        b, p = page_tables.shape
+        H, ps, D = self.layout.kv_heads, self.layout.page_size, self.layout.head_dim
+        kv = blocks.permute(2, 0, 3, 1, 4, 5).reshape(2, b, H, p * ps, D)
+        return kv[0], kv[1]

@@ -1,0 +1,139 @@
+"""The model's operators as small, separate torch reference functions.
+
+Each function is one op a GPU kernel will replace (``kernels/`` picks the
+implementation by device later): RMSNorm, RoPE, linear (plain or FP8
+block-scaled), paged attention, router top-k, MoE experts, dense SwiGLU MLP.
+Numerics follow transformers' Qwen3-MoE code, so that fp32 results agree with it
+to rounding: norms in fp32 and cast back before the weight, softmax in fp32,
+router probabilities in fp32 then cast to the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.kvcache import PagedKVCache
+from shared.model.quant_formats import BlockFp8Weight
+from shared.model.weights import Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; computed in fp32, cast back, then scaled (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, head_dim]`` for the default (unscaled) RoPE at integer positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, D]`` by the per-token angles (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
+    """``x @ w.T``; an FP8 block-scaled weight is dequantized first (the CPU reference path)."""
+    if isinstance(w, BlockFp8Weight):
+        w = w.dequantize(x.dtype)
+    return F.linear(x, w)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a batch's tokens sit: per-sequence query spans, cache lengths and page tables.
+
+    Sequences are padded to ``max_q`` queries and ``num_pages * page_size`` keys so the
+    reference attention is a handful of batched matmuls.
+    """
+
+    page_tables: torch.Tensor  # [B, P] page ids, padded with a valid id
+    context_lens: torch.Tensor  # [B] tokens in the cache after this step (keys visible to the last query)
+    query_lens: torch.Tensor  # [B]
+    token_seq: torch.Tensor  # [T] sequence of each flat token
+    token_idx: torch.Tensor  # [T] index of each flat token inside its sequence's queries
+    max_q: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal GQA attention of ``q [T, Hq, D]`` against the paged K/V: ``[T, Hq, D]``.
+
+    A query at index ``i`` of a sequence with ``n`` new tokens and ``L`` cached tokens
+    in total sits at position ``L - n + i`` and sees keys ``0 .. L - n + i``.
+    """
+    t, hq, d = q.shape
+    if meta.num_seqs == 0:
+        return q.new_zeros((t, hq, d))
+    k, v = cache.gather(layer, meta.page_tables)  # [B, Hkv, Lmax, D]
+    b, hkv, lmax, _ = k.shape
+    group = hq // hkv
+    qp = q.new_zeros((b, meta.max_q, hq, d))
+    qp[meta.token_seq, meta.token_idx] = q
+    qp = qp.view(b, meta.max_q, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qmax, D]
+    scores = torch.matmul(qp, k.to(q.dtype)[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, g, Qmax, Lmax]
+    query_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_q, device=q.device)[None, :]
+    key_pos = torch.arange(lmax, device=q.device)
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Qmax, Lmax]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v.to(q.dtype)[:, :, None])  # [B, Hkv, g, Qmax, D]
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, meta.max_q, hq, d)
+    return out[meta.token_seq, meta.token_idx]
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router: ``(weights [T, k] in x.dtype, expert ids [T, k])``."""
+    logits = F.linear(x, router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+def _expert(w: Linear, e: int) -> Linear:
+    if isinstance(w, BlockFp8Weight):
+        return BlockFp8Weight(w.weight[e], w.scale_inv[e], w.block)
+    return w[e]
+
+
+def moe_experts(x: torch.Tensor, w13: Linear, w2: Linear, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_start: int) -> torch.Tensor:
+    """Weighted sum of this rank's experts ``[expert_start, expert_start + E_local)`` per token.
+
+    Routing entries that name another rank's expert contribute nothing here; their
+    owner adds them (all-reduce in prefill, combine in decode).
+    """
+    out = torch.zeros_like(x)
+    local = topk_ids - expert_start
+    hit = (local >= 0) & (local < w13.shape[0])
+    for e in torch.unique(local[hit]).tolist():
+        token, slot = torch.where(local == e)
+        h = swiglu(linear(x[token], _expert(w13, e)))
+        y = linear(h, _expert(w2, e)) * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for the fused ``[..., 2I]`` projection (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def dense_mlp(x: torch.Tensor, w13: Linear, w2: Linear) -> torch.Tensor:
+    """SwiGLU MLP with the fused gate/up weight ``[2I, H]`` and down weight ``[H, I]``."""
+    return linear(swiglu(linear(x, w13)), w2)

@@ -1,0 +1,155 @@
+"""Qwen3-MoE (and dense Qwen3) forward over a batch of sequences with a paged KV cache.
+
+One call handles any mix of prefill chunks (many new tokens per sequence, causal)
+and decode steps (one or more new tokens per sequence): tokens of all sequences
+are flattened into one ``[T]`` batch, each layer writes the new K/V into the
+sequences' pages and attends over everything cached so far.
+
+Communication goes through `shared.parallel.Collectives`: an all-reduce after
+``o_proj`` and after dense MLPs under TP, and for MoE layers either a local
+combine + all-reduce (prefill layout, inputs replicated) or an all-to-all
+dispatch/combine (decode layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.kvcache import PagedKVCache
+from shared.model import layers as ops
+from shared.model.config import ModelConfig
+from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, load_weights
+from shared.parallel import Collectives, LocalCollectives, Topology
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """New tokens of one sequence for this forward: they sit at positions ``start ..``."""
+
+    token_ids: Sequence[int]
+    start: int  # tokens of this sequence already in the cache
+    page_table: Sequence[int]  # must cover start + len(token_ids) tokens
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_pages: torch.Tensor  # [T] page each new token's K/V goes to
+    slot_offsets: torch.Tensor  # [T]
+    last_token: torch.Tensor  # [B] flat index of each sequence's last new token
+    attn: ops.AttentionMetadata
+
+    @classmethod
+    def build(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> ForwardBatch:
+        tokens, positions, pages, offsets, seq_of, idx_in_seq, last = [], [], [], [], [], [], []
+        max_pages = 1
+        for b, c in enumerate(chunks):
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError(f"sequence {b} of the batch has no new tokens")
+            end = c.start + n
+            needed = -(-end // page_size)
+            if len(c.page_table) < needed:
+                raise ValueError(f"sequence {b}: page table has {len(c.page_table)} pages, {needed} needed for {end} tokens")
+            max_pages = max(max_pages, needed)
+            pos = range(c.start, end)
+            tokens.extend(c.token_ids)
+            positions.extend(pos)
+            pages.extend(c.page_table[p // page_size] for p in pos)
+            offsets.extend(p % page_size for p in pos)
+            seq_of.extend([b] * n)
+            idx_in_seq.extend(range(n))
+            last.append(len(tokens) - 1)
+        tables = [list(c.page_table[:max_pages]) + [c.page_table[0]] * (max_pages - min(max_pages, len(c.page_table))) for c in chunks]
+
+        def t(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        query_lens = [len(c.token_ids) for c in chunks]
+        return cls(
+            token_ids=t(tokens),
+            positions=t(positions),
+            slot_pages=t(pages),
+            slot_offsets=t(offsets),
+            last_token=t(last),
+            attn=ops.AttentionMetadata(
+                page_tables=t(tables) if chunks else t([]).view(0, 1),
+                context_lens=t([c.start + len(c.token_ids) for c in chunks]),
+                query_lens=t(query_lens),
+                token_seq=t(seq_of),
+                token_idx=t(idx_in_seq),
+                max_q=max(query_lens, default=0),
+            ),
+        )
+
+
+LayerCallback = Callable[[int], None]
+
+
+class Qwen3Model:
+    """One rank's shard of the model: weights plus the forward pass."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, topology: Topology = Topology.single(), comm: Collectives | None = None) -> None:
+        self.config, self.weights, self.topology = config, weights, topology
+        self.comm = comm if comm is not None else LocalCollectives()
+        shard = topology.shard()
+        self.heads = HeadSplit.for_rank(config, shard)
+        self.experts_per_rank = config.num_experts // shard.ep_size if config.is_moe else 0
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+
+    @classmethod
+    def load(cls, model_dir: str | Path, topology: Topology = Topology.single(), comm: Collectives | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Qwen3Model:
+        config = ModelConfig.from_dir(model_dir)
+        weights = load_weights(model_dir, config, topology.shard(), dtype, device)
+        return cls(config, weights, topology, comm)
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.heads.num_kv
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, on_layer_done: LayerCallback | None = None, all_logits: bool = False) -> torch.Tensor:
+        """Logits ``[B, V]`` at each sequence's last new token (``[T, V]`` with ``all_logits``)."""
+        c = self.config
+        h = F.embedding(batch.token_ids, self.weights.embed)
+        cos, sin = ops.rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, self.dtype)
+        for i, layer in enumerate(self.weights.layers):
+            h = h + self._attention(i, layer.attn, ops.rms_norm(h, layer.input_norm, c.rms_norm_eps), batch, cache, cos, sin)
+            h = h + self._mlp(layer, ops.rms_norm(h, layer.post_attention_norm, c.rms_norm_eps))
+            if on_layer_done is not None:
+                on_layer_done(i)
+        if not all_logits:
+            h = h[batch.last_token]
+        return F.linear(ops.rms_norm(h, self.weights.final_norm, c.rms_norm_eps), self.weights.lm_head)
+
+    def _attention(self, layer_idx: int, w: AttentionWeights, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, t, d = self.config, x.shape[0], self.config.head_dim
+        q = ops.rms_norm(ops.linear(x, w.q_proj).view(t, self.heads.num_q, d), w.q_norm, c.rms_norm_eps)
+        k = ops.rms_norm(ops.linear(x, w.k_proj).view(t, self.heads.num_kv, d), w.k_norm, c.rms_norm_eps)
+        v = ops.linear(x, w.v_proj).view(t, self.heads.num_kv, d)
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        cache.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
+        o = ops.paged_attention(q, cache, layer_idx, batch.attn, d**-0.5)
+        out = ops.linear(o.reshape(t, self.heads.num_q * d), w.o_proj)
+        return self.comm.all_reduce(out) if self.topology.tp_size > 1 else out
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        w = layer.mlp
+        if not isinstance(w, MoEWeights):
+            out = ops.dense_mlp(x, w.w13, w.w2)
+            return self.comm.all_reduce(out) if self.topology.tp_size > 1 else out
+        weights, ids = ops.route(x, w.router, self.config.top_k, self.config.norm_topk_prob)
+        if self.topology.ep_size == 1:
+            return ops.moe_experts(x, w.w13, w.w2, ids, weights, w.expert_start)
+        if self.topology.inputs_replicated:
+            return self.comm.all_reduce(ops.moe_experts(x, w.w13, w.w2, ids, weights, w.expert_start))
+        sent = self.comm.ep_dispatch(x, ids, weights, self.experts_per_rank)
+        y = ops.moe_experts(sent.x, w.w13, w.w2, sent.topk_ids, sent.topk_weights, w.expert_start)
+        return self.comm.ep_combine(y, sent)

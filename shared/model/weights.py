@@ -1,0 +1,302 @@
+"""Loading a Hugging Face safetensors checkpoint, each rank reading only its slice.
+
+Files are memory-mapped (``safe_open``) and every tensor is read through
+``get_slice``, so a rank touches only the bytes of its shard:
+
+* TP (prefill layout) splits ``q_proj``/``o_proj`` by attention head and
+  ``k_proj``/``v_proj`` by KV head; when TP exceeds the KV heads, rank ``r``
+  holds KV head ``r * num_kv_heads // tp`` (each head replicated on
+  ``tp / num_kv_heads`` ranks). Dense MLPs split their intermediate dimension.
+* EP gives each rank a contiguous expert range, fused at load into
+  ``w13 [E_local, 2I, H]`` (gate rows then up rows) and ``w2 [E_local, H, I]``.
+* FP8 checkpoints keep E4M3 weights and their ``weight_scale_inv`` blocks as a
+  `BlockFp8Weight`; a TP split must fall on block boundaries.
+
+Router, norms, embeddings and ``lm_head`` are replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.model.config import ModelConfig
+from shared.model.errors import CheckpointError, MissingTensor, ShapeMismatch, ShardingError
+from shared.model.quant_formats import BlockFp8Weight
+from shared.parallel import ShardSpec
+
+Linear = torch.Tensor | BlockFp8Weight  # a [N, K] (or [E, N, K]) weight, plain or FP8 block-scaled
+
+
+@dataclass
+class AttentionWeights:
+    q_proj: Linear  # [local_heads * D, H]
+    k_proj: Linear  # [local_kv_heads * D, H]
+    v_proj: Linear
+    o_proj: Linear  # [H, local_heads * D]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor
+
+
+@dataclass
+class MoEWeights:
+    router: torch.Tensor  # [E, H], all experts (routing is computed everywhere)
+    w13: Linear  # [E_local, 2I, H]
+    w2: Linear  # [E_local, H, I]
+    expert_start: int  # global id of local expert 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w13.shape[0]
+
+
+@dataclass
+class DenseMLPWeights:
+    w13: Linear  # [2 * I_local, H]
+    w2: Linear  # [H, I_local]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    attn: AttentionWeights
+    mlp: MoEWeights | DenseMLPWeights
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Attention heads a TP rank owns: q heads ``[q_start, q_start+num_q)``, KV likewise."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+    @classmethod
+    def for_rank(cls, config: ModelConfig, shard: ShardSpec) -> HeadSplit:
+        q, kv, tp, r = config.num_heads, config.num_kv_heads, shard.tp_size, shard.tp_rank
+        if q % tp:
+            raise ShardingError(f"num_attention_heads={q} is not divisible by TP={tp}")
+        if tp <= kv:
+            if kv % tp:
+                raise ShardingError(f"num_key_value_heads={kv} is not divisible by TP={tp}")
+            return cls(r * q // tp, q // tp, r * kv // tp, kv // tp)
+        if tp % kv:
+            raise ShardingError(f"TP={tp} exceeds num_key_value_heads={kv} but is not a multiple of it")
+        return cls(r * q // tp, q // tp, r * kv // tp, 1)
+
+
+def expert_range(config: ModelConfig, shard: ShardSpec) -> tuple[int, int]:
+    """``[start, stop)`` of the experts rank ``shard.ep_rank`` owns."""
+    e, ep = config.num_experts, shard.ep_size
+    if e % ep:
+        raise ShardingError(f"num_experts={e} is not divisible by EP={ep}")
+    per = e // ep
+    return shard.ep_rank * per, (shard.ep_rank + 1) * per
+
+
+class SafetensorsCheckpoint:
+    """Tensor-level, memory-mapped access to ``model.safetensors`` or a sharded index."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        self._handles: dict[str, object] = {}
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"cannot read the weight_map of the index: {e}", file=str(index)) from None
+            self._file_of: dict[str, str] = dict(weight_map)
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if len(files) != 1:
+                raise CheckpointError(
+                    f"expected model.safetensors.index.json or exactly one *.safetensors file, found {len(files)}",
+                    file=str(self.dir),
+                )
+            self._file_of = {name: files[0].name for name in self._open(files[0].name).keys()}
+
+    def _open(self, file: str):
+        handle = self._handles.get(file)
+        if handle is None:
+            path = self.dir / file
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for corrupt headers
+                raise CheckpointError(f"cannot open safetensors file: {e}", file=str(path)) from None
+            self._handles[file] = handle
+        return handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _slice(self, name: str):
+        if name not in self._file_of:
+            raise MissingTensor("tensor not found in checkpoint", file=str(self.dir), tensor=name)
+        file = self._file_of[name]
+        try:
+            return self._open(file).get_slice(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise MissingTensor(f"listed in the index but not readable: {e}", file=str(self.dir / file), tensor=name) from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, expected_shape: tuple[int, ...], rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        """Read ``name[rows, cols]`` (the dims a 1-D tensor lacks are ignored) after checking its full shape."""
+        sl = self._slice(name)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(expected_shape):
+            raise ShapeMismatch(
+                f"shape {list(shape)} does not match {list(expected_shape)} implied by config.json",
+                file=str(self.dir / self._file_of[name]),
+                tensor=name,
+            )
+        try:
+            if len(shape) == 1:
+                return sl[rows]
+            return sl[rows, cols]
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor data: {e}", file=str(self.dir / self._file_of[name]), tensor=name) from None
+
+
+class WeightLoader:
+    """Reads one rank's `ModelWeights` from a checkpoint for a given `ShardSpec`."""
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig, shard: ShardSpec, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.ckpt = SafetensorsCheckpoint(model_dir)
+        self.config, self.shard, self.dtype, self.device = config, shard, dtype, torch.device(device)
+        self.heads = HeadSplit.for_rank(config, shard)
+        self.block = config.quantization.block if config.quantization else None
+
+    def load(self) -> ModelWeights:
+        c = self.config
+        embed = self._dense("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        if c.tie_word_embeddings:
+            lm_head = embed
+        else:
+            lm_head = self._dense("lm_head.weight", (c.vocab_size, c.hidden_size))
+        layers = [self._layer(i) for i in range(c.num_layers)]
+        return ModelWeights(embed, layers, self._dense("model.norm.weight", (c.hidden_size,)), lm_head)
+
+    # ------------------------------------------------------------------ layers
+
+    def _layer(self, i: int) -> LayerWeights:
+        p, h = f"model.layers.{i}.", self.config.hidden_size
+        mlp = self._moe(p + "mlp.") if self.config.moe_layers[i] else self._dense_mlp(p + "mlp.")
+        return LayerWeights(
+            input_norm=self._dense(p + "input_layernorm.weight", (h,)),
+            post_attention_norm=self._dense(p + "post_attention_layernorm.weight", (h,)),
+            attn=self._attention(p + "self_attn."),
+            mlp=mlp,
+        )
+
+    def _attention(self, p: str) -> AttentionWeights:
+        c, hs, d = self.config, self.heads, self.config.head_dim
+        q_rows = slice(hs.q_start * d, (hs.q_start + hs.num_q) * d)
+        kv_rows = slice(hs.kv_start * d, (hs.kv_start + hs.num_kv) * d)
+        q_shape, kv_shape = (c.num_heads * d, c.hidden_size), (c.num_kv_heads * d, c.hidden_size)
+        return AttentionWeights(
+            q_proj=self._linear(p + "q_proj.weight", q_shape, rows=q_rows),
+            k_proj=self._linear(p + "k_proj.weight", kv_shape, rows=kv_rows),
+            v_proj=self._linear(p + "v_proj.weight", kv_shape, rows=kv_rows),
+            o_proj=self._linear(p + "o_proj.weight", (c.hidden_size, c.num_heads * d), cols=q_rows),
+            q_norm=self._dense(p + "q_norm.weight", (d,)),
+            k_norm=self._dense(p + "k_norm.weight", (d,)),
+        )
+
+    def _dense_mlp(self, p: str) -> DenseMLPWeights:
+        c, tp, r = self.config, self.shard.tp_size, self.shard.tp_rank
+        inter = c.intermediate_size
+        if inter % tp:
+            raise ShardingError(f"intermediate_size={inter} is not divisible by TP={tp}")
+        part = slice(r * inter // tp, (r + 1) * inter // tp)
+        gate = self._linear(p + "gate_proj.weight", (inter, c.hidden_size), rows=part)
+        up = self._linear(p + "up_proj.weight", (inter, c.hidden_size), rows=part)
+        down = self._linear(p + "down_proj.weight", (c.hidden_size, inter), cols=part)
+        return DenseMLPWeights(w13=_concat([gate, up], dim=0, what=p + "{gate,up}_proj"), w2=down)
+
+    def _moe(self, p: str) -> MoEWeights:
+        c = self.config
+        start, stop = expert_range(c, self.shard)
+        i, h = c.moe_intermediate_size, c.hidden_size
+        w13, w2 = [], []
+        for e in range(start, stop):
+            ep = f"{p}experts.{e}."
+            gate = self._linear(ep + "gate_proj.weight", (i, h))
+            up = self._linear(ep + "up_proj.weight", (i, h))
+            w13.append(_concat([gate, up], dim=0, what=ep + "{gate,up}_proj"))
+            w2.append(self._linear(ep + "down_proj.weight", (h, i)))
+        return MoEWeights(
+            router=self._dense(p + "gate.weight", (c.num_experts, h)),
+            w13=_stack(w13),
+            w2=_stack(w2),
+            expert_start=start,
+        )
+
+    # ------------------------------------------------------------------ tensors
+
+    def _dense(self, name: str, shape: tuple[int, ...], rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        return self.ckpt.read(name, shape, rows, cols).to(device=self.device, dtype=self.dtype)
+
+    def _linear(self, name: str, shape: tuple[int, int], rows: slice = slice(None), cols: slice = slice(None)) -> Linear:
+        """A projection weight: plain, or E4M3 + block scales when the checkpoint has ``weight_scale_inv``."""
+        scale_name = name + "_scale_inv"
+        if self.block is None or scale_name not in self.ckpt:
+            return self._dense(name, shape, rows, cols)
+        bn, bk = self.block
+        srows, scols = _block_slice(rows, shape[0], bn, name, "rows"), _block_slice(cols, shape[1], bk, name, "columns")
+        weight = self.ckpt.read(name, shape, rows, cols)
+        if weight.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"has weight_scale_inv but dtype {weight.dtype}, expected float8_e4m3fn", file=str(self.ckpt.dir), tensor=name)
+        scale_shape = (-(-shape[0] // bn), -(-shape[1] // bk))
+        scale = self.ckpt.read(scale_name, scale_shape, srows, scols).float()
+        return BlockFp8Weight(weight.to(self.device), scale.to(self.device), (bn, bk))
+
+
+def _block_slice(part: slice, size: int, block: int, name: str, what: str) -> slice:
+    """The scale-block range covering ``part`` of a dimension; ``part`` must start and end on block edges."""
+    start, stop = part.start or 0, size if part.stop is None else part.stop
+    if start % block or (stop % block and stop != size):
+        raise ShardingError(
+            f"{name}: the shard's {what} [{start}, {stop}) do not fall on FP8 {block}-blocks; "
+            "choose a TP size that splits heads/intermediate on block boundaries"
+        )
+    return slice(start // block, -(-stop // block))
+
+
+def _concat(parts: list[Linear], dim: int, what: str) -> Linear:
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim=dim)
+    block = parts[0].block
+    for p in parts:
+        if p.weight.shape[dim] % block[dim]:
+            raise ShardingError(f"{what}: cannot fuse FP8 weights whose size {p.weight.shape[dim]} is not a multiple of the {block[dim]}-block")
+    return BlockFp8Weight(torch.cat([p.weight for p in parts], dim), torch.cat([p.scale_inv for p in parts], dim), block)
+
+
+def _stack(parts: list[Linear]) -> Linear:
+    if isinstance(parts[0], torch.Tensor):
+        return torch.stack(parts)
+    return BlockFp8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale_inv for p in parts]), parts[0].block)
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig, shard: ShardSpec = ShardSpec(), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ModelWeights:
+    """One rank's weights; see the module docstring for how each tensor is split."""
+    return WeightLoader(model_dir, config, shard, dtype, device).load()
