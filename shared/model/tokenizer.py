@@ -228,9 +228,10 @@ class IncrementalDetokenizer:
 
     Byte-level tokens can end inside a UTF-8 sequence (an emoji spans up to four
     tokens). Decoding the ids since the last emitted boundary and holding back
-    while the result ends in U+FFFD keeps every emitted piece whole; once a piece
-    ends on a character boundary it is final, so the concatenation of ``add``
-    results followed by ``flush`` equals ``decode(all ids)``. The window starts at
+    the trailing ids while the result ends in U+FFFD keeps every emitted piece
+    whole; once a piece ends on a character boundary it is final, so the
+    concatenation of ``add`` results followed by ``flush`` equals
+    ``decode(all ids)``. The window starts at
     the previous boundary (``prefix_offset``) rather than at the new ids, so
     decoders that treat the first token specially (leading-space stripping) see
     the same context as a full decode.
@@ -262,16 +263,19 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        if self._read_offset == len(self.token_ids):
+        decode, ids = self._tokenizer.decode, self.token_ids
+        end = len(ids)
+        window = decode(ids[self._prefix_offset : end], self._skip_special)
+        # Back off over ids that end inside a UTF-8 sequence until the text is
+        # whole (several ids can arrive at once, e.g. from speculative decoding).
+        while not final and end > self._read_offset and window.endswith("\ufffd"):
+            end -= 1
+            window = decode(ids[self._prefix_offset : end], self._skip_special)
+        if end == self._read_offset:
             return ""
-        decode = self._tokenizer.decode
-        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset], self._skip_special)
-        window = decode(self.token_ids[self._prefix_offset :], self._skip_special)
-        if not final and window.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the ids that finish it
+        prefix = decode(ids[self._prefix_offset : self._read_offset], self._skip_special)
         piece = window[len(prefix) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
+        self._prefix_offset, self._read_offset = self._read_offset, end
         self._emitted.append(piece)
         return piece
 
