@@ -1,0 +1,51 @@
+"""Transfer metrics: exact bytes and wall time per transfer, failures by cause."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished transfer as seen by one side (a sender's shard, or a receiver's request)."""
+
+    request_id: str
+    nbytes: int
+    wall_s: float  # first byte posted/announced -> last chunk landed (scattered, on the receiver)
+    chunks: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class TransferMetrics:
+    """Counters one side exports in its heartbeat (``snapshot()``)."""
+
+    completed: int = 0
+    bytes_total: int = 0
+    seconds_total: float = 0.0
+    failures: Counter[str] = field(default_factory=Counter)
+    recent: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=64))
+
+    def record_ok(self, record: TransferRecord) -> None:
+        self.completed += 1
+        self.bytes_total += record.nbytes
+        self.seconds_total += record.wall_s
+        self.recent.append(record)
+
+    def record_failure(self, cause: str) -> None:
+        self.failures[cause] += 1
+
+    def snapshot(self) -> dict[str, object]:
+        """Plain dict for heartbeats/logs: totals, mean GB/s, failures by cause, the last transfer."""
+        return {
+            "completed": self.completed,
+            "bytes_total": self.bytes_total,
+            "seconds_total": self.seconds_total,
+            "mean_gbps": self.bytes_total / self.seconds_total / 1e9 if self.seconds_total > 0 else 0.0,
+            "failures": dict(self.failures),
+            "last": asdict(self.recent[-1]) | {"gbps": self.recent[-1].gbps} if self.recent else None,
+        }

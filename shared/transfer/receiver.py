@@ -1,0 +1,295 @@
+"""Decode side: reserve pages for a request, receive its KV shards, say when all landed.
+
+Lifecycle of one reservation (keyed by request id)::
+
+    reserve() -> RECEIVING --all (layer, head) cells landed--> COMPLETE --wait_complete()--> claimed
+                     |                                            |
+                     +-- cancel() --> CANCELLED (drains)          +-- lease ends --> EXPIRED
+                     +-- lease ends / bad chunk / UCX error --> FAILED
+
+Pages are freed on every path except a successful ``wait_complete``, which hands
+them to the caller (free them with ``kvcache.allocator.free`` when the request ends).
+The decode side does not know the prefill TP size: each chunk announces its head
+and layer range, and the request is complete when every (layer, head) cell has
+landed exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import structlog
+import torch
+
+from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
+from shared.kvcache import PagedKVCache
+from shared.transfer.errors import Cancelled, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
+from shared.transfer.metrics import TransferMetrics, TransferRecord
+from shared.transfer.shard import chunk_nbytes, chunk_view, scatter_layers
+from shared.transfer.staging import StagingPool
+from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError, data_tag, decode_header, header_tag, ucx_buffer
+
+log = structlog.get_logger(__name__)
+
+
+class _State(enum.Enum):
+    RECEIVING = "receiving"
+    COMPLETE = "complete"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+@dataclass
+class _Reservation:
+    request_id: str
+    transfer_id: int
+    page_ids: list[int]
+    page_table: torch.Tensor
+    num_tokens: int
+    announced: np.ndarray  # [layers, heads] bool: a header claimed the cell
+    landed: np.ndarray  # [layers, heads] bool: the cell is in the pages
+    done: asyncio.Future[list[int]]
+    lease: asyncio.TimerHandle | None = None
+    state: _State = _State.RECEIVING
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    nbytes: int = 0
+    chunks: int = 0
+    first_header_at: float | None = None
+
+
+class KVReceiver:
+    """Receives KV shards into a decode rank's ``PagedKVCache`` over its ``TransferWorker``.
+
+    ``staging_bytes`` bounds the chunks held between arrival and scatter; it must
+    hold one layer of one request (all heads), which ``reserve`` checks.
+    """
+
+    def __init__(self, worker: TransferWorker, kvcache: PagedKVCache, *, staging_bytes: int = 256 << 20, metrics: TransferMetrics | None = None) -> None:
+        self._worker = worker
+        self._cache = kvcache
+        self.staging = StagingPool(staging_bytes, kvcache.device)
+        self.metrics = metrics or TransferMetrics()
+        self._reservations: dict[str, _Reservation] = {}
+        layout = kvcache.layout
+        self._layout = KVTransferLayout(layout.num_layers, layout.page_size, layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."))
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._cache.allocator.num_free
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reservations)
+
+    def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> KVTransferDescriptor:
+        """Allocate pages for ``num_tokens`` and start listening for their KV.
+
+        Raises ``OutOfPages`` (nothing allocated), ``ValueError`` on bad arguments or
+        when one layer of this request would not fit the staging budget.
+        """
+        if request_id in self._reservations:
+            raise ValueError(f"request {request_id!r} already has a KV reservation")
+        if num_tokens <= 0 or lease_s <= 0:
+            raise ValueError(f"reserve({request_id!r}): num_tokens ({num_tokens}) and lease_s ({lease_s}) must be positive")
+        layout = self._cache.layout
+        one_layer = chunk_nbytes(1, layout.kv_heads, num_tokens, layout.head_dim, layout.dtype)
+        if one_layer > self.staging.capacity_bytes:
+            raise ValueError(f"reserve({request_id!r}): one layer of {num_tokens} tokens is {one_layer} bytes, more than the {self.staging.capacity_bytes}-byte staging budget")
+        page_ids = self._cache.allocator.alloc(layout.pages_for(num_tokens))
+        transfer_id = self._worker.new_transfer_id()
+        loop = asyncio.get_running_loop()
+        res = _Reservation(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            page_ids=page_ids,
+            page_table=torch.tensor(page_ids, dtype=torch.long, device=self._cache.device),
+            num_tokens=num_tokens,
+            announced=np.zeros((layout.num_layers, layout.kv_heads), dtype=bool),
+            landed=np.zeros((layout.num_layers, layout.kv_heads), dtype=bool),
+            done=loop.create_future(),
+        )
+        # A failed request nobody waits for must not log "exception never retrieved".
+        res.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        res.lease = loop.call_later(lease_s, self._end_lease, res)
+        self._reservations[request_id] = res
+        self._spawn(res, self._receive_headers(res))
+        log.info("kv.reserved", request_id=request_id, transfer_id=transfer_id, num_tokens=num_tokens, pages=len(page_ids), lease_s=lease_s)
+        return KVTransferDescriptor(
+            worker_address=self._worker.address,
+            request_id=request_id,
+            transfer_id=transfer_id,
+            page_ids=page_ids,
+            num_tokens=num_tokens,
+            layout=self._layout,
+            lease_deadline_unix=time.time() + lease_s,
+            max_chunk_bytes=self.staging.capacity_bytes,
+        )
+
+    async def wait_complete(self, request_id: str, timeout: float) -> list[int]:
+        """The request's page ids once every shard landed; the caller then owns the pages.
+
+        Raises ``TransferTimeout`` (the reservation stays, cancel it or wait again),
+        ``LeaseExpired``, ``PeerFailed``, ``ProtocolError``, ``Cancelled``, ``UnknownTransfer``.
+        """
+        res = self._reservations.get(request_id)
+        if res is None:
+            raise UnknownTransfer(f"no KV reservation for request {request_id!r} (never made, already claimed, or its lease ended)")
+        try:
+            pages = await asyncio.wait_for(asyncio.shield(res.done), timeout)
+        except TimeoutError:
+            raise TransferTimeout(request_id, f"KV not complete after {timeout:.3g}s ({int(res.landed.sum())}/{res.landed.size} layer-heads landed)") from None
+        if res.state is not _State.COMPLETE:  # the lease ended between completion and this call
+            raise LeaseExpired(request_id, "lease ended before the completed KV was claimed")
+        self._retire(res)
+        return pages
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop the request's transfer and free its pages; False if unknown or already finished.
+
+        Chunks still on the wire are drained (received and discarded) until the lease
+        ends, so senders complete instead of stalling on a vanished receiver.
+        """
+        res = self._reservations.get(request_id)
+        if res is None or res.state not in (_State.RECEIVING, _State.COMPLETE):
+            return False
+        self._terminate(res, _State.CANCELLED, Cancelled(request_id, "cancelled by the decode side"))
+        return True
+
+    async def close(self) -> None:
+        """Cancel every reservation and wait for its tasks (pages freed)."""
+        for res in list(self._reservations.values()):
+            self._terminate(res, _State.CANCELLED, Cancelled(res.request_id, "receiver closed"))
+            self._retire(res)
+            await asyncio.gather(*res.tasks, return_exceptions=True)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _spawn(self, res: _Reservation, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        res.tasks.add(task)
+        task.add_done_callback(res.tasks.discard)
+
+    async def _receive_headers(self, res: _Reservation) -> None:
+        """Take chunk headers until every cell is announced; each announced chunk gets a receive task."""
+        tag = header_tag(res.transfer_id)
+        try:
+            while not res.announced.all():
+                frame = np.empty(HEADER_FRAME_BYTES, dtype=np.uint8)
+                await self._worker.recv(tag, frame)
+                header = self._check_header(res, frame)
+                if res.state is _State.RECEIVING:
+                    res.first_header_at = res.first_header_at or time.perf_counter()
+                    self._spawn(res, self._receive_chunk(res, header))
+                else:
+                    self._spawn(res, self._drain_chunk(res, header))
+        except ProtocolError as e:
+            self._terminate(res, _State.FAILED, e)
+        except UCXError as e:
+            self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"header receive failed: {e}"))
+
+    def _check_header(self, res: _Reservation, frame: np.ndarray) -> ShardHeader:
+        try:
+            h = decode_header(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(res.request_id, f"undecodable shard header: {e}") from None
+        layout = self._cache.layout
+        problem = None
+        if h.request_id != res.request_id or h.transfer_id != res.transfer_id:
+            problem = f"header is for request {h.request_id!r} / transfer {h.transfer_id}"
+        elif not (0 <= h.head_start < h.head_end <= layout.kv_heads and 0 <= h.layer_start < h.layer_end <= layout.num_layers):
+            problem = f"heads [{h.head_start}, {h.head_end}) x layers [{h.layer_start}, {h.layer_end}) outside {layout.kv_heads} heads x {layout.num_layers} layers"
+        elif h.num_tokens != res.num_tokens or h.dtype != self._layout.dtype:
+            problem = f"chunk has {h.num_tokens} tokens of {h.dtype}, reserved {res.num_tokens} of {self._layout.dtype}"
+        elif h.nbytes != chunk_nbytes(h.layer_end - h.layer_start, h.head_end - h.head_start, h.num_tokens, layout.head_dim, layout.dtype):
+            problem = f"chunk size {h.nbytes} does not match its shape"
+        elif h.nbytes > self.staging.capacity_bytes:
+            problem = f"chunk of {h.nbytes} bytes exceeds max_chunk_bytes {self.staging.capacity_bytes}"
+        elif res.announced[h.layer_start : h.layer_end, h.head_start : h.head_end].any():
+            problem = f"heads [{h.head_start}, {h.head_end}) x layers [{h.layer_start}, {h.layer_end}) overlap a chunk already announced"
+        if problem:
+            raise ProtocolError(res.request_id, problem)
+        res.announced[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
+        return h
+
+    async def _receive_chunk(self, res: _Reservation, h: ShardHeader) -> None:
+        buf = await self.staging.acquire(h.nbytes)
+        try:
+            await self._worker.recv(data_tag(res.transfer_id, h.head_start, h.layer_start), ucx_buffer(buf))
+            if res.state is not _State.RECEIVING:
+                return  # dropped while on the wire: its pages are gone, discard
+            layers, heads = range(h.layer_start, h.layer_end), range(h.head_start, h.head_end)
+            chunk = chunk_view(buf, len(layers), len(heads), h.num_tokens, self._cache.layout.head_dim, self._cache.layout.dtype)
+            scatter_layers(self._cache, layers, heads, res.page_table, h.num_tokens, chunk)
+            await _device_done(buf.device)
+        except UCXError as e:
+            self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"chunk receive failed: {e}"))
+            return
+        finally:
+            self.staging.release(buf)
+        res.landed[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
+        res.nbytes += h.nbytes
+        res.chunks += 1
+        if res.landed.all():
+            self._complete(res)
+
+    async def _drain_chunk(self, res: _Reservation, h: ShardHeader) -> None:
+        """Receive a dropped request's chunk into a 1-byte sink: UCX completes the sender
+        and reports truncation here, which is the expected outcome."""
+        try:
+            await self._worker.recv(data_tag(res.transfer_id, h.head_start, h.layer_start), np.empty(1, dtype=np.uint8))
+        except UCXError:
+            pass
+
+    def _complete(self, res: _Reservation) -> None:
+        assert res.first_header_at is not None
+        record = TransferRecord(res.request_id, res.nbytes, time.perf_counter() - res.first_header_at, res.chunks)
+        res.state = _State.COMPLETE
+        self.metrics.record_ok(record)
+        res.done.set_result(list(res.page_ids))
+        log.info("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks)
+
+    def _terminate(self, res: _Reservation, state: _State, error: TransferError) -> None:
+        """Fail/cancel/expire: free the pages once, count the cause, wake the waiter."""
+        if res.state not in (_State.RECEIVING, _State.COMPLETE):
+            return
+        res.state = state
+        self._cache.allocator.free(res.page_ids)
+        self.metrics.record_failure(error.cause)
+        if not res.done.done():
+            res.done.set_exception(error)
+        log.warning("kv.receive_failed", request_id=res.request_id, cause=error.cause, error=str(error))
+        if state is not _State.CANCELLED:
+            # Nothing more to drain: stop listening now.
+            current = asyncio.current_task()
+            for task in res.tasks:
+                if task is not current:
+                    task.cancel()
+
+    def _end_lease(self, res: _Reservation) -> None:
+        res.lease = None
+        self._terminate(res, _State.EXPIRED, LeaseExpired(res.request_id, "lease ended before all KV shards landed"))
+        self._retire(res)
+
+    def _retire(self, res: _Reservation) -> None:
+        """Forget the reservation: stop its lease timer and any task still listening."""
+        if res.lease is not None:
+            res.lease.cancel()
+            res.lease = None
+        for task in res.tasks:
+            task.cancel()
+        if self._reservations.get(res.request_id) is res:
+            del self._reservations[res.request_id]
+
+
+async def _device_done(device: torch.device) -> None:
+    """Wait, off the event loop, for the work queued on ``device``'s current stream."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        await asyncio.to_thread(event.synchronize)

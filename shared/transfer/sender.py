@@ -1,0 +1,245 @@
+"""Prefill side: send one TP rank's KV shard of one request into a decode rank's pages.
+
+The rank's KV heads ``[start, end)`` of a group of consecutive layers are packed into
+one staging chunk (``shard.pack_layers``) and sent as one tagged UCX message after a
+small header, so a request moves in a few large transfers. Groups are sent as soon as
+their layers are computed (``on_layer_done``), so the transfer overlaps the prefill of
+later layers; several chunks can be on the wire at once, bounded by the staging budget.
+
+Every outcome is explicit: ``finish()`` returns a ``TransferRecord`` or raises
+``TransferTimeout`` (deadline: the sender's timeout or the reservation's lease,
+whichever is first), ``PeerFailed`` (UCX endpoint error: decode rank died),
+``Cancelled`` (``cancel()``). Staging is released on every path; after a failure with
+sends in flight the endpoint to that decode rank is aborted (which cancels the UCX
+requests still reading the staging memory) and dropped from the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import structlog
+import torch
+
+from schemas.transfer import KVTransferDescriptor, ShardHeader
+from shared.kvcache import PagedKVCache
+from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
+from shared.transfer.metrics import TransferMetrics, TransferRecord
+from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
+from shared.transfer.staging import StagingPool
+from shared.transfer.worker import TransferWorker, UCXError, data_tag, encode_header, header_tag, ucx_buffer
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class KVSender:
+    """Sends ``heads`` of every layer of one request, layer group by layer group.
+
+    Construct inside the running event loop; call ``on_layer_done(layer)`` after each
+    layer's KV is in ``kvcache`` (from any thread; on CUDA it records an event on the
+    caller's current stream, so the pack waits for that layer's kernels), or
+    ``mark_all_layers_done()`` when the KV is already computed, then ``await finish()``.
+    ``page_table`` lists the request's pages in the local cache, which holds exactly
+    the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
+    those pages untouched until ``finish()`` returns or raises.
+    """
+
+    def __init__(
+        self,
+        worker: TransferWorker,
+        kvcache: PagedKVCache,
+        descriptor: KVTransferDescriptor,
+        page_table: Sequence[int] | torch.Tensor,
+        heads: KVHeadShard,
+        *,
+        timeout_s: float,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        staging: StagingPool | None = None,
+        metrics: TransferMetrics | None = None,
+    ) -> None:
+        self._worker = worker
+        self._cache = kvcache
+        self._desc = descriptor
+        self._heads = heads
+        self.metrics = metrics or TransferMetrics()
+        _check_layouts(kvcache, descriptor, heads, len(page_table))
+        layout = kvcache.layout
+        self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device)
+        self._groups = _layer_groups(layout.num_layers, chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype), min(chunk_bytes, descriptor.max_chunk_bytes), descriptor.request_id)
+        largest = max(chunk_nbytes(len(g), heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype) for g in self._groups)
+        self.staging = staging or StagingPool(2 * largest, kvcache.device)
+        self._loop = asyncio.get_running_loop()
+        self._layer_ready = [False] * layout.num_layers
+        self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers
+        self._progress = asyncio.Event()
+        self._sends: list[asyncio.Task[None]] = []
+        self._in_flight = 0
+        self._nbytes = 0
+        self._first_send_at: float | None = None
+        lease_left = descriptor.lease_deadline_unix - time.time()
+        self._deadline = self._loop.time() + min(timeout_s, lease_left)
+        self._pack_stream = torch.cuda.Stream(kvcache.device) if kvcache.device.type == "cuda" else None
+        self._task = self._loop.create_task(self._run())
+
+    @property
+    def request_id(self) -> str:
+        return self._desc.request_id
+
+    @property
+    def layer_groups(self) -> list[range]:
+        """The layer ranges sent as one chunk each."""
+        return list(self._groups)
+
+    def on_layer_done(self, layer: int) -> None:
+        """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks."""
+        if not 0 <= layer < len(self._layer_ready):
+            raise ValueError(f"layer {layer} outside 0..{len(self._layer_ready) - 1}")
+        if self._pack_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._cache.device))
+            self._layer_events[layer] = event
+        self._loop.call_soon_threadsafe(self._mark_ready, layer)
+
+    def mark_all_layers_done(self) -> None:
+        for layer in range(len(self._layer_ready)):
+            self.on_layer_done(layer)
+
+    async def finish(self) -> TransferRecord:
+        """Wait until every chunk is sent; typed errors as in the module docstring."""
+        return await asyncio.shield(self._task)
+
+    async def send_all(self) -> TransferRecord:
+        """Send a request whose KV is already complete."""
+        self.mark_all_layers_done()
+        return await self.finish()
+
+    def cancel(self) -> None:
+        """Stop sending; ``finish()`` raises ``Cancelled``."""
+        self._task.cancel()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _mark_ready(self, layer: int) -> None:
+        self._layer_ready[layer] = True
+        self._progress.set()
+
+    async def _run(self) -> TransferRecord:
+        rid = self.request_id
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                for group in self._groups:
+                    while not all(self._layer_ready[layer] for layer in group):
+                        self._progress.clear()
+                        await self._progress.wait()
+                    buf = await self.staging.acquire(self._nbytes_of(group))
+                    pack_done = await self._pack(group, buf)
+                    self._sends.append(self._loop.create_task(self._send_chunk(group, buf, pack_done)))
+                await asyncio.gather(*self._sends)
+        except BaseException as e:
+            await self._abort_sends()
+            error = _as_transfer_error(rid, e)
+            self.metrics.record_failure(error.cause)
+            log.warning("kv.send_failed", request_id=rid, cause=error.cause, error=str(error), heads=(self._heads.start, self._heads.end))
+            raise error from e
+        assert self._first_send_at is not None
+        record = TransferRecord(rid, self._nbytes, time.perf_counter() - self._first_send_at, len(self._groups))
+        self.metrics.record_ok(record)
+        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end))
+        return record
+
+    def _nbytes_of(self, group: range) -> int:
+        layout = self._cache.layout
+        return chunk_nbytes(len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
+
+    async def _pack(self, group: range, buf: torch.Tensor) -> torch.cuda.Event | None:
+        """Pack ``group`` into ``buf``; on CUDA enqueue it on the pack stream behind the layers' events."""
+        layout = self._cache.layout
+        out = chunk_view(buf, len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
+        if self._pack_stream is None:
+            # Memory-bound copy that releases the GIL: keep the event loop (and UCX completions) running.
+            await asyncio.to_thread(pack_layers, self._cache, group, self._page_table, self._desc.num_tokens, out)
+            return None
+        with torch.cuda.stream(self._pack_stream):
+            for layer in group:
+                event = self._layer_events[layer]
+                if event is not None:
+                    self._pack_stream.wait_event(event)
+            pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
+            done = torch.cuda.Event()
+            done.record(self._pack_stream)
+        return done
+
+    async def _send_chunk(self, group: range, buf: torch.Tensor, pack_done: torch.cuda.Event | None) -> None:
+        desc = self._desc
+        try:
+            if pack_done is not None:
+                await asyncio.to_thread(pack_done.synchronize)
+            header = ShardHeader(
+                request_id=desc.request_id,
+                transfer_id=desc.transfer_id,
+                head_start=self._heads.start,
+                head_end=self._heads.end,
+                layer_start=group.start,
+                layer_end=group.stop,
+                num_tokens=desc.num_tokens,
+                nbytes=buf.numel(),
+                dtype=desc.layout.dtype,
+            )
+            self._first_send_at = self._first_send_at or time.perf_counter()
+            self._in_flight += 1
+            await self._worker.send(desc.worker_address, header_tag(desc.transfer_id), encode_header(header))
+            await self._worker.send(desc.worker_address, data_tag(desc.transfer_id, self._heads.start, group.start), ucx_buffer(buf))
+            self._in_flight -= 1
+            self._nbytes += buf.numel()
+        finally:
+            self.staging.release(buf)
+
+    async def _abort_sends(self) -> None:
+        """Cancel UCX requests still reading staging (by aborting the endpoint), then reap the tasks."""
+        if self._in_flight:
+            self._worker.evict(self._desc.worker_address)
+        for task in self._sends:
+            task.cancel()
+        await asyncio.gather(*self._sends, return_exceptions=True)
+
+
+def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:
+    mine, theirs = cache.layout, desc.layout
+    dtype = str(mine.dtype).removeprefix("torch.")
+    problems = []
+    if not heads.sends:
+        problems.append(f"heads [{heads.start}, {heads.end}) are a replica this rank must not send")
+    if (mine.num_layers, mine.head_dim, dtype) != (theirs.num_layers, theirs.head_dim, theirs.dtype):
+        problems.append(f"local (layers, head_dim, dtype) {(mine.num_layers, mine.head_dim, dtype)} != decode {(theirs.num_layers, theirs.head_dim, theirs.dtype)}")
+    if not 0 <= heads.start < heads.end <= theirs.kv_heads:
+        problems.append(f"heads [{heads.start}, {heads.end}) outside the decode rank's {theirs.kv_heads} KV heads")
+    if mine.kv_heads != heads.num_heads:
+        problems.append(f"local cache holds {mine.kv_heads} KV heads, shard [{heads.start}, {heads.end}) has {heads.num_heads}")
+    if table_len < mine.pages_for(desc.num_tokens):
+        problems.append(f"page table of {table_len} pages cannot hold {desc.num_tokens} tokens at page size {mine.page_size}")
+    if problems:
+        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: " + "; ".join(problems))
+
+
+def _layer_groups(num_layers: int, layer_bytes: int, chunk_bytes: int, request_id: str) -> list[range]:
+    """Consecutive layers per chunk so a chunk stays within ``chunk_bytes`` (at least one layer)."""
+    if layer_bytes > chunk_bytes:
+        raise LayoutMismatch(f"KV transfer {request_id!r}: one layer's shard is {layer_bytes} bytes, above the {chunk_bytes}-byte chunk limit")
+    per_chunk = max(1, chunk_bytes // layer_bytes)
+    return [range(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
+
+
+def _as_transfer_error(request_id: str, e: BaseException) -> TransferError:
+    if isinstance(e, TransferError):
+        return e
+    if isinstance(e, asyncio.CancelledError):
+        return Cancelled(request_id, "send cancelled")
+    if isinstance(e, TimeoutError):
+        return TransferTimeout(request_id, "send deadline (timeout or reservation lease) passed")
+    if isinstance(e, UCXError):
+        return PeerFailed(request_id, f"UCX error talking to the decode rank: {type(e).__name__}: {e}")
+    return TransferError(request_id, f"internal error: {type(e).__name__}: {e}")

@@ -1,0 +1,94 @@
+"""Shard mapping and the packed staging format.
+
+A prefill TP rank holds KV heads ``[start, end)`` of every layer. It packs a group of
+layers of one request into one contiguous chunk laid out
+``[layers, 2 (K/V), heads, num_tokens, head_dim]``: token-contiguous per head, so the
+chunk is independent of either side's page size. The decode rank scatters the chunk
+into its reserved pages (all heads) with torch ops; on CUDA the same ops run as
+device kernels (gather/scatter copies), there is no dedicated kernel yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.kvcache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class KVHeadShard:
+    """The global KV heads ``[start, end)`` a TP rank holds, and whether it sends them.
+
+    When TP > num_kv_heads every head is replicated over several ranks; only the
+    lowest rank of each replica group sends, so each head lands exactly once.
+    """
+
+    start: int
+    end: int
+    sends: bool
+
+    @property
+    def num_heads(self) -> int:
+        return self.end - self.start
+
+
+def kv_head_shard(tp_rank: int, tp_size: int, num_kv_heads: int) -> KVHeadShard:
+    """KV heads of ``tp_rank`` in a TP group of ``tp_size`` (same split as the model's loader)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside a TP group of {tp_size}")
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split evenly over TP={tp_size}")
+        per_rank = num_kv_heads // tp_size
+        return KVHeadShard(tp_rank * per_rank, (tp_rank + 1) * per_rank, True)
+    head = tp_rank * num_kv_heads // tp_size
+    first_replica = tp_rank == 0 or (tp_rank - 1) * num_kv_heads // tp_size != head
+    return KVHeadShard(head, head + 1, first_replica)
+
+
+def chunk_nbytes(num_layers: int, num_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one packed chunk."""
+    return num_layers * 2 * num_heads * num_tokens * head_dim * dtype.itemsize
+
+
+def chunk_view(buf: torch.Tensor, num_layers: int, num_heads: int, num_tokens: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``uint8`` staging buffer seen as ``[layers, 2, heads, tokens, head_dim]`` of ``dtype``."""
+    n = chunk_nbytes(num_layers, num_heads, num_tokens, head_dim, dtype)
+    return buf[:n].view(dtype).view(num_layers, 2, num_heads, num_tokens, head_dim)
+
+
+def pack_layers(cache: PagedKVCache, layers: range, page_table: torch.Tensor, num_tokens: int, out: torch.Tensor) -> None:
+    """Gather ``num_tokens`` tokens of every local head of ``layers`` into ``out`` (a chunk view).
+
+    ``page_table`` (on the cache's device) lists the sequence's pages in order.
+    """
+    ps = cache.layout.page_size
+    full, rem = divmod(num_tokens, ps)
+    heads, dim = cache.layout.kv_heads, cache.layout.head_dim
+    for i, layer in enumerate(layers):
+        pool = cache.pools[layer]
+        dst = out[i]
+        if full:
+            # [2, H, full*ps, D] seen page-major as [full, 2, H, ps, D]: one gather writes it.
+            paged = dst[:, :, : full * ps].view(2, heads, full, ps, dim).permute(2, 0, 1, 3, 4)
+            torch.index_select(pool, 0, page_table[:full], out=paged)
+        if rem:
+            dst[:, :, full * ps :].copy_(pool[page_table[full], :, :, :rem])
+
+
+def scatter_layers(cache: PagedKVCache, layers: range, heads: range, page_table: torch.Tensor, num_tokens: int, chunk: torch.Tensor) -> None:
+    """Write a chunk view (heads ``heads`` of ``layers``) into the pages of ``page_table``."""
+    ps = cache.layout.page_size
+    full, rem = divmod(num_tokens, ps)
+    h0, h1 = heads.start, heads.stop
+    dim = cache.layout.head_dim
+    for i, layer in enumerate(layers):
+        pool = cache.pools[layer]
+        src = chunk[i]
+        if full:
+            paged = src[:, :, : full * ps].view(2, h1 - h0, full, ps, dim).permute(2, 0, 1, 3, 4)
+            pool[:, :, h0:h1].index_copy_(0, page_table[:full], paged)
+        if rem:
+            pool[page_table[full], :, h0:h1, :rem] = src[:, :, full * ps :]

@@ -1,0 +1,131 @@
+"""One UCX worker per rank: its address, an endpoint cache, tagged send/recv.
+
+Wire protocol (all on the decode worker's tag space, scoped by the reservation's
+``transfer_id``): a sender first sends a fixed-size frame holding a msgpack
+``ShardHeader`` on ``header_tag(transfer_id)``, then the packed chunk it announces
+on ``data_tag(transfer_id, head_start, layer_start)``. The receiver posts
+worker-level receives (it needs no endpoint back to the sender). Tagged messages
+go eager for the small header and rendezvous for chunks, which UCX moves
+zero-copy where a transport allows it (cuda_ipc between GPUs of one host).
+
+Progress runs in ucxx's progress thread and completions are delivered to the
+asyncio loop that created the worker; call every coroutine here from that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+
+import msgspec
+import numpy as np
+import torch
+from ucxx._lib.libucxx import UCXAddress
+from ucxx._lib_async import ApplicationContext, Endpoint
+from ucxx.exceptions import UCXError
+
+from schemas.transfer import ShardHeader
+
+HEADER_FRAME_BYTES = 512
+_LEN = struct.Struct("<I")
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(ShardHeader)
+
+# Tag layout: [transfer_id:32][is_data:1][head_start:15][layer_start:16].
+MAX_TRANSFER_ID = (1 << 32) - 1
+
+
+def header_tag(transfer_id: int) -> int:
+    return transfer_id << 32
+
+
+def data_tag(transfer_id: int, head_start: int, layer_start: int) -> int:
+    if not (0 <= head_start < 1 << 15 and 0 <= layer_start < 1 << 16):
+        raise ValueError(f"head_start {head_start} / layer_start {layer_start} do not fit the tag layout")
+    return (transfer_id << 32) | (1 << 31) | (head_start << 16) | layer_start
+
+
+def encode_header(header: ShardHeader) -> np.ndarray:
+    """A fixed-size frame: 4-byte length, then the msgpack header, zero padded."""
+    body = _header_encoder.encode(header)
+    if len(body) + _LEN.size > HEADER_FRAME_BYTES:
+        raise ValueError(f"shard header of {len(body)} bytes does not fit a {HEADER_FRAME_BYTES}-byte frame (request id too long?)")
+    frame = np.zeros(HEADER_FRAME_BYTES, dtype=np.uint8)
+    frame[: _LEN.size] = np.frombuffer(_LEN.pack(len(body)), dtype=np.uint8)
+    frame[_LEN.size : _LEN.size + len(body)] = np.frombuffer(body, dtype=np.uint8)
+    return frame
+
+
+def decode_header(frame: np.ndarray) -> ShardHeader:
+    """Inverse of ``encode_header``; raises ``msgspec.ValidationError``/``DecodeError`` on bad bytes."""
+    (n,) = _LEN.unpack(frame[: _LEN.size].tobytes())
+    if n > HEADER_FRAME_BYTES - _LEN.size:
+        raise msgspec.DecodeError(f"shard header frame claims {n} bytes")
+    return _header_decoder.decode(frame[_LEN.size : _LEN.size + n].tobytes())
+
+
+def ucx_buffer(t: torch.Tensor) -> object:
+    """What ucxx accepts for a contiguous uint8 tensor: numpy on CPU, the tensor (CUDA array interface) on GPU."""
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+class TransferWorker:
+    """A rank's UCX worker. Create it inside the running event loop (``await TransferWorker.create()``)."""
+
+    def __init__(self, ctx: ApplicationContext) -> None:
+        self._ctx = ctx
+        self._endpoints: dict[bytes, Endpoint] = {}
+        self._connecting: dict[bytes, asyncio.Lock] = {}
+        self._transfer_ids = itertools.count(1)
+
+    @classmethod
+    async def create(cls) -> TransferWorker:
+        """Start the worker and its progress thread (transports from the UCX_* environment)."""
+        return cls(ApplicationContext())
+
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address, for peers to connect to (goes into the descriptor)."""
+        return bytes(self._ctx.worker_address.tobytes())
+
+    def new_transfer_id(self) -> int:
+        """A transfer id unique on this worker (it scopes the tags of one reservation)."""
+        return (next(self._transfer_ids) - 1) % MAX_TRANSFER_ID + 1
+
+    async def endpoint(self, address: bytes) -> Endpoint:
+        """The cached endpoint to a peer worker, created on first use."""
+        ep = self._endpoints.get(address)
+        if ep is not None and not ep.closed:
+            return ep
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            ep = self._endpoints.get(address)
+            if ep is None or ep.closed:
+                ep = await self._ctx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(address))
+                self._endpoints[address] = ep
+        return ep
+
+    def evict(self, address: bytes) -> None:
+        """Drop and abort the endpoint to a peer (after an error): cancels its in-flight requests."""
+        ep = self._endpoints.pop(address, None)
+        if ep is not None:
+            ep.abort()
+
+    async def send(self, address: bytes, tag: int, buf: object) -> None:
+        """Tagged send to a peer worker; raises ``UCXError`` on endpoint failure."""
+        ep = await self.endpoint(address)
+        await ep.send(buf, tag=tag, force_tag=True)
+
+    async def recv(self, tag: int, buf: object) -> None:
+        """Worker-level tagged receive (from any peer) into ``buf``."""
+        await self._ctx.recv(buf, tag)
+
+    def close(self) -> None:
+        """Abort all endpoints and stop the worker's progress thread."""
+        for address in list(self._endpoints):
+            self.evict(address)
+        self._ctx.stop_notifier_thread()
+
+
+__all__ = ["TransferWorker", "UCXError", "header_tag", "data_tag", "encode_header", "decode_header", "ucx_buffer", "HEADER_FRAME_BYTES"]
