@@ -1,0 +1,154 @@
+"""ModelRunner: the model, its paged KV cache and the sampler, stepping a changing batch.
+
+Used by the offline generator and by the services' prefill and decode ranks (no
+messaging in here). A `SequenceState` holds one request's tokens, page table,
+how many of its tokens are already in the cache, its sampling parameters and
+its own generator. Each `step` feeds every sequence the tokens it has not cached
+yet (the whole prompt on prefill, the last sampled token on decode), allocates
+the pages they need all-or-nothing (`OutOfPages` leaves nothing allocated),
+runs one forward and samples one token per sequence. Sequences may join or
+leave between steps (continuous batching).
+
+Under the prefill layout every TP rank computes identical logits, and with the
+same per-request generators samples identical tokens, so no broadcast is needed.
+Under the decode layout a rank with no sequences still runs the forward (empty
+batch) so the expert all-to-all of the other ranks can complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
+from shared.model.config import GenerationConfig
+from shared.model.model import ForwardBatch, LayerCallback, Qwen3Model, SequenceChunk
+from shared.model.sampling import Sampler, SamplingParams
+from shared.parallel import Collectives, Topology
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    prompt_len: int
+    params: SamplingParams
+    token_ids: list[int]  # prompt followed by the generated tokens
+    page_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    generator: torch.Generator | None = None
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS / stop token) or "length" (max_tokens)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    seq_id: str
+    token_id: int
+    logprob: float | None
+    finish_reason: str | None
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3Model, cache: PagedKVCache, eos_token_ids: Sequence[int] = (), sampler: Sampler | None = None, release_finished: bool = True) -> None:
+        """``release_finished=False`` keeps a finished sequence's pages until `release`
+        (a prefill rank frees them only after its KV transfer has completed)."""
+        self.model, self.cache = model, cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampler = sampler or Sampler()
+        self.release_finished = release_finished
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, *, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", topology: Topology = Topology.single(), comm: Collectives | None = None, release_finished: bool = True) -> ModelRunner:
+        model = Qwen3Model.load(model_dir, topology, comm, dtype, device)
+        c = model.config
+        cache = PagedKVCache(KVLayout(c.num_layers, num_pages, model.local_kv_heads, page_size, c.head_dim, dtype), device)
+        eos = GenerationConfig.from_dir(model_dir).eos_token_ids
+        return cls(model, cache, eos, release_finished=release_finished)
+
+    def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, page_table: Sequence[int] = (), num_cached: int = 0, output_ids: Sequence[int] = ()) -> SequenceState:
+        """A new sequence. A decode rank whose KV arrived by transfer passes the reserved
+        ``page_table``, ``num_cached=len(prompt_ids)`` and the first token in ``output_ids``."""
+        if not prompt_ids:
+            raise ValueError(f"sequence {seq_id}: empty prompt")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"sequence {seq_id}: prompt token id outside the vocabulary [0, {vocab})")
+        return SequenceState(
+            seq_id=seq_id,
+            prompt_len=len(prompt_ids),
+            params=params,
+            token_ids=[*prompt_ids, *output_ids],
+            page_table=list(page_table),
+            num_cached=num_cached,
+            generator=params.generator(self.cache.device),
+        )
+
+    def prefill(self, seqs: Sequence[SequenceState], on_layer_done: LayerCallback | None = None) -> list[StepOutput]:
+        """Run the uncached prompt of each sequence and sample its first token."""
+        return self.step(seqs, on_layer_done)
+
+    def decode(self, seqs: Sequence[SequenceState]) -> list[StepOutput]:
+        """One new token per sequence (each must have exactly one uncached token)."""
+        for s in seqs:
+            if len(s.token_ids) - s.num_cached != 1:
+                raise ValueError(f"sequence {s.seq_id}: decode needs exactly one uncached token, has {len(s.token_ids) - s.num_cached}")
+        return self.step(seqs)
+
+    def step(self, seqs: Sequence[SequenceState], on_layer_done: LayerCallback | None = None) -> list[StepOutput]:
+        for s in seqs:
+            if s.finished:
+                raise ValueError(f"sequence {s.seq_id} already finished ({s.finish_reason})")
+        if not seqs and not self._must_join_empty_steps:
+            return []
+        self._allocate(seqs)
+        chunks = [SequenceChunk(s.token_ids[s.num_cached :], s.num_cached, s.page_table) for s in seqs]
+        batch = ForwardBatch.build(chunks, self.cache.layout.page_size, self.cache.device)
+        logits = self.model.forward(batch, self.cache, on_layer_done)
+        if not seqs:
+            return []
+        tokens, logprobs = self.sampler.sample(logits.float(), [s.params for s in seqs], [s.generator for s in seqs])
+        outputs = []
+        for i, (s, token) in enumerate(zip(seqs, tokens.tolist())):
+            s.num_cached = len(s.token_ids)
+            s.token_ids.append(token)
+            lp = float(logprobs[i]) if logprobs is not None and s.params.logprobs else None
+            if lp is not None:
+                s.logprobs.append(lp)
+            if token in self.eos_token_ids or token in s.params.stop_token_ids:
+                s.finish_reason = "stop"
+            elif len(s.output_ids) >= s.params.max_tokens:
+                s.finish_reason = "length"
+            if s.finished and self.release_finished:
+                self.release(s)
+            outputs.append(StepOutput(s.seq_id, token, lp, s.finish_reason))
+        return outputs
+
+    def release(self, seq: SequenceState) -> None:
+        """Give the sequence's pages back (idempotent)."""
+        if seq.page_table:
+            self.cache.allocator.free(seq.page_table)
+            seq.page_table = []
+
+    @property
+    def _must_join_empty_steps(self) -> bool:
+        topo = self.model.topology
+        return topo.ep_size > 1 and not topo.inputs_replicated
+
+    def _allocate(self, seqs: Sequence[SequenceState]) -> None:
+        layout, allocator = self.cache.layout, self.cache.allocator
+        needs = [max(0, layout.pages_for(len(s.token_ids)) - len(s.page_table)) for s in seqs]
+        if sum(needs) > allocator.num_free:
+            raise OutOfPages(sum(needs), allocator.num_free)
+        for s, n in zip(seqs, needs):
+            s.page_table.extend(allocator.alloc(n))
