@@ -1,0 +1,173 @@
+"""Device-side building blocks shared by the CuTeDSL communication kernels.
+
+Everything here is a ``@cute.jit`` helper that inlines into a kernel. Addresses are
+plain ``Int64`` values (raw device pointers, ours or a peer's mapping of peer memory),
+which keeps kernel signatures independent of the world size and lets a kernel pick
+a peer at run time (the dispatch kernel routes by expert id).
+
+Memory ordering follows the PTX memory model: data is written with ordinary stores,
+then one thread per destination issues ``fence.acq_rel.sys`` and a
+``st.release.sys`` flag store after a CTA barrier; the receiver polls with
+``ld.acquire.sys`` and releases its CTA with a barrier. Flag values are monotone
+per call ("epochs"), compared with wrap-around arithmetic, so no flag is ever reset
+and nothing depends on the host: a CUDA graph replays the same kernels and the
+epoch, kept in device memory, moves on by itself.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+# Peer tables and flag rows are sized for the largest group any kernel supports.
+MAX_PEERS = 16
+# Upper bound of CTAs in one comm kernel launch; each CTA owns one flag row.
+MAX_BLOCKS = 264
+# Bytes of one vector access (ld/st .v4.b32).
+VEC_BYTES = 16
+# Control words in the rank-local (not peer-visible) control tensor.
+CTRL_EPOCH = 0  # calls completed on this rank (all ranks count the same calls)
+CTRL_DONE = 1  # CTAs of the running launch that have finished (last one bumps the epoch)
+CTRL_WORDS = 8
+
+
+@cute.jit
+def gptr(dtype: cutlass.Constexpr, addr: Int64, align: cutlass.Constexpr = 16):
+    """A global-memory pointer to ``dtype`` at byte address ``addr``."""
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def load_i64(addr: Int64) -> Int64:
+    return cute.arch.load(gptr(Int64, addr, 8), Int64)
+
+
+@cute.jit
+def load_i32(addr: Int64) -> Int32:
+    return cute.arch.load(gptr(Int32, addr, 4), Int32)
+
+
+@cute.jit
+def store_i32(addr: Int64, value: Int32):
+    cute.arch.store(gptr(Int32, addr, 4), value)
+
+
+@cute.jit
+def peer_base(table: Int64, q) -> Int64:
+    """Base address of rank ``q``'s peer buffer, read from the device pointer table."""
+    return load_i64(table + Int64(q) * 8)
+
+
+@cute.jit
+def signal(flag_addr: Int64, value: Int32):
+    """Publish every write this CTA made before its last barrier, then set a flag."""
+    cute.arch.fence_acq_rel_sys()
+    cute.arch.store(gptr(Int32, flag_addr, 4), value, sem="release", scope="sys")
+
+
+@cute.jit
+def wait_at_least(flag_addr: Int64, target: Int32):
+    """Spin until the flag has reached ``target`` (wrap-around safe comparison)."""
+    ptr = gptr(Int32, flag_addr, 4)
+    v = cute.arch.load(ptr, Int32, sem="acquire", scope="sys")
+    while (v - target) < 0:
+        v = cute.arch.load(ptr, Int32, sem="acquire", scope="sys")
+
+
+@cute.jit
+def cta_barrier(table: Int64, flags_off: Int64, rank: cutlass.Constexpr, world: cutlass.Constexpr, value: Int32):
+    """Barrier between CTA ``blockIdx.x`` of every rank.
+
+    Flag row of CTA b on rank r: ``flags[b][src]`` (int32, ``MAX_PEERS`` per row) in
+    r's peer buffer. Thread q < world tells rank q "rank `rank` reached `value`" and
+    then waits for rank q's word in its own row.
+    """
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    cute.arch.sync_threads()
+    if tid < world:
+        row = flags_off + Int64(bid * MAX_PEERS) * 4
+        signal(peer_base(table, tid) + row + Int64(rank) * 4, value)
+        wait_at_least(peer_base(table, rank) + row + Int64(tid) * 4, value)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def read_epoch(ctrl: Int64) -> Int32:
+    return load_i32(ctrl + CTRL_EPOCH * 4)
+
+
+@cute.jit
+def finish_launch(ctrl: Int64):
+    """The last CTA of the launch to get here advances the epoch.
+
+    No CTA reads the epoch after it has counted itself done, so every CTA of a launch
+    sees the same epoch; the next launch on the stream sees the incremented one.
+    """
+    tid, _, _ = cute.arch.thread_idx()
+    nblocks, _, _ = cute.arch.grid_dim()
+    cute.arch.sync_threads()
+    if tid == 0:
+        done_ptr = gptr(Int32, ctrl + CTRL_DONE * 4, 4)
+        old = cute.arch.atomic_add(done_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        if old == Int32(nblocks) - 1:
+            cute.arch.store(done_ptr, Int32(0))
+            store_i32(ctrl + CTRL_EPOCH * 4, read_epoch(ctrl) + 1)
+
+
+@cute.jit
+def last_block_of_launch(ctrl: Int64, done_word: cutlass.Constexpr) -> Int32:
+    """Thread 0 only: count this CTA done (after a sys fence) and return 1 if it was the last.
+
+    Used when the last CTA must signal peers on behalf of the whole launch: each CTA
+    fences its own remote writes before counting itself, so the last one's flag
+    store (a release) orders after all of them.
+    """
+    nblocks, _, _ = cute.arch.grid_dim()
+    cute.arch.fence_acq_rel_sys()
+    done_ptr = gptr(Int32, ctrl + done_word * 4, 4)
+    old = cute.arch.atomic_add(done_ptr, Int32(1), sem="acq_rel", scope="gpu")
+    last = Int32(0)
+    if old == Int32(nblocks) - 1:
+        cute.arch.store(done_ptr, Int32(0))
+        last = Int32(1)
+    return last
+
+
+@cute.jit
+def load_vec_f32(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32):
+    """Load ``vec`` elements at ``addr`` as fp32; elements at index >= ``valid`` read as 0.
+
+    Full vectors take one 16-byte load; only a tensor's tail takes scalar loads.
+    """
+    frag = cute.make_rmem_tensor((vec,), Float32)
+    g = cute.make_tensor(gptr(dtype, addr), cute.make_layout(vec))
+    if valid >= vec:
+        frag.store(g.load().to(Float32))
+    else:
+        frag.fill(0.0)
+        for e in cutlass.range_constexpr(vec):
+            if e < valid:
+                frag[e] = g[e].to(Float32)
+    return frag
+
+
+@cute.jit
+def store_vec_f32(addr: Int64, frag, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32):
+    """Store fp32 ``frag`` converted to ``dtype``; only the first ``valid`` elements are written."""
+    g = cute.make_tensor(gptr(dtype, addr), cute.make_layout(vec))
+    if valid >= vec:
+        g.store(frag.load().to(dtype))
+    else:
+        for e in cutlass.range_constexpr(vec):
+            if e < valid:
+                g[e] = frag[e].to(dtype)
+
+
+@cute.jit
+def copy_vec(src: Int64, dst: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Copy one full 16-byte vector (no conversion)."""
+    s = cute.make_tensor(gptr(dtype, src), cute.make_layout(vec))
+    d = cute.make_tensor(gptr(dtype, dst), cute.make_layout(vec))
+    d.store(s.load())

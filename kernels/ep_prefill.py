@@ -1,0 +1,305 @@
+"""Prefill expert-parallel exchange inside a TP group (DESIGN §6, "prefill MoE").
+
+Every rank of the group holds the same tokens (inputs are replicated) and a
+contiguous range of experts. Per MoE layer:
+
+1. `ep_select` gathers the rows of the tokens routed to this rank's experts into
+   the grouped-GEMM *contiguous* layout: ``rows[capacity, H]`` grouped by local
+   expert, group ``e`` at ``rows[offsets[e]:offsets[e] + counts[e]]`` (``offsets``
+   int32 ``[E_local + 1]`` on the GPU, group starts rounded up to ``align`` rows),
+   plus ``row_of[T, topk]`` (the row of each (token, slot), -1 where the expert is
+   remote). ``capacity = T*topk + E_local*(align-1)`` rows is fixed by the shapes,
+   so nothing waits for the host and the step can be graph-captured.
+2. the expert GEMMs run on ``rows`` (grouped GEMM, another module).
+3. `ep_combine` accumulates ``out[t] = sum_j w[t, j] * y[row_of[t, j]]`` in fp32 in
+   slot order j = 0..topk-1 (remote slots contribute nothing) and writes bf16.
+4. an all-reduce over the group (`kernels.allreduce`) sums the partial outputs.
+
+Row order inside an expert's group comes from atomics and may differ between
+runs; results do not, because the combine walks (token, slot) pairs, not rows.
+
+GPU path: three CuTeDSL kernels for the selection (count, offsets, scatter) and
+one for the combine. CPU path and reference: the torch functions below.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda_driver
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64
+
+from kernels._cute_comm import VEC_BYTES, gptr, load_i32, load_vec_f32, store_i32, store_vec_f32
+
+THREADS = 256
+MAX_LOCAL_EXPERTS = 1024
+
+
+class EpExchangeError(ValueError):
+    """Bad routing tensors or shapes for the prefill expert exchange."""
+
+
+@dataclass
+class SelectedRows:
+    """Output of `ep_select`: the grouped-GEMM input and how to undo it."""
+
+    rows: torch.Tensor  # [capacity, H], grouped by local expert
+    offsets: torch.Tensor  # int32 [E_local + 1], group starts (aligned); offsets[-1] = rows in use
+    counts: torch.Tensor  # int32 [E_local], rows of each group (without padding)
+    row_of: torch.Tensor  # int32 [T, topk], row of each (token, slot) or -1
+
+
+def capacity(num_tokens: int, topk: int, num_local_experts: int, align: int) -> int:
+    return num_tokens * topk + num_local_experts * (align - 1)
+
+
+def _check(x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int) -> None:
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise EpExchangeError(f"x must be [T, H] and topk_ids [T, topk], got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+    if not 1 <= num_local_experts <= MAX_LOCAL_EXPERTS or expert_start < 0 or align < 1:
+        raise EpExchangeError(f"bad expert range start={expert_start} count={num_local_experts} align={align}")
+    if x.device != topk_ids.device:
+        raise EpExchangeError(f"x on {x.device} but topk_ids on {topk_ids.device}")
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def ep_select_reference(
+    x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int = 1
+) -> SelectedRows:
+    """Torch definition of `ep_select`; rows inside a group ordered by (token, slot)."""
+    _check(x, topk_ids, expert_start, num_local_experts, align)
+    t, k = topk_ids.shape
+    local = topk_ids.long() - expert_start
+    is_local = (local >= 0) & (local < num_local_experts)
+    counts = torch.zeros(num_local_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, local[is_local], torch.ones_like(local[is_local]))
+    padded = (counts + align - 1) // align * align
+    offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=x.device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    flat_local = local.reshape(-1)
+    flat_is_local = is_local.reshape(-1)
+    order = torch.argsort(torch.where(flat_is_local, flat_local, num_local_experts), stable=True)
+    n_sel = int(flat_is_local.sum())
+    sel = order[:n_sel]
+    sel_expert = flat_local[sel]
+    group_start_in_order = torch.cumsum(counts, 0) - counts  # where each expert's entries begin in `order`
+    rank_in_group = torch.arange(n_sel, device=x.device) - group_start_in_order[sel_expert]
+    pos = offsets[sel_expert] + rank_in_group
+    row_of = torch.full((t * k,), -1, dtype=torch.int64, device=x.device)
+    row_of[sel] = pos
+    rows = torch.zeros(capacity(t, k, num_local_experts, align), x.shape[1], dtype=x.dtype, device=x.device)
+    rows[pos] = x[sel // k]
+    return SelectedRows(rows, offsets.int(), counts.int(), row_of.view(t, k).int())
+
+
+def ep_combine_reference(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Torch definition of `ep_combine`: fp32 sum over slots in order, cast to ``y.dtype``."""
+    t, k = row_of.shape
+    acc = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(k):
+        rows = row_of[:, j].long()
+        mask = rows >= 0
+        contrib = topk_weights[:, j : j + 1].float() * y[rows.clamp(min=0)].float()
+        acc = acc + torch.where(mask[:, None], contrib, torch.zeros_like(contrib))
+    return acc.to(y.dtype)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@cute.kernel
+def _count_kernel(topk_ids: Int64, n_entries: Int32, expert_start: Int32, num_local: Int32, counts: Int64):
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nthr, _, _ = cute.arch.block_dim()
+    nblk, _, _ = cute.arch.grid_dim()
+    for i in cutlass.range(bid * nthr + tid, n_entries, nblk * nthr):
+        le = load_i32(topk_ids + Int64(i) * 4) - expert_start
+        if le >= 0 and le < num_local:
+            cute.arch.atomic_add(gptr(Int32, counts + Int64(le) * 4, 4), Int32(1), sem="relaxed", scope="gpu")
+
+
+@cute.kernel
+def _offsets_kernel(counts: Int64, num_local: Int32, align: Int32, offsets: Int64, cursors: Int64):
+    # One thread per expert sums the (aligned) counts before it: E_local <= 1024 loads
+    # per thread from L1, cheaper than a serial scan of dependent loads.
+    tid, _, _ = cute.arch.thread_idx()
+    if tid < num_local:
+        start = Int32(0)
+        for i in cutlass.range(0, tid, 1):
+            c = load_i32(counts + Int64(i) * 4)
+            start = start + (c + align - 1) // align * align
+        store_i32(offsets + Int64(tid) * 4, start)
+        store_i32(cursors + Int64(tid) * 4, Int32(0))
+        if tid == num_local - 1:
+            c = load_i32(counts + Int64(tid) * 4)
+            store_i32(offsets + Int64(num_local) * 4, start + (c + align - 1) // align * align)
+
+
+@cute.kernel
+def _scatter_kernel(
+    x: Int64, topk_ids: Int64, n_tokens: Int32, hidden: Int32, expert_start: Int32, num_local: Int32,
+    offsets: Int64, cursors: Int64, row_of: Int64, rows: Int64,
+    dtype: cutlass.Constexpr, topk: cutlass.Constexpr,
+):
+    vec = VEC_BYTES * 8 // dtype.width
+    esz = dtype.width // 8
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nthr, _, _ = cute.arch.block_dim()
+    nblk, _, _ = cute.arch.grid_dim()
+    row_bytes = Int64(hidden) * esz
+    for t in cutlass.range(bid, n_tokens, nblk):
+        if tid < topk:
+            entry = Int64(t) * topk + tid
+            le = load_i32(topk_ids + entry * 4) - expert_start
+            pos = Int32(-1)
+            if le >= 0 and le < num_local:
+                slot = cute.arch.atomic_add(gptr(Int32, cursors + Int64(le) * 4, 4), Int32(1), sem="relaxed", scope="gpu")
+                pos = load_i32(offsets + Int64(le) * 4) + slot
+            store_i32(row_of + entry * 4, pos)
+        cute.arch.sync_threads()
+        dests = [load_i32(row_of + (Int64(t) * topk + j) * 4) for j in range(topk)]
+        for h in cutlass.range(tid * vec, hidden, nthr * vec):
+            v = load_vec_f32(x + Int64(t) * row_bytes + Int64(h) * esz, dtype, vec, vec)
+            for j in cutlass.range_constexpr(topk):
+                if dests[j] >= 0:
+                    store_vec_f32(rows + Int64(dests[j]) * row_bytes + Int64(h) * esz, v, dtype, vec, vec)
+        cute.arch.sync_threads()
+
+
+@cute.kernel
+def _combine_kernel(
+    y: Int64, row_of: Int64, weights: Int64, n_tokens: Int32, hidden: Int32, out: Int64,
+    dtype: cutlass.Constexpr, topk: cutlass.Constexpr,
+):
+    vec = VEC_BYTES * 8 // dtype.width
+    esz = dtype.width // 8
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nthr, _, _ = cute.arch.block_dim()
+    nblk, _, _ = cute.arch.grid_dim()
+    row_bytes = Int64(hidden) * esz
+    for t in cutlass.range(bid, n_tokens, nblk):
+        srcs = [load_i32(row_of + (Int64(t) * topk + j) * 4) for j in range(topk)]
+        ws = [cute.arch.load(gptr(Float32, weights + (Int64(t) * topk + j) * 4, 4), Float32) for j in range(topk)]
+        for h in cutlass.range(tid * vec, hidden, nthr * vec):
+            acc = cute.make_rmem_tensor((vec,), Float32)
+            acc.fill(0.0)
+            for j in cutlass.range_constexpr(topk):
+                if srcs[j] >= 0:
+                    v = load_vec_f32(y + Int64(srcs[j]) * row_bytes + Int64(h) * esz, dtype, vec, vec)
+                    acc.store(acc.load() + v.load() * ws[j])
+            store_vec_f32(out + Int64(t) * row_bytes + Int64(h) * esz, acc, dtype, vec, vec)
+
+
+@cute.jit
+def _launch_select(
+    x: Int64, topk_ids: Int64, n_tokens: Int32, hidden: Int32, expert_start: Int32, num_local: Int32, align: Int32,
+    counts: Int64, offsets: Int64, cursors: Int64, row_of: Int64, rows: Int64, grid: Int32,
+    stream: cuda_driver.CUstream, dtype: cutlass.Constexpr, topk: cutlass.Constexpr,
+):
+    n_entries = n_tokens * topk
+    _count_kernel(topk_ids, n_entries, expert_start, num_local, counts).launch(
+        grid=[(n_entries + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
+    _offsets_kernel(counts, num_local, align, offsets, cursors).launch(
+        grid=[1, 1, 1], block=[MAX_LOCAL_EXPERTS, 1, 1], stream=stream
+    )
+    _scatter_kernel(
+        x, topk_ids, n_tokens, hidden, expert_start, num_local, offsets, cursors, row_of, rows, dtype, topk
+    ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+@cute.jit
+def _launch_combine(
+    y: Int64, row_of: Int64, weights: Int64, n_tokens: Int32, hidden: Int32, out: Int64, grid: Int32,
+    stream: cuda_driver.CUstream, dtype: cutlass.Constexpr, topk: cutlass.Constexpr,
+):
+    _combine_kernel(y, row_of, weights, n_tokens, hidden, out, dtype, topk).launch(
+        grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
+    )
+
+
+_CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+
+
+@functools.cache
+def compile_select(dtype: torch.dtype, topk: int):
+    from kernels._cute_runtime import dummy_stream
+
+    z, i = Int64(0), Int32(0)
+    return cute.compile(_launch_select, z, z, i, i, i, i, i, z, z, z, z, z, Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], topk)
+
+
+@functools.cache
+def compile_combine(dtype: torch.dtype, topk: int):
+    from kernels._cute_runtime import dummy_stream
+
+    z, i = Int64(0), Int32(0)
+    return cute.compile(_launch_combine, z, z, z, i, i, z, Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], topk)
+
+
+def _grid(n_tokens: int) -> int:
+    return max(1, min(n_tokens, 132 * 8))
+
+
+# --------------------------------------------------------------------------- public ops
+
+
+def ep_select(
+    x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int = 1
+) -> SelectedRows:
+    """Gather the rows routed to experts ``[expert_start, expert_start + num_local_experts)``.
+
+    CUDA tensors use the CuTeDSL kernels (no host synchronisation), others the torch reference.
+    """
+    if not x.is_cuda:
+        return ep_select_reference(x, topk_ids, expert_start, num_local_experts, align)
+    from kernels._cute_runtime import current_stream
+
+    _check(x, topk_ids, expert_start, num_local_experts, align)
+    if x.dtype not in _CUTE_DTYPES or x.shape[1] * x.element_size() % VEC_BYTES or not x.is_contiguous():
+        raise EpExchangeError(f"x must be contiguous {list(_CUTE_DTYPES)} with rows a multiple of {VEC_BYTES} bytes")
+    t, k = topk_ids.shape
+    ids = topk_ids.to(torch.int32).contiguous()
+    counts = torch.zeros(num_local_experts, dtype=torch.int32, device=x.device)
+    offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=x.device)
+    cursors = torch.empty(num_local_experts, dtype=torch.int32, device=x.device)
+    row_of = torch.empty(t, k, dtype=torch.int32, device=x.device)
+    rows = torch.empty(capacity(t, k, num_local_experts, align), x.shape[1], dtype=x.dtype, device=x.device)
+    if t > 0:
+        compile_select(x.dtype, k)(
+            x.data_ptr(), ids.data_ptr(), t, x.shape[1], expert_start, num_local_experts, align, counts.data_ptr(),
+            offsets.data_ptr(), cursors.data_ptr(), row_of.data_ptr(), rows.data_ptr(), _grid(t), current_stream(),
+        )
+    else:
+        offsets.zero_()
+    return SelectedRows(rows, offsets, counts, row_of)
+
+
+def ep_combine(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's local expert outputs: ``[T, H]`` in ``y.dtype``."""
+    if not y.is_cuda:
+        return ep_combine_reference(y, row_of, topk_weights)
+    from kernels._cute_runtime import current_stream
+
+    if row_of.shape != topk_weights.shape or y.dim() != 2 or not y.is_contiguous():
+        raise EpExchangeError(f"y must be contiguous [rows, H]; row_of {tuple(row_of.shape)} vs weights {tuple(topk_weights.shape)}")
+    if y.dtype not in _CUTE_DTYPES or y.shape[1] * y.element_size() % VEC_BYTES:
+        raise EpExchangeError(f"y must be {list(_CUTE_DTYPES)} with rows a multiple of {VEC_BYTES} bytes")
+    t, k = row_of.shape
+    out = torch.empty(t, y.shape[1], dtype=y.dtype, device=y.device)
+    if t > 0:
+        w = topk_weights.to(torch.float32).contiguous()
+        ro = row_of.to(torch.int32).contiguous()
+        compile_combine(y.dtype, k)(
+            y.data_ptr(), ro.data_ptr(), w.data_ptr(), t, y.shape[1], out.data_ptr(), _grid(t), current_stream()
+        )
+    return out
