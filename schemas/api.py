@@ -58,6 +58,7 @@ class Timing(msgspec.Struct, forbid_unknown_fields=True):
     queue_ms: float  # arrival at the gateway -> placed by the scheduler
     ttft_ms: float  # arrival at the gateway -> first token at the gateway
     total_ms: float  # arrival at the gateway -> reply
+    compute_ms: float  # model compute spent on this request (prefill pass + the decode steps it was in)
 
 
 class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True, tag="response", tag_field="type", kw_only=True):

@@ -220,10 +220,14 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
 
     Fails fast (after `connect_timeout`) when no server listens, instead of retrying forever.
     """
+    async def on_error(e: Exception) -> None:
+        log.warning("nats_error", error=f"{type(e).__name__}: {e}")
+
     async with contextlib.AsyncExitStack() as stack:
         nc = await nats.connect(
             url,
             name=name,
+            error_cb=on_error,
             connect_timeout=connect_timeout,
             allow_reconnect=True,
             max_reconnect_attempts=-1,

@@ -71,7 +71,8 @@ class SchedulerSettings(ServiceSettings, kw_only=True):
 
 class PrefillSettings(ServiceSettings, kw_only=True):
     tp: int = 1  # tensor-parallel ranks (processes) of this instance
-    device: str = "cpu"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "float32"  # compute and KV dtype; must match the decode instances
     page_size: int = 16
     kv_pages: int = 512  # KV pages of the prefill-side cache (per rank)
     max_batch_tokens: int = 8192  # prompts run together in one forward pass, up to this many tokens
@@ -81,7 +82,8 @@ class PrefillSettings(ServiceSettings, kw_only=True):
 
 class DecodeSettings(ServiceSettings, kw_only=True):
     dp: int = 1  # data-parallel ranks (processes); experts are sharded over all of them (EP = dp)
-    device: str = "cpu"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "float32"  # compute and KV dtype; must match the prefill instances
     page_size: int = 16
     kv_pages: int = 512  # KV pages per rank
     max_batch: int = 32  # running + reserved requests per rank

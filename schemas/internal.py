@@ -1,0 +1,143 @@
+"""Messages between moebus services (msgpack on the wire, DESIGN §2).
+
+Times that cross processes are absolute Unix times in seconds (`deadline`), so that
+every hop can compute what is left of the request's budget without carrying a
+start time around.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.api import ErrorCode, FinishReason
+from schemas.transfer import KVTransferDescriptor
+
+
+class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Resolved sampling parameters (the gateway filled in every default)."""
+
+    temperature: float  # 0 = greedy
+    top_p: float
+    top_k: int  # 0 = no top-k cut
+    seed: int | None  # None: nondeterministic
+
+
+class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Everything every stage needs to know about one request."""
+
+    request_id: str
+    gateway: str  # gateway id: token batches go to tok.<gateway>.<request_id>
+    input_ids: list[int]
+    max_tokens: int
+    sampling: SamplingSpec
+    stop_token_ids: list[int]  # EOS ids of the model; stop strings are the gateway's business
+    logprobs: bool
+    deadline: float  # Unix time after which nobody works on this request any more
+
+
+class SubmitJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    job: Job
+
+
+class Placement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    decode_instance: str
+    decode_rank: int
+    prefill_instance: str
+
+
+class SubmitAck(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The scheduler's answer: placed (prefill task sent), or a typed refusal."""
+
+    request_id: str
+    placement: Placement | None = None
+    error_code: ErrorCode | None = None
+    error_message: str = ""
+
+
+class ReserveKV(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Ask a decode rank to hold KV pages for prompt + completion until `lease_until`."""
+
+    request_id: str
+    gateway: str  # told when the lease expires unused
+    prompt_tokens: int  # KV that prefill will write
+    max_tokens: int  # room the decode rank keeps for the completion
+    lease_until: float  # Unix time; the rank frees the pages if StartDecode has not come by then
+
+
+class KVReservation(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    request_id: str
+    ok: bool
+    descriptor: KVTransferDescriptor | None = None  # where prefill ranks write the KV (when ok)
+    reason: str = ""  # why not (when not ok)
+
+
+class PrefillTask(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    job: Job
+    placement: Placement
+    descriptor: KVTransferDescriptor
+
+
+class StartDecode(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Prefill -> decode rank: the KV is (being) written, here is the first token."""
+
+    job: Job
+    first_token: int
+    first_logprob: float | None
+    generator_state: bytes | None  # the seeded sampler's state after the first token (reproducibility)
+
+
+class TokenBatch(msgspec.Struct, forbid_unknown_fields=True, tag="tokens", tag_field="type", kw_only=True):
+    """Tokens `start .. start+len(token_ids)-1` of a request's completion."""
+
+    request_id: str
+    start: int  # index of token_ids[0] in the completion (prefill sends 0, decode 1, 2, ...)
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None  # set on the last batch of the request
+    compute_ms: float = 0.0  # model time spent producing these tokens (prefill pass / decode steps)
+
+
+class StageError(msgspec.Struct, forbid_unknown_fields=True, tag="error", tag_field="type", kw_only=True):
+    """A stage gave up on a request; terminal for the gateway."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+    stage: str  # e.g. "decode:d0/1"
+
+
+TokenMessage = TokenBatch | StageError
+
+Role = Literal["gateway", "scheduler", "prefill", "decode"]
+
+
+class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Published ~2 Hz on ctl.heartbeat.<role>.<instance>.<rank>; the registry is built from these."""
+
+    role: Role
+    instance: str
+    rank: int
+    model: str
+    version: str
+    started_at: float
+    draining: bool = False  # takes no new work, finishing what it has
+    # decode ranks
+    kv_total_pages: int = 0
+    kv_free_pages: int = 0  # pages neither in use nor reserved
+    page_size: int = 0
+    batch_size: int = 0  # running + reserved requests
+    max_batch: int = 0
+    # prefill instances
+    queued_tokens: int = 0  # input tokens queued or running
+    queued_requests: int = 0
+    # gateways
+    in_flight: int = 0
+
+
+class Cancel(msgspec.Struct, forbid_unknown_fields=True):
+    """ctl.cancel fan-out: every stage drops the request and frees what it holds for it."""
+
+    request_id: str
+    reason: str

@@ -1,0 +1,164 @@
+"""Client of the public API: an async `Client` for programs and tests, and `moebus request`.
+
+`moebus request --url nats://127.0.0.1:4222 --prompt "hi" [--stream] [--max-tokens N] ...`
+prints the completion (streamed as it arrives with --stream) and a usage/timing line
+on stderr; `--json` prints the raw replies instead. The exit status is 1 on an error
+reply, with its code and message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from schemas import subjects
+from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, ModelList
+from shared.bus import CONTENT_TYPE, JSON, MSGPACK, Bus, BusError, Deadline, connect, decode_public, encode_public
+
+
+class GenerateError(Exception):
+    """An error reply (or no reply at all) for a request; `code` is the API error code."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class Client:
+    """Talks to `llm.*` over an open bus. `timeout` bounds the wait when a request sets no deadline."""
+
+    def __init__(self, bus: Bus, content_type: str = JSON, timeout: float = 120.0) -> None:
+        self.bus = bus
+        self.ctype = content_type
+        self.timeout = timeout
+
+    def _deadline(self, req: GenerateRequest) -> Deadline:
+        # The gateway answers `timeout` at the request's own deadline; wait a little longer for that reply.
+        return Deadline.after((req.timeout_ms / 1000 + 5.0) if req.timeout_ms else self.timeout)
+
+    def _headers(self) -> dict[str, str]:
+        return {CONTENT_TYPE: self.ctype}
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        """One unary completion; raises GenerateError on an error reply."""
+        req = msgspec.structs.replace(req, stream=False)
+        async for reply in self._replies(req):
+            return reply  # type: ignore[return-value]
+        raise AssertionError("unreachable: _replies yields or raises")
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The chunks of a streamed completion; raises GenerateError on an error reply."""
+        req = msgspec.structs.replace(req, stream=True)
+        async for reply in self._replies(req):
+            yield reply  # type: ignore[misc]
+
+    async def send_raw(self, payload: bytes, headers: dict[str, str] | None = None, timeout: float = 10.0) -> GenerateReply:
+        """Send arbitrary bytes on llm.generate and decode the first reply (for malformed-input checks)."""
+        msg = await self.bus.nc.request(subjects.GENERATE, payload, timeout=timeout, headers=headers)
+        return decode_public(msg.data, GenerateReply, MSGPACK if (headers or {}).get(CONTENT_TYPE) == MSGPACK else JSON)
+
+    async def _replies(self, req: GenerateRequest) -> AsyncIterator[GenerateResponse | GenerateChunk]:
+        def is_last(msg: Any) -> bool:
+            reply = decode_public(msg.data, GenerateReply, self.ctype)
+            return not isinstance(reply, GenerateChunk) or reply.finish_reason is not None
+
+        try:
+            async for msg in self.bus.stream(subjects.GENERATE, encode_public(req, self.ctype), is_last, self._deadline(req), self._headers()):
+                reply = decode_public(msg.data, GenerateReply, self.ctype)
+                if isinstance(reply, ErrorReply):
+                    raise GenerateError(reply.error.code, reply.error.message, reply.request_id)
+                yield reply
+        except BusError as e:
+            raise GenerateError("unavailable", str(e), req.request_id) from e
+
+    async def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
+        await self.bus.publish(subjects.CANCEL, encode_public(CancelRequest(request_id, reason), self.ctype), self._headers())
+
+    async def models(self, timeout: float = 5.0) -> ModelList:
+        msg = await self.bus.nc.request(subjects.MODELS, b"", timeout=timeout, headers=self._headers())
+        return decode_public(msg.data, ModelList, self.ctype)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moebus request", description="send one request to a running moebus stack")
+    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text")
+    src.add_argument("--chat", help="one user message; the model's chat template is applied")
+    src.add_argument("--input-ids", type=lambda s: [int(t) for t in s.split(",")], help="comma-separated token ids")
+    ap.add_argument("--model")
+    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--top-k", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--logprobs", action="store_true")
+    ap.add_argument("--timeout-ms", type=int)
+    ap.add_argument("--msgpack", action="store_true", help="send msgpack instead of JSON")
+    ap.add_argument("--json", action="store_true", help="print the raw replies as JSON lines")
+    return ap.parse_args(argv)
+
+
+async def _run(a: argparse.Namespace) -> int:
+    req = GenerateRequest(
+        model=a.model,
+        prompt=a.prompt,
+        messages=[ChatMessage("user", a.chat)] if a.chat is not None else None,
+        input_ids=a.input_ids,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        stop=a.stop,
+        logprobs=a.logprobs,
+        timeout_ms=a.timeout_ms,
+    )
+    async with connect(a.url, "moebus-request") as bus:
+        client = Client(bus, MSGPACK if a.msgpack else JSON)
+        try:
+            if a.stream:
+                async for chunk in client.stream(req):
+                    if a.json:
+                        print(msgspec.json.encode(chunk).decode(), flush=True)
+                    else:
+                        print(chunk.text, end="", flush=True)
+                    last = chunk
+                if not a.json:
+                    print()
+                    _summary(last.finish_reason, last.usage, last.timing)
+            else:
+                resp = await client.generate(req)
+                if a.json:
+                    print(msgspec.json.encode(resp).decode())
+                else:
+                    print(resp.text)
+                    _summary(resp.finish_reason, resp.usage, resp.timing)
+        except GenerateError as e:
+            if a.json:
+                print(json.dumps({"type": "error", "error": {"code": e.code, "message": e.message}, "request_id": e.request_id}))
+            print(f"moebus request: error {e.code}: {e.message}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _summary(finish_reason: Any, usage: Any, timing: Any) -> None:
+    print(
+        f"[finish={finish_reason} prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens} "
+        f"ttft={timing.ttft_ms:.1f}ms total={timing.total_ms:.1f}ms]",
+        file=sys.stderr,
+    )
+
+
+def main(argv: list[str]) -> int:
+    return asyncio.run(_run(_parse(argv)))

@@ -1,0 +1,93 @@
+"""What every service process shares: command line -> settings, signals, heartbeats."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+
+from schemas import subjects
+from schemas.internal import Heartbeat
+from shared.bus import Bus, pack
+from shared.logging import configure_logging, get_logger
+from shared.settings import SERVICES, ServiceSettings, SettingsError, load_settings
+
+log = get_logger(__name__)
+
+
+def moebus_version() -> str:
+    try:
+        return version("moebus")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def parse_settings(service: str, argv: list[str]) -> ServiceSettings:
+    """`moebus <service> [--config FILE] [--nats-url URL] [--model DIR] [--instance ID] [--set FIELD=VALUE ...]`."""
+    parser = argparse.ArgumentParser(prog=f"moebus {service}", description=f"run a {service}")
+    parser.add_argument("--config", help="TOML settings file (see shared/settings.py)")
+    parser.add_argument("--nats-url")
+    parser.add_argument("--model", help="checkpoint directory")
+    parser.add_argument("--instance", help="instance id used in subjects and heartbeats")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="any other settings field")
+    args = parser.parse_args(argv)
+    overrides: dict[str, object] = {"nats_url": args.nats_url, "model": args.model, "instance": args.instance}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects FIELD=VALUE, got {item!r}")
+        overrides[key.replace("-", "_")] = value
+    try:
+        settings = load_settings(SERVICES[service], service, args.config, overrides)
+    except SettingsError as e:
+        parser.error(str(e))
+    configure_logging(service, settings.log_level, settings.log_json, instance=settings.instance)
+    return settings
+
+
+def stop_event() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (drain and exit instead of dying mid-request)."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+class Heartbeater:
+    """Publishes `make()` on ctl.heartbeat.<role>.<instance>.<rank> every `heartbeat_interval_s`."""
+
+    def __init__(self, bus: Bus, settings: ServiceSettings, role: str, make: Callable[[], Heartbeat]) -> None:
+        self.bus = bus
+        self.interval = settings.heartbeat_interval_s
+        self.make = make
+        self.role = role
+        self.version = moebus_version()
+        self.started_at = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def beat(self) -> None:
+        hb = self.make()
+        await self.bus.publish(subjects.heartbeat(hb.role, hb.instance, hb.rank), pack(hb))
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except Exception:
+                log.exception("heartbeat_failed", role=self.role)
+            await asyncio.sleep(self.interval)
+
+    async def stop(self) -> None:
+        """Stop beating; a final heartbeat with draining=True was the caller's job."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

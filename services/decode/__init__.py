@@ -1,0 +1,1 @@
+"""The decode service (DESIGN §1 step 4)."""

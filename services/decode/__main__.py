@@ -1,0 +1,70 @@
+"""`moebus decode` / `python -m services.decode`: one decode instance of `dp` ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import torch
+
+from services.common import parse_settings, stop_event
+from services.decode.rank import DecodeRank
+from services.ranks import prepare_rank_environment, resolve_device, run_group
+from shared.bus import connect
+from shared.logging import configure_logging, get_logger
+from shared.model.runner import ModelRunner
+from shared.parallel import Topology, init_distributed
+from shared.settings import DecodeSettings
+from shared.transfer import KVReceiver, TransferWorker
+
+log = get_logger(__name__)
+
+
+def run_rank(settings: DecodeSettings, rank: int, world: int, dist_port: int) -> None:
+    configure_logging("decode", settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
+    device = resolve_device(settings.device, rank)
+    prepare_rank_environment(device.split(":")[0])
+    topology = Topology.decode(world, rank)
+    comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
+    runner = ModelRunner.from_dir(
+        settings.model,
+        num_pages=settings.kv_pages,
+        page_size=settings.page_size,
+        dtype=getattr(torch, settings.dtype),
+        device=device,
+        topology=topology,
+        comm=comm,
+    )
+    asyncio.run(_serve(settings, runner, rank, world))
+
+
+async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world: int) -> None:
+    stop = stop_event()
+    worker = await TransferWorker.create()
+    receiver = KVReceiver(worker, runner.cache)
+    try:
+        async with connect(settings.nats_url, f"decode-{settings.instance}-{rank}", drain_timeout=settings.drain_timeout_s) as bus:
+            decode = DecodeRank(settings, bus, runner, receiver, rank, world)
+            await decode.start()
+            loop = asyncio.get_running_loop().create_task(decode.run())
+            log.info("decode_ready", kv_pages=settings.kv_pages, max_batch=settings.max_batch, device=str(runner.cache.device))
+            await asyncio.wait([loop, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+            await decode.drain()
+            await loop  # returns once every rank of the instance has drained
+            await decode.close()
+    finally:
+        worker.close()
+    log.info("decode_stopped")
+
+
+def main(argv: list[str]) -> int:
+    settings = parse_settings("decode", argv)
+    assert isinstance(settings, DecodeSettings)
+    if not settings.model:
+        print("moebus decode: --model DIR (or MOEBUS_MODEL) is required", file=sys.stderr)
+        return 2
+    return run_group(run_rank, settings, settings.dp, settings.dist_port, settings.drain_timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,271 @@
+"""One decode rank: KV reservations, sequence admission, the step loop, token publishing.
+
+Each rank is addressable on its own subjects (`decode.<instance>.<rank>.reserve` and
+`.start`) and owns its sequences and KV cache; the model step runs off the event loop
+(so NATS, UCX completions and heartbeats keep flowing) in lockstep with the other
+ranks of the instance.
+
+A reservation holds the pages the transfer fills (the prompt) plus room for
+`max_tokens`, so a running sequence never needs pages mid-flight. It ends in one of:
+`StartDecode` (the sequence runs), cancel, or its lease — then every page is freed
+and the gateway hears why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.api import ErrorCode
+from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
+from services.common import Heartbeater
+from services.decode.lockstep import GroupState, Lockstep
+from shared.bus import Bus, Deadline, pack, unpack
+from shared.kvcache import OutOfPages
+from shared.logging import bind_request, get_logger
+from shared.model.runner import ModelRunner, SequenceState
+from shared.model.sampling import SamplingParams
+from shared.settings import DecodeSettings
+from shared.transfer import KVReceiver, TransferError
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    gateway: str
+    extra_pages: list[int]  # completion room beyond the transferred prompt pages
+    lease: asyncio.TimerHandle | None = None
+    starting: bool = False  # StartDecode arrived, waiting for the KV to land
+
+
+@dataclass
+class Running:
+    job: Job
+    seq: SequenceState
+    cancelled: str | None = None  # reason, when cancelled while a step was in flight
+    compute_ms: float = field(default=0.0)
+
+
+class DecodeRank:
+    def __init__(self, settings: DecodeSettings, bus: Bus, runner: ModelRunner, receiver: KVReceiver, rank: int, world: int) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.runner = runner
+        self.receiver = receiver
+        self.rank = rank
+        self.lockstep = Lockstep(runner, world)
+        self.name = f"decode:{settings.instance}/{rank}"
+        self.reserved: dict[str, Reservation] = {}
+        self.running: dict[str, Running] = {}
+        self.work = asyncio.Event()
+        self.draining = False
+        self.heartbeater = Heartbeater(bus, settings, "decode", self._heartbeat)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        inst, rank = self.settings.instance, self.rank
+        await self.bus.subscribe(subjects.decode_reserve(inst, rank), self._on_reserve, concurrent=False)
+        await self.bus.subscribe(subjects.decode_start(inst, rank), self._on_start)
+        await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
+        self.heartbeater.start()
+
+    async def run(self) -> None:
+        """The step loop; returns when every rank of the instance has drained."""
+        drain_deadline: Deadline | None = None
+        while True:
+            if self.draining and drain_deadline is None:
+                drain_deadline = Deadline.after(self.settings.drain_timeout_s)
+            if drain_deadline is not None and drain_deadline.expired:
+                await self._fail_all("unavailable", "decode rank shut down before the request finished")
+            want_exit = self.draining and not self.running and not self.reserved
+            batch = list(self.running.values())
+            result = await asyncio.to_thread(self.lockstep.step, [r.seq for r in batch], want_exit)
+            if result.state is GroupState.EXIT:
+                return
+            if result.state is GroupState.IDLE:
+                # Alone, sleep until work arrives; in a group, poll: the others may have work.
+                idle_s = self.settings.idle_sleep_ms / 1000 if self.lockstep.world > 1 else 0.25
+                self.work.clear()
+                try:
+                    await asyncio.wait_for(self.work.wait(), idle_s)
+                except TimeoutError:
+                    pass
+                continue
+            await self._publish(batch, result.outputs, result.compute_ms)
+            await self._expire_deadlines()
+
+    async def drain(self) -> None:
+        """Stop taking reservations; `run` finishes the running sequences and returns."""
+        self.draining = True
+        await self.heartbeater.beat()
+        self.work.set()
+
+    async def close(self) -> None:
+        await self.heartbeater.stop()
+        await self.receiver.close()
+
+    def _heartbeat(self) -> Heartbeat:
+        layout = self.runner.cache.layout
+        return Heartbeat(
+            role="decode",
+            instance=self.settings.instance,
+            rank=self.rank,
+            model=self.settings.model_name,
+            version=self.heartbeater.version,
+            started_at=self.heartbeater.started_at,
+            draining=self.draining,
+            kv_total_pages=layout.num_pages,
+            kv_free_pages=self.runner.cache.allocator.num_free,
+            page_size=layout.page_size,
+            batch_size=len(self.running) + len(self.reserved),
+            max_batch=self.settings.max_batch,
+        )
+
+    # ------------------------------------------------------------ reservations
+
+    async def _on_reserve(self, msg: Msg) -> None:
+        req = unpack(msg.data, ReserveKV)
+        with bind_request(request_id=req.request_id):
+            reply = self._reserve(req)
+            log.debug("reserve", ok=reply.ok, reason=reply.reason)
+        await msg.respond(pack(reply))
+
+    def _reserve(self, req: ReserveKV) -> KVReservation:
+        def refuse(reason: str) -> KVReservation:
+            return KVReservation(request_id=req.request_id, ok=False, reason=reason)
+
+        if self.draining:
+            return refuse("draining")
+        if len(self.running) + len(self.reserved) >= self.settings.max_batch:
+            return refuse(f"batch full ({self.settings.max_batch})")
+        if req.request_id in self.reserved or req.request_id in self.running:
+            return refuse("request already holds a reservation here")
+        lease_s = req.lease_until - time.time()
+        if lease_s <= 0:
+            return refuse("lease already expired")
+        layout = self.runner.cache.layout
+        allocator = self.runner.cache.allocator
+        total = layout.pages_for(req.prompt_tokens + req.max_tokens)
+        if total > allocator.num_free:
+            return refuse(f"out of KV pages: {total} needed, {allocator.num_free} free")
+        try:
+            descriptor = self.receiver.reserve(req.request_id, req.prompt_tokens, lease_s)
+        except (OutOfPages, ValueError) as e:
+            return refuse(str(e))
+        extra = allocator.alloc(total - len(descriptor.page_ids))
+        res = Reservation(req.request_id, req.gateway, extra)
+        res.lease = asyncio.get_running_loop().call_later(lease_s, self._lease_ended, res)
+        self.reserved[req.request_id] = res
+        return KVReservation(request_id=req.request_id, ok=True, descriptor=descriptor)
+
+    def _lease_ended(self, res: Reservation) -> None:
+        if self.reserved.get(res.request_id) is res and not res.starting:
+            asyncio.get_running_loop().create_task(self._drop_reservation(res, "unavailable", "KV reservation lease ended before prefill delivered"))
+
+    async def _drop_reservation(self, res: Reservation, code: ErrorCode | None, message: str) -> None:
+        """Free everything a reservation holds; tell the gateway unless it asked for this."""
+        if self.reserved.pop(res.request_id, None) is None:
+            return
+        if res.lease is not None:
+            res.lease.cancel()
+        self.receiver.cancel(res.request_id)
+        self.runner.cache.allocator.free(res.extra_pages)
+        log.info("reservation_dropped", request_id=res.request_id, reason=message)
+        if code is not None:
+            await self._send_error(res.gateway, res.request_id, code, message)
+
+    # ------------------------------------------------------------ start / cancel
+
+    async def _on_start(self, msg: Msg) -> None:
+        start = unpack(msg.data, StartDecode)
+        job = start.job
+        with bind_request(request_id=job.request_id):
+            res = self.reserved.get(job.request_id)
+            if res is None:
+                await self._send_error(job.gateway, job.request_id, "internal", "no KV reservation for this request (expired or cancelled)")
+                return
+            res.starting = True
+            try:
+                pages = await self.receiver.wait_complete(job.request_id, Deadline(job.deadline).timeout())
+            except TransferError as e:
+                await self._drop_reservation(res, "unavailable", f"KV transfer failed: {e}")
+                return
+            # A cancel or lease end while we waited cancels the receiver too, so wait_complete raised.
+            del self.reserved[job.request_id]
+            if res.lease is not None:
+                res.lease.cancel()
+            params = SamplingParams(
+                temperature=job.sampling.temperature,
+                top_k=job.sampling.top_k,
+                top_p=job.sampling.top_p,
+                seed=job.sampling.seed,
+                logprobs=job.logprobs,
+                max_tokens=job.max_tokens,
+                stop_token_ids=tuple(job.stop_token_ids),
+            )
+            prompt = job.input_ids
+            seq = self.runner.add(job.request_id, prompt, params, page_table=pages + res.extra_pages, num_cached=len(prompt), output_ids=[start.first_token])
+            if seq.generator is not None and start.generator_state is not None:
+                seq.generator.set_state(torch.frombuffer(bytearray(start.generator_state), dtype=torch.uint8))
+            self.running[job.request_id] = Running(job, seq)
+            log.info("decode_started", prompt_tokens=len(prompt))
+            self.work.set()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        cancel = unpack(msg.data, Cancel)
+        if (res := self.reserved.get(cancel.request_id)) is not None:
+            await self._drop_reservation(res, None, cancel.reason)
+        elif (entry := self.running.get(cancel.request_id)) is not None:
+            entry.cancelled = cancel.reason  # freed after the step in flight, in _publish
+
+    # ------------------------------------------------------------ after a step
+
+    async def _publish(self, batch: list[Running], outputs: list, compute_ms: float) -> None:
+        for entry, out in zip(batch, outputs, strict=True):
+            rid = entry.job.request_id
+            if entry.cancelled is not None:
+                self._finish(entry)
+                log.info("decode_cancelled", request_id=rid, reason=entry.cancelled)
+                continue
+            batch_msg = TokenBatch(
+                request_id=rid,
+                start=len(entry.seq.output_ids) - 1,
+                token_ids=[out.token_id],
+                logprobs=[out.logprob] if out.logprob is not None else None,
+                finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                compute_ms=compute_ms,
+            )
+            await self.bus.publish(subjects.tokens(entry.job.gateway, rid), pack(batch_msg))
+            if out.finish_reason is not None:
+                self._finish(entry)
+                log.info("decode_finished", request_id=rid, finish_reason=out.finish_reason, tokens=len(entry.seq.output_ids))
+
+    def _finish(self, entry: Running) -> None:
+        self.running.pop(entry.job.request_id, None)
+        self.runner.release(entry.seq)
+
+    async def _expire_deadlines(self) -> None:
+        """Requests past their deadline stop here even if no gateway is left to cancel them."""
+        now = time.time()
+        for entry in [e for e in self.running.values() if e.job.deadline < now]:
+            self._finish(entry)
+            await self._send_error(entry.job.gateway, entry.job.request_id, "timeout", "deadline passed during decode")
+
+    async def _fail_all(self, code: ErrorCode, message: str) -> None:
+        for entry in list(self.running.values()):
+            self._finish(entry)
+            await self._send_error(entry.job.gateway, entry.job.request_id, code, message)
+        for res in list(self.reserved.values()):
+            await self._drop_reservation(res, code, message)
+
+    async def _send_error(self, gateway: str, request_id: str, code: ErrorCode, message: str) -> None:
+        error = StageError(request_id=request_id, code=code, message=message, stage=self.name)
+        await self.bus.publish(subjects.tokens(gateway, request_id), pack(error))

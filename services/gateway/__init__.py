@@ -1,0 +1,1 @@
+"""The gateway service (DESIGN §1 step 1)."""

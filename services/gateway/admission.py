@@ -1,0 +1,135 @@
+"""Admission: a decoded `GenerateRequest` becomes a `Job`, or a typed `Rejected` error.
+
+Everything a client can get wrong is checked here, before any other stage sees the
+request: one prompt form, known model, token limits against the context, sampling
+parameter domains, deadline bounds, request id syntax.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from schemas.api import ErrorCode, GenerateRequest
+from schemas.internal import Job, SamplingSpec
+from shared.model.config import GenerationConfig, ModelConfig
+from shared.model.sampling import InvalidSamplingParams, SamplingParams
+from shared.model.tokenizer import InvalidPromptError, Tokenizer
+from shared.settings import GatewaySettings
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class Rejected(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What admission needs to know about the served model."""
+
+    name: str
+    max_context: int
+    vocab_size: int
+    generation: GenerationConfig
+
+    @classmethod
+    def load(cls, settings: GatewaySettings) -> ModelInfo:
+        config = ModelConfig.from_dir(settings.model)
+        return cls(
+            name=settings.model_name,
+            max_context=settings.max_context or config.max_position_embeddings,
+            vocab_size=config.vocab_size,
+            generation=GenerationConfig.from_dir(settings.model),
+        )
+
+
+@dataclass(frozen=True)
+class Admitted:
+    job: Job
+    stop: list[str]
+    timeout_s: float
+
+
+class Admission:
+    def __init__(self, settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @property
+    def max_tokens_limit(self) -> int:
+        return min(self.settings.max_tokens_limit, self.model.max_context - 1)
+
+    def admit(self, req: GenerateRequest, gateway: str, arrival: float | None = None) -> Admitted:
+        arrival = time.time() if arrival is None else arrival
+        if req.model is not None and req.model != self.model.name:
+            raise Rejected("unknown_model", f"model {req.model!r} is not served here; available: [{self.model.name!r}]")
+        if req.request_id is not None and not _REQUEST_ID.match(req.request_id):
+            raise Rejected("invalid_request", "request_id: use 1-128 letters, digits, '-' or '_'")
+        if not 1 <= req.max_tokens <= self.max_tokens_limit:
+            raise Rejected("invalid_request", f"max_tokens must be in [1, {self.max_tokens_limit}], got {req.max_tokens}")
+        if req.timeout_ms is not None and not 0 < req.timeout_ms <= self.settings.max_timeout_ms:
+            raise Rejected("invalid_request", f"timeout_ms must be in [1, {self.settings.max_timeout_ms}], got {req.timeout_ms}")
+        if any(not s for s in req.stop):
+            raise Rejected("invalid_request", "stop: strings must not be empty")
+
+        input_ids = self._input_ids(req)
+        if len(input_ids) + req.max_tokens > self.model.max_context:
+            raise Rejected(
+                "invalid_request",
+                f"prompt ({len(input_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {self.model.max_context} tokens",
+            )
+        sampling = self._sampling(req)
+        timeout_s = (req.timeout_ms or self.settings.default_timeout_ms) / 1000
+        job = Job(
+            request_id=req.request_id or uuid.uuid4().hex,
+            gateway=gateway,
+            input_ids=input_ids,
+            max_tokens=req.max_tokens,
+            sampling=sampling,
+            stop_token_ids=list(self.model.generation.eos_token_ids),
+            logprobs=req.logprobs,
+            deadline=arrival + timeout_s,
+        )
+        return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s)
+
+    def _input_ids(self, req: GenerateRequest) -> list[int]:
+        given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise Rejected("invalid_request", f"give exactly one of prompt, messages, input_ids (got {given or 'none'})")
+        try:
+            if req.prompt is not None:
+                ids = self.tokenizer.encode(req.prompt)
+            elif req.messages is not None:
+                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = list(req.input_ids or [])
+                bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+                if bad:
+                    raise Rejected("invalid_request", f"input_ids: {bad[:5]} outside the vocabulary [0, {self.model.vocab_size})")
+        except InvalidPromptError as e:
+            raise Rejected("invalid_request", str(e)) from e
+        if not ids:
+            raise Rejected("invalid_request", "the prompt is empty")
+        return ids
+
+    def _sampling(self, req: GenerateRequest) -> SamplingSpec:
+        gen = self.model.generation
+        temperature = req.temperature if req.temperature is not None else (gen.temperature if gen.do_sample else 0.0)
+        try:
+            params = SamplingParams(
+                temperature=temperature,
+                top_p=req.top_p if req.top_p is not None else gen.top_p,
+                top_k=req.top_k if req.top_k is not None else gen.top_k,
+                seed=req.seed,
+                max_tokens=req.max_tokens,
+            )
+        except InvalidSamplingParams as e:
+            raise Rejected("invalid_request", str(e)) from e
+        return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k, seed=params.seed)

@@ -1,0 +1,103 @@
+"""Assembling a completion from token batches: order, detokenization, stop strings.
+
+Token batches come from two publishers (prefill sends token 0, the decode rank the
+rest), so they may arrive out of order; `Completion` releases them by index. Text is
+released only when it can no longer turn into a stop string: a tail that is a prefix
+of some stop string is held back until the next tokens decide it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.api import FinishReason
+from schemas.internal import TokenBatch
+from shared.model.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Delta:
+    """What became final with one batch: text, the tokens behind it, their logprobs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.token_ids)
+
+
+class Completion:
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int) -> None:
+        self.detokenizer = detokenizer
+        self.stop = stop
+        self.max_tokens = max_tokens
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""  # everything decoded so far (may run past a stop string)
+        self.released = 0  # characters of `text` handed to the client
+        self.finish_reason: FinishReason | None = None
+        self.compute_ms = 0.0
+        self._early: dict[int, TokenBatch] = {}
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def final_text(self) -> str:
+        return self.text[: self.released]
+
+    def add(self, batch: TokenBatch) -> Delta:
+        """Take a batch (in any order); returns what is now final."""
+        self.compute_ms += batch.compute_ms
+        self._early[batch.start] = batch
+        delta = Delta()
+        while not self.finished and (nxt := self._early.pop(len(self.token_ids), None)) is not None:
+            self._take(nxt, delta)
+        return delta
+
+    def _take(self, batch: TokenBatch, delta: Delta) -> None:
+        room = self.max_tokens - len(self.token_ids)
+        ids = batch.token_ids[:room]
+        self.token_ids += ids
+        delta.token_ids += ids
+        if batch.logprobs is not None:
+            lp = batch.logprobs[: len(ids)]
+            self.logprobs += lp
+            delta.logprobs += lp
+        self.text += self.detokenizer.add(ids)
+        finish = batch.finish_reason or ("length" if len(self.token_ids) >= self.max_tokens else None)
+        if finish is not None:
+            self.text += self.detokenizer.flush()
+
+        cut = self._stop_at()
+        if cut is not None:
+            self.finish_reason = "stop"
+            delta.text += self.text[self.released : cut]
+            self.released = cut
+            return
+        end = len(self.text) if finish is not None else len(self.text) - self._held_back()
+        if end > self.released:
+            delta.text += self.text[self.released : end]
+            self.released = end
+        self.finish_reason = finish
+
+    def _stop_at(self) -> int | None:
+        """Index where the earliest stop string starts in the unreleased text, if any."""
+        if not self.stop:
+            return None
+        # A stop string may straddle the release point by at most len(stop) - 1 characters.
+        start = max(0, self.released - max(map(len, self.stop)) + 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1 and i + len(s) > self.released]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text) - self.released), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

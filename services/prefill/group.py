@@ -1,0 +1,277 @@
+"""One prefill instance: a TP group of ranks running prompts together.
+
+Rank 0 (the leader) is the only rank on NATS: it queues the tasks the scheduler
+sends, forms batches (up to `max_batch_tokens` and the free KV pages), and
+broadcasts each batch to its peers over the process group. Every rank then runs
+the batch's forward — TP needs all of them — and sends its own KV heads to the
+decode rank layer by layer while later layers compute. The ranks agree on which
+transfers succeeded (one all-reduce), and the leader publishes the first tokens
+and tells the decode ranks to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.api import ErrorCode
+from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch
+from services.common import Heartbeater
+from shared.bus import Bus, Deadline, pack, unpack
+from shared.logging import bind_request, get_logger
+from shared.model.runner import ModelRunner, SequenceState, StepOutput
+from shared.model.sampling import SamplingParams
+from shared.settings import PrefillSettings
+from shared.transfer import KVSender, LayoutMismatch, TransferError, TransferWorker, kv_head_shard
+
+log = get_logger(__name__)
+
+IDLE_TICK_S = 1.0  # the leader broadcasts an empty batch this often so peers never time out
+
+
+@dataclass
+class Outcome:
+    task: PrefillTask
+    output: StepOutput | None
+    error: str | None  # None: KV delivered by every rank
+    generator_state: bytes | None  # the seeded sampler after the first token
+    compute_ms: float
+
+
+class PrefillGroup:
+    def __init__(self, settings: PrefillSettings, runner: ModelRunner, worker: TransferWorker, rank: int, world: int, bus: Bus | None) -> None:
+        self.settings = settings
+        self.runner = runner
+        self.worker = worker
+        self.rank = rank
+        self.world = world
+        self.bus = bus  # the leader's; None on peers
+        self.shard = kv_head_shard(rank, world, runner.model.config.num_kv_heads)
+        self.queue: deque[PrefillTask] = deque()
+        self.in_flight_tokens = 0
+        self.arrived = asyncio.Event()
+        self.draining = False
+        self.name = f"prefill:{settings.instance}"
+        self.heartbeater = Heartbeater(bus, settings, "prefill", self._heartbeat) if bus is not None else None
+
+    # ------------------------------------------------------------ leader: NATS side
+
+    async def start(self) -> None:
+        assert self.bus is not None and self.heartbeater is not None
+        await self.bus.subscribe(subjects.prefill_task(self.settings.instance), self._on_task, concurrent=False)
+        await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
+        self.heartbeater.start()
+
+    def _heartbeat(self) -> Heartbeat:
+        assert self.heartbeater is not None
+        return Heartbeat(
+            role="prefill",
+            instance=self.settings.instance,
+            rank=0,
+            model=self.settings.model_name,
+            version=self.heartbeater.version,
+            started_at=self.heartbeater.started_at,
+            draining=self.draining,
+            queued_tokens=self.in_flight_tokens + sum(len(t.job.input_ids) for t in self.queue),
+            queued_requests=len(self.queue),
+        )
+
+    async def _on_task(self, msg: Msg) -> None:
+        task = unpack(msg.data, PrefillTask)
+        self.queue.append(task)
+        self.arrived.set()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        rid = unpack(msg.data, Cancel).request_id
+        for task in [t for t in self.queue if t.job.request_id == rid]:
+            self.queue.remove(task)
+
+    async def drain(self) -> None:
+        self.draining = True
+        if self.heartbeater is not None:
+            await self.heartbeater.beat()
+        self.arrived.set()
+
+    async def close(self) -> None:
+        if self.heartbeater is not None:
+            await self.heartbeater.stop()
+
+    async def _take_batch(self, drain_deadline: Deadline | None) -> list[PrefillTask] | None:
+        """The next batch ([] on an idle tick), or None when drained."""
+        if not self.queue:
+            if self.draining:
+                # Tasks placed just before our draining heartbeat may still be on the way.
+                await asyncio.sleep(2 * self.settings.heartbeat_interval_s)
+                if not self.queue:
+                    return None
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), IDLE_TICK_S)
+            except TimeoutError:
+                return []
+        if drain_deadline is not None and drain_deadline.expired:
+            while self.queue:
+                await self._fail(self.queue.popleft(), "unavailable", "prefill instance shut down before the request ran")
+            return None
+        batch: list[PrefillTask] = []
+        tokens = pages = 0
+        layout, free = self.runner.cache.layout, self.runner.cache.allocator.num_free
+        while self.queue:
+            task = self.queue[0]
+            n = len(task.job.input_ids)
+            if batch and (tokens + n > self.settings.max_batch_tokens or pages + layout.pages_for(n) > free):
+                break
+            self.queue.popleft()
+            if Deadline(task.job.deadline).expired:
+                await self._fail(task, "timeout", "deadline passed while queued for prefill")
+                continue
+            if layout.pages_for(n) > free:
+                await self._fail(task, "invalid_request", f"prompt of {n} tokens exceeds this prefill instance's KV capacity")
+                continue
+            batch.append(task)
+            tokens += n
+            pages += layout.pages_for(n)
+        self.in_flight_tokens = tokens
+        return batch
+
+    # ------------------------------------------------------------ every rank
+
+    async def run(self) -> None:
+        """Serve until the leader has drained (peers follow its broadcasts)."""
+        drain_deadline: Deadline | None = None
+        while True:
+            batch: list[PrefillTask] | None = None
+            if self.rank == 0:
+                if self.draining and drain_deadline is None:
+                    drain_deadline = Deadline.after(self.settings.drain_timeout_s)
+                batch = await self._take_batch(drain_deadline)
+            if self.world > 1:
+                batch = await asyncio.to_thread(self._broadcast, batch)
+            if batch is None:
+                return
+            if batch:
+                outcomes = await self._prefill(batch)
+                if self.rank == 0:
+                    await self._report(outcomes)
+                self.in_flight_tokens = 0
+
+    def _broadcast(self, batch: list[PrefillTask] | None) -> list[PrefillTask] | None:
+        box: list[object] = [None if batch is None else [pack(t) for t in batch]]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+        return None if payload is None else [unpack(b, PrefillTask) for b in payload]  # type: ignore[union-attr]
+
+    async def _prefill(self, batch: list[PrefillTask]) -> list[Outcome]:
+        seqs: list[SequenceState] = []
+        senders: list[KVSender | None] = []
+        errors: list[str | None] = []
+        allocator, layout = self.runner.cache.allocator, self.runner.cache.layout
+        for task in batch:
+            job = task.job
+            params = SamplingParams(
+                temperature=job.sampling.temperature,
+                top_k=job.sampling.top_k,
+                top_p=job.sampling.top_p,
+                seed=job.sampling.seed,
+                logprobs=job.logprobs,
+                max_tokens=job.max_tokens,
+                stop_token_ids=tuple(job.stop_token_ids),
+            )
+            pages = allocator.alloc(layout.pages_for(len(job.input_ids)))  # the batch was sized to fit
+            seqs.append(self.runner.add(job.request_id, job.input_ids, params, page_table=pages))
+            sender, error = None, None
+            if self.shard.sends:
+                try:
+                    sender = KVSender(self.worker, self.runner.cache, task.descriptor, pages, self.shard, timeout_s=self.settings.transfer_timeout_s)
+                except LayoutMismatch as e:
+                    error = str(e)
+            senders.append(sender)
+            errors.append(error)
+
+        def on_layer_done(layer: int) -> None:
+            for sender in senders:
+                if sender is not None:
+                    sender.on_layer_done(layer)
+
+        started = time.perf_counter()
+        try:
+            outputs: Sequence[StepOutput | None] = await asyncio.to_thread(self.runner.prefill, seqs, on_layer_done)
+        except Exception as e:
+            log.exception("prefill_failed")
+            outputs = [None] * len(seqs)
+            errors = [f"prefill forward failed: {type(e).__name__}: {e}"] * len(seqs)
+            for sender in senders:
+                if sender is not None:
+                    sender.cancel()
+        compute_ms = (time.perf_counter() - started) * 1000
+        for i, sender in enumerate(senders):
+            if sender is not None:
+                try:
+                    await sender.finish()
+                except TransferError as e:
+                    errors[i] = errors[i] or f"KV transfer failed: {e}"
+        for seq in seqs:
+            self.runner.release(seq)
+        delivered = await asyncio.to_thread(self._agree, [e is None for e in errors])
+        return [
+            Outcome(
+                task,
+                out,
+                None if ok else (err or "KV transfer failed on another rank of the TP group"),
+                None if seq.generator is None else seq.generator.get_state().numpy().tobytes(),
+                compute_ms,
+            )
+            for task, seq, out, ok, err in zip(batch, seqs, outputs, delivered, errors, strict=True)
+        ]
+
+    def _agree(self, ok: list[bool]) -> list[bool]:
+        """A request is delivered only if every rank delivered its heads (MIN over the group)."""
+        if self.world == 1:
+            return ok
+        flags = torch.tensor([int(x) for x in ok], dtype=torch.int64, device=self.runner.cache.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        return [bool(x) for x in flags.tolist()]
+
+    # ------------------------------------------------------------ leader: results
+
+    async def _report(self, outcomes: list[Outcome]) -> None:
+        assert self.bus is not None
+        for o in outcomes:
+            job = o.task.job
+            with bind_request(request_id=job.request_id):
+                if o.error is not None or o.output is None:
+                    await self._fail(o.task, "unavailable", o.error or "prefill failed")
+                    continue
+                out = o.output
+                first = TokenBatch(
+                    request_id=job.request_id,
+                    start=0,
+                    token_ids=[out.token_id],
+                    logprobs=[out.logprob] if out.logprob is not None else None,
+                    finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                    compute_ms=o.compute_ms,
+                )
+                await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(first))
+                if out.finish_reason is not None:
+                    # Done at the first token: the decode rank only has to free its reservation.
+                    await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "finished at the first token")))
+                    continue
+                start = StartDecode(job=job, first_token=out.token_id, first_logprob=out.logprob, generator_state=o.generator_state)
+                place = o.task.placement
+                await self.bus.publish(subjects.decode_start(place.decode_instance, place.decode_rank), pack(start))
+                log.info("prefilled", prompt_tokens=len(job.input_ids), compute_ms=round(o.compute_ms, 2))
+
+    async def _fail(self, task: PrefillTask, code: ErrorCode, message: str) -> None:
+        assert self.bus is not None
+        job = task.job
+        log.info("prefill_task_failed", request_id=job.request_id, code=code, reason=message)
+        await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(StageError(request_id=job.request_id, code=code, message=message, stage=self.name)))
+        await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, f"prefill: {message}")))

@@ -1,0 +1,1 @@
+"""The scheduler service (DESIGN §1 step 2)."""

@@ -1,0 +1,93 @@
+"""The scheduler's view of the cluster, rebuilt from heartbeats alone.
+
+Each member (a decode rank or a prefill instance) is known by its last heartbeat.
+Between heartbeats the scheduler adds what it has itself placed there (`pending_*`),
+so that a burst of requests does not all land on the member that looked emptiest
+half a second ago. The next heartbeat replaces the estimate with the member's own
+numbers; the decode rank's reservation stays the source of truth (it may refuse).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from schemas.internal import Heartbeat
+
+MemberKey = tuple[str, str, int]  # (role, instance, rank)
+
+
+@dataclass
+class Member:
+    hb: Heartbeat
+    seen: float  # time.monotonic() of the last heartbeat
+    pending_pages: int = 0
+    pending_batch: int = 0
+    pending_tokens: int = 0
+    suspect_until: float = 0.0  # monotonic; skipped while a reservation there just failed
+
+    @property
+    def key(self) -> MemberKey:
+        return (self.hb.role, self.hb.instance, self.hb.rank)
+
+    @property
+    def free_pages(self) -> int:
+        return self.hb.kv_free_pages - self.pending_pages
+
+    @property
+    def batch(self) -> int:
+        return self.hb.batch_size + self.pending_batch
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.hb.queued_tokens + self.pending_tokens
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // max(self.hb.page_size, 1))
+
+
+@dataclass
+class Registry:
+    expiry_s: float
+    model: str = ""  # only members serving this model are considered ("" = any)
+    members: dict[MemberKey, Member] = field(default_factory=dict)
+
+    def update(self, hb: Heartbeat) -> None:
+        if self.model and hb.model != self.model:
+            return
+        key = (hb.role, hb.instance, hb.rank)
+        old = self.members.get(key)
+        member = Member(hb=hb, seen=time.monotonic())
+        if old is not None and old.hb.started_at == hb.started_at:
+            member.suspect_until = old.suspect_until
+        self.members[key] = member
+
+    def expire(self) -> list[MemberKey]:
+        """Drop members whose heartbeat is older than the expiry; returns their keys."""
+        cutoff = time.monotonic() - self.expiry_s
+        gone = [k for k, m in self.members.items() if m.seen < cutoff]
+        for k in gone:
+            del self.members[k]
+        return gone
+
+    def of_role(self, role: str) -> list[Member]:
+        return [m for m in self.members.values() if m.hb.role == role and not m.hb.draining]
+
+    def decode_candidates(self, num_tokens: int) -> list[Member]:
+        """Decode ranks with room for `num_tokens` of KV and a batch below their cap, most free KV first."""
+        now = time.monotonic()
+        fits = [
+            m
+            for m in self.of_role("decode")
+            if m.suspect_until <= now and m.batch < m.hb.max_batch and m.free_pages >= m.pages_for(num_tokens)
+        ]
+        return sorted(fits, key=lambda m: (-m.free_pages, m.batch, m.hb.instance, m.hb.rank))
+
+    def least_loaded_prefill(self) -> Member | None:
+        """The prefill instance with the fewest queued input tokens."""
+        now = time.monotonic()
+        live = [m for m in self.of_role("prefill") if m.suspect_until <= now]
+        return min(live, key=lambda m: (m.queued_tokens, m.hb.instance), default=None)
+
+    def get(self, key: MemberKey) -> Member | None:
+        return self.members.get(key)

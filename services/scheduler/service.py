@@ -1,0 +1,164 @@
+"""Scheduler: places each request on a decode rank (KV reserved there) and a prefill instance.
+
+State is only the registry (from heartbeats) plus the requests waiting for capacity,
+so a restarted scheduler is placing again one heartbeat interval after it starts.
+Waiting is bounded twice: at most `max_queued` requests wait, each for at most
+`queue_wait_ms` (or its own deadline); after that the answer is `overloaded`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.api import ErrorCode
+from schemas.internal import Cancel, Heartbeat, Job, KVReservation, Placement, PrefillTask, ReserveKV, SubmitAck, SubmitJob
+from services.common import Heartbeater
+from services.scheduler.registry import Member, Registry
+from shared.bus import Bus, BusError, Deadline, pack, unpack
+from shared.logging import bind_request, get_logger
+from shared.settings import SchedulerSettings
+
+log = get_logger(__name__)
+
+
+class Refused(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Scheduler:
+    def __init__(self, settings: SchedulerSettings, bus: Bus) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.registry = Registry(expiry_s=settings.heartbeat_expiry_s, model=settings.model_name)
+        self.capacity_changed = asyncio.Condition()
+        self.waiting = 0
+        self.placed = 0
+        self.heartbeater = Heartbeater(bus, settings, "scheduler", self._heartbeat)
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            role="scheduler",
+            instance=self.settings.instance,
+            rank=0,
+            model=self.settings.model_name,
+            version=self.heartbeater.version,
+            started_at=self.heartbeater.started_at,
+            queued_requests=self.waiting,
+        )
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
+        await self.bus.subscribe(subjects.SUBMIT, self._on_submit, queue=subjects.SCHEDULER_QUEUE)
+        self.heartbeater.start()
+        asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def stop(self) -> None:
+        await self.heartbeater.stop()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_expiry_s / 3)
+            for key in self.registry.expire():
+                log.warning("member_expired", member=key)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        hb = unpack(msg.data, Heartbeat)
+        if hb.role not in ("decode", "prefill"):
+            return
+        self.registry.update(hb)
+        async with self.capacity_changed:
+            self.capacity_changed.notify_all()
+
+    async def _on_submit(self, msg: Msg) -> None:
+        job = unpack(msg.data, SubmitJob).job
+        with bind_request(request_id=job.request_id):
+            try:
+                placement = await self.place(job)
+                ack = SubmitAck(request_id=job.request_id, placement=placement)
+            except Refused as e:
+                log.info("refused", code=e.code, reason=str(e))
+                ack = SubmitAck(request_id=job.request_id, error_code=e.code, error_message=str(e))
+            await msg.respond(pack(ack))
+
+    async def place(self, job: Job) -> Placement:
+        """Reserve KV on a decode rank, hand the task to a prefill instance; wait (bounded) for room."""
+        deadline = Deadline(job.deadline)
+        if deadline.expired:
+            raise Refused("timeout", "deadline passed before scheduling")
+        if self.waiting >= self.settings.max_queued:
+            raise Refused("overloaded", f"{self.waiting} requests already waiting for capacity")
+        wait_until = Deadline(min(job.deadline, time.time() + self.settings.queue_wait_ms / 1000))
+        self.waiting += 1
+        try:
+            while True:
+                placement = await self._try_place(job)
+                if placement is not None:
+                    self.placed += 1
+                    return placement
+                if wait_until.expired:
+                    break
+                async with self.capacity_changed:
+                    try:
+                        await asyncio.wait_for(self.capacity_changed.wait(), wait_until.timeout(cap=0.25))
+                    except TimeoutError:
+                        pass
+        finally:
+            self.waiting -= 1
+        if deadline.expired:
+            raise Refused("timeout", "deadline passed while waiting for capacity")
+        if not self.registry.of_role("decode"):
+            raise Refused("unavailable", "no decode instance is registered")
+        if not self.registry.of_role("prefill"):
+            raise Refused("unavailable", "no prefill instance is registered")
+        raise Refused("overloaded", f"no capacity within {self.settings.queue_wait_ms} ms")
+
+    async def _try_place(self, job: Job) -> Placement | None:
+        prefill = self.registry.least_loaded_prefill()
+        if prefill is None:
+            return None
+        num_tokens = len(job.input_ids) + job.max_tokens
+        for decode in self.registry.decode_candidates(num_tokens):
+            reservation = await self._reserve(decode, job, num_tokens)
+            if reservation is None:
+                continue
+            placement = Placement(decode_instance=decode.hb.instance, decode_rank=decode.hb.rank, prefill_instance=prefill.hb.instance)
+            task = PrefillTask(job=job, placement=placement, descriptor=reservation.descriptor)
+            try:
+                await self.bus.publish(subjects.prefill_task(prefill.hb.instance), pack(task))
+            except Exception:
+                await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "prefill task not sent")))
+                raise
+            prefill.pending_tokens += len(job.input_ids)
+            log.info("placed", decode=f"{decode.hb.instance}/{decode.hb.rank}", prefill=prefill.hb.instance, num_tokens=num_tokens)
+            return placement
+        return None
+
+    async def _reserve(self, decode: Member, job: Job, num_tokens: int) -> KVReservation | None:
+        """Ask the rank for pages; on refusal or silence, stop considering it until its next heartbeat."""
+        request = ReserveKV(
+            request_id=job.request_id,
+            gateway=job.gateway,
+            prompt_tokens=len(job.input_ids),
+            max_tokens=job.max_tokens,
+            lease_until=min(job.deadline, time.time() + self.settings.lease_s),
+        )
+        subject = subjects.decode_reserve(decode.hb.instance, decode.hb.rank)
+        try:
+            reply = await self.bus.request(subject, request, KVReservation, timeout=self.settings.reserve_timeout_ms / 1000)
+        except BusError as e:
+            log.warning("reserve_failed", decode=f"{decode.hb.instance}/{decode.hb.rank}", error=str(e))
+            decode.suspect_until = time.monotonic() + self.settings.heartbeat_expiry_s
+            return None
+        if not reply.ok or reply.descriptor is None:
+            log.info("reserve_refused", decode=f"{decode.hb.instance}/{decode.hb.rank}", reason=reply.reason)
+            decode.pending_pages = decode.hb.kv_free_pages  # looks full until it says otherwise
+            return None
+        decode.pending_pages += decode.pages_for(num_tokens)
+        decode.pending_batch += 1
+        return reply
