@@ -1,0 +1,234 @@
+"""Benchmark: MoE grouped GEMM (kernels.grouped_gemm) against torch's grouped GEMMs on one GPU.
+
+Shapes are the expert GEMMs of Qwen3-235B-A22B (hidden 4096, moe_intermediate
+1536) and Qwen3-30B-A3B (hidden 2048, moe_intermediate 768), 128 experts:
+``gate_up`` (N = 2I, K = H) and ``down`` (N = H, K = I).
+
+* decode, 1/4/16/64 tokens per expert, masked layout -> weight-streaming TB/s
+  (weight bytes / time) and latency;
+* prefill, 375 and 2048 tokens per expert, contiguous layout -> TFLOP/s.
+
+Peers, same process and inputs: ``torch._grouped_mm`` (bf16) and
+``torch._scaled_grouped_mm`` (FP8 rowwise scales, a coarser scaling than our
+128x128 blocks; recorded where it runs).  Also measured: a device-to-device
+copy and a dense bf16 GEMM as ceilings, the fused gate_up+SwiGLU against the
+plain gate_up GEMM, and the activation quantizer.  Every timing is the median
+over replays of a CUDA graph holding ``--iters`` launches.  Each of our cases
+is spot-checked against an fp32 matmul of two experts.
+
+    python -m bench.grouped_gemm [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch
+
+from bench.results import print_table, record
+from kernels import grouped_gemm as gg
+from kernels.act_quant import quantize_act
+
+BENCH = "grouped_gemm"
+MODELS = {"qwen3-235b": (4096, 1536), "qwen3-30b": (2048, 768)}  # hidden, moe_intermediate
+EXPERTS = 128
+DECODE_TOKENS = (1, 4, 16, 64)
+PREFILL_TOKENS = (375, 2048)
+FP8 = torch.float8_e4m3fn
+
+
+def time_us(fn, iters: int) -> float:
+    """Median per-launch time of ``fn`` from CUDA-graph replays of ``iters`` launches."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    del graph
+    return statistics.median(samples)
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [E, N, K] -> E4M3 with fp32 128x128 block scales (dequant = q * scale)."""
+    E, N, K = w.shape
+    nb, kb = -(-N // 128), -(-K // 128)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * 128 - K, 0, nb * 128 - N)).view(E, nb, 128, kb, 128)
+    scale = wp.abs().amax(dim=(2, 4)).clamp(min=1e-10) / 448.0
+    q = (wp / scale[:, :, None, :, None]).clamp(-448, 448).to(FP8)
+    return q.view(E, nb * 128, kb * 128)[:, :N, :K].contiguous(), scale
+
+
+def spot_check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rows: list[slice], experts: list[int],
+               xs=None, ws=None, masked=False) -> float:
+    """Largest relative Frobenius error over a few experts against an fp32 matmul."""
+    worst = 0.0
+    for e, r in zip(experts, rows):
+        xe = x[e, r] if masked else x[r]
+        xe = xe.float() if xs is None else xe.float() * (xs[e, r] if masked else xs[r]).repeat_interleave(128, -1)[:, : x.shape[-1]]
+        we = w[e].float()
+        if ws is not None:
+            we = we * ws[e].repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[1], : w.shape[2]]
+        ref = xe @ we.T
+        got = (out[e, r] if masked else out[r]).float()
+        worst = max(worst, ((got - ref).norm() / ref.norm()).item())
+    return worst
+
+
+def ceilings(iters: int) -> dict[str, float]:
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_us = time_us(lambda: dst.copy_(src), iters)
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    b = torch.randn(8192, 8192, device="cuda").bfloat16()
+    mm_us = time_us(lambda: a @ b, iters)
+    return {"copy_tbps": 2 * src.numel() / copy_us / 1e6, "dense_bf16_tflops": 2 * 8192**3 / mm_us / 1e6}
+
+
+def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, weights: dict) -> dict:
+    hidden, inter = MODELS[model]
+    N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
+    E = EXPERTS
+    w_bf16 = weights[(model, proj)]
+    w, ws = (weights[(model, proj, "fp8")] if fp8 else (w_bf16, None))
+    masked = phase == "decode"
+    T = E * m
+    x_bf16 = torch.randn(T, K, device="cuda").bfloat16()
+    offsets = torch.arange(0, T + 1, m, dtype=torch.int32, device="cuda")
+    if masked:
+        x_ours = x_bf16.view(E, m, K)
+        groups = torch.full((E,), m, dtype=torch.int32, device="cuda")
+    else:
+        x_ours, groups = x_bf16, offsets
+    xq, xs = quantize_act(x_ours) if fp8 else (x_ours, None)
+    out = torch.empty(*x_ours.shape[:-1], N, dtype=torch.bfloat16, device="cuda")
+    ours = lambda: gg.grouped_gemm(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, out=out)  # noqa: E731
+    us = time_us(ours, iters)
+    experts = [0, E - 1]
+    rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
+    err = spot_check(out, xq, w, rows, experts, xs, ws, masked)
+
+    flops = 2.0 * T * N * K
+    wbytes = w.numel() * w.element_size() + (0 if ws is None else ws.numel() * 4)
+    metrics = {"latency_us": us, "tflops": flops / us / 1e6, "weight_tbps": wbytes / us / 1e6, "spot_rel_err": err}
+    peers: dict[str, dict[str, float]] = {}
+    w_t = w_bf16.transpose(1, 2)  # [E, K, N] view of the same [E, N, K] storage
+    if not fp8:
+        p_us = time_us(lambda: torch._grouped_mm(x_bf16, w_t, offs=offsets[1:]), iters)
+        peers["torch._grouped_mm"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6, "weight_tbps": wbytes / p_us / 1e6}
+    else:
+        try:
+            wq_row = weights[(model, proj, "fp8_rowwise")]
+            xr_scale = x_bf16.float().abs().amax(-1).clamp(min=1e-10) / 448.0
+            xr = (x_bf16.float() / xr_scale[:, None]).to(FP8)
+            p_us = time_us(lambda: torch._scaled_grouped_mm(xr, wq_row[0].transpose(1, 2), xr_scale, wq_row[1],
+                                                            offs=offsets[1:], out_dtype=torch.bfloat16), iters)
+            peers["torch._scaled_grouped_mm_rowwise"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6,
+                                                         "weight_tbps": wbytes / p_us / 1e6}
+        except Exception as exc:  # recorded, not fatal: the peer may not exist on this build/GPU
+            peers["torch._scaled_grouped_mm_rowwise"] = {"error": 1.0}
+            print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+    case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
+            "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous"}
+    record(BENCH, case, metrics, peers)
+    peer = next(iter(peers.values()))
+    return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
+            "speedup_vs_peer": peer.get("latency_us", float("nan")) / us}
+
+
+def run_swiglu_case(model: str, phase: str, m: int, fp8: bool, iters: int, weights: dict) -> dict:
+    """Fused gate_up + SwiGLU + routing weight vs the plain gate_up GEMM alone."""
+    hidden, inter = MODELS[model]
+    E, K = EXPERTS, hidden
+    masked = phase == "decode"
+    T = E * m
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    groups = torch.full((E,), m, dtype=torch.int32, device="cuda") if masked else torch.arange(0, T + 1, m, dtype=torch.int32, device="cuda")
+    x = x.view(E, m, K) if masked else x
+    xq, xs = quantize_act(x) if fp8 else (x, None)
+    key = (model, "gate_up", "fp8") if fp8 else (model, "gate_up")
+    w, ws = weights[key] if fp8 else (weights[key], None)
+    wi, si = gg.interleave_gate_up(w, ws)
+    rw = torch.rand(*x.shape[:-1], device="cuda")
+    out = torch.empty(*x.shape[:-1], inter, dtype=torch.bfloat16, device="cuda")
+    fused_us = time_us(lambda: gg.grouped_gemm_swiglu(xq, wi, groups, masked=masked, x_scale=xs,
+                                                      w_scale_interleaved=si, row_weights=rw, out=out), iters)
+    h = torch.empty(*x.shape[:-1], 2 * inter, dtype=torch.bfloat16, device="cuda")
+
+    def unfused():
+        gg.grouped_gemm(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, out=h)
+        g, u = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g) * u * rw[..., None]
+
+    unfused_us = time_us(unfused, iters)
+    case = {"model": model, "proj": "gate_up_swiglu", "phase": phase, "tokens_per_expert": m, "experts": E,
+            "n": 2 * inter, "k": K, "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous"}
+    metrics = {"latency_us": fused_us, "tflops": 2.0 * T * 2 * inter * K / fused_us / 1e6}
+    record(BENCH, case, metrics, {"gemm_then_torch_swiglu": {"latency_us": unfused_us}})
+    return {**case, **metrics, "peer_latency_us": unfused_us, "speedup_vs_peer": unfused_us / fused_us}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="one model, fewer cases")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    ceil = ceilings(args.iters)
+    record(BENCH, {"what": "ceilings"}, ceil)
+    print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, dense bf16 GEMM {ceil['dense_bf16_tflops']:.0f} TFLOP/s", flush=True)
+
+    models = ["qwen3-30b"] if args.quick else list(MODELS)
+    rows = []
+    for model in models:
+        hidden, inter = MODELS[model]
+        weights: dict = {}
+        for proj, (N, K) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
+            w = (torch.randn(EXPERTS, N, K, device="cuda") / K**0.5).bfloat16()
+            weights[(model, proj)] = w
+            weights[(model, proj, "fp8")] = quantize_weights(w)
+            rscale = w.float().abs().amax(-1).clamp(min=1e-10) / 448.0
+            weights[(model, proj, "fp8_rowwise")] = ((w.float() / rscale[..., None]).to(FP8), rscale)
+        for proj in ("gate_up", "down"):
+            for phase, ms in (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS)):
+                for m in ms:
+                    for fp8 in (False, True):
+                        row = run_case(model, proj, phase, m, fp8, args.iters, weights)
+                        rows.append(row)
+                        print(f"{model} {proj} {phase} m={m} {row['dtype']}: {row['latency_us']:.1f} us "
+                              f"{row['tflops']:.0f} TFLOP/s {row['weight_tbps']:.2f} TB/s "
+                              f"peer {row['peer_latency_us']:.1f} us err {row['spot_rel_err']:.1e}", flush=True)
+        for phase, m in (("decode", 16), ("prefill", 375)):
+            for fp8 in (False, True):
+                rows.append(run_swiglu_case(model, phase, m, fp8, args.iters, weights))
+        del weights
+        torch.cuda.empty_cache()
+
+    x = torch.randn(EXPERTS * 375, MODELS[models[0]][0], device="cuda").bfloat16()
+    q_us = time_us(lambda: quantize_act(x), args.iters)
+    q_bytes = x.numel() * 3 + x.numel() // 128 * 4
+    record(BENCH, {"what": "quantize_act", "rows": x.shape[0], "k": x.shape[1]}, {"latency_us": q_us, "gbps": q_bytes / q_us / 1e3})
+    print(f"quantize_act {tuple(x.shape)}: {q_us:.1f} us, {q_bytes / q_us / 1e3:.0f} GB/s")
+
+    print_table(rows, ["model", "proj", "phase", "tokens_per_expert", "dtype", "latency_us", "tflops", "weight_tbps",
+                       "peer_latency_us", "speedup_vs_peer"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

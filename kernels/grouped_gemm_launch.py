@@ -1,0 +1,118 @@
+"""Compile-once cache and launch of the Hopper grouped GEMM (CUDA tensors only).
+
+Kernels are keyed by :class:`GroupedGemmConfig` (experts, N, K, layout,
+dtype, tile shape, epilogue, SM count): the token count stays a run-time
+argument, so one compiled kernel serves every batch of a weight shape and
+"shape bucket" here means the tile bucket chosen from tokens per expert.
+Launches take raw device pointers and the current torch stream, so they
+are CUDA-graph capturable and never synchronise with the host.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
+
+_CACHE: dict[GroupedGemmConfig, object] = {}
+_LOCK = threading.Lock()
+_GMEM = cute.AddressSpace.gmem
+
+
+def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
+                  row_weights: bool, tokens_per_expert: float, num_sms: int) -> GroupedGemmConfig:
+    """Tile bucket: 64-row tiles for decode-sized groups (<= 64 tokens), else 128 rows.
+
+    bf16 prefill uses 128x256 tiles (two consumer warpgroups, 128 accumulator
+    registers each); FP8 block scales and the SwiGLU interleave fix N at 128.
+    """
+    tile_m = 64 if tokens_per_expert <= 64 else 128
+    tile_n = 256 if (tile_m == 128 and not fp8 and not swiglu) else 128
+    return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
+                             tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, num_sms=num_sms)
+
+
+# Byte alignment promised for each pointer argument (TMA operands need 16).
+_ALIGN_AB, _ALIGN_OUT, _ALIGN_WORD = 16, 2, 4
+
+
+def _compile_args(cfg: GroupedGemmConfig) -> list:
+    ab = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
+    return [
+        make_ptr(ab, 0, _GMEM, assumed_align=_ALIGN_AB),
+        make_ptr(ab, 0, _GMEM, assumed_align=_ALIGN_AB),
+        make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=_ALIGN_OUT),
+        make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=_ALIGN_WORD),
+        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
+        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
+        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
+        cutlass.Int32(0),
+        make_fake_stream(),
+    ]
+
+
+def compile_kernel(cfg: GroupedGemmConfig, options: str = ""):
+    """Compile ``cfg`` now (no GPU needed under CUTE_DSL_ARCH=sm_90a); ``options`` go to ``cute.compile``."""
+    return cute.compile(GroupedGemmSm90(cfg), *_compile_args(cfg), options=options)
+
+
+def compiled_kernel(cfg: GroupedGemmConfig):
+    """The cached compiled kernel for ``cfg`` (compiled on first use)."""
+    with _LOCK:
+        fn = _CACHE.get(cfg)
+        if fn is None:
+            fn = compile_kernel(cfg)
+            _CACHE[cfg] = fn
+        return fn
+
+
+def _ptr(t: torch.Tensor, dtype, align: int):
+    if t.data_ptr() % align:
+        raise ValueError(f"tensor {tuple(t.shape)} {t.dtype} must be {align}-byte aligned (got address {t.data_ptr():#x})")
+    if not t.is_contiguous():
+        raise ValueError(f"tensor {tuple(t.shape)} {t.dtype} must be contiguous")
+    return make_ptr(dtype, t.data_ptr(), _GMEM, assumed_align=align)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
+           x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
+           swiglu: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``."""
+    E, N, K = w.shape
+    fp8 = x_scale is not None
+    rows = x.shape[-2]
+    tokens_per_expert = rows if masked else rows / E
+    props = torch.cuda.get_device_properties(x.device)
+    cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
+                        row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
+                        num_sms=props.multi_processor_count)
+    out_shape = (*x.shape[:-1], cfg.out_n)
+    if out is None:
+        out = torch.empty(out_shape, dtype=torch.bfloat16, device=x.device)
+    elif tuple(out.shape) != out_shape or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be bfloat16 {out_shape}, got {out.dtype} {tuple(out.shape)}")
+    if rows == 0:
+        return out
+    ab = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
+    # Placeholder for pointers this configuration never reads (any word-aligned address).
+    unused = _ptr(groups, cutlass.Float32, _ALIGN_WORD)
+    fn = compiled_kernel(cfg)
+    fn(
+        _ptr(x, ab, _ALIGN_AB),
+        _ptr(w, ab, _ALIGN_AB),
+        _ptr(out, cutlass.BFloat16, _ALIGN_OUT),
+        _ptr(groups, cutlass.Int32, _ALIGN_WORD),
+        _ptr(x_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
+        _ptr(w_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
+        _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
+        cutlass.Int32(rows),
+        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream),
+    )
+    return out
+

@@ -1,0 +1,474 @@
+"""Hopper (sm_90a) MoE grouped GEMM in CuTeDSL: ``out[e] = x_e @ W[e]^T``.
+
+One persistent, warp-specialised kernel serves every variant:
+
+* operand types: bf16 x bf16, or FP8 E4M3 x E4M3 with DeepSeek-style block
+  scales (1x128 per token for the activations, 128x128 for the weights; the
+  partial product of every 128-wide K block is scaled in registers and added
+  to an fp32 accumulator, "scale promotion");
+* token layouts: *contiguous* (rows of all experts back to back, ``offsets``
+  [E+1] int32 on the GPU) or *masked* (``[E, max_tokens, K]`` with ``counts``
+  [E] int32 on the GPU).  Nothing is read back to the host.
+* epilogue: plain bf16 store, or SwiGLU (``silu(gate) * up``) when the weight
+  rows are interleaved in blocks of ``tile_n // 2`` (see
+  ``grouped_gemm.interleave_gate_up``): each output tile then holds the gate
+  and the up half of the same channels, so the activation is thread-local.
+  An optional per-row weight (the router probability) multiplies the result.
+
+Work decomposition.  Every CTA first builds, in shared memory, the prefix sum
+of output tiles per expert (one warp, shuffle scan over the GPU-resident
+counts).  Tiles are numbered expert by expert, N-tile-major and M-tile-minor
+inside an expert so that CTAs working at the same time share a weight tile in
+L2; CTA ``b`` of ``G`` takes tiles ``b, b+G, ...``.  Warp 0 issues TMA loads
+for A (the tokens) and B (the weights) into a multi-stage mbarrier pipeline;
+one or two consumer warpgroups run WGMMA and the epilogue.
+
+Rows of a tile that belong to the next expert (contiguous layout) or lie past
+an expert's count (masked layout) are loaded but never stored: the epilogue
+predicates every store on the tile's real row and column extent, so N and the
+token counts need not be multiples of the tile, and TMA zero-fills K and N
+beyond the tensor bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.tensor_utils import LayoutEnum
+
+SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
+SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows
+SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Everything that selects one compiled kernel (the cache key)."""
+
+    num_experts: int
+    n: int  # output columns (weight rows); for SwiGLU the gate+up width 2I
+    k: int
+    masked: bool  # masked [E, max_tokens, K] layout, else contiguous
+    fp8: bool  # E4M3 operands with 1x128 / 128x128 fp32 block scales
+    tile_m: int  # 64 (one consumer warpgroup) or 128 (two)
+    tile_n: int
+    swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
+    row_weights: bool = False  # multiply output row r by weights[r]
+    num_sms: int = 132
+
+    def validate(self) -> None:
+        elem_bytes = 1 if self.fp8 else 2
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {self.tile_m}")
+        if self.tile_n not in (64, 128, 256) or (self.fp8 and self.tile_n != 128):
+            raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 needs 128; bf16 64/128/256)")
+        if (self.k * elem_bytes) % 16:
+            raise ValueError(f"K={self.k}: rows must be 16-byte aligned for TMA ({16 // elem_bytes} elements)")
+        if self.swiglu and (self.tile_n != 2 * SWIGLU_BLOCK or self.n % self.tile_n):
+            raise ValueError(
+                f"SwiGLU needs tile_n={2 * SWIGLU_BLOCK} and N={self.n} a multiple of it (gate/up interleaved in {SWIGLU_BLOCK}-row blocks)"
+            )
+        if self.num_experts < 1:
+            raise ValueError("num_experts must be >= 1")
+
+    @property
+    def out_n(self) -> int:
+        return self.n // 2 if self.swiglu else self.n
+
+
+class GroupedGemmSm90:
+    """CuTeDSL kernel object for one :class:`GroupedGemmConfig`.
+
+    Call (through ``cute.compile``) with raw device pointers:
+    ``(a, b, c, groups, sfa, sfb, row_w, rows, stream)`` where ``rows`` is the
+    number of token rows of ``a`` (contiguous) or ``max_tokens`` (masked).
+    Pointers that a configuration does not use (scales without FP8, row
+    weights without ``row_weights``) are never dereferenced.
+    """
+
+    def __init__(self, cfg: GroupedGemmConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
+        self.c_dtype = cutlass.BFloat16
+        self.acc_dtype = cutlass.Float32
+        self.num_consumer_wg = cfg.tile_m // 64
+        self.threads = 128 * (1 + self.num_consumer_wg)
+        # K per pipeline stage: 64 bf16 (128 B rows, SW128) or 128 fp8 (one scale block).
+        self.tile_k = SCALE_BLOCK if cfg.fp8 else 64
+        self.k_tiles = math.ceil(cfg.k / self.tile_k)
+        self.n_tiles = math.ceil(cfg.n / cfg.tile_n)
+        self.scale_k_blocks = math.ceil(cfg.k / SCALE_BLOCK)
+        # Weight-scale rows per output tile: one 128-row block, or with SwiGLU
+        # (interleaved 64-row gate/up halves) one per half; see interleave_gate_up.
+        self.scale_rows_per_tile = 2 if cfg.swiglu else 1
+        self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
+        elem_bytes = self.ab_dtype.width // 8
+        stage_bytes = (cfg.tile_m + cfg.tile_n) * self.tile_k * elem_bytes
+        reserved = 2048 + 12 * (cfg.num_experts + 1)  # mbarriers + schedule
+        self.stages = min(8, (SMEM_CAPACITY - reserved) // stage_bytes)
+        self.producer_regs = 40
+        self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        groups_ptr: cute.Pointer,
+        sfa_ptr: cute.Pointer,
+        sfb_ptr: cute.Pointer,
+        row_w_ptr: cute.Pointer,
+        rows: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        E, N, K = cfg.num_experts, cfg.n, cfg.k
+        batches = E if cutlass.const_expr(cfg.masked) else 1
+        rows64 = cutlass.Int64(rows)
+        # A: (rows, K, batch) K-major; masked layout batches over experts.
+        mA = cute.make_tensor(a_ptr, cute.make_layout((rows, K, batches), stride=(K, 1, rows64 * K)))
+        mB = cute.make_tensor(b_ptr, cute.make_layout((N, K, E), stride=(K, 1, N * K)))
+        out_n = cfg.out_n
+        mC = cute.make_tensor(c_ptr, cute.make_layout((rows, out_n, batches), stride=(out_n, 1, rows64 * out_n)))
+        n_groups = E + 1 if cutlass.const_expr(not cfg.masked) else E
+        mGroups = cute.make_tensor(groups_ptr, cute.make_layout(n_groups))
+        # Activation scales (rows, K/128, batch); weight scales (N/128, K/128, E).
+        skb = self.scale_k_blocks
+        mSFA = cute.make_tensor(sfa_ptr, cute.make_layout((rows, skb, batches), stride=(skb, 1, rows64 * skb)))
+        snb = self.scale_n_blocks
+        mSFB = cute.make_tensor(sfb_ptr, cute.make_layout((snb, skb, E), stride=(skb, 1, snb * skb)))
+        mRowW = cute.make_tensor(row_w_ptr, cute.make_layout((rows, batches), stride=(1, rows64)))
+
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, cfg.tile_n),
+        )
+        tile_mnk = (cfg.tile_m, cfg.tile_n, self.tile_k)
+        self.a_smem_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.stages)
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.stages)
+        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mA,
+            cute.slice_(self.a_smem_layout, (None, None, 0)),
+            (cfg.tile_m, self.tile_k),
+        )
+        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mB,
+            cute.slice_(self.b_smem_layout, (None, None, 0)),
+            (cfg.tile_n, self.tile_k),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            pipeline_mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            # tile_begin[e] = first output tile of expert e; tile_begin[E] = total
+            tile_begin: cute.struct.MemRange[cutlass.Int32, E + 1]
+            row_start: cute.struct.MemRange[cutlass.Int32, E]
+            row_count: cute.struct.MemRange[cutlass.Int32, E]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_atom_a, tma_a, tma_atom_b, tma_b, mC, mGroups, mSFA, mSFB, mRowW, rows, self.tiled_mma,
+            self.a_smem_layout, self.b_smem_layout,
+        ).launch(
+            grid=[cfg.num_sms, 1, 1],
+            block=[self.threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mGroups: cute.Tensor,
+        mSFA: cute.Tensor,
+        mSFB: cute.Tensor,
+        mRowW: cute.Tensor,
+        rows: cutlass.Int32,
+        tiled_mma: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        E = cfg.num_experts
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bidx, _, _ = cute.arch.block_idx()
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        s_tile_begin = storage.tile_begin.get_tensor(cute.make_layout(E + 1))
+        s_row_start = storage.row_start.get_tensor(cute.make_layout(E))
+        s_row_count = storage.row_count.get_tensor(cute.make_layout(E))
+
+        if warp_idx == 0:
+            self._build_schedule(mGroups, rows, s_tile_begin, s_row_start, s_row_count)
+
+        tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0))
+        )
+        # One arrive per consumer warp releases a stage.  create() ends with a
+        # CTA barrier, which also publishes the schedule written above.
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.pipeline_mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        total_tiles = s_tile_begin[E]
+        warp_group = cute.arch.make_warp_uniform(tidx // 128)
+
+        if warp_group == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._produce(
+                    tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, bidx, total_tiles,
+                    s_tile_begin, s_row_start, s_row_count,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consume(
+                tiled_mma, sA, sB, mC, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, bidx, total_tiles,
+                s_tile_begin, s_row_start, s_row_count,
+            )
+
+    @cute.jit
+    def _build_schedule(self, mGroups, rows, s_tile_begin, s_row_start, s_row_count):
+        """Warp 0: per-expert rows and the prefix sum of output tiles, into smem."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        carry = cutlass.Int32(0)
+        if lane == 0:
+            s_tile_begin[0] = cutlass.Int32(0)
+        for chunk in cutlass.range_constexpr((cfg.num_experts + 31) // 32):
+            e = chunk * 32 + lane
+            start = cutlass.Int32(0)
+            count = cutlass.Int32(0)
+            if e < cfg.num_experts:
+                if cutlass.const_expr(cfg.masked):
+                    count = mGroups[e]
+                    if count > rows:
+                        count = rows
+                else:
+                    start = mGroups[e]
+                    count = mGroups[e + 1] - start
+                if count < 0:
+                    count = cutlass.Int32(0)
+            tiles = (count + cfg.tile_m - 1) // cfg.tile_m * self.n_tiles
+            # inclusive warp scan of the tile counts
+            for step in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(tiles, 1 << step)
+                if lane >= (1 << step):
+                    tiles = tiles + other
+            if e < cfg.num_experts:
+                s_tile_begin[e + 1] = carry + tiles
+                s_row_start[e] = start
+                s_row_count[e] = count
+            carry = carry + cute.arch.shuffle_sync(tiles, 31)
+
+    @cute.jit
+    def _locate(self, tile, expert, s_tile_begin, s_row_count):
+        """Advance ``expert`` to the one owning ``tile``; return (expert, m_tile, n_tile)."""
+        while tile >= s_tile_begin[expert + 1]:
+            expert = expert + 1
+        local = tile - s_tile_begin[expert]
+        m_tiles = (s_row_count[expert] + self.cfg.tile_m - 1) // self.cfg.tile_m
+        n_tile = local // m_tiles
+        m_tile = local - n_tile * m_tiles
+        return expert, m_tile, n_tile
+
+    @cute.jit
+    def _produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, bidx, total_tiles,
+                 s_tile_begin, s_row_start, s_row_count):
+        cfg = self.cfg
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        gB = cute.local_tile(mB, (cfg.tile_n, self.tile_k), (None, None, None))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        tile = bidx
+        expert = cutlass.Int32(0)
+        while tile < total_tiles:
+            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
+            batch = expert if cutlass.const_expr(cfg.masked) else 0
+            # The expert's rows start at an arbitrary row (contiguous layout): offset
+            # the TMA coordinate space, then tile.
+            mA_e = cute.domain_offset((s_row_start[expert], 0, 0), mA)
+            gA = cute.local_tile(mA_e, (cfg.tile_m, self.tile_k), (None, None, None))
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            tAgA_t = tAgA[(None, m_tile, None, batch)]
+            tBgB_t = tBgB[(None, n_tile, None, expert)]
+            for k_tile in cutlass.range(self.k_tiles, unroll=1):
+                mainloop.producer_acquire(state)
+                barrier = mainloop.producer_get_barrier(state)
+                cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
+                cute.copy(tma_atom_b, tBgB_t[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
+                mainloop.producer_commit(state)
+                state.advance()
+            tile = tile + cfg.num_sms
+        mainloop.producer_tail(state)
+
+    @cute.jit
+    def _consume(self, tiled_mma, sA, sB, mC, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, bidx, total_tiles,
+                 s_tile_begin, s_row_start, s_row_count):
+        cfg = self.cfg
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+
+        # Coordinates of this thread's accumulator elements inside a tile.
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        part = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)  # per-K-block partial (FP8 only)
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+
+        tile = bidx
+        expert = cutlass.Int32(0)
+        while tile < total_tiles:
+            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
+            batch = expert if cutlass.const_expr(cfg.masked) else 0
+            row0 = s_row_start[expert] + m_tile * cfg.tile_m
+            rows_left = s_row_count[expert] - m_tile * cfg.tile_m
+            if cutlass.const_expr(cfg.fp8):
+                self._mainloop_block_scaled(
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows, row0, batch,
+                    expert, n_tile, mainloop, read_state, release_state,
+                )
+            else:
+                self._mainloop(tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state)
+            self._epilogue(acc, tCcC, mC, mRowW, row0, rows_left, n_tile, batch)
+            tile = tile + cfg.num_sms
+
+    @cute.jit
+    def _mainloop(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state):
+        """bf16: accumulate the whole K range in one fp32 accumulator, one WGMMA batch in flight."""
+        acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        for k_tile in cutlass.range(self.k_tiles, unroll=1):
+            mainloop.consumer_wait(read_state)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            # Keep this batch in flight; the previous one is done, free its stage.
+            cute.nvgpu.warpgroup.wait_group(1)
+            if k_tile > 0:
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+            read_state.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+
+    @cute.jit
+    def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows,
+                               row0, batch, expert, n_tile, mainloop, read_state, release_state):
+        """FP8: per 128-wide K block, WGMMA into ``part`` then ``acc += part * sa[row] * sb``.
+
+        Each thread's accumulator covers two rows per 64-row warpgroup slice
+        (``r`` and ``r + 8``); their activation scales are loaded before the
+        stage wait so the global-load latency hides behind the TMA wait.
+        """
+        cfg = self.cfg
+        acc.fill(0.0)
+        # The two distinct rows of this thread (accumulator element order is
+        # (col pair, row half, col block), so elements 0 and 2 start each row).
+        r_lo = row0 + tCcC[0][0]
+        r_hi = row0 + tCcC[2][0]
+        r_lo = r_lo if r_lo < rows else rows - 1  # rows past the tensor hold no scale
+        r_hi = r_hi if r_hi < rows else rows - 1
+        for k_tile in cutlass.range(self.k_tiles, unroll=1):
+            sa_lo = mSFA[(r_lo, k_tile, batch)]
+            sa_hi = mSFA[(r_hi, k_tile, batch)]
+            # Weight scale of the tile's columns; with SwiGLU the tile's gate and up
+            # halves come from different 128-row blocks and carry one scale each.
+            sb_first = mSFB[(n_tile * self.scale_rows_per_tile, k_tile, expert)]
+            sb_second = mSFB[(n_tile * self.scale_rows_per_tile + self.scale_rows_per_tile - 1, k_tile, expert)]
+            mainloop.consumer_wait(read_state)
+            cute.nvgpu.warpgroup.fence()
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(read_state)
+            scales = (sa_lo * sb_first, sa_hi * sb_first, sa_lo * sb_second, sa_hi * sb_second)
+            size = cute.size(acc)
+            for i in cutlass.range_constexpr(size):
+                # element order: (column pair, row half, 8-column block)
+                which = (i // 2) % 2 + (2 if i >= size // 2 else 0)
+                acc[i] = acc[i] + part[i] * scales[which]
+            read_state.advance()
+            release_state.advance()
+
+    @cute.jit
+    def _epilogue(self, acc, tCcC, mC, mRowW, row0, rows_left, n_tile, batch):
+        """Predicated register->global store of one tile (optionally SwiGLU / row-weighted)."""
+        cfg = self.cfg
+        size = cute.size(acc)
+        if cutlass.const_expr(cfg.swiglu):
+            half = cfg.tile_n // 2
+            col0 = n_tile * half
+            # Element i (gate, column c) pairs with element i + size/2 (up, column
+            # c + half): the accumulator's last mode walks 8-column blocks.
+            for i in cutlass.range_constexpr(size // 2):
+                r = tCcC[i][0]
+                c = tCcC[i][1]
+                if r < rows_left:
+                    g = acc[i]
+                    u = acc[i + size // 2]
+                    y = g / (1.0 + cute.math.exp(-g, fastmath=True)) * u
+                    if cutlass.const_expr(cfg.row_weights):
+                        y = y * mRowW[(row0 + r, batch)]
+                    mC[(row0 + r, col0 + c, batch)] = y.to(self.c_dtype)
+        else:
+            col0 = n_tile * cfg.tile_n
+            cols_left = cfg.n - col0
+            for i in cutlass.range_constexpr(size):
+                r = tCcC[i][0]
+                c = tCcC[i][1]
+                if r < rows_left and c < cols_left:
+                    y = acc[i]
+                    if cutlass.const_expr(cfg.row_weights):
+                        y = y * mRowW[(row0 + r, batch)]
+                    mC[(row0 + r, col0 + c, batch)] = y.to(self.c_dtype)
