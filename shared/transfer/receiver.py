@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -35,6 +36,8 @@ from shared.transfer.staging import StagingPool
 from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError, data_tag, decode_header, header_tag, ucx_buffer
 
 log = structlog.get_logger(__name__)
+
+_ENDED_KEPT = 1024
 
 
 class _State(enum.Enum):
@@ -76,6 +79,8 @@ class KVReceiver:
         self.staging = StagingPool(staging_bytes, kvcache.device)
         self.metrics = metrics or TransferMetrics()
         self._reservations: dict[str, _Reservation] = {}
+        # Outcome of recently ended reservations, so a late wait_complete gets the real reason.
+        self._ended: OrderedDict[str, TransferError] = OrderedDict()
         layout = kvcache.layout
         self._layout = KVTransferLayout(layout.num_layers, layout.page_size, layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."))
 
@@ -85,7 +90,8 @@ class KVReceiver:
 
     @property
     def num_reservations(self) -> int:
-        return len(self._reservations)
+        """Reservations holding pages (cancelled ones still draining their chunks are not counted)."""
+        return sum(res.state in (_State.RECEIVING, _State.COMPLETE) for res in self._reservations.values())
 
     def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> KVTransferDescriptor:
         """Allocate pages for ``num_tokens`` and start listening for their KV.
@@ -139,7 +145,9 @@ class KVReceiver:
         """
         res = self._reservations.get(request_id)
         if res is None:
-            raise UnknownTransfer(f"no KV reservation for request {request_id!r} (never made, already claimed, or its lease ended)")
+            if request_id in self._ended:
+                raise self._ended[request_id]
+            raise UnknownTransfer(f"no KV reservation for request {request_id!r} (never made, or already claimed)")
         try:
             pages = await asyncio.wait_for(asyncio.shield(res.done), timeout)
         except TimeoutError:
@@ -285,6 +293,10 @@ class KVReceiver:
             task.cancel()
         if self._reservations.get(res.request_id) is res:
             del self._reservations[res.request_id]
+        if res.done.done() and not res.done.cancelled() and res.done.exception() is not None:
+            self._ended[res.request_id] = res.done.exception()  # type: ignore[assignment]
+            while len(self._ended) > _ENDED_KEPT:
+                self._ended.popitem(last=False)
 
 
 async def _device_done(device: torch.device) -> None:
