@@ -45,7 +45,9 @@ class KVSender:
     ``mark_all_layers_done()`` when the KV is already computed, then ``await finish()``.
     ``page_table`` lists the request's pages in the local cache, which holds exactly
     the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
-    those pages untouched until ``finish()`` returns or raises.
+    those pages untouched until ``finish()`` returns or raises. Chunks hold as many
+    whole layers as fit ``chunk_bytes`` (and the decode side's ``max_chunk_bytes``); without
+    a shared ``staging`` pool the sender keeps up to ``chunks_in_flight`` chunks staged.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class KVSender:
         *,
         timeout_s: float,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunks_in_flight: int = 4,
         staging: StagingPool | None = None,
         metrics: TransferMetrics | None = None,
     ) -> None:
@@ -71,7 +74,7 @@ class KVSender:
         self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device)
         self._groups = _layer_groups(layout.num_layers, chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype), min(chunk_bytes, descriptor.max_chunk_bytes), descriptor.request_id)
         largest = max(chunk_nbytes(len(g), heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype) for g in self._groups)
-        self.staging = staging or StagingPool(2 * largest, kvcache.device)
+        self.staging = staging or StagingPool(chunks_in_flight * largest, kvcache.device)
         self._loop = asyncio.get_running_loop()
         self._layer_ready = [False] * layout.num_layers
         self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers

@@ -36,26 +36,30 @@ def test_head_shards_cover_every_head_once():
         kv_head_shard(4, 4, 4)
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("src_page,dst_page,tokens", [(8, 16, 37), (16, 16, 64), (32, 8, 5), (4, 32, 100)])
-def test_pack_then_scatter_is_exact_across_page_sizes(src_page, dst_page, tokens):
+def test_pack_then_scatter_is_exact_across_page_sizes(src_page, dst_page, tokens, device):
     layers, heads, dim = 3, 4, 8
-    ref = torch.randn(layers, 2, heads, tokens, dim).to(torch.bfloat16)
+    ref = torch.randn(layers, 2, heads, tokens, dim, device=device).to(torch.bfloat16)
     rng = random.Random(tokens)
     h0, h1 = 1, 3
-    src = PagedKVCache(KVLayout(layers, 40, h1 - h0, src_page, dim, torch.bfloat16))
-    src_table = torch.tensor(rng.sample(range(40), src.layout.pages_for(tokens)))
-    pages, offsets = src.slots(src_table, torch.arange(tokens))
+    src = PagedKVCache(KVLayout(layers, 40, h1 - h0, src_page, dim, torch.bfloat16), device)
+    src_table = torch.tensor(rng.sample(range(40), src.layout.pages_for(tokens)), device=device)
+    pages, offsets = src.slots(src_table, torch.arange(tokens, device=device))
     for layer in range(layers):
         src.write(layer, pages, offsets, ref[layer, 0, h0:h1].transpose(0, 1), ref[layer, 1, h0:h1].transpose(0, 1))
-    buf = torch.empty(chunk_nbytes(layers, h1 - h0, tokens, dim, torch.bfloat16), dtype=torch.uint8)
+    buf = torch.empty(chunk_nbytes(layers, h1 - h0, tokens, dim, torch.bfloat16), dtype=torch.uint8, device=device)
     chunk = chunk_view(buf, layers, h1 - h0, tokens, dim, torch.bfloat16)
     pack_layers(src, range(layers), src_table, tokens, chunk)
     assert torch.equal(chunk, ref[:, :, h0:h1])
 
-    dst = PagedKVCache(KVLayout(layers, 40, heads, dst_page, dim, torch.bfloat16))
+    dst = PagedKVCache(KVLayout(layers, 40, heads, dst_page, dim, torch.bfloat16), device)
     for pool in dst.pools:
         pool.fill_(3.0)
-    dst_table = torch.tensor(rng.sample(range(40), dst.layout.pages_for(tokens)))
+    dst_table = torch.tensor(rng.sample(range(40), dst.layout.pages_for(tokens)), device=device)
     scatter_layers(dst, range(layers), range(h0, h1), dst_table, tokens, chunk)
     for layer in range(layers):
         k, v = dst.read(layer, dst_table, tokens)
