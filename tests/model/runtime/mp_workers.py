@@ -14,19 +14,23 @@ from shared.parallel import Topology, init_distributed
 PAGE_SIZE = 4
 
 
-def run_rank(rank: int, world: int, layout: str, port: int, model_dir: str, prompts: list[list[int]], join_at: list[int], max_tokens: list[int], out_dir: str) -> None:
+def run_rank(rank: int, world: int, layout: str, port: int, model_dir: str, prompts: list[list[int]], join_at: list[int], max_tokens: list[int], out_dir: str, device_type: str = "cpu") -> None:
     """Prefill logits of this rank's prompts, then a greedy run in which sequence ``i``
     joins at step ``join_at[i]``; results saved to ``out_dir/rank<r>.pt``.
 
     ``prompts`` are this rank's own (decode layout) or the shared ones (prefill layout).
+    With ``device_type="cuda"`` rank r runs on GPU r over NCCL, else on the CPU over gloo.
     """
+    device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     topology = Topology.prefill(world, rank) if layout == "prefill" else Topology.decode(world, rank)
-    comm = init_distributed(topology, torch.device("cpu"), master_port=port)
+    comm = init_distributed(topology, device, master_port=port)
     try:
-        runner = ModelRunner.from_dir(model_dir, num_pages=64, page_size=PAGE_SIZE, topology=topology, comm=comm)
+        runner = ModelRunner.from_dir(model_dir, num_pages=64, page_size=PAGE_SIZE, topology=topology, comm=comm, device=device)
         logits = _prefill_logits(runner, prompts)
         tokens = _greedy_run(runner, prompts, join_at, max_tokens)
-        torch.save({"logits": logits, "tokens": tokens}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save({"logits": logits.cpu(), "tokens": tokens}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 VOCAB = 512  # parity tests feed random ids; the tokenizer is exercised in test_tiny_offline
+
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# fp32 tests run on the CPU always and on CUDA where a GPU exists (TF32 is off by default).
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 
 
 def hf_model(path) -> torch.nn.Module:

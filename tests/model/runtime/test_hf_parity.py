@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CONFIGS
-from runtime_helpers import hf_model, random_prompts, rel_err
+from runtime_helpers import DEVICES, hf_model, random_prompts, rel_err
 
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -21,17 +21,18 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prefill_logits_match_transformers(tiny_checkpoint, name):
+def test_prefill_logits_match_transformers(tiny_checkpoint, name, device):
     path = tiny_checkpoint(name)
-    model, hf = Qwen3Model.load(path), hf_model(path)
+    model, hf = Qwen3Model.load(path, device=device), hf_model(path)
     c = model.config
-    cache = PagedKVCache(KVLayout(c.num_layers, 32, model.local_kv_heads, 4, c.head_dim, torch.float32))
+    cache = PagedKVCache(KVLayout(c.num_layers, 32, model.local_kv_heads, 4, c.head_dim, torch.float32), device)
     prompts = random_prompts([7, 13, 1])
     # Non-contiguous, out-of-order pages so a page-table bug cannot hide.
     tables = [[9, 2], [5, 0, 11, 3], [7]]
-    batch = ForwardBatch.build([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)], 4, torch.device("cpu"))
-    logits = model.forward(batch, cache, all_logits=True)
+    batch = ForwardBatch.build([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)], 4, torch.device(device))
+    logits = model.forward(batch, cache, all_logits=True).cpu()
     offset = 0
     for p in prompts:
         with torch.no_grad():
@@ -40,12 +41,13 @@ def test_prefill_logits_match_transformers(tiny_checkpoint, name):
         offset += len(p)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_continuations_match_transformers_with_changing_batch(tiny_checkpoint, name):
+def test_greedy_continuations_match_transformers_with_changing_batch(tiny_checkpoint, name, device):
     """A and B start together, C joins after 10 steps, B leaves after 12 tokens."""
     path = tiny_checkpoint(name)
     hf = hf_model(path)
-    runner = ModelRunner.from_dir(path, num_pages=64, page_size=4)
+    runner = ModelRunner.from_dir(path, num_pages=64, page_size=4, device=device)
     prompts = dict(zip("ABC", random_prompts([5, 11, 3], seed=7)))
     limits = {"A": 32, "B": 12, "C": 32}
     seqs = {k: runner.add(k, prompts[k], SamplingParams(temperature=0.0, max_tokens=limits[k])) for k in "AB"}

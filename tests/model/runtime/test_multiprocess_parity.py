@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from mp_workers import run_rank
-from runtime_helpers import random_prompts, rel_err
+from runtime_helpers import GPU, random_prompts, rel_err
 
 from shared.model.runner import ModelRunner
 
@@ -44,12 +44,13 @@ def single_process(sharded_model):
     return per_prompt, _greedy_run(runner, PROMPTS, JOIN_AT, MAX_TOKENS)
 
 
-def spawn(world: int, layout: str, model_dir, per_rank_args, tmp_path) -> list[dict]:
+def spawn(world: int, layout: str, model_dir, per_rank_args, tmp_path, device_type: str = "cpu") -> list[dict]:
+    """Run `run_rank` in ``world`` spawned processes and collect what each saved."""
     port = free_port()
 
     def args(r):
         prompts, join_at, max_tokens = per_rank_args(r)
-        return (r, world, layout, port, str(model_dir), prompts, join_at, max_tokens, str(tmp_path))
+        return (r, world, layout, port, str(model_dir), prompts, join_at, max_tokens, str(tmp_path), device_type)
 
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=run_rank, args=args(r)) for r in range(world)]
@@ -65,17 +66,21 @@ def spawn(world: int, layout: str, model_dir, per_rank_args, tmp_path) -> list[d
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_prefill_layout_matches_one_process(sharded_model, single_process, tmp_path, tp):
+TWO_GPUS = [*GPU, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+
+@pytest.mark.parametrize(("tp", "device_type"), [(2, "cpu"), (4, "cpu"), pytest.param(2, "cuda", marks=TWO_GPUS)])
+def test_tensor_parallel_prefill_layout_matches_one_process(sharded_model, single_process, tmp_path, tp, device_type):
     ref_logits, ref_tokens = single_process
-    results = spawn(tp, "prefill", sharded_model, lambda r: (PROMPTS, JOIN_AT, MAX_TOKENS), tmp_path)
+    results = spawn(tp, "prefill", sharded_model, lambda r: (PROMPTS, JOIN_AT, MAX_TOKENS), tmp_path, device_type)
     ref = torch.cat(ref_logits)
     for res in results:
         assert rel_err(res["logits"], ref) <= 1e-4
         assert res["tokens"] == ref_tokens
 
 
-def test_dp2_ep2_decode_layout_matches_one_process(sharded_model, single_process, tmp_path):
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_dp2_ep2_decode_layout_matches_one_process(sharded_model, single_process, tmp_path, device_type):
     """Rank 0 owns prompts 0 and 1; rank 1 owns prompt 2, which joins at step 5: until then
     rank 1 steps with zero tokens, and after prompt 1 finishes rank 0 steps with fewer."""
     ref_logits, ref_tokens = single_process
@@ -85,7 +90,7 @@ def test_dp2_ep2_decode_layout_matches_one_process(sharded_model, single_process
         ids = owned[r]
         return [PROMPTS[i] for i in ids], [JOIN_AT[i] for i in ids], [MAX_TOKENS[i] for i in ids]
 
-    results = spawn(2, "decode", sharded_model, per_rank, tmp_path)
+    results = spawn(2, "decode", sharded_model, per_rank, tmp_path, device_type)
     for r, res in enumerate(results):
         ids = owned[r]
         assert rel_err(res["logits"], torch.cat([ref_logits[i] for i in ids])) <= 1e-4

@@ -1,0 +1,159 @@
+"""Benchmark: one decode step of a Qwen3-30B-A3B-shaped model with plain torch ops.
+
+The baseline the kernels must beat: `shared.model.model.Qwen3Model.forward` with
+the torch reference ops of `shared.model.layers` (no custom kernels, no CUDA
+graphs), random bf16 weights built directly on the GPU (48 layers, hidden 2048,
+32 q / 4 KV heads of 128, 128 experts top-8, moe_intermediate 768, vocab 151936),
+and a paged KV cache holding ``--context`` random tokens per sequence.
+
+Next to each measured tokens/s stands the HBM roofline of that step: the bytes
+it must move at least (attention and router weights, the experts the batch's
+tokens hit, lm_head, embedding rows, the K/V it reads) divided by 4.1 TB/s. The
+number of experts hit is the expectation under uniform routing,
+``E * (1 - (1 - k/E) ** B)`` per layer. A device-to-device copy is timed in the
+same run to re-measure the bandwidth ceiling.
+
+    python -m bench.decode_step [--batches 1 16 64] [--context 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch
+
+from bench.results import print_table, record
+from shared.kvcache import KVLayout, PagedKVCache
+from shared.model.config import ModelConfig
+from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
+from shared.model.weights import AttentionWeights, LayerWeights, ModelWeights, MoEWeights
+
+BENCH = "decode_step"
+HBM_BYTES_PER_S = 4.1e12  # H200 HBM copy bandwidth measured for this project (notes/GPU.md)
+PAGE_SIZE = 16
+
+# Qwen/Qwen3-30B-A3B config.json (shapes only; weights are random).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+}
+
+
+def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    """Weights drawn on the device (no checkpoint): std 0.02 like HF's init, norms at one."""
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype, device=device)
+
+    h, d, i = c.hidden_size, c.head_dim, c.moe_intermediate_size
+    layers = [
+        LayerWeights(
+            input_norm=ones(h),
+            post_attention_norm=ones(h),
+            attn=AttentionWeights(w(c.num_heads * d, h), w(c.num_kv_heads * d, h), w(c.num_kv_heads * d, h), w(h, c.num_heads * d), ones(d), ones(d)),
+            mlp=MoEWeights(router=w(c.num_experts, h), w13=w(c.num_experts, 2 * i, h), w2=w(c.num_experts, h, i), expert_start=0),
+        )
+        for _ in range(c.num_layers)
+    ]
+    return ModelWeights(embed=w(c.vocab_size, h), layers=layers, final_norm=ones(h), lm_head=w(c.vocab_size, h))
+
+
+def step_bytes(c: ModelConfig, batch: int, context: int, elem: int) -> tuple[float, float]:
+    """(bytes a decode step must move at least, expected experts hit per layer)."""
+    h, d = c.hidden_size, c.head_dim
+    attn = (2 * c.num_heads * d * h + 2 * c.num_kv_heads * d * h + 2 * d + 2 * h) * elem
+    experts_hit = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** batch)
+    moe = (c.num_experts * h + experts_hit * 3 * c.moe_intermediate_size * h) * elem
+    kv_read = batch * (context + 1) * 2 * c.num_kv_heads * d * elem
+    per_layer = attn + moe + kv_read
+    return c.num_layers * per_layer + c.vocab_size * h * elem + batch * h * elem, experts_hit
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * 10 / (time.perf_counter() - t0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=512, help="tokens already cached per sequence")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=None, help="override (quick CPU checks)")
+    ap.add_argument("--experts", type=int, default=None, help="override (quick CPU checks)")
+    ap.add_argument("--vocab", type=int, default=None, help="override (quick CPU checks)")
+    a = ap.parse_args(argv)
+    device, dtype = torch.device(a.device), torch.bfloat16
+    raw = dict(QWEN3_30B_A3B)
+    for key, value in (("num_hidden_layers", a.layers), ("num_experts", a.experts), ("vocab_size", a.vocab)):
+        if value is not None:
+            raw[key] = value
+    c = ModelConfig.from_dict(raw)
+    torch.manual_seed(0)
+    model = Qwen3Model(c, random_weights(c, dtype, device))
+    pages_per_seq = -(-(a.context + 1) // PAGE_SIZE)
+    cache = PagedKVCache(KVLayout(c.num_layers, max(a.batches) * pages_per_seq, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
+    for pool in cache.pools:
+        pool.normal_()
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for b in a.batches:
+        # Sequence s owns pages [s * pages_per_seq, ...) of the pool, interleaved order to be non-contiguous.
+        tables = [[p * max(a.batches) + s for p in range(pages_per_seq)] for s in range(b)]
+        chunks = [SequenceChunk([(7 * s + 1) % c.vocab_size], a.context, tables[s]) for s in range(b)]
+        batch = ForwardBatch.build(chunks, PAGE_SIZE, device)
+        times = []
+        for it in range(a.iters + 2):
+            sync(device)
+            t0 = time.perf_counter()
+            model.forward(batch, cache)
+            sync(device)
+            if it >= 2:  # two warm-up steps
+                times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        nbytes, experts_hit = step_bytes(c, b, a.context, 2)
+        roof_s = nbytes / HBM_BYTES_PER_S
+        metrics = {
+            "tokens_per_s": b / step_s,
+            "step_ms": step_s * 1e3,
+            "roofline_tokens_per_s": b / roof_s,
+            "roofline_step_ms": roof_s * 1e3,
+            "fraction_of_roofline": roof_s / step_s,
+            "bytes_per_step_gb": nbytes / 1e9,
+            "experts_hit_per_layer": experts_hit,
+            "copy_bandwidth_gbps": bandwidth / 1e9,
+        }
+        case = {"model": "qwen3-30b-a3b-shapes", "layers": c.num_layers, "experts": c.num_experts, "top_k": c.top_k,
+                "vocab": c.vocab_size, "batch": b, "context": a.context, "dtype": "bfloat16", "impl": "torch-reference"}
+        record(BENCH, case, metrics)
+        rows.append({"batch": b, **metrics})
+    print_table(rows, ["batch", "tokens_per_s", "step_ms", "roofline_tokens_per_s", "roofline_step_ms", "fraction_of_roofline", "bytes_per_step_gb", "experts_hit_per_layer", "copy_bandwidth_gbps"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
