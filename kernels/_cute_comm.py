@@ -136,13 +136,14 @@ def last_block_of_launch(ctrl: Int64, done_word: cutlass.Constexpr) -> Int32:
 
 
 @cute.jit
-def load_vec_f32(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32):
+def load_vec_f32(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32, align: cutlass.Constexpr = 16):
     """Load ``vec`` elements at ``addr`` as fp32; elements at index >= ``valid`` read as 0.
 
-    Full vectors take one 16-byte load; only a tensor's tail takes scalar loads.
+    Full vectors take one vector load (``align`` bytes must hold for ``addr``); only
+    a tensor's tail takes scalar loads.
     """
     frag = cute.make_rmem_tensor((vec,), Float32)
-    g = cute.make_tensor(gptr(dtype, addr), cute.make_layout(vec))
+    g = cute.make_tensor(gptr(dtype, addr, align), cute.make_layout(vec))
     if valid >= vec:
         frag.store(g.load().to(Float32))
     else:
@@ -154,9 +155,9 @@ def load_vec_f32(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, 
 
 
 @cute.jit
-def store_vec_f32(addr: Int64, frag, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32):
+def store_vec_f32(addr: Int64, frag, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32, align: cutlass.Constexpr = 16):
     """Store fp32 ``frag`` converted to ``dtype``; only the first ``valid`` elements are written."""
-    g = cute.make_tensor(gptr(dtype, addr), cute.make_layout(vec))
+    g = cute.make_tensor(gptr(dtype, addr, align), cute.make_layout(vec))
     if valid >= vec:
         g.store(frag.load().to(dtype))
     else:

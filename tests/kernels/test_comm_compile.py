@@ -1,0 +1,218 @@
+"""CPU checks of the communication kernels (runs in CI, no GPU).
+
+* Every CuTeDSL communication kernel compiles for sm_90a, for several world sizes,
+  ranks, dtypes and payloads, and its PTX carries the system-scope release/acquire
+  signalling and no NVLink multicast instruction.
+* The torch reference implementations (the definitions the GPU kernels are tested
+  against) match simple brute-force definitions, in real multi-process gloo groups
+  where they communicate.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest
+import torch
+import torch.distributed as dist
+from cutlass import Int32, Int64
+
+import cutlass.cute as cute
+from kernels import allreduce as ar
+from kernels import dispatch_combine as dc
+from kernels import ep_prefill as ep
+from kernels._cute_runtime import dummy_stream
+from kernels._local_group import run_local_group
+
+# --------------------------------------------------------------------------- compilation
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2), (8, 5)])
+def test_all_reduce_kernels_compile(dtype, world, rank):
+    assert ar.compile_one_shot(dtype, world, rank) is not None
+    assert ar.compile_two_shot(dtype, world, rank) is not None
+
+
+@pytest.mark.parametrize("dtype,topk", [(torch.bfloat16, 8), (torch.float32, 2)])
+def test_ep_prefill_kernels_compile(dtype, topk):
+    assert ep.compile_select(dtype, topk) is not None
+    assert ep.compile_combine(dtype, topk) is not None
+
+
+@pytest.mark.parametrize(
+    "world,rank,experts,max_tokens,hidden,topk,payload",
+    [(2, 0, 128, 128, 4096, 8, "bf16"), (2, 1, 128, 128, 4096, 8, "fp8"), (16, 9, 32, 4, 384, 3, "fp8")],
+)
+def test_dispatch_combine_kernels_compile(world, rank, experts, max_tokens, hidden, topk, payload):
+    kernels = dc.compile_kernels(world, rank, experts, max_tokens, hidden, topk, payload)
+    assert len(kernels) == 4 and all(k is not None for k in kernels)
+
+
+def _ptx(launcher, *args) -> str:
+    return cute.compile(launcher, *args, options="--keep-ptx").__ptx__
+
+
+def test_ptx_signals_at_system_scope_and_never_uses_multicast(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes its file into the working directory
+    z, s = Int64(0), dummy_stream()
+    two_shot = _ptx(ar._launch_two_shot, z, z, Int32(0), Int32(0), z, z, z, z, z, z, Int32(1), s, ar._CUTE_DTYPES[torch.bfloat16], 4, 1)
+    dispatch = _ptx(dc._launch_dispatch_send, *[z] * 11, s, 2, 0, 64, 256, 128, 4096, 8, True)
+    combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, s, 2, 0, 128, 4096, 8)
+    for ptx in (two_shot, dispatch, combine_recv):
+        assert "multimem" not in ptx
+    assert "st.release.sys.global.b32" in two_shot and "ld.acquire.sys.global.b32" in two_shot
+    assert "fence.acq_rel.sys" in two_shot
+    assert "atom.global.sys.add" in dispatch  # remote slot allocation on the expert owner
+    assert "cvt.rn.satfinite.e4m3x2.f32" in dispatch and "div.rn.f32" in dispatch
+    assert "ld.acquire.sys.global.b32" in combine_recv
+
+
+# --------------------------------------------------------------------------- all-reduce reference
+
+
+def _rank_input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return (torch.randn(numel, generator=g) * (rank + 1)).to(dtype)
+
+
+def _all_reduce_rank(rank: int, world: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    x = _rank_input(rank, numel, dtype)
+    out_of_place = ar.all_reduce(x)
+    in_place = x.clone()
+    ar.all_reduce(in_place, out=in_place)
+    return [out_of_place, in_place, ar.all_reduce_reference(x)]
+
+
+@pytest.mark.parametrize("world", [3])
+def test_all_reduce_reference_is_rank_ordered_fp32_sum(world):
+    numel, dtype = 1031, torch.bfloat16
+    results = run_local_group(_all_reduce_rank, world, "gloo", numel, dtype, timeout=120)
+    acc = _rank_input(0, numel, dtype).float()
+    for r in range(1, world):
+        acc = acc + _rank_input(r, numel, dtype).float()
+    expected = acc.to(dtype)
+    for per_rank in results:
+        for got in per_rank:
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+# --------------------------------------------------------------------------- prefill EP reference
+
+
+def _routing(tokens: int, experts: int, topk: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)]).int()
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_ep_select_and_combine_reference_match_brute_force(align):
+    tokens, hidden, experts, topk, start, num_local = 37, 16, 12, 3, 4, 5
+    x = torch.randn(tokens, hidden).bfloat16()
+    ids = _routing(tokens, experts, topk, seed=3)
+    ids[:5] = torch.tensor([4, 0, 1]).int()  # skew: several tokens on the first local expert
+    sel = ep.ep_select(x, ids, start, num_local, align)
+    counts = [sum(int((ids[t] == start + e).sum()) for t in range(tokens)) for e in range(num_local)]
+    assert sel.counts.tolist() == counts
+    padded = [-(-c // align) * align for c in counts]
+    assert sel.offsets.tolist() == [sum(padded[:e]) for e in range(num_local + 1)]
+    for t in range(tokens):
+        for j in range(topk):
+            e = int(ids[t, j]) - start
+            row = int(sel.row_of[t, j])
+            if 0 <= e < num_local:
+                assert sel.offsets[e] <= row < sel.offsets[e] + counts[e]
+                assert torch.equal(sel.rows[row], x[t])
+            else:
+                assert row == -1
+    y = (sel.rows.float() * 1.5).bfloat16()
+    w = torch.rand(tokens, topk)
+    out = ep.ep_combine(y, sel.row_of, w)
+    for t in range(tokens):
+        acc = torch.zeros(hidden)
+        for j in range(topk):
+            if sel.row_of[t, j] >= 0:
+                acc = acc + w[t, j] * y[sel.row_of[t, j]].float()
+        assert torch.equal(out[t], acc.bfloat16())
+
+
+# --------------------------------------------------------------------------- dispatch/combine reference
+
+DC = dict(num_experts=12, max_tokens=6, hidden=256, topk=3)
+
+
+def _dc_inputs(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + rank)
+    m, k, e = DC["max_tokens"], DC["topk"], DC["num_experts"]
+    x = torch.randn(m, DC["hidden"], generator=g).bfloat16()
+    if case == "random":
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+        n = m - rank
+    else:  # every token's first choice is expert 7, and rank 1 has no tokens at all
+        others = [i for i in range(e) if i != 7]
+        ids = torch.stack([torch.tensor([7] + [others[i] for i in torch.randperm(e - 1, generator=g)[: k - 1]]) for _ in range(m)]).int()
+        n = 0 if rank == 1 else m
+    w = torch.rand(m, k, generator=g)
+    return x, ids, torch.tensor([n], dtype=torch.int32), w
+
+
+def _expert_fn(recv_x: torch.Tensor, recv_scales: torch.Tensor | None, rank: int, num_local: int) -> torch.Tensor:
+    """A stand-in for the expert GEMMs: scale each expert's rows by (global expert id + 1) / 8."""
+    x = recv_x.float()
+    if recv_scales is not None:
+        x = (x.view(*x.shape[:-1], -1, dc.FP8_GROUP) * recv_scales[..., None]).view(x.shape)
+    factor = (torch.arange(num_local) + rank * num_local + 1).float() / 8
+    return (x * factor[:, None, None]).bfloat16()
+
+
+def _dc_rank(rank: int, world: int, case: str, payload: str) -> dict:
+    ref = dc.make_dispatch_combine(dist.group.WORLD, payload=payload, device=torch.device("cpu"), **DC)
+    x, ids, n, w = _dc_inputs(rank, case)
+    recv_x, recv_scales, counts, recv_src = ref.dispatch(x, ids, n)
+    y = _expert_fn(recv_x, recv_scales, rank, ref.num_local)
+    out = ref.combine(y, counts, recv_src, w, n)
+    return {"recv_x": recv_x.view(torch.uint8) if payload == "fp8" else recv_x, "scales": recv_scales, "counts": counts, "src": recv_src, "out": out}
+
+
+@pytest.mark.parametrize("world,case,payload", [(2, "random", "bf16"), (3, "one_expert_empty_rank", "fp8")])
+def test_dispatch_combine_reference_matches_brute_force(world, case, payload):
+    results = run_local_group(_dc_rank, world, "gloo", case, payload, timeout=120)
+    num_local = DC["num_experts"] // world
+    inputs = [_dc_inputs(r, case) for r in range(world)]
+    for rank, res in enumerate(results):
+        for le in range(num_local):
+            expert = rank * num_local + le
+            expected = [(src, t, j) for src, (x, ids, n, w) in enumerate(inputs) for t in range(int(n)) for j in range(DC["topk"]) if ids[t, j] == expert]
+            assert int(res["counts"][le]) == len(expected)
+            for i, (src, t, j) in enumerate(expected):
+                assert int(res["src"][le, i]) == (src << dc.SRC_RANK_SHIFT) | (t * DC["topk"] + j)
+                if payload == "fp8":
+                    q, s = dc.quantize_per_token_group(inputs[src][0][t])
+                    assert torch.equal(res["recv_x"][le, i], q.view(torch.uint8))
+                    assert torch.equal(res["scales"][le, i], s)
+                else:
+                    assert torch.equal(res["recv_x"][le, i], inputs[src][0][t])
+        x, ids, n, w = inputs[rank]
+        for t in range(DC["max_tokens"]):
+            acc = torch.zeros(DC["hidden"])
+            if t < int(n):
+                for j in range(DC["topk"]):
+                    e = int(ids[t, j])
+                    owner, le = divmod(e, num_local)
+                    row = x[t].float()
+                    if payload == "fp8":
+                        q, s = dc.quantize_per_token_group(x[t])
+                        row = (q.float().view(-1, dc.FP8_GROUP) * s[:, None]).view(-1)
+                    acc = acc + w[t, j] * (row * (e + 1) / 8).bfloat16().float()
+            assert torch.equal(res["out"][t], acc.bfloat16()), f"rank {rank} token {t}"
+
+
+def test_dispatch_combine_rejects_bad_config():
+    with pytest.raises(dc.DispatchCombineError):
+        dc._check_config(2, 7, 4, 256, 2, "bf16")  # experts not divisible by ranks
+    with pytest.raises(dc.DispatchCombineError):
+        dc._check_config(2, 8, 4, 200, 2, "bf16")  # hidden not a multiple of 128
+    with pytest.raises(dc.DispatchCombineError):
+        dc._check_config(17, 34, 4, 256, 2, "bf16")  # more ranks than peer slots
