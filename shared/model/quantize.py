@@ -240,7 +240,7 @@ class _SafetensorsStreamWriter:
         dtype = _TORCH_DTYPE_NAMES.get(tensor.dtype)
         if expected is None or expected.name != name or expected.dtype != dtype or expected.shape != list(tensor.shape):
             raise QuantizeError(f"{self._path}: tensor {name} ({dtype} {list(tensor.shape)}) does not match the plan {expected}")
-        self._file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def close(self) -> None:
         self._file.close()

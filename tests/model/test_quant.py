@@ -303,6 +303,30 @@ def test_converter_end_to_end(tiny_bf16: Path, tmp_path: Path, fmt: str, capsys:
     assert stats["overall"]["rel_fro"] <= worst + 1e-9
 
 
+def test_converter_dense_qwen3(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=300, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "dense")  # fp32, one file
+    report = quantize_checkpoint(tmp_path / "dense", tmp_path / "fp8", "fp8-block")
+    assert set(report.families) == {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    converted = _read_all(tmp_path / "fp8")
+    assert converted["model.layers.1.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert converted["model.layers.1.mlp.up_proj.weight_scale_inv"].shape == (2, 1)
+    assert converted["model.embed_tokens.weight"].dtype == torch.float32  # kept in the source dtype
+    assert "lm_head.weight" not in converted  # tied: nothing to convert
+    config_out = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert config_out["modules_to_not_convert"] == ["lm_head"] + [
+        f"model.layers.{i}.{m}" for i in range(2) for m in ("input_layernorm", "post_attention_layernorm")
+    ]
+    assert report.overall().as_dict()["rel_fro"] < 0.035
+
+
 def test_converter_rejects_bad_input(tiny_bf16: Path, tmp_path: Path) -> None:
     out = tmp_path / "fp8"
     quantize_checkpoint(tiny_bf16, out, "fp8-block")
