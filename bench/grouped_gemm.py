@@ -22,9 +22,11 @@ is spot-checked against an fp32 matmul of two experts.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import statistics
 import sys
+import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -33,6 +35,7 @@ import torch
 from bench.results import print_table, record
 from kernels import grouped_gemm as gg
 from kernels.act_quant import quantize_act
+from kernels.grouped_gemm_launch import launch
 
 BENCH = "grouped_gemm"
 MODELS = {"qwen3-235b": (4096, 1536), "qwen3-30b": (2048, 768)}  # hidden, moe_intermediate
@@ -91,16 +94,17 @@ def spot_check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rows: list[s
 
 
 def ceilings(iters: int) -> dict[str, float]:
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    src = torch.randn(256 * 1024**2, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
     copy_us = time_us(lambda: dst.copy_(src), iters)
     a = torch.randn(8192, 8192, device="cuda").bfloat16()
     b = torch.randn(8192, 8192, device="cuda").bfloat16()
     mm_us = time_us(lambda: a @ b, iters)
-    return {"copy_tbps": 2 * src.numel() / copy_us / 1e6, "dense_bf16_tflops": 2 * 8192**3 / mm_us / 1e6}
+    return {"copy_tbps": 2 * src.numel() * 4 / copy_us / 1e6, "dense_bf16_tflops": 2 * 8192**3 / mm_us / 1e6}
 
 
-def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, weights: dict) -> dict:
+def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, weights: dict,
+             tile_m: int | None = None) -> dict:
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
     E = EXPERTS
@@ -117,7 +121,11 @@ def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, w
         x_ours, groups = x_bf16, offsets
     xq, xs = quantize_act(x_ours) if fp8 else (x_ours, None)
     out = torch.empty(*x_ours.shape[:-1], N, dtype=torch.bfloat16, device="cuda")
-    ours = lambda: gg.grouped_gemm(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, out=out)  # noqa: E731
+    if tile_m is None:
+        ours = lambda: gg.grouped_gemm(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, out=out)  # noqa: E731
+    else:  # a forced tile bucket, through the launcher (inputs built above are valid by construction)
+        ours = lambda: launch(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, row_weights=None,  # noqa: E731
+                              swiglu=False, out=out, tile_m=tile_m)
     us = time_us(ours, iters)
     experts = [0, E - 1]
     rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
@@ -144,7 +152,8 @@ def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, w
             peers["torch._scaled_grouped_mm_rowwise"] = {"error": 1.0}
             print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
-            "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous"}
+            "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous",
+            "tile_m": tile_m or "auto"}
     record(BENCH, case, metrics, peers)
     peer = next(iter(peers.values()))
     return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
@@ -183,47 +192,82 @@ def run_swiglu_case(model: str, phase: str, m: int, fp8: bool, iters: int, weigh
     return {**case, **metrics, "peer_latency_us": unfused_us, "speedup_vs_peer": unfused_us / fused_us}
 
 
+def make_weights(model: str) -> dict:
+    hidden, inter = MODELS[model]
+    weights: dict = {}
+    for proj, (N, K) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
+        w = (torch.randn(EXPERTS, N, K, device="cuda") / K**0.5).bfloat16()
+        weights[(model, proj)] = w
+        weights[(model, proj, "fp8")] = quantize_weights(w)
+        rscale = w.float().abs().amax(-1).clamp(min=1e-10) / 448.0
+        weights[(model, proj, "fp8_rowwise")] = ((w.float() / rscale[..., None]).to(FP8), rscale)
+    return weights
+
+
+def case_list(quick: bool, probe_fp8_tile128: bool) -> list[tuple]:
+    """(kind, model, proj, phase, tokens, fp8, tile_m) in run order, the most wanted first."""
+    models = ["qwen3-30b"] if quick else ["qwen3-235b", "qwen3-30b"]
+    cases = []
+    for model in models:
+        for proj in ("gate_up", "down"):
+            cases += [("gemm", model, proj, "prefill", m, fp8, None) for m in PREFILL_TOKENS for fp8 in (False, True)]
+            cases += [("gemm", model, proj, "decode", m, fp8, None) for m in DECODE_TOKENS for fp8 in (False, True)]
+        cases += [("swiglu", model, "gate_up", phase, m, fp8, None)
+                  for phase, m in (("decode", 16), ("prefill", 375)) for fp8 in (False, True)]
+    if probe_fp8_tile128:  # last: FP8 prefill with two consumer warpgroups (hung once: see bench notes)
+        cases.append(("gemm", models[-1], "gate_up", "prefill", 375, True, 128))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--quick", action="store_true", help="one model, fewer cases")
+    ap.add_argument("--quick", action="store_true", help="one model")
+    ap.add_argument("--skip", default="", help="comma list of kind:model:proj:phase:tokens:dtype to leave out")
+    ap.add_argument("--fp8-prefill-tile-m", type=int, default=None, help="force the FP8 prefill tile bucket")
+    ap.add_argument("--probe-fp8-tile128", action="store_true", help="end with one FP8 prefill case on 128-row tiles")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="start no case after this many seconds")
+    ap.add_argument("--case-timeout-s", type=float, default=60.0, help="dump stacks and exit if one case hangs")
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     torch.manual_seed(0)
+    faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
     ceil = ceilings(args.iters)
     record(BENCH, {"what": "ceilings"}, ceil)
     print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, dense bf16 GEMM {ceil['dense_bf16_tflops']:.0f} TFLOP/s", flush=True)
-
-    models = ["qwen3-30b"] if args.quick else list(MODELS)
-    rows = []
-    for model in models:
-        hidden, inter = MODELS[model]
-        weights: dict = {}
-        for proj, (N, K) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
-            w = (torch.randn(EXPERTS, N, K, device="cuda") / K**0.5).bfloat16()
-            weights[(model, proj)] = w
-            weights[(model, proj, "fp8")] = quantize_weights(w)
-            rscale = w.float().abs().amax(-1).clamp(min=1e-10) / 448.0
-            weights[(model, proj, "fp8_rowwise")] = ((w.float() / rscale[..., None]).to(FP8), rscale)
-        for proj in ("gate_up", "down"):
-            for phase, ms in (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS)):
-                for m in ms:
-                    for fp8 in (False, True):
-                        row = run_case(model, proj, phase, m, fp8, args.iters, weights)
-                        rows.append(row)
-                        print(f"{model} {proj} {phase} m={m} {row['dtype']}: {row['latency_us']:.1f} us "
-                              f"{row['tflops']:.0f} TFLOP/s {row['weight_tbps']:.2f} TB/s "
-                              f"peer {row['peer_latency_us']:.1f} us err {row['spot_rel_err']:.1e}", flush=True)
-        for phase, m in (("decode", 16), ("prefill", 375)):
-            for fp8 in (False, True):
-                rows.append(run_swiglu_case(model, phase, m, fp8, args.iters, weights))
-        del weights
-        torch.cuda.empty_cache()
-
-    x = torch.randn(EXPERTS * 375, MODELS[models[0]][0], device="cuda").bfloat16()
+    x = torch.randn(EXPERTS * 375, 4096, device="cuda").bfloat16()
     q_us = time_us(lambda: quantize_act(x), args.iters)
     q_bytes = x.numel() * 3 + x.numel() // 128 * 4
     record(BENCH, {"what": "quantize_act", "rows": x.shape[0], "k": x.shape[1]}, {"latency_us": q_us, "gbps": q_bytes / q_us / 1e3})
-    print(f"quantize_act {tuple(x.shape)}: {q_us:.1f} us, {q_bytes / q_us / 1e3:.0f} GB/s")
+    print(f"quantize_act {tuple(x.shape)}: {q_us:.1f} us, {q_bytes / q_us / 1e3:.0f} GB/s", flush=True)
+    faulthandler.cancel_dump_traceback_later()
+    del x
+
+    skip = set(filter(None, args.skip.split(",")))
+    rows, weights, loaded = [], {}, None
+    for kind, model, proj, phase, m, fp8, tile_m in case_list(args.quick, args.probe_fp8_tile128):
+        name = f"{kind}:{model}:{proj}:{phase}:{m}:{'fp8' if fp8 else 'bf16'}"
+        if name in skip:
+            continue
+        if time.perf_counter() - t0 > args.deadline_s:
+            print(f"deadline reached, not run: {name}", flush=True)
+            continue
+        if loaded != model:
+            weights, loaded = {}, None
+            torch.cuda.empty_cache()
+            weights, loaded = make_weights(model), model
+        if fp8 and phase == "prefill" and kind == "gemm" and tile_m is None:
+            tile_m = args.fp8_prefill_tile_m
+        faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
+        if kind == "gemm":
+            row = run_case(model, proj, phase, m, fp8, args.iters, weights, tile_m)
+        else:
+            row = run_swiglu_case(model, phase, m, fp8, args.iters, weights)
+        faulthandler.cancel_dump_traceback_later()
+        rows.append(row)
+        print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile_m={tile_m or 'auto'}: {row['latency_us']:.1f} us "
+              f"{row['tflops']:.0f} TFLOP/s {row.get('weight_tbps', float('nan')):.2f} TB/s "
+              f"peer {row['peer_latency_us']:.1f} us err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
 
     print_table(rows, ["model", "proj", "phase", "tokens_per_expert", "dtype", "latency_us", "tflops", "weight_tbps",
                        "peer_latency_us", "speedup_vs_peer"])

@@ -10,6 +10,7 @@ are CUDA-graph capturable and never synchronise with the host.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import cuda.bindings.driver as cuda
@@ -82,8 +83,11 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 
 def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
-           swiglu: bool, out: torch.Tensor | None) -> torch.Tensor:
-    """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``."""
+           swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None) -> torch.Tensor:
+    """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``.
+
+    ``tile_m`` overrides the tile bucket (benchmarks compare buckets with it).
+    """
     E, N, K = w.shape
     fp8 = x_scale is not None
     rows = x.shape[-2]
@@ -92,6 +96,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
                         num_sms=props.multi_processor_count)
+    if tile_m is not None:
+        cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=128 if tile_m == 64 else cfg.tile_n)
     out_shape = (*x.shape[:-1], cfg.out_n)
     if out is None:
         out = torch.empty(out_shape, dtype=torch.bfloat16, device=x.device)
