@@ -190,7 +190,7 @@ class Gateway:
             flight.placement = await self._submit(flight, deadline)
             queue_ms = (time.monotonic() - arrival) * 1000
             log.info("placed", decode=f"{flight.placement.decode_instance}/{flight.placement.decode_rank}", prefill=flight.placement.prefill_instance)
-            completion = Completion(self.tokenizer.detokenizer(), flight.admitted.stop, job.max_tokens)
+            completion = Completion(self.tokenizer.detokenizer(skip_special_tokens=True), flight.admitted.stop, job.max_tokens)
             ttft_ms = None
             chunks = 0
             while not completion.finished:

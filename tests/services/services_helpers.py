@@ -1,0 +1,93 @@
+"""Helpers the services tests share: real stacks, a client session, a heartbeat watch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from schemas import subjects
+from schemas.api import GenerateChunk, GenerateRequest
+from schemas.internal import Heartbeat
+from services.client import Client
+from services.launch import REPO_ROOT, LocalStack, load_compose
+from shared.bus import Bus, connect, unpack
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def start_stack(tiny_model: Path, log_dir: Path, compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> LocalStack:
+    specs = load_compose(REPO_ROOT / "compose" / compose, {"MOEBUS_MODEL": str(tiny_model)}, scale)
+    stack = LocalStack(specs, tiny_model, log_dir, extra_env={"MOEBUS_LOG_JSON": "true", **(env or {})})
+    try:
+        stack.start(ready_timeout=240)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def stack_fixture(compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> Callable[..., Iterator[LocalStack]]:
+    @pytest.fixture(scope="module")
+    def fixture(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+        stack = start_stack(tiny_model, tmp_path_factory.mktemp("stack-logs"), compose, scale, env)
+        try:
+            yield stack
+        finally:
+            stack.stop()
+
+    return fixture
+
+
+class HeartbeatWatch:
+    """The latest heartbeat of every (role, instance, rank), and a way to wait for a condition."""
+
+    def __init__(self) -> None:
+        self.latest: dict[tuple[str, str, int], Heartbeat] = {}
+        self.seen_at: dict[tuple[str, str, int], float] = {}
+
+    async def attach(self, bus: Bus) -> None:
+        async def on_hb(msg) -> None:  # type: ignore[no-untyped-def]
+            hb = unpack(msg.data, Heartbeat)
+            key = (hb.role, hb.instance, hb.rank)
+            self.latest[key] = hb
+            self.seen_at[key] = time.monotonic()
+
+        await bus.subscribe(subjects.HEARTBEAT_ALL, on_hb, concurrent=False)
+
+    def live(self, role: str, within_s: float = 1.5) -> list[Heartbeat]:
+        now = time.monotonic()
+        return [hb for key, hb in self.latest.items() if key[0] == role and now - self.seen_at[key] < within_s]
+
+    async def wait_for(self, condition: Callable[[HeartbeatWatch], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition(self):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}; heartbeats: {self.latest}")
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def session(url: str) -> AsyncIterator[tuple[Client, HeartbeatWatch]]:
+    async with connect(url, "tests") as bus:
+        watch = HeartbeatWatch()
+        await watch.attach(bus)
+        yield Client(bus, timeout=60.0), watch
+
+
+async def stream_all(client: Client, req: GenerateRequest) -> list[GenerateChunk]:
+    return [chunk async for chunk in client.stream(req)]
+
+
+def all_kv_free(watch: HeartbeatWatch) -> bool:
+    decode = watch.live("decode")
+    return bool(decode) and all(hb.kv_free_pages == hb.kv_total_pages and hb.batch_size == 0 for hb in decode)

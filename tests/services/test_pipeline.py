@@ -1,0 +1,339 @@
+"""End to end on one real stack (compose/single-node.yml, decode scaled to two instances):
+correctness against transformers, streaming, concurrency, seeds, bad input, overload,
+cancellation; then failures and scaling (destructive tests last, in file order)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+
+import msgspec
+import pytest
+
+from schemas.api import ChatMessage, ErrorReply, GenerateRequest, GenerateResponse, ModelList
+from services.client import GenerateError
+from shared.bus import CONTENT_TYPE, MSGPACK
+
+from services_helpers import all_kv_free, run, session, stack_fixture, stream_all
+
+pytestmark = pytest.mark.slow
+
+stack = stack_fixture(
+    "single-node.yml",
+    scale={"decode": 2},
+    env={"MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "1000", "MOEBUS_DECODE_MAX_BATCH": "40"},
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Mixture-of-experts models route each token to a few experts, which",
+    "1, 2, 3, 4,",
+    "Once upon a time in a land far away there lived a dragon who loved to read books about",
+    "hi",
+]
+
+
+def test_models_lists_the_served_model(stack, tiny_model):
+    async def go():
+        async with session(stack.url) as (client, _):
+            return await client.models()
+
+    models = run(go())
+    assert isinstance(models, ModelList)
+    assert [m.id for m in models.models] == [tiny_model.name]
+    assert models.models[0].max_context == 4096
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_unary_and_stream_match_transformers_greedy(stack, tokenizer, hf_greedy, prompt):
+    ids = tokenizer.encode(prompt)
+    expected = hf_greedy(tuple(ids), 24)
+
+    async def go():
+        async with session(stack.url) as (client, _):
+            unary = await client.generate(GenerateRequest(prompt=prompt, max_tokens=24, temperature=0))
+            chunks = await stream_all(client, GenerateRequest(prompt=prompt, max_tokens=24, temperature=0))
+            return unary, chunks
+
+    unary, chunks = run(go())
+    assert unary.token_ids == expected
+    assert unary.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert unary.finish_reason == "length"
+    assert unary.usage.prompt_tokens == len(ids) and unary.usage.completion_tokens == 24
+    assert 0 < unary.timing.ttft_ms <= unary.timing.total_ms
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert "".join(c.text for c in chunks) == unary.text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage == unary.usage
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_messages_use_the_chat_template(stack, tokenizer, hf_greedy):
+    messages = [{"role": "user", "content": "What is an expert?"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    async def go():
+        async with session(stack.url) as (client, _):
+            return await client.generate(GenerateRequest(messages=[ChatMessage(**m) for m in messages], max_tokens=8, temperature=0))
+
+    resp = run(go())
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.token_ids == hf_greedy(tuple(ids), 8)
+
+
+def test_plain_json_and_msgpack_on_the_wire(stack, tokenizer, hf_greedy):
+    """What `nats req llm.generate '{"prompt":"hi"}'` sends, and the msgpack variant."""
+    expected = hf_greedy(tuple(tokenizer.encode("hi")), 64)
+
+    async def go():
+        async with session(stack.url) as (client, _):
+            as_json = await client.bus.nc.request("llm.generate", b'{"prompt":"hi","temperature":0}', timeout=30)
+            payload = msgspec.msgpack.encode({"prompt": "hi", "temperature": 0.0, "max_tokens": 5})
+            as_msgpack = await client.bus.nc.request("llm.generate", payload, timeout=30, headers={CONTENT_TYPE: MSGPACK})
+            return as_json.data, as_msgpack.data
+
+    json_reply, msgpack_reply = run(go())
+    body = json.loads(json_reply)
+    assert body["type"] == "response" and body["token_ids"] == expected  # default max_tokens: 64
+    resp = msgspec.msgpack.decode(msgpack_reply, type=GenerateResponse)
+    assert resp.token_ids == expected[:5]
+
+
+def test_stop_strings_end_the_text_before_the_stop(stack, tokenizer, hf_greedy):
+    prompt = PROMPTS[1]
+    full = tokenizer.decode(hf_greedy(tuple(tokenizer.encode(prompt)), 24), skip_special_tokens=True)
+    stop = full[5:8]  # a piece of what the model will say
+    assert stop and full.find(stop) >= 0
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            resp = await client.generate(GenerateRequest(prompt=prompt, max_tokens=24, temperature=0, stop=[stop]))
+            chunks = await stream_all(client, GenerateRequest(prompt=prompt, max_tokens=24, temperature=0, stop=[stop]))
+            await watch.wait_for(all_kv_free, 5, "decode KV freed after the stop string")
+            return resp, chunks
+
+    resp, chunks = run(go())
+    assert resp.finish_reason == "stop"
+    assert resp.text == full[: full.find(stop)]
+    assert "".join(c.text for c in chunks) == resp.text and chunks[-1].finish_reason == "stop"
+
+
+def test_seeded_sampling_reproduces(stack):
+    req = GenerateRequest(prompt=PROMPTS[2], max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, logprobs=True)
+
+    async def go():
+        async with session(stack.url) as (client, _):
+            a = await client.generate(req)
+            b = await client.generate(req)
+            c = await client.generate(msgspec.structs.replace(req, seed=4321))
+            return a, b, c
+
+    a, b, c = run(go())
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert len(a.logprobs) == 16 and all(lp <= 0 for lp in a.logprobs)
+    assert c.token_ids != a.token_ids
+
+
+def test_64_concurrent_mixed_requests(stack, tokenizer, hf_greedy):
+    rng = random.Random(0)
+    cases = []
+    for i in range(64):
+        prompt = PROMPTS[i % len(PROMPTS)] * rng.randint(1, 4)
+        max_tokens = rng.randint(1, 40)
+        kind = ("greedy", "seeded", "stream")[i % 3]
+        cases.append((prompt, max_tokens, kind, 1000 + i))
+
+    def request(prompt, max_tokens, kind, seed):
+        if kind == "seeded":
+            return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.8, top_k=40, seed=seed)
+        return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+    async def one(client, case):
+        req = request(*case)
+        if case[2] == "stream":
+            chunks = await stream_all(client, req)
+            return [t for c in chunks for t in c.token_ids]
+        return (await client.generate(req)).token_ids
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            together = await asyncio.gather(*(one(client, c) for c in cases))
+            # The seeded ones again, one at a time: a batch of 64 must not change them.
+            alone = {i: (await client.generate(request(*c))).token_ids for i, c in enumerate(cases) if c[2] == "seeded"}
+            await watch.wait_for(all_kv_free, 5, "all KV free after the burst")
+            return together, alone
+
+    t0 = time.monotonic()
+    together, alone = run(go())
+    print("stack part", time.monotonic() - t0)
+    for i, (prompt, max_tokens, kind, _) in enumerate(cases):
+        if kind == "seeded":
+            assert together[i] == alone[i], f"request {i}"
+        else:
+            assert together[i] == hf_greedy(tuple(tokenizer.encode(prompt)), max_tokens), f"request {i}"
+
+
+BAD_INPUTS = [
+    (b'{"prompt": "hi"', "malformed"),
+    (b'{"prompt": "hi", "bogus": 1}', "unknown field"),
+    (b'{"prompt": 42}', "$.prompt"),
+    (b'{"prompt": "hi", "max_tokens": "ten"}', "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": -3}', "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 100000}', "max_tokens"),
+    (b'{"prompt": ""}', "empty"),
+    (b'{}', "exactly one of"),
+    (b'{"prompt": "hi", "input_ids": [1]}', "exactly one of"),
+    (b'{"input_ids": [999999999]}', "vocabulary"),
+    (b'{"prompt": "hi", "temperature": -1}', "temperature"),
+    (b'{"prompt": "hi", "top_p": 0}', "top_p"),
+]
+
+
+def test_bad_input_gets_a_typed_error_fast_and_others_are_unaffected(stack, tokenizer, hf_greedy):
+    long_prompt = "word " * 5000  # > 4096 tokens of context
+    prompt = PROMPTS[0]
+
+    async def go():
+        async with session(stack.url) as (client, _):
+            good = asyncio.ensure_future(client.generate(GenerateRequest(prompt=prompt, max_tokens=20, temperature=0)))
+            replies = []
+            for payload, _ in BAD_INPUTS + [(json.dumps({"prompt": long_prompt}).encode(), "context"), (b'{"prompt": "hi", "model": "nope"}', "nope")]:
+                started = time.monotonic()
+                replies.append((await client.send_raw(payload), time.monotonic() - started))
+            return replies, await good
+
+    replies, good = run(go())
+    expectations = [e for _, e in BAD_INPUTS] + ["context", "nope"]
+    for (reply, elapsed), expected in zip(replies, expectations, strict=True):
+        assert isinstance(reply, ErrorReply), reply
+        assert reply.error.code == ("unknown_model" if expected == "nope" else "invalid_request")
+        assert expected in reply.error.message, reply.error.message
+        assert elapsed < 1.0
+    assert good.token_ids == hf_greedy(tuple(tokenizer.encode(prompt)), 20)
+
+
+def _fill_kv(client, n: int):
+    """n requests that each take ~half a decode rank's KV (512 pages x 16 tokens) and run for long."""
+    reqs = [GenerateRequest(prompt="fill", max_tokens=4000, temperature=0, request_id=f"filler-{i}", timeout_ms=120_000) for i in range(n)]
+    return reqs, [asyncio.ensure_future(client.generate(r)) for r in reqs]
+
+
+def test_overload_is_an_explicit_error_after_the_bounded_wait_and_cancel_frees_kv(stack):
+    async def go():
+        async with session(stack.url) as (client, watch):
+            reqs, fillers = _fill_kv(client, 4)  # 2 decode instances x 2 requests: KV exhausted
+            await watch.wait_for(lambda w: sum(hb.batch_size for hb in w.live("decode")) == 4, 20, "fillers placed")
+            started = time.monotonic()
+            with pytest.raises(GenerateError) as overloaded:
+                await client.generate(GenerateRequest(prompt="one more", max_tokens=200, temperature=0))
+            waited = time.monotonic() - started
+            for r in reqs:
+                await client.cancel(r.request_id)
+            results = await asyncio.gather(*fillers, return_exceptions=True)
+            await watch.wait_for(all_kv_free, 5, "KV pages back after llm.cancel")
+            return overloaded.value, waited, results
+
+    err, waited, results = run(go())
+    assert err.code == "overloaded"
+    assert 0.9 <= waited < 5.0  # MOEBUS_SCHEDULER_QUEUE_WAIT_MS=1000, then a prompt answer
+    assert all(isinstance(r, GenerateError) and r.code == "cancelled" for r in results), results
+
+
+def test_deadline_cancels_and_frees_kv(stack):
+    async def go():
+        async with session(stack.url) as (client, watch):
+            started = time.monotonic()
+            with pytest.raises(GenerateError) as timeout:
+                await client.generate(GenerateRequest(prompt="slow", max_tokens=4000, temperature=0, timeout_ms=1500))
+            elapsed = time.monotonic() - started
+            await watch.wait_for(all_kv_free, 5, "KV pages back after the deadline")
+            return timeout.value, elapsed
+
+    err, elapsed = run(go())
+    assert err.code == "timeout"
+    assert 1.4 < elapsed < 3.0
+
+
+def test_scheduler_restart_resumes_placement_within_2s(stack):
+    old = next(r for r in stack.replicas if r.role == "scheduler" and r.proc.poll() is None)
+    stack.stop_replica(old, signal.SIGKILL)
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            with pytest.raises(GenerateError) as no_scheduler:
+                await client.generate(GenerateRequest(prompt="hi", max_tokens=2, temperature=0))
+            new = stack.start_replica("scheduler")
+            await watch.wait_for(lambda w: any(hb.instance == new.instance for hb in w.live("scheduler")), 60, "the new scheduler")
+            started = time.monotonic()
+            resp = await client.generate(GenerateRequest(prompt="hi", max_tokens=2, temperature=0))
+            return no_scheduler.value, resp, time.monotonic() - started
+
+    err, resp, elapsed = run(go())
+    assert err.code == "unavailable"
+    assert resp.usage.completion_tokens == 2
+    assert resp.timing.queue_ms < 2000 and elapsed < 2.5
+
+
+def test_prefill_killed_and_restarted(stack, tokenizer, hf_greedy):
+    old = next(r for r in stack.replicas if r.role == "prefill" and r.proc.poll() is None)
+    stack.stop_replica(old, signal.SIGKILL)
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: not w.live("prefill", within_s=1.0), 5, "the prefill heartbeat to stop")
+            with pytest.raises(GenerateError) as down:
+                await client.generate(GenerateRequest(prompt="hi", max_tokens=2, temperature=0, timeout_ms=10_000))
+            new = stack.start_replica("prefill")
+            await watch.wait_for(lambda w: any(hb.instance == new.instance for hb in w.live("prefill")), 90, "the new prefill instance")
+            return down.value, await client.generate(GenerateRequest(prompt=PROMPTS[0], max_tokens=10, temperature=0))
+
+    err, resp = run(go())
+    assert err.code in ("unavailable", "overloaded")
+    assert resp.token_ids == hf_greedy(tuple(tokenizer.encode(PROMPTS[0])), 10)
+
+
+def test_decode_killed_mid_stream_fails_fast_and_survivors_serve(stack, tokenizer, hf_greedy):
+    async def go():
+        async with session(stack.url) as (client, watch):
+            req = GenerateRequest(prompt="victim", max_tokens=4000, temperature=0, timeout_ms=60_000)
+            chunks = client.stream(req)
+            first = await chunks.__anext__()
+            await watch.wait_for(lambda w: any(hb.batch_size > 0 for hb in w.live("decode")), 5, "the victim's heartbeat")
+            busy = [hb for hb in watch.live("decode") if hb.batch_size > 0]
+            assert len(busy) == 1, busy
+            victim = next(r for r in stack.replicas if r.instance == busy[0].instance)
+            killed_at = time.monotonic()
+            stack.stop_replica(victim, signal.SIGKILL)
+            with pytest.raises(GenerateError) as lost:
+                async for _ in chunks:
+                    pass
+            detected = time.monotonic() - killed_at
+            after = await client.generate(GenerateRequest(prompt=PROMPTS[3], max_tokens=12, temperature=0))
+            return first, lost.value, detected, after
+
+    first, err, detected, after = run(go())
+    assert first.token_ids
+    assert err.code == "unavailable"
+    assert detected < 5.0  # stage_expiry_s=2 + the 0.25 s watch tick, far before the 60 s deadline
+    assert after.token_ids == hf_greedy(tuple(tokenizer.encode(PROMPTS[3])), 12)
+
+
+def test_new_decode_instance_gets_placements_without_restarts(stack):
+    new = stack.start_replica("decode")
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: any(hb.instance == new.instance for hb in w.live("decode")), 90, "the new decode instance")
+            reqs, fillers = _fill_kv(client, 3)
+            await watch.wait_for(lambda w: any(hb.instance == new.instance and hb.batch_size > 0 for hb in w.live("decode")), 20, "a request on the new instance")
+            for r in reqs:
+                await client.cancel(r.request_id)
+            await asyncio.gather(*fillers, return_exceptions=True)
+            await watch.wait_for(all_kv_free, 5, "KV free")
+
+    run(go())
