@@ -192,8 +192,12 @@ def quantize_mxfp8(w: torch.Tensor, block_size: int = MX_BLOCK) -> Mxfp8Weight:
     padded = _pad_to_multiple(w.float(), -1, block_size)
     blocks = padded.reshape(*padded.shape[:-1], -1, block_size)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    # floor(log2(0)) = -inf: clamping maps an all-zero block to the smallest scale.
-    shared_exp = (torch.floor(torch.log2(amax)) - E4M3_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+    # floor(log2(amax)) read exactly from the float's exponent (frexp: amax = m * 2**e,
+    # 0.5 <= m < 1), so no device's log2 rounding can move a block to the next scale.
+    # An all-zero block gets the smallest scale.
+    _, exponent = torch.frexp(amax)
+    floor_log2 = torch.where(amax > 0, exponent - 1, -E8M0_BIAS - E4M3_EMAX)
+    shared_exp = (floor_log2 - E4M3_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS).float()
     q = _to_e4m3(blocks / torch.exp2(shared_exp)).reshape(padded.shape)[..., :k]
     scale = (shared_exp + E8M0_BIAS).squeeze(-1).to(torch.uint8)
     return Mxfp8Weight(weight=q.contiguous(), scale_e8m0=scale.contiguous(), block_size=block_size)
