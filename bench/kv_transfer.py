@@ -62,6 +62,15 @@ class _Child:
         self.cache: Any = None
         self.receiver: Any = None
         self.raw: torch.Tensor | None = None
+        self._pool: Any = None
+
+    def _staging(self) -> Any:
+        """The process's long-lived staging pool (as a service rank keeps one), made on first use."""
+        from shared.transfer import StagingPool
+
+        if self._pool is None:
+            self._pool = StagingPool(self.cfg["slot_mib"] << 20, 4, self.device)
+        return self._pool
 
     def _release_device_memory(self) -> None:
         """Give the previous size's buffers back before allocating the next (32k tokens is ~6 GiB a copy)."""
@@ -90,7 +99,7 @@ class _Child:
         # Scatter the free list so the reserved page ids are not contiguous.
         ids = self.cache.allocator.alloc(self.cache.layout.num_pages)
         self.cache.allocator.free(random.Random(1).sample(ids, len(ids)))
-        self.receiver = KVReceiver(self.worker, self.cache, staging_bytes=c["staging_mib"] << 20)
+        self.receiver = KVReceiver(self.worker, self.cache, staging=self._staging())
 
     async def reserve(self, request_id: str, tokens: int) -> bytes:
         return msgspec.msgpack.encode(self.receiver.reserve(request_id, tokens, lease_s=120.0))
@@ -106,7 +115,7 @@ class _Child:
                 for layer in range(c["layers"])
             )
         self.cache.allocator.free(pages)
-        return {"t_done": t_done, "exact": exact, "receiver_gbps": self.receiver.metrics.recent[-1].gbps}
+        return {"t_done": t_done, "exact": exact, "receiver_wall_s": self.receiver.metrics.recent[-1].wall_s}
 
     async def raw_recv(self, nbytes: int, tag: int) -> float:
         from shared.transfer.worker import ucx_buffer
@@ -143,10 +152,10 @@ class _Child:
 
         desc = msgspec.msgpack.decode(descriptor, type=KVTransferDescriptor)
         t_start = time.time()
-        sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=chunk_mib << 20)
+        sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=chunk_mib << 20, staging=self._staging())
         t_last_layer = await asyncio.to_thread(self._simulated_forward, sender, layer_s)
         rec = await sender.finish()
-        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "sender_gbps": rec.gbps}
+        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "sender_wall_s": rec.wall_s}
 
     def _simulated_forward(self, sender: Any, layer_s: float) -> float:
         """Run in a thread like a real forward: per layer, 'compute' then ``on_layer_done``."""
@@ -184,7 +193,7 @@ async def _child_async(device_kind: str, cfg: dict[str, Any], inbox: Any, outbox
         torch.zeros(1, device=device)  # CUDA context before UCX starts
     from shared.transfer import TransferWorker
 
-    child = _Child(await TransferWorker.create(), device, cfg)
+    child = _Child(await TransferWorker.create(cfg["progress_mode"]), device, cfg)
     loop = asyncio.get_running_loop()
     pending = set()
     while True:
@@ -287,7 +296,13 @@ def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, i
                 raise RuntimeError(f"{rid}: decode pages differ from the reference")
             continue
         t_start = min(s["t_start"] for s in sent)
-        runs.append({"total_s": got["t_done"] - t_start, "exposed_s": got["t_done"] - max(s["t_last_layer"] for s in sent), "chunks": sent[0]["chunks"]})
+        runs.append({
+            "total_s": got["t_done"] - t_start,
+            "exposed_s": got["t_done"] - max(s["t_last_layer"] for s in sent),
+            "chunks": sent[0]["chunks"],
+            "sender_wall_s": max(s["sender_wall_s"] for s in sent),  # first chunk posted -> last chunk sent
+            "receiver_wall_s": got["receiver_wall_s"],  # first header -> last chunk scattered
+        })
     return runs
 
 
@@ -313,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16, help="decode page size")
     ap.add_argument("--prefill-page-size", type=int, default=32)
     ap.add_argument("--chunk-mib", default="64", help="comma-separated target packed chunk sizes (layers per chunk follow from it)")
-    ap.add_argument("--staging-mib", type=int, default=1024, help="decode staging budget")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--progress-mode", choices=["thread", "thread-polling"], default="thread", help="ucxx progress thread: epoll-driven or spinning")
     ap.add_argument("--layer-us-per-1k", type=float, default=150.0, help="simulated prefill compute per layer per 1k tokens (us)")
     args = ap.parse_args(argv)
     chunk_list = [int(c) for c in args.chunk_mib.split(",")]
@@ -324,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     cfg = {
         "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "page_size": args.page_size,
-        "prefill_page_size": args.prefill_page_size, "staging_mib": args.staging_mib,
+        "prefill_page_size": args.prefill_page_size,
+        # Staging: 4 slots a process, each the largest chunk asked for and at least one whole layer.
+        "slot_mib": max(*chunk_list, -(-2 * args.kv_heads * max(tokens_list) * args.head_dim * DTYPE.itemsize // 2**20)),
         "sleep_cycles_per_s": 0.0,
+        "progress_mode": args.progress_mode,
     }
     if args.device == "cuda":
         if torch.cuda.device_count() < 2:
@@ -367,7 +385,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs["tp2", chunk_mib] = _engine_runs(decode, prefills, tokens, seed, args.iters, 0.0, chunk_mib, "tp2")
             for (layout, chunk_mib), layout_runs in runs.items():
                 eng_s = statistics.median(r["total_s"] for r in layout_runs)
-                metrics = {"gbps": nbytes / eng_s / 1e9, "latency_us": eng_s * 1e6, "ratio_to_peer_copy": peer_s / eng_s, "ratio_to_raw_ucxx": raw_s / eng_s, "chunks_per_rank": layout_runs[0]["chunks"]}
+                metrics = {
+                    "gbps": nbytes / eng_s / 1e9,
+                    "latency_us": eng_s * 1e6,
+                    "ratio_to_peer_copy": peer_s / eng_s,
+                    "ratio_to_raw_ucxx": raw_s / eng_s,
+                    "chunks_per_rank": layout_runs[0]["chunks"],
+                    "sender_wall_us": statistics.median(r["sender_wall_s"] for r in layout_runs) * 1e6,
+                    "receiver_wall_us": statistics.median(r["receiver_wall_s"] for r in layout_runs) * 1e6,
+                }
                 if layout == "tp1":
                     exposed_s = statistics.median(r["exposed_s"] for r in overlap[chunk_mib])
                     metrics |= {
@@ -376,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                         "exposed_after_prefill_us": exposed_s * 1e6,
                         "hidden_pct": 100.0 * max(0.0, 1.0 - exposed_s / eng_s),
                     }
-                case = {"tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default")}
+                case = {"tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": args.progress_mode}
                 record(BENCH, case, metrics, peers)
                 rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "layout": layout, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", "")})
     finally:

@@ -100,10 +100,11 @@ class PagedKVCache:
 
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
         self.layout = layout
-        shape = (layout.num_pages, *layout.page_shape)
-        self.pools: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
-        ]
+        # One allocation for all layers, ``[layers, num_pages, 2, kv_heads, page_size, head_dim]``;
+        # ``pools`` are its per-layer views. The KV transfer packs/scatters a whole group of
+        # layers with one op over ``storage[l0:l1]`` instead of one per layer.
+        self.storage = torch.zeros((layout.num_layers, layout.num_pages, *layout.page_shape), dtype=layout.dtype, device=device)
+        self.pools: list[torch.Tensor] = list(self.storage.unbind(0))
         self.allocator = PageAllocator(layout.num_pages)
 
     @property

@@ -5,7 +5,7 @@ event loop; transports from ``UCX_*`` env, e.g. ``UCX_TLS=tcp,self`` on CPU).
 
 Decode rank::
 
-    receiver = KVReceiver(worker, kvcache, staging_bytes=256 << 20)
+    receiver = KVReceiver(worker, kvcache, staging=StagingPool(slot_bytes, num_slots, device))
     desc = receiver.reserve(request_id, num_tokens, lease_s)   # -> KVTransferDescriptor; OutOfPages
     # ... desc travels in KVReservation (NATS) to the scheduler and the prefill instance ...
     page_ids = await receiver.wait_complete(request_id, timeout)   # caller now owns the pages
@@ -16,8 +16,9 @@ Decode rank::
 
 Prefill TP rank (each rank that ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
 
+    staging = StagingPool(256 << 20, 4, device)        # once per rank, shared by its senders
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
-                      timeout_s=30.0)
+                      timeout_s=30.0, chunk_bytes=256 << 20, staging=staging)
     model.forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
     record = await sender.finish()   # TransferRecord(bytes, wall_s, gbps); raises TransferTimeout,
                                      # PeerFailed, Cancelled; staging freed on every path

@@ -69,14 +69,16 @@ class _Reservation:
 class KVReceiver:
     """Receives KV shards into a decode rank's ``PagedKVCache`` over its ``TransferWorker``.
 
-    ``staging_bytes`` bounds the chunks held between arrival and scatter; it must
-    hold one layer of one request (all heads), which ``reserve`` checks.
+    ``staging`` holds chunks between arrival and scatter (default: 4 slots of 64 MiB on
+    the cache's device); its slot size is the largest chunk senders may send
+    (``max_chunk_bytes``) and must hold one layer of a request (all heads), which
+    ``reserve`` checks.
     """
 
-    def __init__(self, worker: TransferWorker, kvcache: PagedKVCache, *, staging_bytes: int = 256 << 20, metrics: TransferMetrics | None = None) -> None:
+    def __init__(self, worker: TransferWorker, kvcache: PagedKVCache, *, staging: StagingPool | None = None, metrics: TransferMetrics | None = None) -> None:
         self._worker = worker
         self._cache = kvcache
-        self.staging = StagingPool(staging_bytes, kvcache.device)
+        self.staging = staging or StagingPool(64 << 20, 4, kvcache.device)
         self.metrics = metrics or TransferMetrics()
         self._reservations: dict[str, _Reservation] = {}
         # Outcome of recently ended reservations, so a late wait_complete gets the real reason.
@@ -105,8 +107,8 @@ class KVReceiver:
             raise ValueError(f"reserve({request_id!r}): num_tokens ({num_tokens}) and lease_s ({lease_s}) must be positive")
         layout = self._cache.layout
         one_layer = chunk_nbytes(1, layout.kv_heads, num_tokens, layout.head_dim, layout.dtype)
-        if one_layer > self.staging.capacity_bytes:
-            raise ValueError(f"reserve({request_id!r}): one layer of {num_tokens} tokens is {one_layer} bytes, more than the {self.staging.capacity_bytes}-byte staging budget")
+        if one_layer > self.staging.slot_bytes:
+            raise ValueError(f"reserve({request_id!r}): one layer of {num_tokens} tokens is {one_layer} bytes, more than a {self.staging.slot_bytes}-byte staging slot")
         page_ids = self._cache.allocator.alloc(layout.pages_for(num_tokens))
         transfer_id = self._worker.new_transfer_id()
         loop = asyncio.get_running_loop()
@@ -134,7 +136,7 @@ class KVReceiver:
             num_tokens=num_tokens,
             layout=self._layout,
             lease_deadline_unix=time.time() + lease_s,
-            max_chunk_bytes=self.staging.capacity_bytes,
+            max_chunk_bytes=self.staging.slot_bytes,
         )
 
     async def wait_complete(self, request_id: str, timeout: float) -> list[int]:
@@ -216,8 +218,8 @@ class KVReceiver:
             problem = f"chunk has {h.num_tokens} tokens of {h.dtype}, reserved {res.num_tokens} of {self._layout.dtype}"
         elif h.nbytes != chunk_nbytes(h.layer_end - h.layer_start, h.head_end - h.head_start, h.num_tokens, layout.head_dim, layout.dtype):
             problem = f"chunk size {h.nbytes} does not match its shape"
-        elif h.nbytes > self.staging.capacity_bytes:
-            problem = f"chunk of {h.nbytes} bytes exceeds max_chunk_bytes {self.staging.capacity_bytes}"
+        elif h.nbytes > self.staging.slot_bytes:
+            problem = f"chunk of {h.nbytes} bytes exceeds max_chunk_bytes {self.staging.slot_bytes}"
         elif res.announced[h.layer_start : h.layer_end, h.head_start : h.head_end].any():
             problem = f"heads [{h.head_start}, {h.head_end}) x layers [{h.layer_start}, {h.layer_end}) overlap a chunk already announced"
         if problem:

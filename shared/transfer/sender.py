@@ -46,8 +46,10 @@ class KVSender:
     ``page_table`` lists the request's pages in the local cache, which holds exactly
     the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
     those pages untouched until ``finish()`` returns or raises. Chunks hold as many
-    whole layers as fit ``chunk_bytes`` (and the decode side's ``max_chunk_bytes``); without
-    a shared ``staging`` pool the sender keeps up to ``chunks_in_flight`` chunks staged.
+    whole layers as fit ``chunk_bytes``, the decode side's ``max_chunk_bytes`` and the
+    ``staging`` pool's slots. Pass the rank's long-lived pool as ``staging`` (its arena
+    stays registered with UCX); without one the sender allocates its own with
+    ``chunks_in_flight`` slots.
     """
 
     def __init__(
@@ -72,9 +74,10 @@ class KVSender:
         _check_layouts(kvcache, descriptor, heads, len(page_table))
         layout = kvcache.layout
         self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device)
-        self._groups = _layer_groups(layout.num_layers, chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype), min(chunk_bytes, descriptor.max_chunk_bytes), descriptor.request_id)
+        limit = min(chunk_bytes, descriptor.max_chunk_bytes, staging.slot_bytes if staging else chunk_bytes)
+        self._groups = _layer_groups(layout.num_layers, chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype), limit, descriptor.request_id)
         largest = max(chunk_nbytes(len(g), heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype) for g in self._groups)
-        self.staging = staging or StagingPool(chunks_in_flight * largest, kvcache.device)
+        self.staging = staging or StagingPool(largest, chunks_in_flight, kvcache.device)
         self._loop = asyncio.get_running_loop()
         self._layer_ready = [False] * layout.num_layers
         self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers

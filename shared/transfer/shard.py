@@ -62,33 +62,27 @@ def chunk_view(buf: torch.Tensor, num_layers: int, num_heads: int, num_tokens: i
 def pack_layers(cache: PagedKVCache, layers: range, page_table: torch.Tensor, num_tokens: int, out: torch.Tensor) -> None:
     """Gather ``num_tokens`` tokens of every local head of ``layers`` into ``out`` (a chunk view).
 
-    ``page_table`` (on the cache's device) lists the sequence's pages in order.
+    ``page_table`` (on the cache's device) lists the sequence's pages in order. One gather
+    covers all full pages of the whole layer group, one copy the partial last page.
     """
-    ps = cache.layout.page_size
+    ps, heads, dim = cache.layout.page_size, cache.layout.kv_heads, cache.layout.head_dim
     full, rem = divmod(num_tokens, ps)
-    heads, dim = cache.layout.kv_heads, cache.layout.head_dim
-    for i, layer in enumerate(layers):
-        pool = cache.pools[layer]
-        dst = out[i]
-        if full:
-            # [2, H, full*ps, D] seen page-major as [full, 2, H, ps, D]: one gather writes it.
-            paged = dst[:, :, : full * ps].view(2, heads, full, ps, dim).permute(2, 0, 1, 3, 4)
-            torch.index_select(pool, 0, page_table[:full], out=paged)
-        if rem:
-            dst[:, :, full * ps :].copy_(pool[page_table[full], :, :, :rem])
+    src = cache.storage[layers.start : layers.stop]  # [L, pages, 2, H, ps, D]
+    if full:
+        # [L, 2, H, full*ps, D] seen page-major as [L, full, 2, H, ps, D]: one gather writes it.
+        paged = out[:, :, :, : full * ps].view(len(layers), 2, heads, full, ps, dim).permute(0, 3, 1, 2, 4, 5)
+        torch.index_select(src, 1, page_table[:full], out=paged)
+    if rem:
+        out[:, :, :, full * ps :].copy_(src[:, page_table[full], :, :, :rem])
 
 
 def scatter_layers(cache: PagedKVCache, layers: range, heads: range, page_table: torch.Tensor, num_tokens: int, chunk: torch.Tensor) -> None:
     """Write a chunk view (heads ``heads`` of ``layers``) into the pages of ``page_table``."""
-    ps = cache.layout.page_size
+    ps, dim = cache.layout.page_size, cache.layout.head_dim
     full, rem = divmod(num_tokens, ps)
-    h0, h1 = heads.start, heads.stop
-    dim = cache.layout.head_dim
-    for i, layer in enumerate(layers):
-        pool = cache.pools[layer]
-        src = chunk[i]
-        if full:
-            paged = src[:, :, : full * ps].view(2, h1 - h0, full, ps, dim).permute(2, 0, 1, 3, 4)
-            pool[:, :, h0:h1].index_copy_(0, page_table[:full], paged)
-        if rem:
-            pool[page_table[full], :, h0:h1, :rem] = src[:, :, full * ps :]
+    dst = cache.storage[layers.start : layers.stop, :, :, heads.start : heads.stop]  # [L, pages, 2, h, ps, D]
+    if full:
+        paged = chunk[:, :, :, : full * ps].view(len(layers), 2, len(heads), full, ps, dim).permute(0, 3, 1, 2, 4, 5)
+        dst.index_copy_(1, page_table[:full], paged)
+    if rem:
+        dst[:, page_table[full], :, :, :rem] = chunk[:, :, :, full * ps :]

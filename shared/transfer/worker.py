@@ -80,9 +80,15 @@ class TransferWorker:
         self._transfer_ids = itertools.count(1)
 
     @classmethod
-    async def create(cls) -> TransferWorker:
-        """Start the worker and its progress thread (transports from the UCX_* environment)."""
-        return cls(ApplicationContext())
+    async def create(cls, progress_mode: str | None = None) -> TransferWorker:
+        """Start the worker and its progress thread (transports from the UCX_* environment).
+
+        ``progress_mode``: ucxx's ``"thread"`` (default; the progress thread sleeps in epoll
+        and wakes on transport events or after 1 ms) or ``"thread-polling"`` (it spins on one
+        core: lowest latency, e.g. for CUDA-IPC copies whose completion raises no event).
+        None reads ``UCXPY_PROGRESS_MODE``.
+        """
+        return cls(ApplicationContext(progress_mode=progress_mode))
 
     @property
     def address(self) -> bytes:
@@ -110,7 +116,7 @@ class TransferWorker:
         """Drop and abort the endpoint to a peer (after an error): cancels its in-flight requests."""
         ep = self._endpoints.pop(address, None)
         if ep is not None:
-            ep.abort()
+            ep.abort(period=10**8)  # 100 ms: a dead peer must not stall the caller for the 10 s default
 
     async def send(self, address: bytes, tag: int, buf: object) -> None:
         """Tagged send to a peer worker; raises ``UCXError`` on endpoint failure."""

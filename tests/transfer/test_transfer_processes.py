@@ -36,7 +36,7 @@ def ctx():
 
 @pytest.fixture(scope="module")
 def decode(ctx):
-    peer = Peer(ctx, "decode", caches=CACHES, staging_bytes=STAGING)
+    peer = Peer(ctx, "decode", caches=CACHES, staging_slot_bytes=STAGING)
     yield peer
     peer.stop()
 
@@ -150,7 +150,7 @@ def test_cancelled_transfer_never_writes_freed_pages(decode, prefill):
 
 
 def test_decode_killed_mid_transfer_fails_sender_within_deadline(ctx, prefill):
-    victim = Peer(ctx, "decode", caches=CACHES, staging_bytes=STAGING)
+    victim = Peer(ctx, "decode", caches=CACHES, staging_slot_bytes=STAGING)
     try:
         tokens, timeout_s = 64, 6.0
         desc = victim.call("reserve", cache="h4", request_id="dead-decode", num_tokens=tokens, lease_s=30.0)

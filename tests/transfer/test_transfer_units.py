@@ -79,20 +79,25 @@ def test_wire_structs_round_trip_and_reject_unknown_fields():
         encode_header(ShardHeader("x" * 600, 7, 0, 2, 4, 8, 40, 123, "bfloat16"))
 
 
-def test_staging_pool_waits_for_budget_and_counts():
+def test_staging_pool_waits_for_a_slot_and_counts():
     async def main():
-        pool = StagingPool(100)
+        pool = StagingPool(64, 2)
         a = await pool.acquire(60)
-        waiter = asyncio.ensure_future(pool.acquire(60))
+        b = await pool.acquire(10)
+        assert a.data_ptr() != b.data_ptr() and pool.in_use_bytes == 70 and pool.in_use_buffers == 2
+        waiter = asyncio.ensure_future(pool.acquire(64))
         await asyncio.sleep(0.01)
-        assert not waiter.done() and pool.in_use_bytes == 60
+        assert not waiter.done()
         pool.release(a)
-        b = await asyncio.wait_for(waiter, 1)
-        assert pool.in_use_bytes == 60 and pool.in_use_buffers == 1
+        c = await asyncio.wait_for(waiter, 1)
+        assert c.data_ptr() == a.data_ptr() and pool.in_use_bytes == 74  # the freed slot, reused
         pool.release(b)
-        assert pool.in_use_bytes == 0
-        with pytest.raises(ValueError, match="capacity"):
-            await pool.acquire(101)
+        pool.release(c)
+        assert pool.in_use_bytes == 0 and pool.in_use_buffers == 0
+        with pytest.raises(ValueError, match="slots"):
+            await pool.acquire(65)
+        with pytest.raises(ValueError, match="not in use"):
+            pool.release(c)
 
     asyncio.run(main())
 
@@ -106,10 +111,10 @@ def test_receiver_rejects_bad_reservations_and_expires_leases():
         worker = await TransferWorker.create()
         try:
             cache = _cache()
-            rx = KVReceiver(worker, cache, staging_bytes=32768)
+            rx = KVReceiver(worker, cache, staging=StagingPool(32768, 2))
             with pytest.raises(OutOfPages):
                 rx.reserve("too-big", 9 * 16, 5.0)
-            with pytest.raises(ValueError, match="staging"):
+            with pytest.raises(ValueError, match="staging slot"):
                 rx.reserve("too-big-for-staging", 300, 5.0)  # one layer = 2*4*300*8*2 bytes > 32768
             assert rx.num_free_pages == 8
             rx.reserve("r", 20, 0.2)
@@ -136,7 +141,7 @@ def test_sender_rejects_layouts_that_cannot_map():
     async def main():
         worker = await TransferWorker.create()
         try:
-            rx = KVReceiver(worker, _cache(), staging_bytes=1 << 20)
+            rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             desc = rx.reserve("r", 20, 5.0)
             shard = kv_head_shard(0, 2, 4)
             with pytest.raises(LayoutMismatch, match="holds 4 KV heads"):
@@ -160,7 +165,7 @@ def test_overlapping_shards_fail_the_request_with_protocol_error():
     async def main():
         worker = await TransferWorker.create()
         try:
-            rx = KVReceiver(worker, _cache(), staging_bytes=1 << 20)
+            rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             desc = rx.reserve("dup", 20, 5.0)
             shard = KVHeadShard(0, 2, True)
             senders = [KVSender(worker, _cache(heads=2), desc, [0, 1], shard, timeout_s=1.0) for _ in range(2)]

@@ -22,7 +22,7 @@ import torch
 
 from schemas.transfer import KVTransferDescriptor
 from shared.kvcache import KVLayout, PagedKVCache
-from shared.transfer import KVReceiver, KVSender, TransferError, TransferWorker, kv_head_shard
+from shared.transfer import KVReceiver, KVSender, StagingPool, TransferError, TransferWorker, kv_head_shard
 
 DTYPE = torch.bfloat16
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -119,9 +119,9 @@ async def _serve_async(role: str, config: dict[str, Any], inbox: Any, outbox: An
 class DecodePeer:
     """A decode rank with one KV cache (and receiver) per named layout."""
 
-    def __init__(self, worker: TransferWorker, caches: dict[str, dict[str, int]], staging_bytes: int) -> None:
+    def __init__(self, worker: TransferWorker, caches: dict[str, dict[str, int]], staging_slot_bytes: int) -> None:
         self.caches = {name: PagedKVCache(KVLayout(dtype=DTYPE, **spec)) for name, spec in caches.items()}
-        self.receivers = {name: KVReceiver(worker, cache, staging_bytes=staging_bytes) for name, cache in self.caches.items()}
+        self.receivers = {name: KVReceiver(worker, cache, staging=StagingPool(staging_slot_bytes, 4)) for name, cache in self.caches.items()}
         self.tokens: dict[str, int] = {}
         for cache in self.caches.values():
             # Shuffle the free list so reservations get scattered, non-monotonic page ids.
