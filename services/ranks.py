@@ -47,8 +47,13 @@ def resolve_device(device: str, rank: int) -> str:
     return device
 
 
-def prepare_rank_environment(device: str) -> None:
+def prepare_rank_environment(device: str, world: int) -> None:
     """Settings every rank process needs before torch/UCX start."""
+    import torch
+
+    if device == "cpu":
+        # The ranks of a group share the host's cores; more threads than cores only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # DESIGN §6: no NVLink multicast
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if device == "cpu":

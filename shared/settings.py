@@ -88,7 +88,7 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     kv_pages: int = 512  # KV pages per rank
     max_batch: int = 32  # running + reserved requests per rank
     dist_port: int = 0
-    idle_sleep_ms: float = 2.0  # lockstep poll interval while every rank is idle
+    idle_poll_ms: float = 20.0  # dp > 1: longest lockstep poll interval while every rank is idle
 
 
 SERVICES: dict[str, type[ServiceSettings]] = {

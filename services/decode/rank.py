@@ -80,6 +80,7 @@ class DecodeRank:
     async def run(self) -> None:
         """The step loop; returns when every rank of the instance has drained."""
         drain_deadline: Deadline | None = None
+        idle_polls = 0
         while True:
             if self.draining and drain_deadline is None:
                 drain_deadline = Deadline.after(self.settings.drain_timeout_s)
@@ -91,14 +92,17 @@ class DecodeRank:
             if result.state is GroupState.EXIT:
                 return
             if result.state is GroupState.IDLE:
-                # Alone, sleep until work arrives; in a group, poll: the others may have work.
-                idle_s = self.settings.idle_sleep_ms / 1000 if self.lockstep.world > 1 else 0.25
+                # Alone, sleep until work arrives. In a group the others may get work we cannot
+                # see, so poll, backing off while idle (CPU) and restarting fast after work.
+                idle_polls += 1
+                idle_s = min(self.settings.idle_poll_ms, 2.0 ** min(idle_polls, 8)) / 1000 if self.lockstep.world > 1 else 0.25
                 self.work.clear()
                 try:
                     await asyncio.wait_for(self.work.wait(), idle_s)
                 except TimeoutError:
                     pass
                 continue
+            idle_polls = 0
             await self._publish(batch, result.outputs, result.compute_ms)
             await self._expire_deadlines()
 

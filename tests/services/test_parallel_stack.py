@@ -1,0 +1,75 @@
+"""End to end with prefill TP=2 and decode DP=2 x EP=2 (compose/split-nodes.yml run locally:
+two gateways, two schedulers, one prefill instance of 2 ranks, one decode instance of 2 ranks)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from schemas.api import GenerateRequest
+
+from services_helpers import run, session, stack_fixture, stream_all
+
+pytestmark = pytest.mark.slow
+
+stack = stack_fixture("split-nodes.yml")
+
+PROMPTS = ["The capital of France is", "Mixture-of-experts models route each token to a few experts, which", "1, 2, 3, 4,", "hi"]
+
+
+def test_unary_and_stream_match_transformers_greedy(stack, tokenizer, hf_greedy):
+    async def go():
+        async with session(stack.url) as (client, _):
+            unary = [await client.generate(GenerateRequest(prompt=p, max_tokens=20, temperature=0)) for p in PROMPTS[:2]]
+            streamed = [await stream_all(client, GenerateRequest(prompt=p, max_tokens=20, temperature=0)) for p in PROMPTS[:2]]
+            return unary, streamed
+
+    unary, streamed = run(go())
+    for prompt, resp, chunks in zip(PROMPTS, unary, streamed):
+        expected = hf_greedy(tuple(tokenizer.encode(prompt)), 20)
+        assert resp.token_ids == expected
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert "".join(c.text for c in chunks) == resp.text
+
+
+def test_both_dp_ranks_serve_concurrent_requests(stack, tokenizer, hf_greedy):
+    cases = [(PROMPTS[i % len(PROMPTS)], 8 + 4 * i) for i in range(12)]
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            busy_ranks: set[int] = set()
+
+            async def sample_heartbeats() -> None:
+                while True:
+                    busy_ranks.update(hb.rank for hb in watch.live("decode") if hb.batch_size > 0)
+                    await asyncio.sleep(0.02)
+
+            sampler = asyncio.ensure_future(sample_heartbeats())
+            results = await asyncio.gather(*(client.generate(GenerateRequest(prompt=p, max_tokens=n, temperature=0)) for p, n in cases))
+            sampler.cancel()
+            return results, busy_ranks
+
+    results, busy_ranks = run(go())
+    assert busy_ranks == {0, 1}
+    for (prompt, n), resp in zip(cases, results):
+        assert resp.token_ids == hf_greedy(tuple(tokenizer.encode(prompt)), n)
+
+
+def test_sigterm_drains_decode_in_flight_requests_finish(stack, tokenizer, hf_greedy):
+    decode = next(r for r in stack.replicas if r.role == "decode")
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            running = asyncio.ensure_future(client.generate(GenerateRequest(prompt=PROMPTS[1], max_tokens=60, temperature=0)))
+            await watch.wait_for(lambda w: any(hb.batch_size > 0 for hb in w.live("decode")), 10, "the request on a decode rank")
+            decode.proc.send_signal(signal.SIGTERM)
+            resp = await running
+            exit_code = await asyncio.to_thread(decode.proc.wait, 30)
+            return resp, exit_code
+
+    resp, exit_code = run(go())
+    assert resp.finish_reason == "length"
+    assert resp.token_ids == hf_greedy(tuple(tokenizer.encode(PROMPTS[1])), 60)
+    assert exit_code == 0

@@ -1,0 +1,138 @@
+"""Fast tests of the services' pure parts: settings, compose parsing, completion assembly, placement."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas.internal import Heartbeat, TokenBatch
+from services.gateway.completion import Completion
+from services.launch import REPO_ROOT, StackError, load_compose
+from services.scheduler.registry import Registry
+from shared.settings import DecodeSettings, GatewaySettings, SettingsError, load_settings
+
+
+# ---------------------------------------------------------------- settings
+
+
+def test_settings_sources_in_order(tmp_path: Path):
+    config = tmp_path / "moebus.toml"
+    config.write_text('nats_url = "nats://from-file:1"\nmax_batch = 7\n[decode]\nmax_batch = 8\nkv_pages = 100\n')
+    env = {"MOEBUS_NATS_URL": "nats://from-env:2", "MOEBUS_DECODE_KV_PAGES": "200", "MOEBUS_MODEL": "/m/qwen"}
+    s = load_settings(DecodeSettings, "decode", config, overrides={"page_size": 32}, env=env)
+    assert (s.nats_url, s.max_batch, s.kv_pages, s.page_size) == ("nats://from-env:2", 8, 200, 32)
+    assert s.model_name == "qwen" and s.instance  # defaults filled in
+
+
+def test_settings_reject_typos_and_bad_values(tmp_path: Path):
+    with pytest.raises(SettingsError, match="MOEBUS_DECODE_MAX_BACH"):
+        load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_MAX_BACH": "4"})
+    with pytest.raises(SettingsError, match="max_batch"):
+        load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_MAX_BATCH": "many"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[gateway]\nmax_tokens_limt = 3\n")
+    with pytest.raises(SettingsError, match="max_tokens_limt"):
+        load_settings(GatewaySettings, "gateway", bad, env={})
+    with pytest.raises(SettingsError, match="instance"):
+        load_settings(GatewaySettings, "gateway", env={"MOEBUS_INSTANCE": "has.dot"})
+
+
+# ---------------------------------------------------------------- compose files
+
+
+def test_compose_files_parse_into_local_services():
+    specs = {s.name: s for s in load_compose(REPO_ROOT / "compose" / "split-nodes.yml", env={"DECODE_DP": "4"}, scale={"gateway": 3})}
+    assert set(specs) == {"gateway", "scheduler", "prefill", "decode"}  # the `nats` service is replaced locally
+    assert specs["gateway"].replicas == 3 and specs["scheduler"].replicas == 2
+    assert specs["decode"].env["MOEBUS_DECODE_DP"] == "4" and specs["prefill"].env["MOEBUS_PREFILL_TP"] == "2"
+    single = {s.name: s for s in load_compose(REPO_ROOT / "compose" / "single-node.yml", env={})}
+    assert [single[n].role for n in ("gateway", "scheduler", "prefill", "decode")] == ["gateway", "scheduler", "prefill", "decode"]
+
+
+def test_compose_errors_name_the_problem(tmp_path: Path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("services:\n  web:\n    command: [nginx]\n")
+    with pytest.raises(StackError, match="web"):
+        load_compose(bad, env={})
+    with pytest.raises(StackError, match="nosuch"):
+        load_compose(REPO_ROOT / "compose" / "single-node.yml", env={}, scale={"nosuch": 2})
+
+
+# ---------------------------------------------------------------- completion assembly
+
+
+class CharTokens:
+    """A detokenizer over single characters (token id = code point), to test assembly alone."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+
+    def add(self, ids: list[int]) -> str:
+        self.token_ids += ids
+        return "".join(map(chr, ids))
+
+    def flush(self) -> str:
+        return ""
+
+
+def batch(start: int, text: str, finish: str | None = None) -> TokenBatch:
+    return TokenBatch(request_id="r", start=start, token_ids=[ord(c) for c in text], finish_reason=finish)  # type: ignore[arg-type]
+
+
+def test_completion_holds_back_a_possible_stop_string_and_cuts_at_it():
+    c = Completion(CharTokens(), stop=["END"], max_tokens=100)  # type: ignore[arg-type]
+    assert c.add(batch(0, "abcE")).text == "abc"  # "E" may start "END"
+    assert c.add(batch(4, "x")).text == "Ex"  # it did not
+    assert c.add(batch(5, "yEN")).text == "y"
+    assert c.add(batch(8, "Dzz")).text == ""
+    assert c.finish_reason == "stop" and c.final_text == "abcExy"
+
+
+def test_completion_reorders_batches_and_enforces_max_tokens():
+    c = Completion(CharTokens(), stop=[], max_tokens=4)  # type: ignore[arg-type]
+    assert not c.add(batch(1, "bc"))
+    assert c.add(batch(0, "a")).text == "abc"
+    assert c.add(batch(3, "de")).text == "d"
+    assert c.finish_reason == "length" and c.token_ids == [ord(x) for x in "abcd"]
+
+
+def test_completion_releases_everything_at_the_end():
+    c = Completion(CharTokens(), stop=["STOP"], max_tokens=100)  # type: ignore[arg-type]
+    assert c.add(batch(0, "xST")).text == "x"
+    assert c.add(batch(3, "O", finish="stop")).text == "STO"  # EOS: the held-back tail is final text
+    assert c.finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- placement
+
+
+def hb(role: str, instance: str, rank: int = 0, **kw) -> Heartbeat:
+    return Heartbeat(role=role, instance=instance, rank=rank, model="m", version="v", started_at=1.0, **kw)  # type: ignore[arg-type]
+
+
+def test_decode_placement_prefers_free_kv_and_respects_caps():
+    reg = Registry(expiry_s=10, model="m")
+    reg.update(hb("decode", "a", kv_total_pages=100, kv_free_pages=50, page_size=16, batch_size=1, max_batch=4))
+    reg.update(hb("decode", "b", kv_total_pages=100, kv_free_pages=90, page_size=16, batch_size=4, max_batch=4))  # full batch
+    reg.update(hb("decode", "c", kv_total_pages=100, kv_free_pages=80, page_size=16, batch_size=0, max_batch=4))
+    reg.update(hb("decode", "d", kv_free_pages=100, page_size=16, max_batch=4, draining=True))
+    reg.update(Heartbeat(role="decode", instance="e", rank=0, model="other", version="v", started_at=1.0, kv_free_pages=100, page_size=16, max_batch=4))
+    assert [m.hb.instance for m in reg.decode_candidates(16 * 60)] == ["c"]  # 60 pages: only c has them
+    assert [m.hb.instance for m in reg.decode_candidates(16)] == ["c", "a"]
+    reg.members[("decode", "c", 0)].suspect_until = time.monotonic() + 5
+    assert [m.hb.instance for m in reg.decode_candidates(16)] == ["a"]
+
+
+def test_prefill_placement_fewest_queued_tokens_and_expiry():
+    reg = Registry(expiry_s=0.05)
+    reg.update(hb("prefill", "p1", queued_tokens=500))
+    reg.update(hb("prefill", "p2", queued_tokens=100))
+    best = reg.least_loaded_prefill()
+    assert best is not None and best.hb.instance == "p2"
+    best.pending_tokens += 1000  # what this scheduler sent since the heartbeat counts too
+    assert reg.least_loaded_prefill().hb.instance == "p1"  # type: ignore[union-attr]
+    time.sleep(0.06)
+    assert sorted(reg.expire()) == [("prefill", "p1", 0), ("prefill", "p2", 0)]
+    assert reg.least_loaded_prefill() is None
