@@ -366,13 +366,17 @@ class GroupedGemmSm90:
             batch = expert if cutlass.const_expr(cfg.masked) else 0
             row0 = s_row_start[expert] + m_tile * cfg.tile_m
             rows_left = s_row_count[expert] - m_tile * cfg.tile_m
+            # The pipeline states are assigned here, not only mutated in the callee,
+            # so that the DSL carries them across iterations of this tile loop.
             if cutlass.const_expr(cfg.fp8):
-                self._mainloop_block_scaled(
+                read_state, release_state = self._mainloop_block_scaled(
                     tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows, row0, batch,
                     expert, n_tile, mainloop, read_state, release_state,
                 )
             else:
-                self._mainloop(tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state)
+                read_state, release_state = self._mainloop(
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state
+                )
             self._epilogue(acc, tCcC, mC, mRowW, row0, rows_left, n_tile, batch)
             tile = tile + cfg.num_sms
 
@@ -397,6 +401,7 @@ class GroupedGemmSm90:
         cute.nvgpu.warpgroup.wait_group(0)
         mainloop.consumer_release(release_state)
         release_state.advance()
+        return read_state, release_state
 
     @cute.jit
     def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows,
@@ -440,6 +445,7 @@ class GroupedGemmSm90:
                 acc[i] = acc[i] + part[i] * scales[which]
             read_state.advance()
             release_state.advance()
+        return read_state, release_state
 
     @cute.jit
     def _epilogue(self, acc, tCcC, mC, mRowW, row0, rows_left, n_tile, batch):

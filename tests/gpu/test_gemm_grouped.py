@@ -191,3 +191,42 @@ def test_cuda_graph_replay_follows_new_counts():
         if c:
             _assert_close(out[e, :c].cpu(), ref[e, :c], f"graph replay e={e}")
         assert torch.isnan(out[e, c:].cpu().float()).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["contiguous", "masked", "swiglu"])
+def test_many_tiles_per_cta_with_k_tiles_not_a_multiple_of_stages(fp8, kind):
+    """Each CTA runs several tiles and the pipeline wraps mid-tile (K = 1088: 17 bf16 / 9 FP8 K-steps).
+
+    A pipeline state that is not carried from one tile to the next deadlocks or
+    reads the wrong stage here; the small cases above fit one tile per CTA.
+    """
+    gen = torch.Generator(device=DEV).manual_seed(13 + fp8)
+    K, N = 1088, 2304
+    masked = kind != "contiguous"
+    if masked:
+        E, M = 16, 48
+        groups = torch.tensor([48, 0, 17, 48, 5, 48, 48, 1, 48, 30, 48, 0, 48, 48, 2, 48], dtype=torch.int32)
+        x, xs = _activations((E, M, K), fp8, gen)
+    else:
+        E = 8
+        counts = torch.tensor([300, 280, 0, 513, 300, 1, 300, 299])
+        groups = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+        x, xs = _activations((int(groups[-1]), K), fp8, gen)
+    w, ws = _random_weights(E, N, K, fp8, gen)
+    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), groups, masked=masked, x_scale=None if xs is None else xs.cpu(),
+                                    w_scale=None if ws is None else ws.cpu())
+    if kind == "swiglu":
+        wi, si = gg.interleave_gate_up(w, ws)
+        out = gg.grouped_gemm_swiglu(x, wi, groups.to(DEV), masked=True, x_scale=xs, w_scale_interleaved=si)
+        ref = gg.swiglu_reference(ref)
+    else:
+        out = gg.grouped_gemm(x, w, groups.to(DEV), masked=masked, x_scale=xs, w_scale=ws)
+    torch.cuda.synchronize()
+    if masked:
+        for e in range(E):
+            c = int(groups[e])
+            if c:
+                _assert_close(out[e, :c].cpu(), ref[e, :c], f"many tiles {kind} e={e} fp8={fp8}")
+    else:
+        _assert_close(out.cpu(), ref, f"many tiles {kind} fp8={fp8}")
