@@ -19,6 +19,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 
 # Peer tables and flag rows are sized for the largest group any kernel supports.
 MAX_PEERS = 16
@@ -30,6 +31,8 @@ VEC_BYTES = 16
 CTRL_EPOCH = 0  # calls completed on this rank (all ranks count the same calls)
 CTRL_DONE = 1  # CTAs of the running launch that have finished (last one bumps the epoch)
 CTRL_WORDS = 8
+# A flag wait that lasts longer than this means a peer is gone: trap instead of hanging.
+WAIT_TIMEOUT_NS = 20_000_000_000
 
 
 @cute.jit
@@ -68,11 +71,19 @@ def signal(flag_addr: Int64, value: Int32):
 
 @cute.jit
 def wait_at_least(flag_addr: Int64, target: Int32):
-    """Spin until the flag has reached ``target`` (wrap-around safe comparison)."""
+    """Spin until the flag has reached ``target`` (wrap-around safe comparison).
+
+    A peer that never arrives (crashed, or issuing a different sequence of calls)
+    would otherwise hang the GPU forever; after `WAIT_TIMEOUT_NS` the kernel traps,
+    which surfaces as a CUDA error on the host.
+    """
     ptr = gptr(Int32, flag_addr, 4)
+    start = cute.arch.globaltimer()
     v = cute.arch.load(ptr, Int32, sem="acquire", scope="sys")
     while (v - target) < 0:
         v = cute.arch.load(ptr, Int32, sem="acquire", scope="sys")
+        if cute.arch.globaltimer() - start > WAIT_TIMEOUT_NS:
+            llvm.intr_trap()
 
 
 @cute.jit

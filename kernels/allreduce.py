@@ -276,10 +276,13 @@ class CudaAllReduce:
         self.one_shot_max_bytes = default_one_shot_max_bytes(world) if one_shot_max_bytes is None else one_shot_max_bytes
 
     def warmup(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
-        """Compile and load every kernel ahead of time (do this before CUDA-graph capture)."""
+        """Compile, load and run every kernel once (collective; do it before CUDA-graph capture,
+        where loading a module is not allowed)."""
         for dt in dtypes:
-            compile_one_shot(dt, self.world, self.rank)
-            compile_two_shot(dt, self.world, self.rank)
+            x = torch.ones(4 * self.world * VEC_BYTES, dtype=dt, device=self.mem.device)
+            self(x, algorithm="one_shot")
+            self(x, algorithm="two_shot")
+        torch.cuda.synchronize(self.mem.device)
 
     def choose(self, nbytes: int) -> Algorithm:
         return "one_shot" if nbytes <= self.one_shot_max_bytes else "two_shot"

@@ -204,7 +204,7 @@ def _amax_16_lanes(v: Float32) -> Float32:
 def _dispatch_send_kernel(
     x: Int64, topk_ids: Int64, num_tokens: Int64, slot_of: Int64, table: Int64,
     flags_off: Int64, counters_off: Int64, recv_x_off: Int64, recv_scales_off: Int64, recv_src_off: Int64, ctrl: Int64,
-    world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr, capacity: cutlass.Constexpr,
+    capacity: Int32, world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr,
     hidden: cutlass.Constexpr, topk: cutlass.Constexpr, fp8: cutlass.Constexpr,
 ):
     tid, _, _ = cute.arch.thread_idx()
@@ -271,8 +271,8 @@ def _dispatch_send_kernel(
 
 @cute.kernel
 def _dispatch_recv_kernel(
-    table: Int64, flags_off: Int64, counters_off: Int64, expert_counts: Int64, ctrl: Int64,
-    world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr, capacity: cutlass.Constexpr,
+    table: Int64, flags_off: Int64, counters_off: Int64, expert_counts: Int64, ctrl: Int64, capacity: Int32,
+    world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr,
 ):
     tid, _, _ = cute.arch.thread_idx()
     epoch = read_epoch(ctrl)
@@ -284,7 +284,7 @@ def _dispatch_recv_kernel(
         counter = gptr(Int32, mine + counters_off + Int64(le) * 4, 4)
         count = cute.arch.load(counter, Int32, sem="relaxed", scope="sys")
         if count > capacity:  # rows past the capacity were dropped by the senders
-            count = Int32(capacity)
+            count = capacity
         store_i32(expert_counts + Int64(le) * 4, count)
         cute.arch.store(counter, Int32(0))
 
@@ -292,7 +292,7 @@ def _dispatch_recv_kernel(
 @cute.kernel
 def _combine_send_kernel(
     y: Int64, expert_counts: Int64, table: Int64, flags_off: Int64, recv_src_off: Int64, comb_off: Int64, ctrl: Int64,
-    world: cutlass.Constexpr, rank: cutlass.Constexpr, capacity: cutlass.Constexpr, hidden: cutlass.Constexpr,
+    capacity: Int32, world: cutlass.Constexpr, rank: cutlass.Constexpr, hidden: cutlass.Constexpr,
 ):
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
@@ -346,22 +346,22 @@ def _combine_recv_kernel(
 @cute.jit
 def _launch_dispatch_send(
     x: Int64, topk_ids: Int64, num_tokens: Int64, slot_of: Int64, table: Int64, flags_off: Int64, counters_off: Int64,
-    recv_x_off: Int64, recv_scales_off: Int64, recv_src_off: Int64, ctrl: Int64, stream: cuda_driver.CUstream,
-    world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr, capacity: cutlass.Constexpr,
-    max_tokens: cutlass.Constexpr, hidden: cutlass.Constexpr, topk: cutlass.Constexpr, fp8: cutlass.Constexpr,
+    recv_x_off: Int64, recv_scales_off: Int64, recv_src_off: Int64, ctrl: Int64, capacity: Int32, max_tokens: Int32,
+    stream: cuda_driver.CUstream, world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr,
+    hidden: cutlass.Constexpr, topk: cutlass.Constexpr, fp8: cutlass.Constexpr,
 ):
     _dispatch_send_kernel(
         x, topk_ids, num_tokens, slot_of, table, flags_off, counters_off, recv_x_off, recv_scales_off, recv_src_off,
-        ctrl, world, rank, num_local, capacity, hidden, topk, fp8,
+        ctrl, capacity, world, rank, num_local, hidden, topk, fp8,
     ).launch(grid=[max_tokens, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
 @cute.jit
 def _launch_dispatch_recv(
-    table: Int64, flags_off: Int64, counters_off: Int64, expert_counts: Int64, ctrl: Int64, stream: cuda_driver.CUstream,
-    world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr, capacity: cutlass.Constexpr,
+    table: Int64, flags_off: Int64, counters_off: Int64, expert_counts: Int64, ctrl: Int64, capacity: Int32,
+    stream: cuda_driver.CUstream, world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr,
 ):
-    _dispatch_recv_kernel(table, flags_off, counters_off, expert_counts, ctrl, world, rank, num_local, capacity).launch(
+    _dispatch_recv_kernel(table, flags_off, counters_off, expert_counts, ctrl, capacity, world, rank, num_local).launch(
         grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream
     )
 
@@ -369,10 +369,10 @@ def _launch_dispatch_recv(
 @cute.jit
 def _launch_combine_send(
     y: Int64, expert_counts: Int64, table: Int64, flags_off: Int64, recv_src_off: Int64, comb_off: Int64, ctrl: Int64,
-    stream: cuda_driver.CUstream, world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr,
-    capacity: cutlass.Constexpr, hidden: cutlass.Constexpr,
+    capacity: Int32, stream: cuda_driver.CUstream, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+    num_local: cutlass.Constexpr, hidden: cutlass.Constexpr,
 ):
-    _combine_send_kernel(y, expert_counts, table, flags_off, recv_src_off, comb_off, ctrl, world, rank, capacity, hidden).launch(
+    _combine_send_kernel(y, expert_counts, table, flags_off, recv_src_off, comb_off, ctrl, capacity, world, rank, hidden).launch(
         grid=[num_local * COMBINE_SEND_SPLIT, 1, 1], block=[THREADS, 1, 1], stream=stream
     )
 
@@ -380,7 +380,7 @@ def _launch_combine_send(
 @cute.jit
 def _launch_combine_recv(
     weights: Int64, num_tokens: Int64, out: Int64, table: Int64, flags_off: Int64, comb_off: Int64, ctrl: Int64,
-    stream: cuda_driver.CUstream, world: cutlass.Constexpr, rank: cutlass.Constexpr, max_tokens: cutlass.Constexpr,
+    max_tokens: Int32, stream: cuda_driver.CUstream, world: cutlass.Constexpr, rank: cutlass.Constexpr,
     hidden: cutlass.Constexpr, topk: cutlass.Constexpr,
 ):
     _combine_recv_kernel(weights, num_tokens, out, table, flags_off, comb_off, ctrl, world, rank, hidden, topk).launch(
@@ -389,18 +389,19 @@ def _launch_combine_recv(
 
 
 @functools.cache
-def compile_kernels(world: int, rank: int, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str):
-    """The four compiled launches for one configuration (cached per process)."""
+def compile_kernels(world: int, rank: int, num_experts: int, hidden: int, topk: int, payload: str):
+    """The four compiled launches for one configuration (cached per process; token
+    counts and capacities are run-time arguments, so one compilation serves them all)."""
     from kernels._cute_runtime import dummy_stream
 
-    z, s = Int64(0), dummy_stream()
-    num_local, capacity = num_experts // world, world * max_tokens
+    z, i, s = Int64(0), Int32(1), dummy_stream()
+    num_local = num_experts // world
     fp8 = payload == "fp8"
     return (
-        cute.compile(_launch_dispatch_send, *[z] * 11, s, world, rank, num_local, capacity, max_tokens, hidden, topk, fp8),
-        cute.compile(_launch_dispatch_recv, *[z] * 5, s, world, rank, num_local, capacity),
-        cute.compile(_launch_combine_send, *[z] * 7, s, world, rank, num_local, capacity, hidden),
-        cute.compile(_launch_combine_recv, *[z] * 7, s, world, rank, max_tokens, hidden, topk),
+        cute.compile(_launch_dispatch_send, *[z] * 11, i, i, s, world, rank, num_local, hidden, topk, fp8),
+        cute.compile(_launch_dispatch_recv, *[z] * 5, i, s, world, rank, num_local),
+        cute.compile(_launch_combine_send, *[z] * 7, i, s, world, rank, num_local, hidden),
+        cute.compile(_launch_combine_recv, *[z] * 7, i, s, world, rank, hidden, topk),
     )
 
 
@@ -443,7 +444,7 @@ class DispatchCombine:
         self.expert_counts = torch.zeros(self.num_local, dtype=torch.int32, device=dev)
         self._slot_of = torch.empty(max_tokens * topk, dtype=torch.int32, device=dev)
         self._ctrl = self.mem.control
-        self._kernels = compile_kernels(world, self.rank, num_experts, max_tokens, hidden, topk, payload)
+        self._kernels = compile_kernels(world, self.rank, num_experts, hidden, topk, payload)
 
     def _check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, num_tokens: torch.Tensor) -> None:
         want = {"x": ((self.max_tokens, self.hidden), torch.bfloat16), "topk_ids": ((self.max_tokens, self.topk), torch.int32), "num_tokens": ((1,), torch.int32)}
@@ -459,7 +460,8 @@ class DispatchCombine:
         m, lay = self.mem, self.mem.layout
         self._kernels[0](
             x.data_ptr(), topk_ids.data_ptr(), num_tokens.data_ptr(), self._slot_of.data_ptr(), m.peer_table.data_ptr(),
-            lay["flags"], lay["counters"], lay["recv_x"], lay["recv_scales"], lay["recv_src"], self._ctrl.data_ptr(), current_stream(),
+            lay["flags"], lay["counters"], lay["recv_x"], lay["recv_scales"], lay["recv_src"], self._ctrl.data_ptr(),
+            self.capacity, self.max_tokens, current_stream(),
         )
 
     def dispatch_recv(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -467,7 +469,10 @@ class DispatchCombine:
         from kernels._cute_runtime import current_stream
 
         m, lay = self.mem, self.mem.layout
-        self._kernels[1](m.peer_table.data_ptr(), lay["flags"], lay["counters"], self.expert_counts.data_ptr(), self._ctrl.data_ptr(), current_stream())
+        self._kernels[1](
+            m.peer_table.data_ptr(), lay["flags"], lay["counters"], self.expert_counts.data_ptr(), self._ctrl.data_ptr(),
+            self.capacity, current_stream(),
+        )
         return self.recv_x, self.recv_scales, self.expert_counts, self.recv_src
 
     def combine_send(self, y: torch.Tensor) -> None:
@@ -479,7 +484,7 @@ class DispatchCombine:
         m, lay = self.mem, self.mem.layout
         self._kernels[2](
             y.data_ptr(), self.expert_counts.data_ptr(), m.peer_table.data_ptr(), lay["flags"], lay["recv_src"], lay["comb"],
-            self._ctrl.data_ptr(), current_stream(),
+            self._ctrl.data_ptr(), self.capacity, current_stream(),
         )
 
     def combine_recv(self, topk_weights: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -493,7 +498,7 @@ class DispatchCombine:
         m, lay = self.mem, self.mem.layout
         self._kernels[3](
             topk_weights.data_ptr(), num_tokens.data_ptr(), out.data_ptr(), m.peer_table.data_ptr(), lay["flags"], lay["comb"],
-            self._ctrl.data_ptr(), current_stream(),
+            self._ctrl.data_ptr(), self.max_tokens, current_stream(),
         )
         return out
 

@@ -43,11 +43,11 @@ def test_ep_prefill_kernels_compile(dtype, topk):
 
 
 @pytest.mark.parametrize(
-    "world,rank,experts,max_tokens,hidden,topk,payload",
-    [(2, 0, 128, 128, 4096, 8, "bf16"), (2, 1, 128, 128, 4096, 8, "fp8"), (16, 9, 32, 4, 384, 3, "fp8")],
+    "world,rank,experts,hidden,topk,payload",
+    [(2, 0, 128, 4096, 8, "bf16"), (2, 1, 128, 4096, 8, "fp8"), (16, 9, 32, 384, 3, "fp8")],
 )
-def test_dispatch_combine_kernels_compile(world, rank, experts, max_tokens, hidden, topk, payload):
-    kernels = dc.compile_kernels(world, rank, experts, max_tokens, hidden, topk, payload)
+def test_dispatch_combine_kernels_compile(world, rank, experts, hidden, topk, payload):
+    kernels = dc.compile_kernels(world, rank, experts, hidden, topk, payload)
     assert len(kernels) == 4 and all(k is not None for k in kernels)
 
 
@@ -59,8 +59,9 @@ def test_ptx_signals_at_system_scope_and_never_uses_multicast(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes its file into the working directory
     z, s = Int64(0), dummy_stream()
     two_shot = _ptx(ar._launch_two_shot, z, z, Int32(0), Int32(0), z, z, z, z, z, z, Int32(1), s, ar._CUTE_DTYPES[torch.bfloat16], 4, 1)
-    dispatch = _ptx(dc._launch_dispatch_send, *[z] * 11, s, 2, 0, 64, 256, 128, 4096, 8, True)
-    combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, s, 2, 0, 128, 4096, 8)
+    i = Int32(1)
+    dispatch = _ptx(dc._launch_dispatch_send, *[z] * 11, i, i, s, 2, 0, 64, 4096, 8, True)
+    combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, i, s, 2, 0, 4096, 8)
     for ptx in (two_shot, dispatch, combine_recv):
         assert "multimem" not in ptx
     assert "st.release.sys.global.b32" in two_shot and "ld.acquire.sys.global.b32" in two_shot

@@ -1,0 +1,139 @@
+"""All-reduce on 2 GPUs: our CuTeDSL kernels vs NCCL vs torch symmetric memory.
+
+Every implementation is timed the same way: ``ops`` all-reduces captured in one
+CUDA graph, the graph replayed ``reps`` times between CUDA events, per-op time =
+median replay time / ops. Sizes 8 KiB .. 256 MiB of bf16. Peers, same run:
+``nccl`` (torch.distributed, NVLS off), ``symm_one_shot`` / ``symm_two_shot``
+(``torch.ops.symm_mem.one_shot_all_reduce`` / ``two_shot_all_reduce_``, multicast
+disabled), and our kernels forced to one-shot / two-shot. Bus bandwidth is
+``bytes * 2 (W-1) / W / time`` (the NCCL convention).
+
+    python -m bench.allreduce [--max-mib 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from kernels._local_group import run_local_group
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def _sizes(max_bytes: int) -> list[int]:
+    sizes, s = [], 8 * KIB
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 2 if s < 4 * MIB else 4
+    return sizes
+
+
+def _ops_for(nbytes: int) -> int:
+    return 64 if nbytes <= MIB else 16 if nbytes <= 16 * MIB else 4
+
+
+def _time_graph(fn, ops: int, reps: int = 7) -> float:
+    """Median per-op microseconds of ``ops`` calls of ``fn`` captured in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the graph (first-use setup, compilation)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(ops):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / ops)
+    return statistics.median(times[1:])
+
+
+def _bench_rank(rank: int, world: int, max_bytes: int) -> list[dict]:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from kernels.allreduce import CudaAllReduce
+
+    group = dist.group.WORLD
+    comm = CudaAllReduce(group)
+    comm.warmup((torch.bfloat16,))
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    symm_buf = symm_mem.empty(max_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    symm_mem.rendezvous(symm_buf, group)
+    has_symm_ops = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
+    rows = []
+    for nbytes in _sizes(max_bytes):
+        n = nbytes // 2
+        x = torch.randn(n, device="cuda").bfloat16()
+        out = torch.empty_like(x)
+        nccl_buf = x.clone()
+        sx = symm_buf[:n]
+        sx.copy_(x)
+        ops = _ops_for(nbytes)
+        cases = {
+            "ours": lambda: comm(x, out=out),
+            "ours_two_shot": lambda: comm(x, out=out, algorithm="two_shot"),
+            "nccl": lambda: dist.all_reduce(nccl_buf),
+        }
+        if nbytes <= 32 * MIB:
+            cases["ours_one_shot"] = lambda: comm(x, out=out, algorithm="one_shot")
+        if has_symm_ops:
+            cases["symm_two_shot"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(sx, "sum", group.group_name)
+            if nbytes <= 32 * MIB:
+                cases["symm_one_shot"] = lambda: torch.ops.symm_mem.one_shot_all_reduce(sx, "sum", group.group_name)
+        row = {"bytes": nbytes, "algorithm": comm.choose(nbytes)}
+        for name, fn in cases.items():
+            try:
+                row[name] = _time_graph(fn, ops)
+            except RuntimeError as e:  # a peer op that cannot run here is reported, not fatal
+                row[name] = float("nan")
+                print(f"rank {rank}: {name} at {nbytes} B failed: {e}", file=sys.stderr)
+            # the NCCL and symm-mem buffers grow by x world per op; keep them finite
+            nccl_buf.copy_(x)
+            sx.copy_(x)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.results import print_table, record
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-mib", type=int, default=256)
+    args = p.parse_args(argv)
+    world = 2
+    rows = run_local_group(_bench_rank, world, "nccl", args.max_mib * MIB, timeout=900)[0]
+    table = []
+    for r in rows:
+        busbw = lambda us: r["bytes"] * 2 * (world - 1) / world / (us * 1e-6) / 1e9  # noqa: E731
+        peers = {k: {"latency_us": v, "busbw_gbps": busbw(v)} for k, v in r.items() if k not in ("bytes", "algorithm", "ours")}
+        record("allreduce", {"bytes": r["bytes"], "dtype": "bf16", "world": world, "algorithm": r["algorithm"], "timing": "cuda_graph"},
+               {"latency_us": r["ours"], "busbw_gbps": busbw(r["ours"]), "vs_nccl_latency_ratio": r["ours"] / r["nccl"]}, peers)
+        table.append({"size": _fmt_size(r["bytes"]), "algo": r["algorithm"], "ours_us": r["ours"], "nccl_us": r["nccl"],
+                      "ours/nccl": r["ours"] / r["nccl"], "ours_1shot": r.get("ours_one_shot", float("nan")),
+                      "ours_2shot": r["ours_two_shot"], "symm_1shot": r.get("symm_one_shot", float("nan")),
+                      "symm_2shot": r.get("symm_two_shot", float("nan")), "ours_busbw": busbw(r["ours"]), "nccl_busbw": busbw(r["nccl"])})
+    print_table(table, list(table[0]))
+    return 0
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

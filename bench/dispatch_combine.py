@@ -1,0 +1,145 @@
+"""Decode DP-EP dispatch + combine on 2 GPUs: peer-memory kernels vs the NCCL reference.
+
+hidden 4096, 128 experts (64 per rank), top-8, bf16 payload (and FP8 for ours),
+1 / 32 / 128 / 256 tokens per rank, random routing.
+
+* ours: ``rounds`` full rounds (dispatch_send, dispatch_recv, combine_send,
+  combine_recv; no expert compute in between) captured in one CUDA graph: per-round
+  time = median replay / rounds. Dispatch and combine alone: a graph per phase
+  pair, replayed alternately between events (these include one graph launch each).
+* reference: `DispatchCombineReference` over NCCL ``all_to_all_single`` (it needs
+  host-side split sizes, so it runs eagerly), dispatch and combine timed separately.
+* ``nccl_a2a_only``: one ``all_to_all_single`` of the dispatch payload, graph-timed —
+  the floor of any NCCL-based dispatch, before routing work.
+
+    python -m bench.dispatch_combine
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from kernels._local_group import run_local_group
+
+HIDDEN, EXPERTS, TOPK = 4096, 128, 8
+TOKENS = (1, 32, 128, 256)
+
+
+def _events_time(fn, reps: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def _capture(fn, repeat: int) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(repeat):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
+def _bench_rank(rank: int, world: int) -> list[dict]:
+    from kernels.dispatch_combine import DispatchCombine, DispatchCombineReference
+
+    rows = []
+    for tokens in TOKENS:
+        g = torch.Generator(device="cuda").manual_seed(tokens * 10 + rank)
+        x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+        ids = torch.rand(tokens, EXPERTS, generator=g, device="cuda").topk(TOPK, dim=1).indices.int().contiguous()
+        w = torch.rand(tokens, TOPK, generator=g, device="cuda")
+        n = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+        out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        row = {"tokens": tokens}
+        for payload in ("bf16", "fp8"):
+            dc = DispatchCombine(dist.group.WORLD, EXPERTS, tokens, HIDDEN, TOPK, payload)
+            y = torch.randn(dc.num_local, dc.capacity, HIDDEN, device="cuda").bfloat16()
+
+            def dispatch():
+                dc.dispatch_send(x, ids, n)
+                dc.dispatch_recv()
+
+            def combine():
+                dc.combine_send(y)
+                dc.combine_recv(w, n, out)
+
+            def round_():
+                dispatch()
+                combine()
+
+            round_()
+            rounds = 20
+            full = _capture(round_, rounds)
+            row[f"ours_{payload}_round_us"] = _events_time(full.replay, reps=10) / rounds
+            g_dispatch, g_combine = _capture(dispatch, 1), _capture(combine, 1)
+            d_times, c_times = [], []
+            for _ in range(30):
+                dist.barrier()
+                torch.cuda.synchronize()
+                e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                e[0].record()
+                g_dispatch.replay()
+                e[1].record()
+                g_combine.replay()
+                e[2].record()
+                e[2].synchronize()
+                d_times.append(e[0].elapsed_time(e[1]) * 1e3)
+                c_times.append(e[1].elapsed_time(e[2]) * 1e3)
+            row[f"ours_{payload}_dispatch_us"] = statistics.median(d_times)
+            row[f"ours_{payload}_combine_us"] = statistics.median(c_times)
+            del dc
+            torch.cuda.synchronize()
+            dist.barrier()
+
+        ref = DispatchCombineReference(dist.group.WORLD, EXPERTS, tokens, HIDDEN, TOPK)
+        recv = ref.dispatch(x, ids, n)
+        y_ref = torch.randn(recv[0].shape, device="cuda").bfloat16()
+        row["ref_dispatch_us"] = _events_time(lambda: ref.dispatch(x, ids, n))
+        row["ref_combine_us"] = _events_time(lambda: ref.combine(y_ref, recv[2], recv[3], w, n))
+        a2a_in = torch.randn(tokens * TOPK * HIDDEN, device="cuda").bfloat16()
+        a2a_out = torch.empty_like(a2a_in)
+        graph = _capture(lambda: dist.all_to_all_single(a2a_out, a2a_in), 10)
+        row["nccl_a2a_only_us"] = _events_time(graph.replay, reps=10) / 10
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.results import print_table, record
+
+    world = 2
+    rows = run_local_group(_bench_rank, world, "nccl", timeout=600)[0]
+    table = []
+    for r in rows:
+        case = {"tokens_per_rank": r["tokens"], "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "ep": world, "timing": "cuda_graph"}
+        ref_total = r["ref_dispatch_us"] + r["ref_combine_us"]
+        metrics = {k[5:]: v for k, v in r.items() if k.startswith("ours_")}
+        metrics["speedup_bf16_round_vs_reference"] = ref_total / r["ours_bf16_round_us"]
+        peers = {"nccl_all_to_all_reference": {"dispatch_us": r["ref_dispatch_us"], "combine_us": r["ref_combine_us"], "round_us": ref_total},
+                 "nccl_a2a_only": {"latency_us": r["nccl_a2a_only_us"]}}
+        record("dispatch_combine", case, metrics, peers)
+        table.append({"tokens": r["tokens"], "bf16_round": r["ours_bf16_round_us"], "bf16_disp": r["ours_bf16_dispatch_us"],
+                      "bf16_comb": r["ours_bf16_combine_us"], "fp8_round": r["ours_fp8_round_us"], "ref_disp": r["ref_dispatch_us"],
+                      "ref_comb": r["ref_combine_us"], "speedup": ref_total / r["ours_bf16_round_us"], "a2a_only": r["nccl_a2a_only_us"]})
+    print_table(table, list(table[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
