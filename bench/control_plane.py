@@ -1,0 +1,176 @@
+"""Control-plane overhead of the moebus services, on CPU with the tiny model.
+
+Two measurements:
+
+1. **Time outside model compute** per request, through a real local stack
+   (`compose/single-node.yml`: nats-server, gateway, scheduler, prefill, decode as
+   processes): `total_ms - compute_ms` of each reply, where `compute_ms` is the model
+   time the prefill pass and the decode steps of that request took. What remains is
+   tokenization, admission, NATS hops, placement, KV transfer, detokenization and
+   relaying. Reported as p50/p99 at concurrency 1 and 16.
+2. **Placements per second of one scheduler**: a real scheduler process against
+   stand-in decode ranks and prefill instances living in this process (they heartbeat
+   with ample capacity, grant every reservation at once and drop the prefill tasks),
+   so the number is the scheduler's own rate: decode choice, the reservation round
+   trip, the prefill task, the ack.
+
+    python -m bench.control_plane [--requests 64] [--placements 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.results import print_table, record
+from schemas import subjects
+from schemas.api import GenerateRequest
+from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
+from schemas.transfer import KVTransferDescriptor, KVTransferLayout
+from services.client import Client
+from services.launch import DEFAULT_STACK, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, nats_server_binary
+from services.ranks import free_port
+from shared.bus import Bus, connect, pack, unpack
+
+PROMPT = "Mixture-of-experts models route each token to a few experts, which"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def overhead(url: str, requests: int, concurrency: int, max_tokens: int) -> dict[str, float]:
+    async with connect(url, "bench") as bus:
+        client = Client(bus)
+        await client.generate(GenerateRequest(prompt=PROMPT, max_tokens=2, temperature=0))  # warm up
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int):
+            async with sem:
+                return await client.generate(GenerateRequest(prompt=f"{i} {PROMPT}", max_tokens=max_tokens, temperature=0))
+
+        replies = await asyncio.gather(*(one(i) for i in range(requests)))
+    outside = [r.timing.total_ms - r.timing.compute_ms for r in replies]
+    per_token = [(r.timing.total_ms - r.timing.compute_ms) / r.usage.completion_tokens for r in replies]
+    return {
+        "outside_compute_p50_ms": statistics.median(outside),
+        "outside_compute_p99_ms": percentile(outside, 99),
+        "outside_compute_per_token_p50_ms": statistics.median(per_token),
+        "total_p50_ms": statistics.median(r.timing.total_ms for r in replies),
+        "ttft_p50_ms": statistics.median(r.timing.ttft_ms for r in replies),
+        "queue_p50_ms": statistics.median(r.timing.queue_ms for r in replies),
+    }
+
+
+async def stand_in_members(bus: Bus, decode_ranks: int, model: str) -> None:
+    """Decode ranks and a prefill instance that only do their control-plane part."""
+    layout = KVTransferLayout(num_layers=2, page_size=16, kv_heads=2, head_dim=16, dtype="float32")
+
+    async def reserve(msg) -> None:  # type: ignore[no-untyped-def]
+        req = unpack(msg.data, ReserveKV)
+        desc = KVTransferDescriptor(b"", req.request_id, 1, [0], req.prompt_tokens, layout, req.lease_until, 1 << 20)
+        await msg.respond(pack(KVReservation(request_id=req.request_id, ok=True, descriptor=desc)))
+
+    async def drop(msg) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    for rank in range(decode_ranks):
+        await bus.subscribe(subjects.decode_reserve("bench", rank), reserve, concurrent=False)
+    await bus.subscribe(subjects.prefill_task("bench"), drop, concurrent=False)
+
+    async def beat() -> None:
+        while True:
+            for rank in range(decode_ranks):
+                hb = Heartbeat(role="decode", instance="bench", rank=rank, model=model, version="bench", started_at=0.0, kv_total_pages=1 << 30, kv_free_pages=1 << 30, page_size=16, batch_size=0, max_batch=1 << 30)
+                await bus.publish(subjects.heartbeat("decode", "bench", rank), pack(hb))
+            await bus.publish(subjects.heartbeat("prefill", "bench", 0), pack(Heartbeat(role="prefill", instance="bench", rank=0, model=model, version="bench", started_at=0.0)))
+            await asyncio.sleep(0.5)
+
+    asyncio.get_running_loop().create_task(beat())
+
+
+async def placements(url: str, total: int, concurrency: int, decode_ranks: int) -> dict[str, float]:
+    async with connect(url, "bench-members") as members, connect(url, "bench-submit") as bus:
+        await stand_in_members(members, decode_ranks, model="bench")
+        sampling = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+        sem = asyncio.Semaphore(concurrency)
+        latencies: list[float] = []
+
+        async def submit(i: int) -> bool:
+            job = Job(request_id=f"b{i}", gateway="bench", input_ids=list(range(32)), max_tokens=16, sampling=sampling, stop_token_ids=[], logprobs=False, deadline=time.time() + 60)
+            async with sem:
+                started = time.perf_counter()
+                ack = await bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=30)
+                latencies.append((time.perf_counter() - started) * 1000)
+            return ack.placement is not None
+
+        await asyncio.sleep(1.0)  # the scheduler has seen the stand-ins' heartbeats
+        await asyncio.gather(*(submit(-i - 1) for i in range(100)))  # warm up
+        latencies.clear()
+        started = time.perf_counter()
+        placed = await asyncio.gather(*(submit(i) for i in range(total)))
+        elapsed = time.perf_counter() - started
+    if not all(placed):
+        raise RuntimeError(f"{placed.count(False)} of {total} submissions were refused")
+    return {"placements_per_s": total / elapsed, "submit_p50_ms": statistics.median(latencies), "submit_p99_ms": percentile(latencies, 99)}
+
+
+def run_scheduler_bench(total: int, concurrency: int, decode_ranks: int) -> dict[str, float]:
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env_cmd = [sys.executable, "-m", "services.cli", "scheduler", "--nats-url", url, "--set", "model_name=bench", "--set", "log_level=warning", "--set", "max_queued=100000"]
+    time.sleep(0.3)
+    scheduler = subprocess.Popen(env_cmd)
+    try:
+        time.sleep(1.5)
+        return asyncio.run(placements(url, total, concurrency, decode_ranks))
+    finally:
+        scheduler.terminate()
+        scheduler.wait(10)
+        nats.terminate()
+        nats.wait(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--placements", type=int, default=2000)
+    ap.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
+    a = ap.parse_args(argv)
+
+    rows = []
+    model = Path(a.model) if a.model else ensure_tiny_model(default_cache_dir())
+    stack = LocalStack(load_compose(DEFAULT_STACK, {"MOEBUS_MODEL": str(model)}), model, Path(tempfile.mkdtemp(prefix="bench-cp-")), extra_env={"MOEBUS_LOG_LEVEL": "warning"})
+    stack.start()
+    try:
+        for concurrency in (1, 16):
+            case = {"what": "request_overhead", "stack": "single-node", "model": model.name, "concurrency": concurrency, "requests": a.requests, "max_tokens": a.max_tokens}
+            metrics = asyncio.run(overhead(stack.url, a.requests, concurrency, a.max_tokens))
+            record("control_plane", case, metrics)
+            rows.append({**case, **metrics})
+    finally:
+        stack.stop()
+    print_table(rows, ["concurrency", "outside_compute_p50_ms", "outside_compute_p99_ms", "outside_compute_per_token_p50_ms", "ttft_p50_ms", "total_p50_ms"])
+
+    sched_rows = []
+    for concurrency in (1, 64):
+        case = {"what": "scheduler_placements", "schedulers": 1, "decode_ranks": 8, "concurrency": concurrency, "submissions": a.placements}
+        metrics = run_scheduler_bench(a.placements, concurrency, decode_ranks=8)
+        record("control_plane", case, metrics)
+        sched_rows.append({**case, **metrics})
+    print()
+    print_table(sched_rows, ["concurrency", "placements_per_s", "submit_p50_ms", "submit_p99_ms"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
