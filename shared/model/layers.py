@@ -4,8 +4,9 @@ Each function is one op a GPU kernel will replace (``kernels/`` picks the
 implementation by device later): RMSNorm, RoPE, linear (plain or FP8
 block-scaled), paged attention, router top-k, MoE experts, dense SwiGLU MLP.
 Numerics follow transformers' Qwen3-MoE code, so that fp32 results agree with it
-to rounding: norms in fp32 and cast back before the weight, softmax in fp32,
-router probabilities in fp32 then cast to the activation dtype.
+to rounding: norms in fp32 and cast back before the weight, router probabilities
+in fp32 then cast to the activation dtype. Attention runs in fp32 internally (as
+SDPA / flash kernels accumulate) and rounds only its output.
 """
 
 from __future__ import annotations
@@ -81,17 +82,18 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     k, v = cache.gather(layer, meta.page_tables)  # [B, Hkv, Lmax, D]
     b, hkv, lmax, _ = k.shape
     group = hq // hkv
-    qp = q.new_zeros((b, meta.max_q, hq, d))
-    qp[meta.token_seq, meta.token_idx] = q
+    # Scores, softmax and the weighted sum in fp32 whatever the dtype, as fused
+    # (flash) attention kernels accumulate; only the output is rounded to q's dtype.
+    qp = q.new_zeros((b, meta.max_q, hq, d), dtype=torch.float32)
+    qp[meta.token_seq, meta.token_idx] = q.float()
     qp = qp.view(b, meta.max_q, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qmax, D]
-    scores = torch.matmul(qp, k.to(q.dtype)[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, g, Qmax, Lmax]
+    scores = torch.matmul(qp, k.float()[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, g, Qmax, Lmax]
     query_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_q, device=q.device)[None, :]
     key_pos = torch.arange(lmax, device=q.device)
     visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Qmax, Lmax]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v.to(q.dtype)[:, :, None])  # [B, Hkv, g, Qmax, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(b, meta.max_q, hq, d)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()[:, :, None])  # [B, Hkv, g, Qmax, D]
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, meta.max_q, hq, d).to(q.dtype)
     return out[meta.token_seq, meta.token_idx]
 
 
@@ -115,17 +117,18 @@ def moe_experts(x: torch.Tensor, w13: Linear, w2: Linear, topk_ids: torch.Tensor
     """Weighted sum of this rank's experts ``[expert_start, expert_start + E_local)`` per token.
 
     Routing entries that name another rank's expert contribute nothing here; their
-    owner adds them (all-reduce in prefill, combine in decode).
+    owner adds them (all-reduce in prefill, combine in decode). The weighted sum is
+    accumulated in fp32 and rounded once, as a fused grouped-GEMM epilogue would.
     """
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x, dtype=torch.float32)
     local = topk_ids - expert_start
     hit = (local >= 0) & (local < w13.shape[0])
     for e in torch.unique(local[hit]).tolist():
         token, slot = torch.where(local == e)
         h = swiglu(linear(x[token], _expert(w13, e)))
         y = linear(h, _expert(w2, e)) * topk_weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out
+        out.index_add_(0, token, y.float())
+    return out.to(x.dtype)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
