@@ -47,7 +47,7 @@ def _check(cond: bool, msg: str) -> None:
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, masked: bool,
                     x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-                    row_weights: torch.Tensor | None) -> None:
+                    row_weights: torch.Tensor | None, w_scale_block_rows: int = QUANT_BLOCK) -> None:
     _check(w.dim() == 3, f"w must be [E, N, K], got shape {tuple(w.shape)}")
     E, N, K = w.shape
     if masked:
@@ -66,8 +66,9 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, mask
         _check(x_scale is not None and w_scale is not None, "FP8 inputs need x_scale and w_scale")
         _check(tuple(x_scale.shape) == (*x.shape[:-1], kb) and x_scale.dtype == torch.float32,
                f"x_scale must be float32 {(*x.shape[:-1], kb)}, got {x_scale.dtype} {tuple(x_scale.shape)}")
-        _check(w_scale.dim() == 3 and w_scale.shape[0] == E and w_scale.shape[2] == kb and w_scale.dtype == torch.float32,
-               f"w_scale must be float32 [E, N/128, {kb}], got {w_scale.dtype} {tuple(w_scale.shape)}")
+        nb = math.ceil(N / w_scale_block_rows)
+        _check(tuple(w_scale.shape) == (E, nb, kb) and w_scale.dtype == torch.float32,
+               f"w_scale must be float32 [E={E}, N/{w_scale_block_rows}={nb}, K/128={kb}], got {w_scale.dtype} {tuple(w_scale.shape)}")
     else:
         _check(x_scale is None and w_scale is None, "scales are only meaningful with float8_e4m3fn inputs")
     if row_weights is not None:
@@ -164,6 +165,14 @@ def deinterleave_gate_up(w: torch.Tensor, w_scale: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------ dispatch
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """CPU path: return the fp32 result, or copy it into the caller's ``out`` (any float dtype)."""
+    if out is None:
+        return result
+    _check(tuple(out.shape) == tuple(result.shape), f"out must have shape {tuple(result.shape)}, got {tuple(out.shape)}")
+    return out.copy_(result)
+
+
 def _launch(x, w, groups, masked, x_scale, w_scale, row_weights, swiglu, out):
     from kernels import grouped_gemm_launch  # CuTeDSL is imported only on the GPU path
 
@@ -178,14 +187,15 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, mask
 
     ``groups`` is ``offsets[E+1]`` (contiguous, ``x[T, K]``) or ``counts[E]``
     (``masked=True``, ``x[E, max_tokens, K]``).  bf16 or FP8 (``x_scale``,
-    ``w_scale`` required).  Returns bf16 on CUDA, fp32 on CPU; ``out`` may be
-    given on CUDA (bf16, ``[..., N]``) to avoid an allocation.
+    ``w_scale`` required).  Returns bf16 on CUDA, fp32 on CPU; with ``out``
+    (bf16 ``[..., N]`` on CUDA) the result lands there.  On CUDA, rows no
+    expert owns are left untouched; the CPU reference writes zeros there.
     """
     _check_operands(x, w, groups, masked, x_scale, w_scale, row_weights)
     if x.is_cuda:
         return _launch(x, w, groups, masked, x_scale, w_scale, row_weights, False, out)
-    return grouped_gemm_reference(x, w, groups, masked=masked, x_scale=x_scale, w_scale=w_scale,
-                                  row_weights=row_weights)
+    return _into(out, grouped_gemm_reference(x, w, groups, masked=masked, x_scale=x_scale, w_scale=w_scale,
+                                             row_weights=row_weights))
 
 
 def grouped_gemm_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, groups: torch.Tensor, *,
@@ -199,16 +209,11 @@ def grouped_gemm_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, groups: 
     ``row_weights`` the routing weight scales each row here, so the down GEMM
     output needs no extra pass.
     """
-    _check(w13_interleaved.dim() == 3, f"w13 must be [E, 2I, K], got {tuple(w13_interleaved.shape)}")
-    E, two_i, K = w13_interleaved.shape
-    _check(two_i % (2 * SWIGLU_BLOCK) == 0, f"2I={two_i} must be a multiple of {2 * SWIGLU_BLOCK}")
-    if w_scale_interleaved is not None:
-        _check(w_scale_interleaved.shape[:2] == (E, two_i // SWIGLU_BLOCK),
-               f"interleaved w_scale must be [E, 2I/64={two_i // SWIGLU_BLOCK}, K/128], got {tuple(w_scale_interleaved.shape)}")
-    # Operand checks with per-128-row scale shape relaxed: validate the rest.
-    _check_operands(x, w13_interleaved, groups, masked, x_scale,
-                    None if w_scale_interleaved is None else w_scale_interleaved[:, : math.ceil(two_i / QUANT_BLOCK)],
-                    row_weights)
+    _check(w13_interleaved.dim() == 3 and w13_interleaved.shape[1] % (2 * SWIGLU_BLOCK) == 0,
+           f"w13 must be [E, 2I, K] with 2I a multiple of {2 * SWIGLU_BLOCK}, got {tuple(w13_interleaved.shape)}")
+    # Interleaved FP8 scales hold one row per 64-row half block (see interleave_gate_up).
+    _check_operands(x, w13_interleaved, groups, masked, x_scale, w_scale_interleaved, row_weights,
+                    w_scale_block_rows=SWIGLU_BLOCK)
     if x.is_cuda:
         return _launch(x, w13_interleaved, groups, masked, x_scale, w_scale_interleaved, row_weights, True, out)
     w13, s = deinterleave_gate_up(w13_interleaved, w_scale_interleaved)
@@ -217,5 +222,5 @@ def grouped_gemm_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, groups: 
     y = swiglu_reference(h)
     if row_weights is not None:
         y = y * row_weights[..., None]
-    return y
+    return _into(out, y)
 

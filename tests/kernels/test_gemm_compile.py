@@ -100,6 +100,9 @@ def test_reference_contiguous_matches_dense_per_expert():
     out = gg.grouped_gemm(x, w, offsets)
     assert out.dtype == torch.float32 and out.shape == (T, N)
     torch.testing.assert_close(out.double(), _dense_by_expert(x.float(), w.float(), owner), rtol=1e-5, atol=1e-4)
+    into = torch.empty(T, N, dtype=torch.bfloat16)
+    assert gg.grouped_gemm(x, w, offsets, out=into) is into
+    torch.testing.assert_close(into.float(), out, rtol=2**-8, atol=1e-3)
 
 
 def test_reference_masked_ignores_rows_past_count_and_applies_row_weights():
