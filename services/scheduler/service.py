@@ -140,7 +140,14 @@ class Scheduler:
         return None
 
     async def _reserve(self, decode: Member, job: Job, num_tokens: int) -> KVReservation | None:
-        """Ask the rank for pages; on refusal or silence, stop considering it until its next heartbeat."""
+        """Ask the rank for pages; on refusal or silence, stop considering it until its next heartbeat.
+
+        The pages count as taken from the moment we ask, so that concurrent placements
+        spread over the ranks instead of all picking the one that looked emptiest.
+        """
+        pages = decode.pages_for(num_tokens)
+        decode.pending_pages += pages
+        decode.pending_batch += 1
         request = ReserveKV(
             request_id=job.request_id,
             gateway=job.gateway,
@@ -159,6 +166,4 @@ class Scheduler:
             log.info("reserve_refused", decode=f"{decode.hb.instance}/{decode.hb.rank}", reason=reply.reason)
             decode.pending_pages = decode.hb.kv_free_pages  # looks full until it says otherwise
             return None
-        decode.pending_pages += decode.pages_for(num_tokens)
-        decode.pending_batch += 1
         return reply
