@@ -39,6 +39,8 @@ class Scheduler:
         self.capacity_changed = asyncio.Condition()
         self.waiting = 0
         self.placed = 0
+        self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
+        self.waiting_ids: set[str] = set()
         self.heartbeater = Heartbeater(bus, settings, "scheduler", self._heartbeat)
 
     def _heartbeat(self) -> Heartbeat:
@@ -55,6 +57,7 @@ class Scheduler:
     async def start(self) -> None:
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
         await self.bus.subscribe(subjects.SUBMIT, self._on_submit, queue=subjects.SCHEDULER_QUEUE)
+        await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
         self.heartbeater.start()
         asyncio.get_running_loop().create_task(self._expire_loop())
 
@@ -74,6 +77,13 @@ class Scheduler:
         self.registry.update(hb)
         async with self.capacity_changed:
             self.capacity_changed.notify_all()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        request_id = unpack(msg.data, Cancel).request_id
+        if request_id in self.waiting_ids:
+            self.cancelled.add(request_id)
+            async with self.capacity_changed:
+                self.capacity_changed.notify_all()
 
     async def _on_submit(self, msg: Msg) -> None:
         job = unpack(msg.data, SubmitJob).job
@@ -95,8 +105,11 @@ class Scheduler:
             raise Refused("overloaded", f"{self.waiting} requests already waiting for capacity")
         wait_until = Deadline(min(job.deadline, time.time() + self.settings.queue_wait_ms / 1000))
         self.waiting += 1
+        self.waiting_ids.add(job.request_id)
         try:
             while True:
+                if job.request_id in self.cancelled:
+                    raise Refused("cancelled", "cancelled while waiting for capacity")
                 placement = await self._try_place(job)
                 if placement is not None:
                     self.placed += 1
@@ -110,6 +123,8 @@ class Scheduler:
                         pass
         finally:
             self.waiting -= 1
+            self.waiting_ids.discard(job.request_id)
+            self.cancelled.discard(job.request_id)
         if deadline.expired:
             raise Refused("timeout", "deadline passed while waiting for capacity")
         if not self.registry.of_role("decode"):

@@ -232,15 +232,24 @@ def test_overload_is_an_explicit_error_after_the_bounded_wait_and_cancel_frees_k
             with pytest.raises(GenerateError) as overloaded:
                 await client.generate(GenerateRequest(prompt="one more", max_tokens=200, temperature=0))
             waited = time.monotonic() - started
+            # A request waiting for capacity can be cancelled too, without waiting out the queue.
+            waiter = asyncio.ensure_future(client.generate(GenerateRequest(prompt="waiter", max_tokens=200, temperature=0, request_id="waiter")))
+            await asyncio.sleep(0.2)
+            cancel_sent = time.monotonic()
+            await client.cancel("waiter")
+            with pytest.raises(GenerateError) as cancelled:
+                await waiter
+            cancel_latency = time.monotonic() - cancel_sent
             for r in reqs:
                 await client.cancel(r.request_id)
             results = await asyncio.gather(*fillers, return_exceptions=True)
             await watch.wait_for(all_kv_free, 5, "KV pages back after llm.cancel")
-            return overloaded.value, waited, results
+            return overloaded.value, waited, cancelled.value, cancel_latency, results
 
-    err, waited, results = run(go())
+    err, waited, cancelled, cancel_latency, results = run(go())
     assert err.code == "overloaded"
     assert 0.9 <= waited < 5.0  # MOEBUS_SCHEDULER_QUEUE_WAIT_MS=1000, then a prompt answer
+    assert cancelled.code == "cancelled" and cancel_latency < 0.5
     assert all(isinstance(r, GenerateError) and r.code == "cancelled" for r in results), results
 
 
