@@ -98,6 +98,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
                         num_sms=props.multi_processor_count)
     if tile_m is not None:
         cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=128 if tile_m == 64 else cfg.tile_n)
+    if rows * cfg.out_n >= 2**31:  # the epilogue addresses output elements with 32-bit offsets
+        raise ValueError(f"output of {rows} rows x {cfg.out_n} columns exceeds 2^31 elements per batch; split the call")
     out_shape = (*x.shape[:-1], cfg.out_n)
     if out is None:
         out = torch.empty(out_shape, dtype=torch.bfloat16, device=x.device)

@@ -30,9 +30,9 @@ token counts need not be multiples of the tile, and TMA zero-fills K and N
 beyond the tensor bounds.
 
 Measured on one H200 (bench/results/grouped_gemm.jsonl, commit cd897b9 and
-earlier lines; 128 experts): decode streams weights at 3.9-4.3 TB/s for 1-16
-tokens per expert (1.2-1.7x torch._grouped_mm), FP8 takes about half the bf16
-time; prefill reaches 410-525 TFLOP/s bf16 and 556-762 FP8 (Qwen3-235B
+earlier lines; 128 experts): bf16 decode streams weights at 3.8-4.3 TB/s for
+1-16 tokens per expert (1.2-1.7x torch._grouped_mm), FP8 takes about half the
+bf16 time; prefill reaches 410-525 TFLOP/s bf16 and 556-762 FP8 (Qwen3-235B
 shapes), below torch._grouped_mm at 2048 tokens per expert.  Known limits of
 this version: the epilogue stores one bf16 element per instruction and is not
 overlapped with the next tile's MMA (both consumer warpgroups work on one
