@@ -66,7 +66,10 @@ class ForwardBatch:
             seq_of.extend([b] * n)
             idx_in_seq.extend(range(n))
             last.append(len(tokens) - 1)
-        tables = [list(c.page_table[:max_pages]) + [c.page_table[0]] * (max_pages - min(max_pages, len(c.page_table))) for c in chunks]
+        tables = []
+        for c in chunks:  # pad every table to max_pages with a valid id; attention masks the padding
+            table = list(c.page_table[:max_pages])
+            tables.append(table + [table[0]] * (max_pages - len(table)))
 
         def t(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
