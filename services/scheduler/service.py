@@ -101,6 +101,7 @@ class Scheduler:
         deadline = Deadline(job.deadline)
         if deadline.expired:
             raise Refused("timeout", "deadline passed before scheduling")
+        self._check_fits_anywhere(job)
         if self.waiting >= self.settings.max_queued:
             raise Refused("overloaded", f"{self.waiting} requests already waiting for capacity")
         wait_until = Deadline(min(job.deadline, time.time() + self.settings.queue_wait_ms / 1000))
@@ -132,6 +133,14 @@ class Scheduler:
         if not self.registry.of_role("prefill"):
             raise Refused("unavailable", "no prefill instance is registered")
         raise Refused("overloaded", f"no capacity within {self.settings.queue_wait_ms} ms")
+
+    def _check_fits_anywhere(self, job: Job) -> None:
+        """A request larger than every decode rank's whole KV cache would only wait and fail: say so now."""
+        decode = self.registry.of_role("decode")
+        num_tokens = len(job.input_ids) + job.max_tokens
+        if decode and all(m.pages_for(num_tokens) > m.hb.kv_total_pages for m in decode):
+            largest = max(m.hb.kv_total_pages * m.hb.page_size for m in decode)
+            raise Refused("invalid_request", f"prompt + max_tokens = {num_tokens} tokens; the largest decode rank holds {largest} tokens of KV")
 
     async def _try_place(self, job: Job) -> Placement | None:
         prefill = self.registry.least_loaded_prefill()
