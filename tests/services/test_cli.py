@@ -1,0 +1,66 @@
+"""`moebus up --demo` and `moebus request` as a user runs them (what `make demo` does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path):
+    env = {**os.environ, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", "0", "--demo", "--log-dir", str(tmp_path / "logs")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        assert up.stdout is not None
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "serving; Ctrl-C stops the stack" in line:
+                break
+        output = "".join(lines)
+        assert "finish=length completion_tokens=24" in output, output
+        url = next(line.split("NATS at ")[1].split()[0] for line in lines if "NATS at " in line)
+        assert (tmp_path / "cache" / "tiny-qwen3-moe" / "config.json").exists()
+
+        reply = subprocess.run(
+            [sys.executable, "-m", "services.cli", "request", "--url", url, "--prompt", "hi", "--max-tokens", "3", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert reply.returncode == 0, reply.stderr
+        body = json.loads(reply.stdout)
+        assert body["type"] == "response" and len(body["token_ids"]) == 3
+
+        bad = subprocess.run(
+            [sys.executable, "-m", "services.cli", "request", "--url", url, "--prompt", "hi", "--max-tokens", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert bad.returncode == 1 and "invalid_request" in bad.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, rest
+    assert "stopping" in rest
+    for log in (tmp_path / "logs").glob("*-0.log"):
+        assert "stopped" in log.read_text(), log  # every service drained and said so
