@@ -230,3 +230,18 @@ def test_many_tiles_per_cta_with_k_tiles_not_a_multiple_of_stages(fp8, kind):
                 _assert_close(out[e, :c].cpu(), ref[e, :c], f"many tiles {kind} e={e} fp8={fp8}")
     else:
         _assert_close(out.cpu(), ref, f"many tiles {kind} fp8={fp8}")
+
+
+def test_mxfp8_weights_match_reference():
+    """MXFP8 weights on CUDA (torch dequant to bf16, then the bf16 kernel) against the fp32 reference."""
+    from kernels.grouped_gemm_mxfp8 import grouped_gemm_mxfp8, quantize_mxfp8
+
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    E, N, K = 6, 200, 272
+    counts = torch.tensor([0, 37, 1, 130, 0, 64])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    x = torch.randn(int(offsets[-1]), K, generator=gen, device=DEV).bfloat16()
+    q, s = quantize_mxfp8(torch.randn(E, N, K, generator=gen, device=DEV) / K**0.5)
+    out = grouped_gemm_mxfp8(x, q, s, offsets.to(DEV))
+    ref = grouped_gemm_mxfp8(x.cpu(), q.cpu(), s.cpu(), offsets)
+    _assert_close(out.cpu(), ref, "mxfp8 contiguous")

@@ -1,0 +1,59 @@
+"""MXFP8 weight format (E4M3 + E8M0 per 32 along K) and its grouped GEMM reference path, on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import grouped_gemm as gg
+from kernels.grouped_gemm_mxfp8 import MX_BLOCK, dequantize_mxfp8, grouped_gemm_mxfp8, quantize_mxfp8
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_representable_weights_round_trip_exactly():
+    gen = torch.Generator().manual_seed(1)
+    E, N, K = 2, 6, 80  # K not a multiple of 32: the last block has 16 values
+    q = (torch.rand(E, N, K, generator=gen) * 200 - 100).to(FP8)
+    q[..., ::MX_BLOCK] = 320.0  # block max 320 = 1.25 * 2^8 fixes the exponent rule's answer
+    exps = torch.randint(-20, 20, (E, N, 3), generator=gen)
+    w = dequantize_mxfp8(q, (exps + 127).to(torch.uint8))
+    q2, s2 = quantize_mxfp8(w)
+    assert torch.equal(s2.long() - 127, exps)
+    assert torch.equal(q2.float(), q.float())
+
+
+def test_quantization_error_bounds_and_zero_blocks():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(5, 7, 96, generator=gen) * torch.logspace(-4, 4, 7)[None, :, None]
+    w[0, 0, :32] = 0
+    q, s = quantize_mxfp8(w)
+    assert q.dtype == FP8 and s.dtype == torch.uint8 and s.shape == (5, 7, 3)
+    deq = dequantize_mxfp8(q, s)
+    amax = w.view(5, 7, 3, 32).abs().amax(-1).repeat_interleave(32, -1)
+    err = (deq - w).abs()
+    # E4M3 rounding is within 2^-4 relative; values above 448 * scale saturate (OCP rule), at most 1/8 of the block max.
+    assert torch.all(err <= torch.maximum(w.abs() * 2.0**-4, amax * 0.125) + 1e-30)
+    assert (err <= w.abs() * 2.0**-4 + 1e-30).float().mean() > 0.95
+    assert torch.all(deq[0, 0, :32] == 0)
+
+
+def test_grouped_gemm_mxfp8_reference_matches_dequantized_weights():
+    gen = torch.Generator().manual_seed(3)
+    E, N, K = 3, 40, 96
+    offsets = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+    x = torch.randn(20, K, generator=gen).bfloat16()
+    q, s = quantize_mxfp8(torch.randn(E, N, K, generator=gen))
+    out = grouped_gemm_mxfp8(x, q, s, offsets)
+    expect = gg.grouped_gemm_reference(x, dequantize_mxfp8(q, s), offsets, masked=False)
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_mxfp8_inputs_raise():
+    q, s = quantize_mxfp8(torch.randn(2, 8, 64))
+    x = torch.randn(4, 64).bfloat16()
+    offsets = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(gg.GroupedGemmError, match="uint8"):
+        grouped_gemm_mxfp8(x, q, s.float(), offsets)
+    with pytest.raises(gg.GroupedGemmError, match="bfloat16 activations"):
+        grouped_gemm_mxfp8(x.float(), q, s, offsets)
