@@ -35,6 +35,10 @@ E8M0_BIAS = 127
 MX_BLOCK = 32
 WEIGHT_BLOCK = (128, 128)
 ACT_GROUP = 128
+# Scales are amax * fl(1/448) rather than amax / 448: CUDA turns a division by a
+# scalar into a multiplication by its reciprocal, so writing the multiplication
+# makes CPU and GPU produce bit-identical scales (and hence identical FP8 bytes).
+_INV_E4M3_MAX = 1.0 / E4M3_MAX
 # An all-zero block would give scale 0 and 0/0 on quantization; flooring amax keeps
 # the scale positive and still maps such a block to exact zeros.
 _AMAX_FLOOR = 1e-12
@@ -121,7 +125,7 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -
     nb, kb = padded.shape[-2] // bn, padded.shape[-1] // bk
     tiles = padded.reshape(*lead, nb, bn, kb, bk)
     amax = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_AMAX_FLOOR)
-    scale_inv = amax / E4M3_MAX
+    scale_inv = amax * _INV_E4M3_MAX
     q = _to_e4m3(tiles / scale_inv).reshape(padded.shape)[..., :n, :k]
     return BlockFp8Weight(
         weight=q.contiguous(),
@@ -234,7 +238,7 @@ def quantize_act_per_token_group(
     k = x.shape[-1]
     padded = _pad_to_multiple(x.float(), -1, group)
     groups = padded.reshape(*padded.shape[:-1], -1, group)
-    scales = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) / E4M3_MAX
+    scales = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) * _INV_E4M3_MAX
     q = _to_e4m3(groups / scales).reshape(padded.shape)[..., :k]
     return q.contiguous(), scales.squeeze(-1).contiguous()
 
