@@ -1,0 +1,90 @@
+"""ModelRunner and forward-pass behaviour the services rely on (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import random_prompts, rel_err
+
+from shared.kvcache import OutOfPages
+from shared.model.model import ForwardBatch, SequenceChunk
+from shared.model.runner import ModelRunner
+from shared.model.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+NAME = "gqa2_top2_nonorm_sharded"
+
+
+def test_on_layer_done_runs_in_order_after_that_layers_kv_is_written(tiny_checkpoint):
+    runner = ModelRunner.from_dir(tiny_checkpoint(NAME), num_pages=8, page_size=4)
+    prompt = random_prompts([6])[0]
+    seen: list[tuple[int, list[bool]]] = []
+
+    def written() -> list[bool]:  # page 0 of each layer holds K of token 0 once that layer ran
+        return [bool(pool[0, 0].abs().sum() > 0) for pool in runner.cache.pools]
+
+    s = runner.add("a", prompt, GREEDY)
+    runner.prefill([s], on_layer_done=lambda i: seen.append((i, written())))
+    layers = runner.model.config.num_layers
+    assert [i for i, _ in seen] == list(range(layers))
+    for i, flags in seen:
+        assert flags == [j <= i for j in range(layers)]
+
+
+def test_chunked_prefill_and_multi_token_steps_match_one_shot_prefill(tiny_checkpoint):
+    runner = ModelRunner.from_dir(tiny_checkpoint(NAME), num_pages=16, page_size=4)
+    prompt = random_prompts([13], seed=4)[0]
+    model, cache = runner.model, runner.cache
+    whole = model.forward(ForwardBatch.build([SequenceChunk(prompt, 0, [0, 1, 2, 3])], 4, cache.device), cache, all_logits=True)
+    table = [9, 4, 12, 7]
+    first = model.forward(ForwardBatch.build([SequenceChunk(prompt[:5], 0, table)], 4, cache.device), cache, all_logits=True)
+    rest = model.forward(ForwardBatch.build([SequenceChunk(prompt[5:], 5, table)], 4, cache.device), cache, all_logits=True)
+    assert rel_err(torch.cat([first, rest]), whole) <= 1e-5
+
+
+def test_out_of_pages_is_typed_and_allocates_nothing(tiny_checkpoint):
+    runner = ModelRunner.from_dir(tiny_checkpoint(NAME), num_pages=4, page_size=4)
+    small, big = (runner.add(k, p, GREEDY) for k, p in zip("ab", random_prompts([3, 30])))
+    with pytest.raises(OutOfPages) as info:
+        runner.prefill([small, big])
+    assert info.value.requested == 1 + 8 and runner.cache.allocator.num_free == 4
+    assert small.page_table == [] and small.num_cached == 0
+    runner.prefill([small])  # the batch without the big one still fits
+    assert len(small.output_ids) == 1
+
+
+def test_decode_rank_adopts_kv_that_arrived_from_elsewhere(tiny_checkpoint):
+    """What a decode rank does after a KV transfer: pages it reserved, filled from another
+    cache, plus the first token sampled by prefill; decoding continues identically."""
+    path = tiny_checkpoint(NAME)
+    prefill_rank = ModelRunner.from_dir(path, num_pages=16, page_size=4)
+    decode_rank = ModelRunner.from_dir(path, num_pages=16, page_size=4)
+    prompt = random_prompts([10], seed=9)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+
+    reference = prefill_rank.add("ref", prompt, params)
+    prefill_rank.prefill([reference])
+    while not reference.finished:
+        prefill_rank.decode([reference])
+
+    sender = ModelRunner.from_dir(path, num_pages=16, page_size=4, release_finished=False)
+    s = sender.add("x", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    sender.prefill([s])
+    assert s.finish_reason == "length" and s.page_table  # pages kept until the transfer is done
+    reserved = decode_rank.cache.allocator.alloc(len(s.page_table))[::-1]
+    for src_pool, dst_pool in zip(sender.cache.pools, decode_rank.cache.pools):
+        dst_pool[reserved] = src_pool[s.page_table]
+    sender.release(s)
+    assert sender.cache.allocator.num_free == 16
+
+    adopted = decode_rank.add("x", prompt, params, page_table=reserved, num_cached=len(prompt), output_ids=s.output_ids)
+    while not adopted.finished:
+        decode_rank.decode([adopted])
+    assert adopted.output_ids == reference.output_ids
+
+
+@pytest.mark.parametrize(("prompt", "match"), [([], "empty prompt"), ([5, 10**6], "outside the vocabulary")])
+def test_bad_prompts_are_rejected(tiny_checkpoint, prompt, match):
+    runner = ModelRunner.from_dir(tiny_checkpoint(NAME), num_pages=4, page_size=4)
+    with pytest.raises(ValueError, match=match):
+        runner.add("a", prompt, GREEDY)
