@@ -104,7 +104,7 @@ def ceilings(iters: int) -> dict[str, float]:
 
 
 def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, weights: dict,
-             tile_m: int | None = None) -> dict:
+             tile_m: int | None = None, tile_n: int | None = None) -> dict:
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
     E = EXPERTS
@@ -121,11 +121,11 @@ def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, w
         x_ours, groups = x_bf16, offsets
     xq, xs = quantize_act(x_ours) if fp8 else (x_ours, None)
     out = torch.empty(*x_ours.shape[:-1], N, dtype=torch.bfloat16, device="cuda")
-    if tile_m is None:
+    if tile_m is None and tile_n is None:
         ours = lambda: gg.grouped_gemm(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, out=out)  # noqa: E731
     else:  # a forced tile bucket, through the launcher (inputs built above are valid by construction)
         ours = lambda: launch(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, row_weights=None,  # noqa: E731
-                              swiglu=False, out=out, tile_m=tile_m)
+                              swiglu=False, out=out, tile_m=tile_m, tile_n=tile_n)
     us = time_us(ours, iters)
     experts = [0, E - 1]
     rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
@@ -153,7 +153,7 @@ def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, w
             print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
             "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous",
-            "tile_m": tile_m or "auto"}
+            "tile_m": tile_m or "auto", "tile_n": tile_n or "auto"}
     record(BENCH, case, metrics, peers)
     peer = next(iter(peers.values()))
     return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
@@ -204,7 +204,7 @@ def make_weights(model: str) -> dict:
     return weights
 
 
-def case_list(quick: bool, probe_fp8_tile128: bool) -> list[tuple]:
+def case_list(quick: bool) -> list[tuple]:
     """(kind, model, proj, phase, tokens, fp8, tile_m) in run order, the most wanted first."""
     models = ["qwen3-30b"] if quick else ["qwen3-235b", "qwen3-30b"]
     cases = []
@@ -214,8 +214,6 @@ def case_list(quick: bool, probe_fp8_tile128: bool) -> list[tuple]:
             cases += [("gemm", model, proj, "decode", m, fp8, None) for m in DECODE_TOKENS for fp8 in (False, True)]
         cases += [("swiglu", model, "gate_up", phase, m, fp8, None)
                   for phase, m in (("decode", 16), ("prefill", 375)) for fp8 in (False, True)]
-    if probe_fp8_tile128:  # last: FP8 prefill with two consumer warpgroups (hung once: see bench notes)
-        cases.append(("gemm", models[-1], "gate_up", "prefill", 375, True, 128))
     return cases
 
 
@@ -225,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one model")
     ap.add_argument("--skip", default="", help="comma list of kind:model:proj:phase:tokens:dtype to leave out")
     ap.add_argument("--fp8-prefill-tile-m", type=int, default=None, help="force the FP8 prefill tile bucket")
-    ap.add_argument("--probe-fp8-tile128", action="store_true", help="end with one FP8 prefill case on 128-row tiles")
+    ap.add_argument("--bf16-prefill-tile-n", type=int, default=None, help="force the bf16 prefill tile width (128/256)")
+    ap.add_argument("--only", default="", help="comma list of case-name prefixes to run (default: all)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no case after this many seconds")
     ap.add_argument("--case-timeout-s", type=float, default=60.0, help="dump stacks and exit if one case hangs")
     args = ap.parse_args(argv)
@@ -244,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     del x
 
     skip = set(filter(None, args.skip.split(",")))
+    only = tuple(filter(None, args.only.split(",")))
     rows, weights, loaded = [], {}, None
-    for kind, model, proj, phase, m, fp8, tile_m in case_list(args.quick, args.probe_fp8_tile128):
+    for kind, model, proj, phase, m, fp8, tile_m in case_list(args.quick):
         name = f"{kind}:{model}:{proj}:{phase}:{m}:{'fp8' if fp8 else 'bf16'}"
-        if name in skip:
+        if name in skip or (only and not name.startswith(only)):
             continue
         if time.perf_counter() - t0 > args.deadline_s:
             print(f"deadline reached, not run: {name}", flush=True)
@@ -259,13 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         if fp8 and phase == "prefill" and kind == "gemm" and tile_m is None:
             tile_m = args.fp8_prefill_tile_m
         faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
+        tile_n = args.bf16_prefill_tile_n if (kind == "gemm" and phase == "prefill" and not fp8) else None
         if kind == "gemm":
-            row = run_case(model, proj, phase, m, fp8, args.iters, weights, tile_m)
+            row = run_case(model, proj, phase, m, fp8, args.iters, weights, tile_m, tile_n)
         else:
             row = run_swiglu_case(model, phase, m, fp8, args.iters, weights)
         faulthandler.cancel_dump_traceback_later()
         rows.append(row)
-        print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile_m={tile_m or 'auto'}: {row['latency_us']:.1f} us "
+        print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile={tile_m or 'auto'}x{tile_n or 'auto'}: {row['latency_us']:.1f} us "
               f"{row['tflops']:.0f} TFLOP/s {row.get('weight_tbps', float('nan')):.2f} TB/s "
               f"peer {row['peer_latency_us']:.1f} us err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
 

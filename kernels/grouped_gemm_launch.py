@@ -83,10 +83,11 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 
 def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
-           swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None) -> torch.Tensor:
+           swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
+           tile_n: int | None = None) -> torch.Tensor:
     """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``.
 
-    ``tile_m`` overrides the tile bucket (benchmarks compare buckets with it).
+    ``tile_m`` / ``tile_n`` override the tile bucket (benchmarks compare buckets with them).
     """
     E, N, K = w.shape
     fp8 = x_scale is not None
@@ -98,6 +99,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
                         num_sms=props.multi_processor_count)
     if tile_m is not None:
         cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=128 if tile_m == 64 else cfg.tile_n)
+    if tile_n is not None:
+        cfg = dataclasses.replace(cfg, tile_n=tile_n)
     if rows * cfg.out_n >= 2**31:  # the epilogue addresses output elements with 32-bit offsets
         raise ValueError(f"output of {rows} rows x {cfg.out_n} columns exceeds 2^31 elements per batch; split the call")
     out_shape = (*x.shape[:-1], cfg.out_n)
