@@ -40,9 +40,11 @@ class KVSender:
     """Sends ``heads`` of every layer of one request, layer group by layer group.
 
     Construct inside the running event loop; call ``on_layer_done(layer)`` after each
-    layer's KV is in ``kvcache`` (from any thread; on CUDA it records an event on the
-    caller's current stream, so the pack waits for that layer's kernels), or
-    ``mark_all_layers_done()`` when the KV is already computed, then ``await finish()``.
+    layer's KV is in ``kvcache`` (from any thread), or ``mark_all_layers_done()`` when the
+    KV is already computed, then ``await finish()``. On CUDA the layers are taken to be
+    computed in order on one stream (as a forward does): the call for the last layer of
+    each chunk records an event on the caller's current stream and the chunk's pack
+    waits for it.
     ``page_table`` lists the request's pages in the local cache, which holds exactly
     the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
     those pages untouched until ``finish()`` returns or raises. Chunks hold as many
@@ -80,7 +82,8 @@ class KVSender:
         self.staging = staging or StagingPool(largest, chunks_in_flight, kvcache.device)
         self._loop = asyncio.get_running_loop()
         self._layer_ready = [False] * layout.num_layers
-        self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers
+        self._group_events: dict[int, torch.cuda.Event] = {}  # last layer of a group -> its event
+        self._last_layers = {g.stop - 1 for g in self._groups}
         self._progress = asyncio.Event()
         self._sends: list[asyncio.Task[None]] = []
         self._in_flight = 0
@@ -104,10 +107,10 @@ class KVSender:
         """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks."""
         if not 0 <= layer < len(self._layer_ready):
             raise ValueError(f"layer {layer} outside 0..{len(self._layer_ready) - 1}")
-        if self._pack_stream is not None:
+        if self._pack_stream is not None and layer in self._last_layers:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._cache.device))
-            self._layer_events[layer] = event
+            self._group_events[layer] = event
         self._loop.call_soon_threadsafe(self._mark_ready, layer)
 
     def mark_all_layers_done(self) -> None:
@@ -162,7 +165,7 @@ class KVSender:
         return chunk_nbytes(len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
 
     async def _pack(self, group: range, buf: torch.Tensor) -> torch.cuda.Event | None:
-        """Pack ``group`` into ``buf``; on CUDA enqueue it on the pack stream behind the layers' events."""
+        """Pack ``group`` into ``buf``; on CUDA enqueue it on the pack stream behind the group's event."""
         layout = self._cache.layout
         out = chunk_view(buf, len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
         if self._pack_stream is None:
@@ -170,10 +173,7 @@ class KVSender:
             await asyncio.to_thread(pack_layers, self._cache, group, self._page_table, self._desc.num_tokens, out)
             return None
         with torch.cuda.stream(self._pack_stream):
-            for layer in group:
-                event = self._layer_events[layer]
-                if event is not None:
-                    self._pack_stream.wait_event(event)
+            self._pack_stream.wait_event(self._group_events[group.stop - 1])
             pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
             done = torch.cuda.Event()
             done.record(self._pack_stream)
