@@ -87,10 +87,9 @@ def _bench_rank(rank: int, world: int, max_bytes: int) -> list[dict]:
         cases = {
             "ours": lambda: comm(x, out=out),
             "ours_two_shot": lambda: comm(x, out=out, algorithm="two_shot"),
+            "ours_one_shot": lambda: comm(x, out=out, algorithm="one_shot"),
             "nccl": lambda: dist.all_reduce(nccl_buf),
         }
-        if nbytes <= 32 * MIB:
-            cases["ours_one_shot"] = lambda: comm(x, out=out, algorithm="one_shot")
         if has_symm_ops:
             cases["symm_two_shot"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(sx, "sum", group.group_name)
             if nbytes <= 32 * MIB:

@@ -10,7 +10,7 @@ separate launch so other work can overlap between them:
    receivers get a packed ``[E_local, capacity, H]`` layout with no local
    repacking (capacity = world * max_tokens: every token of every rank could pick
    the same expert). Payload: bf16, or FP8 E4M3 quantized on the fly with one fp32
-   scale per token per 128 channels (``scale = max(amax, 1e-12) / 448``). With each
+   scale per token per 128 channels (``scale = max(amax, 1e-12) * (1/448)``). With each
    row goes its origin ``(src rank << 24) | (token * topk + slot)``. The last CTA to
    finish raises this round's flag on every peer.
 2. `dispatch_recv`: wait for every peer's flag, publish ``expert_counts`` (rows of
@@ -65,6 +65,10 @@ from kernels._cute_comm import (
 
 FP8_GROUP = 128
 E4M3_MAX = 448.0
+# Scales are amax times the fp32 reciprocal of 448: torch on CUDA divides by a Python
+# scalar that way, so writing it as a multiplication gives the same bits on CPU, on
+# CUDA and in the kernel.
+INV_E4M3_MAX = 1.0 / E4M3_MAX
 AMAX_FLOOR = 1e-12
 SRC_RANK_SHIFT = 24
 THREADS = 256
@@ -83,10 +87,10 @@ class DispatchCombineError(ValueError):
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int = FP8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 values and fp32 scales ``[..., H / group]``: ``scale = max(amax, 1e-12) / 448``."""
+    """E4M3 values and fp32 scales ``[..., H / group]``: ``scale = max(amax, 1e-12) * (1/448)``."""
     h = x.shape[-1]
     g = x.float().reshape(*x.shape[:-1], h // group, group)
-    scales = g.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / E4M3_MAX
+    scales = g.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) * INV_E4M3_MAX
     q = (g / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(x.shape), scales.squeeze(-1)
 
@@ -207,61 +211,54 @@ def _dispatch_send_kernel(
     capacity: Int32, world: cutlass.Constexpr, rank: cutlass.Constexpr, num_local: cutlass.Constexpr,
     hidden: cutlass.Constexpr, topk: cutlass.Constexpr, fp8: cutlass.Constexpr,
 ):
+    # One CTA per (token, top-k slot): at decode batch sizes a CTA per token leaves
+    # too few stores in flight to fill NVLink.
     tid, _, _ = cute.arch.thread_idx()
-    t, _, _ = cute.arch.block_idx()
+    entry, _, _ = cute.arch.block_idx()
+    t = entry // topk
     epoch = read_epoch(ctrl)
     n = load_i32(num_tokens)
     psz = 1 if cutlass.const_expr(fp8) else 2
     groups = hidden // FP8_GROUP
     if t < n:
-        if tid < topk:
-            entry = Int64(t) * topk + tid
-            e = load_i32(topk_ids + entry * 4)
-            dst = e // num_local
-            le = e - dst * num_local
-            owner = peer_base(table, dst)
+        e = load_i32(topk_ids + Int64(entry) * 4)
+        dst = e // num_local
+        le = e - dst * num_local
+        owner = peer_base(table, dst)
+        if tid == 0:
             slot = cute.arch.atomic_add(
                 gptr(Int32, owner + counters_off + Int64(le) * 4, 4), Int32(1), sem="relaxed", scope="sys"
             )
-            store_i32(slot_of + entry * 4, slot)
+            store_i32(slot_of + Int64(entry) * 4, slot)
             # A slot past the capacity only happens with repeated experts in one token's
-            # top-k (invalid routing); drop the row rather than write out of bounds.
+            # top-k (invalid routing); the row is dropped rather than written out of bounds.
             if slot < capacity:
-                row = Int64(le) * capacity + slot
-                store_i32(owner + recv_src_off + row * 4, Int32((rank << SRC_RANK_SHIFT)) + Int32(entry))
+                store_i32(owner + recv_src_off + (Int64(le) * capacity + slot) * 4, Int32(rank << SRC_RANK_SHIFT) + entry)
         cute.arch.sync_threads()
-        rows = []  # (row base address in the owner's recv_x, its scales row, row is in bounds) per slot
-        for j in cutlass.range_constexpr(topk):
-            entry = Int64(t) * topk + j
-            e = load_i32(topk_ids + entry * 4)
-            dst = e // num_local
-            slot = load_i32(slot_of + entry * 4)
-            row = Int64(e - dst * num_local) * capacity + slot
-            owner = peer_base(table, dst)
-            rows.append((owner + recv_x_off + row * (hidden * psz), owner + recv_scales_off + row * (groups * 4), slot < capacity))
-        for h in cutlass.range_constexpr(0, hidden, THREADS * VEC):
-            # Whole 16-lane groups (128 channels) fall past `hidden` together, and every
-            # lane takes part in the shuffles; only the stores are guarded.
-            c = h + tid * VEC
-            v = load_vec_f32(x + (Int64(t) * hidden + c) * 2, BFloat16, VEC, hidden - c)
-            if cutlass.const_expr(fp8):
-                amax = Float32(0.0)
-                for i in cutlass.range_constexpr(VEC):
-                    amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
-                scale = cute.arch.fmax(_amax_16_lanes(amax), Float32(AMAX_FLOOR)) / Float32(E4M3_MAX)
-                q = cute.make_rmem_tensor((VEC,), Float32)
-                for i in cutlass.range_constexpr(VEC):
-                    q[i] = cute.arch.fmin(cute.arch.fmax(v[i] / scale, Float32(-E4M3_MAX)), Float32(E4M3_MAX))
-                if c < hidden:
-                    for j in cutlass.range_constexpr(topk):
-                        if rows[j][2]:
-                            store_vec_f32(rows[j][0] + c, q, cutlass.Float8E4M3FN, VEC, VEC, align=8)
-                            if tid % 16 == 0:
-                                cute.arch.store(gptr(Float32, rows[j][1] + Int64(c // FP8_GROUP) * 4, 4), scale)
-            elif c < hidden:
-                for j in cutlass.range_constexpr(topk):
-                    if rows[j][2]:
-                        store_vec_f32(rows[j][0] + c * 2, v, BFloat16, VEC, VEC)
+        slot = load_i32(slot_of + Int64(entry) * 4)
+        if slot < capacity:
+            row = Int64(le) * capacity + slot
+            dst_x = owner + recv_x_off + row * (hidden * psz)
+            dst_scales = owner + recv_scales_off + row * (groups * 4)
+            for h in cutlass.range_constexpr(0, hidden, THREADS * VEC):
+                # Whole 16-lane groups (128 channels) fall past `hidden` together, and every
+                # lane takes part in the shuffles; only the stores are guarded.
+                c = h + tid * VEC
+                v = load_vec_f32(x + (Int64(t) * hidden + c) * 2, BFloat16, VEC, hidden - c)
+                if cutlass.const_expr(fp8):
+                    amax = Float32(0.0)
+                    for i in cutlass.range_constexpr(VEC):
+                        amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
+                    scale = cute.arch.fmax(_amax_16_lanes(amax), Float32(AMAX_FLOOR)) * Float32(INV_E4M3_MAX)
+                    q = cute.make_rmem_tensor((VEC,), Float32)
+                    for i in cutlass.range_constexpr(VEC):
+                        q[i] = cute.arch.fmin(cute.arch.fmax(v[i] / scale, Float32(-E4M3_MAX)), Float32(E4M3_MAX))
+                    if c < hidden:
+                        store_vec_f32(dst_x + c, q, cutlass.Float8E4M3FN, VEC, VEC, align=8)
+                        if tid % 16 == 0:
+                            cute.arch.store(gptr(Float32, dst_scales + Int64(c // FP8_GROUP) * 4, 4), scale)
+                elif c < hidden:
+                    store_vec_f32(dst_x + c * 2, v, BFloat16, VEC, VEC)
     cute.arch.sync_threads()
     if tid == 0:
         if last_block_of_launch(ctrl, CTRL_DISPATCH_DONE) == 1:
@@ -353,7 +350,7 @@ def _launch_dispatch_send(
     _dispatch_send_kernel(
         x, topk_ids, num_tokens, slot_of, table, flags_off, counters_off, recv_x_off, recv_scales_off, recv_src_off,
         ctrl, capacity, world, rank, num_local, hidden, topk, fp8,
-    ).launch(grid=[max_tokens, 1, 1], block=[THREADS, 1, 1], stream=stream)
+    ).launch(grid=[max_tokens * topk, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
 @cute.jit

@@ -54,7 +54,8 @@ def _compare(ours, ref, out, ref_out, n: int, what: str) -> None:
     for le, c in enumerate(counts.tolist()):
         order = torch.argsort(src[le, :c])
         assert torch.equal(src[le, :c][order], r_src[le, :c]), f"{what}: expert {le} got other tokens"
-        assert torch.equal(recv_x[le, :c][order].view(torch.uint8), r_x[le, :c].view(torch.uint8)), f"{what}: expert {le} payload"
+        got, want = recv_x[le, :c][order].view(torch.uint8), r_x[le, :c].view(torch.uint8)
+        assert torch.equal(got, want), f"{what}: expert {le} payload: {(got != want).sum().item()} of {want.numel()} bytes differ"
         if recv_scales is not None:
             assert torch.equal(recv_scales[le, :c][order], r_scales[le, :c]), f"{what}: expert {le} scales"
     assert not out.isnan().any(), f"{what}: unwritten output"
