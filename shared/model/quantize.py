@@ -286,9 +286,11 @@ def _weight_files(src: Path) -> tuple[list[str], dict[str, Any] | None]:
 def _plan_file(path: Path, fmt: QuantFormat) -> list[tuple[str, str | None, list[_PlannedTensor]]]:
     """For each input tensor: its name, its family (None: kept) and the output tensors."""
     try:
+        headers: dict[str, tuple[str, list[int]]] = {}
         with safe_open(str(path), framework="pt") as handle:
-            headers = {name: handle.get_slice(name) for name in handle.keys()}
-            headers = {name: (s.get_dtype(), list(s.get_shape())) for name, s in headers.items()}
+            for name in handle.keys():
+                info = handle.get_slice(name)
+                headers[name] = (info.get_dtype(), list(info.get_shape()))
     except Exception as exc:  # safetensors raises SafetensorError / OSError variants
         raise QuantizeError(f"{path} is not a readable safetensors file: {exc}") from exc
     plan = []
