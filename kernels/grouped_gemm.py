@@ -27,6 +27,7 @@ Accumulation is fp32, outputs are bf16 (fp32 on the CPU reference path).
 from __future__ import annotations
 
 import math
+
 import torch
 
 from kernels.act_quant import QUANT_BLOCK
