@@ -38,6 +38,7 @@ from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError,
 log = structlog.get_logger(__name__)
 
 _ENDED_KEPT = 1024
+_ABANDONED_RECV_GRACE_S = 30.0
 
 
 class _State(enum.Enum):
@@ -64,6 +65,7 @@ class _Reservation:
     nbytes: int = 0
     chunks: int = 0
     first_header_at: float | None = None
+    error: TransferError | None = None  # why it ended, once cancelled / failed / expired
 
 
 class KVReceiver:
@@ -83,6 +85,7 @@ class KVReceiver:
         self._reservations: dict[str, _Reservation] = {}
         # Outcome of recently ended reservations, so a late wait_complete gets the real reason.
         self._ended: OrderedDict[str, TransferError] = OrderedDict()
+        self._reapers: set[asyncio.Future[None]] = set()  # slots waiting on abandoned receives
         layout = kvcache.layout
         self._layout = KVTransferLayout(layout.num_layers, layout.page_size, layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."))
 
@@ -154,8 +157,8 @@ class KVReceiver:
             pages = await asyncio.wait_for(asyncio.shield(res.done), timeout)
         except TimeoutError:
             raise TransferTimeout(request_id, f"KV not complete after {timeout:.3g}s ({int(res.landed.sum())}/{res.landed.size} layer-heads landed)") from None
-        if res.state is not _State.COMPLETE:  # the lease ended between completion and this call
-            raise LeaseExpired(request_id, "lease ended before the completed KV was claimed")
+        if res.error is not None:  # completed, then cancelled or expired before this call
+            raise res.error
         self._retire(res)
         return pages
 
@@ -172,11 +175,14 @@ class KVReceiver:
         return True
 
     async def close(self) -> None:
-        """Cancel every reservation and wait for its tasks (pages freed)."""
+        """Cancel every reservation and wait for its tasks (pages freed, staging returned)."""
         for res in list(self._reservations.values()):
             self._terminate(res, _State.CANCELLED, Cancelled(res.request_id, "receiver closed"))
             self._retire(res)
             await asyncio.gather(*res.tasks, return_exceptions=True)
+        for reaper in list(self._reapers):
+            reaper.cancel()
+        await asyncio.gather(*self._reapers, return_exceptions=True)
 
     # -- internals -------------------------------------------------------------------
 
@@ -228,9 +234,18 @@ class KVReceiver:
         return h
 
     async def _receive_chunk(self, res: _Reservation, h: ShardHeader) -> None:
-        buf = await self.staging.acquire(h.nbytes)
+        buf: torch.Tensor | None = await self.staging.acquire(h.nbytes)
+        recv = asyncio.ensure_future(self._worker.recv(data_tag(res.transfer_id, h.head_start, h.layer_start), ucx_buffer(buf)))
         try:
-            await self._worker.recv(data_tag(res.transfer_id, h.head_start, h.layer_start), ucx_buffer(buf))
+            try:
+                await asyncio.shield(recv)
+            except asyncio.CancelledError:
+                # The posted UCX receive still owns the slot: hand it back only once that
+                # receive is over, so a late chunk can never land in another request's slot.
+                self._reapers.add(reaper := asyncio.ensure_future(self._release_after(recv, buf)))
+                reaper.add_done_callback(self._reapers.discard)
+                buf = None
+                raise
             if res.state is not _State.RECEIVING:
                 return  # dropped while on the wire: its pages are gone, discard
             layers, heads = range(h.layer_start, h.layer_end), range(h.head_start, h.head_end)
@@ -241,12 +256,23 @@ class KVReceiver:
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"chunk receive failed: {e}"))
             return
         finally:
-            self.staging.release(buf)
+            if buf is not None:
+                self.staging.release(buf)
         res.landed[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
         res.nbytes += h.nbytes
         res.chunks += 1
         if res.landed.all():
             self._complete(res)
+
+    async def _release_after(self, recv: asyncio.Future[None], buf: torch.Tensor) -> None:
+        """Release a slot once its abandoned receive finished, or after a grace period
+        (senders stop at the lease deadline, so nothing arrives that late)."""
+        try:
+            await asyncio.wait_for(recv, _ABANDONED_RECV_GRACE_S)
+        except (TimeoutError, UCXError, asyncio.CancelledError):
+            pass
+        finally:
+            self.staging.release(buf)
 
     async def _drain_chunk(self, res: _Reservation, h: ShardHeader) -> None:
         """Receive a dropped request's chunk into a 1-byte sink: UCX completes the sender
@@ -269,6 +295,7 @@ class KVReceiver:
         if res.state not in (_State.RECEIVING, _State.COMPLETE):
             return
         res.state = state
+        res.error = error
         self._cache.allocator.free(res.page_ids)
         self.metrics.record_failure(error.cause)
         if not res.done.done():
@@ -295,8 +322,8 @@ class KVReceiver:
             task.cancel()
         if self._reservations.get(res.request_id) is res:
             del self._reservations[res.request_id]
-        if res.done.done() and not res.done.cancelled() and res.done.exception() is not None:
-            self._ended[res.request_id] = res.done.exception()  # type: ignore[assignment]
+        if res.error is not None:
+            self._ended[res.request_id] = res.error
             while len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
 

@@ -73,7 +73,9 @@ def pack_layers(cache: PagedKVCache, layers: range, page_table: torch.Tensor, nu
         paged = out[:, :, :, : full * ps].view(len(layers), 2, heads, full, ps, dim).permute(0, 3, 1, 2, 4, 5)
         torch.index_select(src, 1, page_table[:full], out=paged)
     if rem:
-        out[:, :, :, full * ps :].copy_(src[:, page_table[full], :, :, :rem])
+        # A 1-element index tensor (not page_table[full], a 0-d tensor that indexing would
+        # turn into a Python int with a device sync).
+        out[:, :, :, full * ps :].copy_(src[:, page_table[full : full + 1], :, :, :rem].squeeze(1))
 
 
 def scatter_layers(cache: PagedKVCache, layers: range, heads: range, page_table: torch.Tensor, num_tokens: int, chunk: torch.Tensor) -> None:
@@ -85,4 +87,4 @@ def scatter_layers(cache: PagedKVCache, layers: range, heads: range, page_table:
         paged = chunk[:, :, :, : full * ps].view(len(layers), 2, len(heads), full, ps, dim).permute(0, 3, 1, 2, 4, 5)
         dst.index_copy_(1, page_table[:full], paged)
     if rem:
-        dst[:, page_table[full], :, :, :rem] = chunk[:, :, :, full * ps :]
+        dst[:, page_table[full : full + 1], :, :, :rem] = chunk[:, :, :, full * ps :].unsqueeze(1)

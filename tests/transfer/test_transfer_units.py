@@ -16,7 +16,7 @@ from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
 from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
 from shared.transfer import KVHeadShard, KVReceiver, KVSender, LayoutMismatch, ProtocolError, StagingPool, TransferError, TransferRecord, TransferTimeout, TransferWorker, UnknownTransfer, kv_head_shard
 from shared.transfer.shard import chunk_nbytes, chunk_view, pack_layers, scatter_layers
-from shared.transfer.worker import decode_header, encode_header
+from shared.transfer.worker import data_tag, decode_header, encode_header, header_tag
 
 os.environ.setdefault("UCX_TLS", "tcp,self")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -178,6 +178,38 @@ def test_overlapping_shards_fail_the_request_with_protocol_error():
             assert all(s.staging.in_use_bytes == 0 for s in senders)
             # Chunks this small go eagerly (UCX buffers them), so senders may finish; either way typed.
             assert all(isinstance(o, (TransferRecord, TransferError)) for o in outcomes), outcomes
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
+def test_late_chunk_after_lease_end_lands_in_quarantined_staging_not_pages():
+    """A chunk announced before the lease ended but sent after it: its staging slot stays
+    out of the pool until UCX is done with it, and the freed pages are never written."""
+
+    async def main():
+        worker = await TransferWorker.create()
+        try:
+            cache = _cache(heads=4)
+            rx = KVReceiver(worker, cache, staging=StagingPool(1 << 20, 2))
+            desc = rx.reserve("late", 20, 0.3)
+            nbytes = chunk_nbytes(2, 4, 20, 8, torch.bfloat16)
+            header = ShardHeader("late", desc.transfer_id, 0, 4, 0, 2, 20, nbytes, "bfloat16")
+            await worker.send(worker.address, header_tag(desc.transfer_id), encode_header(header))
+            with pytest.raises(Exception) as e:
+                await rx.wait_complete("late", 5.0)
+            assert type(e.value).__name__ == "LeaseExpired" and rx.num_free_pages == 8
+            assert rx.staging.in_use_buffers == 1  # the abandoned receive still owns its slot
+            for pool in cache.pools:
+                pool.fill_(5.0)
+            await worker.send(worker.address, data_tag(desc.transfer_id, 0, 0), torch.ones(nbytes, dtype=torch.uint8).numpy())
+            for _ in range(100):
+                if rx.staging.in_use_buffers == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert rx.staging.in_use_buffers == 0
+            assert all(bool((pool == 5.0).all()) for pool in cache.pools)
         finally:
             worker.close()
 
