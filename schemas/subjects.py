@@ -43,7 +43,3 @@ def tokens_all(gateway: str) -> str:
 
 def heartbeat(role: str, instance: str, rank: int = 0) -> str:
     return f"{HEARTBEAT_PREFIX}.{role}.{instance}.{rank}"
-
-
-def heartbeats_of(role: str) -> str:
-    return f"{HEARTBEAT_PREFIX}.{role}.>"

@@ -88,6 +88,3 @@ class Registry:
         now = time.monotonic()
         live = [m for m in self.of_role("prefill") if m.suspect_until <= now]
         return min(live, key=lambda m: (m.queued_tokens, m.hb.instance), default=None)
-
-    def get(self, key: MemberKey) -> Member | None:
-        return self.members.get(key)
