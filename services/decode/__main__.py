@@ -23,6 +23,8 @@ log = get_logger(__name__)
 def run_rank(settings: DecodeSettings, rank: int, world: int, dist_port: int) -> None:
     configure_logging("decode", settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
     device = resolve_device(settings.device, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL object collectives use the current device
     prepare_rank_environment(device.split(":")[0], world)
     topology = Topology.decode(world, rank)
     comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
