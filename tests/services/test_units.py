@@ -136,3 +136,26 @@ def test_prefill_placement_fewest_queued_tokens_and_expiry():
     time.sleep(0.06)
     assert sorted(reg.expire()) == [("prefill", "p1", 0), ("prefill", "p2", 0)]
     assert reg.least_loaded_prefill() is None
+
+
+# ---------------------------------------------------------------- the wire contract
+
+
+def test_every_schema_struct_forbids_unknown_fields_and_schemas_import_only_msgspec():
+    import ast
+    import inspect
+
+    import msgspec
+
+    import schemas.api
+    import schemas.internal
+
+    structs = [obj for mod in (schemas.api, schemas.internal) for obj in vars(mod).values() if inspect.isclass(obj) and issubclass(obj, msgspec.Struct) and obj.__module__ == mod.__name__]
+    assert len(structs) > 15
+    for struct in structs:
+        assert struct.__struct_config__.forbid_unknown_fields, struct.__name__
+    for path in (REPO_ROOT / "schemas").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert all(n.split(".")[0] in ("msgspec", "schemas", "__future__", "typing") for n in names), (path, names)
