@@ -7,20 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from runtime_helpers import VOCAB
+from runtime_helpers import CONFIGS, VOCAB
 
 from shared.model.tiny import make_tiny
-
-
-# name -> make_tiny options. Together: GQA ratios 1/2/4/8, top-k 1/2/8, norm_topk_prob
-# on/off, tied/untied, sharded files, a dense layer inside a MoE model, a dense model.
-CONFIGS: dict[str, dict] = {
-    "gqa1_top1_norm_tied": dict(heads=4, kv_heads=4, experts=4, top_k=1, norm_topk_prob=True, tie=True),
-    "gqa2_top2_nonorm_sharded": dict(heads=4, kv_heads=2, experts=8, top_k=2, norm_topk_prob=False, max_shard_size="150KB"),
-    "gqa4_top8_norm": dict(heads=8, kv_heads=2, experts=8, top_k=8, norm_topk_prob=True),
-    "gqa8_top2_mlp_only_tied": dict(layers=3, heads=8, kv_heads=1, experts=8, top_k=2, norm_topk_prob=False, tie=True, mlp_only_layers=[1]),
-    "dense": dict(dense=True, heads=4, kv_heads=2),
-}
 
 
 @pytest.fixture(scope="session")

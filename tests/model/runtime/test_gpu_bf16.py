@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIGS
-from runtime_helpers import GPU, hf_model, random_prompts, rel_err
+from runtime_helpers import CONFIGS, GPU, hf_model, random_prompts, rel_err
 
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk

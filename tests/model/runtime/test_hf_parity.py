@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIGS
-from runtime_helpers import DEVICES, hf_model, random_prompts, rel_err
+from runtime_helpers import CONFIGS, DEVICES, hf_model, random_prompts, rel_err
 
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
