@@ -119,7 +119,12 @@ class Qwen3Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, on_layer_done: LayerCallback | None = None, all_logits: bool = False) -> torch.Tensor:
-        """Logits ``[B, V]`` at each sequence's last new token (``[T, V]`` with ``all_logits``)."""
+        """Logits ``[B, V]`` at each sequence's last new token (``[T, V]`` with ``all_logits``).
+
+        ``on_layer_done(i)`` is called once layer ``i`` (its K/V write included) has been
+        issued. On CUDA that means enqueued on the current stream, not finished: a KV
+        sender records an event on the stream there and waits on it before reading pages.
+        """
         c = self.config
         h = F.embedding(batch.token_ids, self.weights.embed)
         cos, sin = ops.rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, self.dtype)
