@@ -6,23 +6,26 @@ receiver reduce from its own HBM). Each CTA only ever synchronises with the CTA 
 the same index on the other ranks, because all ranks split the message the same
 way; no grid-wide barrier is needed.
 
-* one-shot: push the whole input to every peer's slot ``[parity][my rank]``, then
-  every rank sums all ``world`` slots. Streamed: each CTA's share goes in steps,
-  and step s-1 is reduced while step s is in flight (per-step flags), so the
-  local reduction hides behind NVLink. Traffic per rank: (world-1) x message; for
-  a small message one step, i.e. one flag round trip.
-* two-shot (large messages, more than two ranks): reduce-scatter then all-gather.
-  Slice p of the input goes to rank p's slot; rank p sums its slice, keeps it in
-  its result area and writes its own output; after a second barrier every rank
-  pulls the other slices. Traffic per rank: 2 (world-1)/world x message.
+* one-shot (small messages; up to 16 MiB for two ranks): push the whole input to
+  every peer's slot ``[parity][my rank]``, one barrier, then every rank sums all
+  ``world`` slots. Traffic per rank: (world-1) x message, latency: one barrier.
+* two-shot (large messages): reduce-scatter then all-gather. Slice p of the input
+  goes to rank p's slot; rank p sums its slice, keeps it in its result area and
+  writes its own output; after a second barrier every rank pulls the other
+  slices. Traffic per rank: 2 (world-1)/world x message.
+
+A streamed one-shot (per-CTA steps with a flag per step, pushing step s while
+reducing s-1) was tried and measured slower at every size on 2xH200 (commit
+b730c5da9ea3 in bench/results/allreduce.jsonl): the per-step system-scope fences
+cost more than the overlap gains.
 
 Identical bits on every rank: sums run in fp32 in rank order 0..world-1 (one-shot:
 each rank does the same arithmetic; two-shot: each slice is summed once and copied).
 
 Buffer reuse without a trailing barrier: the slot area is double-buffered by epoch
-parity. Before a rank writes slots of parity P in call k+1 it has waited in call k
-for flags that every peer raised in call k, so every peer's kernel of call k-1 (the
-last reader of parity P) has completed. The two-shot result area is rewritten only after call k+1's first
+parity. Before a rank writes slots of parity P in call k+1 it has passed call k's
+barrier with the peer, so the peer's kernel of call k-1 (the last reader of parity
+P) has completed. The two-shot result area is rewritten only after call k+1's first
 barrier, by when every peer has finished call k.
 
 Messages larger than the buffer run as several launches (chunks).
@@ -46,21 +49,14 @@ from kernels._cute_comm import (
     VEC_BYTES,
     cta_barrier,
     finish_launch,
-    load_i32,
     load_vec_f32,
     peer_base,
     read_epoch,
-    signal,
-    store_i32,
     store_vec_f32,
-    wait_at_least,
 )
 
 Algorithm = Literal["one_shot", "two_shot"]
 THREADS = 512
-UNROLL = 4  # vectors per thread per one-shot step
-ONE_SHOT_BLOCKS = 132  # one CTA per SM: every CTA stays resident while it waits on its peers
-TWO_SHOT_BLOCKS = 132
 _CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32, torch.float16: cutlass.Float16}
 SUPPORTED_DTYPES = tuple(_CUTE_DTYPES)
 
@@ -105,33 +101,11 @@ def _accumulate(acc, x, first: cutlass.Constexpr):
     return res
 
 
-@cute.jit
-def _reduce_vector(inp: Int64, out: Int64, my_slots: Int64, slot_bytes: Int64, v, n: Int32,
-                   dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr):
-    """out[v] = sum over ranks 0..world-1 of their vector v (mine from the input, the rest from my slots)."""
-    vec = _vec(dtype)
-    esz = dtype.width // 8
-    e0 = v * vec
-    acc = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)  # my part, used at q == rank
-    mine = acc
-    for q in cutlass.range_constexpr(world):
-        if cutlass.const_expr(q != rank):
-            x = load_vec_f32(my_slots + slot_bytes * q + Int64(e0) * esz, dtype, vec, vec)
-            acc = _accumulate(acc, x, q == 0)
-        elif cutlass.const_expr(q != 0):
-            acc = _accumulate(acc, mine, False)
-    store_vec_f32(out + Int64(e0) * esz, acc, dtype, vec, n - e0)
-
-
 @cute.kernel
 def _one_shot_kernel(
     inp: Int64, out: Int64, n: Int32, table: Int64, flags_off: Int64, slots_off: Int64, slot_bytes: Int64, ctrl: Int64,
-    block_seq: Int64, dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
 ):
-    # Streamed: the CTA's share is cut into steps of UNROLL vectors per thread; step s is
-    # pushed and flagged, then step s-1 is reduced once the peers have flagged it, so
-    # NVLink pushes overlap local reductions. Flags count steps per CTA (`block_seq`,
-    # the same on every rank because every rank runs the same calls).
     vec = _vec(dtype)
     esz = dtype.width // 8
     tid, _, _ = cute.arch.thread_idx()
@@ -141,35 +115,32 @@ def _one_shot_kernel(
     epoch = read_epoch(ctrl)
     parity_off = slots_off + Int64(epoch & 1) * world * slot_bytes
     bases = [peer_base(table, q) for q in range(world)]
-    my_slots = bases[rank] + parity_off
-    seq = load_i32(block_seq + Int64(bid) * 4)
     nvec = (n + vec - 1) // vec
-    per_step = nblk * nthr * UNROLL
-    steps = (nvec + per_step - 1) // per_step
-    flag_row = flags_off + Int64(bid * MAX_PEERS) * 4
-    for s in cutlass.range(0, steps + 1, 1):
-        if s < steps:
-            for u in cutlass.range_constexpr(UNROLL):
-                v = (s * nblk + bid) * (nthr * UNROLL) + u * nthr + tid
-                if v < nvec:
-                    e0 = v * vec
-                    x = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)
-                    for q in cutlass.range_constexpr(world):
-                        if cutlass.const_expr(q != rank):
-                            store_vec_f32(bases[q] + parity_off + slot_bytes * rank + Int64(e0) * esz, x, dtype, vec, vec)
-            cute.arch.sync_threads()
-            if tid < world and tid != rank:
-                signal(peer_base(table, tid) + flag_row + rank * 4, seq + s + 1)
-        if s > 0:
-            if tid < world and tid != rank:
-                wait_at_least(my_slots - parity_off + flag_row + Int64(tid) * 4, seq + s)
-            cute.arch.sync_threads()
-            for u in cutlass.range_constexpr(UNROLL):
-                v = ((s - 1) * nblk + bid) * (nthr * UNROLL) + u * nthr + tid
-                if v < nvec:
-                    _reduce_vector(inp, out, my_slots, slot_bytes, v, n, dtype, world, rank)
-    if tid == 0:
-        store_i32(block_seq + Int64(bid) * 4, seq + steps)
+    first = bid * nthr + tid
+    stride = nblk * nthr
+
+    for v in cutlass.range(first, nvec, stride):
+        e0 = v * vec
+        x = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)
+        for q in cutlass.range_constexpr(world):
+            if cutlass.const_expr(q != rank):
+                dst = bases[q] + parity_off + slot_bytes * rank + Int64(e0) * esz
+                store_vec_f32(dst, x, dtype, vec, vec)
+
+    cta_barrier(table, flags_off, rank, world, epoch * 2 + 1)
+
+    for v in cutlass.range(first, nvec, stride):
+        e0 = v * vec
+        acc = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)  # my part, used at q == rank
+        mine = acc
+        for q in cutlass.range_constexpr(world):
+            if cutlass.const_expr(q != rank):
+                x = load_vec_f32(bases[rank] + parity_off + slot_bytes * q + Int64(e0) * esz, dtype, vec, vec)
+                acc = _accumulate(acc, x, q == 0)
+            elif cutlass.const_expr(q != 0):
+                acc = _accumulate(acc, mine, False)
+        store_vec_f32(out + Int64(e0) * esz, acc, dtype, vec, n - e0)
+
     finish_launch(ctrl)
 
 
@@ -236,10 +207,9 @@ def _two_shot_kernel(
 @cute.jit
 def _launch_one_shot(
     inp: Int64, out: Int64, n: Int32, table: Int64, flags_off: Int64, slots_off: Int64, slot_bytes: Int64, ctrl: Int64,
-    block_seq: Int64, grid: Int32, stream: cuda_driver.CUstream,
-    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+    grid: Int32, stream: cuda_driver.CUstream, dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
 ):
-    _one_shot_kernel(inp, out, n, table, flags_off, slots_off, slot_bytes, ctrl, block_seq, dtype, world, rank).launch(
+    _one_shot_kernel(inp, out, n, table, flags_off, slots_off, slot_bytes, ctrl, dtype, world, rank).launch(
         grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
     )
 
@@ -262,7 +232,7 @@ def compile_one_shot(dtype: torch.dtype, world: int, rank: int):
 
     z = Int64(0)
     return cute.compile(
-        _launch_one_shot, z, z, Int32(0), z, z, z, z, z, z, Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], world, rank
+        _launch_one_shot, z, z, Int32(0), z, z, z, z, z, Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], world, rank
     )
 
 
@@ -282,10 +252,14 @@ def compile_two_shot(dtype: torch.dtype, world: int, rank: int):
 
 
 def default_one_shot_max_bytes(world: int) -> int:
-    """Largest message sent one-shot. Per rank one-shot moves (world-1) x the message
-    over NVLink and two-shot 2 (world-1)/world x: equal for two ranks, where the
-    streamed one-shot (no gather phase, fewer flag round trips) wins at every size."""
-    return 1 << 62 if world == 2 else 256 << 10
+    """Largest message sent one-shot.
+
+    Per rank, one-shot moves (world-1) x the message over NVLink and two-shot
+    2 (world-1)/world x: the same for two ranks, where one-shot (one barrier, no
+    gather phase) measured faster up to 16 MiB on 2xH200 (bench/results/allreduce.jsonl,
+    commit 3ccfd220dd44: 16 MiB 63.0 us vs 69.5 us) and two-shot faster above.
+    """
+    return 16 << 20 if world == 2 else 256 << 10
 
 
 class CudaAllReduce:
@@ -305,13 +279,11 @@ class CudaAllReduce:
         self.world = world
         self.slot_bytes = -(-slot_bytes // 256) * 256
         layout = RegionLayout()
-        layout.add("flags", MAX_BLOCKS * MAX_PEERS * 4)  # two-shot barriers (epoch-valued)
-        layout.add("step_flags", MAX_BLOCKS * MAX_PEERS * 4)  # one-shot steps (per-CTA step counts)
+        layout.add("flags", MAX_BLOCKS * MAX_PEERS * 4)
         layout.add("slots", 2 * world * self.slot_bytes)
         layout.add("results", self.slot_bytes)
         self.mem = PeerMemory(group, layout)
         self.rank = self.mem.rank
-        self.block_seq = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=self.mem.device)
         self.one_shot_max_bytes = default_one_shot_max_bytes(world) if one_shot_max_bytes is None else one_shot_max_bytes
 
     def warmup(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
@@ -349,14 +321,14 @@ class CudaAllReduce:
             n = min(chunk, x.numel() - start)
             src, dst = flat_in[start].data_ptr(), flat_out[start].data_ptr()
             if algo == "one_shot":
-                grid = min(-(-n // (vec * THREADS * UNROLL)), ONE_SHOT_BLOCKS)
+                grid = min(-(-n // (vec * THREADS)), MAX_BLOCKS)
                 compile_one_shot(x.dtype, self.world, self.rank)(
-                    src, dst, n, mem.peer_table.data_ptr(), mem.layout["step_flags"], mem.layout["slots"], self.slot_bytes,
-                    mem.control.data_ptr(), self.block_seq.data_ptr(), grid, stream,
+                    src, dst, n, mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"], self.slot_bytes,
+                    mem.control.data_ptr(), grid, stream,
                 )
             else:
                 slice_elems = -(-(-(-n // self.world)) // vec) * vec
-                grid = min(-(-slice_elems // (vec * THREADS)), TWO_SHOT_BLOCKS)
+                grid = min(-(-slice_elems // (vec * THREADS)), MAX_BLOCKS)
                 compile_two_shot(x.dtype, self.world, self.rank)(
                     src, dst, n, slice_elems, mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"],
                     self.slot_bytes, mem.layout["results"], mem.control.data_ptr(), grid, stream,
