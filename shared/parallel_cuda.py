@@ -2,8 +2,8 @@
 
 * ``all_reduce`` runs our NVLink all-reduce (`kernels.allreduce.CudaAllReduce`:
   one-shot / two-shot, fp32 accumulation in rank order, identical bits on every
-  rank, CUDA-graph safe). Tensors it cannot take (dtype other than bf16/fp16/fp32,
-  non-contiguous or misaligned views) go to NCCL.
+  rank, CUDA-graph safe). Strided or misaligned views are reduced through an
+  aligned copy; dtypes other than bf16/fp16/fp32 go to NCCL.
 * ``ep_dispatch`` / ``ep_combine`` keep the NCCL path of `TorchCollectives`: their
   contract (token-granular rows, receive sizes known on the host) does not fit the
   peer-memory kernels, which use fixed-size buffers and a per-expert masked
@@ -37,9 +37,15 @@ class CudaCollectives(TorchCollectives):
         """Sum ``x`` over the TP group in place; returns ``x``."""
         if self._all_reduce is None:
             return x
-        if x.dtype not in SUPPORTED_DTYPES or not x.is_contiguous() or x.data_ptr() % 16 or not x.is_cuda:
+        if x.dtype not in SUPPORTED_DTYPES or not x.is_cuda:
             return super().all_reduce(x)
-        return self._all_reduce(x, out=x)
+        if x.is_contiguous() and x.data_ptr() % 16 == 0:
+            return self._all_reduce(x, out=x)
+        # Strided or misaligned views go through a fresh (aligned, contiguous) copy.
+        staged = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        staged.copy_(x)
+        self._all_reduce(staged, out=staged)
+        return x.copy_(staged)
 
     def dispatch_combine(self, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16") -> DispatchCombine:
         """Peer-memory DP-EP dispatch/combine buffers for the decode layout (collective)."""
