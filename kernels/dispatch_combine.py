@@ -48,7 +48,6 @@ import torch.distributed as dist
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from kernels._cute_comm import (
-    CTRL_WORDS,
     MAX_PEERS,
     finish_launch,
     gptr,
@@ -74,7 +73,7 @@ SRC_RANK_SHIFT = 24
 THREADS = 256
 VEC = 8  # bf16 elements per thread access (16 bytes)
 COMBINE_SEND_SPLIT = 8  # CTAs per local expert in combine_send
-CTRL_DISPATCH_DONE = 2
+CTRL_DISPATCH_DONE = 2  # control words 0 and 1 are the epoch and finish_launch's counter
 CTRL_COMBINE_DONE = 3
 PAYLOADS = ("bf16", "fp8")
 
