@@ -170,7 +170,13 @@ class KVSender:
         out = chunk_view(buf, len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
         if self._pack_stream is None:
             # Memory-bound copy that releases the GIL: keep the event loop (and UCX completions) running.
-            await asyncio.to_thread(pack_layers, self._cache, group, self._page_table, self._desc.num_tokens, out)
+            pack = asyncio.ensure_future(asyncio.to_thread(pack_layers, self._cache, group, self._page_table, self._desc.num_tokens, out))
+            try:
+                await asyncio.shield(pack)
+            except BaseException:
+                await asyncio.wait([pack])  # the thread still writes into the slot: let it finish first
+                self.staging.release(buf)
+                raise
             return None
         with torch.cuda.stream(self._pack_stream):
             self._pack_stream.wait_event(self._group_events[group.stop - 1])
@@ -202,6 +208,8 @@ class KVSender:
             self._in_flight -= 1
             self._nbytes += buf.numel()
         finally:
+            if pack_done is not None:
+                pack_done.synchronize()  # a cancelled chunk's pack may still be writing into the slot
             self.staging.release(buf)
 
     async def _abort_sends(self) -> None:

@@ -179,8 +179,11 @@ def test_prefill_killed_reservation_expires_and_pages_return(ctx, decode):
     finally:
         victim.stop()
     outcome = decode.call("wait", cache="h4", request_id="dead-prefill", timeout=10.0)
-    assert outcome["elapsed_s"] < 3.0, outcome  # ended by the lease, not by the wait timeout
-    assert not outcome["ok"] and outcome["error"] == "LeaseExpired", outcome
+    assert outcome["elapsed_s"] < 3.0, outcome  # ended by the lease (or sooner), not by the wait timeout
+    # Killed between chunks, only the lease can tell; killed with a chunk on the wire, UCX
+    # reports the reset connection first. Either way the request fails and its pages return.
+    assert not outcome["ok"] and outcome["error"] in ("LeaseExpired", "PeerFailed"), outcome
     after = decode.call("status", cache="h4")
     assert after["free_pages"] == before["free_pages"] and after["reservations"] == 0 and after["staging_in_use"] == 0
-    assert after["metrics"]["failures"].get("lease_expired", 0) == before["metrics"]["failures"].get("lease_expired", 0) + 1
+    cause = {"LeaseExpired": "lease_expired", "PeerFailed": "peer_failed"}[outcome["error"]]
+    assert after["metrics"]["failures"].get(cause, 0) == before["metrics"]["failures"].get(cause, 0) + 1
