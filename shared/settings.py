@@ -59,6 +59,7 @@ class GatewaySettings(ServiceSettings, kw_only=True):
     max_timeout_ms: int = 600_000
     max_in_flight: int = 4096  # requests beyond this get `overloaded` at once
     stage_expiry_s: float = 2.0  # a decode rank silent this long fails its requests
+    submit_timeout_s: float = 10.0  # a scheduler answers within its bounded wait; silence beyond this = gone
 
 
 class SchedulerSettings(ServiceSettings, kw_only=True):

@@ -194,7 +194,7 @@ class DecodeRank:
         with bind_request(request_id=job.request_id):
             res = self.reserved.get(job.request_id)
             if res is None:
-                await self._send_error(job.gateway, job.request_id, "internal", "no KV reservation for this request (expired or cancelled)")
+                await self._send_error(job.gateway, job.request_id, "unavailable", "no KV reservation for this request (its lease ended or it was cancelled)")
                 return
             res.starting = True
             try:

@@ -241,11 +241,13 @@ class Gateway:
     async def _submit(self, flight: Flight, deadline: Deadline) -> Placement:
         job = flight.admitted.job
         try:
-            ack = await self.bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=deadline.timeout())
+            ack = await self.bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=deadline.timeout(cap=self.settings.submit_timeout_s))
         except NoResponders as e:
             raise Failed("unavailable", "no scheduler is running") from e
         except BusError as e:
-            raise Failed("timeout", f"scheduler did not answer before the deadline: {e}") from e
+            if deadline.expired:
+                raise Failed("timeout", "deadline passed while waiting for the scheduler") from e
+            raise Failed("unavailable", f"the scheduler did not answer: {e}") from e
         if ack.placement is None:
             raise Failed(ack.error_code or "internal", ack.error_message)
         now = time.monotonic()
