@@ -126,9 +126,9 @@ def run_scheduler_bench(total: int, concurrency: int, decode_ranks: int) -> dict
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
     nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env_cmd = [sys.executable, "-m", "services.cli", "scheduler", "--nats-url", url, "--set", "model_name=bench", "--set", "log_level=warning", "--set", "max_queued=100000"]
+    command = [sys.executable, "-m", "services.cli", "scheduler", "--nats-url", url, "--set", "model_name=bench", "--set", "log_level=warning", "--set", "max_queued=100000"]
     time.sleep(0.3)
-    scheduler = subprocess.Popen(env_cmd)
+    scheduler = subprocess.Popen(command)
     try:
         time.sleep(1.5)
         return asyncio.run(placements(url, total, concurrency, decode_ranks))
