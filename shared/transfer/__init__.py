@@ -1,33 +1,42 @@
 """TransferEngine: moves a request's KV from prefill TP ranks into a decode rank's pages over UCX.
 
-One ``TransferWorker`` per rank (``await TransferWorker.create()`` inside the rank's
-event loop; transports from ``UCX_*`` env, e.g. ``UCX_TLS=tcp,self`` on CPU).
+One ``TransferWorker`` per rank: ``worker = await TransferWorker.create(progress_mode=None)``
+inside the rank's event loop (transports from ``UCX_*`` env, e.g. ``UCX_TLS=tcp,self`` on
+CPU; ``progress_mode`` "thread" (default) or "thread-polling"). Every call below runs on
+that loop, except ``KVSender.on_layer_done``, which any thread may call.
 
 Decode rank::
 
-    receiver = KVReceiver(worker, kvcache, staging=StagingPool(slot_bytes, num_slots, device))
-    desc = receiver.reserve(request_id, num_tokens, lease_s)   # -> KVTransferDescriptor; OutOfPages
-    # ... desc travels in KVReservation (NATS) to the scheduler and the prefill instance ...
-    page_ids = await receiver.wait_complete(request_id, timeout)   # caller now owns the pages
+    receiver = KVReceiver(worker, kvcache, staging=StagingPool(64 << 20, 4, device))  # staging optional
+    desc = receiver.reserve(request_id, num_tokens, lease_s)   # -> KVTransferDescriptor (msgspec)
+    #   raises OutOfPages (nothing allocated), ValueError (duplicate id, bad args, one layer
+    #   of the request larger than a staging slot)
+    # ... desc travels inside KVReservation (NATS) to the prefill instance ...
+    page_ids = await receiver.wait_complete(request_id, timeout)   # now the caller owns the pages
     #   raises TransferTimeout (reservation kept), LeaseExpired, PeerFailed, ProtocolError,
-    #   Cancelled, UnknownTransfer
-    receiver.cancel(request_id)      # drop: pages freed now, in-flight chunks drained
-    receiver.metrics.snapshot()      # for heartbeats; receiver.num_free_pages, receiver.staging
+    #   Cancelled (also to a late waiter: the last 1024 outcomes are kept), UnknownTransfer
+    receiver.cancel(request_id) -> bool  # pages freed now; chunks still on the wire are drained
+    await receiver.close()
+    receiver.metrics.snapshot()          # heartbeat dict: completed, bytes, GB/s, failures by cause
+    receiver.num_free_pages, receiver.num_reservations, receiver.staging.in_use_bytes
 
-Prefill TP rank (each rank that ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
+Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
 
-    staging = StagingPool(256 << 20, 4, device)        # once per rank, shared by its senders
+    staging = StagingPool(256 << 20, 4, device)   # once per rank, shared by its senders
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
                       timeout_s=30.0, chunk_bytes=256 << 20, staging=staging)
-    model.forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
-    record = await sender.finish()   # TransferRecord(bytes, wall_s, gbps); raises TransferTimeout,
-                                     # PeerFailed, Cancelled; staging freed on every path
-    sender.cancel()
+    forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
+    record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, .gbps)
+    #   raises TransferTimeout (sender timeout or the reservation's lease, whichever is first),
+    #   PeerFailed (decode rank died / endpoint error), Cancelled (sender.cancel()); the
+    #   staging is released on every path. Keep the local pages until finish() returns.
 
 The decode side completes a request when every (layer, KV head) cell has landed once,
 whatever the prefill TP size; page sizes may differ between the two sides (the packed
-chunk is token-contiguous per head). See ``worker`` for the wire protocol and ``shard``
-for the staging format. Scatter/gather are torch ops on CPU and CUDA alike.
+chunk is token-contiguous per head). Modules: ``worker`` (UCX worker, endpoint cache,
+tag protocol), ``shard`` (head mapping, pack/scatter), ``staging`` (slot arenas),
+``receiver``, ``sender``, ``metrics``, ``errors``. Pack and scatter are torch ops (one
+gather/scatter per layer group) on CPU and on CUDA alike; there is no dedicated kernel.
 """
 
 from shared.transfer.errors import Cancelled, LayoutMismatch, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
