@@ -17,8 +17,9 @@ requests still reading the staging memory) and dropped from the cache.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 import torch
@@ -81,6 +82,7 @@ class KVSender:
         largest = max(chunk_nbytes(len(g), heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype) for g in self._groups)
         self.staging = staging or StagingPool(largest, chunks_in_flight, kvcache.device)
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._layer_ready = [False] * layout.num_layers
         self._group_events: dict[int, torch.cuda.Event] = {}  # last layer of a group -> its event
         self._last_layers = {g.stop - 1 for g in self._groups}
@@ -111,11 +113,16 @@ class KVSender:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._cache.device))
             self._group_events[layer] = event
-        self._loop.call_soon_threadsafe(self._mark_ready, layer)
+        self._schedule(self._mark_ready, layer)
 
     def mark_all_layers_done(self) -> None:
-        for layer in range(len(self._layer_ready)):
-            self.on_layer_done(layer)
+        """Every layer's KV is written (or queued on the caller's current CUDA stream)."""
+        if self._pack_stream is not None:
+            for layer in self._last_layers:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self._cache.device))
+                self._group_events[layer] = event
+        self._schedule(self._mark_ready, *range(len(self._layer_ready)))
 
     async def finish(self) -> TransferRecord:
         """Wait until every chunk is sent; typed errors as in the module docstring."""
@@ -132,8 +139,16 @@ class KVSender:
 
     # -- internals -------------------------------------------------------------------
 
-    def _mark_ready(self, layer: int) -> None:
-        self._layer_ready[layer] = True
+    def _schedule(self, callback: Callable[..., None], *args: int) -> None:
+        """Run ``callback`` on the event loop: directly from its own thread (no wake-up write)."""
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(callback, *args)
+        else:
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _mark_ready(self, *layers: int) -> None:
+        for layer in layers:
+            self._layer_ready[layer] = True
         self._progress.set()
 
     async def _run(self) -> TransferRecord:

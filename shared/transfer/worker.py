@@ -75,6 +75,7 @@ class TransferWorker:
 
     def __init__(self, ctx: ApplicationContext) -> None:
         self._ctx = ctx
+        self._address = bytes(ctx.worker_address.tobytes())  # asking UCX each time costs ~1 ms
         self._endpoints: dict[bytes, Endpoint] = {}
         self._connecting: dict[bytes, asyncio.Lock] = {}
         self._transfer_ids = itertools.count(1)
@@ -93,7 +94,7 @@ class TransferWorker:
     @property
     def address(self) -> bytes:
         """This worker's UCX address, for peers to connect to (goes into the descriptor)."""
-        return bytes(self._ctx.worker_address.tobytes())
+        return self._address
 
     def new_transfer_id(self) -> int:
         """A transfer id unique on this worker (it scopes the tags of one reservation)."""
