@@ -43,9 +43,9 @@ class KVSender:
     Construct inside the running event loop; call ``on_layer_done(layer)`` after each
     layer's KV is in ``kvcache`` (from any thread), or ``mark_all_layers_done()`` when the
     KV is already computed, then ``await finish()``. On CUDA the layers are taken to be
-    computed in order on one stream (as a forward does): the call for the last layer of
-    each chunk records an event on the caller's current stream and the chunk's pack
-    waits for it.
+    computed on one stream (as a forward does): the call that completes a chunk's layer
+    group records an event on the caller's current stream and the chunk's pack waits
+    for it.
     ``page_table`` lists the request's pages in the local cache, which holds exactly
     the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
     those pages untouched until ``finish()`` returns or raises. Chunks hold as many
@@ -83,9 +83,10 @@ class KVSender:
         self.staging = staging or StagingPool(largest, chunks_in_flight, kvcache.device)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._layer_ready = [False] * layout.num_layers
-        self._group_events: dict[int, torch.cuda.Event] = {}  # last layer of a group -> its event
-        self._last_layers = {g.stop - 1 for g in self._groups}
+        self._layer_done = [False] * layout.num_layers  # written by the forward's thread
+        self._group_of = [index for index, group in enumerate(self._groups) for _ in group]
+        self._group_ready = [False] * len(self._groups)  # written on the event loop
+        self._group_events: dict[int, torch.cuda.Event] = {}
         self._progress = asyncio.Event()
         self._sends: list[asyncio.Task[None]] = []
         self._in_flight = 0
@@ -106,23 +107,24 @@ class KVSender:
         return list(self._groups)
 
     def on_layer_done(self, layer: int) -> None:
-        """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks."""
-        if not 0 <= layer < len(self._layer_ready):
-            raise ValueError(f"layer {layer} outside 0..{len(self._layer_ready) - 1}")
-        if self._pack_stream is not None and layer in self._last_layers:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._cache.device))
-            self._group_events[layer] = event
-        self._schedule(self._mark_ready, layer)
+        """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks.
+
+        The event loop is only woken when the layer completes its chunk's group.
+        """
+        if not 0 <= layer < len(self._layer_done):
+            raise ValueError(f"layer {layer} outside 0..{len(self._layer_done) - 1}")
+        self._layer_done[layer] = True  # a list store is atomic under the GIL
+        index = self._group_of[layer]
+        if all(self._layer_done[i] for i in self._groups[index]):
+            self._record_group_event(index)
+            self._schedule(self._mark_groups_ready, index)
 
     def mark_all_layers_done(self) -> None:
         """Every layer's KV is written (or queued on the caller's current CUDA stream)."""
-        if self._pack_stream is not None:
-            for layer in self._last_layers:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self._cache.device))
-                self._group_events[layer] = event
-        self._schedule(self._mark_ready, *range(len(self._layer_ready)))
+        self._layer_done[:] = [True] * len(self._layer_done)
+        for index in range(len(self._groups)):
+            self._record_group_event(index)
+        self._schedule(self._mark_groups_ready, *range(len(self._groups)))
 
     async def finish(self) -> TransferRecord:
         """Wait until every chunk is sent; typed errors as in the module docstring."""
@@ -146,17 +148,24 @@ class KVSender:
         else:
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _mark_ready(self, *layers: int) -> None:
-        for layer in layers:
-            self._layer_ready[layer] = True
+    def _record_group_event(self, index: int) -> None:
+        """On CUDA, mark the caller's stream position: the group's pack waits for it."""
+        if self._pack_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._cache.device))
+            self._group_events[index] = event
+
+    def _mark_groups_ready(self, *indices: int) -> None:
+        for index in indices:
+            self._group_ready[index] = True
         self._progress.set()
 
     async def _run(self) -> TransferRecord:
         rid = self.request_id
         try:
             async with asyncio.timeout_at(self._deadline):
-                for group in self._groups:
-                    while not all(self._layer_ready[layer] for layer in group):
+                for index, group in enumerate(self._groups):
+                    while not self._group_ready[index]:
                         self._progress.clear()
                         await self._progress.wait()
                     buf = await self.staging.acquire(self._nbytes_of(group))
@@ -194,7 +203,7 @@ class KVSender:
                 raise
             return None
         with torch.cuda.stream(self._pack_stream):
-            self._pack_stream.wait_event(self._group_events[group.stop - 1])
+            self._pack_stream.wait_event(self._group_events[self._group_of[group.start]])
             pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
             done = torch.cuda.Event()
             done.record(self._pack_stream)

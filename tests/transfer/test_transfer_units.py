@@ -214,3 +214,39 @@ def test_late_chunk_after_lease_end_lands_in_quarantined_staging_not_pages():
             worker.close()
 
     asyncio.run(main())
+
+
+def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly():
+    """on_layer_done from a worker thread (as a forward in asyncio.to_thread) in reverse order."""
+
+    async def main():
+        worker = await TransferWorker.create()
+        try:
+            layers, heads, tokens, dim = 6, 2, 21, 8
+            ref = torch.randn(layers, 2, heads, tokens, dim).to(torch.bfloat16)
+            decode = PagedKVCache(KVLayout(layers, 8, heads, 4, dim, torch.bfloat16))
+            rx = KVReceiver(worker, decode, staging=StagingPool(1 << 20, 2))
+            desc = rx.reserve("ooo", tokens, 5.0)
+            local = PagedKVCache(KVLayout(layers, 8, heads, 8, dim, torch.bfloat16))
+            table = [5, 0, 3]
+            pages, offsets = local.slots(torch.tensor(table), torch.arange(tokens))
+            for layer in range(layers):
+                local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
+            sender = KVSender(worker, local, desc, table, kv_head_shard(0, 1, heads), timeout_s=5.0, chunk_bytes=2 * chunk_nbytes(1, heads, tokens, dim, torch.bfloat16))
+            assert len(sender.layer_groups) == 3
+
+            def forward() -> None:
+                for layer in reversed(range(layers)):
+                    sender.on_layer_done(layer)
+
+            await asyncio.to_thread(forward)
+            record = await sender.finish()
+            assert record.chunks == 3 and record.nbytes == chunk_nbytes(layers, heads, tokens, dim, torch.bfloat16)
+            got = torch.tensor(await rx.wait_complete("ooo", 5.0))
+            for layer in range(layers):
+                k, v = decode.read(layer, got, tokens)
+                assert torch.equal(k, ref[layer, 0]) and torch.equal(v, ref[layer, 1])
+        finally:
+            worker.close()
+
+    asyncio.run(main())
