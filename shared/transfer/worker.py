@@ -129,7 +129,8 @@ class TransferWorker:
         await self._ctx.recv(buf, tag)
 
     def close(self) -> None:
-        """Abort all endpoints and stop the worker's progress thread."""
+        """Abort all endpoints and stop ucxx's notifier thread; the progress thread ends with
+        the worker object (ucxx finalizer) or the process."""
         for address in list(self._endpoints):
             self.evict(address)
         self._ctx.stop_notifier_thread()
