@@ -40,7 +40,7 @@ import yaml
 
 from schemas import subjects
 from schemas.internal import Heartbeat
-from services.ranks import free_port
+from services.ranks import die_with_parent, free_port
 from shared.bus import connect, unpack
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -148,6 +148,10 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     return target
 
 
+def _drain_when_launcher_dies() -> None:
+    die_with_parent(signal.SIGTERM)  # a killed `moebus up` (or test run) leaves no stack behind
+
+
 @dataclass
 class Replica:
     service: str
@@ -185,7 +189,7 @@ class LocalStack:
 
     def start_nats(self) -> None:
         log = open(self.log_dir / "nats-server.log", "ab")
-        self.nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_drain_when_launcher_dies)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.nats.poll() is not None:
@@ -220,6 +224,7 @@ class LocalStack:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # our signals, not the terminal's, stop it
+            preexec_fn=_drain_when_launcher_dies,
         )
         replica = Replica(service, spec.role, index, instance, proc, log_path)
         self.replicas.append(replica)

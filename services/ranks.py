@@ -61,16 +61,17 @@ def prepare_rank_environment(device: str, world: int) -> None:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
-def _die_with_parent() -> None:
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: receive `sig` when the parent process dies (PR_SET_PDEATHSIG); no-op elsewhere."""
     if sys.platform == "linux":
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:
             os._exit(1)  # the parent died before prctl took effect
 
 
 def _rank_entry(rank_main: RankMain, settings: Any, rank: int, world: int, port: int) -> None:
-    _die_with_parent()
+    die_with_parent()
     rank_main(settings, rank, world, port)
 
 
