@@ -87,6 +87,7 @@ class DecodeRank:
             if drain_deadline is not None and drain_deadline.expired:
                 await self._fail_all("unavailable", "decode rank shut down before the request finished")
             want_exit = self.draining and not self.running and not self.reserved
+            self.work.clear()  # before the snapshot: a start arriving after it wakes the idle wait
             batch = list(self.running.values())
             result = await asyncio.to_thread(self.lockstep.step, [r.seq for r in batch], want_exit)
             if result.state is GroupState.EXIT:
@@ -96,7 +97,6 @@ class DecodeRank:
                 # see, so poll, backing off while idle (CPU) and restarting fast after work.
                 idle_polls += 1
                 idle_s = min(self.settings.idle_poll_ms, 2.0 ** min(idle_polls, 8)) / 1000 if self.lockstep.world > 1 else 0.25
-                self.work.clear()
                 try:
                     await asyncio.wait_for(self.work.wait(), idle_s)
                 except TimeoutError:
