@@ -61,14 +61,14 @@ from kernels._cute_comm import (
     store_vec_f32,
     wait_at_least,
 )
+from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, quantize_act_reference
 
-FP8_GROUP = 128
-E4M3_MAX = 448.0
-# Scales are amax times the fp32 reciprocal of 448: torch on CUDA divides by a Python
-# scalar that way, so writing it as a multiplication gives the same bits on CPU, on
-# CUDA and in the kernel.
-INV_E4M3_MAX = 1.0 / E4M3_MAX
-AMAX_FLOOR = 1e-12
+# The FP8 payload is the activation format of kernels.act_quant (one scale per token
+# per 128 channels, amax * fl(1/448)); its reference is that module's.
+FP8_GROUP = QUANT_BLOCK
+E4M3_MAX = FP8_MAX
+INV_E4M3_MAX = INV_FP8_MAX
+quantize_per_token_group = quantize_act_reference
 SRC_RANK_SHIFT = 24
 THREADS = 256
 VEC = 8  # bf16 elements per thread access (16 bytes)
@@ -83,15 +83,6 @@ class DispatchCombineError(ValueError):
 
 
 # --------------------------------------------------------------------------- references
-
-
-def quantize_per_token_group(x: torch.Tensor, group: int = FP8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 values and fp32 scales ``[..., H / group]``: ``scale = max(amax, 1e-12) * (1/448)``."""
-    h = x.shape[-1]
-    g = x.float().reshape(*x.shape[:-1], h // group, group)
-    scales = g.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) * INV_E4M3_MAX
-    q = (g / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(x.shape), scales.squeeze(-1)
 
 
 class DispatchCombineReference:

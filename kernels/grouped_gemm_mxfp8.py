@@ -22,37 +22,41 @@ import torch
 from kernels import grouped_gemm as gg
 
 MX_BLOCK = 32
-E4M3_EMAX = 8  # largest E4M3 normal is 1.75 * 2^8 = 448
+E4M3_EMAX = 8  # exponent of E4M3's largest normal: 448 = 1.75 * 2^8 (OCP MX "emax_elem")
 E8M0_BIAS = 127
 FP8_MAX = 448.0
 
 
-def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w[..., K]`` -> (E4M3 ``[..., K]``, E8M0 scales uint8 ``[..., ceil(K/32)]``).
+def quantize_mxfp8(w: torch.Tensor, block_size: int = MX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w[..., K]`` -> (E4M3 ``[..., K]``, E8M0 scales uint8 ``[..., ceil(K/block_size)]``).
 
-    Per 32-element block: ``scale = 2^(floor(log2(amax)) - 8)`` (OCP MX rule for
-    E4M3), values ``clamp(w / scale, ±448)`` rounded to E4M3.  All-zero blocks
-    get the smallest scale.
+    Per block: ``scale = 2^(floor(log2(amax)) - 8)`` (OCP MX rule for E4M3),
+    values ``clamp(w / scale, ±448)`` rounded to E4M3 (scaled values up to 512
+    saturate, as the spec prescribes).  floor(log2(amax)) is read exactly from
+    the float's exponent (frexp), so no device's log2 rounding can move a block
+    to the next scale.  All-zero blocks get the smallest scale.  This is the one
+    definition of the format (``shared.model.quant_formats`` wraps it).
     """
     K = w.shape[-1]
-    kb = math.ceil(K / MX_BLOCK)
-    wp = torch.nn.functional.pad(w.float(), (0, kb * MX_BLOCK - K)).view(*w.shape[:-1], kb, MX_BLOCK)
-    amax = wp.abs().amax(dim=-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0**-126))), torch.full_like(amax, -E8M0_BIAS))
-    exp = (exp - E4M3_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
-    q = (wp / torch.exp2(exp)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    scale = (exp + E8M0_BIAS).to(torch.uint8)
-    return q.view(*w.shape[:-1], kb * MX_BLOCK)[..., :K].contiguous(), scale
+    kb = math.ceil(K / block_size)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * block_size - K)).view(*w.shape[:-1], kb, block_size)
+    amax = wp.abs().amax(dim=-1, keepdim=True)
+    _, exponent = torch.frexp(amax)  # amax = m * 2^e with 0.5 <= m < 1
+    floor_log2 = torch.where(amax > 0, exponent - 1, -E8M0_BIAS - E4M3_EMAX)
+    shared_exp = (floor_log2 - E4M3_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS).float()
+    q = (wp / torch.exp2(shared_exp)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = (shared_exp + E8M0_BIAS).squeeze(-1).to(torch.uint8)
+    return q.view(*w.shape[:-1], kb * block_size)[..., :K].contiguous(), scale.contiguous()
 
 
-def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """E4M3 ``[..., K]`` times ``2^(scale - 127)`` per 32 along K, as ``dtype``."""
+def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                     block_size: int = MX_BLOCK) -> torch.Tensor:
+    """E4M3 ``[..., K]`` times ``2^(scale - 127)`` per ``block_size`` along K, as ``dtype``."""
     K = q.shape[-1]
-    if scale.dtype != torch.uint8 or scale.shape != (*q.shape[:-1], math.ceil(K / MX_BLOCK)):
-        raise gg.GroupedGemmError(
-            f"MXFP8 scales must be uint8 {(*q.shape[:-1], math.ceil(K / MX_BLOCK))}, got {scale.dtype} {tuple(scale.shape)}"
-        )
-    factor = torch.exp2(scale.float() - E8M0_BIAS).repeat_interleave(MX_BLOCK, dim=-1)[..., :K]
+    expected = (*q.shape[:-1], math.ceil(K / block_size))
+    if scale.dtype != torch.uint8 or tuple(scale.shape) != expected:
+        raise gg.GroupedGemmError(f"MXFP8 scales must be uint8 {expected}, got {scale.dtype} {tuple(scale.shape)}")
+    factor = torch.exp2(scale.float() - E8M0_BIAS).repeat_interleave(block_size, dim=-1)[..., :K]
     return (q.float() * factor).to(dtype)
 
 

@@ -5,7 +5,7 @@ All three store values as E4M3 (``torch.float8_e4m3fn``, largest finite 448) nex
 to one scale per block of values; they differ in the block shape and the scale type:
 
 * **Block FP8** (Qwen / DeepSeek checkpoints): one fp32 ``scale_inv`` per 128x128
-  block of a weight ``[N, K]``. ``scale_inv = amax(block) / 448`` and the real
+  block of a weight ``[N, K]``. ``scale_inv = amax(block) * fl(1/448)`` and the real
   weight is ``w_fp8 * scale_inv`` (the name says it is the inverse of the factor
   that was multiplied in at quantization time).
 * **MXFP8** (OCP Microscaling spec v1.0): one E8M0 scale (a bare power of two,
@@ -13,8 +13,8 @@ to one scale per block of values; they differ in the block shape and the scale t
   along K. The shared exponent is ``floor(log2(amax)) - 8``, 8 being the exponent
   of E4M3's largest normal (448 = 1.75 * 2^8); scaled values up to 512 can then
   exceed 448 and are saturated to it, as the spec prescribes.
-* **Activations**: one fp32 scale per token per 128 channels, ``amax / 448``, the
-  layout the FP8 GEMMs of DeepSeek-V3 / DeepGEMM consume next to block weights.
+* **Activations**: one fp32 scale per token per 128 channels, ``amax * fl(1/448)``,
+  the layout the FP8 GEMMs of DeepSeek-V3 / DeepGEMM consume next to block weights.
 
 Shapes that are not multiples of the block are handled by treating the missing
 part of the last block as zeros (the scale covers only the values that exist).
@@ -27,21 +27,21 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import grouped_gemm_mxfp8 as _mx
+from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, quantize_act_reference
+from kernels.grouped_gemm_mxfp8 import E8M0_BIAS, MX_BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-# exponent of E4M3's largest normal value: 448 = 1.75 * 2**8 (OCP MX spec "emax_elem")
-E4M3_EMAX = 8
-E8M0_BIAS = 127
-MX_BLOCK = 32
+E4M3_MAX = FP8_MAX
 WEIGHT_BLOCK = (128, 128)
-ACT_GROUP = 128
-# Scales are amax * fl(1/448) rather than amax / 448: CUDA turns a division by a
-# scalar into a multiplication by its reciprocal, so writing the multiplication
-# makes CPU and GPU produce bit-identical scales (and hence identical FP8 bytes).
-_INV_E4M3_MAX = 1.0 / E4M3_MAX
-# An all-zero block would give scale 0 and 0/0 on quantization; flooring amax keeps
-# the scale positive and still maps such a block to exact zeros.
-_AMAX_FLOOR = 1e-12
+ACT_GROUP = QUANT_BLOCK
+# The arithmetic of MXFP8 and of the activation format is defined once, in kernels/
+# (kernels.grouped_gemm_mxfp8, kernels.act_quant); this module adds the typed
+# containers and checks. Block-FP8 weight scales follow the same rule as activation
+# scales: max(amax, AMAX_FLOOR) * fl(1/448), identical bits on every device.
+
+# Activations per token per 128 channels: the kernels' reference, under its historical name here.
+quantize_act_per_token_group = quantize_act_reference
 
 
 class QuantFormatError(ValueError):
@@ -124,8 +124,8 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -
     padded = _pad_to_multiple(_pad_to_multiple(w.float(), -2, bn), -1, bk)
     nb, kb = padded.shape[-2] // bn, padded.shape[-1] // bk
     tiles = padded.reshape(*lead, nb, bn, kb, bk)
-    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_AMAX_FLOOR)
-    scale_inv = amax * _INV_E4M3_MAX
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=AMAX_FLOOR)
+    scale_inv = amax * INV_FP8_MAX
     q = _to_e4m3(tiles / scale_inv).reshape(padded.shape)[..., :n, :k]
     return BlockFp8Weight(
         weight=q.contiguous(),
@@ -189,22 +189,12 @@ def check_mxfp8(weight: torch.Tensor, scale_e8m0: torch.Tensor, block_size: int 
 
 
 def quantize_mxfp8(w: torch.Tensor, block_size: int = MX_BLOCK) -> Mxfp8Weight:
-    """Quantize ``[..., K]`` to E4M3 with a power-of-two scale per ``block_size`` values."""
-    if w.dim() < 1:
-        raise QuantFormatError("MXFP8 quantization needs at least a 1-D tensor")
-    k = w.shape[-1]
-    padded = _pad_to_multiple(w.float(), -1, block_size)
-    blocks = padded.reshape(*padded.shape[:-1], -1, block_size)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    # floor(log2(amax)) read exactly from the float's exponent (frexp: amax = m * 2**e,
-    # 0.5 <= m < 1), so no device's log2 rounding can move a block to the next scale.
-    # An all-zero block gets the smallest scale.
-    _, exponent = torch.frexp(amax)
-    floor_log2 = torch.where(amax > 0, exponent - 1, -E8M0_BIAS - E4M3_EMAX)
-    shared_exp = (floor_log2 - E4M3_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS).float()
-    q = _to_e4m3(blocks / torch.exp2(shared_exp)).reshape(padded.shape)[..., :k]
-    scale = (shared_exp + E8M0_BIAS).squeeze(-1).to(torch.uint8)
-    return Mxfp8Weight(weight=q.contiguous(), scale_e8m0=scale.contiguous(), block_size=block_size)
+    """Quantize ``[..., K]`` to E4M3 with a power-of-two scale per ``block_size`` values
+    (the rule of `kernels.grouped_gemm_mxfp8.quantize_mxfp8`)."""
+    if w.dim() < 1 or block_size <= 0:
+        raise QuantFormatError(f"MXFP8 quantization needs at least a 1-D tensor and block_size > 0, got {block_size}")
+    weight, scale = _mx.quantize_mxfp8(w, block_size)
+    return Mxfp8Weight(weight=weight, scale_e8m0=scale, block_size=block_size)
 
 
 def e8m0_to_float(scale_e8m0: torch.Tensor) -> torch.Tensor:
@@ -217,30 +207,10 @@ def dequantize_mxfp8(
 ) -> torch.Tensor:
     """``weight * 2**(e - 127)`` per block of ``block_size`` values, as fp32."""
     check_mxfp8(weight, scale_e8m0, block_size)
-    k = weight.shape[-1]
-    scales = e8m0_to_float(scale_e8m0).repeat_interleave(block_size, dim=-1)[..., :k]
-    return weight.float() * scales
+    return _mx.dequantize_mxfp8(weight, scale_e8m0, torch.float32, block_size)
 
 
 # --------------------------------------------------------------------------- activations
-
-
-def quantize_act_per_token_group(
-    x: torch.Tensor, group: int = ACT_GROUP
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize activations ``[..., K]`` per token per ``group`` channels.
-
-    Returns ``(x_fp8 [..., K], scales fp32 [..., ceil(K/group)])`` with
-    ``x ~= x_fp8 * scales`` broadcast over each group (``scales = amax / 448``).
-    """
-    if x.dim() < 1 or group <= 0:
-        raise QuantFormatError(f"activation quantization needs a >= 1-D tensor and group > 0, got {group}")
-    k = x.shape[-1]
-    padded = _pad_to_multiple(x.float(), -1, group)
-    groups = padded.reshape(*padded.shape[:-1], -1, group)
-    scales = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_AMAX_FLOOR) * _INV_E4M3_MAX
-    q = _to_e4m3(groups / scales).reshape(padded.shape)[..., :k]
-    return q.contiguous(), scales.squeeze(-1).contiguous()
 
 
 def dequantize_act_per_token_group(

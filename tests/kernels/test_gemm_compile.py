@@ -16,7 +16,8 @@ import torch
 
 from kernels import grouped_gemm as gg
 from kernels import grouped_gemm_sm90 as sm90
-from kernels.act_quant import FP8_MAX, QUANT_BLOCK, compiled_quantizer, quantize_act, quantize_act_reference
+from kernels.act_quant import FP8_MAX, QUANT_BLOCK, quantize_act, quantize_act_reference
+from kernels.act_quant_sm90 import compiled_quantizer
 
 FP8 = torch.float8_e4m3fn
 

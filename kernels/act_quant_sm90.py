@@ -1,0 +1,103 @@
+"""CuTeDSL kernel of :func:`kernels.act_quant.quantize_act` (CUDA tensors only).
+
+One warp per (row, 128-channel block), four channels per lane, a shuffle
+max-reduction; the scale and rounding follow :func:`kernels.act_quant.quantize_act_reference`
+(``max(amax, floor) * fl(1/448)``, so scales match it bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK
+
+WARPS_PER_CTA = 8
+
+
+class ActQuantKernel:
+    """One warp per (row, 128-channel block); each lane owns four channels."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.k_blocks = math.ceil(k / QUANT_BLOCK)
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, rows: cutlass.Int32,
+                 stream: cuda.CUstream):
+        K, kb = self.k, self.k_blocks
+        mX = cute.make_tensor(x_ptr, cute.make_layout((rows, K), stride=(K, 1)))
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, K), stride=(K, 1)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((rows, kb), stride=(kb, 1)))
+        blocks = (rows * kb + WARPS_PER_CTA - 1) // WARPS_PER_CTA
+        self.kernel(mX, mQ, mS, rows).launch(grid=[blocks, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, rows: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        pair = bidx * WARPS_PER_CTA + tidx // 32
+        if pair < rows * self.k_blocks:
+            row = pair // self.k_blocks
+            block = pair - row * self.k_blocks
+            col0 = block * QUANT_BLOCK + lane * 4
+            vals = cute.make_rmem_tensor((4,), cutlass.Float32)
+            amax = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(4):
+                v = cutlass.Float32(0.0)
+                if col0 + j < self.k:
+                    v = mX[(row, col0 + j)].to(cutlass.Float32)
+                vals[j] = v
+                amax = cute.arch.fmax(amax, cute.math.absf(v))
+            amax = cute.arch.warp_reduction_max(amax)
+            scale = cute.arch.fmax(amax, cutlass.Float32(AMAX_FLOOR)) * cutlass.Float32(INV_FP8_MAX)
+            for j in cutlass.range_constexpr(4):
+                if col0 + j < self.k:
+                    y = vals[j] / scale
+                    y = cute.arch.fmin(cute.arch.fmax(y, cutlass.Float32(-FP8_MAX)), cutlass.Float32(FP8_MAX))
+                    mQ[(row, col0 + j)] = y.to(cutlass.Float8E4M3FN)
+            if lane == 0:
+                mS[(row, block)] = scale
+
+
+_GMEM = cute.AddressSpace.gmem
+_COMPILED: dict[int, object] = {}
+
+
+def compiled_quantizer(k: int):
+    """Compiled quantizer for rows of ``k`` channels (cached; compiles without a GPU under CUTE_DSL_ARCH)."""
+    if k not in _COMPILED:
+        _COMPILED[k] = cute.compile(
+            ActQuantKernel(k),
+            make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=2),
+            make_ptr(cutlass.Float8E4M3FN, 0, _GMEM, assumed_align=1),
+            make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=4),
+            cutlass.Int32(0),
+            make_fake_stream(),
+        )
+    return _COMPILED[k]
+
+
+def quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize contiguous bf16 CUDA ``x[..., K]`` on the current stream (checked by the caller)."""
+    K = x.shape[-1]
+    kb = math.ceil(K / QUANT_BLOCK)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(*x.shape[:-1], kb, dtype=torch.float32, device=x.device)
+    rows = x.numel() // K
+    if rows == 0:
+        return q, scale
+    compiled_quantizer(K)(
+        make_ptr(cutlass.BFloat16, x.data_ptr(), _GMEM, assumed_align=2),
+        make_ptr(cutlass.Float8E4M3FN, q.data_ptr(), _GMEM, assumed_align=1),
+        make_ptr(cutlass.Float32, scale.data_ptr(), _GMEM, assumed_align=4),
+        cutlass.Int32(rows),
+        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream),
+    )
+    return q, scale
