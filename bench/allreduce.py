@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from bench.timing import capture_graph, event_time_us
 from kernels._local_group import run_local_group
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -39,27 +40,13 @@ def _ops_for(nbytes: int) -> int:
 
 def _time_graph(fn, ops: int, reps: int = 7) -> float:
     """Median per-op microseconds of ``ops`` calls of ``fn`` captured in one graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the graph (first-use setup, compilation)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(ops):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_graph(fn, ops, warmup=True)
     times = []
     for _ in range(reps + 1):
         dist.barrier()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / ops)
-    return statistics.median(times[1:])
+        times.append(event_time_us(graph.replay) / ops)
+    return statistics.median(times[1:])  # the first replay pays one-time costs
 
 
 def _bench_rank(rank: int, world: int, max_bytes: int) -> list[dict]:

@@ -23,36 +23,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from bench.timing import capture_graph, ranks_time_us
 from kernels._local_group import run_local_group
 
 HIDDEN, EXPERTS, TOPK = 4096, 128, 8
 TOKENS = (1, 32, 128, 256)
-
-
-def _events_time(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
-def _capture(fn, repeat: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(repeat):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return graph
 
 
 def _bench_rank(rank: int, world: int) -> list[dict]:
@@ -85,9 +60,9 @@ def _bench_rank(rank: int, world: int) -> list[dict]:
 
             round_()
             rounds = 20
-            full = _capture(round_, rounds)
-            row[f"ours_{payload}_round_us"] = _events_time(full.replay, reps=10) / rounds
-            g_dispatch, g_combine = _capture(dispatch, 1), _capture(combine, 1)
+            full = capture_graph(round_, rounds)
+            row[f"ours_{payload}_round_us"] = ranks_time_us(full.replay, reps=10) / rounds
+            g_dispatch, g_combine = capture_graph(dispatch, 1), capture_graph(combine, 1)
             d_times, c_times = [], []
             for _ in range(30):
                 dist.barrier()
@@ -110,12 +85,12 @@ def _bench_rank(rank: int, world: int) -> list[dict]:
         ref = DispatchCombineReference(dist.group.WORLD, EXPERTS, tokens, HIDDEN, TOPK)
         recv = ref.dispatch(x, ids, n)
         y_ref = torch.randn(recv[0].shape, device="cuda").bfloat16()
-        row["ref_dispatch_us"] = _events_time(lambda: ref.dispatch(x, ids, n))
-        row["ref_combine_us"] = _events_time(lambda: ref.combine(y_ref, recv[2], recv[3], w, n))
+        row["ref_dispatch_us"] = ranks_time_us(lambda: ref.dispatch(x, ids, n), reps=20)
+        row["ref_combine_us"] = ranks_time_us(lambda: ref.combine(y_ref, recv[2], recv[3], w, n), reps=20)
         a2a_in = torch.randn(tokens * TOPK * HIDDEN, device="cuda").bfloat16()
         a2a_out = torch.empty_like(a2a_in)
-        graph = _capture(lambda: dist.all_to_all_single(a2a_out, a2a_in), 10)
-        row["nccl_a2a_only_us"] = _events_time(graph.replay, reps=10) / 10
+        graph = capture_graph(lambda: dist.all_to_all_single(a2a_out, a2a_in), 10)
+        row["nccl_a2a_only_us"] = ranks_time_us(graph.replay, reps=10) / 10
         rows.append(row)
     return rows
 

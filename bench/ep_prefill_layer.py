@@ -17,33 +17,17 @@ outputs are compared before timing.
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench.timing import capture_graph, ranks_time_us
 from kernels._local_group import run_local_group
 
 TOKENS, HIDDEN, EXPERTS, TOPK, INTER = 6000, 4096, 128, 8, 1536
 ALIGN = 16  # group starts on 16-row boundaries for the grouped GEMM
-
-
-def _time(fn, reps: int = 10) -> float:
-    """Median microseconds of ``fn`` (eager, between CUDA events, ranks in step)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def _bench_rank(rank: int, world: int) -> dict:
@@ -89,26 +73,20 @@ def _bench_rank(rank: int, world: int) -> dict:
     y = experts(sel.rows, sel.offsets)
     partial = ep.ep_combine(y, sel.row_of, w)
     stages = {
-        "select_us": _time(lambda: ep.ep_select(x, ids, start, num_local, ALIGN)),
-        "expert_gemms_us": _time(lambda: experts(sel.rows, sel.offsets)),
-        "combine_us": _time(lambda: ep.ep_combine(y, sel.row_of, w)),
-        "allreduce_us": _time(lambda: comm(partial, out=torch.empty_like(partial))),
-        "ref_select_us": _time(lambda: ep.ep_select_reference(x, ids, start, num_local, ALIGN)),
-        "ref_combine_us": _time(lambda: ep.ep_combine_reference(y, sel.row_of, w)),
-        "nccl_allreduce_us": _time(lambda: dist.all_reduce(partial.clone())),
+        "select_us": ranks_time_us(lambda: ep.ep_select(x, ids, start, num_local, ALIGN)),
+        "expert_gemms_us": ranks_time_us(lambda: experts(sel.rows, sel.offsets)),
+        "combine_us": ranks_time_us(lambda: ep.ep_combine(y, sel.row_of, w)),
+        "allreduce_us": ranks_time_us(lambda: comm(partial, out=torch.empty_like(partial))),
+        "ref_select_us": ranks_time_us(lambda: ep.ep_select_reference(x, ids, start, num_local, ALIGN)),
+        "ref_combine_us": ranks_time_us(lambda: ep.ep_combine_reference(y, sel.row_of, w)),
+        "nccl_allreduce_us": ranks_time_us(lambda: dist.all_reduce(partial.clone())),
     }
-    layer_eager = _time(ours)
-    ref_eager = _time(reference)
+    layer_eager = ranks_time_us(ours)
+    ref_eager = ranks_time_us(reference)
 
     ops = 4
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(ops):
-            ours()
-    torch.cuda.current_stream().wait_stream(stream)
-    layer_graph = _time(graph.replay) / ops
+    graph = capture_graph(ours, ops)
+    layer_graph = ranks_time_us(graph.replay) / ops
     rows_local = int(sel.counts.sum())
     return {"rel_err": rel_err, "layer_eager_us": layer_eager, "layer_graph_us": layer_graph, "ref_eager_us": ref_eager, "rows": rows_local, **stages}
 

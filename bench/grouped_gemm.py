@@ -33,6 +33,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
 
 from bench.results import print_table, record
+from bench.timing import event_time_us
 from kernels import grouped_gemm as gg
 from kernels.act_quant import quantize_act
 from kernels.grouped_gemm_launch import launch
@@ -55,14 +56,7 @@ def time_us(fn, iters: int) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    samples = [event_time_us(graph.replay) / iters for _ in range(7)]
     del graph
     return statistics.median(samples)
 

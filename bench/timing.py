@@ -1,0 +1,54 @@
+"""CUDA timing pieces the GPU benchmarks share: CUDA events around a call, graphs of many calls.
+
+Multi-rank benchmarks put every rank in step (barrier + synchronize) before each
+sample, so that one rank's time does not include waiting for a late peer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def event_time_us(fn: Callable[[], object]) -> float:
+    """Microseconds of one call of ``fn`` between two CUDA events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def ranks_time_us(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median microseconds of ``fn`` over ``reps`` eager calls after one warm-up call, ranks in step."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        times.append(event_time_us(fn))
+    return statistics.median(times)
+
+
+def capture_graph(fn: Callable[[], object], repeat: int, warmup: bool = False) -> torch.cuda.CUDAGraph:
+    """``repeat`` calls of ``fn`` captured in one CUDA graph on a side stream.
+
+    ``warmup``: call ``fn`` once on that stream first (first-use setup, compilation),
+    outside the graph.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    if warmup:
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(repeat):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
