@@ -1,12 +1,15 @@
-"""The model's operators as small, separate torch reference functions.
+"""The model's operators as small, separate functions.
 
-Each function is one op a GPU kernel will replace (``kernels/`` picks the
-implementation by device later): RMSNorm, RoPE, linear (plain or FP8
-block-scaled), paged attention, router top-k, MoE experts, dense SwiGLU MLP.
-Numerics follow transformers' Qwen3-MoE code, so that fp32 results agree with it
-to rounding: norms in fp32 and cast back before the weight, router probabilities
-in fp32 then cast to the activation dtype. Attention runs in fp32 internally (as
-SDPA / flash kernels accumulate) and rounds only its output.
+RMSNorm, RoPE, linear (plain or FP8 block-scaled), paged attention, router
+top-k, MoE experts, dense SwiGLU MLP. The torch reference ops follow
+transformers' Qwen3-MoE code, so that fp32 results agree with it to rounding:
+norms in fp32 and cast back before the weight, router probabilities in fp32 then
+cast to the activation dtype. Attention runs in fp32 internally (as SDPA / flash
+kernels accumulate) and rounds only its output.
+
+Where a model runs the kernels (`kernels.ops.use_kernels`, decided once when the
+model is built): `moe_experts` takes the grouped-GEMM path of `kernels.moe` for
+experts prepared as `FusedGateUp`, and attention is `paged_attention_sdpa`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.moe import grouped_moe
 from shared.kvcache import PagedKVCache
 from shared.model.quant_formats import BlockFp8Weight
-from shared.model.weights import Linear
+from shared.model.weights import FusedGateUp, Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,17 +88,50 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     group = hq // hkv
     # Scores, softmax and the weighted sum in fp32 whatever the dtype, as fused
     # (flash) attention kernels accumulate; only the output is rounded to q's dtype.
-    qp = q.new_zeros((b, meta.max_q, hq, d), dtype=torch.float32)
-    qp[meta.token_seq, meta.token_idx] = q.float()
-    qp = qp.view(b, meta.max_q, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qmax, D]
+    qp = _padded_queries(q.float(), meta).view(b, meta.max_q, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, g, Qmax, D]
     scores = torch.matmul(qp, k.float()[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, g, Qmax, Lmax]
-    query_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_q, device=q.device)[None, :]
-    key_pos = torch.arange(lmax, device=q.device)
-    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Qmax, Lmax]
+    visible = _visible_keys(meta, lmax)  # [B, Qmax, Lmax]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float()[:, :, None])  # [B, Hkv, g, Qmax, D]
     out = out.permute(0, 3, 1, 2, 4).reshape(b, meta.max_q, hq, d).to(q.dtype)
     return out[meta.token_seq, meta.token_idx]
+
+
+def paged_attention_sdpa(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`paged_attention` through torch's fused SDPA kernel, in q's dtype (the GPU path).
+
+    The query heads sharing a KV head are folded into the query rows
+    (``[B, Hkv, g * Qmax, D]``), so it is plain multi-head attention with a mask,
+    which SDPA's memory-efficient kernel takes (no K/V copy per query head).
+    """
+    t, hq, d = q.shape
+    if meta.num_seqs == 0:
+        return q.new_zeros((t, hq, d))
+    k, v = cache.gather(layer, meta.page_tables)  # [B, Hkv, Lmax, D]
+    b, hkv, lmax, _ = k.shape
+    group, max_q = hq // hkv, meta.max_q
+    qp = _padded_queries(q, meta).view(b, max_q, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * max_q, d)
+    visible = _visible_keys(meta, lmax)[:, None, None].expand(b, 1, group, max_q, lmax).reshape(b, 1, group * max_q, lmax)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=visible, scale=scale)  # [B, Hkv, g * Qmax, D]
+    out = out.view(b, hkv, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(b, max_q, hq, d)
+    return out[meta.token_seq, meta.token_idx]
+
+
+def _padded_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """``q [T, Hq, D]`` scattered to ``[B, Qmax, Hq, D]`` (zeros where a sequence has fewer queries)."""
+    qp = q.new_zeros((meta.num_seqs, meta.max_q, *q.shape[1:]))
+    qp[meta.token_seq, meta.token_idx] = q
+    return qp
+
+
+def _visible_keys(meta: AttentionMetadata, lmax: int) -> torch.Tensor:
+    """``[B, Qmax, Lmax]``: key ``j`` is visible to query ``i`` of sequence ``b`` (causal, after the cached prefix).
+
+    Every query row sees at least key 0, so no softmax row is empty.
+    """
+    device = meta.context_lens.device
+    query_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_q, device=device)[None, :]
+    return torch.arange(lmax, device=device)[None, None, :] <= query_pos[:, :, None]
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,13 +150,19 @@ def _expert(w: Linear, e: int) -> Linear:
     return w[e]
 
 
-def moe_experts(x: torch.Tensor, w13: Linear, w2: Linear, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_start: int) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, w13: Linear | FusedGateUp, w2: Linear, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_start: int) -> torch.Tensor:
     """Weighted sum of this rank's experts ``[expert_start, expert_start + E_local)`` per token.
 
     Routing entries that name another rank's expert contribute nothing here; their
-    owner adds them (all-reduce in prefill, combine in decode). The weighted sum is
-    accumulated in fp32 and rounded once, as a fused grouped-GEMM epilogue would.
+    owner adds them (all-reduce in prefill, combine in decode). Experts prepared for
+    the kernels (``w13`` a `FusedGateUp`) run `kernels.moe.grouped_moe`; plain ones
+    the reference below, which accumulates the weighted sum in fp32 and rounds once,
+    as the grouped path's combine does.
     """
+    if isinstance(w13, FusedGateUp):
+        fp8 = isinstance(w2, BlockFp8Weight)
+        return grouped_moe(x, w13.weight, w2.weight if fp8 else w2, topk_ids, topk_weights, expert_start,
+                           w13_scale=w13.scale, w2_scale=w2.scale_inv.float() if fp8 else None)
     out = torch.zeros_like(x, dtype=torch.float32)
     local = topk_ids - expert_start
     hit = (local >= 0) & (local < w13.shape[0])

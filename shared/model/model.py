@@ -9,6 +9,10 @@ Communication goes through `shared.parallel.Collectives`: an all-reduce after
 ``o_proj`` and after dense MLPs under TP, and for MoE layers either a local
 combine + all-reduce (prefill layout, inputs replicated) or an all-to-all
 dispatch/combine (decode layout).
+
+On CUDA (unless ``MOEBUS_KERNELS=reference``, see `kernels.ops`) the model runs the
+kernels: the MoE experts are prepared once for the grouped GEMM and attention goes
+through SDPA; elsewhere it runs the torch reference ops of `shared.model.layers`.
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 import torch.nn.functional as F
 
+from kernels.ops import use_kernels
 from shared.kvcache import PagedKVCache
 from shared.model import layers as ops
 from shared.model.config import ModelConfig
-from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, load_weights
+from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, load_weights, prepare_for_kernels
 from shared.parallel import Collectives, LocalCollectives, Topology
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,9 +104,17 @@ LayerCallback = Callable[[int], None]
 
 
 class Qwen3Model:
-    """One rank's shard of the model: weights plus the forward pass."""
+    """One rank's shard of the model: weights plus the forward pass.
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, topology: Topology = Topology.single(), comm: Collectives | None = None) -> None:
+    ``kernels`` chooses the kernel ops or the torch reference ops; None (the
+    default) follows `kernels.ops.use_kernels` for the weights' device. With
+    kernels, the MoE weights are converted in place to the grouped-GEMM layout
+    (the model owns ``weights``); experts the kernels cannot take (fp32, odd
+    shapes) keep the reference ops, and the reason is logged. Attention uses SDPA
+    for bf16/fp16 models.
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, topology: Topology = Topology.single(), comm: Collectives | None = None, kernels: bool | None = None) -> None:
         self.config, self.weights, self.topology = config, weights, topology
         self.comm = comm if comm is not None else LocalCollectives()
         shard = topology.shard()
@@ -106,12 +122,20 @@ class Qwen3Model:
         self.experts_per_rank = config.num_experts // shard.ep_size if config.is_moe else 0
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
+        self.kernels = use_kernels(self.device) if kernels is None else kernels
+        # fp32 models (the parity configuration) keep the fp32 reference attention everywhere.
+        fused_attention = self.kernels and self.dtype in (torch.bfloat16, torch.float16)
+        self._attend = ops.paged_attention_sdpa if fused_attention else ops.paged_attention
+        if self.kernels and config.is_moe:
+            reason = prepare_for_kernels(weights)
+            if reason is not None:
+                log.info("moe_reference_ops", reason=reason)
 
     @classmethod
-    def load(cls, model_dir: str | Path, topology: Topology = Topology.single(), comm: Collectives | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Qwen3Model:
+    def load(cls, model_dir: str | Path, topology: Topology = Topology.single(), comm: Collectives | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kernels: bool | None = None) -> Qwen3Model:
         config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir, config, topology.shard(), dtype, device)
-        return cls(config, weights, topology, comm)
+        return cls(config, weights, topology, comm, kernels)
 
     @property
     def local_kv_heads(self) -> int:
@@ -144,7 +168,7 @@ class Qwen3Model:
         v = ops.linear(x, w.v_proj).view(t, self.heads.num_kv, d)
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         cache.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
-        o = ops.paged_attention(q, cache, layer_idx, batch.attn, d**-0.5)
+        o = self._attend(q, cache, layer_idx, batch.attn, d**-0.5)
         out = ops.linear(o.reshape(t, self.heads.num_q * d), w.o_proj)
         return self.comm.all_reduce(out) if self.topology.tp_size > 1 else out
 

@@ -12,11 +12,15 @@ Files are memory-mapped (``safe_open``) and every tensor is read through
 * FP8 checkpoints keep E4M3 weights and their ``weight_scale_inv`` blocks as a
   `BlockFp8Weight`; a TP split must fall on block boundaries.
 
+`prepare_for_kernels` then puts the expert weights into the grouped-GEMM kernels'
+layout (gate/up rows interleaved, `FusedGateUp`), once, when a model runs them.
+
 Router, norms, embeddings and ``lm_head`` are replicated on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +28,31 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.grouped_gemm import interleave_gate_up
+from kernels.moe import grouped_moe_unsupported
 from shared.model.config import ModelConfig
 from shared.model.errors import CheckpointError, MissingTensor, ShapeMismatch, ShardingError
 from shared.model.quant_formats import BlockFp8Weight
 from shared.parallel import ShardSpec
 
 Linear = torch.Tensor | BlockFp8Weight  # a [N, K] (or [E, N, K]) weight, plain or FP8 block-scaled
+
+
+@dataclass(frozen=True)
+class FusedGateUp:
+    """Experts' gate/up weights in the layout of the fused SwiGLU grouped GEMM.
+
+    Made once by `prepare_for_kernels` from ``w13 [E, 2I, H]`` (gate rows then up
+    rows) with `kernels.grouped_gemm.interleave_gate_up`: rows interleaved in
+    64-row gate/up blocks, and for E4M3 one fp32 scale per 64-row half block.
+    """
+
+    weight: torch.Tensor  # [E, 2I, H], bfloat16 or float8_e4m3fn
+    scale: torch.Tensor | None  # [E, 2I/64, ceil(H/128)] fp32 for float8_e4m3fn, else None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
 
 
 @dataclass
@@ -45,7 +68,7 @@ class AttentionWeights:
 @dataclass
 class MoEWeights:
     router: torch.Tensor  # [E, H], all experts (routing is computed everywhere)
-    w13: Linear  # [E_local, 2I, H]
+    w13: Linear | FusedGateUp  # [E_local, 2I, H]; FusedGateUp once prepared for the kernels
     w2: Linear  # [E_local, H, I]
     expert_start: int  # global id of local expert 0
 
@@ -300,3 +323,40 @@ def _stack(parts: list[Linear]) -> Linear:
 def load_weights(model_dir: str | Path, config: ModelConfig, shard: ShardSpec = ShardSpec(), dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ModelWeights:
     """One rank's weights; see the module docstring for how each tensor is split."""
     return WeightLoader(model_dir, config, shard, dtype, device).load()
+
+
+def prepare_for_kernels(weights: ModelWeights) -> str | None:
+    """Put every MoE layer's ``w13`` into the grouped-GEMM layout, in place.
+
+    In place so that each layer's plain ``w13`` is released as soon as its
+    interleaved copy exists (peak memory: one layer more, not a second copy of the
+    experts). Returns None when done, or, leaving the weights untouched, why the
+    kernels cannot take these experts (dtype, FP8 block, shapes); the model then
+    runs the reference ops for them.
+    """
+    moe = [(i, layer.mlp) for i, layer in enumerate(weights.layers) if isinstance(layer.mlp, MoEWeights)]
+    for _, m in moe:
+        if isinstance(m.w13, FusedGateUp):
+            continue
+        reason = _unsupported(weights.embed.dtype, m)
+        if reason is not None:
+            return reason
+    for i, m in moe:
+        if isinstance(m.w13, FusedGateUp):
+            continue
+        if isinstance(m.w13, BlockFp8Weight):
+            fused = FusedGateUp(*interleave_gate_up(m.w13.weight, m.w13.scale_inv.float()))
+        else:
+            fused = FusedGateUp(*interleave_gate_up(m.w13))
+        weights.layers[i] = dataclasses.replace(weights.layers[i], mlp=dataclasses.replace(m, w13=fused))
+    return None
+
+
+def _unsupported(act_dtype: torch.dtype, m: MoEWeights) -> str | None:
+    fp8 = isinstance(m.w13, BlockFp8Weight)
+    if fp8 != isinstance(m.w2, BlockFp8Weight):
+        return "w13 and w2 of the experts are not both FP8 or both plain"
+    if fp8 and m.w13.block != m.w2.block:
+        return f"FP8 blocks of w13 {m.w13.block} and w2 {m.w2.block} differ"
+    dtype = m.w13.weight.dtype if fp8 else m.w13.dtype
+    return grouped_moe_unsupported(act_dtype, tuple(m.w13.shape), dtype, m.w13.block if fp8 else None)

@@ -36,3 +36,13 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> lis
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def median_token_rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Median over tokens of ``||a - ref|| / ||ref||`` along the vocabulary (robust to router near-tie flips)."""
+    return float(((a.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).median())
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of tokens whose argmax agrees."""
+    return float((a.argmax(-1) == b.argmax(-1)).float().mean())

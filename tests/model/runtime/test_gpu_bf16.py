@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import CONFIGS, GPU, hf_model, random_prompts, rel_err
+from runtime_helpers import CONFIGS, GPU, agreement, hf_model, median_token_rel_err, random_prompts, rel_err
 
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -41,14 +41,6 @@ def our_logits(path, prompts, dtype: torch.dtype, device: str) -> torch.Tensor:
 def hf_logits(hf, prompts, device: str) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat([hf(torch.tensor([p], device=device)).logits[0].float().cpu() for p in prompts])
-
-
-def median_token_rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(((a - ref).norm(dim=-1) / ref.norm(dim=-1)).median())
-
-
-def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

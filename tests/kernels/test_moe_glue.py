@@ -1,0 +1,120 @@
+"""kernels.moe.grouped_moe on the CPU (every step's torch reference) against an independent loop.
+
+The loop below computes each token's weighted expert sum in float64 from the same
+weights: ``sum_j w_j * down_e(silu(gate_e x) * up_e x)``. grouped_moe rounds the
+SwiGLU output and the down output to bf16 (as the kernels write them) and the final
+sum once, so it must agree to a few bf16 roundings: relative Frobenius error below
+2^-7 and every element within ``2^-6 |ref| + 2^-7 rms(ref)``. FP8 adds activation
+quantization; the loop then quantizes exactly where the kernels do (rows before
+gate/up, the bf16 SwiGLU output before down), so the same bound holds up to the
+rare E4M3 rounding flips a one-ulp bf16 difference causes (relative Frobenius
+error below 2^-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.act_quant import quantize_act_reference
+from kernels.grouped_gemm import interleave_gate_up
+from kernels.moe import grouped_moe, grouped_moe_unsupported
+from shared.model.quant_formats import quantize_block_fp8
+
+E_GLOBAL, H, I, TOPK = 8, 256, 128, 3
+
+
+def _routing(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E_GLOBAL, generator=gen)[:TOPK] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, TOPK, generator=gen), dim=-1).bfloat16()
+    return ids, w
+
+
+def _loop_reference(x, w13, w2, ids, w, expert_start, fp8_rows: bool) -> torch.Tensor:
+    """float64 weighted sum over local experts; with ``fp8_rows`` activations are E4M3-quantized as the kernels do."""
+    e_local = w13.shape[0]
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(TOPK):
+            e = int(ids[t, j]) - expert_start
+            if not 0 <= e < e_local:
+                continue
+            xt = x[t : t + 1]
+            if fp8_rows:
+                q, s = quantize_act_reference(xt)
+                xt = q.double() * s.double().repeat_interleave(128, -1)[:, :H]
+            gu = xt.double() @ w13[e].double().T
+            h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).bfloat16()  # the kernel writes bf16
+            if fp8_rows:
+                q, s = quantize_act_reference(h)
+                h = q.double() * s.double().repeat_interleave(128, -1)[:, :I]
+            y = (h.double() @ w2[e].double().T).bfloat16()
+            out[t] += float(w[t, j]) * y[0].double()
+    return out
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, rel_fro: float) -> None:
+    out, ref = out.double(), ref.double()
+    rel = float((out - ref).norm() / ref.norm())
+    rms = float(ref.pow(2).mean().sqrt())
+    worst = float(((out - ref).abs() / (ref.abs() * 2.0**-6 + rms * 2.0**-7)).max())
+    print(f"rel_fro={rel:.3e} worst/bound={worst:.2f}")
+    assert rel < rel_fro, f"relative Frobenius error {rel:.3e}"
+    if rel_fro <= 2.0**-7:
+        assert worst <= 1.0, f"worst element error / bound = {worst:.2f}"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("expert_start,e_local", [(0, E_GLOBAL), (4, 4)], ids=["all_experts", "ep_half"])
+def test_grouped_moe_cpu_matches_loop(fp8, expert_start, e_local):
+    gen = torch.Generator().manual_seed(11 + 2 * fp8 + expert_start)
+    t = 23
+    x = torch.randn(t, H, generator=gen).bfloat16()
+    ids, w = _routing(t, gen)
+    if expert_start:  # a token routed only to other ranks' experts gets exactly zero here
+        ids[0] = torch.tensor([0, 1, 2])
+    w13 = torch.randn(e_local, 2 * I, H, generator=gen) / H**0.5
+    w2 = torch.randn(e_local, H, I, generator=gen) / I**0.5
+    if fp8:
+        q13, q2 = quantize_block_fp8(w13), quantize_block_fp8(w2)
+        wi, si = interleave_gate_up(q13.weight, q13.scale_inv)
+        out = grouped_moe(x, wi, q2.weight, ids, w, expert_start, w13_scale=si, w2_scale=q2.scale_inv)
+        w13_eff, w2_eff = q13.dequantize(), q2.dequantize()
+    else:
+        w13b, w2b = w13.bfloat16(), w2.bfloat16()
+        wi, _ = interleave_gate_up(w13b)
+        out = grouped_moe(x, wi, w2b, ids, w, expert_start)
+        w13_eff, w2_eff = w13b, w2b
+    assert out.dtype == torch.bfloat16 and out.shape == (t, H)
+    ref = _loop_reference(x, w13_eff, w2_eff, ids, w, expert_start, fp8_rows=fp8)
+    _assert_close(out, ref, 2.0**-5 if fp8 else 2.0**-7)
+    if expert_start:
+        assert torch.all(out[0] == 0)
+
+
+def test_grouped_moe_empty_batch():
+    w13 = torch.randn(4, 2 * I, H).bfloat16()
+    out = grouped_moe(torch.zeros(0, H, dtype=torch.bfloat16), interleave_gate_up(w13)[0], torch.randn(4, H, I).bfloat16(),
+                      torch.zeros(0, TOPK, dtype=torch.long), torch.zeros(0, TOPK, dtype=torch.bfloat16), 0)
+    assert out.shape == (0, H)
+
+
+def test_unsupported_experts_name_the_reason():
+    shape = (8, 2 * I, H)
+    assert grouped_moe_unsupported(torch.bfloat16, shape, torch.bfloat16) is None
+    assert grouped_moe_unsupported(torch.bfloat16, shape, torch.float8_e4m3fn, (128, 128)) is None
+    assert "float32" in grouped_moe_unsupported(torch.float32, shape, torch.bfloat16)
+    assert "multiple of 64" in grouped_moe_unsupported(torch.bfloat16, (8, 2 * 96, H), torch.bfloat16)
+    assert "blocks" in grouped_moe_unsupported(torch.bfloat16, shape, torch.float8_e4m3fn, (64, 64))
+    assert "hidden_size" in grouped_moe_unsupported(torch.bfloat16, (8, 2 * I, 200), torch.bfloat16)
+
+
+def test_kernel_switch(monkeypatch):
+    monkeypatch.delenv(ops.MODE_ENV, raising=False)
+    assert ops.use_kernels("cuda") and not ops.use_kernels("cpu")
+    monkeypatch.setenv(ops.MODE_ENV, "reference")
+    assert not ops.use_kernels("cuda")
+    monkeypatch.setenv(ops.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="MOEBUS_KERNELS"):
+        ops.use_kernels("cuda")

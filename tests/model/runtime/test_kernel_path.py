@@ -1,0 +1,177 @@
+"""The model's kernel path (grouped-GEMM MoE, SDPA attention) against its reference ops path.
+
+Parametrized over devices: on the CPU ``kernels=True`` runs the very same glue
+with each kernel's torch reference (fp32 GEMMs rounded to bf16 where the kernels
+write bf16), on CUDA the CuTeDSL kernels. The checkpoint has kernel-compatible
+shapes (moe_intermediate 128: a multiple of 64 for the fused SwiGLU tiles and of
+128 for FP8 blocks; hidden 256). On CUDA a 300-token prompt makes prefill use the
+128-row GEMM tiles and decode the 64-row ones; the CPU runs shorter prompts (its
+bf16 matmuls are slow) through the same code.
+
+Tolerances. bf16: both paths round activations to bf16 at the same places and
+accumulate in fp32; they differ in accumulation order and in where SwiGLU rounds
+(once after ``silu(gate) * up`` in the kernel, after each step in the reference).
+So the kernel path's error against the fp32 model must be of the size of the
+reference path's own bf16 error: at most twice it plus 1e-3 (median over tokens
+of the per-token relative L2 error of the logits; the maximum is set by router
+near-tie flips, see test_gpu_bf16), and its argmax agreement with fp32 may trail
+the reference path's by at most 10 points. FP8: the kernel path also quantizes
+the expert GEMMs' activations to E4M3 per token per 128 channels (W8A8; the
+reference path is W8A16). An E4M3 value is within 2^-4 relative of what it
+rounds; that bounds the median logits error against the fp32 model of the same
+FP8 weights (seen on the CPU: 2.7%, bf16 reference path 0.9%).
+
+Greedy decoding through the runner (prefill, then batched decode steps) must give
+the same tokens on both paths, except that a sequence may part ways where the
+reference's top-2 logits are within a few times the typical logits difference of
+the two paths (a near tie, which rounding decides).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import DEVICES, agreement, median_token_rel_err, random_prompts
+
+from kernels.grouped_gemm import deinterleave_gate_up
+from shared.kvcache import KVLayout, PagedKVCache
+from shared.model import layers as ops
+from shared.model.config import ModelConfig
+from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
+from shared.model.quantize import quantize_checkpoint
+from shared.model.runner import ModelRunner
+from shared.model.sampling import SamplingParams
+from shared.model.weights import FusedGateUp, load_weights, prepare_for_kernels
+
+KERNEL_SHAPES = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=4, moe_intermediate=128)
+PAGE = 16
+# (prefill prompt lengths, greedy prompt lengths, greedy steps) per device type
+SIZES = {"cpu": ([40, 13, 5], [21, 4], 6), "cuda": ([300, 45, 9], [37, 5, 120], 12)}
+E4M3_REL_ROUNDING = 2.0**-4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint, tmp_path_factory):
+    """{"bf16": plain checkpoint, "fp8": the same converted to FP8 blocks}."""
+    plain = tiny_checkpoint("kernel_shapes", **KERNEL_SHAPES)
+    fp8 = plain.parent / (plain.name + "_fp8")
+    if not (fp8 / "config.json").exists():
+        quantize_checkpoint(plain, fp8, "fp8-block")
+    return {"bf16": plain, "fp8": fp8}
+
+
+def _prefill_logits(model: Qwen3Model, prompts: list[list[int]]) -> torch.Tensor:
+    c = model.config
+    cache = PagedKVCache(KVLayout(c.num_layers, 64, model.local_kv_heads, PAGE, c.head_dim, model.dtype), model.device)
+    chunks, next_page = [], 0
+    for p in prompts:
+        n = -(-len(p) // PAGE)
+        chunks.append(SequenceChunk(p, 0, list(range(next_page, next_page + n))[::-1]))
+        next_page += n
+    return model.forward(ForwardBatch.build(chunks, PAGE, model.device), cache, all_logits=True).float().cpu()
+
+
+def _models(path, device: str):
+    """(fp32 reference, bf16 reference ops, bf16 kernel ops)."""
+    fp32 = Qwen3Model.load(path, dtype=torch.float32, device=device, kernels=False)
+    ref = Qwen3Model.load(path, dtype=torch.bfloat16, device=device, kernels=False)
+    kern = Qwen3Model.load(path, dtype=torch.bfloat16, device=device, kernels=True)
+    assert all(isinstance(layer.mlp.w13, FusedGateUp) for layer in kern.weights.layers), "kernel path not taken"
+    assert not any(isinstance(layer.mlp.w13, FusedGateUp) for layer in ref.weights.layers)
+    return fp32, ref, kern
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_prefill_logits_kernels_vs_reference(checkpoints, fmt, device):
+    fp32, ref, kern = _models(checkpoints[fmt], device)
+    prompts = random_prompts(SIZES[device][0], seed=4)
+    exact, ours_ref, ours_kern = (_prefill_logits(m, prompts) for m in (fp32, ref, kern))
+    e_ref, e_kern = median_token_rel_err(ours_ref, exact), median_token_rel_err(ours_kern, exact)
+    a_ref, a_kern = agreement(ours_ref, exact), agreement(ours_kern, exact)
+    print(f"{fmt} {device}: median token rel err vs fp32: reference ops {e_ref:.2e}, kernels {e_kern:.2e}; "
+          f"kernels vs reference ops {median_token_rel_err(ours_kern, ours_ref):.2e}; "
+          f"argmax agreement with fp32: reference {a_ref:.1%} kernels {a_kern:.1%}")
+    assert torch.isfinite(ours_kern).all()
+    if fmt == "bf16":
+        assert e_kern <= 2 * e_ref + 1e-3
+    else:
+        assert e_kern <= E4M3_REL_ROUNDING
+    assert a_kern >= a_ref - 0.10
+
+
+def _greedy(model: Qwen3Model, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    c = model.config
+    cache = PagedKVCache(KVLayout(c.num_layers, 64, model.local_kv_heads, PAGE, c.head_dim, model.dtype), model.device)
+    runner = ModelRunner(model, cache)
+    seqs = [runner.add(str(i), p, SamplingParams(temperature=0.0, max_tokens=steps)) for i, p in enumerate(prompts)]
+    runner.prefill(seqs)
+    for _ in range(steps - 1):
+        runner.decode(seqs)
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_greedy_decode_kernels_vs_reference(checkpoints, fmt, device):
+    _, ref, kern = _models(checkpoints[fmt], device)
+    prompts, steps = random_prompts(SIZES[device][1], seed=5), SIZES[device][2]
+    out_ref, out_kern = _greedy(ref, prompts, steps), _greedy(kern, prompts, steps)
+    # Both paths teacher-forced on the reference's own continuation: the reference's
+    # logits at each generated position, and the typical difference of the two paths.
+    full = [p + o for p, o in zip(prompts, out_ref)]
+    logits_ref, logits_kern = _prefill_logits(ref, full), _prefill_logits(kern, full)
+    typical_diff = float((logits_kern - logits_ref).abs().amax(-1).median())
+    offset = 0
+    for p, o_ref, o_kern in zip(prompts, out_ref, out_kern):
+        print(f"{fmt} {device}: reference {o_ref} kernels {o_kern}")
+        parted = next((i for i, (a, b) in enumerate(zip(o_ref, o_kern)) if a != b), None)
+        if parted is not None:
+            row = logits_ref[offset + len(p) - 1 + parted]  # the logits that chose output token `parted`
+            margin = float(row[o_ref[parted]] - row[o_kern[parted]])
+            assert margin <= 4 * typical_diff, (
+                f"greedy tokens part at step {parted} where the reference's margin {margin:.3g} is not a near tie "
+                f"(typical logits difference {typical_diff:.3g})")
+        offset += len(p) + len(o_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_attention_matches_reference(device):
+    """Mixed batch: a prefill chunk after a cached prefix, a decode step, a fresh prompt."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d, page = 8, 2, 64, 4
+    cache = PagedKVCache(KVLayout(1, 24, hkv, page, d, dtype), device)
+    cache.pools[0].copy_(torch.randn(cache.pools[0].shape, generator=gen).to(dtype))
+    chunks = [SequenceChunk([1] * 7, 5, [3, 9, 1]), SequenceChunk([2], 20, [0, 4, 7, 11, 13, 2]), SequenceChunk([3] * 3, 0, [20])]
+    meta = ForwardBatch.build(chunks, page, torch.device(device)).attn
+    q = torch.randn(11, hq, d, generator=gen).to(device=device, dtype=dtype)
+    expect = ops.paged_attention(q, cache, 0, meta, d**-0.5).float()
+    got = ops.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-7  # bf16 output rounding, probabilities in bf16 inside SDPA
+    torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
+
+
+def test_prepare_for_kernels_converts_in_place_or_says_why(tiny_checkpoint, checkpoints):
+    path = checkpoints["bf16"]
+    config = ModelConfig.from_dir(path)
+    weights = load_weights(path, config, dtype=torch.bfloat16)
+    plain = weights.layers[0].mlp.w13.clone()
+    assert prepare_for_kernels(weights) is None
+    fused = weights.layers[0].mlp.w13
+    assert isinstance(fused, FusedGateUp) and fused.scale is None
+    assert torch.equal(deinterleave_gate_up(fused.weight)[0], plain)
+    assert prepare_for_kernels(weights) is None  # idempotent
+
+    fp8 = load_weights(checkpoints["fp8"], ModelConfig.from_dir(checkpoints["fp8"]), dtype=torch.bfloat16)
+    assert prepare_for_kernels(fp8) is None
+    assert fp8.layers[1].mlp.w13.scale.shape == (16, 2 * 128 // 64, 256 // 128)
+
+    fp32 = load_weights(path, config, dtype=torch.float32)
+    assert "float32" in prepare_for_kernels(fp32)
+    assert not isinstance(fp32.layers[0].mlp.w13, FusedGateUp)
+    small = tiny_checkpoint("gqa4_top8_norm")  # moe_intermediate 32
+    odd = load_weights(small, ModelConfig.from_dir(small), dtype=torch.bfloat16)
+    assert "multiple of 64" in prepare_for_kernels(odd)
+    model = Qwen3Model(ModelConfig.from_dir(small), odd, kernels=True)  # runs, MoE on the reference ops
+    assert not isinstance(model.weights.layers[0].mlp.w13, FusedGateUp)
