@@ -38,7 +38,9 @@ from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError,
 log = structlog.get_logger(__name__)
 
 _ENDED_KEPT = 1024
-_ABANDONED_RECV_GRACE_S = 30.0
+# Senders stop at the lease deadline; a receive abandoned earlier keeps its staging slot
+# until then plus this margin (messages already on the wire, clock skew between hosts).
+_ABANDONED_RECV_GRACE_S = 2.0
 
 
 class _State(enum.Enum):
@@ -59,6 +61,7 @@ class _Reservation:
     announced: np.ndarray  # [layers, heads] bool: a header claimed the cell
     landed: np.ndarray  # [layers, heads] bool: the cell is in the pages
     done: asyncio.Future[list[int]]
+    lease_ends_at: float  # event-loop time
     lease: asyncio.TimerHandle | None = None
     state: _State = _State.RECEIVING
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -124,6 +127,7 @@ class KVReceiver:
             announced=np.zeros((layout.num_layers, layout.kv_heads), dtype=bool),
             landed=np.zeros((layout.num_layers, layout.kv_heads), dtype=bool),
             done=loop.create_future(),
+            lease_ends_at=loop.time() + lease_s,
         )
         # A failed request nobody waits for must not log "exception never retrieved".
         res.done.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -242,7 +246,7 @@ class KVReceiver:
             except asyncio.CancelledError:
                 # The posted UCX receive still owns the slot: hand it back only once that
                 # receive is over, so a late chunk can never land in another request's slot.
-                self._reapers.add(reaper := asyncio.ensure_future(self._release_after(recv, buf)))
+                self._reapers.add(reaper := asyncio.ensure_future(self._release_after(recv, buf, res.lease_ends_at)))
                 reaper.add_done_callback(self._reapers.discard)
                 buf = None
                 raise
@@ -264,11 +268,12 @@ class KVReceiver:
         if res.landed.all():
             self._complete(res)
 
-    async def _release_after(self, recv: asyncio.Future[None], buf: torch.Tensor) -> None:
-        """Release a slot once its abandoned receive finished, or after a grace period
-        (senders stop at the lease deadline, so nothing arrives that late)."""
+    async def _release_after(self, recv: asyncio.Future[None], buf: torch.Tensor, lease_ends_at: float) -> None:
+        """Release a slot once its abandoned receive finished, or once no sender can still
+        be sending into it (the lease ended, plus a margin)."""
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(recv, _ABANDONED_RECV_GRACE_S)
+            await asyncio.wait_for(recv, max(lease_ends_at, loop.time()) + _ABANDONED_RECV_GRACE_S - loop.time())
         except (TimeoutError, UCXError, asyncio.CancelledError):
             pass
         finally:

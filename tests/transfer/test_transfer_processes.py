@@ -179,11 +179,18 @@ def test_prefill_killed_reservation_expires_and_pages_return(ctx, decode):
     finally:
         victim.stop()
     outcome = decode.call("wait", cache="h4", request_id="dead-prefill", timeout=10.0)
-    assert outcome["elapsed_s"] < 3.0, outcome  # ended by the lease (or sooner), not by the wait timeout
+    assert outcome["elapsed_s"] < 6.0, outcome  # ended by the 3 s lease (or sooner), not by the 10 s wait
     # Killed between chunks, only the lease can tell; killed with a chunk on the wire, UCX
     # reports the reset connection first. Either way the request fails and its pages return.
     assert not outcome["ok"] and outcome["error"] in ("LeaseExpired", "PeerFailed"), outcome
     after = decode.call("status", cache="h4")
-    assert after["free_pages"] == before["free_pages"] and after["reservations"] == 0 and after["staging_in_use"] == 0
+    assert after["free_pages"] == before["free_pages"] and after["reservations"] == 0
+    # A chunk announced just before the kill keeps its staging slot until its receive can no
+    # longer be matched (lease end + a 2 s margin); then the staging is all back.
+    deadline = time.monotonic() + 10.0
+    while after["staging_in_use"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = decode.call("status", cache="h4")
+    assert after["staging_in_use"] == 0
     cause = {"LeaseExpired": "lease_expired", "PeerFailed": "peer_failed"}[outcome["error"]]
     assert after["metrics"]["failures"].get(cause, 0) == before["metrics"]["failures"].get(cause, 0) + 1
