@@ -40,6 +40,10 @@ import structlog
 import torch
 
 from bench.results import print_table, record
+from schemas.transfer import KVTransferDescriptor
+from shared.kvcache import KVLayout, PagedKVCache
+from shared.transfer import KVReceiver, KVSender, StagingPool, TransferWorker, kv_head_shard
+from shared.transfer.worker import ucx_buffer
 
 BENCH = "kv_transfer"
 DTYPE = torch.bfloat16
@@ -57,17 +61,15 @@ def _reference_layer(seed: int, layer: int, heads: int, tokens: int, head_dim: i
 class _Child:
     """State of one benchmark process (decode rank or prefill rank); ops are called by name."""
 
-    def __init__(self, worker: Any, device: torch.device, cfg: dict[str, Any]) -> None:
+    def __init__(self, worker: TransferWorker, device: torch.device, cfg: dict[str, Any]) -> None:
         self.worker, self.device, self.cfg = worker, device, cfg
-        self.cache: Any = None
-        self.receiver: Any = None
+        self.cache: Any = None  # PagedKVCache once set up for a prompt length
+        self.receiver: Any = None  # KVReceiver (decode process)
         self.raw: torch.Tensor | None = None
-        self._pool: Any = None
+        self._pool: StagingPool | None = None
 
-    def _staging(self) -> Any:
+    def _staging(self) -> StagingPool:
         """The process's long-lived staging pool (as a service rank keeps one), made on first use."""
-        from shared.transfer import StagingPool
-
         if self._pool is None:
             self._pool = StagingPool(self.cfg["slot_mib"] << 20, 4, self.device)
         return self._pool
@@ -86,9 +88,6 @@ class _Child:
 
     # decode side
     async def decode_setup(self, tokens: int) -> None:
-        from shared.kvcache import KVLayout, PagedKVCache
-        from shared.transfer import KVReceiver
-
         c = self.cfg
         self.receiver = None
         self.cache = None
@@ -118,8 +117,6 @@ class _Child:
         return {"t_done": t_done, "exact": exact, "receiver_wall_s": self.receiver.metrics.recent[-1].wall_s}
 
     async def raw_recv(self, nbytes: int, tag: int) -> float:
-        from shared.transfer.worker import ucx_buffer
-
         if self.raw is None or self.raw.numel() != nbytes:
             self.raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         await self.worker.recv(tag, ucx_buffer(self.raw))
@@ -128,9 +125,6 @@ class _Child:
 
     # prefill side
     async def prefill_setup(self, tokens: int, tp: int, rank: int, seed: int) -> None:
-        from shared.kvcache import KVLayout, PagedKVCache
-        from shared.transfer import kv_head_shard
-
         c = self.cfg
         self.cache = None
         self.raw = None
@@ -147,9 +141,6 @@ class _Child:
         self._sync()
 
     async def send(self, descriptor: bytes, layer_s: float, chunk_mib: int) -> dict[str, Any]:
-        from schemas.transfer import KVTransferDescriptor
-        from shared.transfer import KVSender
-
         desc = msgspec.msgpack.decode(descriptor, type=KVTransferDescriptor)
         t_start = time.time()
         sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=chunk_mib << 20, staging=self._staging())
@@ -157,7 +148,7 @@ class _Child:
         rec = await sender.finish()
         return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "sender_wall_s": rec.wall_s}
 
-    def _simulated_forward(self, sender: Any, layer_s: float) -> float:
+    def _simulated_forward(self, sender: KVSender, layer_s: float) -> float:
         """Run in a thread like a real forward: per layer, 'compute' then ``on_layer_done``."""
         cycles = int(layer_s * self.cfg["sleep_cycles_per_s"]) if self.device.type == "cuda" else 0
         for layer in range(self.cfg["layers"]):
@@ -170,8 +161,6 @@ class _Child:
         return time.time()
 
     async def raw_send(self, address: bytes, nbytes: int, tag: int) -> float:
-        from shared.transfer.worker import ucx_buffer
-
         if self.raw is None or self.raw.numel() != nbytes:
             self.raw = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.device)
             self._sync()
@@ -191,8 +180,6 @@ async def _child_async(device_kind: str, cfg: dict[str, Any], inbox: Any, outbox
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # CUDA context before UCX starts
-    from shared.transfer import TransferWorker
-
     child = _Child(await TransferWorker.create(cfg["progress_mode"]), device, cfg)
     loop = asyncio.get_running_loop()
     pending = set()
