@@ -36,31 +36,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def resolve_device(device: str, rank: int) -> str:
-    """"auto" -> the rank's GPU when CUDA is available, else "cpu"; "cuda" -> the rank's GPU."""
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        device = f"cuda:{rank % torch.cuda.device_count()}"
-    return device
-
-
-def prepare_rank_environment(device: str, world: int) -> None:
-    """Settings every rank process needs before torch/UCX start."""
-    import torch
-
-    if device == "cpu":
-        # The ranks of a group share the host's cores; more threads than cores only thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # DESIGN §6: no NVLink multicast
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    if device == "cpu":
-        os.environ.setdefault("UCX_TLS", "tcp,self")  # no GPU transports to probe on a CPU host
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-
-
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Linux: receive `sig` when the parent process dies (PR_SET_PDEATHSIG); no-op elsewhere."""
     if sys.platform == "linux":

@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import torch
-
 from services.common import parse_settings, stop_event
 from services.decode.rank import DecodeRank
-from services.ranks import prepare_rank_environment, resolve_device, run_group
+from services.model_rank import start_model_rank
+from services.ranks import run_group
 from shared.bus import connect
-from shared.logging import configure_logging, get_logger
+from shared.logging import get_logger
 from shared.model.runner import ModelRunner
-from shared.parallel import Topology, init_distributed
+from shared.parallel import Topology
 from shared.settings import DecodeSettings
 from shared.transfer import KVReceiver, TransferWorker
 
@@ -21,22 +20,7 @@ log = get_logger(__name__)
 
 
 def run_rank(settings: DecodeSettings, rank: int, world: int, dist_port: int) -> None:
-    configure_logging("decode", settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
-    device = resolve_device(settings.device, rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # NCCL object collectives use the current device
-    prepare_rank_environment(device.split(":")[0], world)
-    topology = Topology.decode(world, rank)
-    comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
-    runner = ModelRunner.from_dir(
-        settings.model,
-        num_pages=settings.kv_pages,
-        page_size=settings.page_size,
-        dtype=getattr(torch, settings.dtype),
-        device=device,
-        topology=topology,
-        comm=comm,
-    )
+    runner = start_model_rank(settings, Topology.decode(world, rank), dist_port)
     asyncio.run(_serve(settings, runner, rank, world))
 
 

@@ -6,15 +6,14 @@ import asyncio
 import contextlib
 import sys
 
-import torch
-
 from services.common import parse_settings, stop_event
 from services.prefill.group import PrefillGroup
-from services.ranks import prepare_rank_environment, resolve_device, run_group
+from services.model_rank import start_model_rank
+from services.ranks import run_group
 from shared.bus import connect
-from shared.logging import configure_logging, get_logger
+from shared.logging import get_logger
 from shared.model.runner import ModelRunner
-from shared.parallel import Topology, init_distributed
+from shared.parallel import Topology
 from shared.settings import PrefillSettings
 from shared.transfer import TransferWorker
 
@@ -22,23 +21,8 @@ log = get_logger(__name__)
 
 
 def run_rank(settings: PrefillSettings, rank: int, world: int, dist_port: int) -> None:
-    configure_logging("prefill", settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
-    device = resolve_device(settings.device, rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # NCCL object collectives use the current device
-    prepare_rank_environment(device.split(":")[0], world)
-    topology = Topology.prefill(world, rank)
-    comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
-    runner = ModelRunner.from_dir(
-        settings.model,
-        num_pages=settings.kv_pages,
-        page_size=settings.page_size,
-        dtype=getattr(torch, settings.dtype),
-        device=device,
-        topology=topology,
-        comm=comm,
-        release_finished=False,  # pages stay until the KV transfer is done
-    )
+    # release_finished=False: a sequence's pages stay until its KV transfer is done.
+    runner = start_model_rank(settings, Topology.prefill(world, rank), dist_port, release_finished=False)
     asyncio.run(_serve(settings, runner, rank, world))
 
 

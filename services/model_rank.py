@@ -1,0 +1,66 @@
+"""What the model-running ranks (a prefill TP rank, a decode DP rank) share.
+
+Start-up of one rank process: logging, device, environment, process group, the
+model runner. Supervising the rank processes is services/ranks.py's job; this
+module imports torch and the model runtime, which the supervisor and `moebus up`
+do not need.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from shared.logging import configure_logging
+from shared.model.runner import ModelRunner
+from shared.parallel import Topology, init_distributed
+from shared.settings import DecodeSettings, PrefillSettings
+
+
+def resolve_device(device: str, rank: int) -> str:
+    """"auto" -> the rank's GPU when CUDA is available, else "cpu"; "cuda" -> the rank's GPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    return device
+
+
+def prepare_rank_environment(device: str, world: int) -> None:
+    """Settings every rank process needs before torch/UCX start."""
+    if device == "cpu":
+        # The ranks of a group share the host's cores; more threads than cores only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # DESIGN §6: no NVLink multicast
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if device == "cpu":
+        os.environ.setdefault("UCX_TLS", "tcp,self")  # no GPU transports to probe on a CPU host
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topology, dist_port: int, **runner_options: Any) -> ModelRunner:
+    """Set up this rank's process (logging, device, environment, process group) and load its model shard.
+
+    `topology.layout` names the service ("prefill" or "decode"); `runner_options` go to
+    `ModelRunner.from_dir` on top of the settings' KV cache, dtype and device.
+    """
+    rank, world = topology.rank, topology.world_size
+    configure_logging(topology.layout, settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
+    device = resolve_device(settings.device, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL object collectives use the current device
+    prepare_rank_environment(device.split(":")[0], world)
+    comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
+    return ModelRunner.from_dir(
+        settings.model,
+        num_pages=settings.kv_pages,
+        page_size=settings.page_size,
+        dtype=getattr(torch, settings.dtype),
+        device=device,
+        topology=topology,
+        comm=comm,
+        **runner_options,
+    )
+
