@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
+from schemas.transfer import KVTransferDescriptor
 from transfer_peers import Peer, reference_kv, spawn_context
 
 pytestmark = pytest.mark.slow
@@ -133,10 +135,6 @@ def test_cancelled_transfer_never_writes_freed_pages(decode, prefill):
     """Chunks that arrive after cancel() are discarded: the pages (poisoned beforehand) stay untouched."""
     tokens = 48
     desc = decode.call("reserve", cache="h2", request_id="poison", num_tokens=tokens, lease_s=20.0)
-    import msgspec
-
-    from schemas.transfer import KVTransferDescriptor
-
     pages = msgspec.msgpack.decode(desc, type=KVTransferDescriptor).page_ids
     decode.call("fill", cache="h2", pages=pages, value=7.0)
     send = prefill[1].submit("send", descriptor=desc, tp_rank=0, tp_size=1, page_size=8, seed=6, chunk_bytes=layer_bytes(2, tokens), timeout_s=15.0, pace_s=0.3, progress_after_layer=0)
