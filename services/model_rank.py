@@ -1,9 +1,9 @@
 """What the model-running ranks (a prefill TP rank, a decode DP rank) share.
 
-Start-up of one rank process: logging, device, environment, process group, the
-model runner. Supervising the rank processes is services/ranks.py's job; this
-module imports torch and the model runtime, which the supervisor and `moebus up`
-do not need.
+Start-up of one rank process (logging, device, environment, process group, the
+model runner) and a request's sampling parameters in the runtime's terms.
+Supervising the rank processes is services/ranks.py's job; this module imports
+torch and the model runtime, which the supervisor and `moebus up` do not need.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from schemas.internal import Job
 from shared.logging import configure_logging
 from shared.model.runner import ModelRunner
+from shared.model.sampling import SamplingParams
 from shared.parallel import Topology, init_distributed
 from shared.settings import DecodeSettings, PrefillSettings
 
@@ -64,3 +66,15 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
         **runner_options,
     )
 
+
+def sampling_params(job: Job) -> SamplingParams:
+    """The runtime's sampling parameters for a request (the gateway resolved every default)."""
+    return SamplingParams(
+        temperature=job.sampling.temperature,
+        top_k=job.sampling.top_k,
+        top_p=job.sampling.top_p,
+        seed=job.sampling.seed,
+        logprobs=job.logprobs,
+        max_tokens=job.max_tokens,
+        stop_token_ids=tuple(job.stop_token_ids),
+    )

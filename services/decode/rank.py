@@ -25,11 +25,11 @@ from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
 from services.common import Heartbeater
 from services.decode.lockstep import GroupState, Lockstep
+from services.model_rank import sampling_params
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState
-from shared.model.sampling import SamplingParams
 from shared.settings import DecodeSettings
 from shared.transfer import KVReceiver, TransferError
 
@@ -206,15 +206,7 @@ class DecodeRank:
             del self.reserved[job.request_id]
             if res.lease is not None:
                 res.lease.cancel()
-            params = SamplingParams(
-                temperature=job.sampling.temperature,
-                top_k=job.sampling.top_k,
-                top_p=job.sampling.top_p,
-                seed=job.sampling.seed,
-                logprobs=job.logprobs,
-                max_tokens=job.max_tokens,
-                stop_token_ids=tuple(job.stop_token_ids),
-            )
+            params = sampling_params(job)
             prompt = job.input_ids
             seq = self.runner.add(job.request_id, prompt, params, page_table=pages + res.extra_pages, num_cached=len(prompt), output_ids=[start.first_token])
             if seq.generator is not None and start.generator_state is not None:

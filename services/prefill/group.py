@@ -25,10 +25,10 @@ from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch
 from services.common import Heartbeater
+from services.model_rank import sampling_params
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
-from shared.model.sampling import SamplingParams
 from shared.settings import PrefillSettings
 from shared.transfer import KVSender, LayoutMismatch, TransferError, TransferWorker, kv_head_shard
 
@@ -176,15 +176,7 @@ class PrefillGroup:
         allocator, layout = self.runner.cache.allocator, self.runner.cache.layout
         for task in batch:
             job = task.job
-            params = SamplingParams(
-                temperature=job.sampling.temperature,
-                top_k=job.sampling.top_k,
-                top_p=job.sampling.top_p,
-                seed=job.sampling.seed,
-                logprobs=job.logprobs,
-                max_tokens=job.max_tokens,
-                stop_token_ids=tuple(job.stop_token_ids),
-            )
+            params = sampling_params(job)
             pages = allocator.alloc(layout.pages_for(len(job.input_ids)))  # the batch was sized to fit
             seqs.append(self.runner.add(job.request_id, job.input_ids, params, page_table=pages))
             sender, error = None, None
