@@ -9,9 +9,10 @@ import signal
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from schemas import subjects
-from schemas.internal import Heartbeat
+from schemas.internal import Heartbeat, Role
 from shared.bus import Bus, pack
 from shared.logging import configure_logging, get_logger
 from shared.settings import SERVICES, ServiceSettings, SettingsError, load_settings
@@ -59,23 +60,41 @@ def stop_event() -> asyncio.Event:
 
 
 class Heartbeater:
-    """Publishes `make()` on ctl.heartbeat.<role>.<instance>.<rank> every `heartbeat_interval_s`."""
+    """Publishes this process's heartbeat on ctl.heartbeat.<role>.<instance>.<rank> every `heartbeat_interval_s`.
 
-    def __init__(self, bus: Bus, settings: ServiceSettings, role: str, make: Callable[[], Heartbeat]) -> None:
+    Who is beating (role, instance, rank, model, version, start time) is fixed here;
+    `status()` returns the rest of the `Heartbeat` fields, the role's current state
+    (draining, KV pages, queue lengths, ...), as keyword arguments.
+    """
+
+    def __init__(self, bus: Bus, settings: ServiceSettings, role: Role, status: Callable[[], dict[str, Any]], rank: int = 0) -> None:
         self.bus = bus
         self.interval = settings.heartbeat_interval_s
-        self.make = make
-        self.role = role
+        self.status = status
+        self.role: Role = role
+        self.instance = settings.instance
+        self.rank = rank
+        self.model = settings.model_name
         self.version = moebus_version()
         self.started_at = time.time()
         self._task: asyncio.Task[None] | None = None
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            role=self.role,
+            instance=self.instance,
+            rank=self.rank,
+            model=self.model,
+            version=self.version,
+            started_at=self.started_at,
+            **self.status(),
+        )
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def beat(self) -> None:
-        hb = self.make()
-        await self.bus.publish(subjects.heartbeat(hb.role, hb.instance, hb.rank), pack(hb))
+        await self.bus.publish(subjects.heartbeat(self.role, self.instance, self.rank), pack(self.heartbeat()))
 
     async def _loop(self) -> None:
         while True:

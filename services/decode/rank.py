@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.api import ErrorCode
-from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
+from schemas.internal import Cancel, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
 from services.common import Heartbeater
 from services.decode.lockstep import GroupState, Lockstep
 from services.model_rank import sampling_params
@@ -66,7 +67,7 @@ class DecodeRank:
         self.running: dict[str, Running] = {}
         self.work = asyncio.Event()
         self.draining = False
-        self.heartbeater = Heartbeater(bus, settings, "decode", self._heartbeat)
+        self.heartbeater = Heartbeater(bus, settings, "decode", self._status, rank=rank)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -116,22 +117,17 @@ class DecodeRank:
         await self.heartbeater.stop()
         await self.receiver.close()
 
-    def _heartbeat(self) -> Heartbeat:
+    def _status(self) -> dict[str, Any]:
+        """This rank's heartbeat fields: its KV pages and batch."""
         layout = self.runner.cache.layout
-        return Heartbeat(
-            role="decode",
-            instance=self.settings.instance,
-            rank=self.rank,
-            model=self.settings.model_name,
-            version=self.heartbeater.version,
-            started_at=self.heartbeater.started_at,
-            draining=self.draining,
-            kv_total_pages=layout.num_pages,
-            kv_free_pages=self.runner.cache.allocator.num_free,
-            page_size=layout.page_size,
-            batch_size=len(self.running) + len(self.reserved),
-            max_batch=self.settings.max_batch,
-        )
+        return {
+            "draining": self.draining,
+            "kv_total_pages": layout.num_pages,
+            "kv_free_pages": self.runner.cache.allocator.num_free,
+            "page_size": layout.page_size,
+            "batch_size": len(self.running) + len(self.reserved),
+            "max_batch": self.settings.max_batch,
+        }
 
     # ------------------------------------------------------------ reservations
 

@@ -72,19 +72,8 @@ class Gateway:
         self.id = settings.instance
         self.flights: dict[str, Flight] = {}
         self.stages: dict[StageKey, tuple[float, float]] = {}  # stage -> (monotonic last seen, started_at)
-        self.heartbeater = Heartbeater(bus, settings, "gateway", self._heartbeat)
+        self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"in_flight": len(self.flights)})
         self._generate_sub: Any = None
-
-    def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(
-            role="gateway",
-            instance=self.id,
-            rank=0,
-            model=self.admission.model.name,
-            version=self.heartbeater.version,
-            started_at=self.heartbeater.started_at,
-            in_flight=len(self.flights),
-        )
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.tokens_all(self.id), self._on_tokens, concurrent=False)

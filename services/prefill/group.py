@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.api import ErrorCode
-from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch
+from schemas.internal import Cancel, PrefillTask, StageError, StartDecode, TokenBatch
 from services.common import Heartbeater
 from services.model_rank import sampling_params
 from shared.bus import Bus, Deadline, pack, unpack
@@ -60,7 +61,7 @@ class PrefillGroup:
         self.arrived = asyncio.Event()
         self.draining = False
         self.name = f"prefill:{settings.instance}"
-        self.heartbeater = Heartbeater(bus, settings, "prefill", self._heartbeat) if bus is not None else None
+        self.heartbeater = Heartbeater(bus, settings, "prefill", self._status) if bus is not None else None
 
     # ------------------------------------------------------------ leader: NATS side
 
@@ -70,19 +71,13 @@ class PrefillGroup:
         await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
         self.heartbeater.start()
 
-    def _heartbeat(self) -> Heartbeat:
-        assert self.heartbeater is not None
-        return Heartbeat(
-            role="prefill",
-            instance=self.settings.instance,
-            rank=0,
-            model=self.settings.model_name,
-            version=self.heartbeater.version,
-            started_at=self.heartbeater.started_at,
-            draining=self.draining,
-            queued_tokens=self.in_flight_tokens + sum(len(t.job.input_ids) for t in self.queue),
-            queued_requests=len(self.queue),
-        )
+    def _status(self) -> dict[str, Any]:
+        """The leader's heartbeat fields: the whole group's queue."""
+        return {
+            "draining": self.draining,
+            "queued_tokens": self.in_flight_tokens + sum(len(t.job.input_ids) for t in self.queue),
+            "queued_requests": len(self.queue),
+        }
 
     async def _on_task(self, msg: Msg) -> None:
         task = unpack(msg.data, PrefillTask)

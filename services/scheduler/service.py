@@ -41,18 +41,7 @@ class Scheduler:
         self.placed = 0
         self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
         self.waiting_ids: set[str] = set()
-        self.heartbeater = Heartbeater(bus, settings, "scheduler", self._heartbeat)
-
-    def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(
-            role="scheduler",
-            instance=self.settings.instance,
-            rank=0,
-            model=self.settings.model_name,
-            version=self.heartbeater.version,
-            started_at=self.heartbeater.started_at,
-            queued_requests=self.waiting,
-        )
+        self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"queued_requests": self.waiting})
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
