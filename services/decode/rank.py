@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +51,6 @@ class Running:
     job: Job
     seq: SequenceState
     cancelled: str | None = None  # reason, when cancelled while a step was in flight
-    compute_ms: float = field(default=0.0)
 
 
 class DecodeRank:

@@ -27,10 +27,6 @@ class Member:
     suspect_until: float = 0.0  # monotonic; skipped while a reservation there just failed
 
     @property
-    def key(self) -> MemberKey:
-        return (self.hb.role, self.hb.instance, self.hb.rank)
-
-    @property
     def free_pages(self) -> int:
         return self.hb.kv_free_pages - self.pending_pages
 
