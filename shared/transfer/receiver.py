@@ -89,6 +89,7 @@ class KVReceiver:
         # Outcome of recently ended reservations, so a late wait_complete gets the real reason.
         self._ended: OrderedDict[str, TransferError] = OrderedDict()
         self._reapers: set[asyncio.Future[None]] = set()  # slots waiting on abandoned receives
+        self._scatter_stream = torch.cuda.Stream(kvcache.device) if kvcache.device.type == "cuda" else None
         layout = kvcache.layout
         self._layout = KVTransferLayout(layout.num_layers, layout.page_size, layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."))
 
@@ -254,8 +255,16 @@ class KVReceiver:
                 return  # dropped while on the wire: its pages are gone, discard
             layers, heads = range(h.layer_start, h.layer_end), range(h.head_start, h.head_end)
             chunk = chunk_view(buf, len(layers), len(heads), h.num_tokens, self._cache.layout.head_dim, self._cache.layout.dtype)
-            scatter_layers(self._cache, layers, heads, res.page_table, h.num_tokens, chunk)
-            await _device_done(buf.device)
+            if self._scatter_stream is None:
+                scatter_layers(self._cache, layers, heads, res.page_table, h.num_tokens, chunk)
+            else:
+                # Own stream: the scatter neither waits behind nor delays the decode steps on the
+                # default stream; the pages are not read before wait_complete, which follows it.
+                with torch.cuda.stream(self._scatter_stream):
+                    scatter_layers(self._cache, layers, heads, res.page_table, h.num_tokens, chunk)
+                    done = torch.cuda.Event()
+                    done.record(self._scatter_stream)
+                await asyncio.to_thread(done.synchronize)
         except UCXError as e:
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"chunk receive failed: {e}"))
             return
@@ -331,11 +340,3 @@ class KVReceiver:
             self._ended[res.request_id] = res.error
             while len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
-
-
-async def _device_done(device: torch.device) -> None:
-    """Wait, off the event loop, for the work queued on ``device``'s current stream."""
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        await asyncio.to_thread(event.synchronize)

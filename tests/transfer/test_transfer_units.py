@@ -216,20 +216,22 @@ def test_late_chunk_after_lease_end_lands_in_quarantined_staging_not_pages():
     asyncio.run(main())
 
 
-def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly():
-    """on_layer_done from a worker thread (as a forward in asyncio.to_thread) in reverse order."""
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly(device):
+    """on_layer_done from a worker thread (as a forward in asyncio.to_thread) in reverse order;
+    on CUDA this runs the pack stream / group events / scatter stream paths end to end."""
 
     async def main():
         worker = await TransferWorker.create()
         try:
             layers, heads, tokens, dim = 6, 2, 21, 8
-            ref = torch.randn(layers, 2, heads, tokens, dim).to(torch.bfloat16)
-            decode = PagedKVCache(KVLayout(layers, 8, heads, 4, dim, torch.bfloat16))
-            rx = KVReceiver(worker, decode, staging=StagingPool(1 << 20, 2))
+            ref = torch.randn(layers, 2, heads, tokens, dim, device=device).to(torch.bfloat16)
+            decode = PagedKVCache(KVLayout(layers, 8, heads, 4, dim, torch.bfloat16), device)
+            rx = KVReceiver(worker, decode, staging=StagingPool(1 << 20, 2, device))
             desc = rx.reserve("ooo", tokens, 5.0)
-            local = PagedKVCache(KVLayout(layers, 8, heads, 8, dim, torch.bfloat16))
+            local = PagedKVCache(KVLayout(layers, 8, heads, 8, dim, torch.bfloat16), device)
             table = [5, 0, 3]
-            pages, offsets = local.slots(torch.tensor(table), torch.arange(tokens))
+            pages, offsets = local.slots(torch.tensor(table, device=device), torch.arange(tokens, device=device))
             for layer in range(layers):
                 local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
             sender = KVSender(worker, local, desc, table, kv_head_shard(0, 1, heads), timeout_s=5.0, chunk_bytes=2 * chunk_nbytes(1, heads, tokens, dim, torch.bfloat16))
@@ -242,7 +244,7 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
             await asyncio.to_thread(forward)
             record = await sender.finish()
             assert record.chunks == 3 and record.nbytes == chunk_nbytes(layers, heads, tokens, dim, torch.bfloat16)
-            got = torch.tensor(await rx.wait_complete("ooo", 5.0))
+            got = torch.tensor(await rx.wait_complete("ooo", 5.0), device=device)
             for layer in range(layers):
                 k, v = decode.read(layer, got, tokens)
                 assert torch.equal(k, ref[layer, 0]) and torch.equal(v, ref[layer, 1])
