@@ -1,10 +1,21 @@
-"""Benchmark: one decode step of a Qwen3-30B-A3B-shaped model with plain torch ops.
+"""Benchmark: one decode step of a Qwen3-30B-A3B-shaped model, reference ops vs kernels.
 
-The baseline the kernels must beat: `shared.model.model.Qwen3Model.forward` with
-the torch reference ops of `shared.model.layers` (no custom kernels, no CUDA
-graphs), random bf16 weights built directly on the GPU (48 layers, hidden 2048,
-32 q / 4 KV heads of 128, 128 experts top-8, moe_intermediate 768, vocab 151936),
-and a paged KV cache holding ``--context`` random tokens per sequence.
+`shared.model.model.Qwen3Model.forward` with random bf16 weights built directly
+on the GPU (48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts top-8,
+moe_intermediate 768, vocab 151936) and a paged KV cache holding ``--context``
+random tokens per sequence, run by up to three implementations in one process
+(``--impls``), on the same weights and cache:
+
+* ``torch-reference``: the torch reference ops of `shared.model.layers`
+  (per-expert loops, fp32 attention), no CUDA graphs — the baseline;
+* ``kernels``: the model's kernel path (grouped-GEMM MoE of `kernels.moe`, SDPA
+  attention), eager;
+* ``kernels+cuda-graph``: the same forward captured once per batch in a CUDA
+  graph and replayed (what a decode rank with graphs per batch bucket runs).
+
+The reference runs first; the experts are then converted in place to the
+kernels' layout (no second copy of the weights). Each kernel line carries the
+reference's figures of the same run as a peer and their ratio.
 
 Next to each measured tokens/s stands the HBM roofline of that step: the bytes
 it must move at least (attention and router weights, the experts the batch's
@@ -13,7 +24,7 @@ number of experts hit is the expectation under uniform routing,
 ``E * (1 - (1 - k/E) ** B)`` per layer. A device-to-device copy is timed in the
 same run to re-measure the bandwidth ceiling.
 
-    python -m bench.decode_step [--batches 1 16 64] [--context 512]
+    python -m bench.decode_step [--batches 1 16 64] [--context 512] [--impls torch-reference kernels kernels+cuda-graph]
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ import argparse
 import os
 import statistics
 import time
+import traceback
+from collections.abc import Callable
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -34,6 +47,8 @@ from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 from shared.model.weights import AttentionWeights, LayerWeights, ModelWeights, MoEWeights
 
 BENCH = "decode_step"
+REFERENCE, KERNELS, GRAPHED = "torch-reference", "kernels", "kernels+cuda-graph"
+IMPLS = (REFERENCE, KERNELS, GRAPHED)
 HBM_BYTES_PER_S = 4.1e12  # H200 HBM copy bandwidth measured for this project (notes/GPU.md)
 PAGE_SIZE = 16
 
@@ -97,61 +112,114 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_step(step: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median seconds of ``step`` after two warm-up calls (which also compile kernels)."""
+    times = []
+    for it in range(iters + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        if it >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def graphed(model: Qwen3Model, batch: ForwardBatch, cache: PagedKVCache) -> Callable[[], object]:
+    """The forward of ``batch`` captured in a CUDA graph (static inputs), as a replay function."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
+        for _ in range(2):
+            model.forward(batch, cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.forward(batch, cache)
+    return graph.replay
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=512, help="tokens already cached per sequence")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--layers", type=int, default=None, help="override (quick CPU checks)")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                    help="implementations to run, in this order of preference (reference first when present)")
+    ap.add_argument("--layers", type=int, default=None, help="override (fewer layers to save time; recorded in the case)")
     ap.add_argument("--experts", type=int, default=None, help="override (quick CPU checks)")
     ap.add_argument("--vocab", type=int, default=None, help="override (quick CPU checks)")
     a = ap.parse_args(argv)
     device, dtype = torch.device(a.device), torch.bfloat16
+    if device.type != "cuda" and GRAPHED in a.impls:
+        ap.error(f"{GRAPHED} needs a CUDA device")
     raw = dict(QWEN3_30B_A3B)
     for key, value in (("num_hidden_layers", a.layers), ("num_experts", a.experts), ("vocab_size", a.vocab)):
         if value is not None:
             raw[key] = value
     c = ModelConfig.from_dict(raw)
     torch.manual_seed(0)
-    model = Qwen3Model(c, random_weights(c, dtype, device))
+    weights = random_weights(c, dtype, device)
     pages_per_seq = -(-(a.context + 1) // PAGE_SIZE)
     cache = PagedKVCache(KVLayout(c.num_layers, max(a.batches) * pages_per_seq, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
     for pool in cache.pools:
         pool.normal_()
     bandwidth = copy_bandwidth(device)
-    rows = []
+    batches = {}
     for b in a.batches:
         # Sequence s owns pages [s * pages_per_seq, ...) of the pool, interleaved order to be non-contiguous.
         tables = [[p * max(a.batches) + s for p in range(pages_per_seq)] for s in range(b)]
         chunks = [SequenceChunk([(7 * s + 1) % c.vocab_size], a.context, tables[s]) for s in range(b)]
-        batch = ForwardBatch.build(chunks, PAGE_SIZE, device)
-        times = []
-        for it in range(a.iters + 2):
-            sync(device)
-            t0 = time.perf_counter()
-            model.forward(batch, cache)
-            sync(device)
-            if it >= 2:  # two warm-up steps
-                times.append(time.perf_counter() - t0)
-        step_s = statistics.median(times)
+        batches[b] = ForwardBatch.build(chunks, PAGE_SIZE, device)
+
+    step_s: dict[tuple[str, int], float] = {}
+    rows = []
+
+    def report(impl: str, b: int, seconds: float) -> None:
+        step_s[(impl, b)] = seconds
         nbytes, experts_hit = step_bytes(c, b, a.context, 2)
         roof_s = nbytes / HBM_BYTES_PER_S
         metrics = {
-            "tokens_per_s": b / step_s,
-            "step_ms": step_s * 1e3,
+            "tokens_per_s": b / seconds,
+            "step_ms": seconds * 1e3,
             "roofline_tokens_per_s": b / roof_s,
             "roofline_step_ms": roof_s * 1e3,
-            "fraction_of_roofline": roof_s / step_s,
+            "fraction_of_roofline": roof_s / seconds,
             "bytes_per_step_gb": nbytes / 1e9,
             "experts_hit_per_layer": experts_hit,
             "copy_bandwidth_gbps": bandwidth / 1e9,
         }
+        peers = {}
+        ref = step_s.get((REFERENCE, b))
+        if impl != REFERENCE and ref is not None:
+            metrics["speedup_vs_reference"] = ref / seconds
+            peers[REFERENCE] = {"tokens_per_s": b / ref, "step_ms": ref * 1e3}
         case = {"model": "qwen3-30b-a3b-shapes", "layers": c.num_layers, "experts": c.num_experts, "top_k": c.top_k,
-                "vocab": c.vocab_size, "batch": b, "context": a.context, "dtype": "bfloat16", "impl": "torch-reference"}
-        record(BENCH, case, metrics)
-        rows.append({"batch": b, **metrics})
-    print_table(rows, ["batch", "tokens_per_s", "step_ms", "roofline_tokens_per_s", "roofline_step_ms", "fraction_of_roofline", "bytes_per_step_gb", "experts_hit_per_layer", "copy_bandwidth_gbps"])
+                "vocab": c.vocab_size, "batch": b, "context": a.context, "dtype": "bfloat16", "impl": impl}
+        record(BENCH, case, metrics, peers)
+        rows.append({"impl": impl, "batch": b, **metrics})
+
+    # The reference first: converting the experts for the kernels replaces their plain layout.
+    if REFERENCE in a.impls:
+        model = Qwen3Model(c, weights, kernels=False)
+        for b, batch in batches.items():
+            report(REFERENCE, b, time_step(lambda: model.forward(batch, cache), device, a.iters))
+    if KERNELS in a.impls or GRAPHED in a.impls:
+        model = Qwen3Model(c, weights, kernels=True)
+        if KERNELS in a.impls:
+            for b, batch in batches.items():
+                report(KERNELS, b, time_step(lambda: model.forward(batch, cache), device, a.iters))
+        if GRAPHED in a.impls:
+            for b, batch in batches.items():
+                try:
+                    replay = graphed(model, batch, cache)
+                except Exception:  # capture can fail where eager runs; report it and keep the eager results
+                    print(f"{GRAPHED} batch {b}: capture failed, not recorded:\n{traceback.format_exc()}", flush=True)
+                    break
+                report(GRAPHED, b, time_step(replay, device, a.iters))
+    print_table(rows, ["impl", "batch", "tokens_per_s", "step_ms", "speedup_vs_reference", "roofline_tokens_per_s", "fraction_of_roofline",
+                       "bytes_per_step_gb", "experts_hit_per_layer", "copy_bandwidth_gbps"])
     return 0
 
 

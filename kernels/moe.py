@@ -25,6 +25,8 @@ where the kernels write bf16.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from kernels import grouped_gemm as gg
@@ -35,12 +37,14 @@ FP8_WEIGHT_BLOCK = (QUANT_BLOCK, QUANT_BLOCK)  # the block scales the FP8 kernel
 
 def grouped_moe_unsupported(act_dtype: torch.dtype, w13_shape: tuple[int, ...], weight_dtype: torch.dtype,
                             fp8_block: tuple[int, int] | None = None) -> str | None:
-    """Why `grouped_moe` cannot run these experts, or None when it can.
+    """Why `grouped_moe` cannot run these experts here, or None when it can.
 
     ``w13_shape`` is the plain ``[E, 2I, H]``; ``weight_dtype`` bf16, or E4M3 with
     ``fp8_block`` the block of its scales.
     """
     _, two_i, hidden = w13_shape
+    if importlib.util.find_spec("cutlass") is None:
+        return "CuTeDSL (nvidia-cutlass-dsl) is not importable"
     if act_dtype != torch.bfloat16:
         return f"activations are {act_dtype}; the grouped GEMM takes bfloat16"
     if weight_dtype == torch.float8_e4m3fn:

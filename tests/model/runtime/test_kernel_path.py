@@ -4,7 +4,7 @@ Parametrized over devices: on the CPU ``kernels=True`` runs the very same glue
 with each kernel's torch reference (fp32 GEMMs rounded to bf16 where the kernels
 write bf16), on CUDA the CuTeDSL kernels. The checkpoint has kernel-compatible
 shapes (moe_intermediate 128: a multiple of 64 for the fused SwiGLU tiles and of
-128 for FP8 blocks; hidden 256). On CUDA a 300-token prompt makes prefill use the
+128 for FP8 blocks; hidden 128). On CUDA a 300-token prompt makes prefill use the
 128-row GEMM tiles and decode the 64-row ones; the CPU runs shorter prompts (its
 bf16 matmuls are slow) through the same code.
 
@@ -43,7 +43,7 @@ from shared.model.runner import ModelRunner
 from shared.model.sampling import SamplingParams
 from shared.model.weights import FusedGateUp, load_weights, prepare_for_kernels
 
-KERNEL_SHAPES = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=4, moe_intermediate=128)
+KERNEL_SHAPES = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2, moe_intermediate=128)
 PAGE = 16
 # (prefill prompt lengths, greedy prompt lengths, greedy steps) per device type
 SIZES = {"cpu": ([40, 13, 5], [21, 4], 6), "cuda": ([300, 45, 9], [37, 5, 120], 12)}
@@ -165,7 +165,7 @@ def test_prepare_for_kernels_converts_in_place_or_says_why(tiny_checkpoint, chec
 
     fp8 = load_weights(checkpoints["fp8"], ModelConfig.from_dir(checkpoints["fp8"]), dtype=torch.bfloat16)
     assert prepare_for_kernels(fp8) is None
-    assert fp8.layers[1].mlp.w13.scale.shape == (16, 2 * 128 // 64, 256 // 128)
+    assert fp8.layers[1].mlp.w13.scale.shape == (8, 2 * 128 // 64, 128 // 128)
 
     fp32 = load_weights(path, config, dtype=torch.float32)
     assert "float32" in prepare_for_kernels(fp32)
@@ -175,3 +175,14 @@ def test_prepare_for_kernels_converts_in_place_or_says_why(tiny_checkpoint, chec
     assert "multiple of 64" in prepare_for_kernels(odd)
     model = Qwen3Model(ModelConfig.from_dir(small), odd, kernels=True)  # runs, MoE on the reference ops
     assert not isinstance(model.weights.layers[0].mlp.w13, FusedGateUp)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+def test_reference_switch_on_cuda(checkpoints, device, monkeypatch):
+    """Built on CUDA the model takes the kernel path by default, the reference ops under MOEBUS_KERNELS=reference."""
+    monkeypatch.delenv("MOEBUS_KERNELS", raising=False)
+    default = Qwen3Model.load(checkpoints["bf16"], dtype=torch.bfloat16, device=device)
+    assert default.kernels and isinstance(default.weights.layers[0].mlp.w13, FusedGateUp)
+    monkeypatch.setenv("MOEBUS_KERNELS", "reference")
+    forced = Qwen3Model.load(checkpoints["bf16"], dtype=torch.bfloat16, device=device)
+    assert not forced.kernels and not isinstance(forced.weights.layers[0].mlp.w13, FusedGateUp)
