@@ -334,16 +334,15 @@ def prepare_for_kernels(weights: ModelWeights) -> str | None:
     kernels cannot take these experts (dtype, FP8 block, shapes); the model then
     runs the reference ops for them.
     """
-    moe = [(i, layer.mlp) for i, layer in enumerate(weights.layers) if isinstance(layer.mlp, MoEWeights)]
-    for _, m in moe:
-        if isinstance(m.w13, FusedGateUp):
-            continue
-        reason = _unsupported(weights.embed.dtype, m)
+    # Indices only: holding the layers' MoEWeights here would keep every plain w13 alive.
+    todo = [i for i, layer in enumerate(weights.layers)
+            if isinstance(layer.mlp, MoEWeights) and not isinstance(layer.mlp.w13, FusedGateUp)]
+    for i in todo:
+        reason = _unsupported(weights.embed.dtype, weights.layers[i].mlp)
         if reason is not None:
             return reason
-    for i, m in moe:
-        if isinstance(m.w13, FusedGateUp):
-            continue
+    for i in todo:
+        m = weights.layers[i].mlp
         if isinstance(m.w13, BlockFp8Weight):
             fused = FusedGateUp(*interleave_gate_up(m.w13.weight, m.w13.scale_inv.float()))
         else:
