@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
 import torch
 import torch.nn.functional as F
 
@@ -31,8 +30,6 @@ from shared.model import layers as ops
 from shared.model.config import ModelConfig
 from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, load_weights, prepare_for_kernels
 from shared.parallel import Collectives, LocalCollectives, Topology
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,8 +107,8 @@ class Qwen3Model:
     default) follows `kernels.ops.use_kernels` for the weights' device. With
     kernels, the MoE weights are converted in place to the grouped-GEMM layout
     (the model owns ``weights``); experts the kernels cannot take (fp32, odd
-    shapes) keep the reference ops, and the reason is logged. Attention uses SDPA
-    for bf16/fp16 models.
+    shapes) keep the reference ops and ``moe_reference_reason`` says why.
+    Attention uses SDPA for bf16/fp16 models.
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, topology: Topology = Topology.single(), comm: Collectives | None = None, kernels: bool | None = None) -> None:
@@ -126,10 +123,9 @@ class Qwen3Model:
         # fp32 models (the parity configuration) keep the fp32 reference attention everywhere.
         fused_attention = self.kernels and self.dtype in (torch.bfloat16, torch.float16)
         self._attend = ops.paged_attention_sdpa if fused_attention else ops.paged_attention
-        if self.kernels and config.is_moe:
-            reason = prepare_for_kernels(weights)
-            if reason is not None:
-                log.info("moe_reference_ops", reason=reason)
+        # Why the MoE experts run the reference ops although kernels were asked for (None when
+        # they run the kernels or were not asked to); the service start-up logs it.
+        self.moe_reference_reason = prepare_for_kernels(weights) if self.kernels and config.is_moe else None
 
     @classmethod
     def load(cls, model_dir: str | Path, topology: Topology = Topology.single(), comm: Collectives | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kernels: bool | None = None) -> Qwen3Model:

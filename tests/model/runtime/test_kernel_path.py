@@ -76,6 +76,7 @@ def _models(path, device: str):
     fp32 = Qwen3Model.load(path, dtype=torch.float32, device=device, kernels=False)
     ref = Qwen3Model.load(path, dtype=torch.bfloat16, device=device, kernels=False)
     kern = Qwen3Model.load(path, dtype=torch.bfloat16, device=device, kernels=True)
+    assert kern.moe_reference_reason is None, kern.moe_reference_reason
     assert all(isinstance(layer.mlp.w13, FusedGateUp) for layer in kern.weights.layers), "kernel path not taken"
     assert not any(isinstance(layer.mlp.w13, FusedGateUp) for layer in ref.weights.layers)
     return fp32, ref, kern
@@ -175,6 +176,7 @@ def test_prepare_for_kernels_converts_in_place_or_says_why(tiny_checkpoint, chec
     assert "multiple of 64" in prepare_for_kernels(odd)
     model = Qwen3Model(ModelConfig.from_dir(small), odd, kernels=True)  # runs, MoE on the reference ops
     assert not isinstance(model.weights.layers[0].mlp.w13, FusedGateUp)
+    assert "multiple of 64" in model.moe_reference_reason
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
