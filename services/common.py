@@ -27,8 +27,12 @@ def moebus_version() -> str:
         return "0+unknown"
 
 
-def parse_settings(service: str, argv: list[str]) -> ServiceSettings:
-    """`moebus <service> [--config FILE] [--nats-url URL] [--model DIR] [--instance ID] [--set FIELD=VALUE ...]`."""
+def parse_settings(service: str, argv: list[str], needs_model: str = "") -> ServiceSettings:
+    """`moebus <service> [--config FILE] [--nats-url URL] [--model DIR] [--instance ID] [--set FIELD=VALUE ...]`.
+
+    `needs_model`: why the service needs a checkpoint; when given, a missing --model
+    (or MOEBUS_MODEL) is a usage error saying so.
+    """
     parser = argparse.ArgumentParser(prog=f"moebus {service}", description=f"run a {service}")
     parser.add_argument("--config", help="TOML settings file (see shared/settings.py)")
     parser.add_argument("--nats-url")
@@ -46,6 +50,8 @@ def parse_settings(service: str, argv: list[str]) -> ServiceSettings:
         settings = load_settings(SERVICES[service], service, args.config, overrides)
     except SettingsError as e:
         parser.error(str(e))
+    if needs_model and not settings.model:
+        parser.error(f"--model DIR (or MOEBUS_MODEL) is required: {needs_model}")
     configure_logging(service, settings.log_level, settings.log_json, instance=settings.instance)
     return settings
 

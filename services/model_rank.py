@@ -8,8 +8,9 @@ torch and the model runtime, which the supervisor and `moebus up` do not need.
 
 from __future__ import annotations
 
+import asyncio
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -65,6 +66,26 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
         comm=comm,
         **runner_options,
     )
+
+
+class RankLoop(Protocol):
+    """A rank's serving loop (DecodeRank, PrefillGroup)."""
+
+    async def run(self) -> None: ...  # returns once every rank of the group has drained
+
+    async def drain(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+async def run_until_stopped(rank_loop: RankLoop, stop: asyncio.Event) -> None:
+    """Run `rank_loop` until `stop` is set (SIGTERM/SIGINT) or its loop ends, then drain,
+    wait for the loop to end (the whole group drained) and close it."""
+    loop = asyncio.get_running_loop().create_task(rank_loop.run())
+    await asyncio.wait([loop, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    await rank_loop.drain()
+    await loop
+    await rank_loop.close()
 
 
 def sampling_params(job: Job) -> SamplingParams:

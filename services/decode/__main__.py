@@ -7,7 +7,7 @@ import sys
 
 from services.common import parse_settings, stop_event
 from services.decode.rank import DecodeRank
-from services.model_rank import start_model_rank
+from services.model_rank import run_until_stopped, start_model_rank
 from services.ranks import run_group
 from shared.bus import connect
 from shared.logging import get_logger
@@ -32,23 +32,16 @@ async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world
         async with connect(settings.nats_url, f"decode-{settings.instance}-{rank}", drain_timeout=settings.drain_timeout_s) as bus:
             decode = DecodeRank(settings, bus, runner, receiver, rank, world)
             await decode.start()
-            loop = asyncio.get_running_loop().create_task(decode.run())
             log.info("decode_ready", kv_pages=settings.kv_pages, max_batch=settings.max_batch, device=str(runner.cache.device))
-            await asyncio.wait([loop, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-            await decode.drain()
-            await loop  # returns once every rank of the instance has drained
-            await decode.close()
+            await run_until_stopped(decode, stop)
     finally:
         worker.close()
     log.info("decode_stopped")
 
 
 def main(argv: list[str]) -> int:
-    settings = parse_settings("decode", argv)
+    settings = parse_settings("decode", argv, needs_model="the decode ranks run the model")
     assert isinstance(settings, DecodeSettings)
-    if not settings.model:
-        print("moebus decode: --model DIR (or MOEBUS_MODEL) is required", file=sys.stderr)
-        return 2
     return run_group(run_rank, settings, settings.dp, settings.dist_port, settings.drain_timeout_s)
 
 

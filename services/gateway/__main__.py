@@ -31,11 +31,8 @@ async def serve(settings: GatewaySettings) -> None:
 
 
 def main(argv: list[str]) -> int:
-    settings = parse_settings("gateway", argv)
+    settings = parse_settings("gateway", argv, needs_model="the gateway tokenizes")
     assert isinstance(settings, GatewaySettings)
-    if not settings.model:
-        print("moebus gateway: --model DIR (or MOEBUS_MODEL) is required: the gateway tokenizes", file=sys.stderr)
-        return 2
     asyncio.run(serve(settings))
     return 0
 

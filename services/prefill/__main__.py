@@ -7,8 +7,8 @@ import contextlib
 import sys
 
 from services.common import parse_settings, stop_event
+from services.model_rank import run_until_stopped, start_model_rank
 from services.prefill.group import PrefillGroup
-from services.model_rank import start_model_rank
 from services.ranks import run_group
 from shared.bus import connect
 from shared.logging import get_logger
@@ -35,23 +35,16 @@ async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, worl
             group = PrefillGroup(settings, runner, worker, rank, world, bus)
             if bus is not None:
                 await group.start()
-            loop = asyncio.get_running_loop().create_task(group.run())
             log.info("prefill_ready", tp=world, device=str(runner.cache.device))
-            await asyncio.wait([loop, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-            await group.drain()
-            await loop
-            await group.close()
+            await run_until_stopped(group, stop)
     finally:
         worker.close()
     log.info("prefill_stopped")
 
 
 def main(argv: list[str]) -> int:
-    settings = parse_settings("prefill", argv)
+    settings = parse_settings("prefill", argv, needs_model="the prefill ranks run the model")
     assert isinstance(settings, PrefillSettings)
-    if not settings.model:
-        print("moebus prefill: --model DIR (or MOEBUS_MODEL) is required", file=sys.stderr)
-        return 2
     return run_group(run_rank, settings, settings.tp, settings.dist_port, settings.drain_timeout_s)
 
 
