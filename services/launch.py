@@ -188,8 +188,8 @@ class LocalStack:
         self.wait_ready(ready_timeout)
 
     def start_nats(self) -> None:
-        log = open(self.log_dir / "nats-server.log", "ab")
-        self.nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_drain_when_launcher_dies)
+        with open(self.log_dir / "nats-server.log", "ab") as log:  # the child keeps its own descriptor
+            self.nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_drain_when_launcher_dies)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.nats.poll() is not None:
@@ -217,15 +217,15 @@ class LocalStack:
         proc_env.update(MOEBUS_NATS_URL=self.url, MOEBUS_MODEL=str(self.model), MOEBUS_INSTANCE=instance, PYTHONUNBUFFERED="1")
         proc_env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # read when UCX loads, before any rank code runs
         log_path = self.log_dir / f"{instance}.log"
-        log = open(log_path, "ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", spec.role, *spec.args],
-            env=proc_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # our signals, not the terminal's, stop it
-            preexec_fn=_drain_when_launcher_dies,
-        )
+        with open(log_path, "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", spec.role, *spec.args],
+                env=proc_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # our signals, not the terminal's, stop it
+                preexec_fn=_drain_when_launcher_dies,
+            )
         replica = Replica(service, spec.role, index, instance, proc, log_path)
         self.replicas.append(replica)
         return replica
