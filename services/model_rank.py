@@ -1,9 +1,10 @@
 """What the model-running ranks (a prefill TP rank, a decode DP rank) share.
 
 Start-up of one rank process (logging, device, environment, process group, the
-model runner) and a request's sampling parameters in the runtime's terms.
-Supervising the rank processes is services/ranks.py's job; this module imports
-torch and the model runtime, which the supervisor and `moebus up` do not need.
+model runner), its serve-drain-close lifecycle, and a request's sampling
+parameters in the runtime's terms. Supervising the rank processes is
+services/ranks.py's job; this module imports torch and the model runtime, which
+the supervisor and `moebus up` do not need.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ async def run_until_stopped(rank_loop: RankLoop, stop: asyncio.Event) -> None:
     """Run `rank_loop` until `stop` is set (SIGTERM/SIGINT) or its loop ends, then drain,
     wait for the loop to end (the whole group drained) and close it."""
     loop = asyncio.get_running_loop().create_task(rank_loop.run())
-    await asyncio.wait([loop, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loop, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()  # the loop ended on its own: nobody waits for a signal any more
     await rank_loop.drain()
     await loop
     await rank_loop.close()
