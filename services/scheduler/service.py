@@ -9,6 +9,7 @@ Waiting is bounded twice: at most `max_queued` requests wait, each for at most
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from nats.aio.msg import Msg
@@ -42,16 +43,21 @@ class Scheduler:
         self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
         self.waiting_ids: set[str] = set()
         self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"queued_requests": self.waiting})
+        self._expiry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
         await self.bus.subscribe(subjects.SUBMIT, self._on_submit, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
         self.heartbeater.start()
-        asyncio.get_running_loop().create_task(self._expire_loop())
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())  # kept: the loop holds tasks weakly
 
     async def stop(self) -> None:
         await self.heartbeater.stop()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
 
     async def _expire_loop(self) -> None:
         while True:
