@@ -41,6 +41,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch
 
 from bench.results import print_table, record
+from bench.timing import capture_graph
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -125,20 +126,6 @@ def time_step(step: Callable[[], object], device: torch.device, iters: int) -> f
     return statistics.median(times)
 
 
-def graphed(model: Qwen3Model, batch: ForwardBatch, cache: PagedKVCache) -> Callable[[], object]:
-    """The forward of ``batch`` captured in a CUDA graph (static inputs), as a replay function."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
-        for _ in range(2):
-            model.forward(batch, cache)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model.forward(batch, cache)
-    return graph.replay
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -213,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if GRAPHED in a.impls:
             for b, batch in batches.items():
                 try:
-                    replay = graphed(model, batch, cache)
+                    replay = capture_graph(lambda: model.forward(batch, cache), repeat=1, warmup=True).replay
                 except Exception:  # capture can fail where eager runs; report it and keep the eager results
                     print(f"{GRAPHED} batch {b}: capture failed, not recorded:\n{traceback.format_exc()}", flush=True)
                     break
