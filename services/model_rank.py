@@ -16,11 +16,13 @@ from typing import Any, Protocol
 import torch
 
 from schemas.internal import Job
-from shared.logging import configure_logging
+from shared.logging import configure_logging, get_logger
 from shared.model.runner import ModelRunner
 from shared.model.sampling import SamplingParams
 from shared.parallel import Topology, init_distributed
 from shared.settings import DecodeSettings, PrefillSettings
+
+log = get_logger(__name__)
 
 
 def resolve_device(device: str, rank: int) -> str:
@@ -57,7 +59,7 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
         torch.cuda.set_device(device)  # NCCL object collectives use the current device
     prepare_rank_environment(device.split(":")[0], world)
     comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
-    return ModelRunner.from_dir(
+    runner = ModelRunner.from_dir(
         settings.model,
         num_pages=settings.kv_pages,
         page_size=settings.page_size,
@@ -67,6 +69,10 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
         comm=comm,
         **runner_options,
     )
+    if runner.model.moe_reference_reason is not None:
+        # Kernels were asked for but the experts could not take them: slower, so say why once.
+        log.warning("moe_reference_ops", reason=runner.model.moe_reference_reason)
+    return runner
 
 
 class RankLoop(Protocol):
