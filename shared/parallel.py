@@ -28,6 +28,8 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from kernels.ops import use_kernels
+
 Layout = Literal["single", "prefill", "decode"]
 
 
@@ -197,7 +199,12 @@ class TorchCollectives:
 
 
 def init_distributed(topology: Topology, device: torch.device, master_addr: str = "127.0.0.1", master_port: int = 29500) -> TorchCollectives:
-    """Join the instance's process group (NCCL on CUDA, gloo on CPU) and return its collectives."""
+    """Join the instance's process group (NCCL on CUDA, gloo on CPU) and return its collectives.
+
+    On CUDA, unless ``MOEBUS_KERNELS=reference``, the TP all-reduce runs the
+    peer-memory kernels (`shared.parallel_cuda.CudaCollectives`); torch.distributed
+    stays the CPU path and the reference.
+    """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
         # DESIGN §6: NVLink multicast is never used.
@@ -210,4 +217,8 @@ def init_distributed(topology: Topology, device: torch.device, master_addr: str 
         world_size=topology.world_size,
         device_id=device if device.type == "cuda" else None,
     )
+    if use_kernels(device):
+        from shared.parallel_cuda import CudaCollectives  # imports CuTeDSL: CUDA hosts only
+
+        return CudaCollectives(topology)
     return TorchCollectives(topology)
