@@ -36,13 +36,18 @@ FP8_WEIGHT_BLOCK = (QUANT_BLOCK, QUANT_BLOCK)  # the block scales the FP8 kernel
 
 
 def grouped_moe_unsupported(act_dtype: torch.dtype, w13_shape: tuple[int, ...], weight_dtype: torch.dtype,
-                            fp8_block: tuple[int, int] | None = None) -> str | None:
+                            fp8_block: tuple[int, int] | None = None, mx_block: int | None = None) -> str | None:
     """Why `grouped_moe` cannot run these experts here, or None when it can.
 
     ``w13_shape`` is the plain ``[E, 2I, H]``; ``weight_dtype`` bf16, or E4M3 with
-    ``fp8_block`` the block of its scales.
+    ``fp8_block`` the block of its scales, or E4M3 with ``mx_block`` for MXFP8.
     """
     _, two_i, hidden = w13_shape
+    if mx_block is not None:
+        # kernels.grouped_gemm_mxfp8 is the plain GEMM only, dequantizing to a bf16 copy of
+        # the weights per call; gate/up needs the fused SwiGLU GEMM on interleaved rows.
+        return (f"MXFP8 expert weights (one E8M0 scale per {mx_block} values): the grouped MoE has no "
+                "MXFP8 SwiGLU path (kernels.grouped_gemm_mxfp8 covers the plain GEMM only)")
     if importlib.util.find_spec("cutlass") is None:
         return "CuTeDSL (nvidia-cutlass-dsl) is not importable"
     if act_dtype != torch.bfloat16:

@@ -4,7 +4,8 @@
 transformers' own ``save_pretrained`` write: ``num_experts`` or
 ``num_local_experts``, ``rope_theta`` at the top level or inside
 ``rope_parameters``, MoE placement through ``decoder_sparse_step`` /
-``mlp_only_layers``, and the FP8 block ``quantization_config`` Qwen publishes.
+``mlp_only_layers``, the FP8 block ``quantization_config`` Qwen publishes, and
+the MXFP8 one ``moebus quantize --format mxfp8`` writes.
 Anything the runtime does not implement is rejected with `UnsupportedModel`
 naming the option, rather than silently computing something else.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.model.errors import ConfigError, UnsupportedModel
+from shared.model.quant_formats import MX_BLOCK
 
 MOE_ARCH = "Qwen3MoeForCausalLM"
 DENSE_ARCH = "Qwen3ForCausalLM"
@@ -30,6 +32,17 @@ class Fp8Quantization:
     block: tuple[int, int]
     # Module name fragments left unquantized (as in ``modules_to_not_convert``).
     modules_to_not_convert: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Mxfp8Quantization:
+    """OCP MXFP8 weights (``quant_method: mxfp8``): E4M3 with one E8M0 scale per ``block_size`` values of K."""
+
+    block_size: int
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+Quantization = Fp8Quantization | Mxfp8Quantization
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     moe_layers: tuple[bool, ...]  # per layer: sparse MoE block (True) or dense MLP (False)
-    quantization: Fp8Quantization | None = None
+    quantization: Quantization | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -206,12 +219,23 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
     return float(theta)
 
 
-def _quantization(qc: dict[str, Any] | None, source: str) -> Fp8Quantization | None:
+def _quantization(qc: dict[str, Any] | None, source: str) -> Quantization | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    skip = tuple(qc.get("modules_to_not_convert") or ())
+    if method == "mxfp8":
+        block_size = qc.get("block_size")
+        # The OCP MX spec fixes the block at 32 values; other sizes are not MXFP8.
+        if block_size != MX_BLOCK:
+            raise UnsupportedModel(
+                f"{source}: quantization_config.block_size={block_size!r} is not supported (MXFP8 needs {MX_BLOCK})"
+            )
+        return Mxfp8Quantization(block_size=MX_BLOCK, modules_to_not_convert=skip)
     if method != "fp8":
-        raise UnsupportedModel(f"{source}: quantization_config.quant_method={method!r} is not supported (only fp8)")
+        raise UnsupportedModel(
+            f"{source}: quantization_config.quant_method={method!r} is not supported (only fp8 or mxfp8)"
+        )
     block = qc.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise UnsupportedModel(
@@ -219,5 +243,4 @@ def _quantization(qc: dict[str, Any] | None, source: str) -> Fp8Quantization | N
         )
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise UnsupportedModel(f"{source}: quantization_config.activation_scheme={qc['activation_scheme']!r} (only dynamic)")
-    skip = tuple(qc.get("modules_to_not_convert") or ())
     return Fp8Quantization(block=(block[0], block[1]), modules_to_not_convert=skip)

@@ -1,6 +1,6 @@
 """The model's operators as small, separate functions.
 
-RMSNorm, RoPE, linear (plain or FP8 block-scaled), paged attention, router
+RMSNorm, RoPE, linear (plain, FP8 block-scaled or MXFP8), paged attention, router
 top-k, MoE experts, dense SwiGLU MLP. The torch reference ops follow
 transformers' Qwen3-MoE code, so that fp32 results agree with it to rounding:
 norms in fp32 and cast back before the weight, router probabilities in fp32 then
@@ -10,6 +10,9 @@ kernels accumulate) and rounds only its output.
 Where a model runs the kernels (`kernels.ops.use_kernels`, decided once when the
 model is built): `moe_experts` takes the grouped-GEMM path of `kernels.moe` for
 experts prepared as `FusedGateUp`, and attention is `paged_attention_sdpa`.
+MXFP8 experts are never prepared (`kernels.moe.grouped_moe_unsupported` says why),
+so they, like every quantized projection outside the grouped GEMM, run the
+reference: dequantize, then a plain matmul.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 
 from kernels.moe import grouped_moe
 from shared.kvcache import PagedKVCache
-from shared.model.quant_formats import BlockFp8Weight
+from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.model.weights import FusedGateUp, Linear
 
 
@@ -48,8 +51,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
-    """``x @ w.T``; an FP8 block-scaled weight is dequantized first (the CPU reference path)."""
-    if isinstance(w, BlockFp8Weight):
+    """``x @ w.T``; an FP8 block-scaled or MXFP8 weight is dequantized first (the reference path)."""
+    if isinstance(w, (BlockFp8Weight, Mxfp8Weight)):
         w = w.dequantize(x.dtype)
     return F.linear(x, w)
 
@@ -147,6 +150,8 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
 def _expert(w: Linear, e: int) -> Linear:
     if isinstance(w, BlockFp8Weight):
         return BlockFp8Weight(w.weight[e], w.scale_inv[e], w.block)
+    if isinstance(w, Mxfp8Weight):
+        return Mxfp8Weight(w.weight[e], w.scale_e8m0[e], w.block_size)
     return w[e]
 
 

@@ -11,6 +11,9 @@ Files are memory-mapped (``safe_open``) and every tensor is read through
   ``w13 [E_local, 2I, H]`` (gate rows then up rows) and ``w2 [E_local, H, I]``.
 * FP8 checkpoints keep E4M3 weights and their ``weight_scale_inv`` blocks as a
   `BlockFp8Weight`; a TP split must fall on block boundaries.
+* MXFP8 checkpoints keep E4M3 weights and their ``weight_scale_e8m0`` exponents
+  (one per 32 values of K) as an `Mxfp8Weight`; rows split freely, a TP split of
+  K must fall on 32-value boundaries.
 
 `prepare_for_kernels` then puts the expert weights into the grouped-GEMM kernels'
 layout (gate/up rows interleaved, `FusedGateUp`), once, when a model runs them.
@@ -30,12 +33,12 @@ from safetensors import safe_open
 
 from kernels.grouped_gemm import interleave_gate_up
 from kernels.moe import grouped_moe_unsupported
-from shared.model.config import ModelConfig
+from shared.model.config import Fp8Quantization, ModelConfig, Mxfp8Quantization
 from shared.model.errors import CheckpointError, MissingTensor, ShapeMismatch, ShardingError
-from shared.model.quant_formats import BlockFp8Weight
+from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.parallel import ShardSpec
 
-Linear = torch.Tensor | BlockFp8Weight  # a [N, K] (or [E, N, K]) weight, plain or FP8 block-scaled
+Linear = torch.Tensor | BlockFp8Weight | Mxfp8Weight  # a [N, K] (or [E, N, K]) weight: plain, FP8 block-scaled or MXFP8
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,6 @@ class WeightLoader:
         self.ckpt = SafetensorsCheckpoint(model_dir)
         self.config, self.shard, self.dtype, self.device = config, shard, dtype, torch.device(device)
         self.heads = HeadSplit.for_rank(config, shard)
-        self.block = config.quantization.block if config.quantization else None
 
     def load(self) -> ModelWeights:
         c = self.config
@@ -279,34 +281,60 @@ class WeightLoader:
         return self.ckpt.read(name, shape, rows, cols).to(device=self.device, dtype=self.dtype)
 
     def _linear(self, name: str, shape: tuple[int, int], rows: slice = slice(None), cols: slice = slice(None)) -> Linear:
-        """A projection weight: plain, or E4M3 + block scales when the checkpoint has ``weight_scale_inv``."""
-        scale_name = name + "_scale_inv"
-        if self.block is None or scale_name not in self.ckpt:
-            return self._dense(name, shape, rows, cols)
-        bn, bk = self.block
-        srows, scols = _block_slice(rows, shape[0], bn, name, "rows"), _block_slice(cols, shape[1], bk, name, "columns")
+        """A projection weight: plain, or E4M3 + scales when the checkpoint stores them next to it."""
+        q = self.config.quantization
+        if isinstance(q, Fp8Quantization) and name + "_scale_inv" in self.ckpt:
+            return self._block_fp8(name, shape, rows, cols, q.block)
+        if isinstance(q, Mxfp8Quantization) and name + "_scale_e8m0" in self.ckpt:
+            return self._mxfp8(name, shape, rows, cols, q.block_size)
+        return self._dense(name, shape, rows, cols)
+
+    def _block_fp8(self, name: str, shape: tuple[int, int], rows: slice, cols: slice, block: tuple[int, int]) -> BlockFp8Weight:
+        bn, bk = block
+        srows = _block_slice(rows, shape[0], bn, name, "rows", "FP8")
+        scols = _block_slice(cols, shape[1], bk, name, "columns", "FP8")
+        weight = self._e4m3(name, shape, rows, cols, "weight_scale_inv")
+        scale_shape = (-(-shape[0] // bn), -(-shape[1] // bk))
+        scale = self.ckpt.read(name + "_scale_inv", scale_shape, srows, scols).float()
+        return BlockFp8Weight(weight.to(self.device), scale.to(self.device), block)
+
+    def _mxfp8(self, name: str, shape: tuple[int, int], rows: slice, cols: slice, block_size: int) -> Mxfp8Weight:
+        # One scale per row and 32 values of K: the scale rows are the weight rows.
+        scols = _block_slice(cols, shape[1], block_size, name, "columns", "MXFP8")
+        weight = self._e4m3(name, shape, rows, cols, "weight_scale_e8m0")
+        scale_name = name + "_scale_e8m0"
+        scale = self.ckpt.read(scale_name, (shape[0], -(-shape[1] // block_size)), rows, scols)
+        if scale.dtype != torch.uint8:
+            raise CheckpointError(f"dtype {scale.dtype}, expected uint8 (E8M0 exponents)", file=str(self.ckpt.dir), tensor=scale_name)
+        return Mxfp8Weight(weight.to(self.device), scale.to(self.device), block_size)
+
+    def _e4m3(self, name: str, shape: tuple[int, int], rows: slice, cols: slice, scale_suffix: str) -> torch.Tensor:
         weight = self.ckpt.read(name, shape, rows, cols)
         if weight.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"has weight_scale_inv but dtype {weight.dtype}, expected float8_e4m3fn", file=str(self.ckpt.dir), tensor=name)
-        scale_shape = (-(-shape[0] // bn), -(-shape[1] // bk))
-        scale = self.ckpt.read(scale_name, scale_shape, srows, scols).float()
-        return BlockFp8Weight(weight.to(self.device), scale.to(self.device), (bn, bk))
+            raise CheckpointError(f"has {scale_suffix} but dtype {weight.dtype}, expected float8_e4m3fn", file=str(self.ckpt.dir), tensor=name)
+        return weight
 
 
-def _block_slice(part: slice, size: int, block: int, name: str, what: str) -> slice:
+def _block_slice(part: slice, size: int, block: int, name: str, what: str, fmt: str) -> slice:
     """The scale-block range covering ``part`` of a dimension; ``part`` must start and end on block edges."""
     start, stop = part.start or 0, size if part.stop is None else part.stop
     if start % block or (stop % block and stop != size):
         raise ShardingError(
-            f"{name}: the shard's {what} [{start}, {stop}) do not fall on FP8 {block}-blocks; "
+            f"{name}: the shard's {what} [{start}, {stop}) do not fall on {fmt} {block}-blocks; "
             "choose a TP size that splits heads/intermediate on block boundaries"
         )
     return slice(start // block, -(-stop // block))
 
 
 def _concat(parts: list[Linear], dim: int, what: str) -> Linear:
+    """Fuse projections along ``dim`` (0: output rows), scales alongside."""
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts, dim=dim)
+    if isinstance(parts[0], Mxfp8Weight):
+        # Rows carry their own scales; along K every part but the last must end on a 32-block.
+        if dim in (-1, parts[0].weight.dim() - 1) and any(p.weight.shape[-1] % p.block_size for p in parts[:-1]):
+            raise ShardingError(f"{what}: cannot fuse MXFP8 weights along K off {parts[0].block_size}-value blocks")
+        return Mxfp8Weight(torch.cat([p.weight for p in parts], dim), torch.cat([p.scale_e8m0 for p in parts], dim), parts[0].block_size)
     block = parts[0].block
     for p in parts:
         if p.weight.shape[dim] % block[dim]:
@@ -317,6 +345,8 @@ def _concat(parts: list[Linear], dim: int, what: str) -> Linear:
 def _stack(parts: list[Linear]) -> Linear:
     if isinstance(parts[0], torch.Tensor):
         return torch.stack(parts)
+    if isinstance(parts[0], Mxfp8Weight):
+        return Mxfp8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale_e8m0 for p in parts]), parts[0].block_size)
     return BlockFp8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale_inv for p in parts]), parts[0].block)
 
 
@@ -331,7 +361,7 @@ def prepare_for_kernels(weights: ModelWeights) -> str | None:
     In place so that each layer's plain ``w13`` is released as soon as its
     interleaved copy exists (peak memory: one layer more, not a second copy of the
     experts). Returns None when done, or, leaving the weights untouched, why the
-    kernels cannot take these experts (dtype, FP8 block, shapes); the model then
+    kernels cannot take these experts (dtype, FP8 block, MXFP8, shapes); the model then
     runs the reference ops for them.
     """
     # Indices only: holding the layers' MoEWeights here would keep every plain w13 alive.
@@ -352,9 +382,11 @@ def prepare_for_kernels(weights: ModelWeights) -> str | None:
 
 
 def _unsupported(act_dtype: torch.dtype, m: MoEWeights) -> str | None:
+    if type(m.w13) is not type(m.w2):
+        return f"w13 ({type(m.w13).__name__}) and w2 ({type(m.w2).__name__}) of the experts differ in format"
+    if isinstance(m.w13, Mxfp8Weight):
+        return grouped_moe_unsupported(act_dtype, tuple(m.w13.shape), m.w13.weight.dtype, mx_block=m.w13.block_size)
     fp8 = isinstance(m.w13, BlockFp8Weight)
-    if fp8 != isinstance(m.w2, BlockFp8Weight):
-        return "w13 and w2 of the experts are not both FP8 or both plain"
     if fp8 and m.w13.block != m.w2.block:
         return f"FP8 blocks of w13 {m.w13.block} and w2 {m.w2.block} differ"
     dtype = m.w13.weight.dtype if fp8 else m.w13.dtype
