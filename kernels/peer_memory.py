@@ -9,7 +9,7 @@ need: they take raw addresses and do their own signalling. It also lets the
 benchmarks compare against torch's own one-/two-shot all-reduce on the same
 allocation machinery. Multicast (NVLS) must never be touched, so we refuse to
 start unless ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set: with it torch never
-calls cuMulticastCreate.
+creates a multicast object.
 
 Lifetime: a `PeerMemory` owns its allocation; peers keep mappings of it, so it must
 outlive every kernel that can touch it on any rank. Call `close()` only after a
