@@ -10,6 +10,7 @@ serving each request: a prefill or decode process that dies fails its requests w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,8 +60,16 @@ class Flight:
 
     admitted: Admitted
     inbox: asyncio.Queue[TokenMessage] = field(default_factory=asyncio.Queue)
+    aborted: asyncio.Future[StageError] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    unanswered_submit: asyncio.Task[Placement] | None = None  # the scheduler's answer, still due after an abort
     placement: Placement | None = None
     watched: dict[StageKey, float] = field(default_factory=dict)  # stage -> its started_at when placed
+
+    def abort(self, error: StageError) -> None:
+        """End the request from the gateway's side (cancel, shutdown), whatever phase it is in."""
+        self.inbox.put_nowait(error)  # read by the token loop
+        if not self.aborted.done():
+            self.aborted.set_result(error)  # read while the scheduler is still placing the request
 
 
 class Gateway:
@@ -91,7 +100,7 @@ class Gateway:
         while self.flights and not deadline.expired:
             await asyncio.sleep(0.05)
         for request_id, flight in list(self.flights.items()):
-            flight.inbox.put_nowait(StageError(request_id=request_id, code="unavailable", message="gateway shut down", stage=f"gateway:{self.id}"))
+            flight.abort(StageError(request_id=request_id, code="unavailable", message="gateway shut down", stage=f"gateway:{self.id}"))
         while self.flights:
             await asyncio.sleep(0.01)
         await self.heartbeater.stop()
@@ -115,7 +124,7 @@ class Gateway:
         cancel = unpack(msg.data, Cancel)
         flight = self.flights.get(cancel.request_id)
         if flight is not None:
-            flight.inbox.put_nowait(StageError(request_id=cancel.request_id, code="cancelled", message=cancel.reason, stage=f"gateway:{self.id}"))
+            flight.abort(StageError(request_id=cancel.request_id, code="cancelled", message=cancel.reason, stage=f"gateway:{self.id}"))
 
     async def _on_tokens(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
@@ -170,7 +179,8 @@ class Gateway:
                 log.exception("request_crashed")
                 await send(ErrorReply(error=ErrorInfo("internal", f"{type(e).__name__}: {e}"), request_id=request_id))
             finally:
-                self.flights.pop(request_id, None)
+                await self._cancel_late_placement(flight)
+                self.flights.pop(request_id, None)  # only now may a new request reuse the id here
 
     async def _serve(self, flight: Flight, stream: bool, send: Any, arrival: float) -> None:
         job = flight.admitted.job
@@ -228,7 +238,25 @@ class Gateway:
         return Timing(queue_ms=queue_ms, ttft_ms=ttft_ms if ttft_ms is not None else total, total_ms=total, compute_ms=completion.compute_ms)
 
     async def _submit(self, flight: Flight, deadline: Deadline) -> Placement:
-        job = flight.admitted.job
+        """The scheduler's placement; a cancel (or shutdown) while it decides fails the request at once.
+
+        The scheduler may not have seen that cancel (it ignores one that overtakes the request
+        on the way there), so its answer is still awaited afterwards: `_cancel_late_placement`.
+        """
+        asking = asyncio.ensure_future(self._ask_scheduler(flight.admitted.job, deadline))
+        await asyncio.wait({asking, flight.aborted}, return_when=asyncio.FIRST_COMPLETED)
+        if not asking.done():
+            flight.unanswered_submit = asking
+            error = flight.aborted.result()
+            raise Failed(error.code, f"{error.stage}: {error.message}")
+        placement = asking.result()
+        now = time.monotonic()
+        for key in (("prefill", placement.prefill_instance, 0), ("decode", placement.decode_instance, placement.decode_rank)):
+            seen = self.stages.setdefault(key, (now, 0.0))  # placed there: as good as a heartbeat
+            flight.watched[key] = seen[1]
+        return placement
+
+    async def _ask_scheduler(self, job: Job, deadline: Deadline) -> Placement:
         try:
             ack = await self.bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=deadline.timeout(cap=self.settings.submit_timeout_s))
         except NoResponders as e:
@@ -239,12 +267,21 @@ class Gateway:
             raise Failed("unavailable", f"the scheduler did not answer: {e}") from e
         if ack.placement is None:
             raise Failed(ack.error_code or "internal", ack.error_message)
-        now = time.monotonic()
-        placement = ack.placement
-        for key in (("prefill", placement.prefill_instance, 0), ("decode", placement.decode_instance, placement.decode_rank)):
-            seen = self.stages.setdefault(key, (now, 0.0))  # placed there: as good as a heartbeat
-            flight.watched[key] = seen[1]
-        return placement
+        return ack.placement
+
+    async def _cancel_late_placement(self, flight: Flight) -> None:
+        """After an abort during placement (the client has its answer): free what the scheduler placed.
+
+        The cancel goes out once the scheduler has answered, so it reaches the decode rank
+        after its reservation and the prefill instance after its task, whatever the
+        scheduler saw before. Until then the flight holds the request id, so this cancel
+        cannot hit a new request that reuses the id on this gateway.
+        """
+        if flight.unanswered_submit is None:
+            return
+        with contextlib.suppress(Exception):  # placed, refused or silent: cancel all the same
+            await flight.unanswered_submit
+        await self._cancel_downstream(flight.admitted.job.request_id, "cancelled while the scheduler placed it")
 
     async def _next_batch(self, flight: Flight, deadline: Deadline, first: bool) -> TokenBatch:
         """The next token batch; Failed on stage error, cancel, deadline, or a serving stage gone silent."""
@@ -271,6 +308,5 @@ class Gateway:
                 raise Failed("unavailable", f"{role} {instance}/{rank} serving this request stopped responding")
 
     async def _cancel_downstream(self, request_id: str, reason: str) -> None:
-        """Let prefill/decode drop the request and free its KV (we stopped listening first)."""
-        self.flights.pop(request_id, None)
+        """Let the scheduler, prefill and decode drop the request and free its KV."""
         await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(request_id, reason)))
