@@ -11,6 +11,7 @@ are CUDA-graph capturable and never synchronise with the host.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import cuda.bindings.driver as cuda
@@ -40,7 +41,12 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).
-_ALIGN_AB, _ALIGN_OUT, _ALIGN_WORD = 16, 2, 4
+_ALIGN_AB, _ALIGN_WORD = 16, 4
+
+
+def _out_align(cfg: GroupedGemmConfig) -> int:
+    """The epilogue's vector store width in bytes: 16 when output rows are 16-byte multiples."""
+    return 2 * math.gcd(8, cfg.out_n)
 
 
 def _compile_args(cfg: GroupedGemmConfig) -> list:
@@ -48,7 +54,7 @@ def _compile_args(cfg: GroupedGemmConfig) -> list:
     return [
         make_ptr(ab, 0, _GMEM, assumed_align=_ALIGN_AB),
         make_ptr(ab, 0, _GMEM, assumed_align=_ALIGN_AB),
-        make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=_ALIGN_OUT),
+        make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=_out_align(cfg)),
         make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
@@ -117,7 +123,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     fn(
         _ptr(x, ab, _ALIGN_AB),
         _ptr(w, ab, _ALIGN_AB),
-        _ptr(out, cutlass.BFloat16, _ALIGN_OUT),
+        _ptr(out, cutlass.BFloat16, _out_align(cfg)),
         _ptr(groups, cutlass.Int32, _ALIGN_WORD),
         _ptr(x_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
         _ptr(w_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,

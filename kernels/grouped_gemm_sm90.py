@@ -5,7 +5,8 @@ One persistent, warp-specialised kernel serves every variant:
 * operand types: bf16 x bf16, or FP8 E4M3 x E4M3 with DeepSeek-style block
   scales (1x128 per token for the activations, 128x128 for the weights; the
   partial product of every 128-wide K block is scaled in registers and added
-  to an fp32 accumulator, "scale promotion");
+  to an fp32 accumulator, "scale promotion").  Two partials alternate so that
+  block k+1's WGMMAs run while block k is promoted;
 * token layouts: *contiguous* (rows of all experts back to back, ``offsets``
   [E+1] int32 on the GPU) or *masked* (``[E, max_tokens, K]`` with ``counts``
   [E] int32 on the GPU).  Nothing is read back to the host.
@@ -23,24 +24,23 @@ L2; CTA ``b`` of ``G`` takes tiles ``b, b+G, ...``.  Warp 0 issues TMA loads
 for A (the tokens) and B (the weights) into a multi-stage mbarrier pipeline;
 one or two consumer warpgroups run WGMMA and the epilogue.
 
-Rows of a tile that belong to the next expert (contiguous layout) or lie past
-an expert's count (masked layout) are loaded but never stored: the epilogue
-predicates every store on the tile's real row and column extent, so N and the
-token counts need not be multiples of the tile, and TMA zero-fills K and N
-beyond the tensor bounds.
+Epilogue: the accumulators (after SwiGLU / row weights in registers) go to
+shared memory with ``stmatrix`` in chunks of ``EPI_N`` columns (two buffers),
+then every consumer thread stores 16-byte vectors to global memory.  Rows of a
+tile that belong to the next expert (contiguous layout) or lie past an
+expert's count (masked layout) are loaded and computed but never stored: each
+vector store is predicated on its row and column, so N and the token counts
+need not be multiples of the tile, and TMA zero-fills K and N beyond the
+tensor bounds.  (A TMA store could not respect expert boundaries inside a tile
+without a tensor map per expert.)
 
-Measured on one H200 (bench/results/grouped_gemm.jsonl, commit cd897b9 and
-earlier lines; 128 experts): bf16 decode streams weights at 3.8-4.3 TB/s for
-1-16 tokens per expert (1.2-1.7x torch._grouped_mm), FP8 takes about half the
-bf16 time; prefill reaches 410-525 TFLOP/s bf16 and 556-762 FP8 (Qwen3-235B
-shapes), below torch._grouped_mm at 2048 tokens per expert.  Known limits of
-this version: the epilogue stores one bf16 element per instruction and is not
-overlapped with the next tile's MMA (both consumer warpgroups work on one
-tile), no TMA multicast across a cluster, and the FP8 mainloop waits for each
-K block's WGMMAs before promoting (one partial accumulator).  The fused SwiGLU
-kernel, which uses 128x128 tiles, ran faster than the plain bf16 kernel on
-128x256 tiles at the same shape (519 vs 479 TFLOP/s), so the tile choice for
-bf16 prefill is the first thing to revisit.
+Measured on one H200 before the vector-store epilogue and the two-partial FP8
+mainloop (bench/results/grouped_gemm.jsonl, commit cd897b9 and earlier; 128
+experts): bf16 decode streams weights at 3.8-4.3 TB/s for 1-16 tokens per
+expert (1.2-1.7x torch._grouped_mm), FP8 takes about half the bf16 time;
+prefill reached 410-525 TFLOP/s bf16 and 556-762 FP8 (Qwen3-235B shapes).
+Not done: TMA multicast across a cluster, and overlapping one tile's epilogue
+with the next tile's MMAs (both consumer warpgroups work on one tile).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ from cutlass.tensor_utils import LayoutEnum
 SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
 SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
+EPI_N = 32  # output columns per epilogue chunk (staged through shared memory)
+EPI_BUFFERS = 2  # chunks in flight: chunk i+1 is written while chunk i is stored
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,10 @@ class GroupedGemmSm90:
         elem_bytes = self.ab_dtype.width // 8
         stage_bytes = (cfg.tile_m + cfg.tile_n) * self.tile_k * elem_bytes
         reserved = 2048 + 12 * (cfg.num_experts + 1)  # mbarriers + schedule
-        self.stages = min(8, (SMEM_CAPACITY - reserved) // stage_bytes)
+        epi_bytes = EPI_BUFFERS * cfg.tile_m * EPI_N * 2
+        self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes) // stage_bytes)
+        # Output elements per 16-byte global store in the epilogue (fewer when rows are not 16-byte aligned).
+        self.store_vec = math.gcd(8, cfg.out_n)
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
 
@@ -173,6 +178,9 @@ class GroupedGemmSm90:
         tile_mnk = (cfg.tile_m, cfg.tile_n, self.tile_k)
         self.a_smem_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.stages)
         self.b_smem_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.stages)
+        self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), EPI_BUFFERS
+        )
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mA,
@@ -195,11 +203,12 @@ class GroupedGemmSm90:
             row_count: cute.struct.MemRange[cutlass.Int32, E]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
+            sEpi: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, mC, mGroups, mSFA, mSFB, mRowW, rows, self.tiled_mma,
-            self.a_smem_layout, self.b_smem_layout,
+            self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
         ).launch(
             grid=[cfg.num_sms, 1, 1],
             block=[self.threads, 1, 1],
@@ -224,6 +233,7 @@ class GroupedGemmSm90:
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
+        epi_smem_layout: cute.ComposedLayout,
     ):
         cfg = self.cfg
         E = cfg.num_experts
@@ -259,6 +269,7 @@ class GroupedGemmSm90:
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sEpi = storage.sEpi.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
         total_tiles = s_tile_begin[E]
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
 
@@ -272,7 +283,7 @@ class GroupedGemmSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tiled_mma, sA, sB, mC, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, bidx, total_tiles,
+                tiled_mma, sA, sB, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, bidx, total_tiles,
                 s_tile_begin, s_row_start, s_row_count,
             )
 
@@ -355,7 +366,7 @@ class GroupedGemmSm90:
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consume(self, tiled_mma, sA, sB, mC, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, bidx, total_tiles,
+    def _consume(self, tiled_mma, sA, sB, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, bidx, total_tiles,
                  s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
@@ -368,7 +379,10 @@ class GroupedGemmSm90:
         # Coordinates of this thread's accumulator elements inside a tile.
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-        part = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)  # per-K-block partial (FP8 only)
+        # FP8: two per-K-block partials, so one block's WGMMAs run while the other is promoted.
+        part0 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        part1 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        epi = self._epilogue_setup(tiled_mma, sEpi, acc, mma_tidx)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
@@ -383,14 +397,14 @@ class GroupedGemmSm90:
             # so that the DSL carries them across iterations of this tile loop.
             if cutlass.const_expr(cfg.fp8):
                 read_state, release_state = self._mainloop_block_scaled(
-                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows, row0, batch,
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB, rows, row0, batch,
                     expert, n_tile, mainloop, read_state, release_state,
                 )
             else:
                 read_state, release_state = self._mainloop(
                     tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state
                 )
-            self._epilogue(acc, tCcC, mC, mRowW, row0, rows_left, n_tile, batch)
+            self._epilogue(acc, tCcC, epi, sEpi, mC, mRowW, rows, row0, rows_left, n_tile, batch)
             tile = tile + cfg.num_sms
 
     @cute.jit
@@ -416,78 +430,166 @@ class GroupedGemmSm90:
         release_state.advance()
         return read_state, release_state
 
+    # ------------------------------------------------- FP8 block-scaled mainloop
     @cute.jit
-    def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows,
-                               row0, batch, expert, n_tile, mainloop, read_state, release_state):
-        """FP8: per 128-wide K block, WGMMA into ``part`` then ``acc += part * sa[row] * sb``.
+    def _block_scales(self, mSFA, mSFB, r_lo, r_hi, k_tile, batch, expert, n_tile):
+        """The four products ``sa[row] * sb[column half]`` one thread needs for K block ``k_tile``.
 
         Each thread's accumulator covers two rows per 64-row warpgroup slice
-        (``r`` and ``r + 8``); their activation scales are loaded before the
-        stage wait so the global-load latency hides behind the TMA wait.
+        (``r`` and ``r + 8``); with SwiGLU (or none) the tile's two column
+        halves carry one weight scale each (see interleave_gate_up).
         """
-        cfg = self.cfg
+        sa_lo = mSFA[(r_lo, k_tile, batch)]
+        sa_hi = mSFA[(r_hi, k_tile, batch)]
+        sb_first = mSFB[(n_tile * self.scale_rows_per_tile, k_tile, expert)]
+        sb_second = mSFB[(n_tile * self.scale_rows_per_tile + self.scale_rows_per_tile - 1, k_tile, expert)]
+        return sa_lo * sb_first, sa_hi * sb_first, sa_lo * sb_second, sa_hi * sb_second
+
+    @cute.jit
+    def _issue_block(self, tiled_mma, tCrA, tCrB, num_k_blocks, part, mainloop, read_state):
+        """Wait for the next stage and issue its WGMMAs into a fresh ``part`` (not waited for)."""
+        mainloop.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            coord = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.commit_group()
+        read_state.advance()
+        return read_state
+
+    @cute.jit
+    def _promote(self, acc, part, s0, s1, s2, s3, mainloop, release_state):
+        """``acc += part * scale`` for a finished K block, then free its stage."""
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        scales = (s0, s1, s2, s3)
+        size = cute.size(acc)
+        for i in cutlass.range_constexpr(size):
+            # element order: (column pair, row half, 8-column block)
+            which = (i // 2) % 2 + (2 if i >= size // 2 else 0)
+            acc[i] = acc[i] + part[i] * scales[which]
+        return release_state
+
+    @cute.jit
+    def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB,
+                               rows, row0, batch, expert, n_tile, mainloop, read_state, release_state):
+        """FP8: per 128-wide K block, WGMMA into a fresh partial, then ``acc += part * sa[row] * sb``.
+
+        Two partials alternate: block k+1's WGMMAs are issued before block k is
+        promoted, so the tensor cores never wait for the promotion (DeepGEMM's
+        schedule; one batch stays in flight, ``wait_group(1)``).  K blocks go in
+        pairs (part0, part1); the static tail finishes an odd or even count.
+        Scales are loaded when a block is issued and used when it is promoted,
+        which hides their global-load latency behind the WGMMAs.
+        """
         acc.fill(0.0)
-        # The two distinct rows of this thread (accumulator element order is
-        # (col pair, row half, col block), so elements 0 and 2 start each row).
         r_lo = row0 + tCcC[0][0]
         r_hi = row0 + tCcC[2][0]
         r_lo = r_lo if r_lo < rows else rows - 1  # rows past the tensor hold no scale
         r_hi = r_hi if r_hi < rows else rows - 1
-        for k_tile in cutlass.range(self.k_tiles, unroll=1):
-            sa_lo = mSFA[(r_lo, k_tile, batch)]
-            sa_hi = mSFA[(r_hi, k_tile, batch)]
-            # Weight scale of the tile's columns; with SwiGLU the tile's gate and up
-            # halves come from different 128-row blocks and carry one scale each.
-            sb_first = mSFB[(n_tile * self.scale_rows_per_tile, k_tile, expert)]
-            sb_second = mSFB[(n_tile * self.scale_rows_per_tile + self.scale_rows_per_tile - 1, k_tile, expert)]
-            mainloop.consumer_wait(read_state)
-            cute.nvgpu.warpgroup.fence()
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read_state.index)
-                cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.commit_group()
+        a0, a1, a2, a3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, 0, batch, expert, n_tile)
+        read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part0, mainloop, read_state)
+        for pair in cutlass.range((self.k_tiles - 1) // 2, unroll=1):
+            k = 2 * pair
+            b0, b1, b2, b3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, k + 1, batch, expert, n_tile)
+            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
+            cute.nvgpu.warpgroup.wait_group(1)
+            release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)
+            a0, a1, a2, a3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, k + 2, batch, expert, n_tile)
+            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part0, mainloop, read_state)
+            cute.nvgpu.warpgroup.wait_group(1)
+            release_state = self._promote(acc, part1, b0, b1, b2, b3, mainloop, release_state)
+        # part0 holds the last block issued above: k_tiles - 1 (odd count) or k_tiles - 2 (even count).
+        if cutlass.const_expr(self.k_tiles % 2 == 0):
+            b0, b1, b2, b3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, self.k_tiles - 1, batch, expert, n_tile)
+            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
+            cute.nvgpu.warpgroup.wait_group(1)
+            release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)
             cute.nvgpu.warpgroup.wait_group(0)
-            mainloop.consumer_release(read_state)
-            scales = (sa_lo * sb_first, sa_hi * sb_first, sa_lo * sb_second, sa_hi * sb_second)
-            size = cute.size(acc)
-            for i in cutlass.range_constexpr(size):
-                # element order: (column pair, row half, 8-column block)
-                which = (i // 2) % 2 + (2 if i >= size // 2 else 0)
-                acc[i] = acc[i] + part[i] * scales[which]
-            read_state.advance()
-            release_state.advance()
+            release_state = self._promote(acc, part1, b0, b1, b2, b3, mainloop, release_state)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)
         return read_state, release_state
 
+    # --------------------------------------------------------------- epilogue
     @cute.jit
-    def _epilogue(self, acc, tCcC, mC, mRowW, row0, rows_left, n_tile, batch):
-        """Predicated register->global store of one tile (optionally SwiGLU / row-weighted)."""
+    def _epilogue_setup(self, tiled_mma, sEpi, acc, mma_tidx):
+        """Copy partitions of the epilogue, made once per CTA.
+
+        Registers -> shared memory with ``stmatrix`` in chunks of ``EPI_N``
+        columns; shared -> global with 16-byte vector stores by all consumer
+        threads, each predicated on its row (the tile's rows may run past the
+        expert) and column.
+        """
         cfg = self.cfg
+        r2s_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, self.acc_dtype)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_r2s = r2s.get_slice(mma_tidx)
+        tRS_sD = thr_r2s.partition_D(sEpi)
+        tRS_rAcc = r2s.retile(acc)
+        rD_shape = cute.shape(thr_r2s.partition_S(sEpi))[:3]
+        vec = self.store_vec
+        vecs_per_row = EPI_N // vec
+        threads = 128 * self.num_consumer_wg
+        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype, num_bits_per_copy=16 * vec)
+        s2g = cute.make_tiled_copy_tv(
+            s2g_atom,
+            cute.make_layout((threads // vecs_per_row, vecs_per_row), stride=(vecs_per_row, 1)),
+            cute.make_layout((1, vec)),
+        )
+        thr_s2g = s2g.get_slice(mma_tidx)
+        tSG_sD = thr_s2g.partition_S(sEpi)
+        tSG_cD = thr_s2g.partition_S(cute.make_identity_tensor((cfg.tile_m, EPI_N)))
+        return r2s, tRS_sD, tRS_rAcc, rD_shape, thr_s2g, s2g_atom, tSG_sD, tSG_cD
+
+    @cute.jit
+    def _epilogue(self, acc, tCcC, epi, sEpi, mC, mRowW, rows, row0, rows_left, n_tile, batch):
+        """Activation / row weights in registers, then the tile through shared memory to global."""
+        cfg = self.cfg
+        r2s, tRS_sD, tRS_rAcc, rD_shape, thr_s2g, s2g_atom, tSG_sD, tSG_cD = epi
         size = cute.size(acc)
+        out_cols = cfg.tile_n // 2 if cutlass.const_expr(cfg.swiglu) else cfg.tile_n
         if cutlass.const_expr(cfg.swiglu):
-            half = cfg.tile_n // 2
-            col0 = n_tile * half
             # Element i (gate, column c) pairs with element i + size/2 (up, column
-            # c + half): the accumulator's last mode walks 8-column blocks.
+            # c + half): the accumulator's last mode walks 8-column blocks.  The
+            # result replaces the gate half, which is the output tile.
             for i in cutlass.range_constexpr(size // 2):
-                r = tCcC[i][0]
-                c = tCcC[i][1]
-                if r < rows_left:
-                    g = acc[i]
-                    u = acc[i + size // 2]
-                    y = g / (1.0 + cute.math.exp(-g, fastmath=True)) * u
-                    if cutlass.const_expr(cfg.row_weights):
-                        y = y * mRowW[(row0 + r, batch)]
-                    mC[(row0 + r, col0 + c, batch)] = y.to(self.c_dtype)
-        else:
-            col0 = n_tile * cfg.tile_n
-            cols_left = cfg.n - col0
-            for i in cutlass.range_constexpr(size):
-                r = tCcC[i][0]
-                c = tCcC[i][1]
-                if r < rows_left and c < cols_left:
-                    y = acc[i]
-                    if cutlass.const_expr(cfg.row_weights):
-                        y = y * mRowW[(row0 + r, batch)]
-                    mC[(row0 + r, col0 + c, batch)] = y.to(self.c_dtype)
+                g = acc[i]
+                acc[i] = g / (1.0 + cute.math.exp(-g, fastmath=True)) * acc[i + size // 2]
+        if cutlass.const_expr(cfg.row_weights):
+            r_lo = row0 + tCcC[0][0]
+            r_hi = row0 + tCcC[2][0]
+            w_lo = mRowW[(r_lo if r_lo < rows else rows - 1, batch)]
+            w_hi = mRowW[(r_hi if r_hi < rows else rows - 1, batch)]
+            for i in cutlass.range_constexpr(size // 2 if cutlass.const_expr(cfg.swiglu) else size):
+                acc[i] = acc[i] * (w_hi if (i // 2) % 2 else w_lo)
+        col0 = n_tile * out_cols
+        # Element offset of this expert's output rows (masked layout: [E, rows, out_n]).
+        batch_first = cutlass.Int64(batch) * rows * cfg.out_n
+        rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
+        rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
+        n_rd = cute.size(rD)
+        barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_consumer_wg)
+        for chunk in cutlass.range_constexpr(out_cols // EPI_N):
+            buf = chunk % EPI_BUFFERS
+            for v in cutlass.range_constexpr(n_rd):
+                rD[v] = tRS_rAcc[chunk * n_rd + v]
+            rD_out.store(rD.load().to(self.c_dtype))
+            cute.copy(r2s, rD_out, tRS_sD[(None, None, None, buf)])
+            # Every consumer thread wrote its part of the chunk; with two buffers the
+            # next chunk's writes go to the other one, so one barrier per chunk suffices.
+            barrier.arrive_and_wait()
+            cols_left = cfg.out_n - (col0 + chunk * EPI_N)
+            # Rows are out_n elements apart and chunks start at multiples of EPI_N, so the
+            # chunk's first element is store_vec-aligned: say so, or the stores get split.
+            first = cute.assume(batch_first + row0 * cfg.out_n + col0 + chunk * EPI_N, divby=self.store_vec)
+            gD = cute.make_tensor(mC.iterator + first, cute.make_layout((cfg.tile_m, EPI_N), stride=(cfg.out_n, 1)))
+            tSG_gD = thr_s2g.partition_D(gD)
+            for m in cutlass.range_constexpr(cute.size(tSG_sD, mode=[1])):
+                coord = tSG_cD[(0, m, 0)]
+                if coord[0] < rows_left and coord[1] < cols_left:
+                    cute.copy(s2g_atom, tSG_sD[(None, m, 0, buf)], tSG_gD[(None, m, 0)])

@@ -1,0 +1,45 @@
+#!/bin/bash
+# One device call on 2x H200 (kind "nvidia-h200-x2") for the grouped GEMM, the two GPUs in parallel:
+#   GPU 0: tests/gpu/test_gemm_grouped.py (correctness, full file), then the bench with forced variants
+#          given by GG_VARIANT_ARGS (e.g. "--bf16-prefill-tile-n 128 --only gemm:qwen3-235b:gate_up:prefill");
+#   GPU 1: bench/grouped_gemm.py, all cases (ours vs torch._grouped_mm / torch._scaled_grouped_mm, same run).
+# Logs: $OUT/*.log; bench lines: $OUT/gpu0/grouped_gemm.jsonl and $OUT/gpu1/grouped_gemm.jsonl (append both
+# to bench/results/grouped_gemm.jsonl here). Every step has a wall limit, every test a pytest-timeout.
+# Carry: [".gpu/cutedsl-4.8.1-cp312-cu13.tar.xz", ".cache/commit"]; before the call:
+#   git rev-parse --short=12 HEAD > .cache/commit
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p /tmp/gpu-site && xz -dc .gpu/cutedsl-4.8.1-cp312-cu13.tar.xz | tar x -C /tmp/gpu-site || exit 1
+COMMIT=${MOEBUS_COMMIT:-$(cat .cache/commit 2>/dev/null || echo unknown)}
+export PYTHONPATH=$PWD:/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 MOEBUS_COMMIT=$COMMIT
+PYTEST="python3 -m pytest -q -s -ra -p no:cacheprovider"
+mkdir -p "$OUT/gpu0" "$OUT/gpu1"
+{ date -u; echo "commit $COMMIT"; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; } > "$OUT/run.log" 2>&1
+
+# step NAME LIMIT_S COMMAND...: run with a wall limit, log to $OUT/NAME.log, one summary line in run.log.
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s (limit ${limit}s): $*" >> "$OUT/run.log"
+  return $rc
+}
+
+(
+  export CUDA_VISIBLE_DEVICES=0 MOEBUS_RESULTS_DIR=$OUT/gpu0
+  step gemm_tests "${GG_TEST_LIMIT:-150}" $PYTEST --timeout=90 tests/gpu/test_gemm_grouped.py
+  [ -n "$GG_VARIANT_ARGS" ] && step bench_variant "${GG_VARIANT_LIMIT:-90}" python3 -m bench.grouped_gemm $GG_VARIANT_ARGS
+) &
+gpu0=$!
+(
+  export CUDA_VISIBLE_DEVICES=1 MOEBUS_RESULTS_DIR=$OUT/gpu1
+  step bench "${GG_BENCH_LIMIT:-150}" python3 -m bench.grouped_gemm ${GG_BENCH_ARGS:-}
+) &
+gpu1=$!
+wait $gpu0 $gpu1
+echo "=== done $(date -u +%T), ${SECONDS}s" >> "$OUT/run.log"
+cat "$OUT/run.log"
+grep -h -E "passed|failed|FAILED|Error|rel_fro" "$OUT/gemm_tests.log" | tail -45
+grep -h -E "^\[|ceilings|quantize_act" "$OUT/bench_variant.log" "$OUT/bench.log" 2>/dev/null | cut -c1-150
