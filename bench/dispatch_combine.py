@@ -47,12 +47,12 @@ def _bench_rank(rank: int, world: int) -> list[dict]:
             y = torch.randn(dc.num_local, dc.capacity, HIDDEN, device="cuda").bfloat16()
 
             def dispatch():
-                dc.dispatch_send(x, ids, n)
+                dc.dispatch_send(x, ids, w, n)
                 dc.dispatch_recv()
 
             def combine():
                 dc.combine_send(y)
-                dc.combine_recv(w, n, out)
+                dc.combine_recv(ids, n, out)
 
             def round_():
                 dispatch()
@@ -83,10 +83,10 @@ def _bench_rank(rank: int, world: int) -> list[dict]:
             dist.barrier()
 
         ref = DispatchCombineReference(dist.group.WORLD, EXPERTS, tokens, HIDDEN, TOPK)
-        recv = ref.dispatch(x, ids, n)
+        recv = ref.dispatch(x, ids, w, n)
         y_ref = torch.randn(recv[0].shape, device="cuda").bfloat16()
-        row["ref_dispatch_us"] = ranks_time_us(lambda: ref.dispatch(x, ids, n), reps=20)
-        row["ref_combine_us"] = ranks_time_us(lambda: ref.combine(y_ref, recv[2], recv[3], w, n), reps=20)
+        row["ref_dispatch_us"] = ranks_time_us(lambda: ref.dispatch(x, ids, w, n), reps=20)
+        row["ref_combine_us"] = ranks_time_us(lambda: ref.combine(y_ref, recv[2], recv[3], ids, n), reps=20)
         a2a_in = torch.randn(tokens * TOPK * HIDDEN, device="cuda").bfloat16()
         a2a_out = torch.empty_like(a2a_in)
         graph = capture_graph(lambda: dist.all_to_all_single(a2a_out, a2a_in), 10)
