@@ -183,3 +183,31 @@ def copy_vec(src: Int64, dst: Int64, dtype: cutlass.Constexpr, vec: cutlass.Cons
     s = cute.make_tensor(gptr(dtype, src), cute.make_layout(vec))
     d = cute.make_tensor(gptr(dtype, dst), cute.make_layout(vec))
     d.store(s.load())
+
+
+@cute.jit
+def load_vec(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32, align: cutlass.Constexpr = 16):
+    """Load ``vec`` elements at ``addr`` unconverted (for copies); elements at index >= ``valid`` read as 0."""
+    frag = cute.make_rmem_tensor((vec,), dtype)
+    g = cute.make_tensor(gptr(dtype, addr, align), cute.make_layout(vec))
+    if valid >= vec:
+        frag.store(g.load())
+    else:
+        frag.fill(0.0)
+        for e in cutlass.range_constexpr(vec):
+            if e < valid:
+                frag[e] = g[e]
+    return frag
+
+
+@cute.jit
+def store_vec(addr: Int64, frag, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32, align: cutlass.Constexpr = 16):
+    """Store ``frag`` (already ``dtype``); only the first ``valid`` elements are written."""
+    g = cute.make_tensor(gptr(dtype, addr, align), cute.make_layout(vec))
+    if valid >= vec:
+        g.store(frag.load())
+    else:
+        for e in cutlass.range_constexpr(vec):
+            if e < valid:
+                g[e] = frag[e]
+

@@ -1,34 +1,50 @@
 """All-reduce (sum) over NVLink peer memory: one-shot and two-shot CuTeDSL kernels.
 
-Both kernels *push*: a rank writes its data into slots in its peers' buffers (a
-remote store costs the same as a remote load over NVLink, and pushing lets the
-receiver reduce from its own HBM). Each CTA only ever synchronises with the CTA of
-the same index on the other ranks, because all ranks split the message the same
-way; no grid-wide barrier is needed.
+Both kernels *push*: a rank writes its data into slots in its peers' buffers with
+plain stores (fire-and-forget over NVLink, so the link stays busy without many
+loads in flight) and reduces from its own HBM. Each CTA only ever synchronises
+with the CTA of the same index on the other ranks, because all ranks split the
+message the same way; no grid-wide barrier is needed.
 
-* one-shot (small messages; up to 16 MiB for two ranks): push the whole input to
-  every peer's slot ``[parity][my rank]``, one barrier, then every rank sums all
-  ``world`` slots. Traffic per rank: (world-1) x message, latency: one barrier.
-* two-shot (large messages): reduce-scatter then all-gather. Slice p of the input
-  goes to rank p's slot; rank p sums its slice, keeps it in its result area and
-  writes its own output; after a second barrier every rank pulls the other
-  slices. Traffic per rank: 2 (world-1)/world x message.
+* one-shot (small messages): push the whole input to every peer's slot
+  ``[parity][my rank]``, one barrier, then every rank sums all ``world`` slots.
+  Traffic per rank: (world-1) x message; latency: one barrier.
+* two-shot (large messages): reduce-scatter then all-gather, both pushed, in one
+  launch that walks the message in pipeline steps ("chunks") of
+  ``world x slice`` elements. Per chunk k:
+    A_k  slice p of my input -> rank p's slot ``[parity][me]``  (NVLink stores),
+         overlapped with C_{k-1}: the slices my peers pushed into my gather area
+         in step k-1 -> my output (local copy);
+    ---  barrier with the same CTA of every peer
+    B_k  sum my slice (my input + the world-1 slots, rank order), write it to my
+         output and push it into every peer's gather area ``[me]``;
+    ---  barrier
+  and after the last chunk the remaining gather -> output copy. Traffic per rank:
+  2 (world-1)/world x message, all of it stores; the local copies hide under the
+  NVLink-bound pushes, and the input is read straight from the caller's tensor
+  and the result written straight to the caller's output (no staging copy).
 
 A streamed one-shot (per-CTA steps with a flag per step, pushing step s while
 reducing s-1) was tried and measured slower at every size on 2xH200 (commit
 b730c5da9ea3 in bench/results/allreduce.jsonl): the per-step system-scope fences
-cost more than the overlap gains.
+cost more than the overlap gains. The earlier two-shot (one launch per 64 MiB,
+gather pulled over NVLink after a separate local reduce pass) reached 0.93x NCCL
+bus bandwidth at 256 MiB (same file).
 
 Identical bits on every rank: sums run in fp32 in rank order 0..world-1 (one-shot:
 each rank does the same arithmetic; two-shot: each slice is summed once and copied).
 
-Buffer reuse without a trailing barrier: the slot area is double-buffered by epoch
-parity. Before a rank writes slots of parity P in call k+1 it has passed call k's
-barrier with the peer, so the peer's kernel of call k-1 (the last reader of parity
-P) has completed. The two-shot result area is rewritten only after call k+1's first
-barrier, by when every peer has finished call k.
-
-Messages larger than the buffer run as several launches (chunks).
+Buffer reuse without a trailing barrier:
+* slots are double-buffered by launch parity. Before a rank writes slots of parity
+  P in launch e+1 it has passed launch e's barriers with the peer, so the peer's
+  launch e-1 (the last reader of parity P) has completed. Inside one two-shot
+  launch a CTA rewrites a slot position in A_{k+1} only after the barrier the
+  peer's same CTA (the only reader of that position) signals after B_k.
+* the gather area is written in B_k only after the first barrier of step k: the
+  peer's same CTA has then finished C_{k-1} (it signals after A_k + C_{k-1}), and
+  at k = 0 the peer's previous launch (whose final copy read it) has completed.
+Flag values are ``epoch * FLAG_STEPS + step``, monotone over launches of both
+kernels (they share the flag rows).
 """
 
 from __future__ import annotations
@@ -49,14 +65,20 @@ from kernels._cute_comm import (
     VEC_BYTES,
     cta_barrier,
     finish_launch,
+    load_vec,
     load_vec_f32,
     peer_base,
     read_epoch,
+    store_vec,
     store_vec_f32,
 )
 
 Algorithm = Literal["one_shot", "two_shot"]
 THREADS = 512
+# Barrier steps one launch may use: flag value = epoch * FLAG_STEPS + step, step >= 1.
+FLAG_STEPS = 1 << 12
+# Two barriers per two-shot chunk, so a launch walks at most this many chunks.
+MAX_CHUNKS = (FLAG_STEPS - 1) // 2
 _CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32, torch.float16: cutlass.Float16}
 SUPPORTED_DTYPES = tuple(_CUTE_DTYPES)
 
@@ -90,6 +112,16 @@ def _vec(dtype) -> int:
     return VEC_BYTES * 8 // dtype.width
 
 
+def slice_elems(count: int, world: int, vec: int) -> int:
+    """Elements of one rank's slice of a ``count``-element chunk: ceil(count / world) rounded up to ``vec``."""
+    return -(-(-(-count // world)) // vec) * vec
+
+
+@cute.jit
+def _slice_elems(count: Int32, world: cutlass.Constexpr, vec: cutlass.Constexpr) -> Int32:
+    return ((count + world - 1) // world + vec - 1) // vec * vec
+
+
 @cute.jit
 def _accumulate(acc, x, first: cutlass.Constexpr):
     """``acc + x`` into a fresh fragment; ``first`` starts the sum at ``x`` (keeps -0.0 like the reference)."""
@@ -99,6 +131,22 @@ def _accumulate(acc, x, first: cutlass.Constexpr):
     else:
         res.store(acc.load() + x.load())
     return res
+
+
+@cute.jit
+def _rank_ordered_sum(own_addr: Int64, own_valid: Int32, slot_row: Int64, slot_bytes: Int64, off: Int64,
+                      dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr):
+    """fp32 sum, in rank order, of my ``own_valid`` elements at ``own_addr`` and the peers'
+    vectors at ``slot_row + slot_bytes * q + off`` (all loads issued before the first add)."""
+    vec = _vec(dtype)
+    own = load_vec_f32(own_addr, dtype, vec, own_valid)
+    parts = [own if q == rank else load_vec_f32(slot_row + slot_bytes * q + off, dtype, vec, vec) for q in range(world)]
+    acc = parts[0]
+    for q in cutlass.range_constexpr(1, world):
+        acc = _accumulate(acc, parts[q], False)
+    red = cute.make_rmem_tensor((vec,), dtype)
+    red.store(acc.load().to(dtype))
+    return red
 
 
 @cute.kernel
@@ -113,7 +161,7 @@ def _one_shot_kernel(
     nthr, _, _ = cute.arch.block_dim()
     nblk, _, _ = cute.arch.grid_dim()
     epoch = read_epoch(ctrl)
-    parity_off = slots_off + Int64(epoch & 1) * world * slot_bytes
+    slot_row = slots_off + Int64(epoch & 1) * world * slot_bytes
     bases = [peer_base(table, q) for q in range(world)]
     nvec = (n + vec - 1) // vec
     first = bid * nthr + tid
@@ -121,33 +169,26 @@ def _one_shot_kernel(
 
     for v in cutlass.range(first, nvec, stride):
         e0 = v * vec
-        x = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)
+        x = load_vec(inp + Int64(e0) * esz, dtype, vec, n - e0)
         for q in cutlass.range_constexpr(world):
             if cutlass.const_expr(q != rank):
-                dst = bases[q] + parity_off + slot_bytes * rank + Int64(e0) * esz
-                store_vec_f32(dst, x, dtype, vec, vec)
+                store_vec(bases[q] + slot_row + slot_bytes * rank + Int64(e0) * esz, x, dtype, vec, vec)
 
-    cta_barrier(table, flags_off, rank, world, epoch * 2 + 1)
+    cta_barrier(table, flags_off, rank, world, epoch * FLAG_STEPS + 1)
 
+    mine = bases[rank] + slot_row
     for v in cutlass.range(first, nvec, stride):
         e0 = v * vec
-        acc = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)  # my part, used at q == rank
-        mine = acc
-        for q in cutlass.range_constexpr(world):
-            if cutlass.const_expr(q != rank):
-                x = load_vec_f32(bases[rank] + parity_off + slot_bytes * q + Int64(e0) * esz, dtype, vec, vec)
-                acc = _accumulate(acc, x, q == 0)
-            elif cutlass.const_expr(q != 0):
-                acc = _accumulate(acc, mine, False)
-        store_vec_f32(out + Int64(e0) * esz, acc, dtype, vec, n - e0)
+        red = _rank_ordered_sum(inp + Int64(e0) * esz, n - e0, mine, slot_bytes, Int64(e0) * esz, dtype, world, rank)
+        store_vec(out + Int64(e0) * esz, red, dtype, vec, n - e0)
 
     finish_launch(ctrl)
 
 
 @cute.kernel
 def _two_shot_kernel(
-    inp: Int64, out: Int64, n: Int32, slice_elems: Int32, table: Int64, flags_off: Int64, slots_off: Int64,
-    slot_bytes: Int64, results_off: Int64, ctrl: Int64,
+    inp: Int64, out: Int64, n: Int32, chunk_elems: Int32, table: Int64, flags_off: Int64, slots_off: Int64,
+    slot_bytes: Int64, gather_off: Int64, ctrl: Int64,
     dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
 ):
     vec = _vec(dtype)
@@ -157,49 +198,59 @@ def _two_shot_kernel(
     nthr, _, _ = cute.arch.block_dim()
     nblk, _, _ = cute.arch.grid_dim()
     epoch = read_epoch(ctrl)
-    parity_off = slots_off + Int64(epoch & 1) * world * slot_bytes
+    flag0 = epoch * FLAG_STEPS
+    slot_row = slots_off + Int64(epoch & 1) * world * slot_bytes  # offset of slot [parity][0] in any peer buffer
     bases = [peer_base(table, q) for q in range(world)]
-    svec = slice_elems // vec
+    peers = [q for q in range(world) if q != rank]
     first = bid * nthr + tid
     stride = nblk * nthr
+    full_slice = chunk_elems // world  # every chunk but the last is full
+    num_chunks = (n + chunk_elems - 1) // chunk_elems
 
-    # Phase A (scatter): slice p of my input goes to rank p's slot [parity][rank].
-    for v in cutlass.range(first, svec, stride):
-        for p in cutlass.range_constexpr(world):
-            if cutlass.const_expr(p != rank):
-                e0 = p * slice_elems + v * vec
-                x = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)
-                dst = bases[p] + parity_off + slot_bytes * rank + Int64(v * vec) * esz
-                store_vec_f32(dst, x, dtype, vec, vec)
+    for k in cutlass.range(0, num_chunks, 1):
+        base = k * chunk_elems
+        sl = _slice_elems(cutlass.min(chunk_elems, n - base), world, vec)
+        svec = sl // vec
+        prev = base - chunk_elems  # chunk k-1, full, when k > 0
+        # A_k (+ C_{k-1}): from step 1 on, every thread also copies its part of the
+        # previous chunk's gathered slices, so loop over the full slice length.
+        hi = svec + cutlass.min(k, 1) * (full_slice // vec - svec)
+        for v in cutlass.range(first, hi, stride):
+            off = Int64(v * vec) * esz
+            if v < svec:
+                xs = [load_vec(inp + Int64(base + p * sl + v * vec) * esz, dtype, vec, n - (base + p * sl + v * vec))
+                      for p in peers]
+                for i in cutlass.range_constexpr(world - 1):
+                    store_vec(bases[peers[i]] + slot_row + slot_bytes * rank + off, xs[i], dtype, vec, vec)
+            if k > 0:
+                ys = [load_vec(bases[rank] + gather_off + slot_bytes * p + off, dtype, vec, vec) for p in peers]
+                for i in cutlass.range_constexpr(world - 1):
+                    store_vec(out + Int64(prev + peers[i] * full_slice + v * vec) * esz, ys[i], dtype, vec, vec)
 
-    cta_barrier(table, flags_off, rank, world, epoch * 2 + 1)
+        cta_barrier(table, flags_off, rank, world, flag0 + 2 * k + 1)
 
-    # Phase B (reduce my slice): rank order 0..world-1, my own part straight from the input.
-    mine = rank * slice_elems
-    for v in cutlass.range(first, svec, stride):
-        e0 = mine + v * vec
-        if e0 < n:
-            acc = load_vec_f32(inp + Int64(e0) * esz, dtype, vec, n - e0)  # my part, used at q == rank
-            own = acc
-            for q in cutlass.range_constexpr(world):
-                if cutlass.const_expr(q != rank):
-                    x = load_vec_f32(bases[rank] + parity_off + slot_bytes * q + Int64(v * vec) * esz, dtype, vec, vec)
-                    acc = _accumulate(acc, x, q == 0)
-                elif cutlass.const_expr(q != 0):
-                    acc = _accumulate(acc, own, False)
-            store_vec_f32(out + Int64(e0) * esz, acc, dtype, vec, n - e0)
-            store_vec_f32(bases[rank] + results_off + Int64(v * vec) * esz, acc, dtype, vec, vec)
+        # B_k: reduce my slice, keep it, push it to every peer's gather row [rank].
+        for v in cutlass.range(first, svec, stride):
+            e0 = base + rank * sl + v * vec
+            if e0 < n:
+                off = Int64(v * vec) * esz
+                red = _rank_ordered_sum(inp + Int64(e0) * esz, n - e0, bases[rank] + slot_row, slot_bytes, off, dtype, world, rank)
+                store_vec(out + Int64(e0) * esz, red, dtype, vec, n - e0)
+                for i in cutlass.range_constexpr(world - 1):
+                    store_vec(bases[peers[i]] + gather_off + slot_bytes * rank + off, red, dtype, vec, vec)
 
-    cta_barrier(table, flags_off, rank, world, epoch * 2 + 2)
+        cta_barrier(table, flags_off, rank, world, flag0 + 2 * k + 2)
 
-    # Phase C (gather): pull every other rank's reduced slice.
-    for v in cutlass.range(first, svec, stride):
-        for p in cutlass.range_constexpr(world):
-            if cutlass.const_expr(p != rank):
-                e0 = p * slice_elems + v * vec
-                if e0 < n:
-                    x = load_vec_f32(bases[p] + results_off + Int64(v * vec) * esz, dtype, vec, vec)
-                    store_vec_f32(out + Int64(e0) * esz, x, dtype, vec, n - e0)
+    # C of the last chunk.
+    last = (num_chunks - 1) * chunk_elems
+    sl = _slice_elems(n - last, world, vec)
+    for v in cutlass.range(first, sl // vec, stride):
+        off = Int64(v * vec) * esz
+        for p in peers:
+            e0 = last + p * sl + v * vec
+            if e0 < n:
+                y = load_vec(bases[rank] + gather_off + slot_bytes * p + off, dtype, vec, vec)
+                store_vec(out + Int64(e0) * esz, y, dtype, vec, n - e0)
 
     finish_launch(ctrl)
 
@@ -216,12 +267,12 @@ def _launch_one_shot(
 
 @cute.jit
 def _launch_two_shot(
-    inp: Int64, out: Int64, n: Int32, slice_elems: Int32, table: Int64, flags_off: Int64, slots_off: Int64,
-    slot_bytes: Int64, results_off: Int64, ctrl: Int64, grid: Int32, stream: cuda_driver.CUstream,
+    inp: Int64, out: Int64, n: Int32, chunk_elems: Int32, table: Int64, flags_off: Int64, slots_off: Int64,
+    slot_bytes: Int64, gather_off: Int64, ctrl: Int64, grid: Int32, stream: cuda_driver.CUstream,
     dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
 ):
     _two_shot_kernel(
-        inp, out, n, slice_elems, table, flags_off, slots_off, slot_bytes, results_off, ctrl, dtype, world, rank
+        inp, out, n, chunk_elems, table, flags_off, slots_off, slot_bytes, gather_off, ctrl, dtype, world, rank
     ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
@@ -243,7 +294,7 @@ def compile_two_shot(dtype: torch.dtype, world: int, rank: int):
 
     z = Int64(0)
     return cute.compile(
-        _launch_two_shot, z, z, Int32(0), Int32(0), z, z, z, z, z, z, Int32(1), dummy_stream(),
+        _launch_two_shot, z, z, Int32(0), Int32(1), z, z, z, z, z, z, Int32(1), dummy_stream(),
         _CUTE_DTYPES[dtype], world, rank,
     )
 
@@ -255,11 +306,20 @@ def default_one_shot_max_bytes(world: int) -> int:
     """Largest message sent one-shot.
 
     Per rank, one-shot moves (world-1) x the message over NVLink and two-shot
-    2 (world-1)/world x: the same for two ranks, where one-shot (one barrier, no
-    gather phase) measured faster up to 16 MiB on 2xH200 (bench/results/allreduce.jsonl,
-    commit 3ccfd220dd44: 16 MiB 63.0 us vs 69.5 us) and two-shot faster above.
+    2 (world-1)/world x: the same bytes for two ranks, where one-shot saves a
+    barrier and a copy at small sizes and two-shot hides its local copies under
+    the NVLink pushes at large ones.
     """
     return 16 << 20 if world == 2 else 256 << 10
+
+
+def default_slot_bytes(world: int) -> int:
+    """Bytes of one peer slot: 64 MiB / world, so the peer buffer (3 x world slots) stays 192 MiB at any world size."""
+    return (64 << 20) // world // 256 * 256
+
+
+# Message bytes (all ranks' slices together) per two-shot pipeline step.
+DEFAULT_TWO_SHOT_CHUNK_BYTES = 16 << 20
 
 
 class CudaAllReduce:
@@ -268,23 +328,36 @@ class CudaAllReduce:
     Construction is collective (it maps peer memory on every rank). Calls are
     stream-ordered, host-sync free and can be captured in CUDA graphs; every rank
     must issue the same sequence of calls with the same sizes.
+
+    Tunables (plain attributes, the same on every rank): ``one_shot_max_bytes``
+    (the algorithm switch), ``two_shot_chunk_bytes`` (pipeline step of the
+    two-shot kernel, capped at ``world x slot_bytes``) and ``max_blocks`` (CTAs
+    per launch, at most `MAX_BLOCKS`).
     """
 
-    def __init__(self, group: dist.ProcessGroup, slot_bytes: int = 32 << 20, one_shot_max_bytes: int | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, slot_bytes: int | None = None, one_shot_max_bytes: int | None = None,
+        two_shot_chunk_bytes: int = DEFAULT_TWO_SHOT_CHUNK_BYTES,
+    ) -> None:
         from kernels.peer_memory import PeerMemory, RegionLayout
 
         world = dist.get_world_size(group)
         if not 2 <= world <= 8:
             raise AllReduceError(f"all-reduce supports 2..8 ranks, group has {world}")
         self.world = world
+        slot_bytes = default_slot_bytes(world) if slot_bytes is None else slot_bytes
+        if slot_bytes < VEC_BYTES:
+            raise AllReduceError(f"slot_bytes must be at least {VEC_BYTES}, got {slot_bytes}")
         self.slot_bytes = -(-slot_bytes // 256) * 256
         layout = RegionLayout()
         layout.add("flags", MAX_BLOCKS * MAX_PEERS * 4)
-        layout.add("slots", 2 * world * self.slot_bytes)
-        layout.add("results", self.slot_bytes)
+        layout.add("slots", 2 * world * self.slot_bytes)  # [parity][source rank]
+        layout.add("gather", world * self.slot_bytes)  # [source rank]: reduced slices pushed by peers
         self.mem = PeerMemory(group, layout)
         self.rank = self.mem.rank
         self.one_shot_max_bytes = default_one_shot_max_bytes(world) if one_shot_max_bytes is None else one_shot_max_bytes
+        self.two_shot_chunk_bytes = two_shot_chunk_bytes
+        self.max_blocks = MAX_BLOCKS
 
     def warmup(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
         """Compile, load and run every kernel once (collective; do it before CUDA-graph capture,
@@ -298,6 +371,12 @@ class CudaAllReduce:
     def choose(self, nbytes: int) -> Algorithm:
         return "one_shot" if nbytes <= self.one_shot_max_bytes else "two_shot"
 
+    def two_shot_chunk_elems(self, esz: int) -> int:
+        """Elements per two-shot pipeline step: a multiple of world x vector, at most world x slot."""
+        unit = self.world * (VEC_BYTES // esz)
+        cap = self.world * (self.slot_bytes // esz)
+        return max(unit, min(self.two_shot_chunk_bytes // esz, cap) // unit * unit)
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, algorithm: Algorithm | None = None) -> torch.Tensor:
         """Sum ``x`` over the group into ``out`` (new tensor if None; ``out=x`` is in place)."""
         from kernels._cute_runtime import current_stream
@@ -307,32 +386,42 @@ class CudaAllReduce:
             out = torch.empty_like(x)
         elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
             raise AllReduceError(f"out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}")
-        if x.numel() == 0:
+        elif out.data_ptr() % VEC_BYTES:
+            raise AllReduceError(f"out must be {VEC_BYTES}-byte aligned (got address {out.data_ptr():#x})")
+        n = x.numel()
+        if n == 0:
             return out
-        algo = algorithm or self.choose(x.numel() * x.element_size())
+        algo = algorithm or self.choose(n * x.element_size())
+        if algo not in ("one_shot", "two_shot"):
+            raise AllReduceError(f"unknown all-reduce algorithm {algo!r}")
         esz = x.element_size()
         vec = VEC_BYTES // esz
-        slot_elems = self.slot_bytes // esz
-        chunk = slot_elems if algo == "one_shot" else slot_elems * self.world
+        blocks = max(1, min(self.max_blocks, MAX_BLOCKS))
         stream = current_stream()
         mem = self.mem
+        table, flags, slots, ctrl = mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"], mem.control.data_ptr()
+        if algo == "two_shot":
+            chunk = self.two_shot_chunk_elems(esz)
+            if n + chunk >= 2**31:  # the kernel indexes up to one chunk past the end in int32
+                raise AllReduceError(f"tensor of {n} elements is too large for two-shot steps of {chunk} (limit 2**31 - 1 - step)")
+            if -(-n // chunk) > MAX_CHUNKS:
+                raise AllReduceError(f"{n} elements need more than {MAX_CHUNKS} two-shot steps of {chunk}; raise two_shot_chunk_bytes")
+            grid = min(-(-slice_elems(min(n, chunk), self.world, vec) // (vec * THREADS)), blocks)
+            compile_two_shot(x.dtype, self.world, self.rank)(
+                x.data_ptr(), out.data_ptr(), n, chunk, table, flags, slots, self.slot_bytes, mem.layout["gather"], ctrl,
+                grid, stream,
+            )
+            return out
+        # One-shot: messages beyond one slot run as several launches.
+        slot_elems = self.slot_bytes // esz
         flat_in, flat_out = x.view(-1), out.view(-1)
-        for start in range(0, x.numel(), chunk):
-            n = min(chunk, x.numel() - start)
-            src, dst = flat_in[start].data_ptr(), flat_out[start].data_ptr()
-            if algo == "one_shot":
-                grid = min(-(-n // (vec * THREADS)), MAX_BLOCKS)
-                compile_one_shot(x.dtype, self.world, self.rank)(
-                    src, dst, n, mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"], self.slot_bytes,
-                    mem.control.data_ptr(), grid, stream,
-                )
-            else:
-                slice_elems = -(-(-(-n // self.world)) // vec) * vec
-                grid = min(-(-slice_elems // (vec * THREADS)), MAX_BLOCKS)
-                compile_two_shot(x.dtype, self.world, self.rank)(
-                    src, dst, n, slice_elems, mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"],
-                    self.slot_bytes, mem.layout["results"], mem.control.data_ptr(), grid, stream,
-                )
+        for start in range(0, n, slot_elems):
+            m = min(slot_elems, n - start)
+            grid = min(-(-m // (vec * THREADS)), blocks)
+            compile_one_shot(x.dtype, self.world, self.rank)(
+                flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table, flags, slots, self.slot_bytes, ctrl,
+                grid, stream,
+            )
         return out
 
 

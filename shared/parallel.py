@@ -210,6 +210,8 @@ def init_distributed(topology: Topology, device: torch.device, master_addr: str 
         # DESIGN §6: NVLink multicast is never used.
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        # The peer memory of the kernel collectives lands on the current device.
+        torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{master_addr}:{master_port}",

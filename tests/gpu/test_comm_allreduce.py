@@ -6,6 +6,9 @@ two-shot and the automatic choice, out of place and in place:
 * close to NCCL's result (NCCL sums in its own order, so not bit-equal in bf16);
 * bit-equal on every rank;
 * every output element written (outputs are poisoned with NaN first).
+A communicator with tiny slots, a tiny two-shot step and 3 CTAs runs the same checks
+on sizes that need many one-shot launches, many two-shot pipeline steps and many
+grid-stride rounds per thread, with odd tails.
 Then the same under CUDA-graph capture and replay, with fresh inputs per replay.
 """
 
@@ -54,26 +57,37 @@ def _check(out: torch.Tensor, x: torch.Tensor, what: str) -> None:
     assert _same_on_all_ranks(out), f"{what}: ranks disagree"
 
 
-def _eager_cases(rank: int, world: int) -> int:
-    from kernels.allreduce import CudaAllReduce
-
-    comm = CudaAllReduce(dist.group.WORLD)
-    comm.warmup()
+def _run_sizes(comm, sizes: list[int], rank: int, what: str) -> int:
     checked = 0
     for dtype in (torch.bfloat16, torch.float32):
-        for i, nbytes in enumerate(SIZES_BYTES):
+        for i, nbytes in enumerate(sizes):
             n = _numel(nbytes, dtype)
             algos = ["one_shot", "two_shot", None] if nbytes <= 8 * MIB else ["two_shot", None]
             for algo in algos:
                 x = _fresh(n, dtype, seed=7919 * rank + 31 * i + len(algos))
                 out = torch.full_like(x, float("nan"))
                 comm(x, out=out, algorithm=algo)
-                _check(out, x, f"{dtype} {nbytes} B {algo or 'auto'} out-of-place")
+                _check(out, x, f"{what}: {dtype} {nbytes} B {algo or 'auto'} out-of-place")
                 inplace = x.clone()
                 comm(inplace, out=inplace, algorithm=algo)
-                _check(inplace, x, f"{dtype} {nbytes} B {algo or 'auto'} in-place")
+                _check(inplace, x, f"{what}: {dtype} {nbytes} B {algo or 'auto'} in-place")
                 checked += 2
             torch.cuda.synchronize()
+    return checked
+
+
+def _eager_cases(rank: int, world: int) -> int:
+    from kernels.allreduce import CudaAllReduce
+
+    comm = CudaAllReduce(dist.group.WORLD)
+    comm.warmup()
+    checked = _run_sizes(comm, SIZES_BYTES, rank, "default")
+    tiny = CudaAllReduce(dist.group.WORLD, slot_bytes=64 << 10, two_shot_chunk_bytes=48 << 10)
+    tiny.max_blocks = 3
+    tiny.warmup()
+    steps = -(-(MIB + 2) // 2 // tiny.two_shot_chunk_elems(2))
+    assert steps > 8, f"the tiny communicator should take many pipeline steps, takes {steps}"
+    checked += _run_sizes(tiny, [4094, MIB + 2, 3 * MIB + 10], rank, "tiny slots")
     return checked
 
 
