@@ -60,13 +60,13 @@ def test_ptx_signals_at_system_scope_and_never_uses_multicast(tmp_path, monkeypa
     z, s = Int64(0), dummy_stream()
     two_shot = _ptx(ar._launch_two_shot, z, z, Int32(0), Int32(0), z, z, z, z, z, z, Int32(1), s, ar._CUTE_DTYPES[torch.bfloat16], 4, 1)
     i = Int32(1)
-    dispatch = _ptx(dc._launch_dispatch_send, *[z] * 11, i, i, s, 2, 0, 64, 4096, 8, True)
-    combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, i, s, 2, 0, 4096, 8)
+    dispatch = _ptx(dc._launch_dispatch_send, *[z] * 12, i, i, s, 2, 0, 64, 4096, 8, True)
+    combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, i, i, s, 2, 0, 64, 4096, 8)
     for ptx in (two_shot, dispatch, combine_recv):
         assert "multimem" not in ptx
     assert "st.release.sys.global.b32" in two_shot and "ld.acquire.sys.global.b32" in two_shot
     assert "fence.acq_rel.sys" in two_shot
-    assert "atom.global.sys.add" in dispatch  # remote slot allocation on the expert owner
+    assert "red.release.sys.global.add" in dispatch  # each CTA counts itself into the receiver's flag
     assert "cvt.rn.satfinite.e4m3x2.f32" in dispatch and "div.rn.f32" in dispatch
     assert "ld.acquire.sys.global.b32" in combine_recv
 
@@ -171,9 +171,9 @@ def _expert_fn(recv_x: torch.Tensor, recv_scales: torch.Tensor | None, rank: int
 def _dc_rank(rank: int, world: int, case: str, payload: str) -> dict:
     ref = dc.make_dispatch_combine(dist.group.WORLD, payload=payload, device=torch.device("cpu"), **DC)
     x, ids, n, w = _dc_inputs(rank, case)
-    recv_x, recv_scales, counts, recv_src = ref.dispatch(x, ids, n)
+    recv_x, recv_scales, counts, recv_src = ref.dispatch(x, ids, w, n)
     y = _expert_fn(recv_x, recv_scales, rank, ref.num_local)
-    out = ref.combine(y, counts, recv_src, w, n)
+    out = ref.combine(y, counts, recv_src, ids, n)
     return {"recv_x": recv_x.view(torch.uint8) if payload == "fp8" else recv_x, "scales": recv_scales, "counts": counts, "src": recv_src, "out": out}
 
 
@@ -197,16 +197,24 @@ def test_dispatch_combine_reference_matches_brute_force(world, case, payload):
                     assert torch.equal(res["recv_x"][le, i], inputs[src][0][t])
         x, ids, n, w = inputs[rank]
         for t in range(DC["max_tokens"]):
+            # Per rank q holding some of t's experts: the fp32 sum over t's slots on q, in slot
+            # order, rounded to bf16; then the fp32 sum of those partials in rank order.
             acc = torch.zeros(DC["hidden"])
-            if t < int(n):
-                for j in range(DC["topk"]):
+            for q in range(world):
+                partial = torch.zeros(DC["hidden"])
+                used = False
+                for j in range(DC["topk"]) if t < int(n) else ():
                     e = int(ids[t, j])
-                    owner, le = divmod(e, num_local)
+                    if e // num_local != q:
+                        continue
+                    used = True
                     row = x[t].float()
                     if payload == "fp8":
-                        q, s = dc.quantize_per_token_group(x[t])
-                        row = (q.float().view(-1, dc.FP8_GROUP) * s[:, None]).view(-1)
-                    acc = acc + w[t, j] * (row * (e + 1) / 8).bfloat16().float()
+                        qx, s = dc.quantize_per_token_group(x[t])
+                        row = (qx.float().view(-1, dc.FP8_GROUP) * s[:, None]).view(-1)
+                    partial = partial + w[t, j] * (row * (e + 1) / 8).bfloat16().float()
+                if used:
+                    acc = acc + partial.bfloat16().float()
             assert torch.equal(res["out"][t], acc.bfloat16()), f"rank {rank} token {t}"
 
 
