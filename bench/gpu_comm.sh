@@ -1,0 +1,42 @@
+#!/bin/bash
+# One device call on 2x H200 (run kind "nvidia-h200-x2") for the communication kernels, about 3 minutes:
+#   1. tests/gpu/test_comm_allreduce.py            all-reduce vs the reference and NCCL, eager + CUDA graph
+#   2. bench/allreduce.py                          8 KiB .. 256 MiB: ours (auto, one-shot, two-shot + variants)
+#                                                  vs NCCL vs torch symm-mem one/two-shot, CUDA-graph timed
+#   3. tests/gpu/test_comm_parallel_cuda.py and tests/gpu/test_comm_ep_prefill.py
+#   4. bench/ep_prefill_layer.py                   one Qwen3-235B MoE layer, TP = EP = 2
+# Logs go to $OUT/*.log, benchmark lines to $OUT/*.jsonl (MOEBUS_RESULTS_DIR=$OUT); append those to
+# bench/results/ here. Carry [".gpu/cutedsl-4.8.1-cp312-cu13.tar.xz", ".cache/commit"]; before the call:
+#   git rev-parse --short=12 HEAD > .cache/commit
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p /tmp/gpu-site && xz -dc .gpu/cutedsl-4.8.1-cp312-cu13.tar.xz | tar x -C /tmp/gpu-site || exit 1
+COMMIT=${MOEBUS_COMMIT:-$(cat .cache/commit 2>/dev/null || echo unknown)}
+export PYTHONPATH=$PWD:/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 MOEBUS_RESULTS_DIR=$OUT \
+  MOEBUS_COMMIT=$COMMIT
+PYTEST="python3 -m pytest -q -s -ra -p no:cacheprovider"
+
+{ date -u; echo "commit $COMMIT"; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; } > "$OUT/run.log" 2>&1
+
+# step NAME LIMIT_S COMMAND...: run with a wall limit, log to $OUT/NAME.log, one summary line in run.log.
+step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s (limit ${limit}s): $*" >> "$OUT/run.log"
+  tail -4 "$OUT/$name.log" | sed 's/^/    /' >> "$OUT/run.log"
+  return $rc
+}
+
+step test_allreduce 110 $PYTEST --timeout=90 tests/gpu/test_comm_allreduce.py
+step bench_allreduce 100 python3 -m bench.allreduce
+step test_parallel_ep 80 $PYTEST --timeout=60 tests/gpu/test_comm_parallel_cuda.py tests/gpu/test_comm_ep_prefill.py
+step bench_ep_prefill 60 python3 -m bench.ep_prefill_layer
+
+cat "$OUT/run.log"
+echo "--- allreduce table"
+grep -A40 "^ *size " "$OUT/bench_allreduce.log"
+echo "--- failures"
+grep -E "^(FAILED|ERROR)|Error|error:" "$OUT"/test_*.log | head -30
