@@ -2,8 +2,9 @@
 
 One ``TransferWorker`` per rank: ``worker = await TransferWorker.create(progress_mode=None)``
 inside the rank's event loop (transports from ``UCX_*`` env, e.g. ``UCX_TLS=tcp,self`` on
-CPU; ``progress_mode`` "thread" (default) or "thread-polling"). Every call below runs on
-that loop, except ``KVSender.on_layer_done``, which any thread may call.
+CPU; ``progress_mode`` "thread" (default) or "thread-polling"; completions arrive as
+futures, the loop idles between them). Every call below runs on that loop, except
+``KVSender.on_layer_done``, which any thread may call.
 
 Decode rank::
 
@@ -22,11 +23,10 @@ Decode rank::
 
 Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
 
-    staging = StagingPool(256 << 20, 4, device)   # once per rank, shared by its senders
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
-                      timeout_s=30.0, chunk_bytes=256 << 20, staging=staging)
+                      timeout_s=30.0, chunk_bytes=64 << 20)   # packs into worker.staging_pool(device)
     forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
-    record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, .gbps)
+    record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, started_unix, phases_s)
     #   raises TransferTimeout (sender timeout or the reservation's lease, whichever is first),
     #   PeerFailed (decode rank died / endpoint error), Cancelled (sender.cancel()); the
     #   staging is released on every path. Keep the local pages until finish() returns.
@@ -35,8 +35,11 @@ The decode side completes a request when every (layer, KV head) cell has landed 
 whatever the prefill TP size; page sizes may differ between the two sides (the packed
 chunk is token-contiguous per head). Modules: ``worker`` (UCX worker, endpoint cache,
 tag protocol), ``shard`` (head mapping, pack/scatter), ``staging`` (slot arenas),
-``receiver``, ``sender``, ``metrics``, ``errors``. Pack and scatter are torch ops (one
-gather/scatter per layer group) on CPU and on CUDA alike; there is no dedicated kernel.
+``receiver``, ``sender``, ``metrics``, ``errors``, ``streams`` (CUDA side streams). Pack
+and scatter are torch ops on CPU and on CUDA alike: per layer group one index_select /
+index_copy_ over the full pages plus one indexed copy of the partial last page, moving
+8-byte words; on CUDA they run on high-priority side streams. Both sides record where
+each transfer's time went (``TransferRecord.phases_s``; see sender and receiver).
 """
 
 from shared.transfer.errors import Cancelled, LayoutMismatch, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer

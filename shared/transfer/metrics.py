@@ -14,10 +14,23 @@ class TransferRecord:
     nbytes: int
     wall_s: float  # first byte posted/announced -> last chunk landed (scattered, on the receiver)
     chunks: int
+    started_unix: float = 0.0  # wall clock when this side started (sender built / reservation made)
+    phases_s: dict[str, float] = field(default_factory=dict)  # where the time went (see sender/receiver)
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+
+class PhaseTimes:
+    """Seconds per phase of one transfer, summed over its chunks (chunks overlap, so
+    per-chunk phases can add up to more than the wall time)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, seconds)
 
 
 @dataclass

@@ -12,11 +12,19 @@ them to the caller (free them with ``kvcache.allocator.free`` when the request e
 The decode side does not know the prefill TP size: each chunk announces its head
 and layer range, and the request is complete when every (layer, head) cell has
 landed exactly once.
+
+A completed request's ``TransferRecord.phases_s`` (seconds, summed over chunks):
+``first_header`` (reservation -> first header: the prefill's compute and start-up),
+``post`` (header arrived -> its chunk's receive posted: staging wait), ``wire``
+(receive posted -> chunk in staging), ``scatter`` (in staging -> in the pages), ``tail``
+(last chunk in staging -> request complete). ``wait_complete`` logs ``kv.claimed``
+with ``notify_s``, the time from completion to the waiter having the pages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections import OrderedDict
@@ -30,9 +38,10 @@ import torch
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
 from shared.kvcache import PagedKVCache
 from shared.transfer.errors import Cancelled, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
-from shared.transfer.metrics import TransferMetrics, TransferRecord
+from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
 from shared.transfer.shard import chunk_nbytes, chunk_view, scatter_layers
 from shared.transfer.staging import StagingPool
+from shared.transfer.streams import event_done, side_stream
 from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError, data_tag, decode_header, header_tag, ucx_buffer
 
 log = structlog.get_logger(__name__)
@@ -68,6 +77,11 @@ class _Reservation:
     nbytes: int = 0
     chunks: int = 0
     first_header_at: float | None = None
+    reserved_at: float = 0.0  # perf_counter
+    reserved_unix: float = 0.0
+    last_landed_at: float = 0.0  # perf_counter: the latest chunk in staging
+    completed_at: float | None = None  # perf_counter, once COMPLETE
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
     error: TransferError | None = None  # why it ended, once cancelled / failed / expired
 
 
@@ -89,7 +103,7 @@ class KVReceiver:
         # Outcome of recently ended reservations, so a late wait_complete gets the real reason.
         self._ended: OrderedDict[str, TransferError] = OrderedDict()
         self._reapers: set[asyncio.Future[None]] = set()  # slots waiting on abandoned receives
-        self._scatter_stream = torch.cuda.Stream(kvcache.device) if kvcache.device.type == "cuda" else None
+        self._scatter_stream = side_stream(kvcache.device)
         layout = kvcache.layout
         self._layout = KVTransferLayout(layout.num_layers, layout.page_size, layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."))
 
@@ -119,16 +133,21 @@ class KVReceiver:
         page_ids = self._cache.allocator.alloc(layout.pages_for(num_tokens))
         transfer_id = self._worker.new_transfer_id()
         loop = asyncio.get_running_loop()
+        with torch.cuda.stream(self._scatter_stream) if self._scatter_stream is not None else contextlib.nullcontext():
+            # Uploaded on the scatter stream, which reads it: no wait behind a decode step.
+            page_table = torch.tensor(page_ids, dtype=torch.long).to(self._cache.device, non_blocking=True)
         res = _Reservation(
             request_id=request_id,
             transfer_id=transfer_id,
             page_ids=page_ids,
-            page_table=torch.tensor(page_ids, dtype=torch.long, device=self._cache.device),
+            page_table=page_table,
             num_tokens=num_tokens,
             announced=np.zeros((layout.num_layers, layout.kv_heads), dtype=bool),
             landed=np.zeros((layout.num_layers, layout.kv_heads), dtype=bool),
             done=loop.create_future(),
             lease_ends_at=loop.time() + lease_s,
+            reserved_at=time.perf_counter(),
+            reserved_unix=time.time(),
         )
         # A failed request nobody waits for must not log "exception never retrieved".
         res.done.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -165,6 +184,8 @@ class KVReceiver:
         if res.error is not None:  # completed, then cancelled or expired before this call
             raise res.error
         self._retire(res)
+        assert res.completed_at is not None
+        log.info("kv.claimed", request_id=request_id, notify_s=time.perf_counter() - res.completed_at)
         return pages
 
     def cancel(self, request_id: str) -> bool:
@@ -205,8 +226,10 @@ class KVReceiver:
                 await self._worker.recv(tag, frame)
                 header = self._check_header(res, frame)
                 if res.state is _State.RECEIVING:
-                    res.first_header_at = res.first_header_at or time.perf_counter()
-                    self._spawn(res, self._receive_chunk(res, header))
+                    if res.first_header_at is None:
+                        res.first_header_at = time.perf_counter()
+                        res.phases.add("first_header", res.first_header_at - res.reserved_at)
+                    self._spawn(res, self._receive_chunk(res, header, time.perf_counter()))
                 else:
                     self._spawn(res, self._drain_chunk(res, header))
         except ProtocolError as e:
@@ -238,8 +261,11 @@ class KVReceiver:
         res.announced[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
         return h
 
-    async def _receive_chunk(self, res: _Reservation, h: ShardHeader) -> None:
+    async def _receive_chunk(self, res: _Reservation, h: ShardHeader, announced_at: float) -> None:
         buf: torch.Tensor | None = await self.staging.acquire(h.nbytes)
+        scattered: torch.cuda.Event | None = None
+        posted = time.perf_counter()
+        res.phases.add("post", posted - announced_at)
         recv = asyncio.ensure_future(self._worker.recv(data_tag(res.transfer_id, h.head_start, h.layer_start), ucx_buffer(buf)))
         try:
             try:
@@ -253,6 +279,8 @@ class KVReceiver:
                 raise
             if res.state is not _State.RECEIVING:
                 return  # dropped while on the wire: its pages are gone, discard
+            landed = time.perf_counter()
+            res.phases.add("wire", landed - posted)
             layers, heads = range(h.layer_start, h.layer_end), range(h.head_start, h.head_end)
             chunk = chunk_view(buf, len(layers), len(heads), h.num_tokens, self._cache.layout.head_dim, self._cache.layout.dtype)
             if self._scatter_stream is None:
@@ -262,14 +290,18 @@ class KVReceiver:
                 # default stream; the pages are not read before wait_complete, which follows it.
                 with torch.cuda.stream(self._scatter_stream):
                     scatter_layers(self._cache, layers, heads, res.page_table, h.num_tokens, chunk)
-                    done = torch.cuda.Event()
-                    done.record(self._scatter_stream)
-                await asyncio.to_thread(done.synchronize)
+                    scattered = torch.cuda.Event()
+                    scattered.record(self._scatter_stream)
+                await event_done(scattered)
+            res.phases.add("scatter", time.perf_counter() - landed)
+            res.last_landed_at = max(res.last_landed_at, landed)
         except UCXError as e:
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"chunk receive failed: {e}"))
             return
         finally:
             if buf is not None:
+                if scattered is not None:
+                    scattered.synchronize()  # cancelled mid-scatter: the kernels still read the slot
                 self.staging.release(buf)
         res.landed[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
         res.nbytes += h.nbytes
@@ -298,11 +330,13 @@ class KVReceiver:
 
     def _complete(self, res: _Reservation) -> None:
         assert res.first_header_at is not None
-        record = TransferRecord(res.request_id, res.nbytes, time.perf_counter() - res.first_header_at, res.chunks)
+        res.completed_at = time.perf_counter()
+        res.phases.add("tail", res.completed_at - res.last_landed_at)
+        record = TransferRecord(res.request_id, res.nbytes, res.completed_at - res.first_header_at, res.chunks, res.reserved_unix, res.phases.seconds)
         res.state = _State.COMPLETE
         self.metrics.record_ok(record)
         res.done.set_result(list(res.page_ids))
-        log.info("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks)
+        log.info("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, phases_s=record.phases_s)
 
     def _terminate(self, res: _Reservation, state: _State, error: TransferError) -> None:
         """Fail/cancel/expire: free the pages once, count the cause, wake the waiter."""

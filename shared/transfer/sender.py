@@ -6,6 +6,14 @@ small header, so a request moves in a few large transfers. Groups are sent as so
 their layers are computed (``on_layer_done``), so the transfer overlaps the prefill of
 later layers; several chunks can be on the wire at once, bounded by the staging budget.
 
+Each finished transfer's ``TransferRecord.phases_s`` says where its time went
+(seconds, summed over chunks): ``setup`` (constructor), ``first_ready`` (until the
+first layer group was computed: prefill compute, not transfer cost), ``start`` (first
+group ready -> its chunk posted: staging, pack, endpoint), ``staging_wait``, ``pack``
+(enqueued -> packed, on CUDA behind the group's compute), ``endpoint`` (connecting,
+0 once cached), ``wire`` (header + chunk posted -> UCX completed), ``tail`` (last group
+ready -> finished: what the transfer adds after the forward's last layer).
+
 Every outcome is explicit: ``finish()`` returns a ``TransferRecord`` or raises
 ``TransferTimeout`` (deadline: the sender's timeout or the reservation's lease,
 whichever is first), ``PeerFailed`` (UCX endpoint error: decode rank died),
@@ -17,6 +25,7 @@ requests still reading the staging memory) and dropped from the cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,9 +36,10 @@ import torch
 from schemas.transfer import KVTransferDescriptor, ShardHeader
 from shared.kvcache import PagedKVCache
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
-from shared.transfer.metrics import TransferMetrics, TransferRecord
+from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
 from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
+from shared.transfer.streams import event_done, side_stream
 from shared.transfer.worker import TransferWorker, UCXError, data_tag, encode_header, header_tag, ucx_buffer
 
 log = structlog.get_logger(__name__)
@@ -44,15 +54,15 @@ class KVSender:
     layer's KV is in ``kvcache`` (from any thread), or ``mark_all_layers_done()`` when the
     KV is already computed, then ``await finish()``. On CUDA the layers are taken to be
     computed on one stream (as a forward does): the call that completes a chunk's layer
-    group records an event on the caller's current stream and the chunk's pack waits
-    for it.
+    group records an event on the caller's current stream and the chunk's pack (on a
+    high-priority side stream) waits for it on the GPU.
     ``page_table`` lists the request's pages in the local cache, which holds exactly
     the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
     those pages untouched until ``finish()`` returns or raises. Chunks hold as many
-    whole layers as fit ``chunk_bytes``, the decode side's ``max_chunk_bytes`` and the
-    ``staging`` pool's slots. Pass the rank's long-lived pool as ``staging`` (its arena
-    stays registered with UCX); without one the sender allocates its own with
-    ``chunks_in_flight`` slots.
+    whole layers as fit ``chunk_bytes``, the decode side's ``max_chunk_bytes`` and a
+    staging slot. Chunks are packed into ``staging`` (default: the worker's long-lived
+    send pool for the cache's device, whose arena stays registered with UCX);
+    ``held_buffers`` counts the slots this sender holds (0 once ``finish()`` is over).
     """
 
     def __init__(
@@ -65,10 +75,11 @@ class KVSender:
         *,
         timeout_s: float,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        chunks_in_flight: int = 4,
         staging: StagingPool | None = None,
         metrics: TransferMetrics | None = None,
     ) -> None:
+        created = time.perf_counter()
+        self._created_unix = time.time()
         self._worker = worker
         self._cache = kvcache
         self._desc = descriptor
@@ -76,26 +87,32 @@ class KVSender:
         self.metrics = metrics or TransferMetrics()
         _check_layouts(kvcache, descriptor, heads, len(page_table))
         layout = kvcache.layout
-        self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device)
-        limit = min(chunk_bytes, descriptor.max_chunk_bytes, staging.slot_bytes if staging else chunk_bytes)
-        self._groups = _layer_groups(layout.num_layers, chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype), limit, descriptor.request_id)
-        largest = max(chunk_nbytes(len(g), heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype) for g in self._groups)
-        self.staging = staging or StagingPool(largest, chunks_in_flight, kvcache.device)
+        layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
+        self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
+        limit = min(chunk_bytes, descriptor.max_chunk_bytes, self.staging.slot_bytes)
+        self._groups = _layer_groups(layout.num_layers, layer_bytes, limit, descriptor.request_id)
+        self._pack_stream = side_stream(kvcache.device)
+        with torch.cuda.stream(self._pack_stream) if self._pack_stream is not None else contextlib.nullcontext():
+            # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
+            self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._layer_done = [False] * layout.num_layers  # written by the forward's thread
         self._group_of = [index for index, group in enumerate(self._groups) for _ in group]
-        self._group_ready = [False] * len(self._groups)  # written on the event loop
+        self._group_ready_at: list[float | None] = [None] * len(self._groups)  # written on the event loop
         self._group_events: dict[int, torch.cuda.Event] = {}
         self._progress = asyncio.Event()
         self._sends: list[asyncio.Task[None]] = []
+        self._held = 0
         self._in_flight = 0
         self._nbytes = 0
         self._first_send_at: float | None = None
+        self._phases = PhaseTimes()
         lease_left = descriptor.lease_deadline_unix - time.time()
         self._deadline = self._loop.time() + min(timeout_s, lease_left)
-        self._pack_stream = torch.cuda.Stream(kvcache.device) if kvcache.device.type == "cuda" else None
         self._task = self._loop.create_task(self._run())
+        self._created = time.perf_counter()  # setup, first_ready and start follow each other
+        self._phases.add("setup", self._created - created)
 
     @property
     def request_id(self) -> str:
@@ -105,6 +122,11 @@ class KVSender:
     def layer_groups(self) -> list[range]:
         """The layer ranges sent as one chunk each."""
         return list(self._groups)
+
+    @property
+    def held_buffers(self) -> int:
+        """Staging slots this sender holds now (packing or on the wire)."""
+        return self._held
 
     def on_layer_done(self, layer: int) -> None:
         """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks.
@@ -156,8 +178,9 @@ class KVSender:
             self._group_events[index] = event
 
     def _mark_groups_ready(self, *indices: int) -> None:
+        now = time.perf_counter()
         for index in indices:
-            self._group_ready[index] = True
+            self._group_ready_at[index] = now
         self._progress.set()
 
     async def _run(self) -> TransferRecord:
@@ -165,10 +188,10 @@ class KVSender:
         try:
             async with asyncio.timeout_at(self._deadline):
                 for index, group in enumerate(self._groups):
-                    while not self._group_ready[index]:
+                    while self._group_ready_at[index] is None:
                         self._progress.clear()
                         await self._progress.wait()
-                    buf = await self.staging.acquire(self._nbytes_of(group))
+                    buf = await self._acquire(self._nbytes_of(group))
                     pack_done = await self._pack(group, buf)
                     self._sends.append(self._loop.create_task(self._send_chunk(group, buf, pack_done)))
                 await asyncio.gather(*self._sends)
@@ -178,11 +201,24 @@ class KVSender:
             self.metrics.record_failure(error.cause)
             log.warning("kv.send_failed", request_id=rid, cause=error.cause, error=str(error), heads=(self._heads.start, self._heads.end))
             raise error from e
-        assert self._first_send_at is not None
-        record = TransferRecord(rid, self._nbytes, time.perf_counter() - self._first_send_at, len(self._groups))
+        done = time.perf_counter()
+        assert self._first_send_at is not None and self._group_ready_at[-1] is not None
+        self._phases.add("tail", done - self._group_ready_at[-1])
+        record = TransferRecord(rid, self._nbytes, done - self._first_send_at, len(self._groups), self._created_unix, self._phases.seconds)
         self.metrics.record_ok(record)
-        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end))
+        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s)
         return record
+
+    async def _acquire(self, nbytes: int) -> torch.Tensor:
+        started = time.perf_counter()
+        buf = await self.staging.acquire(nbytes)
+        self._held += 1
+        self._phases.add("staging_wait", time.perf_counter() - started)
+        return buf
+
+    def _release(self, buf: torch.Tensor) -> None:
+        self._held -= 1
+        self.staging.release(buf)
 
     def _nbytes_of(self, group: range) -> int:
         layout = self._cache.layout
@@ -193,14 +229,16 @@ class KVSender:
         layout = self._cache.layout
         out = chunk_view(buf, len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
         if self._pack_stream is None:
+            started = time.perf_counter()
             # Memory-bound copy that releases the GIL: keep the event loop (and UCX completions) running.
             pack = asyncio.ensure_future(asyncio.to_thread(pack_layers, self._cache, group, self._page_table, self._desc.num_tokens, out))
             try:
                 await asyncio.shield(pack)
             except BaseException:
                 await asyncio.wait([pack])  # the thread still writes into the slot: let it finish first
-                self.staging.release(buf)
+                self._release(buf)
                 raise
+            self._phases.add("pack", time.perf_counter() - started)
             return None
         with torch.cuda.stream(self._pack_stream):
             self._pack_stream.wait_event(self._group_events[self._group_of[group.start]])
@@ -213,7 +251,9 @@ class KVSender:
         desc = self._desc
         try:
             if pack_done is not None:
-                await asyncio.to_thread(pack_done.synchronize)
+                started = time.perf_counter()
+                await event_done(pack_done)  # behind the group's compute, then the pack kernels
+                self._phases.add("pack", time.perf_counter() - started)
             header = ShardHeader(
                 request_id=desc.request_id,
                 transfer_id=desc.transfer_id,
@@ -225,16 +265,28 @@ class KVSender:
                 nbytes=buf.numel(),
                 dtype=desc.layout.dtype,
             )
-            self._first_send_at = self._first_send_at or time.perf_counter()
+            posted = time.perf_counter()
+            if self._first_send_at is None:
+                self._first_send_at = posted
+                ready_at = self._group_ready_at[0]
+                assert ready_at is not None
+                self._phases.add("first_ready", ready_at - self._created)
+                self._phases.add("start", posted - ready_at)
+            await self._worker.endpoint(desc.worker_address)  # cached after the first transfer to this peer
+            self._phases.add("endpoint", time.perf_counter() - posted)
             self._in_flight += 1
-            await self._worker.send(desc.worker_address, header_tag(desc.transfer_id), encode_header(header))
-            await self._worker.send(desc.worker_address, data_tag(desc.transfer_id, self._heads.start, group.start), ucx_buffer(buf))
+            await self._worker.send_pair(
+                desc.worker_address,
+                (header_tag(desc.transfer_id), encode_header(header)),
+                (data_tag(desc.transfer_id, self._heads.start, group.start), ucx_buffer(buf)),
+            )
             self._in_flight -= 1
+            self._phases.add("wire", time.perf_counter() - posted)
             self._nbytes += buf.numel()
         finally:
             if pack_done is not None:
                 pack_done.synchronize()  # a cancelled chunk's pack may still be writing into the slot
-            self.staging.release(buf)
+            self._release(buf)
 
     async def _abort_sends(self) -> None:
         """Cancel UCX requests still reading staging (by aborting the endpoint), then reap the tasks."""

@@ -8,8 +8,17 @@ worker-level receives (it needs no endpoint back to the sender). Tagged messages
 go eager for the small header and rendezvous for chunks, which UCX moves
 zero-copy where a transport allows it (cuda_ipc between GPUs of one host).
 
-Progress runs in ucxx's progress thread and completions are delivered to the
-asyncio loop that created the worker; call every coroutine here from that loop.
+Progress runs in ucxx's progress thread. Completions reach the asyncio loop that
+created the worker through ucxx's notifier thread (Python futures): an awaiting
+coroutine sleeps until its request completes. (ucxx's other mode polls every pending
+request with ``asyncio.sleep(0)``: the loop then never idles and holds the GIL, so
+every other thread of the process - the prefill forward, CUDA-event waits - waits up
+to the 5 ms GIL switch interval each time it needs the interpreter.) Call every
+coroutine here from that loop.
+
+The worker also owns the rank's send staging pool per device (``staging_pool``):
+senders pack into the same long-lived arena every time, so the peer maps its CUDA-IPC
+handle once, not once per request.
 """
 
 from __future__ import annotations
@@ -17,17 +26,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import struct
+import time
 
 import msgspec
 import numpy as np
+import structlog
 import torch
 from ucxx._lib.libucxx import UCXAddress
 from ucxx._lib_async import ApplicationContext, Endpoint
 from ucxx.exceptions import UCXError
 
 from schemas.transfer import ShardHeader
+from shared.transfer.staging import StagingPool
+
+log = structlog.get_logger(__name__)
 
 HEADER_FRAME_BYTES = 512
+DEFAULT_SEND_SLOT_BYTES = 64 << 20
+DEFAULT_SEND_SLOTS = 4
 _LEN = struct.Struct("<I")
 _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(ShardHeader)
@@ -73,28 +89,52 @@ def ucx_buffer(t: torch.Tensor) -> object:
 class TransferWorker:
     """A rank's UCX worker. Create it inside the running event loop (``await TransferWorker.create()``)."""
 
-    def __init__(self, ctx: ApplicationContext) -> None:
+    def __init__(self, ctx: ApplicationContext, send_slot_bytes: int = DEFAULT_SEND_SLOT_BYTES, send_slots: int = DEFAULT_SEND_SLOTS) -> None:
         self._ctx = ctx
         self._address = bytes(ctx.worker_address.tobytes())  # asking UCX each time costs ~1 ms
         self._endpoints: dict[bytes, Endpoint] = {}
         self._connecting: dict[bytes, asyncio.Lock] = {}
         self._transfer_ids = itertools.count(1)
+        self._send_slot_bytes = send_slot_bytes
+        self._send_slots = send_slots
+        self._pools: dict[torch.device, StagingPool] = {}
+        self.connect_s = 0.0  # time spent creating endpoints (each peer once, unless evicted)
 
     @classmethod
-    async def create(cls, progress_mode: str | None = None) -> TransferWorker:
+    async def create(cls, progress_mode: str | None = None, *, python_future: bool = True, send_slot_bytes: int = DEFAULT_SEND_SLOT_BYTES, send_slots: int = DEFAULT_SEND_SLOTS) -> TransferWorker:
         """Start the worker and its progress thread (transports from the UCX_* environment).
 
         ``progress_mode``: ucxx's ``"thread"`` (default; the progress thread sleeps in epoll
         and wakes on transport events or after 1 ms) or ``"thread-polling"`` (it spins on one
         core: lowest latency, e.g. for CUDA-IPC copies whose completion raises no event).
-        None reads ``UCXPY_PROGRESS_MODE``.
+        None reads ``UCXPY_PROGRESS_MODE``. ``python_future=False`` selects ucxx's polling
+        wait (see the module docstring; kept for comparison in the benchmark).
+        ``send_slot_bytes`` x ``send_slots``: the send staging pool per device (a slot is
+        the largest chunk a sender packs; it grows to one layer of a request if needed).
         """
-        return cls(ApplicationContext(progress_mode=progress_mode))
+        ctx = ApplicationContext(progress_mode=progress_mode, enable_python_future=python_future)
+        return cls(ctx, send_slot_bytes, send_slots)
 
     @property
     def address(self) -> bytes:
         """This worker's UCX address, for peers to connect to (goes into the descriptor)."""
         return self._address
+
+    def staging_pool(self, device: torch.device, min_slot_bytes: int) -> StagingPool:
+        """The rank's long-lived send staging pool on ``device``, with slots of at least
+        ``min_slot_bytes`` (a larger pool replaces a smaller one; senders holding the old
+        one keep it until they finish)."""
+        pool = self._pools.get(device)
+        if pool is None or pool.slot_bytes < min_slot_bytes:
+            pool = StagingPool(max(self._send_slot_bytes, min_slot_bytes), self._send_slots, device)
+            self._pools[device] = pool
+            log.info("kv.send_staging", device=str(device), slot_bytes=pool.slot_bytes, slots=pool.num_slots)
+        return pool
+
+    @property
+    def staging_pools(self) -> list[StagingPool]:
+        """The current send staging pool of each device (for heartbeats and leak checks)."""
+        return list(self._pools.values())
 
     def new_transfer_id(self) -> int:
         """A transfer id unique on this worker (it scopes the tags of one reservation)."""
@@ -109,8 +149,10 @@ class TransferWorker:
         async with lock:
             ep = self._endpoints.get(address)
             if ep is None or ep.closed:
+                started = time.perf_counter()
                 ep = await self._ctx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(address))
                 self._endpoints[address] = ep
+                self.connect_s += time.perf_counter() - started
         return ep
 
     def evict(self, address: bytes) -> None:
@@ -123,6 +165,18 @@ class TransferWorker:
         """Tagged send to a peer worker; raises ``UCXError`` on endpoint failure."""
         ep = await self.endpoint(address)
         await ep.send(buf, tag=tag, force_tag=True)
+
+    async def send_pair(self, address: bytes, first: tuple[int, object], second: tuple[int, object]) -> None:
+        """Post two tagged sends back to back (e.g. a header and its chunk: one round of
+        completions instead of two) and wait for both; raises ``UCXError`` on failure."""
+        ep = await self.endpoint(address)
+        sends = [asyncio.ensure_future(ep.send(buf, tag=tag, force_tag=True)) for tag, buf in (first, second)]
+        try:
+            await asyncio.gather(*sends)
+        finally:
+            for send in sends:
+                send.cancel()  # no-op once done; a failed pair leaves no orphan task
+            await asyncio.wait(sends)
 
     async def recv(self, tag: int, buf: object) -> None:
         """Worker-level tagged receive (from any peer) into ``buf``."""

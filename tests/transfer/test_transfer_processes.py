@@ -65,7 +65,7 @@ def transfer(decode, prefill, cache, request_id, tokens, tp, page_size, seed, ch
 def check_landed(decode, cache, request_id, tokens, seed, sends):
     results = [peer.wait(job) for peer, job in sends]
     assert all(r["ok"] for r in results), results
-    assert all(r.get("staging_in_use", 0) == 0 for r in results)
+    assert all(r.get("held_buffers", 0) == 0 for r in results)
     got = decode.call("wait", cache=cache, request_id=request_id, timeout=20.0)
     assert got["ok"], got
     ref = reference_kv(seed, LAYERS, CACHES[cache]["kv_heads"], tokens, HEAD_DIM)
@@ -109,6 +109,8 @@ def test_several_requests_in_flight(decode, prefill):
         check_landed(decode, "h4", rid, tokens, seed, sends)
     after = decode.call("status", cache="h4")
     assert after["free_pages"] == before["free_pages"] and after["staging_in_use"] == 0
+    # The prefill ranks' shared send pools are all back once every send finished.
+    assert all(peer.call("status") == {"pool_buffers": 0, "pool_bytes": 0} for peer in prefill[:2])
 
 
 def test_cancelled_request_is_dropped_and_frees_pages(decode, prefill):
@@ -125,7 +127,7 @@ def test_cancelled_request_is_dropped_and_frees_pages(decode, prefill):
     assert not outcome["ok"] and outcome["error"] == "Cancelled"
     # The sender is drained, not left hanging until its deadline, and frees its staging.
     sent = prefill[0].wait(send)
-    assert sent["ok"] and sent["elapsed_s"] < 10.0 and sent["staging_in_use"] == 0 and sent["staging_buffers"] == 0
+    assert sent["ok"] and sent["elapsed_s"] < 10.0 and sent["held_buffers"] == 0 and sent["pool_buffers"] == 0
     after = decode.call("status", cache="h4")
     assert after["free_pages"] == before["free_pages"] and after["staging_in_use"] == 0
     assert after["metrics"]["failures"].get("cancelled", 0) == before["metrics"]["failures"].get("cancelled", 0) + 1
@@ -160,7 +162,7 @@ def test_decode_killed_mid_transfer_fails_sender_within_deadline(ctx, prefill):
         victim.stop()
     assert not result["ok"] and result["error"] in ("PeerFailed", "TransferTimeout"), result
     assert result["elapsed_s"] <= timeout_s + 1.0
-    assert result["staging_in_use"] == 0 and result["staging_buffers"] == 0
+    assert result["held_buffers"] == 0 and result["pool_buffers"] == 0
 
 
 def test_prefill_killed_reservation_expires_and_pages_return(ctx, decode):

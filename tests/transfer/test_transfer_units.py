@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 
 import msgspec
 import pytest
@@ -234,6 +235,7 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
             pages, offsets = local.slots(torch.tensor(table, device=device), torch.arange(tokens, device=device))
             for layer in range(layers):
                 local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
+            started = time.perf_counter()
             sender = KVSender(worker, local, desc, table, kv_head_shard(0, 1, heads), timeout_s=5.0, chunk_bytes=2 * chunk_nbytes(1, heads, tokens, dim, torch.bfloat16))
             assert len(sender.layer_groups) == 3
 
@@ -244,7 +246,13 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
             await asyncio.to_thread(forward)
             record = await sender.finish()
             assert record.chunks == 3 and record.nbytes == chunk_nbytes(layers, heads, tokens, dim, torch.bfloat16)
+            assert set(record.phases_s) == {"setup", "first_ready", "start", "staging_wait", "pack", "endpoint", "wire", "tail"}
+            phases = record.phases_s
+            assert phases["setup"] + phases["first_ready"] + phases["start"] <= time.perf_counter() - started and phases["wire"] > 0
             got = torch.tensor(await rx.wait_complete("ooo", 5.0), device=device)
+            received = rx.metrics.recent[-1]
+            assert set(received.phases_s) == {"first_header", "post", "wire", "scatter", "tail"} and received.chunks == 3
+            assert received.started_unix <= received.started_unix + received.phases_s["first_header"] <= time.time()
             for layer in range(layers):
                 k, v = decode.read(layer, got, tokens)
                 assert torch.equal(k, ref[layer, 0]) and torch.equal(v, ref[layer, 1])
@@ -268,6 +276,55 @@ def test_announced_chunk_that_never_comes_frees_its_staging_after_the_lease_marg
             assert rx.staging.in_use_buffers == 1 and rx.num_free_pages == 8
             await asyncio.sleep(2.5)  # the lease ended ~0 s ago; the margin is 2 s
             assert rx.staging.in_use_buffers == 0
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
+def test_senders_share_the_workers_send_pool_and_return_it_after_failures():
+    """Senders without their own staging pack into the worker's long-lived pool (one arena,
+    registered once); every outcome - success, cancel, deadline - gives its slots back."""
+
+    async def main():
+        worker = await TransferWorker.create(send_slot_bytes=4096, send_slots=2)
+        try:
+            layers, heads, tokens, dim = 2, 4, 20, 8
+            rx = KVReceiver(worker, _cache(heads=heads, pages=24), staging=StagingPool(1 << 20, 2))
+            local = _cache(heads=heads)
+            arenas = set()
+            for i in range(2):
+                sender = KVSender(worker, local, rx.reserve(f"ok-{i}", tokens, 5.0), [0, 1], kv_head_shard(0, 1, heads), timeout_s=5.0)
+                await sender.send_all()
+                await rx.wait_complete(f"ok-{i}", 5.0)
+                assert sender.held_buffers == 0 and sender.staging is worker.staging_pools[0]
+                arenas.add(sender.staging.arena.data_ptr())
+            assert len(arenas) == 1 and len(worker.staging_pools) == 1
+            pool = worker.staging_pools[0]
+            assert pool.slot_bytes == 4096 and pool.in_use_buffers == 0
+
+            cancelled = KVSender(worker, local, rx.reserve("cancel", tokens, 5.0), [0, 1], kv_head_shard(0, 1, heads), timeout_s=5.0, chunk_bytes=chunk_nbytes(1, heads, tokens, dim, torch.bfloat16))
+            cancelled.on_layer_done(0)
+            await asyncio.sleep(0)  # the first chunk takes its slot
+            cancelled.cancel()
+            with pytest.raises(TransferError) as e:
+                await cancelled.finish()
+            assert e.value.cause == "cancelled" and cancelled.held_buffers == 0 and pool.in_use_buffers == 0
+
+            stalled = KVSender(worker, local, rx.reserve("stall", tokens, 5.0), [0, 1], kv_head_shard(0, 1, heads), timeout_s=0.2)
+            with pytest.raises(TransferTimeout):
+                await stalled.finish()  # no layer ever reported
+            assert stalled.held_buffers == 0 and pool.in_use_buffers == 0
+            assert {"cancelled": 1, "timeout": 1} == dict(cancelled.metrics.failures + stalled.metrics.failures)
+            rx.cancel("cancel")
+            rx.cancel("stall")
+
+            big = chunk_nbytes(1, heads, 200, dim, torch.bfloat16)  # one layer > the 4096-byte slots
+            grown = KVSender(worker, PagedKVCache(KVLayout(layers, 16, heads, 16, dim, torch.bfloat16)), rx.reserve("big", 200, 5.0), list(range(13)), kv_head_shard(0, 1, heads), timeout_s=5.0)
+            assert grown.staging.slot_bytes >= big and worker.staging_pools == [grown.staging]
+            await grown.send_all()
+            await rx.wait_complete("big", 5.0)
+            assert grown.staging.in_use_buffers == 0
         finally:
             worker.close()
 

@@ -199,4 +199,11 @@ class PrefillPeer:
             result = {"ok": True, "bytes": record.nbytes, "chunks": record.chunks}
         except TransferError as e:
             result = {"ok": False, "error": type(e).__name__, "message": str(e)}
-        return result | {"elapsed_s": time.monotonic() - t0, "staging_in_use": sender.staging.in_use_bytes, "staging_buffers": sender.staging.in_use_buffers, "groups": len(sender.layer_groups)}
+        # held_buffers: this sender's slots; pool_buffers: the whole worker send pool (shared
+        # by the sends in flight on this rank).
+        return result | {"elapsed_s": time.monotonic() - t0, "held_buffers": sender.held_buffers, "pool_buffers": sender.staging.in_use_buffers, "groups": len(sender.layer_groups)}
+
+    async def status(self, **_: Any) -> dict[str, Any]:
+        """The worker's send staging pools: buffers and bytes in use (0 when nothing is sending)."""
+        pools = self.worker.staging_pools
+        return {"pool_buffers": sum(p.in_use_buffers for p in pools), "pool_bytes": sum(p.in_use_bytes for p in pools)}
