@@ -118,11 +118,27 @@ def _bench_rank(rank: int, world: int, max_bytes: int) -> list[dict]:
             nccl_buf.copy_(x)
             sx.copy_(x)
         rows.append(row)
+        if rank == 0:  # record as we go: a run cut short keeps the sizes it finished
+            _record(row, world)
     return rows
 
 
+def _busbw(nbytes: int, world: int, us: float) -> float:
+    return nbytes * 2 * (world - 1) / world / (us * 1e-6) / 1e9
+
+
+def _record(r: dict, world: int) -> None:
+    from bench.results import record
+
+    peers = {k: {"latency_us": v, "busbw_gbps": _busbw(r["bytes"], world, v)} for k, v in r.items() if k not in ("bytes", "algorithm", "ours")}
+    record("allreduce", {"bytes": r["bytes"], "dtype": "bf16", "world": world, "algorithm": r["algorithm"], "timing": "cuda_graph"},
+           {"latency_us": r["ours"], "busbw_gbps": _busbw(r["bytes"], world, r["ours"]), "vs_nccl_latency_ratio": r["ours"] / r["nccl"],
+            "vs_nccl_busbw_ratio": r["nccl"] / r["ours"]}, peers)
+    print(f"{_fmt_size(r['bytes'])}: ours {r['ours']:.1f} us, nccl {r['nccl']:.1f} us", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from bench.results import print_table, record
+    from bench.results import print_table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-mib", type=int, default=256)
@@ -133,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     nan = float("nan")
     table = []
     for r in rows:
-        busbw = lambda us: r["bytes"] * 2 * (world - 1) / world / (us * 1e-6) / 1e9  # noqa: E731
-        peers = {k: {"latency_us": v, "busbw_gbps": busbw(v)} for k, v in r.items() if k not in ("bytes", "algorithm", "ours")}
-        record("allreduce", {"bytes": r["bytes"], "dtype": "bf16", "world": world, "algorithm": r["algorithm"], "timing": "cuda_graph"},
-               {"latency_us": r["ours"], "busbw_gbps": busbw(r["ours"]), "vs_nccl_latency_ratio": r["ours"] / r["nccl"],
-                "vs_nccl_busbw_ratio": r["nccl"] / r["ours"]}, peers)
+        busbw = lambda us: _busbw(r["bytes"], world, us)  # noqa: E731
         best_variant = min((v for k, v in r.items() if k.startswith("ours_two_shot_")), default=nan)
         table.append({"size": _fmt_size(r["bytes"]), "algo": r["algorithm"], "ours_us": r["ours"], "nccl_us": r["nccl"],
                       "ours/nccl": r["ours"] / r["nccl"], "ours_1shot": r.get("ours_one_shot", nan),

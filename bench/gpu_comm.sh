@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call on 2x H200 (run kind "nvidia-h200-x2") for the communication kernels, about 3 minutes:
+# One device call on 2x H200 (run kind "nvidia-h200-x2") for the communication kernels, about 2.5 minutes:
 #   1. tests/gpu/test_comm_allreduce.py            all-reduce vs the reference and NCCL, eager + CUDA graph
 #   2. bench/allreduce.py                          8 KiB .. 256 MiB: ours (auto, one-shot, two-shot + variants)
 #                                                  vs NCCL vs torch symm-mem one/two-shot, CUDA-graph timed
@@ -30,10 +30,10 @@ step() {
   return $rc
 }
 
-step test_allreduce 110 $PYTEST --timeout=90 tests/gpu/test_comm_allreduce.py
-step bench_allreduce 100 python3 -m bench.allreduce
-step test_parallel_ep 80 $PYTEST --timeout=60 tests/gpu/test_comm_parallel_cuda.py tests/gpu/test_comm_ep_prefill.py
-step bench_ep_prefill 60 python3 -m bench.ep_prefill_layer
+step test_allreduce 65 $PYTEST --timeout=60 tests/gpu/test_comm_allreduce.py
+step bench_allreduce 75 python3 -m bench.allreduce
+step test_parallel_ep 50 $PYTEST --timeout=45 tests/gpu/test_comm_parallel_cuda.py tests/gpu/test_comm_ep_prefill.py
+step bench_ep_prefill 35 python3 -m bench.ep_prefill_layer
 
 cat "$OUT/run.log"
 echo "--- allreduce table"
