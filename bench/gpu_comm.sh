@@ -32,7 +32,7 @@ step() {
 
 step test_allreduce 65 $PYTEST --timeout=60 tests/gpu/test_comm_allreduce.py
 step bench_allreduce 75 python3 -m bench.allreduce
-step test_parallel_ep 50 $PYTEST --timeout=45 tests/gpu/test_comm_parallel_cuda.py tests/gpu/test_comm_ep_prefill.py
+step test_parallel_ep 60 $PYTEST --timeout=50 tests/gpu/test_comm_parallel_cuda.py tests/gpu/test_comm_ep_prefill.py
 step bench_ep_prefill 35 python3 -m bench.ep_prefill_layer
 
 cat "$OUT/run.log"
