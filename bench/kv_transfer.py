@@ -8,16 +8,27 @@ For each prompt length it measures, in the same run:
   two processes: what UCX itself gives.
 * ``engine``     - the TransferEngine (KVSender -> KVReceiver), all layers ready at once:
   pack per layer group, UCX chunks, scatter into scattered decode pages; timed from the
-  sender's start to the receiver's completion (wall clock of one host), for prefill
-  TP=1 and a 2-rank layout (each rank 2 of the 4 KV heads, both on the prefill device).
-* ``overlap``    - TP=1 again, with the sender fed layer by layer by a simulated prefill:
-  a fixed compute time per layer (``--layer-us-per-1k`` per 1k prompt tokens; a
-  ``torch.cuda._sleep`` kernel on GPU, ``time.sleep`` on CPU, not a measured model
-  forward). ``exposed_ms`` is the time from the last layer's compute to the KV having
-  landed; ``hidden_pct`` = 1 - exposed / engine time without compute.
+  sender's construction to the decode side holding the pages (wall clock of one host),
+  for prefill TP=1 and a 2-rank layout (each rank 2 of the 4 KV heads, both on the
+  prefill device). Senders pack into their worker's send pool, as in the services.
+  Each row also carries the median per-phase times both sides record
+  (``TransferRecord.phases_s``), ``start_us`` (sender built -> first header at the decode
+  rank) and ``notify_us`` (request complete -> ``wait_complete`` returned).
+* ``overlap``    - TP=1 again, the sender fed layer by layer by a prefill forward that
+  runs real work on the prefill GPU: per layer one bf16 matmul ``[tokens, hidden] x
+  [hidden, layer_params / hidden]``, the FLOPs of one Qwen3-235B layer's projections and
+  its 8 active experts at that token count (attention scores left out, so the real layer
+  is longer); ``on_layer_done`` after each layer is enqueued, as the model does. On CPU
+  the compute is simulated (``--layer-us-per-1k`` of ``time.sleep`` per layer).
+  ``exposed_us``: last layer computed -> KV landed; ``hidden_pct`` = 1 - exposed / engine
+  time without compute; ``compute_slowdown_pct``: the forward with the transfer running
+  vs the same forward alone.
 
-The first engine transfer of each configuration is checked bit for bit against the
-reference on the decode side. Usage::
+``--modes`` runs everything once per ucxx configuration (``future`` or ``poll`` completion
+delivery, ``thread`` or ``thread-polling`` progress), each with fresh processes; the
+overlap runs in the first mode only. The
+first engine transfer of each configuration is checked bit for bit against the reference
+on the decode side, then dropped. Usage::
 
     python -m bench.kv_transfer --device cpu                      # TCP loopback, small sizes
     python -m bench.kv_transfer --device cuda --tokens 1024,6144,32768
@@ -42,11 +53,15 @@ import torch
 from bench.results import print_table, record
 from schemas.transfer import KVTransferDescriptor
 from shared.kvcache import KVLayout, PagedKVCache
-from shared.transfer import KVReceiver, KVSender, StagingPool, TransferWorker, kv_head_shard
+from shared.transfer import KVReceiver, KVSender, StagingPool, TransferRecord, TransferWorker, kv_head_shard
 from shared.transfer.worker import ucx_buffer
 
 BENCH = "kv_transfer"
 DTYPE = torch.bfloat16
+# Qwen3-235B-A22B, per layer and token: q/k/v/o projections (4096x8192, 2x 4096x512,
+# 8192x4096), router (4096x128) and 8 active experts (3x 4096x1536 each).
+QWEN3_235B_LAYER_PARAMS = 4096 * 8192 + 2 * 4096 * 512 + 8192 * 4096 + 4096 * 128 + 8 * 3 * 4096 * 1536
+QWEN3_235B_HIDDEN = 4096
 
 
 # -- child processes --------------------------------------------------------------------
@@ -66,16 +81,12 @@ class _Child:
         self.cache: Any = None  # PagedKVCache once set up for a prompt length
         self.receiver: Any = None  # KVReceiver (decode process)
         self.raw: torch.Tensor | None = None
-        self._pool: StagingPool | None = None
-
-    def _staging(self) -> StagingPool:
-        """The process's long-lived staging pool (as a service rank keeps one), made on first use."""
-        if self._pool is None:
-            self._pool = StagingPool(self.cfg["slot_mib"] << 20, 4, self.device)
-        return self._pool
+        self.layer_work: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # x, w, y of the per-layer matmul
+        self._decode_staging: StagingPool | None = None
 
     def _release_device_memory(self) -> None:
         """Give the previous size's buffers back before allocating the next (32k tokens is ~6 GiB a copy)."""
+        self.layer_work = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -98,7 +109,9 @@ class _Child:
         # Scatter the free list so the reserved page ids are not contiguous.
         ids = self.cache.allocator.alloc(self.cache.layout.num_pages)
         self.cache.allocator.free(random.Random(1).sample(ids, len(ids)))
-        self.receiver = KVReceiver(self.worker, self.cache, staging=self._staging())
+        if self._decode_staging is None:  # long-lived, as a decode rank's
+            self._decode_staging = StagingPool(c["slot_mib"] << 20, 4, self.device)
+        self.receiver = KVReceiver(self.worker, self.cache, staging=self._decode_staging)
 
     async def reserve(self, request_id: str, tokens: int) -> bytes:
         return msgspec.msgpack.encode(self.receiver.reserve(request_id, tokens, lease_s=120.0))
@@ -114,7 +127,9 @@ class _Child:
                 for layer in range(c["layers"])
             )
         self.cache.allocator.free(pages)
-        return {"t_done": t_done, "exact": exact, "receiver_wall_s": self.receiver.metrics.recent[-1].wall_s}
+        rec: TransferRecord = self.receiver.metrics.recent[-1]
+        completed_unix = rec.started_unix + rec.phases_s["first_header"] + rec.wall_s
+        return {"t_done": t_done, "exact": exact, "first_header_unix": rec.started_unix + rec.phases_s["first_header"], "completed_unix": completed_unix, "wall_s": rec.wall_s, "phases_s": rec.phases_s}
 
     async def raw_recv(self, nbytes: int, tag: int) -> float:
         if self.raw is None or self.raw.numel() != nbytes:
@@ -138,25 +153,39 @@ class _Child:
         for layer in range(c["layers"]):
             kv = _reference_layer(seed, layer, c["kv_heads"], tokens, c["head_dim"], self.device)[:, self.shard.start : self.shard.end]
             self.cache.write(layer, slot_pages, offsets, kv[0].transpose(0, 1), kv[1].transpose(0, 1))
+        if self.device.type == "cuda" and rank == 0 and tp == 1:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            n = c["layer_params"] // c["hidden"]
+            x = torch.randn(tokens, c["hidden"], generator=gen, device=self.device).to(DTYPE)
+            w = (torch.randn(c["hidden"], n, generator=gen, device=self.device) / c["hidden"] ** 0.5).to(DTYPE)
+            self.layer_work = (x, w, torch.empty(tokens, n, dtype=DTYPE, device=self.device))
         self._sync()
 
-    async def send(self, descriptor: bytes, layer_s: float, chunk_mib: int) -> dict[str, Any]:
+    async def send(self, descriptor: bytes, compute: str, layer_s: float, chunk_bytes: int) -> dict[str, Any]:
         desc = msgspec.msgpack.decode(descriptor, type=KVTransferDescriptor)
         t_start = time.time()
-        sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=chunk_mib << 20, staging=self._staging())
-        t_last_layer = await asyncio.to_thread(self._simulated_forward, sender, layer_s)
+        one_layer = 2 * self.shard.num_heads * desc.num_tokens * self.cfg["head_dim"] * DTYPE.itemsize
+        sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=max(chunk_bytes, one_layer))
+        t_last_layer = await asyncio.to_thread(self._forward, compute, layer_s, sender)
         rec = await sender.finish()
-        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "sender_wall_s": rec.wall_s}
+        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "wall_s": rec.wall_s, "phases_s": rec.phases_s}
 
-    def _simulated_forward(self, sender: KVSender, layer_s: float) -> float:
-        """Run in a thread like a real forward: per layer, 'compute' then ``on_layer_done``."""
-        cycles = int(layer_s * self.cfg["sleep_cycles_per_s"]) if self.device.type == "cuda" else 0
+    async def compute_only(self, compute: str, layer_s: float) -> float:
+        """Seconds of the same forward without a transfer."""
+        started = time.time()
+        return await asyncio.to_thread(self._forward, compute, layer_s, None) - started
+
+    def _forward(self, compute: str, layer_s: float, sender: KVSender | None) -> float:
+        """Run in a thread like the model's forward: per layer, compute then ``on_layer_done``."""
         for layer in range(self.cfg["layers"]):
-            if layer_s and cycles:
-                torch.cuda._sleep(cycles)
-            elif layer_s:
+            if compute == "matmul":
+                assert self.layer_work is not None
+                x, w, y = self.layer_work
+                torch.matmul(x, w, out=y)
+            elif compute == "sleep":
                 time.sleep(layer_s)
-            sender.on_layer_done(layer)
+            if sender is not None:
+                sender.on_layer_done(layer)
         self._sync()
         return time.time()
 
@@ -180,7 +209,8 @@ async def _child_async(device_kind: str, cfg: dict[str, Any], inbox: Any, outbox
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # CUDA context before UCX starts
-    child = _Child(await TransferWorker.create(cfg["progress_mode"]), device, cfg)
+    worker = await TransferWorker.create(cfg["progress_mode"], python_future=cfg["python_future"], send_slot_bytes=cfg["slot_mib"] << 20)
+    child = _Child(worker, device, cfg)
     loop = asyncio.get_running_loop()
     pending = set()
     while True:
@@ -202,11 +232,16 @@ async def _child_async(device_kind: str, cfg: dict[str, Any], inbox: Any, outbox
 
 class _Proc:
     def __init__(self, ctx: Any, device_kind: str, cfg: dict[str, Any], visible: str | None) -> None:
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible  # own GPU first; the peer stays visible for cuda_ipc
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_child_main, args=(device_kind, cfg, self.inbox, self.outbox), daemon=True)
         self.proc.start()
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
         self._jobs = 0
         self._done: dict[int, Any] = {}
 
@@ -268,14 +303,14 @@ def _raw_ucxx_s(decode: _Proc, prefill: _Proc, nbytes: int, iters: int) -> float
     return statistics.median(times[1:])
 
 
-def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, iters: int, layer_s: float, chunk_mib: int, tag: str) -> list[dict[str, Any]]:
+def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, iters: int, compute: str, layer_s: float, chunk_bytes: int, tag: str) -> list[dict[str, Any]]:
     """``iters`` + 1 transfers (the first warms registration caches and is verified, then dropped)."""
     runs = []
     for i in range(iters + 1):
-        rid = f"{tag}-{tokens}-{chunk_mib}-{i}"
+        rid = f"{tag}-{tokens}-{chunk_bytes}-{i}"
         desc = decode.call("reserve", request_id=rid, tokens=tokens)
         wait = decode.submit("wait", request_id=rid, tokens=tokens, verify_seed=seed if i == 0 else None)
-        sends = [p.submit("send", descriptor=desc, layer_s=layer_s, chunk_mib=chunk_mib) for p in prefills]
+        sends = [p.submit("send", descriptor=desc, compute=compute, layer_s=layer_s, chunk_bytes=chunk_bytes) for p in prefills]
         sent = [p.result(s) for p, s in zip(prefills, sends)]
         got = decode.result(wait)
         if i == 0:
@@ -283,26 +318,35 @@ def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, i
                 raise RuntimeError(f"{rid}: decode pages differ from the reference")
             continue
         t_start = min(s["t_start"] for s in sent)
+        send_phases = {k: max(s["phases_s"].get(k, 0.0) for s in sent) for k in sent[0]["phases_s"]}  # slowest rank
         runs.append({
             "total_s": got["t_done"] - t_start,
             "exposed_s": got["t_done"] - max(s["t_last_layer"] for s in sent),
+            "forward_s": max(s["t_last_layer"] for s in sent) - t_start,
+            "start_s": got["first_header_unix"] - t_start,
+            "notify_s": got["t_done"] - got["completed_unix"],
             "chunks": sent[0]["chunks"],
-            "sender_wall_s": max(s["sender_wall_s"] for s in sent),  # first chunk posted -> last chunk sent
-            "receiver_wall_s": got["receiver_wall_s"],  # first header -> last chunk scattered
+            "sender_wall_s": max(s["wall_s"] for s in sent),  # first chunk posted -> last chunk sent
+            "receiver_wall_s": got["wall_s"],  # first header -> last chunk scattered
+            **{f"send_{k}": v for k, v in send_phases.items()},
+            **{f"recv_{k}": v for k, v in got["phases_s"].items()},
         })
     return runs
 
 
-def _calibrate_sleep_cycles() -> float:
-    """GPU clock cycles per second of ``torch.cuda._sleep`` on cuda:0."""
-    torch.cuda._sleep(1_000_000)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(50_000_000)
-    end.record()
-    end.synchronize()
-    return 50_000_000 / (start.elapsed_time(end) / 1e3)
+def _median_us(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs) * 1e6
+
+
+def _parse_modes(text: str) -> list[tuple[str, bool, str]]:
+    """``future/thread,poll/thread-polling`` -> [(name, python_future, progress_mode)]."""
+    modes = []
+    for spec in text.split(","):
+        delivery, _, progress = spec.partition("/")
+        if delivery not in ("future", "poll") or progress not in ("thread", "thread-polling"):
+            raise SystemExit(f"--modes: {spec!r} is not <future|poll>/<thread|thread-polling>")
+        modes.append((spec, delivery == "future", progress))
+    return modes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,88 +358,103 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16, help="decode page size")
     ap.add_argument("--prefill-page-size", type=int, default=32)
-    ap.add_argument("--chunk-mib", default="64", help="comma-separated target packed chunk sizes (layers per chunk follow from it)")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--progress-mode", choices=["thread", "thread-polling"], default="thread", help="ucxx progress thread: epoll-driven or spinning")
-    ap.add_argument("--layer-us-per-1k", type=float, default=150.0, help="simulated prefill compute per layer per 1k tokens (us)")
+    ap.add_argument("--chunk-mib", default="64", help="comma-separated target packed chunk sizes (at least one layer; layers per chunk follow)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--modes", default="future/thread", help="comma-separated ucxx configurations <future|poll>/<thread|thread-polling>")
+    ap.add_argument("--overlap-iters", type=int, default=2, help="timed overlap transfers (and forwards alone) per size, first mode only; 0 skips the overlap")
+    ap.add_argument("--overlap-chunk-mib", type=int, default=None, help="chunk size of the overlap runs (default: the first of --chunk-mib)")
+    ap.add_argument("--layer-us-per-1k", type=float, default=150.0, help="CPU only: simulated prefill compute per layer per 1k tokens (us)")
     args = ap.parse_args(argv)
     chunk_list = [int(c) for c in args.chunk_mib.split(",")]
+    overlap_chunk = args.overlap_chunk_mib or chunk_list[0]
     tokens_list = [int(t) for t in (args.tokens or ("128,512,1024" if args.device == "cpu" else "1024,6144,32768")).split(",")]
+    modes = _parse_modes(args.modes)
     if args.device == "cpu":
         os.environ.setdefault("UCX_TLS", "tcp,self")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    one_layer_mib = -(-2 * args.kv_heads * max(tokens_list) * args.head_dim * DTYPE.itemsize // 2**20)
     cfg = {
         "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "page_size": args.page_size,
         "prefill_page_size": args.prefill_page_size,
-        # Staging: 4 slots a process, each the largest chunk asked for and at least one whole layer.
-        "slot_mib": max(*chunk_list, -(-2 * args.kv_heads * max(tokens_list) * args.head_dim * DTYPE.itemsize // 2**20)),
-        "sleep_cycles_per_s": 0.0,
-        "progress_mode": args.progress_mode,
+        # Staging slots (4 per process and side): the largest chunk asked for, at least one whole layer.
+        "slot_mib": max(*chunk_list, overlap_chunk, one_layer_mib),
+        "layer_params": QWEN3_235B_LAYER_PARAMS, "hidden": QWEN3_235B_HIDDEN,
     }
-    if args.device == "cuda":
-        if torch.cuda.device_count() < 2:
-            raise SystemExit("--device cuda needs two GPUs")
-        cfg["sleep_cycles_per_s"] = _calibrate_sleep_cycles()
-    ctx = mp.get_context("spawn")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpu = args.device == "cuda"
-    decode = _Proc(ctx, args.device, cfg, "1,0" if gpu else None)
-    prefills = [_Proc(ctx, args.device, cfg, "0,1" if gpu else None) for _ in range(2)]
-    if visible is None:
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    if gpu and torch.cuda.device_count() < 2:
+        raise SystemExit("--device cuda needs two GPUs")
+    compute = "matmul" if gpu else "sleep"
+    ctx = mp.get_context("spawn")
     bytes_per_token = args.layers * 2 * args.kv_heads * args.head_dim * DTYPE.itemsize
-    rows = []
-    try:
-        for tokens in tokens_list:
-            nbytes = tokens * bytes_per_token
-            seed = tokens
-            decode.call("decode_setup", tokens=tokens)
-            peer_s = _peer_copy_s(nbytes, args.device, args.iters)
-            prefills[0].call("prefill_setup", tokens=tokens, tp=1, rank=0, seed=seed)
-            raw_s = _raw_ucxx_s(decode, prefills[0], nbytes, args.iters)
-            print(f"# {tokens} tokens: peer copy {nbytes / peer_s / 1e9:.1f} GB/s, raw ucxx {nbytes / raw_s / 1e9:.1f} GB/s", flush=True)
-            layer_s = args.layer_us_per_1k * 1e-6 * tokens / 1024
-            peers = {
-                "peer_copy": {"gbps": nbytes / peer_s / 1e9, "latency_us": peer_s * 1e6},
-                "raw_ucxx": {"gbps": nbytes / raw_s / 1e9, "latency_us": raw_s * 1e6, "ratio_to_peer_copy": peer_s / raw_s},
-            }
-            runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-            overlap: dict[int, list[dict[str, Any]]] = {}
-            for chunk_mib in chunk_list:
-                runs["tp1", chunk_mib] = _engine_runs(decode, prefills[:1], tokens, seed, args.iters, 0.0, chunk_mib, "tp1")
-                overlap[chunk_mib] = _engine_runs(decode, prefills[:1], tokens, seed, args.iters, layer_s, chunk_mib, "overlap")
-            for rank, p in enumerate(prefills):
-                p.call("prefill_setup", tokens=tokens, tp=2, rank=rank, seed=seed)
-            for chunk_mib in chunk_list:
-                runs["tp2", chunk_mib] = _engine_runs(decode, prefills, tokens, seed, args.iters, 0.0, chunk_mib, "tp2")
-            for (layout, chunk_mib), layout_runs in runs.items():
-                eng_s = statistics.median(r["total_s"] for r in layout_runs)
-                metrics = {
-                    "gbps": nbytes / eng_s / 1e9,
-                    "latency_us": eng_s * 1e6,
-                    "ratio_to_peer_copy": peer_s / eng_s,
-                    "ratio_to_raw_ucxx": raw_s / eng_s,
-                    "chunks_per_rank": layout_runs[0]["chunks"],
-                    "sender_wall_us": statistics.median(r["sender_wall_s"] for r in layout_runs) * 1e6,
-                    "receiver_wall_us": statistics.median(r["receiver_wall_s"] for r in layout_runs) * 1e6,
+    peer_s = {tokens: _peer_copy_s(tokens * bytes_per_token, args.device, args.iters) for tokens in tokens_list}
+    rows, phase_rows = [], []
+    for mode, python_future, progress_mode in modes:
+        mode_cfg = cfg | {"python_future": python_future, "progress_mode": progress_mode}
+        decode = _Proc(ctx, args.device, mode_cfg, "1,0" if gpu else None)
+        prefills = [_Proc(ctx, args.device, mode_cfg, "0,1" if gpu else None) for _ in range(2)]
+        try:
+            for tokens in tokens_list:
+                nbytes = tokens * bytes_per_token
+                seed = tokens
+                decode.call("decode_setup", tokens=tokens)
+                prefills[0].call("prefill_setup", tokens=tokens, tp=1, rank=0, seed=seed)
+                raw_s = _raw_ucxx_s(decode, prefills[0], nbytes, args.iters)
+                print(f"# {mode} {tokens} tokens: peer copy {nbytes / peer_s[tokens] / 1e9:.1f} GB/s, raw ucxx {nbytes / raw_s / 1e9:.1f} GB/s", flush=True)
+                layer_s = args.layer_us_per_1k * 1e-6 * tokens / 1024
+                peers = {
+                    "peer_copy": {"gbps": nbytes / peer_s[tokens] / 1e9, "latency_us": peer_s[tokens] * 1e6},
+                    "raw_ucxx": {"gbps": nbytes / raw_s / 1e9, "latency_us": raw_s * 1e6, "ratio_to_peer_copy": peer_s[tokens] / raw_s},
                 }
-                if layout == "tp1":
-                    exposed_s = statistics.median(r["exposed_s"] for r in overlap[chunk_mib])
-                    metrics |= {
-                        "sim_layer_compute_us": layer_s * 1e6,
-                        "sim_prefill_compute_us": layer_s * args.layers * 1e6,
+                runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+                for chunk_mib in chunk_list:
+                    runs["tp1", chunk_mib] = _engine_runs(decode, prefills[:1], tokens, seed, args.iters, "none", 0.0, chunk_mib << 20, "tp1")
+                overlap: dict[str, float] = {}
+                if args.overlap_iters and mode == modes[0][0]:
+                    alone = [prefills[0].call("compute_only", compute=compute, layer_s=layer_s) for _ in range(args.overlap_iters + 1)][1:]
+                    with_kv = _engine_runs(decode, prefills[:1], tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk << 20, "overlap")
+                    engine_alone_s = statistics.median(r["total_s"] for r in runs.get(("tp1", overlap_chunk), runs["tp1", chunk_list[0]]))
+                    exposed_s = statistics.median(r["exposed_s"] for r in with_kv)
+                    compute_s = statistics.median(alone)
+                    overlap = {
+                        "compute": compute,
+                        "layer_matmul_n": cfg["layer_params"] // cfg["hidden"] if gpu else 0,
+                        "overlap_chunk_mib": overlap_chunk,
+                        "prefill_compute_us": compute_s * 1e6,
                         "exposed_after_prefill_us": exposed_s * 1e6,
-                        "hidden_pct": 100.0 * max(0.0, 1.0 - exposed_s / eng_s),
+                        "hidden_pct": 100.0 * max(0.0, 1.0 - exposed_s / engine_alone_s),
+                        "compute_slowdown_pct": 100.0 * (statistics.median(r["forward_s"] for r in with_kv) / compute_s - 1.0),
                     }
-                case = {"tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": args.progress_mode}
-                record(BENCH, case, metrics, peers)
-                rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "layout": layout, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", "")})
-    finally:
-        for p in (decode, *prefills):
-            p.stop()
-    print_table(rows, ["tokens", "MiB", "layout", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "engine/raw", "chunks", "exposed_us", "hidden_pct"])
+                for rank, p in enumerate(prefills):
+                    p.call("prefill_setup", tokens=tokens, tp=2, rank=rank, seed=seed)
+                for chunk_mib in chunk_list:
+                    runs["tp2", chunk_mib] = _engine_runs(decode, prefills, tokens, seed, args.iters, "none", 0.0, chunk_mib << 20, "tp2")
+                for (layout, chunk_mib), layout_runs in runs.items():
+                    eng_s = statistics.median(r["total_s"] for r in layout_runs)
+                    phase_keys = sorted(k for k in layout_runs[0] if k.startswith(("send_", "recv_")))
+                    metrics = {
+                        "gbps": nbytes / eng_s / 1e9,
+                        "latency_us": eng_s * 1e6,
+                        "ratio_to_peer_copy": peer_s[tokens] / eng_s,
+                        "ratio_to_raw_ucxx": raw_s / eng_s,
+                        "chunks_per_rank": layout_runs[0]["chunks"],
+                        "start_us": _median_us(layout_runs, "start_s"),
+                        "notify_us": _median_us(layout_runs, "notify_s"),
+                        "sender_wall_us": _median_us(layout_runs, "sender_wall_s"),
+                        "receiver_wall_us": _median_us(layout_runs, "receiver_wall_s"),
+                        **{f"{k}_us": _median_us(layout_runs, k) for k in phase_keys},
+                    }
+                    if layout == "tp1" and chunk_mib == overlap_chunk:
+                        metrics |= overlap
+                    case = {"tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll"}
+                    record(BENCH, case, metrics, peers)
+                    rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "layout": layout, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
+                    phase_rows.append({"tokens": tokens, "mode": mode, "layout": layout, "chunk_MiB": chunk_mib, "total_us": metrics["latency_us"], "start_us": metrics["start_us"], "s_pack_us": metrics.get("send_pack_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})
+        finally:
+            for p in (decode, *prefills):
+                p.stop()
+    print_table(rows, ["tokens", "MiB", "mode", "layout", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "engine/raw", "chunks", "exposed_us", "hidden_pct", "slowdown_pct"])
+    print()
+    print_table(phase_rows, ["tokens", "mode", "layout", "chunk_MiB", "total_us", "start_us", "s_pack_us", "s_wire_us", "r_post_us", "r_wire_us", "r_scatter_us", "r_wall_us", "notify_us"])
     return 0
 
 

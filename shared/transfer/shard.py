@@ -6,10 +6,9 @@ layers of one request into one contiguous chunk laid out
 chunk is independent of either side's page size. The decode rank scatters the chunk
 into its reserved pages (all heads).
 
-Both directions are a fixed, small number of torch copy kernels per layer group,
-whatever the number of pages or layers in it: one ``index_select`` (pack) or
-``index_copy_`` (scatter) over the group's full pages, plus one indexed copy for the
-partial last page. The bytes are moved as 8-byte words (the head_dim row seen as
+Both directions are two torch copy kernels per layer group, whatever the number of
+pages or layers in it: one ``index_select`` (pack) or ``index_copy_`` (scatter) over
+the group's full pages, and the same op over the partial last page. The bytes are moved as 8-byte words (the head_dim row seen as
 int64), so the kernels handle a quarter of the elements a bf16 copy would; the result
 is bit-identical by construction.
 """
@@ -84,7 +83,7 @@ def pack_layers(cache: PagedKVCache, layers: range, page_table: torch.Tensor, nu
     """Gather ``num_tokens`` tokens of every local head of ``layers`` into ``out`` (a chunk view).
 
     ``page_table`` (on the cache's device) lists the sequence's pages in order. One gather
-    covers all full pages of the whole layer group, one copy the partial last page.
+    covers all full pages of the whole layer group, one the partial last page.
     """
     ps, heads = cache.layout.page_size, cache.layout.kv_heads
     full, rem = divmod(num_tokens, ps)
@@ -97,9 +96,9 @@ def pack_layers(cache: PagedKVCache, layers: range, page_table: torch.Tensor, nu
         paged = out[:, :, :, : full * ps].view(len(layers), 2, heads, full, ps, dim).permute(0, 3, 1, 2, 4, 5)
         torch.index_select(src, 1, page_table[:full], out=paged)
     if rem:
-        # A 1-element index tensor (not page_table[full], a 0-d tensor that indexing would
-        # turn into a Python int with a device sync).
-        out[:, :, :, full * ps :].copy_(src[:, page_table[full : full + 1], :, :, :rem].squeeze(1))
+        # The partial last page, same gather on its first ``rem`` tokens. A 1-element index
+        # slice (page_table[full] would be a 0-d tensor, turned into an int with a device sync).
+        torch.index_select(src[:, :, :, :, :rem], 1, page_table[full : full + 1], out=out[:, :, :, full * ps :].unsqueeze(1))
 
 
 def scatter_layers(cache: PagedKVCache, layers: range, heads: range, page_table: torch.Tensor, num_tokens: int, chunk: torch.Tensor) -> None:
@@ -114,4 +113,4 @@ def scatter_layers(cache: PagedKVCache, layers: range, heads: range, page_table:
         paged = chunk[:, :, :, : full * ps].view(len(layers), 2, len(heads), full, ps, dim).permute(0, 3, 1, 2, 4, 5)
         dst.index_copy_(1, page_table[:full], paged)
     if rem:
-        dst[:, page_table[full : full + 1], :, :, :rem] = chunk[:, :, :, full * ps :].unsqueeze(1)
+        dst[:, :, :, :, :rem].index_copy_(1, page_table[full : full + 1], chunk[:, :, :, full * ps :].unsqueeze(1))

@@ -68,6 +68,33 @@ def test_pack_then_scatter_is_exact_across_page_sizes(src_page, dst_page, tokens
         assert bool((k[:h0] == 3.0).all() and (k[h1:] == 3.0).all())  # other heads untouched
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pack_and_scatter_launch_two_kernels_per_layer_group_on_cuda():
+    """However many layers and pages a group holds: one kernel for its full pages, one for
+    the partial last page, each way (no per-page or per-layer loop)."""
+
+    def kernels(fn) -> int:
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    counts = set()
+    for layers, tokens in [(1, 40), (12, 300)]:
+        heads, dim, ps = 4, 128, 16
+        src = PagedKVCache(KVLayout(layers, 64, heads, ps, dim, torch.bfloat16), "cuda")
+        src.storage.normal_()
+        table = torch.randperm(64, device="cuda")[: src.layout.pages_for(tokens)]
+        buf = torch.empty(chunk_nbytes(layers, heads, tokens, dim, torch.bfloat16), dtype=torch.uint8, device="cuda")
+        chunk = chunk_view(buf, layers, heads, tokens, dim, torch.bfloat16)
+        dst = PagedKVCache(KVLayout(layers, 64, heads, ps, dim, torch.bfloat16), "cuda")
+        counts.add((kernels(lambda: pack_layers(src, range(layers), table, tokens, chunk)), kernels(lambda: scatter_layers(dst, range(layers), range(heads), table, tokens, chunk))))
+        assert all(torch.equal(torch.stack(dst.read(layer, table, tokens)), torch.stack(src.read(layer, table, tokens))) for layer in range(layers))
+    assert counts == {(2, 2)}, counts
+
+
 def test_wire_structs_round_trip_and_reject_unknown_fields():
     desc = KVTransferDescriptor(b"\x00addr", "req-1", 7, [5, 2, 9], 40, KVTransferLayout(94, 16, 4, 128, "bfloat16"), 1e9, 1 << 20)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(desc), type=KVTransferDescriptor) == desc
