@@ -534,9 +534,13 @@ class DispatchCombine:
     ``[E_local, capacity, H/128]`` fp32 (FP8 only), ``expert_counts`` int32
     ``[E_local]``, ``recv_src`` int32 ``[E_local, capacity]`` (each row's origin,
     ``(src rank << 24) | (token * topk + slot)``).
+
+    ``max_tokens`` (and ``cpp``, CTAs per peer, which benchmarks vary; default
+    `ctas_per_peer(max_tokens, world)`) must be the same on every rank: they fix
+    the staging layout and how many CTAs each flag counts.
     """
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16") -> None:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16", cpp: int | None = None) -> None:
         from kernels.peer_memory import PeerMemory, RegionLayout
 
         world = dist.get_world_size(group)
@@ -544,7 +548,9 @@ class DispatchCombine:
         self.world, self.num_experts, self.max_tokens, self.hidden, self.topk, self.payload = world, num_experts, max_tokens, hidden, topk, payload
         self.num_local = num_experts // world
         self.capacity = world * max_tokens
-        self.ctas_per_peer = ctas_per_peer(max_tokens, world)
+        self.ctas_per_peer = cpp or ctas_per_peer(max_tokens, world)
+        if not 1 <= self.ctas_per_peer <= max_tokens:
+            raise DispatchCombineError(f"ctas_per_peer must be 1..max_tokens={max_tokens}, got {self.ctas_per_peer}")
         fp8 = payload == "fp8"
         staged_rows = world * max_tokens  # one staging row per (source rank, token)
         layout = RegionLayout()

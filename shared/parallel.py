@@ -15,15 +15,16 @@ Two layouts exist, one per service kind:
 
 `Collectives` is the interface the model calls; `TorchCollectives` implements it
 with ``torch.distributed`` (gloo on CPU, NCCL on GPU) and `LocalCollectives` is
-the single-process identity. GPU kernels (peer-memory all-reduce, DP-EP
-dispatch/combine) implement the same interface later.
+the single-process identity. `shared.parallel_cuda.CudaCollectives` runs the
+peer-memory kernels on GPUs: the all-reduce, and for the decode layout a whole
+MoE layer (`Collectives.decode_moe`: dispatch, masked grouped GEMMs, combine).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,23 @@ class Collectives(Protocol):
         """Return ``expert_out`` rows to their senders and sum them per token: ``[T, H]``."""
         ...
 
+    def decode_moe(self, num_experts: int, hidden: int, top_k: int, moe_intermediate: int, max_tokens: int, fp8: bool) -> DecodeMoE | None:
+        """A decode-layout MoE layer that does its own communication, with buffers for
+        ``max_tokens`` tokens per rank (collective: all ranks call it together), or None
+        when this transport has none (the model then uses `ep_dispatch`/`ep_combine`)."""
+        ...
+
+
+class DecodeMoE(Protocol):
+    """A whole expert-parallel MoE layer of the decode layout (see `Collectives.decode_moe`)."""
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Any) -> torch.Tensor:
+        """``[T, H]``: each token's routing-weighted sum over its top-k experts, wherever they live.
+
+        ``experts`` is this rank's `shared.model.weights.MoEWeights`, prepared for the kernels.
+        """
+        ...
+
 
 class LocalCollectives:
     """One rank: all-reduce is the identity, dispatch keeps every token at home."""
@@ -141,6 +159,9 @@ class LocalCollectives:
 
     def ep_combine(self, expert_out: torch.Tensor, dispatch: EpDispatch) -> torch.Tensor:
         return expert_out
+
+    def decode_moe(self, num_experts: int, hidden: int, top_k: int, moe_intermediate: int, max_tokens: int, fp8: bool) -> None:
+        return None
 
 
 class TorchCollectives:
@@ -184,6 +205,9 @@ class TorchCollectives:
         back = self._all_to_all(expert_out, dispatch.recv_counts, dispatch.send_counts)
         out = expert_out.new_zeros((dispatch.num_tokens, expert_out.shape[-1]))
         return out.index_add_(0, dispatch.send_index, back)
+
+    def decode_moe(self, num_experts: int, hidden: int, top_k: int, moe_intermediate: int, max_tokens: int, fp8: bool) -> DecodeMoE | None:
+        return None  # the model composes ep_dispatch, its experts and ep_combine
 
     def _exchange_counts(self, send_counts: list[int], device: torch.device) -> list[int]:
         send = torch.tensor(send_counts, dtype=torch.int64, device=device)

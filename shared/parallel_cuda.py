@@ -4,24 +4,35 @@
   one-shot / two-shot, fp32 accumulation in rank order, identical bits on every
   rank, CUDA-graph safe). Strided or misaligned views are reduced through an
   aligned copy; dtypes other than bf16/fp16/fp32 go to NCCL.
-* ``ep_dispatch`` / ``ep_combine`` keep the NCCL path of `TorchCollectives`: their
-  contract (token-granular rows, receive sizes known on the host) does not fit the
-  peer-memory kernels, which use fixed-size buffers and a per-expert masked
-  layout so that nothing synchronises with the host. The decode MoE uses those
-  kernels through `dispatch_combine()` (see `kernels.dispatch_combine`).
+* ``decode_moe`` (decode layout) hands the model a `PeerDecodeMoE`: the whole
+  expert-parallel MoE layer as peer-memory dispatch -> masked grouped GEMMs ->
+  combine (`kernels.dispatch_combine`, `kernels.grouped_gemm`), fixed-size buffers
+  and nothing that synchronises with the host.
+* ``ep_dispatch`` / ``ep_combine`` keep the NCCL path of `TorchCollectives` (the
+  reference, and the path of models that do not take `decode_moe`): their contract
+  (token-granular rows, receive sizes known on the host) does not fit the
+  peer-memory kernels.
 
-Construction is collective (it maps peer memory on every rank) and loads the
-kernels, so it must happen before any CUDA-graph capture.
+Construction of the collectives and of a `PeerDecodeMoE` is collective (it maps
+peer memory on every rank) and loads the kernels, so it must happen before any
+CUDA-graph capture.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
+from kernels import grouped_gemm as gg
+from kernels.act_quant import quantize_act
 from kernels.allreduce import SUPPORTED_DTYPES, CudaAllReduce
-from kernels.dispatch_combine import DispatchCombine
+from kernels.dispatch_combine import DispatchCombine, DispatchCombineError
 from shared.parallel import TorchCollectives, Topology
+
+if TYPE_CHECKING:
+    from shared.model.weights import MoEWeights
 
 
 class CudaCollectives(TorchCollectives):
@@ -47,6 +58,61 @@ class CudaCollectives(TorchCollectives):
         self._all_reduce(staged, out=staged)
         return x.copy_(staged)
 
-    def dispatch_combine(self, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16") -> DispatchCombine:
-        """Peer-memory DP-EP dispatch/combine buffers for the decode layout (collective)."""
-        return DispatchCombine(dist.group.WORLD, num_experts, max_tokens, hidden, topk, payload)
+    def decode_moe(self, num_experts: int, hidden: int, top_k: int, moe_intermediate: int, max_tokens: int, fp8: bool) -> PeerDecodeMoE | None:
+        """The peer-memory MoE layer for the decode layout (collective); None for other layouts."""
+        if self.topology.layout != "decode" or self.topology.world_size < 2:
+            return None
+        return PeerDecodeMoE(dist.group.WORLD, num_experts, hidden, top_k, moe_intermediate, max_tokens, fp8)
+
+
+class PeerDecodeMoE:
+    """One decode-layout MoE layer over peer memory: dispatch -> masked grouped GEMMs -> combine.
+
+    Every rank sends its tokens to the ranks owning their top-k experts
+    (`DispatchCombine.dispatch_send`/`dispatch_recv`, which leave the rows of each
+    local expert packed in ``[E_local, capacity, H]`` with the counts on the GPU);
+    the fused gate/up + SwiGLU and the down projection run as masked grouped GEMMs
+    on that layout; `combine_send`/`combine_recv` weight, sum and bring the rows
+    home. FP8 experts get an FP8 payload (quantized once, in the dispatch) and the
+    intermediate is quantized for the down GEMM, as in `kernels.moe.grouped_moe`.
+
+    One instance serves every MoE layer of a model (layers run one after another,
+    each round completes before the next): its buffers are sized once for
+    ``max_tokens`` per rank, and a call allocates only its output. Nothing waits for
+    the host, so a decode step can be captured in a CUDA graph; all ranks must call
+    it the same number of times (an idle rank with zero tokens).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, hidden: int, top_k: int, moe_intermediate: int, max_tokens: int, fp8: bool) -> None:
+        self.exchange = DispatchCombine(group, num_experts, max_tokens, hidden, top_k, "fp8" if fp8 else "bf16")
+        self.max_tokens, self.hidden, self.fp8 = max_tokens, hidden, fp8
+        dev = self.exchange.mem.device
+        rows = (self.exchange.num_local, self.exchange.capacity)
+        self._num_tokens = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._h = torch.empty(*rows, moe_intermediate, dtype=torch.bfloat16, device=dev)
+        self._y = torch.empty(*rows, hidden, dtype=torch.bfloat16, device=dev)
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: MoEWeights) -> torch.Tensor:
+        """``out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over all ranks' experts: ``[T, H]`` bf16.
+
+        ``experts`` is this rank's shard with ``w13`` prepared for the fused SwiGLU GEMM
+        (``weight`` interleaved, ``scale`` for FP8) and ``w2`` a bf16 tensor or an FP8
+        block-scaled weight (``weight``, ``scale_inv``).
+        """
+        t = x.shape[0]
+        if t > self.max_tokens:
+            raise DispatchCombineError(f"{t} tokens on this rank exceed the decode MoE's max_tokens={self.max_tokens}")
+        ex = self.exchange
+        ids = topk_ids.to(torch.int32).contiguous()
+        self._num_tokens.fill_(t)
+        ex.dispatch_send(x.contiguous(), ids, topk_weights.float().contiguous(), self._num_tokens)
+        recv_x, recv_scales, counts, _ = ex.dispatch_recv()
+        w13, w2 = experts.w13, experts.w2
+        h = gg.grouped_gemm_swiglu(recv_x, w13.weight, counts, masked=True, x_scale=recv_scales,
+                                   w_scale_interleaved=w13.scale, out=self._h)
+        h, h_scale = quantize_act(h) if self.fp8 else (h, None)
+        y = gg.grouped_gemm(h, w2.weight if self.fp8 else w2, counts, masked=True, x_scale=h_scale,
+                            w_scale=w2.scale_inv.float() if self.fp8 else None, out=self._y)
+        ex.combine_send(y)
+        out = torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
+        return ex.combine_recv(ids, self._num_tokens, out)[:t]

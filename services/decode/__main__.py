@@ -20,7 +20,8 @@ log = get_logger(__name__)
 
 
 def run_rank(settings: DecodeSettings, rank: int, world: int, dist_port: int) -> None:
-    runner = start_model_rank(settings, Topology.decode(world, rank), dist_port)
+    # A decode step feeds one new token per running sequence: at most max_batch tokens per rank.
+    runner = start_model_rank(settings, Topology.decode(world, rank), dist_port, max_tokens_per_rank=settings.max_batch)
     asyncio.run(_serve(settings, runner, rank, world))
 
 

@@ -8,7 +8,9 @@ sequences' pages and attends over everything cached so far.
 Communication goes through `shared.parallel.Collectives`: an all-reduce after
 ``o_proj`` and after dense MLPs under TP, and for MoE layers either a local
 combine + all-reduce (prefill layout, inputs replicated) or an all-to-all
-dispatch/combine (decode layout).
+dispatch/combine (decode layout): the collectives' own `decode_moe` layer when
+they offer one (CUDA: peer memory and masked grouped GEMMs), else
+``ep_dispatch`` -> experts -> ``ep_combine``.
 
 On CUDA (unless ``MOEBUS_KERNELS=reference``, see `kernels.ops`) the model runs the
 kernels: the MoE experts are prepared once for the grouped GEMM and attention goes
@@ -28,8 +30,9 @@ from kernels.ops import use_kernels
 from shared.kvcache import PagedKVCache
 from shared.model import layers as ops
 from shared.model.config import ModelConfig
+from shared.model.quant_formats import BlockFp8Weight
 from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, load_weights, prepare_for_kernels
-from shared.parallel import Collectives, LocalCollectives, Topology
+from shared.parallel import Collectives, DecodeMoE, LocalCollectives, Topology
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,13 @@ class Qwen3Model:
     (the model owns ``weights``); experts the kernels cannot take (fp32, odd
     shapes) keep the reference ops and ``moe_reference_reason`` says why.
     Attention uses SDPA for bf16/fp16 models.
+
+    ``max_tokens_per_rank`` (decode layout): the most tokens one forward passes on a
+    rank; with it, kernel experts take the collectives' `decode_moe` layer, whose
+    buffers are sized for it now (before any CUDA-graph capture).
     """
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, topology: Topology = Topology.single(), comm: Collectives | None = None, kernels: bool | None = None) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, topology: Topology = Topology.single(), comm: Collectives | None = None, kernels: bool | None = None, max_tokens_per_rank: int | None = None) -> None:
         self.config, self.weights, self.topology = config, weights, topology
         self.comm = comm if comm is not None else LocalCollectives()
         shard = topology.shard()
@@ -126,12 +133,22 @@ class Qwen3Model:
         # Why the MoE experts run the reference ops although kernels were asked for (None when
         # they run the kernels or were not asked to); the service start-up logs it.
         self.moe_reference_reason = prepare_for_kernels(weights) if self.kernels and config.is_moe else None
+        self.decode_moe = self._make_decode_moe(max_tokens_per_rank)
+
+    def _make_decode_moe(self, max_tokens_per_rank: int | None) -> DecodeMoE | None:
+        """The collectives' decode MoE layer, where the layout and the experts allow one."""
+        c, topo = self.config, self.topology
+        experts_on_kernels = self.kernels and c.is_moe and self.moe_reference_reason is None
+        if not (max_tokens_per_rank and experts_on_kernels and topo.layout == "decode" and topo.ep_size > 1):
+            return None
+        fp8 = any(isinstance(layer.mlp, MoEWeights) and isinstance(layer.mlp.w2, BlockFp8Weight) for layer in self.weights.layers)
+        return self.comm.decode_moe(c.num_experts, c.hidden_size, c.top_k, c.moe_intermediate_size, max_tokens_per_rank, fp8)
 
     @classmethod
-    def load(cls, model_dir: str | Path, topology: Topology = Topology.single(), comm: Collectives | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kernels: bool | None = None) -> Qwen3Model:
+    def load(cls, model_dir: str | Path, topology: Topology = Topology.single(), comm: Collectives | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kernels: bool | None = None, max_tokens_per_rank: int | None = None) -> Qwen3Model:
         config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir, config, topology.shard(), dtype, device)
-        return cls(config, weights, topology, comm, kernels)
+        return cls(config, weights, topology, comm, kernels, max_tokens_per_rank)
 
     @property
     def local_kv_heads(self) -> int:
@@ -178,6 +195,8 @@ class Qwen3Model:
             return ops.moe_experts(x, w.w13, w.w2, ids, weights, w.expert_start)
         if self.topology.inputs_replicated:
             return self.comm.all_reduce(ops.moe_experts(x, w.w13, w.w2, ids, weights, w.expert_start))
+        if self.decode_moe is not None:
+            return self.decode_moe(x, ids, weights, w)
         sent = self.comm.ep_dispatch(x, ids, weights, self.experts_per_rank)
         y = ops.moe_experts(sent.x, w.w13, w.w2, sent.topk_ids, sent.topk_weights, w.expert_start)
         return self.comm.ep_combine(y, sent)

@@ -69,8 +69,9 @@ class ModelRunner:
         self.release_finished = release_finished
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, *, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", topology: Topology = Topology.single(), comm: Collectives | None = None, release_finished: bool = True) -> ModelRunner:
-        model = Qwen3Model.load(model_dir, topology, comm, dtype, device)
+    def from_dir(cls, model_dir: str | Path, *, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", topology: Topology = Topology.single(), comm: Collectives | None = None, release_finished: bool = True, max_tokens_per_rank: int | None = None) -> ModelRunner:
+        """``max_tokens_per_rank``: see `Qwen3Model` (a decode rank passes its batch cap)."""
+        model = Qwen3Model.load(model_dir, topology, comm, dtype, device, max_tokens_per_rank=max_tokens_per_rank)
         c = model.config
         cache = PagedKVCache(KVLayout(c.num_layers, num_pages, model.local_kv_heads, page_size, c.head_dim, dtype), device)
         eos = GenerationConfig.from_dir(model_dir).eos_token_ids
