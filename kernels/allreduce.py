@@ -50,6 +50,7 @@ kernels (they share the flag rows).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import cuda.bindings.driver as cuda_driver
@@ -305,12 +306,25 @@ def compile_two_shot(dtype: torch.dtype, world: int, rank: int):
 def default_one_shot_max_bytes(world: int) -> int:
     """Largest message sent one-shot.
 
-    Per rank, one-shot moves (world-1) x the message over NVLink and two-shot
-    2 (world-1)/world x: the same bytes for two ranks, where one-shot saves a
-    barrier and a copy at small sizes and two-shot hides its local copies under
-    the NVLink pushes at large ones.
+    2 ranks (measured, bench/results/allreduce.jsonl at commit 4549f685d928, 2xH200,
+    CUDA-graph timed): one-shot is faster up to 8 MiB (1 MiB 9.95 vs 12.64 us,
+    8 MiB 34.9 vs 37.2 us) and two-shot from 16 MiB (67.0 vs 62.2 us, 32 MiB 131.3
+    vs 115.7 us). Both move the same NVLink bytes at 2 ranks; the two-shot's extra
+    barrier and copy cost it ~2.5 us, which it wins back once the one-shot's
+    serial push -> reduce passes grow long.
+
+    More ranks (not measured: no machine with more than 2 GPUs was lent): the
+    one-shot sends (world-1) x the message per rank, the two-shot 2 (world-1)/world
+    x, so the one-shot moves (world-1)(world-2)/world x the message more. The
+    switch is where that excess takes as long as the two-shot's fixed extra cost at
+    2 ranks (~2.5 us at ~300 GB/s, i.e. ~750 kB of excess), rounded to a power of
+    two: 1 MiB at 3 ranks, 512 KiB at 4, 256 KiB at 5-6, 128 KiB at 7-8.
     """
-    return 16 << 20 if world == 2 else 256 << 10
+    if world == 2:
+        return 8 << 20
+    excess_bytes = 750_000
+    crossover = excess_bytes * world / ((world - 1) * (world - 2))
+    return 1 << round(math.log2(crossover))
 
 
 def default_slot_bytes(world: int) -> int:
@@ -318,8 +332,11 @@ def default_slot_bytes(world: int) -> int:
     return (64 << 20) // world // 256 * 256
 
 
-# Message bytes (all ranks' slices together) per two-shot pipeline step.
-DEFAULT_TWO_SHOT_CHUNK_BYTES = 16 << 20
+# Message bytes (all ranks' slices together) per two-shot pipeline step. Measured at 2
+# ranks (commit 4549f685d928): steps of 8 / 16 / 32 / 64 MiB took 960 / 834 / 786 / 781 us
+# at 256 MiB and 262 / 220 / 216 / 219 us at 64 MiB (each step costs ~8 us of barriers
+# and pipeline fill); 32 MiB is within 1% of the best from 16 to 256 MiB.
+DEFAULT_TWO_SHOT_CHUNK_BYTES = 32 << 20
 
 
 class CudaAllReduce:
@@ -332,7 +349,9 @@ class CudaAllReduce:
     Tunables (plain attributes, the same on every rank): ``one_shot_max_bytes``
     (the algorithm switch), ``two_shot_chunk_bytes`` (pipeline step of the
     two-shot kernel, capped at ``world x slot_bytes``) and ``max_blocks`` (CTAs
-    per launch, at most `MAX_BLOCKS`).
+    per launch, at most `MAX_BLOCKS`; at 2 ranks 264 measured best from 64 MiB:
+    132 CTAs took 229 / 441 / 852 us at 64 / 128 / 256 MiB against 220 / 421 / 834,
+    66 CTAs 253 / 478 / 929, commit 4549f685d928).
     """
 
     def __init__(
