@@ -1,7 +1,7 @@
-"""One Qwen3-235B MoE layer in the prefill layout on 2 GPUs (TP = EP = 2).
+"""One Qwen3-235B MoE layer in the prefill layout on W GPUs (TP = EP = W, default: every visible GPU).
 
-6000 tokens, hidden 4096, 128 experts (64 per rank), top-8, expert intermediate
-1536, bf16. Inputs are replicated on both ranks; each rank runs its 64 experts.
+6000 tokens, hidden 4096, 128 experts (128 / W per rank), top-8, expert intermediate
+1536, bf16. Inputs are replicated on every rank; each rank runs its own experts.
 
 * ours: `ep_select` (CuTeDSL) -> grouped GEMMs -> `ep_combine` (CuTeDSL) ->
   our all-reduce, timed eagerly and as one CUDA graph of ``ops`` layers;
@@ -12,11 +12,12 @@ Both paths use ``torch._grouped_mm`` for the expert GEMMs so the comparison is
 about the exchange; the per-stage times of our path are reported too. The two
 outputs are compared before timing.
 
-    python -m bench.ep_prefill_layer
+    python -m bench.ep_prefill_layer [--world W]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -94,7 +95,11 @@ def _bench_rank(rank: int, world: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from bench.results import print_table, record
 
-    world = 2
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=torch.cuda.device_count())
+    world = p.parse_args(argv).world
+    if world < 2 or EXPERTS % world:
+        raise SystemExit(f"--world must be >= 2 and divide {EXPERTS} experts, got {world}")
     res = run_local_group(_bench_rank, world, "nccl", timeout=600)
     r = res[0]
     case = {"tokens": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "intermediate": INTER, "tp": world, "ep": world, "dtype": "bf16"}

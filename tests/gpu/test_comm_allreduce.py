@@ -1,4 +1,4 @@
-"""GPU all-reduce on 2 GPUs: the CuTeDSL kernels against NCCL and the reference.
+"""GPU all-reduce on every visible GPU (2..8): the CuTeDSL kernels against NCCL and the reference.
 
 For sizes from 1 element to 256 MiB (odd sizes included), bf16 and fp32, one-shot,
 two-shot and the automatic choice, out of place and in place:
@@ -26,6 +26,7 @@ pytestmark = [
 ]
 
 MIB = 1 << 20
+WORLD = min(torch.cuda.device_count(), 8)  # 2 on the 2xH200 machine; 4 / 8 where lent
 SIZES_BYTES = [2, 14, 16, 18, 4094, 8 * 1024, 65536 + 6, MIB + 2, 7 * MIB + 10, 64 * MIB + 22, 256 * MIB]
 
 
@@ -52,7 +53,8 @@ def _check(out: torch.Tensor, x: torch.Tensor, what: str) -> None:
     dist.all_reduce(nccl)
     assert not out.isnan().any(), f"{what}: unwritten (NaN) elements"
     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), f"{what}: differs from the rank-ordered fp32 reference"
-    tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
+    # NCCL rounds to bf16 after each of its world-1 ring steps; we round once.
+    tol = 6e-3 + 4e-3 * (dist.get_world_size() - 1) if x.dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), nccl.float(), rtol=tol, atol=tol, msg=lambda m: f"{what} vs NCCL: {m}")
     assert _same_on_all_ranks(out), f"{what}: ranks disagree"
 
@@ -126,10 +128,10 @@ def _graph_cases(rank: int, world: int) -> int:
 
 
 def test_all_reduce_matches_nccl_and_reference_eager():
-    checked = run_local_group(_eager_cases, 2, "nccl", timeout=400)
+    checked = run_local_group(_eager_cases, WORLD, "nccl", timeout=400)
     assert checked[0] > 0
 
 
 def test_all_reduce_under_cuda_graph_replay():
-    checked = run_local_group(_graph_cases, 2, "nccl", timeout=300)
+    checked = run_local_group(_graph_cases, WORLD, "nccl", timeout=300)
     assert checked[0] == 12

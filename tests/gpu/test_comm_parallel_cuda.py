@@ -1,6 +1,6 @@
-"""`init_distributed` on 2 GPUs: the CUDA branch and the model-facing all-reduce it returns.
+"""`init_distributed` on every visible GPU (2..8): the CUDA branch and the model-facing all-reduce it returns.
 
-Each rank is a spawned process that calls ``init_distributed(Topology.prefill(2, rank),
+Each rank is a spawned process that calls ``init_distributed(Topology.prefill(world, rank),
 cuda:rank)`` itself, the way a prefill rank starts. It must get `CudaCollectives`,
 whose ``all_reduce`` (in place, returns its argument) must equal the rank-ordered fp32
 reference bit for bit and NCCL within rounding, for bf16 / fp16 / fp32 at sizes that
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
 
-WORLD = 2
+WORLD = min(torch.cuda.device_count(), 8)  # 2 on the 2xH200 machine; 4 / 8 where lent
 MIB = 1 << 20
 
 
@@ -63,7 +63,8 @@ def _check_round(comm, cases, what: str) -> None:
         nccl = before.contiguous().clone()
         dist.all_reduce(nccl)
         assert torch.equal(after.contiguous().view(torch.uint8), expected.view(torch.uint8)), f"{what} {name}: not the reference"
-        tol = 1e-5 if before.dtype == torch.float32 else 2e-2
+        # NCCL rounds to 16 bits after each of its world-1 ring steps; we round once.
+        tol = 1e-5 if before.dtype == torch.float32 else 1e-2 + 4e-3 * (WORLD - 1)
         torch.testing.assert_close(after.float(), nccl.float(), rtol=tol, atol=tol, msg=lambda m: f"{what} {name} vs NCCL: {m}")
         outside = torch.ones_like(whole_before, dtype=torch.bool)
         outside.view(-1)[_view_positions(before, whole_before)] = False
@@ -165,4 +166,4 @@ def test_init_distributed_on_cuda_returns_kernel_collectives_matching_nccl():
                 p.kill()
                 p.join()
     assert not errors, "\n".join(errors)
-    assert got == {0: 6, 1: 6}
+    assert got == {r: 6 for r in range(WORLD)}
