@@ -149,7 +149,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def test_peer_decode_moe_matches_nccl_path(checkpoints):
-    reports = run_local_group(_rank, 2, "nccl", checkpoints, timeout=420)
+    reports = run_local_group(_rank, 2, "nccl", checkpoints, timeout=200)
     for rank, report in enumerate(reports):
         for name, r in report.items():
             print(f"rank {rank} {name}: logits rel_err {r['rel_err']:.2e} max_abs {r['max_abs']:.3e} "
