@@ -6,9 +6,10 @@ loads in flight) and reduces from its own HBM. Each CTA only ever synchronises
 with the CTA of the same index on the other ranks, because all ranks split the
 message the same way; no grid-wide barrier is needed.
 
-* one-shot (small messages): push the whole input to every peer's slot
-  ``[parity][my rank]``, one barrier, then every rank sums all ``world`` slots.
-  Traffic per rank: (world-1) x message; latency: one barrier.
+* one-shot (small messages; up to 8 MiB at 2 ranks, `default_one_shot_max_bytes`):
+  push the whole input to every peer's slot ``[parity][my rank]``, one barrier,
+  then every rank sums all ``world`` slots. Traffic per rank: (world-1) x message;
+  latency: one barrier.
 * two-shot (large messages): reduce-scatter then all-gather, both pushed, in one
   launch that walks the message in pipeline steps ("chunks") of
   ``world x slice`` elements. Per chunk k:
@@ -29,7 +30,8 @@ reducing s-1) was tried and measured slower at every size on 2xH200 (commit
 b730c5da9ea3 in bench/results/allreduce.jsonl): the per-step system-scope fences
 cost more than the overlap gains. The earlier two-shot (one launch per 64 MiB,
 gather pulled over NVLink after a separate local reduce pass) reached 0.93x NCCL
-bus bandwidth at 256 MiB (same file).
+bus bandwidth at 256 MiB; this one 1.15-1.18x from 64 to 256 MiB with 32 MiB steps
+(311-342 GB/s, commit 4549f685d928, same file).
 
 Identical bits on every rank: sums run in fp32 in rank order 0..world-1 (one-shot:
 each rank does the same arithmetic; two-shot: each slice is summed once and copied).
@@ -124,13 +126,10 @@ def _slice_elems(count: Int32, world: cutlass.Constexpr, vec: cutlass.Constexpr)
 
 
 @cute.jit
-def _accumulate(acc, x, first: cutlass.Constexpr):
-    """``acc + x`` into a fresh fragment; ``first`` starts the sum at ``x`` (keeps -0.0 like the reference)."""
+def _add(acc, x):
+    """``acc + x`` (fp32 fragments) into a fresh fragment."""
     res = cute.make_rmem_tensor((cute.size(x.shape),), cutlass.Float32)
-    if cutlass.const_expr(first):
-        res.store(x.load())
-    else:
-        res.store(acc.load() + x.load())
+    res.store(acc.load() + x.load())
     return res
 
 
@@ -138,13 +137,15 @@ def _accumulate(acc, x, first: cutlass.Constexpr):
 def _rank_ordered_sum(own_addr: Int64, own_valid: Int32, slot_row: Int64, slot_bytes: Int64, off: Int64,
                       dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr):
     """fp32 sum, in rank order, of my ``own_valid`` elements at ``own_addr`` and the peers'
-    vectors at ``slot_row + slot_bytes * q + off`` (all loads issued before the first add)."""
+    vectors at ``slot_row + slot_bytes * q + off`` (all loads issued before the first add),
+    rounded to ``dtype``. The sum starts at rank 0's value, not at 0, which keeps -0.0
+    like the reference."""
     vec = _vec(dtype)
     own = load_vec_f32(own_addr, dtype, vec, own_valid)
     parts = [own if q == rank else load_vec_f32(slot_row + slot_bytes * q + off, dtype, vec, vec) for q in range(world)]
     acc = parts[0]
     for q in cutlass.range_constexpr(1, world):
-        acc = _accumulate(acc, parts[q], False)
+        acc = _add(acc, parts[q])
     red = cute.make_rmem_tensor((vec,), dtype)
     red.store(acc.load().to(dtype))
     return red
@@ -335,7 +336,7 @@ def default_slot_bytes(world: int) -> int:
 # Message bytes (all ranks' slices together) per two-shot pipeline step. Measured at 2
 # ranks (commit 4549f685d928): steps of 8 / 16 / 32 / 64 MiB took 960 / 834 / 786 / 781 us
 # at 256 MiB and 262 / 220 / 216 / 219 us at 64 MiB (each step costs ~8 us of barriers
-# and pipeline fill); 32 MiB is within 1% of the best from 16 to 256 MiB.
+# and pipeline fill); 32 MiB is within 1.2% of the best step at every size from 16 to 256 MiB.
 DEFAULT_TWO_SHOT_CHUNK_BYTES = 32 << 20
 
 
