@@ -8,9 +8,11 @@ Shapes are the expert GEMMs of Qwen3-235B-A22B (hidden 4096, moe_intermediate
   (weight bytes / time) and latency;
 * prefill, 375 and 2048 tokens per expert, contiguous layout -> TFLOP/s.
 
-Peers, same process and inputs: ``torch._grouped_mm`` (bf16) and
-``torch._scaled_grouped_mm`` (FP8 rowwise scales, a coarser scaling than our
-128x128 blocks; recorded where it runs).  Also measured: a device-to-device
+Our dtypes: bf16, FP8 with 128x128 block scales, and bf16 activations x
+MXFP8 weights (E4M3 + E8M0 per 32, dequantized inside the kernel).
+Peers, same process and inputs: ``torch._grouped_mm`` (bf16; for MXFP8 on the
+dequantized weights) and ``torch._scaled_grouped_mm`` (FP8 rowwise scales, a
+coarser scaling than our 128x128 blocks; recorded where it runs).  Also measured: a device-to-device
 copy and a dense bf16 GEMM as ceilings, the fused gate_up+SwiGLU against the
 plain gate_up GEMM, and the activation quantizer.  Every timing is the median
 over replays of a CUDA graph holding ``--iters`` launches.  Each of our cases
@@ -37,6 +39,7 @@ from bench.timing import event_time_us
 from kernels import grouped_gemm as gg
 from kernels.act_quant import quantize_act
 from kernels.grouped_gemm_launch import launch
+from kernels.grouped_gemm_mxfp8 import dequantize_mxfp8, grouped_gemm_mxfp8, quantize_mxfp8
 
 BENCH = "grouped_gemm"
 MODELS = {"qwen3-235b": (4096, 1536), "qwen3-30b": (2048, 768)}  # hidden, moe_intermediate
@@ -97,13 +100,15 @@ def ceilings(iters: int) -> dict[str, float]:
     return {"copy_tbps": 2 * src.numel() * 4 / copy_us / 1e6, "dense_bf16_tflops": 2 * 8192**3 / mm_us / 1e6}
 
 
-def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, weights: dict,
+def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, weights: dict,
              tile_m: int | None = None, tile_n: int | None = None) -> dict:
+    """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights)."""
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
     E = EXPERTS
+    fp8, mxfp8 = dtype == "fp8", dtype == "mxfp8"
     w_bf16 = weights[(model, proj)]
-    w, ws = (weights[(model, proj, "fp8")] if fp8 else (w_bf16, None))
+    w, ws = weights[(model, proj, dtype)] if dtype != "bf16" else (w_bf16, None)
     masked = phase == "decode"
     T = E * m
     x_bf16 = torch.randn(T, K, device="cuda").bfloat16()
@@ -115,7 +120,9 @@ def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, w
         x_ours, groups = x_bf16, offsets
     xq, xs = quantize_act(x_ours) if fp8 else (x_ours, None)
     out = torch.empty(*x_ours.shape[:-1], N, dtype=torch.bfloat16, device="cuda")
-    if tile_m is None and tile_n is None:
+    if mxfp8:
+        ours = lambda: grouped_gemm_mxfp8(x_ours, w, ws, groups, masked=masked, out=out)  # noqa: E731
+    elif tile_m is None and tile_n is None:
         ours = lambda: gg.grouped_gemm(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, out=out)  # noqa: E731
     else:  # a forced tile bucket, through the launcher (inputs built above are valid by construction)
         ours = lambda: launch(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, row_weights=None,  # noqa: E731
@@ -123,13 +130,18 @@ def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, w
     us = time_us(ours, iters)
     experts = [0, E - 1]
     rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
-    err = spot_check(out, xq, w, rows, experts, xs, ws, masked)
+    if mxfp8:  # the reference sees the dequantized weights (exact in bf16)
+        err = spot_check(out, x_ours, dequantize_mxfp8(w, ws, torch.bfloat16), rows, experts, masked=masked)
+    else:
+        err = spot_check(out, xq, w, rows, experts, xs, ws, masked)
 
     flops = 2.0 * T * N * K
-    wbytes = w.numel() * w.element_size() + (0 if ws is None else ws.numel() * 4)
+    wbytes = w.numel() * w.element_size() + (0 if ws is None else ws.numel() * ws.element_size())
     metrics = {"latency_us": us, "tflops": flops / us / 1e6, "weight_tbps": wbytes / us / 1e6, "spot_rel_err": err}
     peers: dict[str, dict[str, float]] = {}
     w_t = w_bf16.transpose(1, 2)  # [E, K, N] view of the same [E, N, K] storage
+    if mxfp8:
+        w_t = dequantize_mxfp8(w, ws, torch.bfloat16).transpose(1, 2)
     if not fp8:
         p_us = time_us(lambda: torch._grouped_mm(x_bf16, w_t, offs=offsets[1:]), iters)
         peers["torch._grouped_mm"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6, "weight_tbps": wbytes / p_us / 1e6}
@@ -146,8 +158,8 @@ def run_case(model: str, proj: str, phase: str, m: int, fp8: bool, iters: int, w
             peers["torch._scaled_grouped_mm_rowwise"] = {"error": 1.0}
             print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
-            "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous",
-            "tile_m": tile_m or "auto", "tile_n": tile_n or "auto"}
+            "dtype": {"bf16": "bf16", "fp8": "fp8_block128", "mxfp8": "bf16_x_mxfp8"}[dtype],
+            "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto"}
     record(BENCH, case, metrics, peers)
     peer = next(iter(peers.values()))
     return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
@@ -193,21 +205,25 @@ def make_weights(model: str) -> dict:
         w = (torch.randn(EXPERTS, N, K, device="cuda") / K**0.5).bfloat16()
         weights[(model, proj)] = w
         weights[(model, proj, "fp8")] = quantize_weights(w)
+        weights[(model, proj, "mxfp8")] = quantize_mxfp8(w)
         rscale = w.float().abs().amax(-1).clamp(min=1e-10) / 448.0
         weights[(model, proj, "fp8_rowwise")] = ((w.float() / rscale[..., None]).to(FP8), rscale)
     return weights
 
 
+DTYPES = ("bf16", "fp8", "mxfp8")
+
+
 def case_list(quick: bool) -> list[tuple]:
-    """(kind, model, proj, phase, tokens, fp8, tile_m) in run order, the most wanted first."""
+    """(kind, model, proj, phase, tokens, dtype) in run order, the most wanted first."""
     models = ["qwen3-30b"] if quick else ["qwen3-235b", "qwen3-30b"]
     cases = []
     for model in models:
         for proj in ("gate_up", "down"):
-            cases += [("gemm", model, proj, "prefill", m, fp8, None) for m in PREFILL_TOKENS for fp8 in (False, True)]
-            cases += [("gemm", model, proj, "decode", m, fp8, None) for m in DECODE_TOKENS for fp8 in (False, True)]
-        cases += [("swiglu", model, "gate_up", phase, m, fp8, None)
-                  for phase, m in (("decode", 16), ("prefill", 375)) for fp8 in (False, True)]
+            cases += [("gemm", model, proj, "prefill", m, dt) for m in PREFILL_TOKENS for dt in DTYPES]
+            cases += [("gemm", model, proj, "decode", m, dt) for m in DECODE_TOKENS for dt in DTYPES]
+        cases += [("swiglu", model, "gate_up", phase, m, dt)
+                  for phase, m in (("decode", 16), ("prefill", 375)) for dt in ("bf16", "fp8")]
     return cases
 
 
@@ -239,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     only = tuple(filter(None, args.only.split(",")))
     rows, weights, loaded = [], {}, None
-    for kind, model, proj, phase, m, fp8, tile_m in case_list(args.quick):
-        name = f"{kind}:{model}:{proj}:{phase}:{m}:{'fp8' if fp8 else 'bf16'}"
+    for kind, model, proj, phase, m, dtype in case_list(args.quick):
+        fp8 = dtype == "fp8"
+        name = f"{kind}:{model}:{proj}:{phase}:{m}:{dtype}"
         if name in skip or (only and not name.startswith(only)):
             continue
         if time.perf_counter() - t0 > args.deadline_s:
@@ -250,12 +267,11 @@ def main(argv: list[str] | None = None) -> int:
             weights, loaded = {}, None
             torch.cuda.empty_cache()
             weights, loaded = make_weights(model), model
-        if fp8 and phase == "prefill" and kind == "gemm" and tile_m is None:
-            tile_m = args.fp8_prefill_tile_m
+        tile_m = args.fp8_prefill_tile_m if (fp8 and phase == "prefill" and kind == "gemm") else None
         faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
-        tile_n = args.bf16_prefill_tile_n if (kind == "gemm" and phase == "prefill" and not fp8) else None
+        tile_n = args.bf16_prefill_tile_n if (kind == "gemm" and phase == "prefill" and dtype == "bf16") else None
         if kind == "gemm":
-            row = run_case(model, proj, phase, m, fp8, args.iters, weights, tile_m, tile_n)
+            row = run_case(model, proj, phase, m, dtype, args.iters, weights, tile_m, tile_n)
         else:
             row = run_swiglu_case(model, phase, m, fp8, args.iters, weights)
         faulthandler.cancel_dump_traceback_later()

@@ -46,9 +46,9 @@ def _check(cond: bool, msg: str) -> None:
         raise GroupedGemmError(msg)
 
 
-def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, masked: bool,
-                    x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-                    row_weights: torch.Tensor | None, w_scale_block_rows: int = QUANT_BLOCK) -> None:
+def check_layout(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, masked: bool,
+                 row_weights: torch.Tensor | None, *others: torch.Tensor | None) -> None:
+    """Shapes of ``x`` / ``w[E, N, K]`` / ``groups`` / ``row_weights`` for the layout, and one device for all."""
     _check(w.dim() == 3, f"w must be [E, N, K], got shape {tuple(w.shape)}")
     E, N, K = w.shape
     if masked:
@@ -59,6 +59,18 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, mask
         _check(x.dim() == 2 and x.shape[1] == K, f"contiguous x must be [T, K={K}], got {tuple(x.shape)}")
         _check(groups.shape == (E + 1,), f"offsets must be [E+1={E + 1}], got {tuple(groups.shape)}")
     _check(groups.dtype == torch.int32, f"offsets/counts must be int32, got {groups.dtype}")
+    if row_weights is not None:
+        _check(tuple(row_weights.shape) == tuple(x.shape[:-1]) and row_weights.dtype == torch.float32,
+               f"row_weights must be float32 {tuple(x.shape[:-1])}, got {row_weights.dtype} {tuple(row_weights.shape)}")
+    devices = {t.device for t in (x, w, groups, row_weights, *others) if t is not None}
+    _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, masked: bool,
+                    x_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+                    row_weights: torch.Tensor | None, w_scale_block_rows: int = QUANT_BLOCK) -> None:
+    check_layout(x, w, groups, masked, row_weights, x_scale, w_scale)
+    E, N, K = w.shape
     fp8 = x.dtype == FP8_DTYPE
     _check(w.dtype == x.dtype, f"x ({x.dtype}) and w ({w.dtype}) must have the same dtype")
     _check(fp8 or x.dtype == torch.bfloat16, f"x must be bfloat16 or float8_e4m3fn, got {x.dtype}")
@@ -72,11 +84,6 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, mask
                f"w_scale must be float32 [E={E}, N/{w_scale_block_rows}={nb}, K/128={kb}], got {w_scale.dtype} {tuple(w_scale.shape)}")
     else:
         _check(x_scale is None and w_scale is None, "scales are only meaningful with float8_e4m3fn inputs")
-    if row_weights is not None:
-        _check(tuple(row_weights.shape) == tuple(x.shape[:-1]) and row_weights.dtype == torch.float32,
-               f"row_weights must be float32 {tuple(x.shape[:-1])}, got {row_weights.dtype} {tuple(row_weights.shape)}")
-    devices = {t.device for t in (x, w, groups, x_scale, w_scale, row_weights) if t is not None}
-    _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
 # ------------------------------------------------------------ torch reference
@@ -166,7 +173,7 @@ def deinterleave_gate_up(w: torch.Tensor, w_scale: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------ dispatch
-def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     """CPU path: return the fp32 result, or copy it into the caller's ``out`` (any float dtype)."""
     if out is None:
         return result
@@ -195,7 +202,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, mask
     _check_operands(x, w, groups, masked, x_scale, w_scale, row_weights)
     if x.is_cuda:
         return _launch(x, w, groups, masked, x_scale, w_scale, row_weights, False, out)
-    return _into(out, grouped_gemm_reference(x, w, groups, masked=masked, x_scale=x_scale, w_scale=w_scale,
+    return into(out, grouped_gemm_reference(x, w, groups, masked=masked, x_scale=x_scale, w_scale=w_scale,
                                              row_weights=row_weights))
 
 
@@ -223,5 +230,5 @@ def grouped_gemm_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, groups: 
     y = swiglu_reference(h)
     if row_weights is not None:
         y = y * row_weights[..., None]
-    return _into(out, y)
+    return into(out, y)
 

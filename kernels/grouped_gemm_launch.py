@@ -28,16 +28,16 @@ _GMEM = cute.AddressSpace.gmem
 
 
 def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
-                  row_weights: bool, tokens_per_expert: float, num_sms: int) -> GroupedGemmConfig:
+                  row_weights: bool, tokens_per_expert: float, num_sms: int, mxfp8: bool = False) -> GroupedGemmConfig:
     """Tile bucket: 64-row tiles for decode-sized groups (<= 64 tokens), else 128 rows.
 
     bf16 prefill uses 128x256 tiles (two consumer warpgroups, 128 accumulator
-    registers each); FP8 block scales and the SwiGLU interleave fix N at 128.
+    registers each); FP8 block scales, MXFP8 weights and the SwiGLU interleave fix N at 128.
     """
     tile_m = 64 if tokens_per_expert <= 64 else 128
-    tile_n = 256 if (tile_m == 128 and not fp8 and not swiglu) else 128
+    tile_n = 256 if (tile_m == 128 and not fp8 and not mxfp8 and not swiglu) else 128
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
-                             tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, num_sms=num_sms)
+                             tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, num_sms=num_sms, mxfp8=mxfp8)
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).
@@ -49,15 +49,22 @@ def _out_align(cfg: GroupedGemmConfig) -> int:
     return 2 * math.gcd(8, cfg.out_n)
 
 
+def _operand_types(cfg: GroupedGemmConfig) -> tuple:
+    """(A, B, weight-scale) element types of ``cfg``'s kernel arguments."""
+    a = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
+    b = cutlass.Float8E4M3FN if (cfg.fp8 or cfg.mxfp8) else cutlass.BFloat16
+    return a, b, (cutlass.Uint8 if cfg.mxfp8 else cutlass.Float32)
+
+
 def _compile_args(cfg: GroupedGemmConfig) -> list:
-    ab = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
+    a, b, sb = _operand_types(cfg)
     return [
-        make_ptr(ab, 0, _GMEM, assumed_align=_ALIGN_AB),
-        make_ptr(ab, 0, _GMEM, assumed_align=_ALIGN_AB),
+        make_ptr(a, 0, _GMEM, assumed_align=_ALIGN_AB),
+        make_ptr(b, 0, _GMEM, assumed_align=_ALIGN_AB),
         make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=_out_align(cfg)),
         make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
-        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
+        make_ptr(sb, 0, _GMEM, assumed_align=1 if cfg.mxfp8 else _ALIGN_WORD),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         cutlass.Int32(0),
         make_fake_stream(),
@@ -90,19 +97,21 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
            swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
-           tile_n: int | None = None) -> torch.Tensor:
-    """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``.
+           tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``
+    (or ``kernels.grouped_gemm_mxfp8`` for ``w_scale_e8m0``: bf16 ``x`` times MXFP8 ``w``).
 
     ``tile_m`` / ``tile_n`` override the tile bucket (benchmarks compare buckets with them).
     """
     E, N, K = w.shape
     fp8 = x_scale is not None
+    mxfp8 = w_scale_e8m0 is not None
     rows = x.shape[-2]
     tokens_per_expert = rows if masked else rows / E
     props = torch.cuda.get_device_properties(x.device)
     cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
-                        num_sms=props.multi_processor_count)
+                        num_sms=props.multi_processor_count, mxfp8=mxfp8)
     if tile_m is not None:
         cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=128 if tile_m == 64 else cfg.tile_n)
     if tile_n is not None:
@@ -116,17 +125,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
         raise ValueError(f"out must be bfloat16 {out_shape}, got {out.dtype} {tuple(out.shape)}")
     if rows == 0:
         return out
-    ab = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
+    a, b, sb = _operand_types(cfg)
     # Placeholder for pointers this configuration never reads (any word-aligned address).
     unused = _ptr(groups, cutlass.Float32, _ALIGN_WORD)
     fn = compiled_kernel(cfg)
     fn(
-        _ptr(x, ab, _ALIGN_AB),
-        _ptr(w, ab, _ALIGN_AB),
+        _ptr(x, a, _ALIGN_AB),
+        _ptr(w, b, _ALIGN_AB),
         _ptr(out, cutlass.BFloat16, _out_align(cfg)),
         _ptr(groups, cutlass.Int32, _ALIGN_WORD),
         _ptr(x_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
-        _ptr(w_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
+        _ptr(w_scale, sb, _ALIGN_WORD) if fp8 else (_ptr(w_scale_e8m0, sb, 1) if mxfp8 else unused),
         _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
         cutlass.Int32(rows),
         cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream),

@@ -5,12 +5,13 @@ format.  This module holds the format (quantize / dequantize, fp32 torch
 reference) and the grouped GEMM entry point :func:`grouped_gemm_mxfp8` with the
 same layouts as :func:`kernels.grouped_gemm.grouped_gemm`.
 
-Status of the CUDA path: the weights are dequantized to bf16 by a torch pass
-(exact: an E4M3 value times a power of two fits bf16's 8-bit exponent and
-7-bit mantissa) and multiplied by the bf16 Hopper kernel (on CPU, by the fp32
-reference).  That costs a
-bf16 copy of the weights per call; dequantizing inside the kernel (the
-intended Hopper path) is not built yet, so use this for correctness, not speed.
+On CUDA the Hopper grouped GEMM dequantizes inside the kernel: TMA brings the
+E4M3 weight tile into shared memory, the consumer threads multiply each value
+by its ``2^(e - 127)`` (exact in bf16: an E4M3 value times a power of two fits
+bf16's 8-bit exponent and 7-bit mantissa) into a bf16 tile there, and bf16
+WGMMAs read it (``GroupedGemmSm90._mainloop_mx``).  The weights cross HBM as
+one byte per value plus one byte per 32 values.  On CPU the same function runs
+the fp32 reference on the dequantized weights.
 """
 
 from __future__ import annotations
@@ -60,20 +61,66 @@ def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (q.float() * factor).to(dtype)
 
 
+def _check_mx(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor) -> None:
+    if w.dtype != torch.float8_e4m3fn:
+        raise gg.GroupedGemmError(f"MXFP8 weights must be float8_e4m3fn, got {w.dtype}")
+    if x.dtype != torch.bfloat16:
+        raise gg.GroupedGemmError(f"MXFP8 grouped GEMM takes bfloat16 activations, got {x.dtype}")
+    if w.dim() != 3:
+        raise gg.GroupedGemmError(f"MXFP8 weights must be [E, N, K], got shape {tuple(w.shape)}")
+    expected = (*w.shape[:-1], math.ceil(w.shape[-1] / MX_BLOCK))
+    if w_scale_e8m0.dtype != torch.uint8 or tuple(w_scale_e8m0.shape) != expected:
+        raise gg.GroupedGemmError(
+            f"MXFP8 scales must be uint8 {expected}, got {w_scale_e8m0.dtype} {tuple(w_scale_e8m0.shape)}")
+    if w.shape[-1] % 16:
+        raise gg.GroupedGemmError(f"MXFP8 weights need K % 16 == 0 (16-byte rows for TMA), got K={w.shape[-1]}")
+
+
+def _launch(x, w, w_scale_e8m0, groups, masked, row_weights, swiglu, out):
+    from kernels import grouped_gemm_launch  # CuTeDSL is imported only on the GPU path
+
+    return grouped_gemm_launch.launch(x, w, groups, masked=masked, x_scale=None, w_scale=None,
+                                      row_weights=row_weights, swiglu=swiglu, out=out, w_scale_e8m0=w_scale_e8m0)
+
+
 def grouped_gemm_mxfp8(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor, groups: torch.Tensor, *,
                        masked: bool = False, row_weights: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ dequant(w[e])^T`` for bf16 ``x`` and MXFP8 ``w[E, N, K]``.
 
-    Layouts and ``groups`` as in :func:`kernels.grouped_gemm.grouped_gemm`;
-    ``w_scale_e8m0`` is uint8 ``[E, N, ceil(K/32)]``.  See the module note on
-    the CUDA path.
+    Layouts, ``groups``, ``row_weights`` and ``out`` as in
+    :func:`kernels.grouped_gemm.grouped_gemm`; ``w_scale_e8m0`` is uint8
+    ``[E, N, ceil(K/32)]``; K must be a multiple of 16.
     """
-    if w.dtype != torch.float8_e4m3fn:
-        raise gg.GroupedGemmError(f"MXFP8 weights must be float8_e4m3fn, got {w.dtype}")
-    if x.dtype != torch.bfloat16:
-        raise gg.GroupedGemmError(f"MXFP8 grouped GEMM takes bfloat16 activations, got {x.dtype}")
-    # bf16 holds every E4M3 value times 2^(e - 127) exactly down to scales of 2^-124,
-    # so both devices share one path: the CPU reference sees the same bf16 weights.
-    w_deq = dequantize_mxfp8(w, w_scale_e8m0, dtype=torch.bfloat16)
-    return gg.grouped_gemm(x, w_deq, groups, masked=masked, row_weights=row_weights, out=out)
+    _check_mx(x, w, w_scale_e8m0)
+    gg.check_layout(x, w, groups, masked, row_weights, w_scale_e8m0)
+    if x.is_cuda:
+        return _launch(x, w, w_scale_e8m0, groups, masked, row_weights, False, out)
+    w_deq = dequantize_mxfp8(w, w_scale_e8m0)
+    return gg.into(out, gg.grouped_gemm_reference(x, w_deq, groups, masked=masked, row_weights=row_weights))
+
+
+def grouped_gemm_mxfp8_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, w13_scale_interleaved: torch.Tensor,
+                              groups: torch.Tensor, *, masked: bool = False, row_weights: torch.Tensor | None = None,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused gate_up GEMM + SwiGLU (as :func:`kernels.grouped_gemm.grouped_gemm_swiglu`) for MXFP8 weights.
+
+    Prepare both tensors once with :func:`interleave_gate_up_mxfp8`.
+    """
+    _check_mx(x, w13_interleaved, w13_scale_interleaved)
+    if w13_interleaved.shape[1] % (2 * gg.SWIGLU_BLOCK):
+        raise gg.GroupedGemmError(f"w13 must be [E, 2I, K] with 2I a multiple of {2 * gg.SWIGLU_BLOCK}, "
+                                  f"got {tuple(w13_interleaved.shape)}")
+    gg.check_layout(x, w13_interleaved, groups, masked, row_weights, w13_scale_interleaved)
+    if x.is_cuda:
+        return _launch(x, w13_interleaved, w13_scale_interleaved, groups, masked, row_weights, True, out)
+    w13, _ = gg.deinterleave_gate_up(dequantize_mxfp8(w13_interleaved, w13_scale_interleaved))
+    y = gg.swiglu_reference(gg.grouped_gemm_reference(x, w13, groups, masked=masked))
+    if row_weights is not None:
+        y = y * row_weights[..., None]
+    return gg.into(out, y)
+
+
+def interleave_gate_up_mxfp8(w13: torch.Tensor, w13_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.grouped_gemm.interleave_gate_up` for MXFP8: the per-row scales move with their rows."""
+    return gg.interleave_gate_up(w13)[0], gg.interleave_gate_up(w13_scale)[0]

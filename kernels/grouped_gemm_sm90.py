@@ -60,6 +60,8 @@ SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
 EPI_N = 32  # output columns per epilogue chunk (staged through shared memory)
 EPI_BUFFERS = 2  # chunks in flight: chunk i+1 is written while chunk i is stored
+MX_BLOCK = 32  # MXFP8: one E8M0 weight scale per 32 values along K
+MX_B_BUFFERS = 3  # MXFP8: dequantized bf16 weight tiles (see _mainloop_mx for why three)
 
 
 @dataclass(frozen=True)
@@ -75,16 +77,20 @@ class GroupedGemmConfig:
     tile_n: int
     swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
     row_weights: bool = False  # multiply output row r by weights[r]
+    mxfp8: bool = False  # bf16 activations x MXFP8 weights (E4M3 + E8M0 per 32 along K), bf16 math
     num_sms: int = 132
 
     def validate(self) -> None:
         elem_bytes = 1 if self.fp8 else 2
         if self.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {self.tile_m}")
-        if self.tile_n not in (64, 128, 256) or (self.fp8 and self.tile_n != 128):
-            raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 needs 128; bf16 64/128/256)")
-        if (self.k * elem_bytes) % 16:
-            raise ValueError(f"K={self.k}: rows must be 16-byte aligned for TMA ({16 // elem_bytes} elements)")
+        if self.tile_n not in (64, 128, 256) or ((self.fp8 or self.mxfp8) and self.tile_n != 128):
+            raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 and mxfp8 need 128; bf16 64/128/256)")
+        if self.fp8 and self.mxfp8:
+            raise ValueError("fp8 (block-scaled E4M3 x E4M3) and mxfp8 (bf16 x MXFP8 weights) exclude each other")
+        if (self.k * elem_bytes) % 16 or (self.mxfp8 and self.k % 16):
+            raise ValueError(f"K={self.k}: rows must be 16-byte aligned for TMA ({16 // elem_bytes} elements; "
+                             "16 for MXFP8 weights)")
         if self.swiglu and (self.tile_n != 2 * SWIGLU_BLOCK or self.n % self.tile_n):
             raise ValueError(
                 f"SwiGLU needs tile_n={2 * SWIGLU_BLOCK} and N={self.n} a multiple of it (gate/up interleaved in {SWIGLU_BLOCK}-row blocks)"
@@ -110,7 +116,10 @@ class GroupedGemmSm90:
     def __init__(self, cfg: GroupedGemmConfig):
         cfg.validate()
         self.cfg = cfg
+        # ab_dtype: the MMA operand type (A's type); MXFP8 weights arrive as E4M3 and are
+        # dequantized to bf16 in shared memory before the MMA reads them.
         self.ab_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
+        self.b_load_dtype = cutlass.Float8E4M3FN if (cfg.fp8 or cfg.mxfp8) else cutlass.BFloat16
         self.c_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
         self.num_consumer_wg = cfg.tile_m // 64
@@ -124,15 +133,27 @@ class GroupedGemmSm90:
         # (interleaved 64-row gate/up halves) one per half; see interleave_gate_up.
         self.scale_rows_per_tile = 2 if cfg.swiglu else 1
         self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
-        elem_bytes = self.ab_dtype.width // 8
-        stage_bytes = (cfg.tile_m + cfg.tile_n) * self.tile_k * elem_bytes
+        stage_bytes = (cfg.tile_m * self.ab_dtype.width + cfg.tile_n * self.b_load_dtype.width) * self.tile_k // 8
         reserved = 2048 + 12 * (cfg.num_experts + 1)  # mbarriers + schedule
         epi_bytes = EPI_BUFFERS * cfg.tile_m * EPI_N * 2
-        self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes) // stage_bytes)
+        mx_bytes = MX_B_BUFFERS * cfg.tile_n * self.tile_k * 2 if cfg.mxfp8 else 0
+        self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes - mx_bytes) // stage_bytes)
         # Output elements per 16-byte global store in the epilogue (fewer when rows are not 16-byte aligned).
         self.store_vec = math.gcd(8, cfg.out_n)
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
+
+    def _make_tiled_mma(self) -> cute.TiledMma:
+        """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, self.cfg.tile_n),
+        )
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -162,22 +183,26 @@ class GroupedGemmSm90:
         # Activation scales (rows, K/128, batch); weight scales (N/128, K/128, E).
         skb = self.scale_k_blocks
         mSFA = cute.make_tensor(sfa_ptr, cute.make_layout((rows, skb, batches), stride=(skb, 1, rows64 * skb)))
-        snb = self.scale_n_blocks
-        mSFB = cute.make_tensor(sfb_ptr, cute.make_layout((snb, skb, E), stride=(skb, 1, snb * skb)))
+        if cutlass.const_expr(cfg.mxfp8):
+            # E8M0 weight scales (N, K/32, E), one byte each.
+            mxk = math.ceil(K / MX_BLOCK)
+            mSFB = cute.make_tensor(sfb_ptr, cute.make_layout((N, mxk, E), stride=(mxk, 1, N * mxk)))
+        else:
+            snb = self.scale_n_blocks
+            mSFB = cute.make_tensor(sfb_ptr, cute.make_layout((snb, skb, E), stride=(skb, 1, snb * skb)))
         mRowW = cute.make_tensor(row_w_ptr, cute.make_layout((rows, batches), stride=(1, rows64)))
 
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            self.acc_dtype,
-            (self.num_consumer_wg, 1, 1),
-            tiler_mn=(64, cfg.tile_n),
-        )
+        self.tiled_mma = self._make_tiled_mma()
         tile_mnk = (cfg.tile_m, cfg.tile_n, self.tile_k)
         self.a_smem_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.stages)
-        self.b_smem_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.stages)
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, tile_mnk, self.b_load_dtype, self.stages
+        )
+        # MXFP8: the MMA reads B from these bf16 buffers (otherwise straight from the TMA stages).
+        self.b_mma_smem_layout = (
+            sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, MX_B_BUFFERS)
+            if cfg.mxfp8 else self.b_smem_layout
+        )
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), EPI_BUFFERS
         )
@@ -202,13 +227,17 @@ class GroupedGemmSm90:
             row_start: cute.struct.MemRange[cutlass.Int32, E]
             row_count: cute.struct.MemRange[cutlass.Int32, E]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_load_dtype, cute.cosize(self.b_smem_layout)], 1024]
             sEpi: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
+            # MXFP8 only (one byte otherwise)
+            sBmx: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_mma_smem_layout) if cfg.mxfp8 else 1], 1024
+            ]
 
         self.shared_storage = SharedStorage
         self.kernel(
             tma_atom_a, tma_a, tma_atom_b, tma_b, mC, mGroups, mSFA, mSFB, mRowW, rows, self.tiled_mma,
-            self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
+            self.a_smem_layout, self.b_smem_layout, self.b_mma_smem_layout, self.epi_smem_layout,
         ).launch(
             grid=[cfg.num_sms, 1, 1],
             block=[self.threads, 1, 1],
@@ -233,6 +262,7 @@ class GroupedGemmSm90:
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
+        b_mma_smem_layout: cute.ComposedLayout,
         epi_smem_layout: cute.ComposedLayout,
     ):
         cfg = self.cfg
@@ -254,7 +284,7 @@ class GroupedGemmSm90:
             self._build_schedule(mGroups, rows, s_tile_begin, s_row_start, s_row_count)
 
         tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))) + cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0))
+            self.b_load_dtype, cute.slice_(b_smem_layout, (None, None, 0))
         )
         # One arrive per consumer warp releases a stage.  create() ends with a
         # CTA barrier, which also publishes the schedule written above.
@@ -270,6 +300,9 @@ class GroupedGemmSm90:
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sEpi = storage.sEpi.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+        sBmma = sB
+        if cutlass.const_expr(cfg.mxfp8):
+            sBmma = storage.sBmx.get_tensor(b_mma_smem_layout.outer, swizzle=b_mma_smem_layout.inner)
         total_tiles = s_tile_begin[E]
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
 
@@ -283,7 +316,7 @@ class GroupedGemmSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tiled_mma, sA, sB, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, bidx, total_tiles,
+                tiled_mma, sA, sB, sBmma, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, bidx, total_tiles,
                 s_tile_begin, s_row_start, s_row_count,
             )
 
@@ -366,12 +399,12 @@ class GroupedGemmSm90:
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consume(self, tiled_mma, sA, sB, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, bidx, total_tiles,
+    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, bidx, total_tiles,
                  s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
         tCsA = thr_mma.partition_A(sA)
-        tCsB = thr_mma.partition_B(sB)
+        tCsB = thr_mma.partition_B(sBmma)
         tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
         num_k_blocks = cute.size(tCrA, mode=[2])
@@ -399,6 +432,11 @@ class GroupedGemmSm90:
                 read_state, release_state = self._mainloop_block_scaled(
                     tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB, rows, row0, batch,
                     expert, n_tile, mainloop, read_state, release_state,
+                )
+            elif cutlass.const_expr(cfg.mxfp8):
+                read_state, release_state = self._mainloop_mx(
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, sB, sBmma, mSFB, expert, n_tile, mma_tidx,
+                    mainloop, read_state, release_state,
                 )
             else:
                 read_state, release_state = self._mainloop(
@@ -429,6 +467,98 @@ class GroupedGemmSm90:
         mainloop.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
+
+    # ------------------------------------------------------ MXFP8 weights, bf16 MMA
+    @cute.jit
+    def _mainloop_mx(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, sBq, sBmma, mSFB, expert, n_tile, mma_tidx,
+                     mainloop, read_state, release_state):
+        """bf16 x MXFP8: per K stage, the consumer threads dequantize the E4M3 weight tile to bf16.
+
+        Every consumer thread converts one segment of one weight row (half a
+        row with two warpgroups: exactly one 32-value scale block) from the
+        TMA stage into a bf16 buffer, ``q * 2^(e - 127)`` (exact in bf16),
+        then a barrier over the consumer threads, then the WGMMAs of that stage.
+        The conversion of stage k overlaps stage k-1's WGMMAs, which stay in
+        flight (``wait_group(1)``).  Three bf16 buffers: buffer k % 3 was last
+        read by stage k-3's WGMMAs, which every warpgroup retired (its
+        ``wait_group(1)`` in stage k-2) before the barrier of stage k-1 that
+        this thread has passed; two buffers would race with the other
+        warpgroup's WGMMAs of stage k-2.  Each thread's scale is loaded one
+        stage ahead so its latency hides behind the current stage.
+        """
+        cfg = self.cfg
+        threads = 128 * self.num_consumer_wg
+        segs_per_row = threads // cfg.tile_n
+        seg = self.tile_k // segs_per_row  # 32 or 64 values
+        row = mma_tidx // segs_per_row
+        seg_idx = mma_tidx - row * segs_per_row
+        n_row = n_tile * cfg.tile_n + row
+        n_row = n_row if n_row < cfg.n else cfg.n - 1  # rows past N are zero-filled by TMA: any scale works
+        blocks_per_seg = seg // MX_BLOCK
+        mx_k_blocks = math.ceil(cfg.k / MX_BLOCK)
+        barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=threads)
+        acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        s_lo, s_hi = self._mx_scales(mSFB, n_row, 0, seg_idx, blocks_per_seg, mx_k_blocks, expert)
+        for k_tile in cutlass.range(self.k_tiles, unroll=1):
+            k_next = k_tile + 1 if k_tile + 1 < self.k_tiles else k_tile
+            n_lo, n_hi = self._mx_scales(mSFB, n_row, k_next, seg_idx, blocks_per_seg, mx_k_blocks, expert)
+            buf = k_tile % MX_B_BUFFERS
+            mainloop.consumer_wait(read_state)
+            src = cute.local_tile(sBq[(row, None, read_state.index)], (seg,), (seg_idx,))
+            dst = cute.local_tile(sBmma[(row, None, buf)], (seg,), (seg_idx,))
+            self._dequant_segment(src, dst, s_lo, s_hi, seg)
+            # Generic-proxy smem writes that the tensor cores (async proxy) read next.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            barrier.arrive_and_wait()
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)], tCrB[(None, None, kb, buf)], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(1)
+            if k_tile > 0:
+                mainloop.consumer_release(release_state)
+                release_state.advance()
+            read_state.advance()
+            s_lo = n_lo
+            s_hi = n_hi
+        cute.nvgpu.warpgroup.wait_group(0)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def _mx_scales(self, mSFB, n_row, k_tile, seg_idx, blocks_per_seg, mx_k_blocks, expert):
+        """The (one or two) E8M0 scales of this thread's segment in K stage ``k_tile``, as fp32 2^(e-127)."""
+        first = k_tile * (self.tile_k // MX_BLOCK) + seg_idx * blocks_per_seg
+        second = first + blocks_per_seg - 1
+        first = first if first < mx_k_blocks else mx_k_blocks - 1  # K tail: TMA zero-filled the values
+        second = second if second < mx_k_blocks else mx_k_blocks - 1
+        return self._e8m0_to_f32(mSFB[(n_row, first, expert)]), self._e8m0_to_f32(mSFB[(n_row, second, expert)])
+
+    @cute.jit
+    def _e8m0_to_f32(self, e):
+        """2^(e - 127) from its biased exponent byte: the byte is the fp32 exponent field.
+
+        (e = 0, i.e. 2^-127, becomes 0: below every bf16 normal; e = 255, NaN in
+        E8M0, becomes inf.)
+        """
+        bits = cute.make_rmem_tensor((1,), cutlass.Int32)
+        bits[0] = (cutlass.Int32(e) & 0xFF) << 23  # the widening of the byte sign-extends: mask it
+        return cute.recast_tensor(bits, cutlass.Float32)[0]
+
+    @cute.jit
+    def _dequant_segment(self, src, dst, s_lo, s_hi, seg):
+        """``dst (bf16) = src (E4M3) * scale``: the first 32 values use ``s_lo``, the rest ``s_hi``."""
+        q = cute.make_rmem_tensor((seg,), self.b_load_dtype)
+        cute.autovec_copy(src, q)
+        f = cute.make_rmem_tensor((seg,), cutlass.Float32)
+        f.store(q.load().to(cutlass.Float32))
+        for i in cutlass.range_constexpr(seg):
+            f[i] = f[i] * (s_lo if i < MX_BLOCK else s_hi)
+        out = cute.make_rmem_tensor((seg,), self.ab_dtype)
+        out.store(f.load().to(self.ab_dtype))
+        cute.autovec_copy(out, dst)
 
     # ------------------------------------------------- FP8 block-scaled mainloop
     @cute.jit
@@ -481,6 +611,9 @@ class GroupedGemmSm90:
         promoted, so the tensor cores never wait for the promotion (DeepGEMM's
         schedule; one batch stays in flight, ``wait_group(1)``).  K blocks go in
         pairs (part0, part1); the static tail finishes an odd or even count.
+        The K loop is unrolled: in a run-time loop ptxas cannot tell that
+        ``wait_group(1)`` retired the partial being promoted and serializes
+        every WGMMA (warning C7514).
         Scales are loaded when a block is issued and used when it is promoted,
         which hides their global-load latency behind the WGMMAs.
         """
@@ -491,7 +624,7 @@ class GroupedGemmSm90:
         r_hi = r_hi if r_hi < rows else rows - 1
         a0, a1, a2, a3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, 0, batch, expert, n_tile)
         read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part0, mainloop, read_state)
-        for pair in cutlass.range((self.k_tiles - 1) // 2, unroll=1):
+        for pair in cutlass.range_constexpr((self.k_tiles - 1) // 2):
             k = 2 * pair
             b0, b1, b2, b3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, k + 1, batch, expert, n_tile)
             read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
@@ -503,12 +636,12 @@ class GroupedGemmSm90:
             release_state = self._promote(acc, part1, b0, b1, b2, b3, mainloop, release_state)
         # part0 holds the last block issued above: k_tiles - 1 (odd count) or k_tiles - 2 (even count).
         if cutlass.const_expr(self.k_tiles % 2 == 0):
-            b0, b1, b2, b3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, self.k_tiles - 1, batch, expert, n_tile)
+            t0, t1, t2, t3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, self.k_tiles - 1, batch, expert, n_tile)
             read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
             cute.nvgpu.warpgroup.wait_group(1)
             release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)
             cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._promote(acc, part1, b0, b1, b2, b3, mainloop, release_state)
+            release_state = self._promote(acc, part1, t0, t1, t2, t3, mainloop, release_state)
         else:
             cute.nvgpu.warpgroup.wait_group(0)
             release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)

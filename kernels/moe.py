@@ -44,10 +44,10 @@ def grouped_moe_unsupported(act_dtype: torch.dtype, w13_shape: tuple[int, ...], 
     """
     _, two_i, hidden = w13_shape
     if mx_block is not None:
-        # kernels.grouped_gemm_mxfp8 is the plain GEMM only, dequantizing to a bf16 copy of
-        # the weights per call; gate/up needs the fused SwiGLU GEMM on interleaved rows.
-        return (f"MXFP8 expert weights (one E8M0 scale per {mx_block} values): the grouped MoE has no "
-                "MXFP8 SwiGLU path (kernels.grouped_gemm_mxfp8 covers the plain GEMM only)")
+        # kernels.grouped_gemm_mxfp8 has both GEMMs (plain and fused SwiGLU, weights dequantized
+        # inside the kernel), but this op does not route MXFP8 weights to them yet.
+        return (f"MXFP8 expert weights (one E8M0 scale per {mx_block} values): grouped_moe takes bf16 or "
+                "FP8-block weights; the MXFP8 kernels (kernels.grouped_gemm_mxfp8) are not wired into it")
     if importlib.util.find_spec("cutlass") is None:
         return "CuTeDSL (nvidia-cutlass-dsl) is not importable"
     if act_dtype != torch.bfloat16:

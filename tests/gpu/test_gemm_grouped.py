@@ -232,16 +232,52 @@ def test_many_tiles_per_cta_with_k_tiles_not_a_multiple_of_stages(fp8, kind):
         _assert_close(out.cpu(), ref, f"many tiles {kind} fp8={fp8}")
 
 
-def test_mxfp8_weights_match_reference():
-    """MXFP8 weights on CUDA (torch dequant to bf16, then the bf16 kernel) against the fp32 reference."""
-    from kernels.grouped_gemm_mxfp8 import grouped_gemm_mxfp8, quantize_mxfp8
+def _mx_weights(E: int, N: int, K: int, gen: torch.Generator):
+    """MXFP8 weights whose rows span 2^-12 .. 2^12, so E8M0 scales fall on both sides of 127 (2^0)."""
+    from kernels.grouped_gemm_mxfp8 import quantize_mxfp8
 
-    gen = torch.Generator(device=DEV).manual_seed(17)
-    E, N, K = 6, 200, 272
-    counts = torch.tensor([0, 37, 1, 130, 0, 64])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
-    x = torch.randn(int(offsets[-1]), K, generator=gen, device=DEV).bfloat16()
-    q, s = quantize_mxfp8(torch.randn(E, N, K, generator=gen, device=DEV) / K**0.5)
-    out = grouped_gemm_mxfp8(x, q, s, offsets.to(DEV))
-    ref = grouped_gemm_mxfp8(x.cpu(), q.cpu(), s.cpu(), offsets)
-    _assert_close(out.cpu(), ref, "mxfp8 contiguous")
+    row_scale = torch.logspace(-12, 12, N, base=2.0, device=DEV)[torch.randperm(N, generator=gen, device=DEV)]
+    w = torch.randn(E, N, K, generator=gen, device=DEV) / K**0.5 * row_scale[None, :, None]
+    w[0, :, :32] = 0  # an all-zero block (smallest scale)
+    return quantize_mxfp8(w)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "contiguous_rowweighted", "masked", "swiglu", "many_tiles"])
+def test_mxfp8_weights_dequantized_in_kernel(kind):
+    """bf16 x MXFP8 (dequantized in shared memory inside the kernel) against the fp32 reference on the same weights."""
+    from kernels import grouped_gemm_mxfp8 as mx
+
+    gen = torch.Generator(device=DEV).manual_seed(17 + len(kind))
+    masked = kind in ("masked", "swiglu")
+    E, N, K = (8, 2304, 1088) if kind == "many_tiles" else (6, 384 if kind == "swiglu" else 200, 272)
+    if masked:
+        M = 40
+        groups = torch.tensor([0, 40, 1, 90, 17, 0], dtype=torch.int32)  # one count above max_tokens
+        x = torch.randn(E, M, K, generator=gen, device=DEV).bfloat16()
+    else:
+        counts = torch.tensor({"contiguous": [0, 300, 1, 129, 0, 700],  # 128-row tiles (two warpgroups)
+                               "contiguous_rowweighted": [0, 37, 1, 130, 0, 64],  # 64-row tiles
+                               "many_tiles": [300, 280, 0, 513, 300, 1, 300, 299]}[kind])
+        groups = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+        x = torch.randn(int(groups[-1]), K, generator=gen, device=DEV).bfloat16()
+    q, s = _mx_weights(E, N, K, gen)
+    rw = torch.rand(x.shape[:-1], generator=gen, device=DEV) if kind == "contiguous_rowweighted" else None
+    if kind == "swiglu":
+        qi, si = mx.interleave_gate_up_mxfp8(q, s)
+        out = torch.full((E, M, N // 2), float("nan"), dtype=torch.bfloat16, device=DEV)
+        mx.grouped_gemm_mxfp8_swiglu(x, qi, si, groups.to(DEV), masked=True, out=out)
+        ref = mx.grouped_gemm_mxfp8_swiglu(x.cpu(), qi.cpu(), si.cpu(), groups, masked=True)
+    else:
+        out = torch.full((*x.shape[:-1], N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        mx.grouped_gemm_mxfp8(x, q, s, groups.to(DEV), masked=masked, row_weights=rw, out=out)
+        ref = mx.grouped_gemm_mxfp8(x.cpu(), q.cpu(), s.cpu(), groups, masked=masked,
+                                    row_weights=None if rw is None else rw.cpu())
+    torch.cuda.synchronize()
+    if masked:
+        for e in range(E):
+            c = min(int(groups[e]), M)
+            if c:
+                _assert_close(out[e, :c].cpu(), ref[e, :c], f"mxfp8 {kind} e={e}")
+            assert torch.isnan(out[e, c:].cpu().float()).all(), f"mxfp8 expert {e}: rows past its count were written"
+    else:
+        _assert_close(out.cpu(), ref, f"mxfp8 {kind}")

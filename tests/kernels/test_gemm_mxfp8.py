@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from kernels import grouped_gemm as gg
+from kernels import grouped_gemm_mxfp8 as mx
+from kernels import grouped_gemm_sm90 as sm90
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK, dequantize_mxfp8, grouped_gemm_mxfp8, quantize_mxfp8
 
 FP8 = torch.float8_e4m3fn
@@ -49,6 +51,24 @@ def test_grouped_gemm_mxfp8_reference_matches_dequantized_weights():
     torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
 
 
+def test_mxfp8_swiglu_reference_on_interleaved_weights_and_scales():
+    """Interleaving moves each row's scales with the row: the fused reference equals plain GEMM + SwiGLU."""
+    gen = torch.Generator().manual_seed(4)
+    E, I, K = 2, 128, 96
+    counts = torch.tensor([5, 0], dtype=torch.int32)
+    x = torch.randn(E, 6, K, generator=gen).bfloat16()
+    q, s = quantize_mxfp8(torch.randn(E, 2 * I, K, generator=gen) * torch.logspace(-3, 3, 2 * I)[None, :, None])
+    qi, si = mx.interleave_gate_up_mxfp8(q, s)
+    rw = torch.rand(E, 6, generator=gen)
+    fused = mx.grouped_gemm_mxfp8_swiglu(x, qi, si, counts, masked=True, row_weights=rw)
+    h = gg.grouped_gemm_reference(x, dequantize_mxfp8(q, s), counts, masked=True)
+    torch.testing.assert_close(fused, gg.swiglu_reference(h) * rw[..., None], rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_mx_block_matches_the_format():
+    assert sm90.MX_BLOCK == MX_BLOCK
+
+
 def test_bad_mxfp8_inputs_raise():
     q, s = quantize_mxfp8(torch.randn(2, 8, 64))
     x = torch.randn(4, 64).bfloat16()
@@ -57,3 +77,8 @@ def test_bad_mxfp8_inputs_raise():
         grouped_gemm_mxfp8(x, q, s.float(), offsets)
     with pytest.raises(gg.GroupedGemmError, match="bfloat16 activations"):
         grouped_gemm_mxfp8(x.float(), q, s, offsets)
+    q24, s24 = quantize_mxfp8(torch.randn(2, 8, 24))
+    with pytest.raises(gg.GroupedGemmError, match="K % 16"):
+        grouped_gemm_mxfp8(torch.randn(4, 24).bfloat16(), q24, s24, offsets)
+    with pytest.raises(gg.GroupedGemmError, match="offsets must be"):
+        grouped_gemm_mxfp8(x, q, s, offsets[:2])
