@@ -25,8 +25,8 @@ For each prompt length it measures, in the same run:
   vs the same forward alone.
 
 ``--modes`` runs everything once per ucxx configuration (``future`` or ``poll`` completion
-delivery, ``thread`` or ``thread-polling`` progress), each with fresh processes; the
-overlap runs in the first mode only. The
+delivery, ``thread`` or ``thread-polling`` progress, optional ``UCX_*`` settings), each
+with fresh processes; the overlap runs in the first mode only. The
 first engine transfer of each configuration is checked bit for bit against the reference
 on the decode side, then dropped. Usage::
 
@@ -209,6 +209,7 @@ async def _child_async(device_kind: str, cfg: dict[str, Any], inbox: Any, outbox
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # CUDA context before UCX starts
+    os.environ.update(cfg["ucx_env"])  # read when the UCX context is created, just below
     worker = await TransferWorker.create(cfg["progress_mode"], python_future=cfg["python_future"], send_slot_bytes=cfg["slot_mib"] << 20)
     child = _Child(worker, device, cfg)
     loop = asyncio.get_running_loop()
@@ -338,14 +339,15 @@ def _median_us(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs) * 1e6
 
 
-def _parse_modes(text: str) -> list[tuple[str, bool, str]]:
-    """``future/thread,poll/thread-polling`` -> [(name, python_future, progress_mode)]."""
+def _parse_modes(text: str) -> list[tuple[str, bool, str, dict[str, str]]]:
+    """``future/thread,poll/thread-polling/UCX_X=1+UCX_Y=2`` -> [(name, python_future, progress_mode, UCX env)]."""
     modes = []
     for spec in text.split(","):
-        delivery, _, progress = spec.partition("/")
-        if delivery not in ("future", "poll") or progress not in ("thread", "thread-polling"):
-            raise SystemExit(f"--modes: {spec!r} is not <future|poll>/<thread|thread-polling>")
-        modes.append((spec, delivery == "future", progress))
+        delivery, progress, *env = spec.split("/", 2)
+        pairs = [kv.partition("=") for kv in env[0].split("+")] if env else []
+        if delivery not in ("future", "poll") or progress not in ("thread", "thread-polling") or any(not k.startswith("UCX_") or not sep for k, sep, _ in pairs):
+            raise SystemExit(f"--modes: {spec!r} is not <future|poll>/<thread|thread-polling>[/UCX_A=x+UCX_B=y]")
+        modes.append((spec, delivery == "future", progress, {k: v for k, _, v in pairs}))
     return modes
 
 
@@ -358,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16, help="decode page size")
     ap.add_argument("--prefill-page-size", type=int, default=32)
-    ap.add_argument("--chunk-mib", default="64", help="comma-separated target packed chunk sizes (at least one layer; layers per chunk follow)")
+    ap.add_argument("--chunk-mib", default="256", help="comma-separated target packed chunk sizes (at least one layer; layers per chunk follow)")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--modes", default="future/thread", help="comma-separated ucxx configurations <future|poll>/<thread|thread-polling>")
+    ap.add_argument("--modes", default=None, help="comma-separated ucxx configurations <future|poll>/<thread|thread-polling>[/UCX_A=x+UCX_B=y] (default: future/thread-polling on cuda, future/thread on cpu)")
     ap.add_argument("--overlap-iters", type=int, default=2, help="timed overlap transfers (and forwards alone) per size, first mode only; 0 skips the overlap")
     ap.add_argument("--overlap-chunk-mib", type=int, default=None, help="chunk size of the overlap runs (default: the first of --chunk-mib)")
     ap.add_argument("--layer-us-per-1k", type=float, default=150.0, help="CPU only: simulated prefill compute per layer per 1k tokens (us)")
@@ -368,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     chunk_list = [int(c) for c in args.chunk_mib.split(",")]
     overlap_chunk = args.overlap_chunk_mib or chunk_list[0]
     tokens_list = [int(t) for t in (args.tokens or ("128,512,1024" if args.device == "cpu" else "1024,6144,32768")).split(",")]
-    modes = _parse_modes(args.modes)
+    modes = _parse_modes(args.modes or ("future/thread-polling" if args.device == "cuda" else "future/thread"))
     if args.device == "cpu":
         os.environ.setdefault("UCX_TLS", "tcp,self")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -388,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     bytes_per_token = args.layers * 2 * args.kv_heads * args.head_dim * DTYPE.itemsize
     peer_s = {tokens: _peer_copy_s(tokens * bytes_per_token, args.device, args.iters) for tokens in tokens_list}
     rows, phase_rows = [], []
-    for mode, python_future, progress_mode in modes:
-        mode_cfg = cfg | {"python_future": python_future, "progress_mode": progress_mode}
+    for mode, python_future, progress_mode, ucx_env in modes:
+        mode_cfg = cfg | {"python_future": python_future, "progress_mode": progress_mode, "ucx_env": ucx_env}
         decode = _Proc(ctx, args.device, mode_cfg, "1,0" if gpu else None)
         prefills = [_Proc(ctx, args.device, mode_cfg, "0,1" if gpu else None) for _ in range(2)]
         try:
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     if layout == "tp1" and chunk_mib == overlap_chunk:
                         metrics |= overlap
-                    case = {"tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll"}
+                    case = {"tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env}
                     record(BENCH, case, metrics, peers)
                     rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "layout": layout, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
                     phase_rows.append({"tokens": tokens, "mode": mode, "layout": layout, "chunk_MiB": chunk_mib, "total_us": metrics["latency_us"], "start_us": metrics["start_us"], "s_pack_us": metrics.get("send_pack_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})

@@ -2,13 +2,13 @@
 
 One ``TransferWorker`` per rank: ``worker = await TransferWorker.create(progress_mode=None)``
 inside the rank's event loop (transports from ``UCX_*`` env, e.g. ``UCX_TLS=tcp,self`` on
-CPU; ``progress_mode`` "thread" (default) or "thread-polling"; completions arrive as
-futures, the loop idles between them). Every call below runs on that loop, except
+CPU; ``progress_mode`` "thread" or "thread-polling", the default where CUDA is
+available; completions arrive as futures, the loop idles between them). Every call below runs on that loop, except
 ``KVSender.on_layer_done``, which any thread may call.
 
 Decode rank::
 
-    receiver = KVReceiver(worker, kvcache, staging=StagingPool(64 << 20, 4, device))  # staging optional
+    receiver = KVReceiver(worker, kvcache, staging=StagingPool(256 << 20, 4, device))  # staging optional
     desc = receiver.reserve(request_id, num_tokens, lease_s)   # -> KVTransferDescriptor (msgspec)
     #   raises OutOfPages (nothing allocated), ValueError (duplicate id, bad args, one layer
     #   of the request larger than a staging slot)
@@ -24,7 +24,7 @@ Decode rank::
 Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
 
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
-                      timeout_s=30.0, chunk_bytes=64 << 20)   # packs into worker.staging_pool(device)
+                      timeout_s=30.0, chunk_bytes=256 << 20)   # packs into worker.staging_pool(device)
     forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
     record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, started_unix, phases_s)
     #   raises TransferTimeout (sender timeout or the reservation's lease, whichever is first),

@@ -47,6 +47,7 @@ from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError,
 log = structlog.get_logger(__name__)
 
 _ENDED_KEPT = 1024
+DEFAULT_STAGING_SLOT_BYTES = 256 << 20  # the largest chunk senders may send (max_chunk_bytes)
 # Senders stop at the lease deadline; a receive abandoned earlier keeps its staging slot
 # until then plus this margin (messages already on the wire, clock skew between hosts).
 _ABANDONED_RECV_GRACE_S = 2.0
@@ -88,7 +89,7 @@ class _Reservation:
 class KVReceiver:
     """Receives KV shards into a decode rank's ``PagedKVCache`` over its ``TransferWorker``.
 
-    ``staging`` holds chunks between arrival and scatter (default: 4 slots of 64 MiB on
+    ``staging`` holds chunks between arrival and scatter (default: 4 slots of 256 MiB on
     the cache's device); its slot size is the largest chunk senders may send
     (``max_chunk_bytes``) and must hold one layer of a request (all heads), which
     ``reserve`` checks.
@@ -97,7 +98,7 @@ class KVReceiver:
     def __init__(self, worker: TransferWorker, kvcache: PagedKVCache, *, staging: StagingPool | None = None, metrics: TransferMetrics | None = None) -> None:
         self._worker = worker
         self._cache = kvcache
-        self.staging = staging or StagingPool(64 << 20, 4, kvcache.device)
+        self.staging = staging or StagingPool(DEFAULT_STAGING_SLOT_BYTES, 4, kvcache.device)
         self.metrics = metrics or TransferMetrics()
         self._reservations: dict[str, _Reservation] = {}
         # Outcome of recently ended reservations, so a late wait_complete gets the real reason.

@@ -19,7 +19,8 @@ from shared.transfer import KVHeadShard, KVReceiver, KVSender, LayoutMismatch, P
 from shared.transfer.shard import chunk_nbytes, chunk_view, pack_layers, scatter_layers
 from shared.transfer.worker import data_tag, decode_header, encode_header, header_tag
 
-os.environ.setdefault("UCX_TLS", "tcp,self")
+if not torch.cuda.is_available():  # with a GPU, UCX keeps its default transports (cuda_ipc, cuda_copy)
+    os.environ.setdefault("UCX_TLS", "tcp,self")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
