@@ -1,8 +1,9 @@
 #!/bin/bash
 # One device call on 2x H200 (kind "nvidia-h200-x2") for the grouped GEMM, the two GPUs in parallel:
-#   GPU 0: tests/gpu/test_gemm_grouped.py (correctness, full file), then the bench with forced variants
-#          given by GG_VARIANT_ARGS (e.g. "--bf16-prefill-tile-n 128 --only gemm:qwen3-235b:gate_up:prefill");
-#   GPU 1: bench/grouped_gemm.py, all cases (ours vs torch._grouped_mm / torch._scaled_grouped_mm, same run).
+#   GPU 0: tests/gpu/test_gemm_grouped.py (correctness, full file), then bench/grouped_gemm.py with
+#          GG_VARIANT_ARGS (e.g. "--only gemm:qwen3-30b,swiglu:qwen3-30b" or a forced tile variant);
+#   GPU 1: bench/grouped_gemm.py with GG_BENCH_ARGS (default: all cases).
+#   Each bench case measures ours and torch._grouped_mm / torch._scaled_grouped_mm in the same process.
 # Logs: $OUT/*.log; bench lines: $OUT/gpu0/grouped_gemm.jsonl and $OUT/gpu1/grouped_gemm.jsonl (append both
 # to bench/results/grouped_gemm.jsonl here). Every step has a wall limit, every test a pytest-timeout.
 # Carry: [".gpu/cutedsl-4.8.1-cp312-cu13.tar.xz", ".cache/commit"]; before the call:
