@@ -25,6 +25,17 @@ number of experts hit is the expectation under uniform routing,
 same run to re-measure the bandwidth ceiling.
 
     python -m bench.decode_step [--batches 1 16 64] [--context 512] [--impls torch-reference kernels kernels+cuda-graph]
+
+With ``--ep N`` (N GPUs, one process each) the model runs the decode layout, DP N x
+EP N: every rank holds E/N experts and ``--batches`` sequences of its own, and the
+MoE layers exchange tokens in every step. Implementations there (all on the
+kernels' experts): ``kernels`` (``ep_dispatch``/``ep_combine`` over NCCL
+all-to-all with host-known sizes, the reference, eager only), ``kernels+peer-moe``
+(`Collectives.decode_moe`: peer-memory dispatch, masked grouped GEMMs, combine)
+and the same under a CUDA graph. tokens/s counts all ranks' tokens; rank 0's step
+time is reported (the ranks step in lockstep).
+
+    python -m bench.decode_step --ep 2 --batches 16 64
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from shared.model.weights import AttentionWeights, LayerWeights, ModelWeights, M
 
 BENCH = "decode_step"
 REFERENCE, KERNELS, GRAPHED = "torch-reference", "kernels", "kernels+cuda-graph"
+EP_NCCL, EP_PEER, EP_PEER_GRAPHED = "kernels", "kernels+peer-moe", "kernels+peer-moe+cuda-graph"  # --ep modes
 IMPLS = (REFERENCE, KERNELS, GRAPHED)
 HBM_BYTES_PER_S = 4.1e12  # H200 HBM copy bandwidth measured for this project (notes/GPU.md)
 PAGE_SIZE = 16
@@ -62,8 +74,11 @@ QWEN3_30B_A3B = {
 }
 
 
-def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-    """Weights drawn on the device (no checkpoint): std 0.02 like HF's init, norms at one."""
+def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, ep_rank: int = 0, ep_size: int = 1) -> ModelWeights:
+    """Weights drawn on the device (no checkpoint): std 0.02 like HF's init, norms at one.
+
+    Experts: expert-parallel rank ``ep_rank`` of ``ep_size``'s share (all of them by default).
+    """
 
     def w(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02)
@@ -72,12 +87,13 @@ def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
         return torch.ones(n, dtype=dtype, device=device)
 
     h, d, i = c.hidden_size, c.head_dim, c.moe_intermediate_size
+    local = c.num_experts // ep_size
     layers = [
         LayerWeights(
             input_norm=ones(h),
             post_attention_norm=ones(h),
             attn=AttentionWeights(w(c.num_heads * d, h), w(c.num_kv_heads * d, h), w(c.num_kv_heads * d, h), w(h, c.num_heads * d), ones(d), ones(d)),
-            mlp=MoEWeights(router=w(c.num_experts, h), w13=w(c.num_experts, 2 * i, h), w2=w(c.num_experts, h, i), expert_start=0),
+            mlp=MoEWeights(router=w(c.num_experts, h), w13=w(local, 2 * i, h), w2=w(local, h, i), expert_start=ep_rank * local),
         )
         for _ in range(c.num_layers)
     ]
@@ -126,6 +142,66 @@ def time_step(step: Callable[[], object], device: torch.device, iters: int) -> f
     return statistics.median(times)
 
 
+def cache_and_batches(c: ModelConfig, batch_sizes: list[int], context: int, dtype: torch.dtype, device: torch.device) -> tuple[PagedKVCache, dict[int, ForwardBatch]]:
+    """A paged KV cache of random K/V holding ``context`` tokens per sequence, and one
+    decode step's batch (one new token per sequence) for each batch size."""
+    pages_per_seq = -(-(context + 1) // PAGE_SIZE)
+    cache = PagedKVCache(KVLayout(c.num_layers, max(batch_sizes) * pages_per_seq, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
+    for pool in cache.pools:
+        pool.normal_()
+    batches = {}
+    for b in batch_sizes:
+        # Sequence s owns pages [s * pages_per_seq, ...) of the pool, interleaved order to be non-contiguous.
+        tables = [[p * max(batch_sizes) + s for p in range(pages_per_seq)] for s in range(b)]
+        chunks = [SequenceChunk([(7 * s + 1) % c.vocab_size], context, tables[s]) for s in range(b)]
+        batches[b] = ForwardBatch.build(chunks, PAGE_SIZE, device)
+    return cache, batches
+
+
+def _expert_parallel_rank(rank: int, world: int, c: ModelConfig, batch_sizes: list[int], context: int, iters: int) -> list[tuple[str, int, float]]:
+    """One DP x EP rank: ``(impl, batch per rank, step seconds)`` for each implementation and batch."""
+    from shared.parallel import Topology
+    from shared.parallel_cuda import CudaCollectives
+
+    device, dtype = torch.device("cuda", rank), torch.bfloat16
+    torch.manual_seed(rank)
+    topology = Topology.decode(world, rank)
+    comm = CudaCollectives(topology)
+    weights = random_weights(c, dtype, device, rank, world)
+    cache, batches = cache_and_batches(c, batch_sizes, context, dtype, device)
+    # Both models share the weights (the first converts the experts for the kernels in place).
+    nccl = Qwen3Model(c, weights, topology, comm, kernels=True)
+    peer = Qwen3Model(c, weights, topology, comm, kernels=True, max_tokens_per_rank=max(batch_sizes))
+    times = [(EP_NCCL, b, time_step(lambda: nccl.forward(batch, cache), device, iters)) for b, batch in batches.items()]
+    times += [(EP_PEER, b, time_step(lambda: peer.forward(batch, cache), device, iters)) for b, batch in batches.items()]
+    for b, batch in batches.items():
+        replay = capture_graph(lambda: peer.forward(batch, cache), repeat=1, warmup=True).replay
+        times.append((EP_PEER_GRAPHED, b, time_step(replay, device, iters)))
+    return times
+
+
+def run_expert_parallel(c: ModelConfig, world: int, batch_sizes: list[int], context: int, iters: int) -> int:
+    """The ``--ep`` mode (see the module doc): one process per GPU, results recorded by this one."""
+    from kernels._local_group import run_local_group
+
+    times = run_local_group(_expert_parallel_rank, world, "nccl", c, batch_sizes, context, iters, timeout=600)[0]
+    nccl = {b: seconds for impl, b, seconds in times if impl == EP_NCCL}
+    rows = []
+    for impl, b, seconds in times:
+        metrics = {"tokens_per_s": b * world / seconds, "tokens_per_s_per_gpu": b / seconds, "step_ms": seconds * 1e3}
+        peers = {}
+        if impl != EP_NCCL:
+            metrics["speedup_vs_nccl_all_to_all"] = nccl[b] / seconds
+            peers[EP_NCCL] = {"tokens_per_s": b * world / nccl[b], "step_ms": nccl[b] * 1e3}
+        case = {"model": "qwen3-30b-a3b-shapes", "layers": c.num_layers, "experts": c.num_experts, "top_k": c.top_k,
+                "vocab": c.vocab_size, "layout": f"dp{world}xep{world}", "batch_per_rank": b, "context": context,
+                "dtype": "bfloat16", "impl": impl}
+        record(BENCH, case, metrics, peers)
+        rows.append({"impl": impl, "batch_per_rank": b, **metrics})
+    print_table(rows, ["impl", "batch_per_rank", "tokens_per_s", "tokens_per_s_per_gpu", "step_ms", "speedup_vs_nccl_all_to_all"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -137,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="override (fewer layers to save time; recorded in the case)")
     ap.add_argument("--experts", type=int, default=None, help="override (quick CPU checks)")
     ap.add_argument("--vocab", type=int, default=None, help="override (quick CPU checks)")
+    ap.add_argument("--ep", type=int, default=1, help="GPUs of a DP x EP decode layout (one process each; see the module doc)")
     a = ap.parse_args(argv)
     device, dtype = torch.device(a.device), torch.bfloat16
     if device.type != "cuda" and GRAPHED in a.impls:
@@ -146,19 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             raw[key] = value
     c = ModelConfig.from_dict(raw)
+    if a.ep > 1:
+        return run_expert_parallel(c, a.ep, a.batches, a.context, a.iters)
     torch.manual_seed(0)
     weights = random_weights(c, dtype, device)
-    pages_per_seq = -(-(a.context + 1) // PAGE_SIZE)
-    cache = PagedKVCache(KVLayout(c.num_layers, max(a.batches) * pages_per_seq, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
-    for pool in cache.pools:
-        pool.normal_()
+    cache, batches = cache_and_batches(c, a.batches, a.context, dtype, device)
     bandwidth = copy_bandwidth(device)
-    batches = {}
-    for b in a.batches:
-        # Sequence s owns pages [s * pages_per_seq, ...) of the pool, interleaved order to be non-contiguous.
-        tables = [[p * max(a.batches) + s for p in range(pages_per_seq)] for s in range(b)]
-        chunks = [SequenceChunk([(7 * s + 1) % c.vocab_size], a.context, tables[s]) for s in range(b)]
-        batches[b] = ForwardBatch.build(chunks, PAGE_SIZE, device)
 
     step_s: dict[tuple[str, int], float] = {}
     rows = []

@@ -30,7 +30,7 @@ from kernels._local_group import run_local_group
 
 HIDDEN, EXPERTS, TOPK = 4096, 128, 8
 TOKENS = (1, 32, 128, 256)
-CPP_SWEEP = (32, 64)  # other CTAs-per-peer grid sizes timed for bf16 (each on its own peer memory)
+CPP_SWEEP = (64, 128)  # other CTAs-per-peer grid sizes timed for bf16 (each on its own peer memory)
 
 
 def _time_phases(dc, x, ids, w, n, y, out, row: dict, key: str, split: bool) -> None:

@@ -2,8 +2,10 @@
 
 Cases: random routing with different token counts per rank, every token's first
 choice on one expert, zero tokens on a rank, the maximum token count, inputs with
-fewer rows than ``max_tokens`` (as the model passes them), and an FP8 payload;
-each run eagerly and then inside a CUDA graph replayed with fresh inputs.
+fewer rows than ``max_tokens`` (as the model passes them), a grid of 8 tokens per
+CTA (the default grid has one per CTA at this size; larger EP sizes walk several),
+and an FP8 payload; each run eagerly and then inside a CUDA graph replayed with
+fresh inputs.
 Received rows are compared bit for bit after sorting by origin (our row order
 inside an expert comes from atomics), counts exactly, the combined output to bf16
 tolerance (the kernel may fuse multiply and add where the reference does not, which
@@ -37,7 +39,7 @@ def _inputs(rank: int, case: str, seed: int):
         scores[:, 7] += 2.0
     ids = scores.topk(k, dim=1).indices.int().contiguous()
     n = {"random": m - 5 - 7 * rank, "one_expert": m - rank, "empty_rank": 0 if rank == 1 else m, "max_tokens": m,
-         "short_rows": m - 9 - 20 * rank, "fp8": m - 3 * rank}[case]
+         "short_rows": m - 9 - 20 * rank, "few_ctas": m - 2 - 11 * rank, "fp8": m - 3 * rank}[case]
     w = torch.rand(m, k, generator=g, device="cuda")
     if case == "short_rows":  # only the valid rows exist
         x, ids, w = x[:n].contiguous(), ids[:n].contiguous(), w[:n].contiguous()
@@ -70,7 +72,7 @@ def _compare(ours, ref, out, ref_out, n: int, what: str) -> None:
 
 def _run_case(rank: int, world: int, case: str) -> int:
     payload = "fp8" if case == "fp8" else "bf16"
-    ours = dc.DispatchCombine(dist.group.WORLD, payload=payload, **CFG)
+    ours = dc.DispatchCombine(dist.group.WORLD, payload=payload, cpp=CFG["max_tokens"] // 8 if case == "few_ctas" else None, **CFG)
     ref = dc.DispatchCombineReference(dist.group.WORLD, payload=payload, **CFG)
     out = torch.empty(CFG["max_tokens"], CFG["hidden"], dtype=torch.bfloat16, device="cuda")
     y = torch.empty(ours.num_local, ours.capacity, CFG["hidden"], dtype=torch.bfloat16, device="cuda")
@@ -115,7 +117,7 @@ def _run_case(rank: int, world: int, case: str) -> int:
     return 6
 
 
-CASES = ["random", "one_expert", "empty_rank", "max_tokens", "short_rows", "fp8"]
+CASES = ["random", "one_expert", "empty_rank", "max_tokens", "short_rows", "few_ctas", "fp8"]
 
 
 def _run_cases(rank: int, world: int) -> int:
