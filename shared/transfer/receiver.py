@@ -293,7 +293,7 @@ class KVReceiver:
                     scatter_layers(self._cache, layers, heads, res.page_table, h.num_tokens, chunk)
                     scattered = torch.cuda.Event()
                     scattered.record(self._scatter_stream)
-                await event_done(scattered)
+                await event_done(scattered, short=True)  # the scatter stream runs copies only
             res.phases.add("scatter", time.perf_counter() - landed)
             res.last_landed_at = max(res.last_landed_at, landed)
         except UCXError as e:

@@ -29,6 +29,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -192,8 +193,8 @@ class KVSender:
                         self._progress.clear()
                         await self._progress.wait()
                     buf = await self._acquire(self._nbytes_of(group))
-                    pack_done = await self._pack(group, buf)
-                    self._sends.append(self._loop.create_task(self._send_chunk(group, buf, pack_done)))
+                    packed = await self._pack(group, buf)
+                    self._sends.append(self._loop.create_task(self._send_chunk(group, buf, packed)))
                 await asyncio.gather(*self._sends)
         except BaseException as e:
             await self._abort_sends()
@@ -224,7 +225,7 @@ class KVSender:
         layout = self._cache.layout
         return chunk_nbytes(len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
 
-    async def _pack(self, group: range, buf: torch.Tensor) -> torch.cuda.Event | None:
+    async def _pack(self, group: range, buf: torch.Tensor) -> _Packed | None:
         """Pack ``group`` into ``buf``; on CUDA enqueue it on the pack stream behind the group's event."""
         layout = self._cache.layout
         out = chunk_view(buf, len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
@@ -240,19 +241,20 @@ class KVSender:
                 raise
             self._phases.add("pack", time.perf_counter() - started)
             return None
+        computed = self._group_events[self._group_of[group.start]]
         with torch.cuda.stream(self._pack_stream):
-            self._pack_stream.wait_event(self._group_events[self._group_of[group.start]])
+            self._pack_stream.wait_event(computed)
             pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
             done = torch.cuda.Event()
             done.record(self._pack_stream)
-        return done
+        return _Packed(done, behind_compute=not computed.query())
 
-    async def _send_chunk(self, group: range, buf: torch.Tensor, pack_done: torch.cuda.Event | None) -> None:
+    async def _send_chunk(self, group: range, buf: torch.Tensor, packed: _Packed | None) -> None:
         desc = self._desc
         try:
-            if pack_done is not None:
+            if packed is not None:
                 started = time.perf_counter()
-                await event_done(pack_done)  # behind the group's compute, then the pack kernels
+                await event_done(packed.done, short=not packed.behind_compute)
                 self._phases.add("pack", time.perf_counter() - started)
             header = ShardHeader(
                 request_id=desc.request_id,
@@ -284,8 +286,8 @@ class KVSender:
             self._phases.add("wire", time.perf_counter() - posted)
             self._nbytes += buf.numel()
         finally:
-            if pack_done is not None:
-                pack_done.synchronize()  # a cancelled chunk's pack may still be writing into the slot
+            if packed is not None:
+                packed.done.synchronize()  # a cancelled chunk's pack may still be writing into the slot
             self._release(buf)
 
     async def _abort_sends(self) -> None:
@@ -295,6 +297,15 @@ class KVSender:
         for task in self._sends:
             task.cancel()
         await asyncio.gather(*self._sends, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A chunk's pack on the CUDA side stream: its end event, and whether the pack still
+    waits behind the prefill's compute (then a thread waits for it, not the event loop)."""
+
+    done: torch.cuda.Event
+    behind_compute: bool
 
 
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:

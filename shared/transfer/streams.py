@@ -16,14 +16,32 @@ import torch
 HIGH_PRIORITY = -1
 
 
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """A high-priority stream on ``device`` for transfer kernels, or None on CPU."""
+    """The process's high-priority transfer stream on ``device`` (one per device, shared by
+    every sender and receiver: the caching allocator keeps its blocks per stream, so a new
+    stream per transfer would open new memory segments), or None on CPU."""
     if device.type != "cuda":
         return None
-    return torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+    stream = _streams.get(device)
+    if stream is None:
+        stream = _streams[device] = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+    return stream
 
 
-async def event_done(event: torch.cuda.Event) -> None:
-    """Wait for ``event`` without blocking the event loop (a thread only if it is still pending)."""
-    if not event.query():
+async def event_done(event: torch.cuda.Event, *, short: bool) -> None:
+    """Wait for ``event`` (recorded on a side stream) without stalling the event loop for long.
+
+    ``short``: only our own copy kernels (pack or scatter, a fraction of a millisecond) are
+    ahead of it, so block the loop on it: cheaper than handing the wait to a thread, whose
+    wake-up and GIL hand-back cost more than the copy on a busy host. Otherwise (e.g. a pack
+    behind the prefill's compute) wait in a thread.
+    """
+    if event.query():
+        return
+    if short:
+        event.synchronize()
+    else:
         await asyncio.to_thread(event.synchronize)
