@@ -82,9 +82,9 @@ SRC_RANK_SHIFT = 24
 THREADS = 256
 VEC = 8  # bf16 elements per thread access (16 bytes)
 # CTAs of one phase, spread over the peers. A CTA walks its tokens one after another
-# (barrier, atomics, dependent loads per token), so one token per CTA is fastest as
-# long as the grid stays about one wave (measured at EP=2, 256 tokens per rank:
-# 2 tokens per CTA 40.7 us a round, 4 per CTA 46.2, 8 per CTA 70.3). No phase needs
+# (barrier, atomics, dependent loads per token), so few tokens per CTA pay: at EP=2,
+# 256 tokens per rank, a round took 38.6 / 36.8-40.7 / 43.2-46.2 / 70.3 us with 1 / 2 /
+# 4 / 8 tokens per CTA (bench/results/dispatch_combine.jsonl, two runs). No phase needs
 # its CTAs co-resident: only the receiving phases wait, and only for other GPUs.
 CTA_BUDGET = 512
 FLAG_DISPATCH, FLAG_COMBINE = 0, 1  # rows of the flag region: [2][MAX_PEERS] int32
