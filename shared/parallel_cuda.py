@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 
 class CudaCollectives(TorchCollectives):
-    """`TorchCollectives` with the all-reduce replaced by the peer-memory kernels."""
+    """`TorchCollectives` with the all-reduce replaced by the peer-memory kernels, and
+    the decode layout's MoE layer offered as `PeerDecodeMoE` (`decode_moe`)."""
 
     def __init__(self, topology: Topology) -> None:
         super().__init__(topology)
