@@ -2,17 +2,22 @@
 
 The rank's KV heads ``[start, end)`` of a group of consecutive layers are packed into
 one staging chunk (``shard.pack_layers``) and sent as one tagged UCX message after a
-small header, so a request moves in a few large transfers. Groups are sent as soon as
-their layers are computed (``on_layer_done``), so the transfer overlaps the prefill of
-later layers; several chunks can be on the wire at once, bounded by the staging budget.
+small header, so a request moves in a few large transfers. Groups are formed as the
+layers are computed (``on_layer_done``): whenever a staging slot is free, the next
+chunk takes every consecutive layer ready by then, up to the chunk limit. KV that is
+all there goes in a few full-size chunks (UCX costs a fixed time per message); KV that
+trickles in from a forward goes out as it comes, in small chunks while the wire keeps
+up, so the transfer overlaps the prefill of later layers and little is left to send
+after the last one. Several chunks can be on the wire at once, bounded by the staging
+slots.
 
 Each finished transfer's ``TransferRecord.phases_s`` says where its time went
-(seconds, summed over chunks): ``setup`` (constructor), ``first_ready`` (until the
-first layer group was computed: prefill compute, not transfer cost), ``start`` (first
-group ready -> its chunk posted: staging, pack, endpoint), ``staging_wait``, ``pack``
-(enqueued -> packed, on CUDA behind the group's compute), ``endpoint`` (connecting,
-0 once cached), ``wire`` (header + chunk posted -> UCX completed), ``tail`` (last group
-ready -> finished: what the transfer adds after the forward's last layer).
+(seconds, summed over chunks): ``setup`` (constructor), ``first_ready`` (until layer 0
+was reported: prefill compute, not transfer cost), ``start`` (layer 0 reported -> the
+first chunk posted: staging, pack, endpoint), ``staging_wait``, ``pack`` (enqueued ->
+packed, on CUDA behind the group's compute), ``endpoint`` (connecting, 0 once cached),
+``wire`` (header + chunk posted -> UCX completed), ``tail`` (last layer reported ->
+finished: what the transfer adds after the forward's last layer).
 
 Every outcome is explicit: ``finish()`` returns a ``TransferRecord`` or raises
 ``TransferTimeout`` (deadline: the sender's timeout or the reservation's lease,
@@ -53,14 +58,13 @@ class KVSender:
 
     Construct inside the running event loop; call ``on_layer_done(layer)`` after each
     layer's KV is in ``kvcache`` (from any thread), or ``mark_all_layers_done()`` when the
-    KV is already computed, then ``await finish()``. On CUDA the layers are taken to be
-    computed on one stream (as a forward does): the call that completes a chunk's layer
-    group records an event on the caller's current stream and the chunk's pack (on a
-    high-priority side stream) waits for it on the GPU.
+    KV is already computed, then ``await finish()``. On CUDA each report records an event
+    on the caller's current stream and a chunk's pack (on a high-priority side stream)
+    waits for its layers' events on the GPU.
     ``page_table`` lists the request's pages in the local cache, which holds exactly
     the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
-    those pages untouched until ``finish()`` returns or raises. Chunks hold as many
-    whole layers as fit ``chunk_bytes``, the decode side's ``max_chunk_bytes`` and a
+    those pages untouched until ``finish()`` returns or raises. A chunk holds at most as
+    many whole layers as fit ``chunk_bytes``, the decode side's ``max_chunk_bytes`` and a
     staging slot. Chunks are packed into ``staging`` (default: the worker's long-lived
     send pool for the cache's device, whose arena stays registered with UCX);
     ``held_buffers`` counts the slots this sender holds (0 once ``finish()`` is over).
@@ -91,7 +95,7 @@ class KVSender:
         layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
         self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
         limit = min(chunk_bytes, descriptor.max_chunk_bytes, self.staging.slot_bytes)
-        self._groups = _layer_groups(layout.num_layers, layer_bytes, limit, descriptor.request_id)
+        self._max_layers = _layers_per_chunk(layer_bytes, limit, descriptor.request_id)
         self._pack_stream = side_stream(kvcache.device)
         with torch.cuda.stream(self._pack_stream) if self._pack_stream is not None else contextlib.nullcontext():
             # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
@@ -99,9 +103,9 @@ class KVSender:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._layer_done = [False] * layout.num_layers  # written by the forward's thread
-        self._group_of = [index for index, group in enumerate(self._groups) for _ in group]
-        self._group_ready_at: list[float | None] = [None] * len(self._groups)  # written on the event loop
-        self._group_events: dict[int, torch.cuda.Event] = {}
+        self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers  # ditto, CUDA only
+        self._ready_at: list[float | None] = [None] * layout.num_layers  # written on the event loop
+        self._sent_groups: list[range] = []
         self._progress = asyncio.Event()
         self._sends: list[asyncio.Task[None]] = []
         self._held = 0
@@ -121,8 +125,8 @@ class KVSender:
 
     @property
     def layer_groups(self) -> list[range]:
-        """The layer ranges sent as one chunk each."""
-        return list(self._groups)
+        """The layer ranges packed into one chunk each so far (formed as layers become ready)."""
+        return list(self._sent_groups)
 
     @property
     def held_buffers(self) -> int:
@@ -130,24 +134,18 @@ class KVSender:
         return self._held
 
     def on_layer_done(self, layer: int) -> None:
-        """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks.
-
-        The event loop is only woken when the layer completes its chunk's group.
-        """
+        """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks."""
         if not 0 <= layer < len(self._layer_done):
             raise ValueError(f"layer {layer} outside 0..{len(self._layer_done) - 1}")
+        self._layer_events[layer] = self._stream_position()
         self._layer_done[layer] = True  # a list store is atomic under the GIL
-        index = self._group_of[layer]
-        if all(self._layer_done[i] for i in self._groups[index]):
-            self._record_group_event(index)
-            self._schedule(self._mark_groups_ready, index)
+        self._schedule(self._mark_ready, layer)
 
     def mark_all_layers_done(self) -> None:
         """Every layer's KV is written (or queued on the caller's current CUDA stream)."""
+        self._layer_events[:] = [self._stream_position()] * len(self._layer_done)
         self._layer_done[:] = [True] * len(self._layer_done)
-        for index in range(len(self._groups)):
-            self._record_group_event(index)
-        self._schedule(self._mark_groups_ready, *range(len(self._groups)))
+        self._schedule(self._mark_ready, *range(len(self._layer_done)))
 
     async def finish(self) -> TransferRecord:
         """Wait until every chunk is sent; typed errors as in the module docstring."""
@@ -171,30 +169,39 @@ class KVSender:
         else:
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _record_group_event(self, index: int) -> None:
-        """On CUDA, mark the caller's stream position: the group's pack waits for it."""
-        if self._pack_stream is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._cache.device))
-            self._group_events[index] = event
+    def _stream_position(self) -> torch.cuda.Event | None:
+        """On CUDA, an event at the caller's current stream position (packs wait for it)."""
+        if self._pack_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._cache.device))
+        return event
 
-    def _mark_groups_ready(self, *indices: int) -> None:
+    def _mark_ready(self, *layers: int) -> None:
         now = time.perf_counter()
-        for index in indices:
-            self._group_ready_at[index] = now
+        for layer in layers:
+            self._ready_at[layer] = now
         self._progress.set()
 
     async def _run(self) -> TransferRecord:
         rid = self.request_id
         try:
             async with asyncio.timeout_at(self._deadline):
-                for index, group in enumerate(self._groups):
-                    while self._group_ready_at[index] is None:
+                next_layer, num_layers = 0, len(self._ready_at)
+                while next_layer < num_layers:
+                    while self._ready_at[next_layer] is None:
                         self._progress.clear()
                         await self._progress.wait()
-                    buf = await self._acquire(self._nbytes_of(group))
+                    buf = await self._acquire(self._nbytes_of(range(next_layer, min(next_layer + self._max_layers, num_layers))))
+                    end = next_layer + 1  # every consecutive layer ready by now, up to the chunk limit
+                    while end < num_layers and end - next_layer < self._max_layers and self._ready_at[end] is not None:
+                        end += 1
+                    group = range(next_layer, end)
+                    self._sent_groups.append(group)
+                    buf = buf[: self._nbytes_of(group)]
                     packed = await self._pack(group, buf)
                     self._sends.append(self._loop.create_task(self._send_chunk(group, buf, packed)))
+                    next_layer = end
                 await asyncio.gather(*self._sends)
         except BaseException as e:
             await self._abort_sends()
@@ -203,9 +210,9 @@ class KVSender:
             log.warning("kv.send_failed", request_id=rid, cause=error.cause, error=str(error), heads=(self._heads.start, self._heads.end))
             raise error from e
         done = time.perf_counter()
-        assert self._first_send_at is not None and self._group_ready_at[-1] is not None
-        self._phases.add("tail", done - self._group_ready_at[-1])
-        record = TransferRecord(rid, self._nbytes, done - self._first_send_at, len(self._groups), self._created_unix, self._phases.seconds)
+        assert self._first_send_at is not None
+        self._phases.add("tail", done - max(t for t in self._ready_at if t is not None))
+        record = TransferRecord(rid, self._nbytes, done - self._first_send_at, len(self._sent_groups), self._created_unix, self._phases.seconds)
         self.metrics.record_ok(record)
         log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s)
         return record
@@ -241,13 +248,14 @@ class KVSender:
                 raise
             self._phases.add("pack", time.perf_counter() - started)
             return None
-        computed = self._group_events[self._group_of[group.start]]
+        computed = {id(e): e for e in (self._layer_events[layer] for layer in group) if e is not None}.values()
         with torch.cuda.stream(self._pack_stream):
-            self._pack_stream.wait_event(computed)
+            for event in computed:
+                self._pack_stream.wait_event(event)
             pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
             done = torch.cuda.Event()
             done.record(self._pack_stream)
-        return _Packed(done, behind_compute=not computed.query())
+        return _Packed(done, behind_compute=not all(event.query() for event in computed))
 
     async def _send_chunk(self, group: range, buf: torch.Tensor, packed: _Packed | None) -> None:
         desc = self._desc
@@ -270,7 +278,7 @@ class KVSender:
             posted = time.perf_counter()
             if self._first_send_at is None:
                 self._first_send_at = posted
-                ready_at = self._group_ready_at[0]
+                ready_at = self._ready_at[0]
                 assert ready_at is not None
                 self._phases.add("first_ready", ready_at - self._created)
                 self._phases.add("start", posted - ready_at)
@@ -326,12 +334,11 @@ def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHea
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: " + "; ".join(problems))
 
 
-def _layer_groups(num_layers: int, layer_bytes: int, chunk_bytes: int, request_id: str) -> list[range]:
-    """Consecutive layers per chunk so a chunk stays within ``chunk_bytes`` (at least one layer)."""
+def _layers_per_chunk(layer_bytes: int, chunk_bytes: int, request_id: str) -> int:
+    """Most consecutive layers one chunk may hold within ``chunk_bytes`` (at least one)."""
     if layer_bytes > chunk_bytes:
         raise LayoutMismatch(f"KV transfer {request_id!r}: one layer's shard is {layer_bytes} bytes, above the {chunk_bytes}-byte chunk limit")
-    per_chunk = max(1, chunk_bytes // layer_bytes)
-    return [range(s, min(s + per_chunk, num_layers)) for s in range(0, num_layers, per_chunk)]
+    return chunk_bytes // layer_bytes
 
 
 def _as_transfer_error(request_id: str, e: BaseException) -> TransferError:

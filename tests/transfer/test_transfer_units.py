@@ -265,7 +265,6 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
                 local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
             started = time.perf_counter()
             sender = KVSender(worker, local, desc, table, kv_head_shard(0, 1, heads), timeout_s=5.0, chunk_bytes=2 * chunk_nbytes(1, heads, tokens, dim, torch.bfloat16))
-            assert len(sender.layer_groups) == 3
 
             def forward() -> None:
                 for layer in reversed(range(layers)):
@@ -273,6 +272,7 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
 
             await asyncio.to_thread(forward)
             record = await sender.finish()
+            assert sender.layer_groups == [range(0, 2), range(2, 4), range(4, 6)]  # layer 0 came last: all ready at once
             assert record.chunks == 3 and record.nbytes == chunk_nbytes(layers, heads, tokens, dim, torch.bfloat16)
             assert set(record.phases_s) == {"setup", "first_ready", "start", "staging_wait", "pack", "endpoint", "wire", "tail"}
             phases = record.phases_s
@@ -353,6 +353,43 @@ def test_senders_share_the_workers_send_pool_and_return_it_after_failures():
             await grown.send_all()
             await rx.wait_complete("big", 5.0)
             assert grown.staging.in_use_buffers == 0
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
+def test_chunks_take_the_layers_ready_when_a_slot_is_free():
+    """KV that is all there goes in full chunks; KV reported layer by layer with the wire
+    idle in between goes one layer per chunk (nothing waits for a chunk to fill up)."""
+
+    async def main():
+        worker = await TransferWorker.create()
+        try:
+            layers, heads, tokens, dim = 6, 2, 24, 8
+            ref = torch.randn(layers, 2, heads, tokens, dim).to(torch.bfloat16)
+            decode = PagedKVCache(KVLayout(layers, 16, heads, 8, dim, torch.bfloat16))
+            rx = KVReceiver(worker, decode, staging=StagingPool(1 << 20, 2))
+            local = PagedKVCache(KVLayout(layers, 4, heads, 8, dim, torch.bfloat16))
+            table = [2, 0, 3]
+            pages, offsets = local.slots(torch.tensor(table), torch.arange(tokens))
+            for layer in range(layers):
+                local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
+            three_layers = 3 * chunk_nbytes(1, heads, tokens, dim, torch.bfloat16)
+            for rid, trickle in [("all-there", False), ("trickle", True)]:
+                sender = KVSender(worker, local, rx.reserve(rid, tokens, 5.0), table, kv_head_shard(0, 1, heads), timeout_s=5.0, chunk_bytes=three_layers)
+                if trickle:
+                    for layer in range(layers):
+                        sender.on_layer_done(layer)
+                        await asyncio.sleep(0.05)
+                else:
+                    sender.mark_all_layers_done()
+                await sender.finish()
+                expected = [range(i, i + 1) for i in range(layers)] if trickle else [range(0, 3), range(3, 6)]
+                assert sender.layer_groups == expected, (rid, sender.layer_groups)
+                got = torch.tensor(await rx.wait_complete(rid, 5.0))
+                assert all(torch.equal(torch.stack(decode.read(layer, got, tokens)), ref[layer]) for layer in range(layers))
+                decode.allocator.free(got.tolist())
         finally:
             worker.close()
 
