@@ -128,25 +128,6 @@ def finish_launch(ctrl: Int64):
 
 
 @cute.jit
-def last_block_of_launch(ctrl: Int64, done_word: cutlass.Constexpr) -> Int32:
-    """Thread 0 only: count this CTA done (after a sys fence) and return 1 if it was the last.
-
-    Used when the last CTA must signal peers on behalf of the whole launch: each CTA
-    fences its own remote writes before counting itself, so the last one's flag
-    store (a release) orders after all of them.
-    """
-    nblocks, _, _ = cute.arch.grid_dim()
-    cute.arch.fence_acq_rel_sys()
-    done_ptr = gptr(Int32, ctrl + done_word * 4, 4)
-    old = cute.arch.atomic_add(done_ptr, Int32(1), sem="acq_rel", scope="gpu")
-    last = Int32(0)
-    if old == Int32(nblocks) - 1:
-        cute.arch.store(done_ptr, Int32(0))
-        last = Int32(1)
-    return last
-
-
-@cute.jit
 def load_vec_f32(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32, align: cutlass.Constexpr = 16):
     """Load ``vec`` elements at ``addr`` as fp32; elements at index >= ``valid`` read as 0.
 
