@@ -11,6 +11,7 @@ are CUDA-graph capturable and never synchronise with the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 
@@ -19,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
+from cutlass.utils import HardwareInfo
 
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
@@ -28,16 +30,29 @@ _GMEM = cute.AddressSpace.gmem
 
 
 def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
-                  row_weights: bool, tokens_per_expert: float, num_sms: int, mxfp8: bool = False) -> GroupedGemmConfig:
+                  row_weights: bool, tokens_per_expert: float, num_sms: int, cluster_pairs: int,
+                  mxfp8: bool = False, tile_m: int | None = None, tile_n: int | None = None,
+                  cluster_m: int | None = None) -> GroupedGemmConfig:
     """Tile bucket: 64-row tiles for decode-sized groups (<= 64 tokens), else 128 rows.
 
     bf16 prefill uses 128x256 tiles (two consumer warpgroups, 128 accumulator
     registers each); FP8 block scales, MXFP8 weights and the SwiGLU interleave fix N at 128.
+    128-row tiles run in CTA pairs (``cluster_pairs`` of them: how many 2-CTA
+    clusters the GPU runs at once) that share each weight tile by TMA multicast.
+    ``tile_m`` / ``tile_n`` / ``cluster_m`` override the choice (benchmarks compare buckets).
     """
-    tile_m = 64 if tokens_per_expert <= 64 else 128
-    tile_n = 256 if (tile_m == 128 and not fp8 and not mxfp8 and not swiglu) else 128
+    tile_m = tile_m or (64 if tokens_per_expert <= 64 else 128)
+    tile_n = tile_n or (256 if (tile_m == 128 and not fp8 and not mxfp8 and not swiglu) else 128)
+    cluster_m = cluster_m or (2 if tile_m == 128 else 1)
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
-                             tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, num_sms=num_sms, mxfp8=mxfp8)
+                             tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
+                             cluster_m=cluster_m, num_sms=2 * cluster_pairs if cluster_m == 2 else num_sms)
+
+
+@functools.lru_cache(maxsize=None)
+def _cluster_pairs(device_index: int) -> int:
+    """How many 2-CTA clusters of one full-smem CTA per SM the GPU runs at once (at most half its SMs)."""
+    return HardwareInfo(device_index).get_max_active_clusters(2)
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).
@@ -97,25 +112,24 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
            swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
-           tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None) -> torch.Tensor:
+           tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None,
+           cluster_m: int | None = None) -> torch.Tensor:
     """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``
     (or ``kernels.grouped_gemm_mxfp8`` for ``w_scale_e8m0``: bf16 ``x`` times MXFP8 ``w``).
 
-    ``tile_m`` / ``tile_n`` override the tile bucket (benchmarks compare buckets with them).
+    ``tile_m`` / ``tile_n`` / ``cluster_m`` override the tile bucket (benchmarks compare buckets with them).
     """
     E, N, K = w.shape
     fp8 = x_scale is not None
     mxfp8 = w_scale_e8m0 is not None
     rows = x.shape[-2]
     tokens_per_expert = rows if masked else rows / E
-    props = torch.cuda.get_device_properties(x.device)
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
-                        num_sms=props.multi_processor_count, mxfp8=mxfp8)
-    if tile_m is not None:
-        cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=128 if tile_m == 64 else cfg.tile_n)
-    if tile_n is not None:
-        cfg = dataclasses.replace(cfg, tile_n=tile_n)
+                        num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+                        cluster_pairs=_cluster_pairs(device), mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n,
+                        cluster_m=cluster_m)
     if rows * cfg.out_n >= 2**31:  # the epilogue addresses output elements with 32-bit offsets
         raise ValueError(f"output of {rows} rows x {cfg.out_n} columns exceeds 2^31 elements per batch; split the call")
     out_shape = (*x.shape[:-1], cfg.out_n)
