@@ -6,8 +6,10 @@ For each prompt length it measures, in the same run:
   decode device (GPU0 -> GPU1; on CPU a memcpy between two tensors): the ceiling.
 * ``raw_ucxx``   - one tagged ucxx send of one contiguous buffer of that size between the
   two processes: what UCX itself gives.
-* ``engine``     - the TransferEngine (KVSender -> KVReceiver), all layers ready at once:
-  pack per layer group, UCX chunks, scatter into scattered decode pages; timed from the
+* ``engine``     - the TransferEngine (KVSender -> KVReceiver), all layers ready at once
+  (``mark_all_layers_done``; up to ec7439571435 the layers were reported one by one from
+  a thread, which with chunks formed from the layers ready so far split off a small
+  first chunk): pack per layer group, UCX chunks, scatter into scattered decode pages; timed from the
   sender's construction to the decode side holding the pages (wall clock of one host),
   for prefill TP=1 and a 2-rank layout (each rank 2 of the 4 KV heads, both on the
   prefill device). Senders pack into their worker's send pool, as in the services.
@@ -166,7 +168,11 @@ class _Child:
         t_start = time.time()
         one_layer = 2 * self.shard.num_heads * desc.num_tokens * self.cfg["head_dim"] * DTYPE.itemsize
         sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=max(chunk_bytes, one_layer))
-        t_last_layer = await asyncio.to_thread(self._forward, compute, layer_s, sender)
+        if compute == "none":  # the KV is all there: one report, full chunks
+            sender.mark_all_layers_done()
+            t_last_layer = time.time()
+        else:
+            t_last_layer = await asyncio.to_thread(self._forward, compute, layer_s, sender)
         rec = await sender.finish()
         return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "wall_s": rec.wall_s, "phases_s": rec.phases_s}
 
