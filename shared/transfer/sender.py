@@ -102,8 +102,8 @@ class KVSender:
             self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        self._layer_done = [False] * layout.num_layers  # written by the forward's thread
-        self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers  # ditto, CUDA only
+        self._num_layers = layout.num_layers
+        self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers  # written by the forward's thread (CUDA)
         self._ready_at: list[float | None] = [None] * layout.num_layers  # written on the event loop
         self._sent_groups: list[range] = []
         self._progress = asyncio.Event()
@@ -135,17 +135,15 @@ class KVSender:
 
     def on_layer_done(self, layer: int) -> None:
         """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks."""
-        if not 0 <= layer < len(self._layer_done):
-            raise ValueError(f"layer {layer} outside 0..{len(self._layer_done) - 1}")
-        self._layer_events[layer] = self._stream_position()
-        self._layer_done[layer] = True  # a list store is atomic under the GIL
+        if not 0 <= layer < self._num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self._num_layers - 1}")
+        self._layer_events[layer] = self._stream_position()  # stored before the loop learns of the layer
         self._schedule(self._mark_ready, layer)
 
     def mark_all_layers_done(self) -> None:
         """Every layer's KV is written (or queued on the caller's current CUDA stream)."""
-        self._layer_events[:] = [self._stream_position()] * len(self._layer_done)
-        self._layer_done[:] = [True] * len(self._layer_done)
-        self._schedule(self._mark_ready, *range(len(self._layer_done)))
+        self._layer_events[:] = [self._stream_position()] * self._num_layers
+        self._schedule(self._mark_ready, *range(self._num_layers))
 
     async def finish(self) -> TransferRecord:
         """Wait until every chunk is sent; typed errors as in the module docstring."""
@@ -187,7 +185,7 @@ class KVSender:
         rid = self.request_id
         try:
             async with asyncio.timeout_at(self._deadline):
-                next_layer, num_layers = 0, len(self._ready_at)
+                next_layer, num_layers = 0, self._num_layers
                 while next_layer < num_layers:
                     while self._ready_at[next_layer] is None:
                         self._progress.clear()

@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import os
 import struct
-import time
 
 import msgspec
 import numpy as np
@@ -100,7 +99,6 @@ class TransferWorker:
         self._send_slot_bytes = send_slot_bytes
         self._send_slots = send_slots
         self._pools: dict[torch.device, StagingPool] = {}
-        self.connect_s = 0.0  # time spent creating endpoints (each peer once, unless evicted)
 
     @classmethod
     async def create(cls, progress_mode: str | None = None, *, python_future: bool = True, send_slot_bytes: int = DEFAULT_SEND_SLOT_BYTES, send_slots: int = DEFAULT_SEND_SLOTS) -> TransferWorker:
@@ -154,10 +152,8 @@ class TransferWorker:
         async with lock:
             ep = self._endpoints.get(address)
             if ep is None or ep.closed:
-                started = time.perf_counter()
                 ep = await self._ctx.create_endpoint_from_worker_address(UCXAddress.create_from_buffer(address))
                 self._endpoints[address] = ep
-                self.connect_s += time.perf_counter() - started
         return ep
 
     def evict(self, address: bytes) -> None:
