@@ -40,11 +40,12 @@ mainloop (bench/results/grouped_gemm.jsonl, commit cd897b9 and earlier; 128
 experts): bf16 decode streams weights at 3.8-4.3 TB/s for 1-16 tokens per
 expert (1.2-1.7x torch._grouped_mm), FP8 takes about half the bf16 time;
 prefill reached 410-525 TFLOP/s bf16 and 556-762 FP8 (Qwen3-235B shapes).
-Prefill-sized (128-row) tiles run in 2-CTA clusters: the pair takes two M
-tiles of the same expert and weight tile, and each CTA loads half of the
-weight tile by TMA multicast into both (``cluster_m``).  Not done: overlapping
-one tile's epilogue with the next tile's MMAs (both consumer warpgroups work on
-one tile).
+With ``cluster_m=2`` CTAs run in pairs: the pair takes two M tiles of the same
+expert and weight tile, and each CTA loads half of the weight tile by TMA
+multicast into both (not the launcher's default; see
+``grouped_gemm_launch.choose_config`` for the measurements).  Not done:
+overlapping one tile's epilogue with the next tile's MMAs (both consumer
+warpgroups work on one tile).
 """
 
 from __future__ import annotations
