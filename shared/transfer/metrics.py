@@ -16,6 +16,7 @@ class TransferRecord:
     chunks: int
     started_unix: float = 0.0  # wall clock when this side started (sender built / reservation made)
     phases_s: dict[str, float] = field(default_factory=dict)  # where the time went (see sender/receiver)
+    path: str = "ucx"  # "ucx" (staged chunks), "cuda_ipc" (direct writes, same host), or "cuda_ipc+ucx" (a mix of shards)
 
     @property
     def gbps(self) -> float:

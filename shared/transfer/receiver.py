@@ -9,13 +9,25 @@ Lifecycle of one reservation (keyed by request id)::
 
 Pages are freed on every path except a successful ``wait_complete``, which hands
 them to the caller (free them with ``kvcache.allocator.free`` when the request ends).
+
+Same-host fast path: on CUDA the receiver exports its KV storage once through CUDA IPC
+(``cuda_ipc.export_storage``; off with ``cuda_ipc=False`` or ``MOEBUS_KV_CUDA_IPC=0``)
+and every descriptor carries it. A sender that can open it writes straight into the
+pages and sends ``"landed"`` headers (no data message); the cells are marked landed
+exactly as after a scatter. Because such a writer bypasses this process, a cancelled,
+expired or failed reservation that may have one does not free its pages at once: they
+stay quarantined until every head is quiet (all its layers landed, or its sender sent
+``"stopped"``) or until the lease deadline + ``DIRECT_WRITE_GRACE_S`` (senders issue no
+write after the lease deadline; see ``shared.transfer.cuda_ipc`` for the whole argument).
+``num_quarantined_pages`` counts them. A ``"stopped"`` header for a request still
+receiving fails it with ``PeerFailed``.
 The decode side does not know the prefill TP size: each chunk announces its head
 and layer range, and the request is complete when every (layer, head) cell has
 landed exactly once.
 
 A completed request's ``TransferRecord.phases_s`` (seconds, summed over chunks):
 ``first_header`` (reservation -> first header: the prefill's compute and start-up),
-``post`` (header arrived -> its chunk's receive posted: staging wait), ``wire``
+``post`` (header arrived -> its chunk's receive posted: staging wait; UCX path), ``wire``
 (receive posted -> chunk in staging), ``scatter`` (in staging -> in the pages), ``tail``
 (last chunk in staging -> request complete). ``wait_complete`` logs ``kv.claimed``
 with ``notify_s``, the time from completion to the waiter having the pages.
@@ -37,6 +49,7 @@ import torch
 
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
 from shared.kvcache import PagedKVCache
+from shared.transfer.cuda_ipc import CudaIpcUnavailable, enabled_by_env, export_storage
 from shared.transfer.errors import Cancelled, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
 from shared.transfer.shard import chunk_nbytes, chunk_view, scatter_layers
@@ -51,6 +64,9 @@ DEFAULT_STAGING_SLOT_BYTES = 256 << 20  # the largest chunk senders may send (ma
 # Senders stop at the lease deadline; a receive abandoned earlier keeps its staging slot
 # until then plus this margin (messages already on the wire, clock skew between hosts).
 _ABANDONED_RECV_GRACE_S = 2.0
+# Pages a direct (CUDA IPC) writer may still write stay quarantined until the lease deadline
+# plus this margin: the writer's last kernels, issued before the deadline, end within ms.
+DIRECT_WRITE_GRACE_S = 2.0
 
 
 class _State(enum.Enum):
@@ -84,6 +100,11 @@ class _Reservation:
     completed_at: float | None = None  # perf_counter, once COMPLETE
     phases: PhaseTimes = field(default_factory=PhaseTimes)
     error: TransferError | None = None  # why it ended, once cancelled / failed / expired
+    direct: bool = False  # the descriptor offered CUDA IPC: a sender may write the pages directly
+    stopped: np.ndarray | None = None  # [heads] bool: the sender of the head said it stopped
+    direct_chunks: int = 0  # landed through direct writes ("landed" headers)
+    quarantine: asyncio.TimerHandle | None = None  # pending free of pages a direct writer may write
+    pages_freed: bool = False
 
 
 class KVReceiver:
@@ -95,7 +116,7 @@ class KVReceiver:
     ``reserve`` checks.
     """
 
-    def __init__(self, worker: TransferWorker, kvcache: PagedKVCache, *, staging: StagingPool | None = None, metrics: TransferMetrics | None = None) -> None:
+    def __init__(self, worker: TransferWorker, kvcache: PagedKVCache, *, staging: StagingPool | None = None, metrics: TransferMetrics | None = None, cuda_ipc: bool | None = None) -> None:
         self._worker = worker
         self._cache = kvcache
         self.staging = staging or StagingPool(DEFAULT_STAGING_SLOT_BYTES, 4, kvcache.device)
@@ -104,9 +125,17 @@ class KVReceiver:
         # Outcome of recently ended reservations, so a late wait_complete gets the real reason.
         self._ended: OrderedDict[str, TransferError] = OrderedDict()
         self._reapers: set[asyncio.Future[None]] = set()  # slots waiting on abandoned receives
+        self._quarantined: dict[int, _Reservation] = {}  # id -> ended reservation whose pages wait
         self._scatter_stream = side_stream(kvcache.device)
         layout = kvcache.layout
         self._layout = KVTransferLayout(layout.num_layers, layout.page_size, layout.kv_heads, layout.head_dim, str(layout.dtype).removeprefix("torch."))
+        self.cuda_ipc_export = None  # CudaIpcExport of the KV storage, offered in every descriptor
+        if (enabled_by_env() if cuda_ipc is None else cuda_ipc) and kvcache.device.type == "cuda":
+            try:
+                self.cuda_ipc_export = export_storage(kvcache.storage)
+                log.info("kv.cuda_ipc_exported", device=str(kvcache.device), bytes=self.cuda_ipc_export.storage_size_bytes)
+            except (CudaIpcUnavailable, RuntimeError) as e:
+                log.warning("kv.cuda_ipc_unavailable", reason=f"export failed: {e}")
 
     @property
     def num_free_pages(self) -> int:
@@ -116,6 +145,11 @@ class KVReceiver:
     def num_reservations(self) -> int:
         """Reservations holding pages (cancelled ones still draining their chunks are not counted)."""
         return sum(res.state in (_State.RECEIVING, _State.COMPLETE) for res in self._reservations.values())
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        """Pages of ended reservations held back because a direct writer may still write them."""
+        return sum(len(res.page_ids) for res in self._quarantined.values())
 
     def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> KVTransferDescriptor:
         """Allocate pages for ``num_tokens`` and start listening for their KV.
@@ -149,6 +183,8 @@ class KVReceiver:
             lease_ends_at=loop.time() + lease_s,
             reserved_at=time.perf_counter(),
             reserved_unix=time.time(),
+            direct=self.cuda_ipc_export is not None,
+            stopped=np.zeros(layout.kv_heads, dtype=bool),
         )
         # A failed request nobody waits for must not log "exception never retrieved".
         res.done.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -165,6 +201,7 @@ class KVReceiver:
             layout=self._layout,
             lease_deadline_unix=time.time() + lease_s,
             max_chunk_bytes=self.staging.slot_bytes,
+            cuda_ipc=self.cuda_ipc_export,
         )
 
     async def wait_complete(self, request_id: str, timeout: float) -> list[int]:
@@ -202,11 +239,16 @@ class KVReceiver:
         return True
 
     async def close(self) -> None:
-        """Cancel every reservation and wait for its tasks (pages freed, staging returned)."""
+        """Cancel every reservation and wait for its tasks (pages freed, staging returned).
+
+        Quarantined pages are freed at once too: close only when no prefill rank can still
+        write this cache (the decode rank is shutting down)."""
         for res in list(self._reservations.values()):
             self._terminate(res, _State.CANCELLED, Cancelled(res.request_id, "receiver closed"))
             self._retire(res)
             await asyncio.gather(*res.tasks, return_exceptions=True)
+        for res in list(self._quarantined.values()):
+            self._free_pages(res)
         for reaper in list(self._reapers):
             reaper.cancel()
         await asyncio.gather(*self._reapers, return_exceptions=True)
@@ -226,13 +268,23 @@ class KVReceiver:
                 frame = np.empty(HEADER_FRAME_BYTES, dtype=np.uint8)
                 await self._worker.recv(tag, frame)
                 header = self._check_header(res, frame)
-                if res.state is _State.RECEIVING:
+                if header.kind == "stopped":
+                    self._sender_stopped(res, header)
+                elif res.state is _State.RECEIVING:
                     if res.first_header_at is None:
                         res.first_header_at = time.perf_counter()
                         res.phases.add("first_header", res.first_header_at - res.reserved_at)
-                    self._spawn(res, self._receive_chunk(res, header, time.perf_counter()))
+                    if header.kind == "landed":
+                        self._landed(res, header, direct=True)
+                    else:
+                        self._spawn(res, self._receive_chunk(res, header, time.perf_counter()))
+                elif header.kind == "landed":
+                    res.landed[header.layer_start : header.layer_end, header.head_start : header.head_end] = True
                 else:
                     self._spawn(res, self._drain_chunk(res, header))
+                if res.quarantine is not None and self._quiet(res):
+                    log.info("kv.quarantine_lifted", request_id=res.request_id, pages=len(res.page_ids))
+                    self._free_pages(res)
         except ProtocolError as e:
             self._terminate(res, _State.FAILED, e)
         except UCXError as e:
@@ -249,11 +301,15 @@ class KVReceiver:
             problem = f"header is for request {h.request_id!r} / transfer {h.transfer_id}"
         elif not (0 <= h.head_start < h.head_end <= layout.kv_heads and 0 <= h.layer_start < h.layer_end <= layout.num_layers):
             problem = f"heads [{h.head_start}, {h.head_end}) x layers [{h.layer_start}, {h.layer_end}) outside {layout.kv_heads} heads x {layout.num_layers} layers"
+        elif h.kind != "chunk" and not res.direct:
+            problem = f"a {h.kind!r} header, but this reservation offered no CUDA IPC export"
+        elif h.kind == "stopped":
+            return h
         elif h.num_tokens != res.num_tokens or h.dtype != self._layout.dtype:
             problem = f"chunk has {h.num_tokens} tokens of {h.dtype}, reserved {res.num_tokens} of {self._layout.dtype}"
         elif h.nbytes != chunk_nbytes(h.layer_end - h.layer_start, h.head_end - h.head_start, h.num_tokens, layout.head_dim, layout.dtype):
             problem = f"chunk size {h.nbytes} does not match its shape"
-        elif h.nbytes > self.staging.slot_bytes:
+        elif h.kind == "chunk" and h.nbytes > self.staging.slot_bytes:
             problem = f"chunk of {h.nbytes} bytes exceeds max_chunk_bytes {self.staging.slot_bytes}"
         elif res.announced[h.layer_start : h.layer_end, h.head_start : h.head_end].any():
             problem = f"heads [{h.head_start}, {h.head_end}) x layers [{h.layer_start}, {h.layer_end}) overlap a chunk already announced"
@@ -304,11 +360,40 @@ class KVReceiver:
                 if scattered is not None:
                     scattered.synchronize()  # cancelled mid-scatter: the kernels still read the slot
                 self.staging.release(buf)
+        self._landed(res, h, direct=False)
+
+    def _landed(self, res: _Reservation, h: ShardHeader, *, direct: bool) -> None:
+        """The header's cells are in the pages (scattered from staging, or written directly)."""
+        if direct:
+            res.last_landed_at = time.perf_counter()
+            res.direct_chunks += 1
         res.landed[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
         res.nbytes += h.nbytes
         res.chunks += 1
         if res.landed.all():
             self._complete(res)
+
+    def _sender_stopped(self, res: _Reservation, h: ShardHeader) -> None:
+        """A direct sender gave up on heads [head_start, head_end): it writes nothing more."""
+        assert res.stopped is not None
+        res.stopped[h.head_start : h.head_end] = True
+        if res.state is _State.RECEIVING:
+            self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"the prefill rank sending heads [{h.head_start}, {h.head_end}) stopped"))
+
+    @staticmethod
+    def _quiet(res: _Reservation) -> bool:
+        """No direct writer can still write the pages: every head fully landed or stopped."""
+        return bool((res.landed.all(axis=0) | res.stopped).all())
+
+    def _free_pages(self, res: _Reservation) -> None:
+        if res.pages_freed:
+            return
+        res.pages_freed = True
+        if res.quarantine is not None:
+            res.quarantine.cancel()
+            res.quarantine = None
+        self._quarantined.pop(id(res), None)
+        self._cache.allocator.free(res.page_ids)
 
     async def _release_after(self, recv: asyncio.Future[None], buf: torch.Tensor, lease_ends_at: float) -> None:
         """Release a slot once its abandoned receive finished, or once no sender can still
@@ -333,11 +418,12 @@ class KVReceiver:
         assert res.first_header_at is not None
         res.completed_at = time.perf_counter()
         res.phases.add("tail", res.completed_at - res.last_landed_at)
-        record = TransferRecord(res.request_id, res.nbytes, res.completed_at - res.first_header_at, res.chunks, res.reserved_unix, res.phases.seconds)
+        path = "ucx" if res.direct_chunks == 0 else "cuda_ipc" if res.direct_chunks == res.chunks else "cuda_ipc+ucx"
+        record = TransferRecord(res.request_id, res.nbytes, res.completed_at - res.first_header_at, res.chunks, res.reserved_unix, res.phases.seconds, path)
         res.state = _State.COMPLETE
         self.metrics.record_ok(record)
         res.done.set_result(list(res.page_ids))
-        log.info("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, phases_s=record.phases_s)
+        log.info("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, phases_s=record.phases_s, path=path)
 
     def _terminate(self, res: _Reservation, state: _State, error: TransferError) -> None:
         """Fail/cancel/expire: free the pages once, count the cause, wake the waiter."""
@@ -345,7 +431,14 @@ class KVReceiver:
             return
         res.state = state
         res.error = error
-        self._cache.allocator.free(res.page_ids)
+        if res.direct and not self._quiet(res):
+            loop = asyncio.get_running_loop()
+            until = max(res.lease_ends_at, loop.time()) + DIRECT_WRITE_GRACE_S
+            res.quarantine = loop.call_at(until, self._free_pages, res)
+            self._quarantined[id(res)] = res
+            log.info("kv.pages_quarantined", request_id=res.request_id, pages=len(res.page_ids), for_s=until - loop.time())
+        else:
+            self._free_pages(res)
         self.metrics.record_failure(error.cause)
         if not res.done.done():
             res.done.set_exception(error)

@@ -19,6 +19,19 @@ packed, on CUDA behind the group's compute), ``endpoint`` (connecting, 0 once ca
 ``wire`` (header + chunk posted -> UCX completed), ``tail`` (last layer reported ->
 finished: what the transfer adds after the forward's last layer).
 
+Same-host fast path (``cuda_ipc``): when the descriptor carries the decode rank's KV
+storage exported through CUDA IPC and this process can open it, each group is packed
+locally and scattered straight into the decode rank's reserved pages by kernels on the
+side stream (issued once the group's compute finished, never after the deadline), and
+a ``"landed"`` header announces the cells once those kernels completed; no chunk goes
+over UCX. Otherwise (another host, CPU, ``MOEBUS_KV_CUDA_IPC=0`` on the decode side,
+the open failing: logged as ``kv.cuda_ipc_unavailable`` with the reason) the UCX path
+above is taken. ``TransferRecord.path`` and the log events say which; on the direct
+path the ``pack`` phase is replaced by ``compute_wait`` (host wait for the group's
+compute) and ``write`` (pack + scatter into the peer), and ``wire`` is the header's
+send. On a failure the direct sender waits for its issued writes, then tells the
+decode rank ``"stopped"`` (the safety rules are in ``shared.transfer.cuda_ipc``).
+
 Every outcome is explicit: ``finish()`` returns a ``TransferRecord`` or raises
 ``TransferTimeout`` (deadline: the sender's timeout or the reservation's lease,
 whichever is first), ``PeerFailed`` (UCX endpoint error: decode rank died),
@@ -41,9 +54,10 @@ import torch
 
 from schemas.transfer import KVTransferDescriptor, ShardHeader
 from shared.kvcache import PagedKVCache
+from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
-from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
+from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers, scatter_into
 from shared.transfer.staging import StagingPool
 from shared.transfer.streams import event_done, side_stream
 from shared.transfer.worker import TransferWorker, UCXError, data_tag, encode_header, header_tag, ucx_buffer
@@ -51,6 +65,7 @@ from shared.transfer.worker import TransferWorker, UCXError, data_tag, encode_he
 log = structlog.get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # a few large UCX messages per request (each costs a fixed ~0.3-0.5 ms)
+_STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the decode rank it stopped
 
 
 class KVSender:
@@ -94,12 +109,16 @@ class KVSender:
         layout = kvcache.layout
         layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
         self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
-        limit = min(chunk_bytes, descriptor.max_chunk_bytes, self.staging.slot_bytes)
+        self._peer_storage = _open_peer_storage(descriptor, kvcache.device)
+        self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
+        # A direct write needs no decode staging: only the local slot bounds a group.
+        limit = min(chunk_bytes, self.staging.slot_bytes, descriptor.max_chunk_bytes if self._peer_storage is None else chunk_bytes)
         self._max_layers = _layers_per_chunk(layer_bytes, limit, descriptor.request_id)
         self._pack_stream = side_stream(kvcache.device)
         with torch.cuda.stream(self._pack_stream) if self._pack_stream is not None else contextlib.nullcontext():
             # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
             self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
+            self._decode_table = None if self._peer_storage is None else torch.tensor(descriptor.page_ids, dtype=torch.long).to(kvcache.device, non_blocking=True)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._num_layers = layout.num_layers
@@ -204,15 +223,17 @@ class KVSender:
         except BaseException as e:
             await self._abort_sends()
             error = _as_transfer_error(rid, e)
+            if self._peer_storage is not None:
+                await self._stop_direct_writes(error)
             self.metrics.record_failure(error.cause)
-            log.warning("kv.send_failed", request_id=rid, cause=error.cause, error=str(error), heads=(self._heads.start, self._heads.end))
+            log.warning("kv.send_failed", request_id=rid, cause=error.cause, error=str(error), heads=(self._heads.start, self._heads.end), path=self.path)
             raise error from e
         done = time.perf_counter()
         assert self._first_send_at is not None
         self._phases.add("tail", done - max(t for t in self._ready_at if t is not None))
-        record = TransferRecord(rid, self._nbytes, done - self._first_send_at, len(self._sent_groups), self._created_unix, self._phases.seconds)
+        record = TransferRecord(rid, self._nbytes, done - self._first_send_at, len(self._sent_groups), self._created_unix, self._phases.seconds, self.path)
         self.metrics.record_ok(record)
-        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s)
+        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s, path=self.path)
         return record
 
     async def _acquire(self, nbytes: int) -> torch.Tensor:
@@ -234,6 +255,8 @@ class KVSender:
         """Pack ``group`` into ``buf``; on CUDA enqueue it on the pack stream behind the group's event."""
         layout = self._cache.layout
         out = chunk_view(buf, len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
+        if self._peer_storage is not None:
+            return await self._write_direct(group, buf, out)
         if self._pack_stream is None:
             started = time.perf_counter()
             # Memory-bound copy that releases the GIL: keep the event loop (and UCX completions) running.
@@ -255,13 +278,50 @@ class KVSender:
             done.record(self._pack_stream)
         return _Packed(done, behind_compute=not all(event.query() for event in computed))
 
+    async def _write_direct(self, group: range, buf: torch.Tensor, out: torch.Tensor) -> _Packed:
+        """Same-host path: once ``group``'s compute is done, pack it into ``buf`` and scatter it
+        into the decode rank's pages (side stream). Never issues a write after the deadline."""
+        started = time.perf_counter()
+        try:
+            for event in {id(e): e for e in (self._layer_events[layer] for layer in group) if e is not None}.values():
+                await event_done(event, short=False)
+            if self._loop.time() >= self._deadline:
+                raise TimeoutError
+        except BaseException:
+            self._release(buf)
+            raise
+        self._phases.add("compute_wait", time.perf_counter() - started)
+        assert self._peer_storage is not None and self._decode_table is not None
+        heads = range(self._heads.start, self._heads.end)
+        with torch.cuda.stream(self._pack_stream):
+            pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
+            scatter_into(self._peer_storage, self._desc.layout.page_size, group, heads, self._decode_table, self._desc.num_tokens, out)
+            done = torch.cuda.Event()
+            done.record(self._pack_stream)
+        return _Packed(done, behind_compute=False)
+
+    async def _stop_direct_writes(self, error: TransferError) -> None:
+        """After a failure (issued writes already complete): tell the decode rank these heads
+        get no more writes, so it can reuse the pages before the lease grace. Not to a dead peer."""
+        desc = self._desc
+        if isinstance(error, PeerFailed):
+            assert desc.cuda_ipc is not None
+            cuda_ipc.forget(desc.cuda_ipc)  # the peer is gone: never touch its mapping again
+            return
+        header = ShardHeader(desc.request_id, desc.transfer_id, self._heads.start, self._heads.end, 0, desc.layout.num_layers, desc.num_tokens, 0, desc.layout.dtype, kind="stopped")
+        try:
+            await asyncio.wait_for(self._worker.send(desc.worker_address, header_tag(desc.transfer_id), encode_header(header)), _STOPPED_NOTICE_S)
+        except (TimeoutError, UCXError) as e:
+            log.warning("kv.stopped_notice_failed", request_id=desc.request_id, error=f"{type(e).__name__}: {e}")
+
     async def _send_chunk(self, group: range, buf: torch.Tensor, packed: _Packed | None) -> None:
         desc = self._desc
+        direct = self._peer_storage is not None
         try:
             if packed is not None:
                 started = time.perf_counter()
                 await event_done(packed.done, short=not packed.behind_compute)
-                self._phases.add("pack", time.perf_counter() - started)
+                self._phases.add("write" if direct else "pack", time.perf_counter() - started)
             header = ShardHeader(
                 request_id=desc.request_id,
                 transfer_id=desc.transfer_id,
@@ -272,6 +332,7 @@ class KVSender:
                 num_tokens=desc.num_tokens,
                 nbytes=buf.numel(),
                 dtype=desc.layout.dtype,
+                kind="landed" if direct else "chunk",
             )
             posted = time.perf_counter()
             if self._first_send_at is None:
@@ -283,11 +344,14 @@ class KVSender:
             await self._worker.endpoint(desc.worker_address)  # cached after the first transfer to this peer
             self._phases.add("endpoint", time.perf_counter() - posted)
             self._in_flight += 1
-            await self._worker.send_pair(
-                desc.worker_address,
-                (header_tag(desc.transfer_id), encode_header(header)),
-                (data_tag(desc.transfer_id, self._heads.start, group.start), ucx_buffer(buf)),
-            )
+            if direct:  # the KV is already in the decode pages: announce it
+                await self._worker.send(desc.worker_address, header_tag(desc.transfer_id), encode_header(header))
+            else:
+                await self._worker.send_pair(
+                    desc.worker_address,
+                    (header_tag(desc.transfer_id), encode_header(header)),
+                    (data_tag(desc.transfer_id, self._heads.start, group.start), ucx_buffer(buf)),
+                )
             self._in_flight -= 1
             self._phases.add("wire", time.perf_counter() - posted)
             self._nbytes += buf.numel()
@@ -312,6 +376,21 @@ class _Packed:
 
     done: torch.cuda.Event
     behind_compute: bool
+
+
+def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torch.Tensor | None:
+    """The decode rank's storage mapped through CUDA IPC, or None (UCX path; logged why)."""
+    if desc.cuda_ipc is None:
+        return None
+    pages_needed = -(-desc.num_tokens // desc.layout.page_size)
+    if len(desc.page_ids) < pages_needed or not all(0 <= p < desc.cuda_ipc.num_pages for p in desc.page_ids):
+        # Checked here: an index kernel writing out of range would kill this process's CUDA context.
+        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {len(desc.page_ids)} page ids (need {pages_needed}) not all inside the decode rank's {desc.cuda_ipc.num_pages} pages")
+    try:
+        return cuda_ipc.open_export(desc.cuda_ipc, desc.layout, device)
+    except cuda_ipc.CudaIpcUnavailable as e:
+        log.info("kv.cuda_ipc_unavailable", request_id=desc.request_id, reason=str(e))
+        return None
 
 
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:

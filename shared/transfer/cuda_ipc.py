@@ -1,0 +1,154 @@
+"""Same-host fast path: the decode rank's KV storage shared through CUDA IPC.
+
+The decode rank exports its whole KV storage once (``export_storage``, at receiver
+start) with torch's own mechanism (``torch.multiprocessing.reductions.reduce_tensor``);
+the fields travel explicitly in the descriptor (``schemas.transfer.CudaIpcExport``),
+never pickled. A prefill rank on the same host (same boot id and hostname) that sees
+the exporting GPU opens it once (``open_export``: ``rebuild_cuda_tensor`` on the
+prefill's own GPU, so the peer memory is reached over NVLink with lazily enabled peer
+access) and caches the mapping per export. The sender then writes each layer group
+straight into the reserved pages with GPU kernels and announces the landed cells with
+a small UCX message; UCX stays the cross-host path and the control channel.
+
+Safety: the decode rank never hands pages to another request while a direct writer
+may still write them.
+
+* A sender issues a group's writes only after that group's compute finished (host
+  wait on its CUDA events) and only before its deadline, which is never later than the
+  reservation's lease; the writes are a few copy kernels on a high-priority stream, so
+  they end within milliseconds of being issued. On failure or cancel it waits for the
+  writes it issued to complete, then sends a ``"stopped"`` header for its heads.
+* A receiver whose reservation may have a direct writer (it exported its storage)
+  frees the pages of a cancelled / expired / failed reservation only when every head
+  is quiet (all its layers landed, or its sender said ``"stopped"``), or else at the
+  lease deadline + ``receiver.DIRECT_WRITE_GRACE_S``; until then they are quarantined.
+* A killed prefill: the lease expires, the pages are freed after the grace.
+* A killed decode: the prefill's next UCX message fails with an endpoint error
+  (``PeerFailed``) once UCX detects the peer's death, and the sender stops; it never
+  touches the mapping again (the cached mapping is dropped, not written). What CUDA
+  does there: the importer's ``cudaIpcOpenMemHandle`` mapping keeps the exporter's
+  allocation referenced by the driver until the importer closes it, so a write
+  already in flight lands in memory nobody reads instead of faulting; this is driver
+  behaviour we do not rely on for correctness and did not test. If the decode dies
+  after the sender's last message was buffered (eager sends complete locally), the
+  sender reports success: the scheduler learns of the dead decode from its heartbeats.
+
+Disabled (``export_storage`` returns None) on CPU and when ``MOEBUS_KV_CUDA_IPC=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import OrderedDict
+from functools import cache
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from schemas.transfer import CudaIpcExport, KVTransferLayout
+
+ENV_SWITCH = "MOEBUS_KV_CUDA_IPC"
+_OPENED_KEPT = 8  # mappings of distinct decode exports kept open per process
+
+# Storage tensors this process exported (a sender in the same process uses them directly:
+# CUDA refuses to open an IPC handle in the process that made it).
+_exported: dict[bytes, torch.Tensor] = {}
+_opened: OrderedDict[tuple[str, int, bytes, int], torch.Tensor] = OrderedDict()
+
+
+class CudaIpcUnavailable(Exception):
+    """The export cannot be used from here (reason in the message); fall back to UCX."""
+
+
+def enabled_by_env() -> bool:
+    """False when ``MOEBUS_KV_CUDA_IPC=0`` (the switch for the same-host fast path)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+@cache
+def host_identity() -> str:
+    """Boot id + hostname: two processes with the same identity share one kernel (and GPUs)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f"{f.read().strip()}/{socket.gethostname()}"
+
+
+def device_uuid(device: torch.device | int) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def export_storage(storage: torch.Tensor) -> CudaIpcExport:
+    """Export a CUDA KV storage tensor ``[layers, pages, 2, heads, page_size, head_dim]``."""
+    if storage.device.type != "cuda" or not storage.is_contiguous():
+        raise CudaIpcUnavailable(f"KV storage on {storage.device} (contiguous={storage.is_contiguous()}) cannot be exported")
+    _, args = reduce_tensor(storage)
+    (_, _, _, tensor_offset, _, _, _, handle, size_bytes, offset_bytes, _, rc_handle, rc_offset, event_handle, event_sync) = args
+    _exported[bytes(handle)] = storage
+    return CudaIpcExport(
+        host_id=host_identity(),
+        pid=os.getpid(),
+        device_uuid=device_uuid(storage.device),
+        num_pages=storage.shape[1],
+        handle=bytes(handle),
+        storage_size_bytes=size_bytes,
+        storage_offset_bytes=offset_bytes,
+        tensor_offset=tensor_offset,
+        ref_counter_handle=bytes(rc_handle),
+        ref_counter_offset=rc_offset,
+        event_handle=None if event_handle is None else bytes(event_handle),
+        event_sync_required=bool(event_sync),
+    )
+
+
+def open_export(export: CudaIpcExport, layout: KVTransferLayout, device: torch.device) -> torch.Tensor:
+    """The decode rank's KV storage as a tensor the kernels of ``device`` write into.
+
+    Cached per export (a few are kept). Raises ``CudaIpcUnavailable`` with the reason:
+    another host, a CPU sender, the exporting GPU not visible here, the open failing.
+    """
+    if export.host_id != host_identity():
+        raise CudaIpcUnavailable(f"decode rank is on host {export.host_id!r}, this is {host_identity()!r}")
+    if device.type != "cuda":
+        raise CudaIpcUnavailable(f"sender's KV is on {device}")
+    key = (export.host_id, export.pid, export.handle, export.storage_offset_bytes)
+    storage = _opened.get(key)
+    if storage is None:
+        storage = _open(export, layout, device)
+        _opened[key] = storage
+        while len(_opened) > _OPENED_KEPT:
+            _opened.popitem(last=False)  # senders still holding it keep it mapped
+    _opened.move_to_end(key)
+    if storage.device != device:
+        raise CudaIpcUnavailable(f"decode storage is on {storage.device} of this very process, the sender on {device}")
+    return storage
+
+
+def forget(export: CudaIpcExport) -> None:
+    """Drop the cached mapping of an export whose process is known dead (never written again)."""
+    _opened.pop((export.host_id, export.pid, export.handle, export.storage_offset_bytes), None)
+
+
+def _open(export: CudaIpcExport, layout: KVTransferLayout, device: torch.device) -> torch.Tensor:
+    dtype = getattr(torch, layout.dtype)
+    shape = (layout.num_layers, export.num_pages, 2, layout.kv_heads, layout.page_size, layout.head_dim)
+    need = (export.tensor_offset + torch.Size(shape).numel()) * dtype.itemsize
+    if need > export.storage_size_bytes:
+        raise CudaIpcUnavailable(f"export holds {export.storage_size_bytes} bytes, layout {shape} of {layout.dtype} needs {need}")
+    if export.pid == os.getpid():
+        local = _exported.get(export.handle)
+        if local is None:
+            raise CudaIpcUnavailable("export names this process, which did not make it")
+        return local
+    visible = [i for i in range(torch.cuda.device_count()) if device_uuid(i) == export.device_uuid]
+    if not visible:
+        raise CudaIpcUnavailable(f"decode GPU {export.device_uuid} is not visible to this process")
+    stride = torch.empty(shape, device="meta").stride()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(shape), stride, export.tensor_offset, torch.UntypedStorage, dtype,
+            index, export.handle, export.storage_size_bytes, export.storage_offset_bytes, False,
+            export.ref_counter_handle, export.ref_counter_offset, export.event_handle, export.event_sync_required,
+        )
+    except (RuntimeError, OSError) as e:
+        raise CudaIpcUnavailable(f"opening the CUDA IPC handle failed: {e}") from e
