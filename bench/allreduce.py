@@ -2,17 +2,21 @@
 
 Every implementation is timed the same way: ``ops`` all-reduces captured in one
 CUDA graph, the graph replayed ``reps`` times between CUDA events, per-op time =
-median replay time / ops. Sizes 8 KiB .. 256 MiB of bf16, doubling. Peers, same
-run: ``nccl`` (torch.distributed, NVLS off), ``symm_one_shot`` / ``symm_two_shot``
+median replay time / ops. Sizes 8 KiB .. ``--max-mib`` of bf16, doubling, then the
+``--also-mib`` sizes (only ``ours`` and ``nccl``). Peers, same run: ``nccl``
+(torch.distributed, NVLS off), ``symm_one_shot`` / ``symm_two_shot``
 (``torch.ops.symm_mem.one_shot_all_reduce`` / ``two_shot_all_reduce_``, multicast
-disabled, in place on a symmetric buffer), our kernels forced to one-shot (up to
-32 MiB) / two-shot (every size) — the rows the one-/two-shot threshold is read
-from — and, from 16 MiB, our two-shot with other pipeline steps and CTA counts
-(``ours_two_shot_step<MiB>M``, ``ours_two_shot_ctas<n>``), the rows the two-shot
-defaults are read from. Bus bandwidth is ``bytes * 2 (W-1) / W / time`` (the
+disabled, in place on a symmetric buffer), our kernels forced to each algorithm
+(``ours_lamport`` up to the Lamport slot size, ``ours_one_shot`` up to 32 MiB,
+``ours_two_shot`` at every size) — the rows the switches are read from — and the
+launch-shape variants the defaults are read from: up to 4 MiB the two one-shot
+kernels with other threads per CTA and CTA caps (``ours_lamport_t<threads>``,
+``ours_lamport_ctas<n>``, ``ours_one_shot_t<threads>``), from 16 MiB the two-shot
+with other pipeline steps and CTA counts (``ours_two_shot_step<MiB>M``,
+``ours_two_shot_ctas<n>``). Bus bandwidth is ``bytes * 2 (W-1) / W / time`` (the
 NCCL convention).
 
-    python -m bench.allreduce [--max-mib 256] [--world W]
+    python -m bench.allreduce [--max-mib 256] [--also-mib 64 256] [--world W]
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ KIB, MIB = 1 << 10, 1 << 20
 ONE_SHOT_MAX_TIMED = 32 * MIB
 STEP_VARIANTS_MIB = (8, 32, 64)
 CTA_VARIANTS = (132, 66)
+ONE_SHOT_VARIANTS_MAX = 4 * MIB
+LAMPORT_THREAD_VARIANTS = (128, 256, 1024)
+LAMPORT_CTA_VARIANTS = (132, 66)
+ONE_SHOT_THREAD_VARIANTS = (256, 1024)
 
 
 def _sizes(max_bytes: int) -> list[int]:
@@ -68,7 +76,7 @@ def _with(comm, attr: str, value, fn):
     return call
 
 
-def _bench_rank(rank: int, world: int, max_bytes: int) -> list[dict]:
+def _bench_rank(rank: int, world: int, max_bytes: int, also_bytes: list[int]) -> list[dict]:
     import torch.distributed._symmetric_memory as symm_mem
 
     from kernels.allreduce import CudaAllReduce
@@ -80,24 +88,39 @@ def _bench_rank(rank: int, world: int, max_bytes: int) -> list[dict]:
         symm_mem.enable_symm_mem_for_group(group.group_name)
     symm_buf = symm_mem.empty(max_bytes // 2, dtype=torch.bfloat16, device="cuda")
     symm_mem.rendezvous(symm_buf, group)
+    sizes = _sizes(max_bytes) + [b for b in also_bytes if b > max_bytes]
     has_symm_ops = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "two_shot_all_reduce_")
     rows = []
-    for nbytes in _sizes(max_bytes):
+    for nbytes in sizes:
         n = nbytes // 2
         x = torch.randn(n, device="cuda").bfloat16()
         out = torch.empty_like(x)
         nccl_buf = x.clone()
+        ops = _ops_for(nbytes)
+        cases = {"ours": lambda: comm(x, out=out), "nccl": lambda: dist.all_reduce(nccl_buf)}
+        row = {"bytes": nbytes, "algorithm": comm.choose(nbytes)}
+        if nbytes > max_bytes:  # an --also-mib size: the default and NCCL only
+            rows.append(_time_cases(row, cases, ops, rank, x, [nccl_buf]))
+            if rank == 0:
+                _record(row, world)
+            continue
         sx = symm_buf[:n]
         sx.copy_(x)
-        ops = _ops_for(nbytes)
         two_shot = lambda: comm(x, out=out, algorithm="two_shot")  # noqa: E731
-        cases = {
-            "ours": lambda: comm(x, out=out),
-            "ours_two_shot": two_shot,
-            "nccl": lambda: dist.all_reduce(nccl_buf),
-        }
+        lamport = lambda: comm(x, out=out, algorithm="lamport")  # noqa: E731
+        one_shot = lambda: comm(x, out=out, algorithm="one_shot")  # noqa: E731
+        cases["ours_two_shot"] = two_shot
+        if nbytes <= comm.lamport_slot_bytes:
+            cases["ours_lamport"] = lamport
         if nbytes <= ONE_SHOT_MAX_TIMED:
-            cases["ours_one_shot"] = lambda: comm(x, out=out, algorithm="one_shot")
+            cases["ours_one_shot"] = one_shot
+        if nbytes <= ONE_SHOT_VARIANTS_MAX:
+            for threads in LAMPORT_THREAD_VARIANTS:
+                cases[f"ours_lamport_t{threads}"] = _with(comm, "one_shot_threads", threads, lamport)
+            for ctas in LAMPORT_CTA_VARIANTS:
+                cases[f"ours_lamport_ctas{ctas}"] = _with(comm, "max_blocks", ctas, lamport)
+            for threads in ONE_SHOT_THREAD_VARIANTS:
+                cases[f"ours_one_shot_t{threads}"] = _with(comm, "one_shot_threads", threads, one_shot)
         if nbytes >= 16 * MIB:
             for step in STEP_VARIANTS_MIB:
                 cases[f"ours_two_shot_step{step}M"] = _with(comm, "two_shot_chunk_bytes", step * MIB, two_shot)
@@ -107,20 +130,24 @@ def _bench_rank(rank: int, world: int, max_bytes: int) -> list[dict]:
             cases["symm_two_shot"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(sx, "sum", group.group_name)
             if nbytes <= ONE_SHOT_MAX_TIMED:
                 cases["symm_one_shot"] = lambda: torch.ops.symm_mem.one_shot_all_reduce(sx, "sum", group.group_name)
-        row = {"bytes": nbytes, "algorithm": comm.choose(nbytes)}
-        for name, fn in cases.items():
-            try:
-                row[name] = _time_graph(fn, ops)
-            except RuntimeError as e:  # a peer op that cannot run here is reported, not fatal
-                row[name] = float("nan")
-                print(f"rank {rank}: {name} at {nbytes} B failed: {e}", file=sys.stderr)
-            # the NCCL and symm-mem buffers grow by x world per op; keep them finite
-            nccl_buf.copy_(x)
-            sx.copy_(x)
-        rows.append(row)
+        rows.append(_time_cases(row, cases, ops, rank, x, [nccl_buf, sx]))
         if rank == 0:  # record as we go: a run cut short keeps the sizes it finished
             _record(row, world)
     return rows
+
+
+def _time_cases(row: dict, cases: dict, ops: int, rank: int, x: torch.Tensor, in_place: list[torch.Tensor]) -> dict:
+    """Time every case into ``row``; the ``in_place`` buffers are reset to ``x`` after each case."""
+    for name, fn in cases.items():
+        try:
+            row[name] = _time_graph(fn, ops)
+        except RuntimeError as e:  # a peer op that cannot run here is reported, not fatal
+            row[name] = float("nan")
+            print(f"rank {rank}: {name} at {row['bytes']} B failed: {e}", file=sys.stderr)
+        # the NCCL and symm-mem buffers grow by x world per op; keep them finite
+        for buf in in_place:
+            buf.copy_(x)
+    return row
 
 
 def _busbw(nbytes: int, world: int, us: float) -> float:
@@ -142,18 +169,23 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-mib", type=int, default=256)
+    p.add_argument("--also-mib", type=int, nargs="*", default=[], help="extra sizes above --max-mib: default and NCCL only")
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     args = p.parse_args(argv)
     world = args.world
-    rows = run_local_group(_bench_rank, world, "nccl", args.max_mib * MIB, timeout=900)[0]
+    rows = run_local_group(_bench_rank, world, "nccl", args.max_mib * MIB, [m * MIB for m in args.also_mib], timeout=900)[0]
     nan = float("nan")
     table = []
     for r in rows:
         busbw = lambda us: _busbw(r["bytes"], world, us)  # noqa: E731
-        best_variant = min((v for k, v in r.items() if k.startswith("ours_two_shot_")), default=nan)
+        best = lambda prefix: min((v for k, v in r.items() if k.startswith(prefix)), default=nan)  # noqa: E731
+        variants = {k: v for k, v in r.items() if k.startswith(("ours_lamport_", "ours_one_shot_"))}
+        best_1shot_variant = min(variants, key=variants.get, default="-")
         table.append({"size": _fmt_size(r["bytes"]), "algo": r["algorithm"], "ours_us": r["ours"], "nccl_us": r["nccl"],
-                      "ours/nccl": r["ours"] / r["nccl"], "ours_1shot": r.get("ours_one_shot", nan),
-                      "ours_2shot": r["ours_two_shot"], "2shot_best_variant": best_variant,
+                      "ours/nccl": r["ours"] / r["nccl"], "ours_lamport": r.get("ours_lamport", nan),
+                      "ours_1shot": r.get("ours_one_shot", nan), "best_1shot_variant": best_1shot_variant,
+                      "its_us": variants.get(best_1shot_variant, nan),
+                      "ours_2shot": r.get("ours_two_shot", nan), "2shot_best_variant": best("ours_two_shot_"),
                       "symm_1shot": r.get("symm_one_shot", nan), "symm_2shot": r.get("symm_two_shot", nan),
                       "ours_busbw": busbw(r["ours"]), "nccl_busbw": busbw(r["nccl"]), "busbw_vs_nccl": r["nccl"] / r["ours"]})
     print_table(table, list(table[0]))

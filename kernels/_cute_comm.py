@@ -19,7 +19,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 # Peer tables and flag rows are sized for the largest group any kernel supports.
 MAX_PEERS = 16
@@ -192,3 +194,92 @@ def store_vec(addr: Int64, frag, dtype: cutlass.Constexpr, vec: cutlass.Constexp
             if e < valid:
                 g[e] = frag[e]
 
+
+
+# --------------------------------------------------------------------------- data-as-flag (Lamport) pieces
+#
+# A receive buffer pre-filled with all-ones bytes needs no flag: the reader polls
+# the data itself until no element holds the all-ones pattern (a NaN in bf16, fp16
+# and fp32), then writes the pattern back for the call after next. A sender turns
+# every all-ones element of its payload into another NaN first (`sentinel_free`),
+# so real data can never look unwritten.
+
+
+@dsl_user_op
+def load_volatile_v4(addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """16 bytes at ``addr`` as 4 words, read from L2 on every call (``ld.volatile``: never an L1 hit, so a
+    spin loop sees a peer's NVLink stores)."""
+    res = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(i32,i32,i32,i32)>"),
+        [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def store_v4(addr: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None) -> None:
+    """Store 4 words (16 bytes) at ``addr``."""
+    llvm.inline_asm(
+        None,
+        [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@cute.jit
+def sentinel_free(w: Int32, bits: cutlass.Constexpr) -> Int32:
+    """``w`` (one word of ``bits``-wide elements) with every all-ones element made a positive NaN
+    (sign bit cleared). Only NaNs change, and a sum with a NaN term is the canonical NaN
+    whatever the payload, so results keep their bits."""
+    res = w
+    if cutlass.const_expr(bits == 32):
+        if w == Int32(-1):
+            res = Int32(0x7FFFFFFF)
+    else:
+        if (w | Int32(-65536)) == Int32(-1):  # low half all ones
+            res = res ^ Int32(0x8000)
+        if (w | Int32(0xFFFF)) == Int32(-1):  # high half all ones
+            res = res ^ Int32(-(1 << 31))
+    return res
+
+
+@cute.jit
+def sentinel_count(w: Int32, bits: cutlass.Constexpr) -> Int32:
+    """How many ``bits``-wide elements of word ``w`` still hold the all-ones pattern."""
+    cnt = Int32(0)
+    if cutlass.const_expr(bits == 32):
+        if w == Int32(-1):
+            cnt = Int32(1)
+    else:
+        if (w | Int32(-65536)) == Int32(-1):
+            cnt = cnt + 1
+        if (w | Int32(0xFFFF)) == Int32(-1):
+            cnt = cnt + 1
+    return cnt
+
+
+@cute.jit
+def wait_written_v4(addr: Int64, bits: cutlass.Constexpr):
+    """Spin on the 16 bytes at ``addr`` (in this rank's memory) until a peer has written every
+    element; returns the 4 words. Traps after `WAIT_TIMEOUT_NS` like `wait_at_least`."""
+    w0, w1, w2, w3 = load_volatile_v4(addr)
+    pending = sentinel_count(w0, bits) + sentinel_count(w1, bits) + sentinel_count(w2, bits) + sentinel_count(w3, bits)
+    if pending > 0:
+        start = cute.arch.globaltimer()
+        while pending > 0:
+            w0, w1, w2, w3 = load_volatile_v4(addr)
+            pending = sentinel_count(w0, bits) + sentinel_count(w1, bits) + sentinel_count(w2, bits) + sentinel_count(w3, bits)
+            if cute.arch.globaltimer() - start > WAIT_TIMEOUT_NS:
+                llvm.intr_trap()
+    return w0, w1, w2, w3

@@ -6,10 +6,23 @@ loads in flight) and reduces from its own HBM. Each CTA only ever synchronises
 with the CTA of the same index on the other ranks, because all ranks split the
 message the same way; no grid-wide barrier is needed.
 
-* one-shot (small messages; up to 8 MiB at 2 ranks, `default_one_shot_max_bytes`):
+* lamport (small messages, ``CudaAllReduce.lamport_max_bytes``): the one-shot with
+  the data as its own flag. Slots start filled with all-ones bytes (a NaN pattern in
+  bf16, fp16 and fp32). Each thread pushes its vectors to every peer's slot
+  ``[parity][my rank]``, then spins (``ld.volatile``) on the peers' vectors in its own
+  buffer until no element is all-ones, sums in rank order and writes all-ones back.
+  No fence, no flag round trip, no CTA pairing: a thread waits only for the bytes it
+  sums. Payload elements that are all-ones are sent as another NaN (sign bit
+  cleared); every rank sums the sent values, and any sum with a NaN term is the
+  canonical NaN, so the bits equal the reference's. Re-arming happens in the launch
+  that read the slot: a peer writes that parity again two launches later, which it
+  can only reach after this rank's next launch has pushed, i.e. after this launch
+  ended.
+* one-shot (up to 8 MiB at 2 ranks, `default_one_shot_max_bytes`):
   push the whole input to every peer's slot ``[parity][my rank]``, one barrier,
   then every rank sums all ``world`` slots. Traffic per rank: (world-1) x message;
-  latency: one barrier.
+  latency: one barrier (a system-scope fence, which waits for every pushed store to
+  be acknowledged, and a flag round trip).
 * two-shot (large messages): reduce-scatter then all-gather, both pushed, in one
   launch that walks the message in pipeline steps ("chunks") of
   ``world x slice`` elements. Per chunk k:
@@ -60,7 +73,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 import torch.distributed as dist
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from kernels._cute_comm import (
     MAX_BLOCKS,
@@ -72,11 +85,14 @@ from kernels._cute_comm import (
     load_vec_f32,
     peer_base,
     read_epoch,
+    sentinel_free,
+    store_v4,
     store_vec,
-    store_vec_f32,
+    wait_written_v4,
 )
 
-Algorithm = Literal["one_shot", "two_shot"]
+Algorithm = Literal["lamport", "one_shot", "two_shot"]
+ALGORITHMS = ("lamport", "one_shot", "two_shot")
 THREADS = 512
 # Barrier steps one launch may use: flag value = epoch * FLAG_STEPS + step, step >= 1.
 FLAG_STEPS = 1 << 12
@@ -187,6 +203,77 @@ def _one_shot_kernel(
     finish_launch(ctrl)
 
 
+@cute.jit
+def _payload_words(addr: Int64, valid: Int32, dtype: cutlass.Constexpr):
+    """My vector at ``addr`` (elements past ``valid`` as 0) as 4 words with the sentinel pattern removed."""
+    raw = cute.recast_tensor(load_vec(addr, dtype, _vec(dtype), valid), Int32)
+    words = cute.make_rmem_tensor((4,), Int32)
+    for i in cutlass.range_constexpr(4):
+        words[i] = sentinel_free(raw[i], dtype.width)
+    return words
+
+
+@cute.jit
+def _words_f32(words, dtype: cutlass.Constexpr):
+    """4 words holding one vector of ``dtype`` as an fp32 fragment."""
+    res = cute.make_rmem_tensor((_vec(dtype),), Float32)
+    res.store(cute.recast_tensor(words, dtype).load().to(Float32))
+    return res
+
+
+@cute.kernel
+def _lamport_kernel(
+    inp: Int64, out: Int64, n: Int32, table: Int64, lam_off: Int64, slot_bytes: Int64, ctrl: Int64,
+    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+):
+    vec = _vec(dtype)
+    esz = dtype.width // 8
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nthr, _, _ = cute.arch.block_dim()
+    nblk, _, _ = cute.arch.grid_dim()
+    row = lam_off + Int64(read_epoch(ctrl) & 1) * world * slot_bytes  # slot [parity][0]
+    bases = [peer_base(table, q) for q in range(world)]
+    nvec = (n + vec - 1) // vec
+    first = bid * nthr + tid
+    stride = nblk * nthr
+
+    # Push: my vectors into slot [parity][rank] of every peer. The data is the flag.
+    for v in cutlass.range(first, nvec, stride):
+        e0 = v * vec
+        w = _payload_words(inp + Int64(e0) * esz, n - e0, dtype)
+        for q in cutlass.range_constexpr(world):
+            if cutlass.const_expr(q != rank):
+                store_v4(bases[q] + row + slot_bytes * rank + Int64(e0) * esz, w[0], w[1], w[2], w[3])
+
+    # Reduce: wait for each peer's vector in my buffer, sum in rank order, re-arm the slot.
+    mine = bases[rank] + row
+    for v in cutlass.range(first, nvec, stride):
+        e0 = v * vec
+        off = Int64(e0) * esz
+        own = _payload_words(inp + off, n - e0, dtype)
+        parts = []
+        for q in cutlass.range_constexpr(world):
+            if cutlass.const_expr(q == rank):
+                parts.append(_words_f32(own, dtype))
+            else:
+                w0, w1, w2, w3 = wait_written_v4(mine + slot_bytes * q + off, dtype.width)
+                got = cute.make_rmem_tensor((4,), Int32)
+                got[0], got[1], got[2], got[3] = w0, w1, w2, w3
+                parts.append(_words_f32(got, dtype))
+        for q in cutlass.range_constexpr(world):
+            if cutlass.const_expr(q != rank):
+                store_v4(mine + slot_bytes * q + off, Int32(-1), Int32(-1), Int32(-1), Int32(-1))
+        acc = parts[0]
+        for q in cutlass.range_constexpr(1, world):
+            acc = _add(acc, parts[q])
+        red = cute.make_rmem_tensor((vec,), dtype)
+        red.store(acc.load().to(dtype))
+        store_vec(out + off, red, dtype, vec, n - e0)
+
+    finish_launch(ctrl)
+
+
 @cute.kernel
 def _two_shot_kernel(
     inp: Int64, out: Int64, n: Int32, chunk_elems: Int32, table: Int64, flags_off: Int64, slots_off: Int64,
@@ -260,10 +347,22 @@ def _two_shot_kernel(
 @cute.jit
 def _launch_one_shot(
     inp: Int64, out: Int64, n: Int32, table: Int64, flags_off: Int64, slots_off: Int64, slot_bytes: Int64, ctrl: Int64,
-    grid: Int32, stream: cuda_driver.CUstream, dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+    grid: Int32, block: Int32, stream: cuda_driver.CUstream,
+    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
 ):
     _one_shot_kernel(inp, out, n, table, flags_off, slots_off, slot_bytes, ctrl, dtype, world, rank).launch(
-        grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[grid, 1, 1], block=[block, 1, 1], stream=stream
+    )
+
+
+@cute.jit
+def _launch_lamport(
+    inp: Int64, out: Int64, n: Int32, table: Int64, lam_off: Int64, slot_bytes: Int64, ctrl: Int64,
+    grid: Int32, block: Int32, stream: cuda_driver.CUstream,
+    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+):
+    _lamport_kernel(inp, out, n, table, lam_off, slot_bytes, ctrl, dtype, world, rank).launch(
+        grid=[grid, 1, 1], block=[block, 1, 1], stream=stream
     )
 
 
@@ -285,7 +384,18 @@ def compile_one_shot(dtype: torch.dtype, world: int, rank: int):
 
     z = Int64(0)
     return cute.compile(
-        _launch_one_shot, z, z, Int32(0), z, z, z, z, z, Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], world, rank
+        _launch_one_shot, z, z, Int32(0), z, z, z, z, z, Int32(1), Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], world, rank
+    )
+
+
+@functools.cache
+def compile_lamport(dtype: torch.dtype, world: int, rank: int):
+    """Compile (once per process) the data-as-flag one-shot kernel for a dtype, world size and rank."""
+    from kernels._cute_runtime import dummy_stream
+
+    z = Int64(0)
+    return cute.compile(
+        _launch_lamport, z, z, Int32(0), z, z, z, z, Int32(1), Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], world, rank
     )
 
 
@@ -328,6 +438,12 @@ def default_one_shot_max_bytes(world: int) -> int:
     return 1 << round(math.log2(crossover))
 
 
+def default_lamport_slot_bytes(world: int) -> int:
+    """Bytes of one data-as-flag slot: 4 MiB, or the one-shot limit when that is smaller (the
+    Lamport region, 2 x world slots, is 16 MiB at 2 ranks and 2 MiB at 8)."""
+    return min(4 << 20, default_one_shot_max_bytes(world))
+
+
 def default_slot_bytes(world: int) -> int:
     """Bytes of one peer slot: 64 MiB / world, so the peer buffer (3 x world slots) stays 192 MiB at any world size."""
     return (64 << 20) // world // 256 * 256
@@ -347,8 +463,13 @@ class CudaAllReduce:
     stream-ordered, host-sync free and can be captured in CUDA graphs; every rank
     must issue the same sequence of calls with the same sizes.
 
-    Tunables (plain attributes, the same on every rank): ``one_shot_max_bytes``
-    (the algorithm switch), ``two_shot_chunk_bytes`` (pipeline step of the
+    Three kernels, chosen by message size (`choose`): ``lamport`` (the one-shot with the
+    data as its own flag) up to ``lamport_max_bytes``, ``one_shot`` (barrier one-shot) up
+    to ``one_shot_max_bytes``, ``two_shot`` above.
+
+    Tunables (plain attributes, the same on every rank): ``lamport_max_bytes`` and
+    ``one_shot_max_bytes`` (the algorithm switches), ``one_shot_threads`` (threads per
+    CTA of both one-shot kernels), ``two_shot_chunk_bytes`` (pipeline step of the
     two-shot kernel, capped at ``world x slot_bytes``) and ``max_blocks`` (CTAs
     per launch, at most `MAX_BLOCKS`; at 2 ranks 264 measured best from 64 MiB:
     132 CTAs took 229 / 441 / 852 us at 64 / 128 / 256 MiB against 220 / 421 / 834,
@@ -357,7 +478,7 @@ class CudaAllReduce:
 
     def __init__(
         self, group: dist.ProcessGroup, slot_bytes: int | None = None, one_shot_max_bytes: int | None = None,
-        two_shot_chunk_bytes: int = DEFAULT_TWO_SHOT_CHUNK_BYTES,
+        two_shot_chunk_bytes: int = DEFAULT_TWO_SHOT_CHUNK_BYTES, lamport_slot_bytes: int | None = None,
     ) -> None:
         from kernels.peer_memory import PeerMemory, RegionLayout
 
@@ -369,14 +490,26 @@ class CudaAllReduce:
         if slot_bytes < VEC_BYTES:
             raise AllReduceError(f"slot_bytes must be at least {VEC_BYTES}, got {slot_bytes}")
         self.slot_bytes = -(-slot_bytes // 256) * 256
+        lamport_slot_bytes = default_lamport_slot_bytes(world) if lamport_slot_bytes is None else lamport_slot_bytes
+        if lamport_slot_bytes < VEC_BYTES:
+            raise AllReduceError(f"lamport_slot_bytes must be at least {VEC_BYTES}, got {lamport_slot_bytes}")
+        self.lamport_slot_bytes = -(-lamport_slot_bytes // 256) * 256
         layout = RegionLayout()
         layout.add("flags", MAX_BLOCKS * MAX_PEERS * 4)
         layout.add("slots", 2 * world * self.slot_bytes)  # [parity][source rank]
         layout.add("gather", world * self.slot_bytes)  # [source rank]: reduced slices pushed by peers
+        layout.add("lamport", 2 * world * self.lamport_slot_bytes)  # [parity][source rank], all-ones when empty
         self.mem = PeerMemory(group, layout)
         self.rank = self.mem.rank
+        # Arm every Lamport slot before any peer can write one (the kernels re-arm what they read).
+        lam = layout["lamport"]
+        self.mem.local[lam : lam + 2 * world * self.lamport_slot_bytes].fill_(0xFF)
+        torch.cuda.synchronize(self.mem.device)
+        dist.barrier(group=group)
         self.one_shot_max_bytes = default_one_shot_max_bytes(world) if one_shot_max_bytes is None else one_shot_max_bytes
+        self.lamport_max_bytes = min(self.lamport_slot_bytes, self.one_shot_max_bytes)
         self.two_shot_chunk_bytes = two_shot_chunk_bytes
+        self.one_shot_threads = THREADS
         self.max_blocks = MAX_BLOCKS
 
     def warmup(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
@@ -384,11 +517,13 @@ class CudaAllReduce:
         where loading a module is not allowed)."""
         for dt in dtypes:
             x = torch.ones(4 * self.world * VEC_BYTES, dtype=dt, device=self.mem.device)
-            self(x, algorithm="one_shot")
-            self(x, algorithm="two_shot")
+            for algo in ALGORITHMS:
+                self(x, algorithm=algo)
         torch.cuda.synchronize(self.mem.device)
 
     def choose(self, nbytes: int) -> Algorithm:
+        if nbytes <= self.lamport_max_bytes:
+            return "lamport"
         return "one_shot" if nbytes <= self.one_shot_max_bytes else "two_shot"
 
     def two_shot_chunk_elems(self, esz: int) -> int:
@@ -412,7 +547,7 @@ class CudaAllReduce:
         if n == 0:
             return out
         algo = algorithm or self.choose(n * x.element_size())
-        if algo not in ("one_shot", "two_shot"):
+        if algo not in ALGORITHMS:
             raise AllReduceError(f"unknown all-reduce algorithm {algo!r}")
         esz = x.element_size()
         vec = VEC_BYTES // esz
@@ -432,16 +567,24 @@ class CudaAllReduce:
                 grid, stream,
             )
             return out
-        # One-shot: messages beyond one slot run as several launches.
-        slot_elems = self.slot_bytes // esz
+        # One-shot kernels: messages beyond one slot run as several launches.
+        threads = self.one_shot_threads
+        if threads % 32 or not 32 <= threads <= 1024:
+            raise AllReduceError(f"one_shot_threads must be a multiple of 32 in 32..1024, got {threads}")
+        if algo == "lamport":
+            kernel, slot_bytes, region = compile_lamport(x.dtype, self.world, self.rank), self.lamport_slot_bytes, mem.layout["lamport"]
+        else:
+            kernel, slot_bytes, region = compile_one_shot(x.dtype, self.world, self.rank), self.slot_bytes, None
+        slot_elems = slot_bytes // esz
         flat_in, flat_out = x.view(-1), out.view(-1)
         for start in range(0, n, slot_elems):
             m = min(slot_elems, n - start)
-            grid = min(-(-m // (vec * THREADS)), blocks)
-            compile_one_shot(x.dtype, self.world, self.rank)(
-                flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table, flags, slots, self.slot_bytes, ctrl,
-                grid, stream,
-            )
+            grid = min(-(-m // (vec * threads)), blocks)
+            addrs = (flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table)
+            if region is None:
+                kernel(*addrs, flags, slots, slot_bytes, ctrl, grid, threads, stream)
+            else:
+                kernel(*addrs, region, slot_bytes, ctrl, grid, threads, stream)
         return out
 
 

@@ -32,8 +32,13 @@ from kernels._local_group import run_local_group
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2), (8, 5)])
 def test_all_reduce_kernels_compile(dtype, world, rank):
+    assert ar.compile_lamport(dtype, world, rank) is not None
     assert ar.compile_one_shot(dtype, world, rank) is not None
     assert ar.compile_two_shot(dtype, world, rank) is not None
+
+
+def test_lamport_kernel_compiles_for_fp16():
+    assert ar.compile_lamport(torch.float16, 4, 3) is not None
 
 
 @pytest.mark.parametrize("dtype,topk", [(torch.bfloat16, 8), (torch.float32, 2)])
@@ -60,10 +65,13 @@ def test_ptx_signals_at_system_scope_and_never_uses_multicast(tmp_path, monkeypa
     z, s = Int64(0), dummy_stream()
     two_shot = _ptx(ar._launch_two_shot, z, z, Int32(0), Int32(0), z, z, z, z, z, z, Int32(1), s, ar._CUTE_DTYPES[torch.bfloat16], 4, 1)
     i = Int32(1)
+    lamport = _ptx(ar._launch_lamport, z, z, Int32(0), *[z] * 4, i, i, s, ar._CUTE_DTYPES[torch.bfloat16], 3, 1)
     dispatch = _ptx(dc._launch_dispatch_send, *[z] * 12, i, i, s, 2, 0, 64, 4096, 8, True)
     combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, i, i, s, 2, 0, 64, 4096, 8)
-    for ptx in (two_shot, dispatch, combine_recv):
+    for ptx in (two_shot, lamport, dispatch, combine_recv):
         assert "multimem" not in ptx
+    # The data-as-flag kernel polls past L1 and needs no fence or flag.
+    assert "ld.volatile.global.v4.b32" in lamport and "fence" not in lamport
     assert "st.release.sys.global.b32" in two_shot and "ld.acquire.sys.global.b32" in two_shot
     assert "fence.acq_rel.sys" in two_shot
     assert "red.release.sys.global.add" in dispatch  # each CTA counts itself into the receiver's flag
