@@ -6,21 +6,30 @@ rank's experts ``[expert_start, expert_start + E_local)``:
 1. `kernels.ep_prefill.ep_select` gathers the token rows of each local expert into
    the grouped GEMM's contiguous layout (rows routed to other ranks' experts are
    skipped; nothing waits for the host);
-2. FP8 weights: `kernels.act_quant.quantize_act` quantizes those rows per token per
-   128 channels;
-3. `kernels.grouped_gemm.grouped_gemm_swiglu` runs gate/up with ``silu(gate) * up``
-   fused into the epilogue (weights from `interleave_gate_up`, done once at load);
-4. the down projection, `kernels.grouped_gemm.grouped_gemm` (FP8: its input is
-   quantized again);
-5. `kernels.ep_prefill.ep_combine` sums each token's rows times its routing weights
+2. `expert_ffn` runs the experts on those rows: the gate/up GEMM with
+   ``silu(gate) * up`` fused into its epilogue (weights interleaved once at load),
+   then the down GEMM.  Three weight formats:
+
+   * bf16 — `kernels.grouped_gemm` on bf16 rows;
+   * FP8 block-scaled (128x128 fp32 scales) — `kernels.act_quant.quantize_act`
+     quantizes the rows, and again the SwiGLU output, per token per 128 channels
+     (W8A8; weights and scales from `interleave_gate_up`);
+   * MXFP8 (E4M3 + one E8M0 exponent per 32 values along K) —
+     `kernels.grouped_gemm_mxfp8`, which dequantizes the weights inside the kernel
+     and multiplies bf16 rows (W8A16; weights and exponents from
+     `interleave_gate_up_mxfp8`);
+3. `kernels.ep_prefill.ep_combine` sums each token's rows times its routing weights
    in fp32 and rounds once.  The weights are applied here rather than as GEMM row
    weights: the combine takes them anyway, and this rounds like the reference
    (``bf16(y) * w`` accumulated in fp32).
 
+`expert_ffn` also takes the masked layout ``[E_local, max_tokens, H]``, which the
+decode layout's peer-memory MoE (`shared.parallel_cuda.PeerDecodeMoE`) fills.
+
 Every step is a public kernel op that runs CuTeDSL on CUDA tensors and its torch
 reference on CPU tensors, so the same code runs (slowly, in fp32 references) on
-the CPU; the reference GEMMs return fp32 and are rounded to the activation dtype
-where the kernels write bf16.
+the CPU; the reference GEMMs return fp32 and are rounded to bf16 where the
+kernels write bf16.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import importlib.util
 import torch
 
 from kernels import grouped_gemm as gg
+from kernels import grouped_gemm_mxfp8 as mx
 from kernels.act_quant import QUANT_BLOCK, quantize_act
 
 FP8_WEIGHT_BLOCK = (QUANT_BLOCK, QUANT_BLOCK)  # the block scales the FP8 kernel consumes
@@ -40,19 +50,20 @@ def grouped_moe_unsupported(act_dtype: torch.dtype, w13_shape: tuple[int, ...], 
     """Why `grouped_moe` cannot run these experts here, or None when it can.
 
     ``w13_shape`` is the plain ``[E, 2I, H]``; ``weight_dtype`` bf16, or E4M3 with
-    ``fp8_block`` the block of its scales, or E4M3 with ``mx_block`` for MXFP8.
+    ``fp8_block`` the block of its scales, or E4M3 with ``mx_block`` the values per
+    E8M0 scale for MXFP8.
     """
     _, two_i, hidden = w13_shape
-    if mx_block is not None:
-        # kernels.grouped_gemm_mxfp8 has both GEMMs (plain and fused SwiGLU, weights dequantized
-        # inside the kernel), but this op does not route MXFP8 weights to them yet.
-        return (f"MXFP8 expert weights (one E8M0 scale per {mx_block} values): grouped_moe takes bf16 or "
-                "FP8-block weights; the MXFP8 kernels (kernels.grouped_gemm_mxfp8) are not wired into it")
     if importlib.util.find_spec("cutlass") is None:
         return "CuTeDSL (nvidia-cutlass-dsl) is not importable"
     if act_dtype != torch.bfloat16:
         return f"activations are {act_dtype}; the grouped GEMM takes bfloat16"
-    if weight_dtype == torch.float8_e4m3fn:
+    if mx_block is not None:
+        if weight_dtype != torch.float8_e4m3fn:
+            return f"MXFP8 expert weights are {weight_dtype}; the MXFP8 grouped GEMM takes float8_e4m3fn"
+        if mx_block != mx.MX_BLOCK:
+            return f"MXFP8 scales per {mx_block} values; the MXFP8 grouped GEMM takes one per {mx.MX_BLOCK}"
+    elif weight_dtype == torch.float8_e4m3fn:
         if tuple(fp8_block or ()) != FP8_WEIGHT_BLOCK:
             return f"FP8 weight blocks {fp8_block}; the FP8 grouped GEMM takes {FP8_WEIGHT_BLOCK}"
     elif weight_dtype != torch.bfloat16:
@@ -64,24 +75,60 @@ def grouped_moe_unsupported(act_dtype: torch.dtype, w13_shape: tuple[int, ...], 
     return None
 
 
+def expert_ffn(rows: torch.Tensor, groups: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, *,
+               masked: bool = False, rows_scale: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+               w2_scale: torch.Tensor | None = None, w13_mx_scale: torch.Tensor | None = None,
+               w2_mx_scale: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
+               y_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``down_e(silu(gate_e x) * up_e x)`` for the rows of every local expert ``e``: bf16 ``[..., H]``.
+
+    ``rows``/``groups`` in the grouped GEMM's contiguous (``offsets``) or masked
+    (``counts``, ``masked=True``) layout; weights as in `grouped_moe`.  FP8 rows may
+    arrive quantized already (``rows`` E4M3 with ``rows_scale``, as the decode
+    dispatch sends them); bf16 rows are quantized here.  ``h_out`` / ``y_out``
+    (bf16, CUDA) receive the SwiGLU and down outputs.  Masked rows past an
+    expert's count are left as they were on CUDA.
+    """
+    mx_given = [s is not None for s in (w13_mx_scale, w2_mx_scale)]
+    if any(mx_given) and (not all(mx_given) or w13_scale is not None or w2_scale is not None):
+        raise gg.GroupedGemmError("MXFP8 experts take both w13_mx_scale and w2_mx_scale, and no FP8 block scales")
+    if (w13_scale is None) != (w2_scale is None):
+        raise gg.GroupedGemmError("FP8 block-scaled experts take both w13_scale and w2_scale")
+    if w13_mx_scale is not None:
+        h = mx.grouped_gemm_mxfp8_swiglu(rows, w13_interleaved, w13_mx_scale, groups, masked=masked, out=h_out)
+        h = h.to(torch.bfloat16)  # the CPU reference returns fp32, the kernel bf16 already
+        return mx.grouped_gemm_mxfp8(h, w2, w2_mx_scale, groups, masked=masked, out=y_out).to(torch.bfloat16)
+    fp8 = w13_scale is not None
+    if fp8 and rows_scale is None:
+        rows, rows_scale = quantize_act(rows)
+    h = gg.grouped_gemm_swiglu(rows, w13_interleaved, groups, masked=masked, x_scale=rows_scale,
+                               w_scale_interleaved=w13_scale, out=h_out).to(torch.bfloat16)
+    h, h_scale = quantize_act(h) if fp8 else (h, None)
+    return gg.grouped_gemm(h, w2, groups, masked=masked, x_scale=h_scale, w_scale=w2_scale,
+                           out=y_out).to(torch.bfloat16)
+
+
 def grouped_moe(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, expert_start: int, *, w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                w2_scale: torch.Tensor | None = None, w13_mx_scale: torch.Tensor | None = None,
+                w2_mx_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over the local experts: ``[T, H]`` in x's dtype.
 
     ``x`` bf16 ``[T, H]``; ``w13_interleaved`` ``[E_local, 2I, H]`` and ``w2``
-    ``[E_local, H, I]``, both bf16, or both E4M3 with ``w13_scale`` from
-    `interleave_gate_up` ``[E_local, 2I/64, H/128]`` and ``w2_scale``
-    ``[E_local, H/128, I/128]``.  Routing entries naming another rank's expert
-    contribute nothing (their owner adds them).
+    ``[E_local, H, I]``, either
+
+    * both bf16;
+    * both E4M3 with FP8 block scales: ``w13_scale`` from `interleave_gate_up`
+      ``[E_local, 2I/64, H/128]`` and ``w2_scale`` ``[E_local, H/128, I/128]`` (fp32);
+    * both E4M3 with MXFP8 exponents: ``w13_mx_scale`` from `interleave_gate_up_mxfp8`
+      ``[E_local, 2I, H/32]`` and ``w2_mx_scale`` ``[E_local, H, I/32]`` (uint8 E8M0).
+
+    Routing entries naming another rank's expert contribute nothing (their owner
+    adds them).
     """
     from kernels.ep_prefill import ep_combine, ep_select  # imports CuTeDSL: only when the op runs
 
-    fp8 = w13_scale is not None
     sel = ep_select(x.contiguous(), topk_ids, expert_start, w13_interleaved.shape[0])
-    rows, rows_scale = quantize_act(sel.rows) if fp8 else (sel.rows, None)
-    h = gg.grouped_gemm_swiglu(rows, w13_interleaved, sel.offsets, x_scale=rows_scale, w_scale_interleaved=w13_scale)
-    h = h.to(x.dtype)  # the CPU reference returns fp32, the kernel bf16 already
-    h, h_scale = quantize_act(h) if fp8 else (h, None)
-    y = gg.grouped_gemm(h, w2, sel.offsets, x_scale=h_scale, w_scale=w2_scale).to(x.dtype)
+    y = expert_ffn(sel.rows, sel.offsets, w13_interleaved, w2, w13_scale=w13_scale, w2_scale=w2_scale,
+                   w13_mx_scale=w13_mx_scale, w2_mx_scale=w2_mx_scale).to(x.dtype)
     return ep_combine(y, sel.row_of, topk_weights)

@@ -6,8 +6,9 @@
   aligned copy; dtypes other than bf16/fp16/fp32 go to NCCL.
 * ``decode_moe`` (decode layout) hands the model a `PeerDecodeMoE`: the whole
   expert-parallel MoE layer as peer-memory dispatch -> masked grouped GEMMs ->
-  combine (`kernels.dispatch_combine`, `kernels.grouped_gemm`), fixed-size buffers
-  and nothing that synchronises with the host.
+  combine (`kernels.dispatch_combine`, `kernels.moe.expert_ffn`: bf16, FP8
+  block-scaled or MXFP8 experts), fixed-size buffers and nothing that
+  synchronises with the host.
 * ``ep_dispatch`` / ``ep_combine`` keep the NCCL path of `TorchCollectives` (the
   reference, and the path of models that do not take `decode_moe`): their contract
   (token-granular rows, receive sizes known on the host) does not fit the
@@ -25,10 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from kernels import grouped_gemm as gg
-from kernels.act_quant import quantize_act
 from kernels.allreduce import SUPPORTED_DTYPES, CudaAllReduce
 from kernels.dispatch_combine import DispatchCombine, DispatchCombineError
+from kernels.moe import expert_ffn
+from shared.model.layers import grouped_expert_weights
 from shared.parallel import TorchCollectives, Topology
 
 if TYPE_CHECKING:
@@ -74,8 +75,10 @@ class PeerDecodeMoE:
     local expert packed in ``[E_local, capacity, H]`` with the counts on the GPU);
     the fused gate/up + SwiGLU and the down projection run as masked grouped GEMMs
     on that layout; `combine_send`/`combine_recv` weight, sum and bring the rows
-    home. FP8 experts get an FP8 payload (quantized once, in the dispatch) and the
-    intermediate is quantized for the down GEMM, as in `kernels.moe.grouped_moe`.
+    home. FP8 block-scaled experts get an FP8 payload (quantized once, in the
+    dispatch) and the intermediate is quantized for the down GEMM, as in
+    `kernels.moe.grouped_moe`; MXFP8 experts take the bf16 payload (their kernels
+    dequantize the weights and multiply bf16 rows), so they need ``fp8=False``.
 
     One instance serves every MoE layer of a model (layers run one after another,
     each round completes before the next): its buffers are sized once for
@@ -97,23 +100,23 @@ class PeerDecodeMoE:
         """``out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over all ranks' experts: ``[T, H]`` bf16.
 
         ``experts`` is this rank's shard with ``w13`` prepared for the fused SwiGLU GEMM
-        (``weight`` interleaved, ``scale`` for FP8) and ``w2`` a bf16 tensor or an FP8
-        block-scaled weight (``weight``, ``scale_inv``).
+        (a `FusedGateUp`) and ``w2`` a bf16 tensor, an FP8 block-scaled or an MXFP8
+        weight (see `shared.model.layers.grouped_expert_weights`); FP8 block-scaled
+        experts exactly when this layer was built with ``fp8``.
         """
         t = x.shape[0]
         if t > self.max_tokens:
             raise DispatchCombineError(f"{t} tokens on this rank exceed the decode MoE's max_tokens={self.max_tokens}")
+        weights = grouped_expert_weights(experts.w13, experts.w2)
+        if self.fp8 != (weights.get("w2_scale") is not None):
+            raise DispatchCombineError(f"decode MoE built for {'an FP8' if self.fp8 else 'a bf16'} payload got "
+                                       f"{type(experts.w2).__name__} experts")
         ex = self.exchange
         ids = topk_ids.to(torch.int32).contiguous()
         self._num_tokens.fill_(t)
         ex.dispatch_send(x.contiguous(), ids, topk_weights.float().contiguous(), self._num_tokens)
         recv_x, recv_scales, counts, _ = ex.dispatch_recv()
-        w13, w2 = experts.w13, experts.w2
-        h = gg.grouped_gemm_swiglu(recv_x, w13.weight, counts, masked=True, x_scale=recv_scales,
-                                   w_scale_interleaved=w13.scale, out=self._h)
-        h, h_scale = quantize_act(h) if self.fp8 else (h, None)
-        y = gg.grouped_gemm(h, w2.weight if self.fp8 else w2, counts, masked=True, x_scale=h_scale,
-                            w_scale=w2.scale_inv.float() if self.fp8 else None, out=self._y)
+        y = expert_ffn(recv_x, counts, masked=True, rows_scale=recv_scales, h_out=self._h, y_out=self._y, **weights)
         ex.combine_send(y)
         out = torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
         return ex.combine_recv(ids, self._num_tokens, out)[:t]

@@ -9,10 +9,9 @@ kernels accumulate) and rounds only its output.
 
 Where a model runs the kernels (`kernels.ops.use_kernels`, decided once when the
 model is built): `moe_experts` takes the grouped-GEMM path of `kernels.moe` for
-experts prepared as `FusedGateUp`, and attention is `paged_attention_sdpa`.
-MXFP8 experts are never prepared (`kernels.moe.grouped_moe_unsupported` says why),
-so they, like every quantized projection outside the grouped GEMM, run the
-reference: dequantize, then a plain matmul.
+experts prepared as `FusedGateUp` (bf16, FP8 block-scaled or MXFP8), and attention
+is `paged_attention_sdpa`. Every quantized projection outside the grouped GEMM
+(attention, dense MLPs) runs the reference: dequantize, then a plain matmul.
 """
 
 from __future__ import annotations
@@ -155,6 +154,19 @@ def _expert(w: Linear, e: int) -> Linear:
     return w[e]
 
 
+def grouped_expert_weights(w13: FusedGateUp, w2: Linear) -> dict[str, torch.Tensor | None]:
+    """The weight arguments of `kernels.moe.grouped_moe` / `expert_ffn` for prepared experts.
+
+    ``w2`` is bf16, or E4M3 in the same format as ``w13`` (FP8 block-scaled: fp32
+    ``scale_inv``; MXFP8: uint8 E8M0 exponents).
+    """
+    if isinstance(w2, BlockFp8Weight):
+        return dict(w13_interleaved=w13.weight, w2=w2.weight, w13_scale=w13.scale, w2_scale=w2.scale_inv.float())
+    if isinstance(w2, Mxfp8Weight):
+        return dict(w13_interleaved=w13.weight, w2=w2.weight, w13_mx_scale=w13.scale_e8m0, w2_mx_scale=w2.scale_e8m0)
+    return dict(w13_interleaved=w13.weight, w2=w2)
+
+
 def moe_experts(x: torch.Tensor, w13: Linear | FusedGateUp, w2: Linear, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_start: int) -> torch.Tensor:
     """Weighted sum of this rank's experts ``[expert_start, expert_start + E_local)`` per token.
 
@@ -165,9 +177,8 @@ def moe_experts(x: torch.Tensor, w13: Linear | FusedGateUp, w2: Linear, topk_ids
     as the grouped path's combine does.
     """
     if isinstance(w13, FusedGateUp):
-        fp8 = isinstance(w2, BlockFp8Weight)
-        return grouped_moe(x, w13.weight, w2.weight if fp8 else w2, topk_ids, topk_weights, expert_start,
-                           w13_scale=w13.scale, w2_scale=w2.scale_inv.float() if fp8 else None)
+        return grouped_moe(x, topk_ids=topk_ids, topk_weights=topk_weights, expert_start=expert_start,
+                           **grouped_expert_weights(w13, w2))
     out = torch.zeros_like(x, dtype=torch.float32)
     local = topk_ids - expert_start
     hit = (local >= 0) & (local < w13.shape[0])

@@ -16,7 +16,8 @@ Files are memory-mapped (``safe_open``) and every tensor is read through
   K must fall on 32-value boundaries.
 
 `prepare_for_kernels` then puts the expert weights into the grouped-GEMM kernels'
-layout (gate/up rows interleaved, `FusedGateUp`), once, when a model runs them.
+layout (gate/up rows interleaved with their FP8 block scales or MXFP8 exponents,
+`FusedGateUp`), once, when a model runs them.
 
 Router, norms, embeddings and ``lm_head`` are replicated on every rank.
 """
@@ -32,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from kernels.grouped_gemm import interleave_gate_up
+from kernels.grouped_gemm_mxfp8 import interleave_gate_up_mxfp8
 from kernels.moe import grouped_moe_unsupported
 from shared.model.config import Fp8Quantization, ModelConfig, Mxfp8Quantization
 from shared.model.errors import CheckpointError, MissingTensor, ShapeMismatch, ShardingError
@@ -47,11 +49,14 @@ class FusedGateUp:
 
     Made once by `prepare_for_kernels` from ``w13 [E, 2I, H]`` (gate rows then up
     rows) with `kernels.grouped_gemm.interleave_gate_up`: rows interleaved in
-    64-row gate/up blocks, and for E4M3 one fp32 scale per 64-row half block.
+    64-row gate/up blocks; FP8 block-scaled weights get one fp32 scale per 64-row
+    half block, MXFP8 weights keep their per-row E8M0 exponents, moved with their
+    rows (`kernels.grouped_gemm_mxfp8.interleave_gate_up_mxfp8`).
     """
 
     weight: torch.Tensor  # [E, 2I, H], bfloat16 or float8_e4m3fn
-    scale: torch.Tensor | None  # [E, 2I/64, ceil(H/128)] fp32 for float8_e4m3fn, else None
+    scale: torch.Tensor | None  # [E, 2I/64, ceil(H/128)] fp32 for FP8 block-scaled weights, else None
+    scale_e8m0: torch.Tensor | None = None  # [E, 2I, ceil(H/32)] uint8 for MXFP8 weights, else None
 
     @property
     def shape(self) -> torch.Size:
@@ -361,7 +366,7 @@ def prepare_for_kernels(weights: ModelWeights) -> str | None:
     In place so that each layer's plain ``w13`` is released as soon as its
     interleaved copy exists (peak memory: one layer more, not a second copy of the
     experts). Returns None when done, or, leaving the weights untouched, why the
-    kernels cannot take these experts (dtype, FP8 block, MXFP8, shapes); the model then
+    kernels cannot take these experts (dtype, FP8 or MXFP8 block, shapes); the model then
     runs the reference ops for them.
     """
     # Indices only: holding the layers' MoEWeights here would keep every plain w13 alive.
@@ -375,6 +380,9 @@ def prepare_for_kernels(weights: ModelWeights) -> str | None:
         m = weights.layers[i].mlp
         if isinstance(m.w13, BlockFp8Weight):
             fused = FusedGateUp(*interleave_gate_up(m.w13.weight, m.w13.scale_inv.float()))
+        elif isinstance(m.w13, Mxfp8Weight):
+            weight, scale_e8m0 = interleave_gate_up_mxfp8(m.w13.weight, m.w13.scale_e8m0)
+            fused = FusedGateUp(weight, None, scale_e8m0)
         else:
             fused = FusedGateUp(*interleave_gate_up(m.w13))
         weights.layers[i] = dataclasses.replace(weights.layers[i], mlp=dataclasses.replace(m, w13=fused))
@@ -385,6 +393,8 @@ def _unsupported(act_dtype: torch.dtype, m: MoEWeights) -> str | None:
     if type(m.w13) is not type(m.w2):
         return f"w13 ({type(m.w13).__name__}) and w2 ({type(m.w2).__name__}) of the experts differ in format"
     if isinstance(m.w13, Mxfp8Weight):
+        if m.w13.block_size != m.w2.block_size:
+            return f"MXFP8 blocks of w13 ({m.w13.block_size}) and w2 ({m.w2.block_size}) differ"
         return grouped_moe_unsupported(act_dtype, tuple(m.w13.shape), m.w13.weight.dtype, mx_block=m.w13.block_size)
     fp8 = isinstance(m.w13, BlockFp8Weight)
     if fp8 and m.w13.block != m.w2.block:

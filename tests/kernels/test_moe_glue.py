@@ -8,7 +8,8 @@ sum once, so it must agree to a few bf16 roundings: relative Frobenius error bel
 quantization; the loop then quantizes exactly where the kernels do (rows before
 gate/up, the bf16 SwiGLU output before down), so the same bound holds up to the
 rare E4M3 rounding flips a one-ulp bf16 difference causes (relative Frobenius
-error below 2^-5).
+error below 2^-5). MXFP8 weights multiply bf16 rows (no activation quantization):
+the loop runs on the dequantized weights and the bf16 bounds hold.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from kernels import ops
 from kernels.act_quant import quantize_act_reference
 from kernels.grouped_gemm import interleave_gate_up
+from kernels.grouped_gemm_mxfp8 import dequantize_mxfp8, interleave_gate_up_mxfp8, quantize_mxfp8
 from kernels.moe import grouped_moe, grouped_moe_unsupported
 from shared.model.quant_formats import quantize_block_fp8
 
@@ -65,10 +67,11 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, rel_fro: float) -> None:
         assert worst <= 1.0, f"worst element error / bound = {worst:.2f}"
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp8"])
 @pytest.mark.parametrize("expert_start,e_local", [(0, E_GLOBAL), (4, 4)], ids=["all_experts", "ep_half"])
-def test_grouped_moe_cpu_matches_loop(fp8, expert_start, e_local):
-    gen = torch.Generator().manual_seed(11 + 2 * fp8 + expert_start)
+def test_grouped_moe_cpu_matches_loop(fmt, expert_start, e_local):
+    fp8 = fmt == "fp8"
+    gen = torch.Generator().manual_seed(11 + ["bf16", "fp8", "mxfp8"].index(fmt) * 2 + expert_start)
     t = 23
     x = torch.randn(t, H, generator=gen).bfloat16()
     ids, w = _routing(t, gen)
@@ -81,6 +84,11 @@ def test_grouped_moe_cpu_matches_loop(fp8, expert_start, e_local):
         wi, si = interleave_gate_up(q13.weight, q13.scale_inv)
         out = grouped_moe(x, wi, q2.weight, ids, w, expert_start, w13_scale=si, w2_scale=q2.scale_inv)
         w13_eff, w2_eff = q13.dequantize(), q2.dequantize()
+    elif fmt == "mxfp8":
+        (q13, e13), (q2, e2) = quantize_mxfp8(w13), quantize_mxfp8(w2)
+        wi, ei = interleave_gate_up_mxfp8(q13, e13)
+        out = grouped_moe(x, wi, q2, ids, w, expert_start, w13_mx_scale=ei, w2_mx_scale=e2)
+        w13_eff, w2_eff = dequantize_mxfp8(q13, e13), dequantize_mxfp8(q2, e2)
     else:
         w13b, w2b = w13.bfloat16(), w2.bfloat16()
         wi, _ = interleave_gate_up(w13b)
@@ -108,6 +116,19 @@ def test_unsupported_experts_name_the_reason():
     assert "multiple of 64" in grouped_moe_unsupported(torch.bfloat16, (8, 2 * 96, H), torch.bfloat16)
     assert "blocks" in grouped_moe_unsupported(torch.bfloat16, shape, torch.float8_e4m3fn, (64, 64))
     assert "hidden_size" in grouped_moe_unsupported(torch.bfloat16, (8, 2 * I, 200), torch.bfloat16)
+    assert grouped_moe_unsupported(torch.bfloat16, shape, torch.float8_e4m3fn, mx_block=32) is None
+    assert "one per 32" in grouped_moe_unsupported(torch.bfloat16, shape, torch.float8_e4m3fn, mx_block=16)
+    assert "multiple of 64" in grouped_moe_unsupported(torch.bfloat16, (8, 2 * 96, H), torch.float8_e4m3fn, mx_block=32)
+
+
+def test_mixed_weight_formats_are_rejected():
+    w13, w2 = torch.randn(4, 2 * I, H), torch.randn(4, H, I)
+    (q13, e13), (q2, e2) = quantize_mxfp8(w13), quantize_mxfp8(w2)
+    wi, ei = interleave_gate_up_mxfp8(q13, e13)
+    x, ids, w = torch.randn(3, H).bfloat16(), torch.zeros(3, TOPK, dtype=torch.long), torch.ones(3, TOPK).bfloat16()
+    for partial in (dict(w13_mx_scale=ei), dict(w2_mx_scale=e2), dict(w13_mx_scale=ei, w2_mx_scale=e2, w2_scale=e2)):
+        with pytest.raises(ValueError, match="MXFP8 experts take both"):
+            grouped_moe(x, wi, q2, ids, w, 0, **partial)
 
 
 def test_kernel_switch(monkeypatch):

@@ -19,12 +19,21 @@ the reference path's by at most 10 points. FP8: the kernel path also quantizes
 the expert GEMMs' activations to E4M3 per token per 128 channels (W8A8; the
 reference path is W8A16). An E4M3 value is within 2^-4 relative of what it
 rounds; that bounds the median logits error against the fp32 model of the same
-FP8 weights (seen on the CPU: 2.7%, bf16 reference path 0.9%).
+FP8 weights (seen on the CPU: 2.7%, bf16 reference path 0.9%). MXFP8: both paths
+multiply bf16 activations by the same weights (an E4M3 value times its
+power-of-two scale is exact in bf16, so dequantizing to bf16 loses nothing), the
+kernel path dequantizing inside the GEMM; so the bf16 bounds apply.
 
 Greedy decoding through the runner (prefill, then batched decode steps) must give
 the same tokens on both paths, except that a sequence may part ways where the
 reference's top-2 logits are within a few times the typical logits difference of
-the two paths (a near tie, which rounding decides).
+the two paths (a near tie, which rounding decides), or where the kernel path's own
+prefill forward over the same prefix picks the kernel's token too: then the two
+paths differ in the forward itself, whose error the prefill test bounds, not in the
+decode steps. The second case is a router near-tie: seen on the CPU with MXFP8,
+where layer 0's 2nd and 3rd expert probabilities of one token were 0.2168 and
+0.2164, so rounding chose the expert, which moved that token's logits by up to
+2.1 and, through its K/V, the next tokens' logits.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from shared.kvcache import KVLayout, PagedKVCache
 from shared.model import layers as ops
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
+from shared.model.quant_formats import Mxfp8Weight
 from shared.model.quantize import quantize_checkpoint
 from shared.model.runner import ModelRunner
 from shared.model.sampling import SamplingParams
@@ -48,16 +58,19 @@ PAGE = 16
 # (prefill prompt lengths, greedy prompt lengths, greedy steps) per device type
 SIZES = {"cpu": ([40, 13, 5], [21, 4], 6), "cuda": ([300, 45, 9], [37, 5, 120], 12)}
 E4M3_REL_ROUNDING = 2.0**-4
+FORMATS = ["bf16", "fp8", "mxfp8"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoint, tmp_path_factory):
-    """{"bf16": plain checkpoint, "fp8": the same converted to FP8 blocks}."""
+    """{"bf16": plain checkpoint, "fp8": the same converted to FP8 blocks, "mxfp8": converted to MXFP8}."""
     plain = tiny_checkpoint("kernel_shapes", **KERNEL_SHAPES)
-    fp8 = plain.parent / (plain.name + "_fp8")
-    if not (fp8 / "config.json").exists():
-        quantize_checkpoint(plain, fp8, "fp8-block")
-    return {"bf16": plain, "fp8": fp8}
+    paths = {"bf16": plain}
+    for name, fmt in (("fp8", "fp8-block"), ("mxfp8", "mxfp8")):
+        paths[name] = plain.parent / f"{plain.name}_{name}"
+        if not (paths[name] / "config.json").exists():
+            quantize_checkpoint(plain, paths[name], fmt)
+    return paths
 
 
 def _prefill_logits(model: Qwen3Model, prompts: list[list[int]]) -> torch.Tensor:
@@ -83,7 +96,7 @@ def _models(path, device: str):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_logits_kernels_vs_reference(checkpoints, fmt, device):
     fp32, ref, kern = _models(checkpoints[fmt], device)
     prompts = random_prompts(SIZES[device][0], seed=4)
@@ -94,10 +107,10 @@ def test_prefill_logits_kernels_vs_reference(checkpoints, fmt, device):
           f"kernels vs reference ops {median_token_rel_err(ours_kern, ours_ref):.2e}; "
           f"argmax agreement with fp32: reference {a_ref:.1%} kernels {a_kern:.1%}")
     assert torch.isfinite(ours_kern).all()
-    if fmt == "bf16":
-        assert e_kern <= 2 * e_ref + 1e-3
-    else:
+    if fmt == "fp8":  # W8A8 against the reference ops' W8A16
         assert e_kern <= E4M3_REL_ROUNDING
+    else:
+        assert e_kern <= 2 * e_ref + 1e-3
     assert a_kern >= a_ref - 0.10
 
 
@@ -113,7 +126,7 @@ def _greedy(model: Qwen3Model, prompts: list[list[int]], steps: int) -> list[lis
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_greedy_decode_kernels_vs_reference(checkpoints, fmt, device):
     _, ref, kern = _models(checkpoints[fmt], device)
     prompts, steps = random_prompts(SIZES[device][1], seed=5), SIZES[device][2]
@@ -128,11 +141,13 @@ def test_greedy_decode_kernels_vs_reference(checkpoints, fmt, device):
         print(f"{fmt} {device}: reference {o_ref} kernels {o_kern}")
         parted = next((i for i, (a, b) in enumerate(zip(o_ref, o_kern)) if a != b), None)
         if parted is not None:
-            row = logits_ref[offset + len(p) - 1 + parted]  # the logits that chose output token `parted`
-            margin = float(row[o_ref[parted]] - row[o_kern[parted]])
-            assert margin <= 4 * typical_diff, (
+            pos = offset + len(p) - 1 + parted  # the position whose logits chose output token `parted`
+            margin = float(logits_ref[pos, o_ref[parted]] - logits_ref[pos, o_kern[parted]])
+            own_forward = int(logits_kern[pos].argmax())
+            assert margin <= 4 * typical_diff or own_forward == o_kern[parted], (
                 f"greedy tokens part at step {parted} where the reference's margin {margin:.3g} is not a near tie "
-                f"(typical logits difference {typical_diff:.3g})")
+                f"(typical logits difference {typical_diff:.3g}) and the kernel path's prefill forward picks "
+                f"{own_forward}, not its decode step's {o_kern[parted]}")
         offset += len(p) + len(o_ref)
 
 
@@ -167,6 +182,18 @@ def test_prepare_for_kernels_converts_in_place_or_says_why(tiny_checkpoint, chec
     fp8 = load_weights(checkpoints["fp8"], ModelConfig.from_dir(checkpoints["fp8"]), dtype=torch.bfloat16)
     assert prepare_for_kernels(fp8) is None
     assert fp8.layers[1].mlp.w13.scale.shape == (8, 2 * 128 // 64, 128 // 128)
+
+    mx = load_weights(checkpoints["mxfp8"], ModelConfig.from_dir(checkpoints["mxfp8"]), dtype=torch.bfloat16)
+    plain_mx = mx.layers[1].mlp.w13
+    assert isinstance(plain_mx, Mxfp8Weight)
+    plain_q, plain_e8m0 = plain_mx.weight.clone(), plain_mx.scale_e8m0.clone()
+    assert prepare_for_kernels(mx) is None
+    fused = mx.layers[1].mlp.w13
+    assert isinstance(fused, FusedGateUp) and fused.scale is None and fused.scale_e8m0.dtype == torch.uint8
+    # each row keeps its own exponents: undoing the interleave gives the file's weights and scales back
+    assert torch.equal(deinterleave_gate_up(fused.weight)[0].view(torch.uint8), plain_q.view(torch.uint8))
+    assert torch.equal(deinterleave_gate_up(fused.scale_e8m0)[0], plain_e8m0)
+    assert isinstance(mx.layers[1].mlp.w2, Mxfp8Weight)  # w2 needs no new layout
 
     fp32 = load_weights(path, config, dtype=torch.float32)
     assert "float32" in prepare_for_kernels(fp32)

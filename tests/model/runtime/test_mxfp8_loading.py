@@ -21,7 +21,7 @@ from shared.model.errors import ShardingError, UnsupportedModel
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 from shared.model.quant_formats import Mxfp8Weight, dequantize_mxfp8
 from shared.model.quantize import quantize_checkpoint
-from shared.model.weights import load_weights, prepare_for_kernels
+from shared.model.weights import FusedGateUp, load_weights, prepare_for_kernels
 from shared.parallel import ShardSpec
 
 # Layer 0 MoE, layer 1 dense. TP=2 splits q/o by 2 heads of 32 (o_proj's K and the
@@ -135,13 +135,16 @@ def test_mxfp8_k_split_off_32_blocks_is_rejected(tiny_checkpoint, tmp_path):
         load_weights(tmp_path / "ckpt", cfg, ShardSpec(tp_rank=1, tp_size=4))
 
 
-def test_mxfp8_experts_keep_the_reference_ops_with_a_reason(checkpoints):
-    """The grouped MoE has no MXFP8 SwiGLU path: preparing for the kernels declines and changes nothing."""
+def test_mxfp8_experts_are_prepared_for_the_grouped_gemm(checkpoints):
+    """MXFP8 experts take the grouped MoE (gate/up interleaved with their exponents); the rest stays MXFP8.
+
+    The kernel path's numbers are checked in tests/model/runtime/test_kernel_path.py.
+    """
     _, mx, _, _ = checkpoints
     w = load_weights(mx, ModelConfig.from_dir(mx), dtype=torch.bfloat16)
-    reason = prepare_for_kernels(w)
-    assert reason is not None and "MXFP8" in reason
-    assert isinstance(w.layers[0].mlp.w13, Mxfp8Weight)
+    assert prepare_for_kernels(w) is None
+    assert isinstance(w.layers[0].mlp.w13, FusedGateUp) and w.layers[0].mlp.w13.scale_e8m0 is not None
+    assert isinstance(w.layers[0].mlp.w2, Mxfp8Weight) and isinstance(w.layers[0].attn.q_proj, Mxfp8Weight)
 
 
 # ---------------------------------------------------------------- accuracy
