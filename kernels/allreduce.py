@@ -38,6 +38,15 @@ message the same way; no grid-wide barrier is needed.
   NVLink-bound pushes, and the input is read straight from the caller's tensor
   and the result written straight to the caller's output (no staging copy).
 
+Measured on 2xH200, CUDA-graph timed (bench/results/allreduce.jsonl at commit
+45764b2ea806): the Lamport kernel took 3.2-3.9 us from 8 to 128 KiB, 4.3 / 5.1 /
+6.5 / 9.9 / 15.8-17.1 us at 256 KiB / 512 KiB / 1 / 2 / 4 MiB, 0.28-0.32x NCCL up to
+2 MiB and 0.45x at 4 MiB; the barrier one-shot took 5.1-5.6 us up to 64 KiB and
+8.1 / 10.0 / 15.6 / 22.2 us at 512 KiB / 1 / 2 / 4 MiB in the same run. Launch
+shapes for the Lamport kernel (128 / 256 / 1024 threads per CTA, CTA caps 132 / 66)
+were within 0.3 us of 512 threads x 264 CTAs up to 512 KiB and up to 7% slower
+from 1 MiB.
+
 A streamed one-shot (per-CTA steps with a flag per step, pushing step s while
 reducing s-1) was tried and measured slower at every size on 2xH200 (commit
 b730c5da9ea3 in bench/results/allreduce.jsonl): the per-step system-scope fences
@@ -440,7 +449,15 @@ def default_one_shot_max_bytes(world: int) -> int:
 
 def default_lamport_slot_bytes(world: int) -> int:
     """Bytes of one data-as-flag slot: 4 MiB, or the one-shot limit when that is smaller (the
-    Lamport region, 2 x world slots, is 16 MiB at 2 ranks and 2 MiB at 8)."""
+    Lamport region, 2 x world slots, is 16 MiB at 2 ranks and 2 MiB at 8).
+
+    The Lamport kernel is the default up to this size (``lamport_max_bytes``). At 2
+    ranks it beat the barrier one-shot and the two-shot at every size measured, 8 KiB to
+    4 MiB (commit 45764b2ea806: 4 MiB 15.8-17.1 vs 22.2 vs 25.6 us); above 4 MiB it
+    was not measured, so the barrier one-shot keeps 4-8 MiB. At 3-8 ranks it moves
+    the same bytes as the barrier one-shot without the barrier, so it takes the whole
+    one-shot range (reasoned, not measured).
+    """
     return min(4 << 20, default_one_shot_max_bytes(world))
 
 
