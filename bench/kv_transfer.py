@@ -16,7 +16,12 @@ For each prompt length it measures, in the same run:
   Each row also carries the median per-phase times both sides record
   (``TransferRecord.phases_s``), ``start_us`` (sender built -> first header at the decode
   rank) and ``notify_us`` (request complete -> ``wait_complete`` returned).
-* ``overlap``    - TP=1 again, the sender fed layer by layer by a prefill forward that
+* ``path``       - every engine row runs twice on CUDA: ``ucx`` (staged chunks over UCX, the
+  decode receiver built with ``cuda_ipc=False``) and ``cuda_ipc`` (the same-host fast path:
+  the decode receiver exports its KV storage, the sender packs each group locally and
+  scatters it straight into the decode pages over NVLink, then announces it with a small
+  UCX message). On CPU only ``ucx``.
+* ``overlap``    - TP=1 again (per path), the sender fed layer by layer by a prefill forward that
   runs real work on the prefill GPU: per layer one bf16 matmul ``[tokens, hidden] x
   [hidden, layer_params / hidden]``, the FLOPs of one Qwen3-235B layer's projections and
   its 8 active experts at that token count (attention scores left out, so the real layer
@@ -81,7 +86,7 @@ class _Child:
     def __init__(self, worker: TransferWorker, device: torch.device, cfg: dict[str, Any]) -> None:
         self.worker, self.device, self.cfg = worker, device, cfg
         self.cache: Any = None  # PagedKVCache once set up for a prompt length
-        self.receiver: Any = None  # KVReceiver (decode process)
+        self.receivers: dict[str, KVReceiver] = {}  # decode process: one per path, same cache and staging
         self.raw: torch.Tensor | None = None
         self.layer_work: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # x, w, y of the per-layer matmul
         self._decode_staging: StagingPool | None = None
@@ -102,7 +107,7 @@ class _Child:
     # decode side
     async def decode_setup(self, tokens: int) -> None:
         c = self.cfg
-        self.receiver = None
+        self.receivers = {}
         self.cache = None
         self.raw = None
         self._release_device_memory()
@@ -113,13 +118,16 @@ class _Child:
         self.cache.allocator.free(random.Random(1).sample(ids, len(ids)))
         if self._decode_staging is None:  # long-lived, as a decode rank's
             self._decode_staging = StagingPool(c["slot_mib"] << 20, 4, self.device)
-        self.receiver = KVReceiver(self.worker, self.cache, staging=self._decode_staging)
+        self.receivers = {"ucx": KVReceiver(self.worker, self.cache, staging=self._decode_staging, cuda_ipc=False)}
+        if self.device.type == "cuda":
+            self.receivers["cuda_ipc"] = KVReceiver(self.worker, self.cache, staging=self._decode_staging, cuda_ipc=True)
 
-    async def reserve(self, request_id: str, tokens: int) -> bytes:
-        return msgspec.msgpack.encode(self.receiver.reserve(request_id, tokens, lease_s=120.0))
+    async def reserve(self, request_id: str, tokens: int, path: str) -> bytes:
+        return msgspec.msgpack.encode(self.receivers[path].reserve(request_id, tokens, lease_s=120.0))
 
-    async def wait(self, request_id: str, tokens: int, verify_seed: int | None) -> dict[str, Any]:
-        pages = await self.receiver.wait_complete(request_id, timeout=120.0)
+    async def wait(self, request_id: str, tokens: int, verify_seed: int | None, path: str) -> dict[str, Any]:
+        receiver = self.receivers[path]
+        pages = await receiver.wait_complete(request_id, timeout=120.0)
         t_done = time.time()
         exact = None
         if verify_seed is not None:
@@ -129,9 +137,9 @@ class _Child:
                 for layer in range(c["layers"])
             )
         self.cache.allocator.free(pages)
-        rec: TransferRecord = self.receiver.metrics.recent[-1]
+        rec: TransferRecord = receiver.metrics.recent[-1]
         completed_unix = rec.started_unix + rec.phases_s["first_header"] + rec.wall_s
-        return {"t_done": t_done, "exact": exact, "first_header_unix": rec.started_unix + rec.phases_s["first_header"], "completed_unix": completed_unix, "wall_s": rec.wall_s, "phases_s": rec.phases_s}
+        return {"t_done": t_done, "exact": exact, "first_header_unix": rec.started_unix + rec.phases_s["first_header"], "completed_unix": completed_unix, "wall_s": rec.wall_s, "phases_s": rec.phases_s, "path": rec.path}
 
     async def raw_recv(self, nbytes: int, tag: int) -> float:
         if self.raw is None or self.raw.numel() != nbytes:
@@ -174,7 +182,7 @@ class _Child:
         else:
             t_last_layer = await asyncio.to_thread(self._forward, compute, layer_s, sender)
         rec = await sender.finish()
-        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "wall_s": rec.wall_s, "phases_s": rec.phases_s}
+        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "wall_s": rec.wall_s, "phases_s": rec.phases_s, "path": rec.path}
 
     async def compute_only(self, compute: str, layer_s: float) -> float:
         """Seconds of the same forward without a transfer."""
@@ -310,16 +318,19 @@ def _raw_ucxx_s(decode: _Proc, prefill: _Proc, nbytes: int, iters: int) -> float
     return statistics.median(times[1:])
 
 
-def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, iters: int, compute: str, layer_s: float, chunk_bytes: int, tag: str) -> list[dict[str, Any]]:
+def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, iters: int, compute: str, layer_s: float, chunk_bytes: int, tag: str, path: str) -> list[dict[str, Any]]:
     """``iters`` + 1 transfers (the first warms registration caches and is verified, then dropped)."""
     runs = []
     for i in range(iters + 1):
-        rid = f"{tag}-{tokens}-{chunk_bytes}-{i}"
-        desc = decode.call("reserve", request_id=rid, tokens=tokens)
-        wait = decode.submit("wait", request_id=rid, tokens=tokens, verify_seed=seed if i == 0 else None)
+        rid = f"{tag}-{path}-{tokens}-{chunk_bytes}-{i}"
+        desc = decode.call("reserve", request_id=rid, tokens=tokens, path=path)
+        wait = decode.submit("wait", request_id=rid, tokens=tokens, verify_seed=seed if i == 0 else None, path=path)
         sends = [p.submit("send", descriptor=desc, compute=compute, layer_s=layer_s, chunk_bytes=chunk_bytes) for p in prefills]
         sent = [p.result(s) for p, s in zip(prefills, sends)]
         got = decode.result(wait)
+        paths = {got["path"], *(s["path"] for s in sent)}
+        if paths != {path}:
+            raise RuntimeError(f"{rid}: asked for the {path} path, the transfer took {sorted(paths)}")
         if i == 0:
             if not got["exact"]:
                 raise RuntimeError(f"{rid}: decode pages differ from the reference")
@@ -392,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu and torch.cuda.device_count() < 2:
         raise SystemExit("--device cuda needs two GPUs")
     compute = "matmul" if gpu else "sleep"
+    paths = ["ucx", "cuda_ipc"] if gpu else ["ucx"]
     ctx = mp.get_context("spawn")
     bytes_per_token = args.layers * 2 * args.kv_heads * args.head_dim * DTYPE.itemsize
     peer_s = {tokens: _peer_copy_s(tokens * bytes_per_token, args.device, args.iters) for tokens in tokens_list}
@@ -413,17 +425,30 @@ def main(argv: list[str] | None = None) -> int:
                     "peer_copy": {"gbps": nbytes / peer_s[tokens] / 1e9, "latency_us": peer_s[tokens] * 1e6},
                     "raw_ucxx": {"gbps": nbytes / raw_s / 1e9, "latency_us": raw_s * 1e6, "ratio_to_peer_copy": peer_s[tokens] / raw_s},
                 }
-                runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-                for chunk_mib in chunk_list:
-                    runs["tp1", chunk_mib] = _engine_runs(decode, prefills[:1], tokens, seed, args.iters, "none", 0.0, chunk_mib << 20, "tp1")
-                overlap: dict[str, float] = {}
+                runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+
+                def engine(key: tuple[str, int, str], procs: list[_Proc]) -> None:
+                    # A path that fails (e.g. CUDA IPC refused) costs its rows, not the others.
+                    try:
+                        runs[key] = _engine_runs(decode, procs, tokens, seed, args.iters, "none", 0.0, key[1] << 20, key[0], key[2])
+                    except RuntimeError as e:
+                        print(f"# {mode} {tokens} tokens {key}: FAILED {e}", flush=True)
+
+                for path in paths:
+                    for chunk_mib in chunk_list:
+                        engine(("tp1", chunk_mib, path), prefills[:1])
+                overlap: dict[str, dict[str, float]] = {}
                 if args.overlap_iters and mode == modes[0][0]:
                     alone = [prefills[0].call("compute_only", compute=compute, layer_s=layer_s) for _ in range(args.overlap_iters + 1)][1:]
-                    with_kv = _engine_runs(decode, prefills[:1], tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk << 20, "overlap")
-                    engine_alone_s = statistics.median(r["total_s"] for r in runs.get(("tp1", overlap_chunk), runs["tp1", chunk_list[0]]))
-                    exposed_s = statistics.median(r["exposed_s"] for r in with_kv)
                     compute_s = statistics.median(alone)
-                    overlap = {
+                for path in paths if args.overlap_iters and mode == modes[0][0] else []:
+                    alone_runs = runs.get(("tp1", overlap_chunk, path)) or runs.get(("tp1", chunk_list[0], path))
+                    if alone_runs is None:
+                        continue
+                    with_kv = _engine_runs(decode, prefills[:1], tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk << 20, "overlap", path)
+                    engine_alone_s = statistics.median(r["total_s"] for r in alone_runs)
+                    exposed_s = statistics.median(r["exposed_s"] for r in with_kv)
+                    overlap[path] = {
                         "compute": compute,
                         "layer_matmul_n": cfg["layer_params"] // cfg["hidden"] if gpu else 0,
                         "overlap_chunk_mib": overlap_chunk,
@@ -434,9 +459,10 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 for rank, p in enumerate(prefills):
                     p.call("prefill_setup", tokens=tokens, tp=2, rank=rank, seed=seed)
-                for chunk_mib in chunk_list:
-                    runs["tp2", chunk_mib] = _engine_runs(decode, prefills, tokens, seed, args.iters, "none", 0.0, chunk_mib << 20, "tp2")
-                for (layout, chunk_mib), layout_runs in runs.items():
+                for path in paths:
+                    for chunk_mib in chunk_list:
+                        engine(("tp2", chunk_mib, path), prefills)
+                for (layout, chunk_mib, path), layout_runs in runs.items():
                     eng_s = statistics.median(r["total_s"] for r in layout_runs)
                     phase_keys = sorted(k for k in layout_runs[0] if k.startswith(("send_", "recv_")))
                     metrics = {
@@ -452,17 +478,17 @@ def main(argv: list[str] | None = None) -> int:
                         **{f"{k}_us": _median_us(layout_runs, k) for k in phase_keys},
                     }
                     if layout == "tp1" and chunk_mib == overlap_chunk:
-                        metrics |= overlap
-                    case = {"tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env}
+                        metrics |= overlap.get(path, {})
+                    case = {"path": path, "tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env}
                     record(BENCH, case, metrics, peers)
-                    rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "layout": layout, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
-                    phase_rows.append({"tokens": tokens, "mode": mode, "layout": layout, "chunk_MiB": chunk_mib, "total_us": metrics["latency_us"], "start_us": metrics["start_us"], "s_pack_us": metrics.get("send_pack_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})
+                    rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "path": path, "layout": layout, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
+                    phase_rows.append({"tokens": tokens, "mode": mode, "path": path, "layout": layout, "chunk_MiB": chunk_mib, "total_us": metrics["latency_us"], "start_us": metrics["start_us"], "s_pack_us": metrics.get("send_pack_us", ""), "s_write_us": metrics.get("send_write_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})
         finally:
             for p in (decode, *prefills):
                 p.stop()
-    print_table(rows, ["tokens", "MiB", "mode", "layout", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "engine/raw", "chunks", "exposed_us", "hidden_pct", "slowdown_pct"])
+    print_table(rows, ["tokens", "MiB", "mode", "path", "layout", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "engine/raw", "chunks", "exposed_us", "hidden_pct", "slowdown_pct"])
     print()
-    print_table(phase_rows, ["tokens", "mode", "layout", "chunk_MiB", "total_us", "start_us", "s_pack_us", "s_wire_us", "r_post_us", "r_wire_us", "r_scatter_us", "r_wall_us", "notify_us"])
+    print_table(phase_rows, ["tokens", "mode", "path", "layout", "chunk_MiB", "total_us", "start_us", "s_pack_us", "s_write_us", "s_wire_us", "r_post_us", "r_wire_us", "r_scatter_us", "r_wall_us", "notify_us"])
     return 0
 
 

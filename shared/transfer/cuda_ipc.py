@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections import OrderedDict
 from functools import cache
 
@@ -53,7 +54,7 @@ _OPENED_KEPT = 8  # mappings of distinct decode exports kept open per process
 
 # Storage tensors this process exported (a sender in the same process uses them directly:
 # CUDA refuses to open an IPC handle in the process that made it).
-_exported: dict[bytes, torch.Tensor] = {}
+_exported: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
 _opened: OrderedDict[tuple[str, int, bytes, int], torch.Tensor] = OrderedDict()
 
 

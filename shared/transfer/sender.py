@@ -115,6 +115,7 @@ class KVSender:
         limit = min(chunk_bytes, self.staging.slot_bytes, descriptor.max_chunk_bytes if self._peer_storage is None else chunk_bytes)
         self._max_layers = _layers_per_chunk(layer_bytes, limit, descriptor.request_id)
         self._pack_stream = side_stream(kvcache.device)
+        self._write_stream = None if self._peer_storage is None else side_stream(kvcache.device, "peer_write")
         with torch.cuda.stream(self._pack_stream) if self._pack_stream is not None else contextlib.nullcontext():
             # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
             self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
@@ -291,13 +292,17 @@ class KVSender:
             self._release(buf)
             raise
         self._phases.add("compute_wait", time.perf_counter() - started)
-        assert self._peer_storage is not None and self._decode_table is not None
+        assert self._peer_storage is not None and self._decode_table is not None and self._write_stream is not None
         heads = range(self._heads.start, self._heads.end)
         with torch.cuda.stream(self._pack_stream):
             pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
+            packed = torch.cuda.Event()
+            packed.record(self._pack_stream)
+        with torch.cuda.stream(self._write_stream):  # behind this pack only (tables were uploaded before it)
+            self._write_stream.wait_event(packed)
             scatter_into(self._peer_storage, self._desc.layout.page_size, group, heads, self._decode_table, self._desc.num_tokens, out)
             done = torch.cuda.Event()
-            done.record(self._pack_stream)
+            done.record(self._write_stream)
         return _Packed(done, behind_compute=False)
 
     async def _stop_direct_writes(self, error: TransferError) -> None:
@@ -389,7 +394,8 @@ def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torc
     try:
         return cuda_ipc.open_export(desc.cuda_ipc, desc.layout, device)
     except cuda_ipc.CudaIpcUnavailable as e:
-        log.info("kv.cuda_ipc_unavailable", request_id=desc.request_id, reason=str(e))
+        same_host = desc.cuda_ipc.host_id == cuda_ipc.host_identity()  # then it is unexpected: louder
+        (log.warning if same_host else log.info)("kv.cuda_ipc_unavailable", request_id=desc.request_id, reason=str(e))
         return None
 
 

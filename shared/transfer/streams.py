@@ -16,18 +16,20 @@ import torch
 HIGH_PRIORITY = -1
 
 
-_streams: dict[torch.device, torch.cuda.Stream] = {}
+_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The process's high-priority transfer stream on ``device`` (one per device, shared by
-    every sender and receiver: the caching allocator keeps its blocks per stream, so a new
-    stream per transfer would open new memory segments), or None on CPU."""
+def side_stream(device: torch.device, purpose: str = "copy") -> torch.cuda.Stream | None:
+    """The process's high-priority transfer stream on ``device`` (one per device and purpose,
+    shared by every sender and receiver: the caching allocator keeps its blocks per stream,
+    so a new stream per transfer would open new memory segments), or None on CPU.
+    ``purpose`` "peer_write": the CUDA IPC path's scatter into the decode rank, apart from
+    the pack stream so the next group's pack overlaps this group's NVLink writes."""
     if device.type != "cuda":
         return None
-    stream = _streams.get(device)
+    stream = _streams.get((device, purpose))
     if stream is None:
-        stream = _streams[device] = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+        stream = _streams[device, purpose] = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
     return stream
 
 

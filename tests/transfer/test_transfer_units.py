@@ -256,7 +256,7 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
             layers, heads, tokens, dim = 6, 2, 21, 8
             ref = torch.randn(layers, 2, heads, tokens, dim, device=device).to(torch.bfloat16)
             decode = PagedKVCache(KVLayout(layers, 8, heads, 4, dim, torch.bfloat16), device)
-            rx = KVReceiver(worker, decode, staging=StagingPool(1 << 20, 2, device))
+            rx = KVReceiver(worker, decode, staging=StagingPool(1 << 20, 2, device), cuda_ipc=False)  # the UCX path's stages
             desc = rx.reserve("ooo", tokens, 5.0)
             local = PagedKVCache(KVLayout(layers, 8, heads, 8, dim, torch.bfloat16), device)
             table = [5, 0, 3]

@@ -1,5 +1,7 @@
 """Peer processes for the transfer tests: one decode rank or one prefill TP rank per process,
-each with its own UCX worker, driven through multiprocessing queues (spawn).
+each with its own UCX worker, driven through multiprocessing queues (spawn). On CPU the
+peers talk over TCP loopback; with ``device="cuda"`` each process keeps UCX's default
+transports and sees its own GPU first (``visible``), the other one second.
 
 Commands are ``(job_id, op, kwargs)``; replies ``(job_id, kind, payload)`` with kind
 ``"done"`` (the op's return value) or ``"progress"`` (a prefill send reached its
@@ -37,11 +39,16 @@ def reference_kv(seed: int, layers: int, heads: int, tokens: int, head_dim: int)
 class Peer:
     """Test-side handle of one peer process."""
 
-    def __init__(self, ctx: Any, role: str, **config: Any) -> None:
-        os.environ.update(UCX_ENV)  # inherited by the spawned child
+    def __init__(self, ctx: Any, role: str, *, device: str = "cpu", visible: str | None = None, **config: Any) -> None:
+        env = UCX_ENV if device == "cpu" else {"UCX_WARN_UNUSED_ENV_VARS": "n"} | ({"CUDA_VISIBLE_DEVICES": visible} if visible else {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # inherited by the spawned child
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_serve, args=(role, config, self.inbox, self.outbox), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(role, device, config, self.inbox, self.outbox), daemon=True)
         self.proc.start()
+        if device != "cpu":
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         self._jobs = itertools.count()
         self._stash: list[tuple[int, str, Any]] = []
 
@@ -90,13 +97,16 @@ def spawn_context() -> Any:
 # -- child side -------------------------------------------------------------------------
 
 
-def _serve(role: str, config: dict[str, Any], inbox: Any, outbox: Any) -> None:
-    asyncio.run(_serve_async(role, config, inbox, outbox))
+def _serve(role: str, device: str, config: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    asyncio.run(_serve_async(role, device, config, inbox, outbox))
 
 
-async def _serve_async(role: str, config: dict[str, Any], inbox: Any, outbox: Any) -> None:
+async def _serve_async(role: str, device: str, config: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.zeros(1, device="cuda")  # CUDA context before UCX starts
     worker = await TransferWorker.create()
-    peer = DecodePeer(worker, **config) if role == "decode" else PrefillPeer(worker, **config)
+    peer = DecodePeer(worker, device=device, **config) if role == "decode" else PrefillPeer(worker, device=device, **config)
     loop = asyncio.get_running_loop()
     tasks = set()
     while True:
@@ -119,9 +129,9 @@ async def _serve_async(role: str, config: dict[str, Any], inbox: Any, outbox: An
 class DecodePeer:
     """A decode rank with one KV cache (and receiver) per named layout."""
 
-    def __init__(self, worker: TransferWorker, caches: dict[str, dict[str, int]], staging_slot_bytes: int) -> None:
-        self.caches = {name: PagedKVCache(KVLayout(dtype=DTYPE, **spec)) for name, spec in caches.items()}
-        self.receivers = {name: KVReceiver(worker, cache, staging=StagingPool(staging_slot_bytes, 4)) for name, cache in self.caches.items()}
+    def __init__(self, worker: TransferWorker, caches: dict[str, dict[str, int]], staging_slot_bytes: int, device: str = "cpu") -> None:
+        self.caches = {name: PagedKVCache(KVLayout(dtype=DTYPE, **spec), device) for name, spec in caches.items()}
+        self.receivers = {name: KVReceiver(worker, cache, staging=StagingPool(staging_slot_bytes, 4, device)) for name, cache in self.caches.items()}
         self.tokens: dict[str, int] = {}
         for cache in self.caches.values():
             # Shuffle the free list so reservations get scattered, non-monotonic page ids.
@@ -146,8 +156,9 @@ class DecodePeer:
 
     def _read(self, cache: str, pages: list[int], num_tokens: int) -> torch.Tensor:
         """``[layers, 2, heads, num_tokens, head_dim]`` read back through the cache's own ``read``."""
-        kv_cache, table = self.caches[cache], torch.tensor(pages)
-        return torch.stack([torch.stack(kv_cache.read(layer, table, num_tokens)) for layer in range(kv_cache.layout.num_layers)])
+        kv_cache = self.caches[cache]
+        table = torch.tensor(pages, device=kv_cache.device)
+        return torch.stack([torch.stack(kv_cache.read(layer, table, num_tokens)) for layer in range(kv_cache.layout.num_layers)]).cpu()
 
     async def cancel(self, cache: str, request_id: str, **_: Any) -> bool:
         return self.receivers[cache].cancel(request_id)
@@ -157,18 +168,19 @@ class DecodePeer:
 
     async def fill(self, cache: str, pages: list[int], value: float, **_: Any) -> None:
         for pool in self.caches[cache].pools:
-            pool[torch.tensor(pages)] = value
+            pool[torch.tensor(pages, device=pool.device)] = value
 
     async def status(self, cache: str, **_: Any) -> dict[str, Any]:
         rx = self.receivers[cache]
-        return {"free_pages": rx.num_free_pages, "reservations": rx.num_reservations, "staging_in_use": rx.staging.in_use_bytes, "metrics": rx.metrics.snapshot()}
+        return {"free_pages": rx.num_free_pages, "reservations": rx.num_reservations, "quarantined_pages": rx.num_quarantined_pages, "staging_in_use": rx.staging.in_use_bytes, "metrics": rx.metrics.snapshot(), "cuda_ipc": rx.cuda_ipc_export is not None}
 
 
 class PrefillPeer:
     """One prefill TP rank: builds its local KV shard from the reference and sends it."""
 
-    def __init__(self, worker: TransferWorker) -> None:
+    def __init__(self, worker: TransferWorker, device: str = "cpu") -> None:
         self.worker = worker
+        self.device = device
 
     async def ping(self, **_: Any) -> bool:
         return True
@@ -179,11 +191,11 @@ class PrefillPeer:
         shard = kv_head_shard(tp_rank, tp_size, lay.kv_heads)
         if not shard.sends:
             return {"ok": True, "skipped": True}
-        ref = reference_kv(seed, lay.num_layers, lay.kv_heads, tokens, lay.head_dim)[:, :, shard.start : shard.end]
-        local = PagedKVCache(KVLayout(lay.num_layers, 3 * -(-tokens // page_size) + 4, shard.num_heads, page_size, lay.head_dim, DTYPE))
+        ref = reference_kv(seed, lay.num_layers, lay.kv_heads, tokens, lay.head_dim)[:, :, shard.start : shard.end].to(self.device)
+        local = PagedKVCache(KVLayout(lay.num_layers, 3 * -(-tokens // page_size) + 4, shard.num_heads, page_size, lay.head_dim, DTYPE), self.device)
         # A non-contiguous, shuffled page table in the local cache.
         table = random.Random(seed * 31 + tp_rank).sample(range(local.layout.num_pages), local.layout.pages_for(tokens))
-        pages, offsets = local.slots(torch.tensor(table), torch.arange(tokens))
+        pages, offsets = local.slots(torch.tensor(table, device=self.device), torch.arange(tokens, device=self.device))
         for layer in range(lay.num_layers):
             local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
         t0 = time.monotonic()
@@ -196,9 +208,9 @@ class PrefillPeer:
                 if layer == progress_after_layer:
                     outbox.put((job, "progress", layer))
             record = await sender.finish()
-            result = {"ok": True, "bytes": record.nbytes, "chunks": record.chunks}
+            result = {"ok": True, "bytes": record.nbytes, "chunks": record.chunks, "path": record.path}
         except TransferError as e:
-            result = {"ok": False, "error": type(e).__name__, "message": str(e)}
+            result = {"ok": False, "error": type(e).__name__, "message": str(e), "path": sender.path}
         # held_buffers: this sender's slots; pool_buffers: the whole worker send pool (shared
         # by the sends in flight on this rank).
         return result | {"elapsed_s": time.monotonic() - t0, "held_buffers": sender.held_buffers, "pool_buffers": sender.staging.in_use_buffers, "groups": len(sender.layer_groups)}

@@ -1,0 +1,107 @@
+"""The same-host CUDA IPC path between two processes on two GPUs (UCX for control).
+
+The decode process sees GPU1 first, the prefill processes GPU0 first (both see both),
+as on one host of a deployment. KV written directly into the decode pages must equal
+an unsharded prefill bit for bit (prefill page size != decode page size, shuffled page
+ids on both sides), with ``path == "cuda_ipc"`` on both sides; a cancelled or expired
+reservation keeps its pages out of the pool while a direct writer may still write them
+(until it landed everything, or the lease + grace when the writer was killed).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from transfer_peers import Peer, reference_kv, spawn_context
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+LAYERS, HEADS, HEAD_DIM, DECODE_PAGE, PAGES = 6, 4, 64, 16, 128
+CACHES = {"h4": {"num_layers": LAYERS, "num_pages": PAGES, "kv_heads": HEADS, "page_size": DECODE_PAGE, "head_dim": HEAD_DIM}}
+GRACE_S = 2.0  # receiver.DIRECT_WRITE_GRACE_S
+
+
+def layer_bytes(heads: int, tokens: int) -> int:
+    return 2 * heads * tokens * HEAD_DIM * 2
+
+
+@pytest.fixture(scope="module")
+def peers():
+    ctx = spawn_context()
+    decode = Peer(ctx, "decode", device="cuda", visible="1,0", caches=CACHES, staging_slot_bytes=8 << 20)
+    prefill = [Peer(ctx, "prefill", device="cuda", visible="0,1") for _ in range(2)]
+    yield decode, prefill
+    for peer in (decode, *prefill):
+        peer.stop()
+
+
+def _send(decode, prefill, request_id, tokens, tp, page_size, seed, lease_s=30.0, **send_kwargs):
+    desc = decode.call("reserve", cache="h4", request_id=request_id, num_tokens=tokens, lease_s=lease_s)
+    jobs = [
+        (prefill[r], prefill[r].submit("send", descriptor=desc, tp_rank=r, tp_size=tp, page_size=page_size, seed=seed, chunk_bytes=2 * layer_bytes(HEADS // tp, tokens), timeout_s=20.0, **send_kwargs))
+        for r in range(tp)
+    ]
+    return jobs
+
+
+@pytest.mark.parametrize("tp,tokens,prefill_page", [(1, 200, 32), (2, 77, 8), (2, 333, 64)])
+def test_direct_writes_land_bit_identical(peers, tp, tokens, prefill_page):
+    decode, prefill = peers
+    assert decode.call("status", cache="h4")["cuda_ipc"]
+    seed = tokens * 7 + tp
+    jobs = _send(decode, prefill, f"ipc-{tp}-{tokens}", tokens, tp, prefill_page, seed)
+    results = [peer.wait(job) for peer, job in jobs]
+    assert all(r["ok"] and r["path"] == "cuda_ipc" and r["held_buffers"] == 0 for r in results), results
+    got = decode.call("wait", cache="h4", request_id=f"ipc-{tp}-{tokens}", timeout=20.0)
+    assert got["ok"], got
+    ref = reference_kv(seed, LAYERS, HEADS, tokens, HEAD_DIM)
+    assert torch.equal(got["kv"].view(torch.int16), ref.view(torch.int16)), "decode pages differ from the unsharded reference"
+    status = decode.call("status", cache="h4")
+    assert status["metrics"]["last"]["path"] == "cuda_ipc" and status["metrics"]["last"]["nbytes"] == LAYERS * layer_bytes(HEADS, tokens)
+    decode.call("free", cache="h4", pages=got["pages"])
+    assert decode.call("status", cache="h4")["free_pages"] == PAGES
+
+
+def test_cancel_keeps_pages_until_the_direct_writer_is_done(peers):
+    decode, prefill = peers
+    lease_s = 20.0
+    jobs = _send(decode, prefill, "cancel", 160, 1, 32, 5, lease_s=lease_s, pace_s=0.3, progress_after_layer=1)
+    peer, job = jobs[0]
+    peer.wait(job, "progress")
+    cancelled_at = time.monotonic()
+    assert decode.call("cancel", cache="h4", request_id="cancel")
+    status = decode.call("status", cache="h4")
+    assert status["free_pages"] < PAGES and status["quarantined_pages"] > 0, status  # the writer is still at it
+    result = peer.wait(job)
+    assert result["ok"] and result["path"] == "cuda_ipc", result  # the sender does not learn of the cancel
+    deadline = time.monotonic() + 10
+    while decode.call("status", cache="h4")["free_pages"] != PAGES and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = decode.call("status", cache="h4")
+    assert status["free_pages"] == PAGES and status["quarantined_pages"] == 0, status
+    assert time.monotonic() - cancelled_at < lease_s  # freed once every head landed, not at the lease end
+
+
+def test_killed_direct_writer_pages_return_only_after_lease_plus_grace(peers):
+    """A prefill killed mid-transfer sends no "stopped": its pages wait for the lease + grace."""
+    decode, _ = peers
+    victim = Peer(spawn_context(), "prefill", device="cuda", visible="0,1")
+    try:
+        lease_s = 4.0
+        reserved = time.monotonic()
+        ((_, job),) = _send(decode, [victim], "killed", 160, 1, 32, 6, lease_s=lease_s, pace_s=0.3, progress_after_layer=1)
+        victim.wait(job, "progress")
+        victim.kill()
+        got = decode.call("wait", cache="h4", request_id="killed", timeout=20.0)
+        assert not got["ok"] and got["error"] == "LeaseExpired", got
+        status = decode.call("status", cache="h4")
+        assert status["free_pages"] < PAGES and status["quarantined_pages"] > 0, status
+        while decode.call("status", cache="h4")["free_pages"] != PAGES:
+            assert time.monotonic() - reserved < lease_s + GRACE_S + 10, "quarantined pages never freed"
+            time.sleep(0.05)
+        assert time.monotonic() - reserved >= lease_s + GRACE_S - 0.1
+    finally:
+        victim.stop()
