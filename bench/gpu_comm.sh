@@ -12,27 +12,8 @@
 # Logs go to $OUT/*.log, benchmark lines to $OUT/*.jsonl (MOEBUS_RESULTS_DIR=$OUT); append those to
 # bench/results/ here. Carry [".gpu/cutedsl-4.8.1-cp312-cu13.tar.xz", ".cache/commit"]; before the call:
 #   git rev-parse --short=12 HEAD > .cache/commit
-set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
-mkdir -p /tmp/gpu-site && xz -dc .gpu/cutedsl-4.8.1-cp312-cu13.tar.xz | tar x -C /tmp/gpu-site || exit 1
-COMMIT=${MOEBUS_COMMIT:-$(cat .cache/commit 2>/dev/null || echo unknown)}
-export PYTHONPATH=$PWD:/tmp/gpu-site:/tmp/gpu-site/nvidia_cutlass_dsl/dsl_packages NCCL_NVLS_ENABLE=0 \
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 MOEBUS_RESULTS_DIR=$OUT \
-  MOEBUS_COMMIT=$COMMIT
-PYTEST="python3 -m pytest -q -s -ra -p no:cacheprovider"
-
-{ date -u; echo "commit $COMMIT"; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv; } > "$OUT/run.log" 2>&1
-
-# step NAME LIMIT_S COMMAND...: run with a wall limit, log to $OUT/NAME.log, one summary line in run.log.
-step() {
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - t0))s (limit ${limit}s): $*" >> "$OUT/run.log"
-  tail -4 "$OUT/$name.log" | sed 's/^/    /' >> "$OUT/run.log"
-  return $rc
-}
+source bench/gpu_common.sh
 
 if [ "${1:-all}" = allreduce ]; then
   step bench_allreduce 45 python3 -m bench.allreduce --max-mib 4 --also-mib 64 256
