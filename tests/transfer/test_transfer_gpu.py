@@ -90,11 +90,13 @@ def test_killed_direct_writer_pages_return_only_after_lease_plus_grace(peers):
     decode, _ = peers
     victim = Peer(spawn_context(), "prefill", device="cuda", visible="0,1")
     try:
+        assert victim.call("ping")  # started (CUDA, UCX) before the lease clock runs
         lease_s = 4.0
         reserved = time.monotonic()
         ((_, job),) = _send(decode, [victim], "killed", 160, 1, 32, 6, lease_s=lease_s, pace_s=0.3, progress_after_layer=1)
         victim.wait(job, "progress")
         victim.kill()
+        assert time.monotonic() - reserved < lease_s, "the victim was not killed mid-transfer"
         got = decode.call("wait", cache="h4", request_id="killed", timeout=20.0)
         assert not got["ok"] and got["error"] == "LeaseExpired", got
         status = decode.call("status", cache="h4")
