@@ -1,4 +1,8 @@
-"""TransferEngine: moves a request's KV from prefill TP ranks into a decode rank's pages over UCX.
+"""TransferEngine: moves a request's KV from prefill TP ranks into a decode rank's pages.
+
+Two paths behind one API: UCX (any host: packed chunks into the decode rank's staging,
+scattered there) and, on one host, CUDA IPC (the sender writes straight into the decode
+pages and announces them over UCX; ``cuda_ipc`` has the mechanism and its safety rules).
 
 One ``TransferWorker`` per rank: ``worker = await TransferWorker.create(progress_mode=None)``
 inside the rank's event loop (transports from ``UCX_*`` env, e.g. ``UCX_TLS=tcp,self`` on
@@ -9,6 +13,7 @@ available; completions arrive as futures, the loop idles between them). Every ca
 Decode rank::
 
     receiver = KVReceiver(worker, kvcache, staging=StagingPool(256 << 20, 4, device))  # staging optional
+    #   on CUDA it exports kvcache.storage through CUDA IPC (cuda_ipc=False or MOEBUS_KV_CUDA_IPC=0: not)
     desc = receiver.reserve(request_id, num_tokens, lease_s)   # -> KVTransferDescriptor (msgspec)
     #   raises OutOfPages (nothing allocated), ValueError (duplicate id, bad args, one layer
     #   of the request larger than a staging slot)
@@ -19,14 +24,16 @@ Decode rank::
     receiver.cancel(request_id) -> bool  # pages freed now; chunks still on the wire are drained
     await receiver.close()
     receiver.metrics.snapshot()          # heartbeat dict: completed, bytes, GB/s, failures by cause
-    receiver.num_free_pages, receiver.num_reservations, receiver.staging.in_use_bytes
+    receiver.num_free_pages, receiver.num_reservations, receiver.staging.in_use_bytes,
+    receiver.num_quarantined_pages   # pages of ended reservations a direct writer may still write
 
 Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
 
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
                       timeout_s=30.0, chunk_bytes=256 << 20)   # packs into worker.staging_pool(device)
     forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
-    record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, started_unix, phases_s)
+    sender.path                      # "cuda_ipc" (descriptor's export opened) or "ucx"
+    record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, started_unix, phases_s, path)
     #   raises TransferTimeout (sender timeout or the reservation's lease, whichever is first),
     #   PeerFailed (decode rank died / endpoint error), Cancelled (sender.cancel()); the
     #   staging is released on every path. Keep the local pages until finish() returns.
@@ -35,6 +42,7 @@ The decode side completes a request when every (layer, KV head) cell has landed 
 whatever the prefill TP size; page sizes may differ between the two sides (the packed
 chunk is token-contiguous per head). Modules: ``worker`` (UCX worker, endpoint cache,
 tag protocol), ``shard`` (head mapping, pack/scatter), ``staging`` (slot arenas),
+``cuda_ipc`` (storage export / open, same-host identity),
 ``receiver``, ``sender``, ``metrics``, ``errors``, ``streams`` (CUDA side streams). Pack
 and scatter are torch ops on CPU and on CUDA alike: per layer group one index_select /
 index_copy_ over the full pages plus one indexed copy of the partial last page, moving
