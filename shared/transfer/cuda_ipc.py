@@ -20,7 +20,8 @@ may still write them.
   writes it issued to complete, then sends a ``"stopped"`` header for its heads.
 * A receiver whose reservation may have a direct writer (it exported its storage)
   frees the pages of a cancelled / expired / failed reservation only when every head
-  is quiet (all its layers landed, or its sender said ``"stopped"``), or else at the
+  is quiet (all its layers landed, its sender said ``"stopped"``, or its sender sent a
+  chunk over UCX: one sender per head range, one path per sender), or else at the
   lease deadline + ``receiver.DIRECT_WRITE_GRACE_S``; until then they are quarantined.
 * A killed prefill: the lease expires, the pages are freed after the grace.
 * A killed decode: the prefill's next UCX message fails with an endpoint error

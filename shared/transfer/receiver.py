@@ -16,9 +16,10 @@ and every descriptor carries it. A sender that can open it writes straight into 
 pages and sends ``"landed"`` headers (no data message); the cells are marked landed
 exactly as after a scatter. Because such a writer bypasses this process, a cancelled,
 expired or failed reservation that may have one does not free its pages at once: they
-stay quarantined until every head is quiet (all its layers landed, or its sender sent
-``"stopped"``) or until the lease deadline + ``DIRECT_WRITE_GRACE_S`` (senders issue no
-write after the lease deadline; see ``shared.transfer.cuda_ipc`` for the whole argument).
+stay quarantined until every head is quiet (all its layers landed, its sender sent
+``"stopped"``, or its sender sends chunks over UCX, so never writes directly) or until
+the lease deadline + ``DIRECT_WRITE_GRACE_S`` (senders issue no write after the lease
+deadline; see ``shared.transfer.cuda_ipc`` for the whole argument).
 ``num_quarantined_pages`` counts them. A ``"stopped"`` header for a request still
 receiving fails it with ``PeerFailed``.
 The decode side does not know the prefill TP size: each chunk announces its head
@@ -101,7 +102,7 @@ class _Reservation:
     phases: PhaseTimes = field(default_factory=PhaseTimes)
     error: TransferError | None = None  # why it ended, once cancelled / failed / expired
     direct: bool = False  # the descriptor offered CUDA IPC: a sender may write the pages directly
-    stopped: np.ndarray | None = None  # [heads] bool: the sender of the head said it stopped
+    no_direct_writer: np.ndarray | None = None  # [heads] bool: the head's sender stopped, or sends over UCX
     direct_chunks: int = 0  # landed through direct writes ("landed" headers)
     quarantine: asyncio.TimerHandle | None = None  # pending free of pages a direct writer may write
     pages_freed: bool = False
@@ -184,7 +185,7 @@ class KVReceiver:
             reserved_at=time.perf_counter(),
             reserved_unix=time.time(),
             direct=self.cuda_ipc_export is not None,
-            stopped=np.zeros(layout.kv_heads, dtype=bool),
+            no_direct_writer=np.zeros(layout.kv_heads, dtype=bool),
         )
         # A failed request nobody waits for must not log "exception never retrieved".
         res.done.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -268,6 +269,9 @@ class KVReceiver:
                 frame = np.empty(HEADER_FRAME_BYTES, dtype=np.uint8)
                 await self._worker.recv(tag, frame)
                 header = self._check_header(res, frame)
+                if header.kind == "chunk":
+                    # One sender per head range, one path per sender: these heads are never written directly.
+                    res.no_direct_writer[header.head_start : header.head_end] = True
                 if header.kind == "stopped":
                     self._sender_stopped(res, header)
                 elif res.state is _State.RECEIVING:
@@ -375,15 +379,15 @@ class KVReceiver:
 
     def _sender_stopped(self, res: _Reservation, h: ShardHeader) -> None:
         """A direct sender gave up on heads [head_start, head_end): it writes nothing more."""
-        assert res.stopped is not None
-        res.stopped[h.head_start : h.head_end] = True
+        assert res.no_direct_writer is not None
+        res.no_direct_writer[h.head_start : h.head_end] = True
         if res.state is _State.RECEIVING:
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"the prefill rank sending heads [{h.head_start}, {h.head_end}) stopped"))
 
     @staticmethod
     def _quiet(res: _Reservation) -> bool:
-        """No direct writer can still write the pages: every head fully landed or stopped."""
-        return bool((res.landed.all(axis=0) | res.stopped).all())
+        """No direct writer can still write the pages: every head fully landed, stopped, or sent over UCX."""
+        return bool((res.landed.all(axis=0) | res.no_direct_writer).all())
 
     def _free_pages(self, res: _Reservation) -> None:
         if res.pages_freed:

@@ -164,6 +164,11 @@ def test_cancelled_direct_reservation_quarantines_pages_until_every_head_is_quie
             await _header(worker, desc, (0, 4), "landed")
             await _until(lambda: rx._reservations["all-landed"].landed.all(), 5.0)
             assert rx.cancel("all-landed") and rx.num_free_pages == 8
+            # A sender that fell back to UCX (its chunk header came) never writes directly either.
+            desc = rx.reserve("ucx-sender", 20, 30.0)
+            await _header(worker, desc, (0, 4), "chunk", (0, 1))
+            await _until(lambda: rx._reservations["ucx-sender"].announced[0].all(), 5.0)
+            assert rx.cancel("ucx-sender") and rx.num_free_pages == 8 and rx.num_quarantined_pages == 0
         finally:
             worker.close()
 
