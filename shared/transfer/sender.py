@@ -111,8 +111,9 @@ class KVSender:
         self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
         self._peer_storage = _open_peer_storage(descriptor, kvcache.device)
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
-        # A direct write needs no decode staging: only the local slot bounds a group.
-        limit = min(chunk_bytes, self.staging.slot_bytes, descriptor.max_chunk_bytes if self._peer_storage is None else chunk_bytes)
+        limit = min(chunk_bytes, self.staging.slot_bytes)
+        if self._peer_storage is None:
+            limit = min(limit, descriptor.max_chunk_bytes)  # UCX chunks land in the decode rank's staging slots
         self._max_layers = _layers_per_chunk(layer_bytes, limit, descriptor.request_id)
         self._pack_stream = side_stream(kvcache.device)
         self._write_stream = None if self._peer_storage is None else side_stream(kvcache.device, "peer_write")
