@@ -1,7 +1,9 @@
-"""Decode DP-EP dispatch + combine on 2 GPUs: peer-memory kernels vs the NCCL reference.
+"""Decode DP-EP dispatch + combine on W GPUs: peer-memory kernels vs the NCCL reference.
 
-hidden 4096, 128 experts (64 per rank), top-8, bf16 payload (and FP8 for ours),
-1 / 32 / 128 / 256 tokens per rank, random routing.
+hidden 4096, 128 experts (128 / W per rank), top-8, bf16 payload (and FP8 for ours),
+1 / 32 / 128 / 256 tokens per rank (``--tokens``), random routing over all experts.
+W = ``--world`` (default 2, the first W GPUs; EP sizes 2..16 that divide 128), recorded as
+``ep`` in each case.
 
 * ours: ``rounds`` full rounds (dispatch_send, dispatch_recv, combine_send,
   combine_recv; no expert compute in between) captured in one CUDA graph: per-round
@@ -14,11 +16,12 @@ hidden 4096, 128 experts (64 per rank), top-8, bf16 payload (and FP8 for ours),
 * ``nccl_a2a_only``: one ``all_to_all_single`` of the dispatch payload, graph-timed —
   the floor of any NCCL-based dispatch, before routing work.
 
-    python -m bench.dispatch_combine
+    python -m bench.dispatch_combine [--world 8] [--tokens 1 32 128 256]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
@@ -72,11 +75,11 @@ def _time_phases(dc, x, ids, w, n, y, out, row: dict, key: str, split: bool) -> 
     row[f"{key}_combine_us"] = statistics.median(c_times)
 
 
-def _bench_rank(rank: int, world: int) -> list[dict]:
+def _bench_rank(rank: int, world: int, token_counts: list[int]) -> list[dict]:
     from kernels.dispatch_combine import DispatchCombine, DispatchCombineReference, ctas_per_peer
 
     rows = []
-    for tokens in TOKENS:
+    for tokens in token_counts:
         g = torch.Generator(device="cuda").manual_seed(tokens * 10 + rank)
         x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
         ids = torch.rand(tokens, EXPERTS, generator=g, device="cuda").topk(TOPK, dim=1).indices.int().contiguous()
@@ -109,11 +112,33 @@ def _bench_rank(rank: int, world: int) -> list[dict]:
     return rows
 
 
+def check_world(world: int, gpus: int) -> str | None:
+    """Why ``world`` ranks cannot run here with ``gpus`` visible GPUs (None when they can)."""
+    from kernels._cute_comm import MAX_PEERS
+
+    if not 2 <= world <= MAX_PEERS:
+        return f"--world {world}: the dispatch/combine kernels take EP sizes 2..{MAX_PEERS}"
+    if EXPERTS % world:
+        return f"--world {world}: {EXPERTS} experts do not split evenly over {world} ranks"
+    if world > gpus:
+        return f"--world {world} needs {world} GPUs (one rank each), {gpus} visible"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.results import print_table, record
 
-    world = 2
-    rows = run_local_group(_bench_rank, world, "nccl", timeout=600)[0]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, help="EP size: ranks, one per GPU (GPUs 0..W-1)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per rank")
+    a = ap.parse_args(argv)
+    if min(a.tokens) < 1:
+        ap.error(f"--tokens must be positive, got {a.tokens}")
+    problem = check_world(a.world, torch.cuda.device_count())
+    if problem:
+        ap.error(problem)
+    world = a.world
+    rows = run_local_group(_bench_rank, world, "nccl", a.tokens, timeout=600)[0]
     table = []
     for r in rows:
         case = {"tokens_per_rank": r["tokens"], "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "ep": world, "timing": "cuda_graph",

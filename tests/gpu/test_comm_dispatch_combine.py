@@ -1,4 +1,4 @@
-"""GPU DP-EP dispatch/combine on 2 GPUs against the torch ``all_to_all_single`` reference.
+"""GPU DP-EP dispatch/combine on every visible GPU (2..8) against the torch ``all_to_all_single`` reference.
 
 Cases: random routing with different token counts per rank, every token's first
 choice on one expert, zero tokens on a rank, the maximum token count, inputs with
@@ -27,6 +27,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
 
+WORLD = min(torch.cuda.device_count(), 8)  # 2 on the 2xH200 machine; 4 / 8 where lent (32 experts split evenly)
 CFG = dict(num_experts=32, max_tokens=64, hidden=1024, topk=4)
 
 
@@ -38,8 +39,10 @@ def _inputs(rank: int, case: str, seed: int):
     if case == "one_expert":
         scores[:, 7] += 2.0
     ids = scores.topk(k, dim=1).indices.int().contiguous()
-    n = {"random": m - 5 - 7 * rank, "one_expert": m - rank, "empty_rank": 0 if rank == 1 else m, "max_tokens": m,
-         "short_rows": m - 9 - 20 * rank, "few_ctas": m - 2 - 11 * rank, "fp8": m - 3 * rank}[case]
+    # Token counts differ by rank; "% 48" keeps at least 8 tokens on every rank of a larger group
+    # (ranks 0 and 1 keep the counts of the 2-GPU runs).
+    n = {"random": m - 5 - (7 * rank) % 48, "one_expert": m - rank, "empty_rank": 0 if rank == 1 else m, "max_tokens": m,
+         "short_rows": m - 9 - (20 * rank) % 48, "few_ctas": m - 2 - (11 * rank) % 48, "fp8": m - 3 * rank}[case]
     w = torch.rand(m, k, generator=g, device="cuda")
     if case == "short_rows":  # only the valid rows exist
         x, ids, w = x[:n].contiguous(), ids[:n].contiguous(), w[:n].contiguous()
@@ -127,4 +130,4 @@ def _run_cases(rank: int, world: int) -> int:
 
 
 def test_dispatch_combine_matches_all_to_all_reference():
-    assert run_local_group(_run_cases, 2, "nccl", timeout=300) == [6 * len(CASES)] * 2
+    assert run_local_group(_run_cases, WORLD, "nccl", timeout=300) == [6 * len(CASES)] * WORLD
