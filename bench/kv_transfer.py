@@ -11,8 +11,15 @@ For each prompt length it measures, in the same run:
   a thread, which with chunks formed from the layers ready so far split off a small
   first chunk): pack per layer group, UCX chunks, scatter into scattered decode pages; timed from the
   sender's construction to the decode side holding the pages (wall clock of one host),
-  for prefill TP=1 and a 2-rank layout (each rank 2 of the 4 KV heads, both on the
-  prefill device). Senders pack into their worker's send pool, as in the services.
+  for each prefill layout of ``--prefill-ranks`` (default 1 and 2: TP=1, and 2 ranks with 2
+  of the 4 KV heads each; with more ranks than KV heads only one replica of each head
+  sends, as in the services). Senders pack into their worker's send pool, as in the services.
+* placement  - the decode rank sits on the GPU after the prefill ranks of the largest layout
+  (``--prefill-ranks 4`` on 8 GPUs: prefill ranks on GPUs 0-3, decode on GPU 4), or on the
+  last GPU when there is none after them, the prefill ranks then sharing GPUs 0..last-1
+  (`plan_placement`). On two GPUs that is the original layout (all prefill ranks on GPU 0,
+  decode on GPU 1) and the rows are as before; any other placement adds ``sender_gpus`` and
+  ``decode_gpu`` to the case. ``peer_copy`` and ``raw_ucxx`` run GPU 0 -> the decode GPU.
   Each row also carries the median per-phase times both sides record
   (``TransferRecord.phases_s``), ``start_us`` (sender built -> first header at the decode
   rank) and ``notify_us`` (request complete -> ``wait_complete`` returned).
@@ -39,6 +46,7 @@ on the decode side, then dropped. Usage::
 
     python -m bench.kv_transfer --device cpu                      # TCP loopback, small sizes
     python -m bench.kv_transfer --device cuda --tokens 1024,6144,32768
+    python -m bench.kv_transfer --device cuda --prefill-ranks 1,2,4  # 4 TP ranks -> decode on GPU 4 (8 GPUs)
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -69,6 +78,68 @@ DTYPE = torch.bfloat16
 # 8192x4096), router (4096x128) and 8 active experts (3x 4096x1536 each).
 QWEN3_235B_LAYER_PARAMS = 4096 * 8192 + 2 * 4096 * 512 + 8192 * 4096 + 4096 * 128 + 8 * 3 * 4096 * 1536
 QWEN3_235B_HIDDEN = 4096
+
+
+# -- placement --------------------------------------------------------------------------
+
+
+class PlacementError(ValueError):
+    """Prefill layouts that cannot be placed on the GPUs at hand."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """GPUs of one run: the decode rank's, and those of each layout's sending prefill ranks."""
+
+    decode_gpu: int
+    senders: dict[int, list[tuple[int, int]]]  # TP size -> [(TP rank, GPU)] of the ranks that send
+
+    def slots(self, tp: int) -> list[tuple[int, int]]:
+        """The prefill process each sender of layout ``tp`` runs in: ``(GPU, n)``, its n-th on that GPU.
+
+        Layouts run one after another, so they share processes: slot ``(0, 0)`` is TP=1's rank
+        and rank 0 of every layout.
+        """
+        seen: dict[int, int] = {}
+        out = []
+        for _, gpu in self.senders[tp]:
+            out.append((gpu, seen.get(gpu, 0)))
+            seen[gpu] = seen.get(gpu, 0) + 1
+        return out
+
+    def case_fields(self, tp: int) -> dict[str, Any]:
+        """Placement fields of a result's case: none for the original two-GPU layout."""
+        if self.decode_gpu == 1:  # every prefill rank on GPU 0 (r % 1), decode on GPU 1
+            return {}
+        return {"sender_gpus": [gpu for _, gpu in self.senders[tp]], "decode_gpu": self.decode_gpu}
+
+
+def plan_placement(layouts: list[int], kv_heads: int, gpus: int) -> Placement:
+    """Place prefill layouts of ``layouts`` TP ranks and one decode rank on ``gpus`` GPUs.
+
+    The decode rank takes the GPU after the largest layout's ranks, or the last GPU when
+    there is none after them; rank ``r`` of every layout runs on GPU ``r % decode_gpu``, so
+    no prefill rank shares the decode rank's GPU. Only the ranks that send (one replica of
+    each KV head, `kv_head_shard`) get a process.
+    """
+    if gpus < 2:
+        raise PlacementError(f"the KV transfer benchmark needs 2 GPUs (prefill and decode), {gpus} visible")
+    if not layouts or min(layouts) < 1:
+        raise PlacementError(f"--prefill-ranks must be positive TP sizes, got {layouts}")
+    decode_gpu = min(max(layouts), gpus - 1)
+    senders = {}
+    for tp in layouts:
+        try:
+            shards = [kv_head_shard(rank, tp, kv_heads) for rank in range(tp)]
+        except ValueError as e:
+            raise PlacementError(f"--prefill-ranks {tp}: {e}") from None
+        senders[tp] = [(rank, rank % decode_gpu) for rank, shard in enumerate(shards) if shard.sends]
+    return Placement(decode_gpu, senders)
+
+
+def visible_devices(own: int, others: list[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a process on GPU ``own`` that must also see ``others`` (own GPU first)."""
+    return ",".join(str(g) for g in [own, *sorted(set(others) - {own})])
 
 
 # -- child processes --------------------------------------------------------------------
@@ -286,23 +357,25 @@ class _Proc:
 # -- measurements -----------------------------------------------------------------------
 
 
-def _peer_copy_s(nbytes: int, device_kind: str, iters: int) -> float:
+def _peer_copy_s(nbytes: int, device_kind: str, iters: int, dst_gpu: int) -> float:
+    """Median seconds of one copy GPU 0 -> ``dst_gpu`` (on CPU: a memcpy)."""
+    src_dev, dst_dev = "cuda:0", f"cuda:{dst_gpu}"
     if device_kind == "cuda":
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=src_dev)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
     else:
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         dst = torch.empty(nbytes, dtype=torch.uint8)
     times = []
     for _ in range(iters + 1):
         if device_kind == "cuda":
-            torch.cuda.synchronize("cuda:0")
-            torch.cuda.synchronize("cuda:1")
+            torch.cuda.synchronize(src_dev)
+            torch.cuda.synchronize(dst_dev)
         t0 = time.perf_counter()
         dst.copy_(src)
         if device_kind == "cuda":
-            torch.cuda.synchronize("cuda:1")
-            torch.cuda.synchronize("cuda:0")
+            torch.cuda.synchronize(dst_dev)
+            torch.cuda.synchronize(src_dev)
         times.append(time.perf_counter() - t0)
     assert torch.equal(dst[:4096].cpu(), src[:4096].cpu())
     return statistics.median(times[1:])
@@ -352,6 +425,32 @@ def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, i
     return runs
 
 
+def _overlap(decode: _Proc, prefill: _Proc, runs: dict[tuple[str, int, str], list[dict[str, Any]]], paths: list[str], tokens: int, seed: int, iters: int,
+             compute: str, layer_s: float, overlap_chunk: int, first_chunk: int, gpu: bool, cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """TP=1 fed layer by layer by a prefill forward (module doc, ``overlap``), per path; needs TP=1's
+    engine ``runs`` (the transfer alone) and ``prefill`` set up as TP=1's rank."""
+    alone = [prefill.call("compute_only", compute=compute, layer_s=layer_s) for _ in range(iters + 1)][1:]
+    compute_s = statistics.median(alone)
+    overlap = {}
+    for path in paths:
+        alone_runs = runs.get(("tp1", overlap_chunk, path)) or runs.get(("tp1", first_chunk, path))
+        if alone_runs is None:
+            continue
+        with_kv = _engine_runs(decode, [prefill], tokens, seed, iters, compute, layer_s, overlap_chunk << 20, "overlap", path)
+        engine_alone_s = statistics.median(r["total_s"] for r in alone_runs)
+        exposed_s = statistics.median(r["exposed_s"] for r in with_kv)
+        overlap[path] = {
+            "compute": compute,
+            "layer_matmul_n": cfg["layer_params"] // cfg["hidden"] if gpu else 0,
+            "overlap_chunk_mib": overlap_chunk,
+            "prefill_compute_us": compute_s * 1e6,
+            "exposed_after_prefill_us": exposed_s * 1e6,
+            "hidden_pct": 100.0 * max(0.0, 1.0 - exposed_s / engine_alone_s),
+            "compute_slowdown_pct": 100.0 * (statistics.median(r["forward_s"] for r in with_kv) / compute_s - 1.0),
+        }
+    return overlap
+
+
 def _median_us(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in runs) * 1e6
 
@@ -383,7 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap-iters", type=int, default=2, help="timed overlap transfers (and forwards alone) per size, first mode only; 0 skips the overlap")
     ap.add_argument("--overlap-chunk-mib", type=int, default=None, help="chunk size of the overlap runs (default: the first of --chunk-mib)")
     ap.add_argument("--layer-us-per-1k", type=float, default=150.0, help="CPU only: simulated prefill compute per layer per 1k tokens (us)")
+    ap.add_argument("--prefill-ranks", default="1,2", help="comma-separated prefill TP sizes, one layout each (placement: module doc)")
     args = ap.parse_args(argv)
+    try:
+        layouts = [int(n) for n in args.prefill_ranks.split(",")]
+    except ValueError:
+        ap.error(f"--prefill-ranks: {args.prefill_ranks!r} is not a comma-separated list of integers")
     chunk_list = [int(c) for c in args.chunk_mib.split(",")]
     overlap_chunk = args.overlap_chunk_mib or chunk_list[0]
     tokens_list = [int(t) for t in (args.tokens or ("128,512,1024" if args.device == "cpu" else "1024,6144,32768")).split(",")]
@@ -400,25 +504,30 @@ def main(argv: list[str] | None = None) -> int:
         "layer_params": QWEN3_235B_LAYER_PARAMS, "hidden": QWEN3_235B_HIDDEN,
     }
     gpu = args.device == "cuda"
-    if gpu and torch.cuda.device_count() < 2:
-        raise SystemExit("--device cuda needs two GPUs")
+    try:  # on CPU every process runs on the host: the placement only names process slots
+        placement = plan_placement(layouts, args.kv_heads, torch.cuda.device_count() if gpu else 2)
+    except PlacementError as e:
+        raise SystemExit(str(e)) from None
+    decode_gpu = placement.decode_gpu
+    layout_fields = {f"tp{tp}": placement.case_fields(tp) for tp in layouts}
     compute = "matmul" if gpu else "sleep"
     paths = ["ucx", "cuda_ipc"] if gpu else ["ucx"]
     ctx = mp.get_context("spawn")
     bytes_per_token = args.layers * 2 * args.kv_heads * args.head_dim * DTYPE.itemsize
-    peer_s = {tokens: _peer_copy_s(tokens * bytes_per_token, args.device, args.iters) for tokens in tokens_list}
+    peer_s = {tokens: _peer_copy_s(tokens * bytes_per_token, args.device, args.iters, decode_gpu) for tokens in tokens_list}
     rows, phase_rows = [], []
     for mode, python_future, progress_mode, ucx_env in modes:
         mode_cfg = cfg | {"python_future": python_future, "progress_mode": progress_mode, "ucx_env": ucx_env}
-        decode = _Proc(ctx, args.device, mode_cfg, "1,0" if gpu else None)
-        prefills = [_Proc(ctx, args.device, mode_cfg, "0,1" if gpu else None) for _ in range(2)]
+        slots = sorted({slot for tp in layouts for slot in placement.slots(tp)})
+        decode = _Proc(ctx, args.device, mode_cfg, visible_devices(decode_gpu, [g for g, _ in slots]) if gpu else None)
+        prefill_procs = {slot: _Proc(ctx, args.device, mode_cfg, visible_devices(slot[0], [decode_gpu]) if gpu else None) for slot in slots}
+        first = prefill_procs[(0, 0)]  # TP=1's rank, and rank 0 of every layout
         try:
             for tokens in tokens_list:
                 nbytes = tokens * bytes_per_token
                 seed = tokens
                 decode.call("decode_setup", tokens=tokens)
-                prefills[0].call("prefill_setup", tokens=tokens, tp=1, rank=0, seed=seed)
-                raw_s = _raw_ucxx_s(decode, prefills[0], nbytes, args.iters)
+                raw_s = _raw_ucxx_s(decode, first, nbytes, args.iters)
                 print(f"# {mode} {tokens} tokens: peer copy {nbytes / peer_s[tokens] / 1e9:.1f} GB/s, raw ucxx {nbytes / raw_s / 1e9:.1f} GB/s", flush=True)
                 layer_s = args.layer_us_per_1k * 1e-6 * tokens / 1024
                 peers = {
@@ -434,34 +543,16 @@ def main(argv: list[str] | None = None) -> int:
                     except RuntimeError as e:
                         print(f"# {mode} {tokens} tokens {key}: FAILED {e}", flush=True)
 
-                for path in paths:
-                    for chunk_mib in chunk_list:
-                        engine(("tp1", chunk_mib, path), prefills[:1])
                 overlap: dict[str, dict[str, float]] = {}
-                if args.overlap_iters and mode == modes[0][0]:
-                    alone = [prefills[0].call("compute_only", compute=compute, layer_s=layer_s) for _ in range(args.overlap_iters + 1)][1:]
-                    compute_s = statistics.median(alone)
-                for path in paths if args.overlap_iters and mode == modes[0][0] else []:
-                    alone_runs = runs.get(("tp1", overlap_chunk, path)) or runs.get(("tp1", chunk_list[0], path))
-                    if alone_runs is None:
-                        continue
-                    with_kv = _engine_runs(decode, prefills[:1], tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk << 20, "overlap", path)
-                    engine_alone_s = statistics.median(r["total_s"] for r in alone_runs)
-                    exposed_s = statistics.median(r["exposed_s"] for r in with_kv)
-                    overlap[path] = {
-                        "compute": compute,
-                        "layer_matmul_n": cfg["layer_params"] // cfg["hidden"] if gpu else 0,
-                        "overlap_chunk_mib": overlap_chunk,
-                        "prefill_compute_us": compute_s * 1e6,
-                        "exposed_after_prefill_us": exposed_s * 1e6,
-                        "hidden_pct": 100.0 * max(0.0, 1.0 - exposed_s / engine_alone_s),
-                        "compute_slowdown_pct": 100.0 * (statistics.median(r["forward_s"] for r in with_kv) / compute_s - 1.0),
-                    }
-                for rank, p in enumerate(prefills):
-                    p.call("prefill_setup", tokens=tokens, tp=2, rank=rank, seed=seed)
-                for path in paths:
-                    for chunk_mib in chunk_list:
-                        engine(("tp2", chunk_mib, path), prefills)
+                for tp in layouts:
+                    senders = [prefill_procs[slot] for slot in placement.slots(tp)]
+                    for (rank, _), p in zip(placement.senders[tp], senders):
+                        p.call("prefill_setup", tokens=tokens, tp=tp, rank=rank, seed=seed)
+                    for path in paths:
+                        for chunk_mib in chunk_list:
+                            engine((f"tp{tp}", chunk_mib, path), senders)
+                    if tp == 1 and args.overlap_iters and mode == modes[0][0]:  # the overlap needs TP=1's set-up
+                        overlap = _overlap(decode, first, runs, paths, tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk, chunk_list[0], gpu, cfg)
                 for (layout, chunk_mib, path), layout_runs in runs.items():
                     eng_s = statistics.median(r["total_s"] for r in layout_runs)
                     phase_keys = sorted(k for k in layout_runs[0] if k.startswith(("send_", "recv_")))
@@ -479,12 +570,13 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     if layout == "tp1" and chunk_mib == overlap_chunk:
                         metrics |= overlap.get(path, {})
-                    case = {"path": path, "tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env}
+                    case = {"path": path, "tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": args.prefill_page_size, "chunk_mib": chunk_mib, "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env,
+                            **layout_fields[layout]}
                     record(BENCH, case, metrics, peers)
                     rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "path": path, "layout": layout, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
                     phase_rows.append({"tokens": tokens, "mode": mode, "path": path, "layout": layout, "chunk_MiB": chunk_mib, "total_us": metrics["latency_us"], "start_us": metrics["start_us"], "s_pack_us": metrics.get("send_pack_us", ""), "s_write_us": metrics.get("send_write_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})
         finally:
-            for p in (decode, *prefills):
+            for p in (decode, *prefill_procs.values()):
                 p.stop()
     print_table(rows, ["tokens", "MiB", "mode", "path", "layout", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "engine/raw", "chunks", "exposed_us", "hidden_pct", "slowdown_pct"])
     print()
