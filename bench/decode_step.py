@@ -1,10 +1,14 @@
-"""Benchmark: one decode step of a Qwen3-30B-A3B-shaped model, reference ops vs kernels.
+"""Benchmark: one decode step of a Qwen3-MoE-shaped model, reference ops vs kernels.
 
-`shared.model.model.Qwen3Model.forward` with random bf16 weights built directly
-on the GPU (48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts top-8,
-moe_intermediate 768, vocab 151936) and a paged KV cache holding ``--context``
-random tokens per sequence, run by up to three implementations in one process
-(``--impls``), on the same weights and cache:
+`shared.model.model.Qwen3Model.forward` with random weights built directly on the
+GPU, shapes of ``--model`` (`bench.decode_budget.MODELS`): ``qwen3-30b-a3b`` (the
+default: 48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts top-8,
+moe_intermediate 768, vocab 151936) or ``qwen3-235b-a22b`` (94 layers, hidden 4096,
+64 q / 4 KV heads, moe_intermediate 1536). Experts are bf16, or with ``--weights fp8``
+block FP8 (E4M3 + fp32 128x128 scales, drawn in bf16 and quantized one expert at a
+time); attention, router and embeddings stay bf16. A paged KV cache holds
+``--context`` random tokens per sequence. Up to three implementations run in one
+process (``--impls``), on the same weights and cache:
 
 * ``torch-reference``: the torch reference ops of `shared.model.layers`
   (per-expert loops, fp32 attention), no CUDA graphs — the baseline;
@@ -19,10 +23,15 @@ reference's figures of the same run as a peer and their ratio.
 
 Next to each measured tokens/s stands the HBM roofline of that step: the bytes
 it must move at least (attention and router weights, the experts the batch's
-tokens hit, lm_head, embedding rows, the K/V it reads) divided by 4.1 TB/s. The
-number of experts hit is the expectation under uniform routing,
-``E * (1 - (1 - k/E) ** B)`` per layer. A device-to-device copy is timed in the
-same run to re-measure the bandwidth ceiling.
+tokens hit, lm_head, embedding rows, the K/V it reads; `bench.decode_budget.step_bytes`)
+divided by 4.1 TB/s. The number of experts hit is the expectation under uniform
+routing, ``E * (1 - (1 - k/E) ** B)`` per layer. A device-to-device copy is timed
+in the same run to re-measure the bandwidth ceiling.
+
+Before any weights are drawn the layout's memory is checked
+(`bench.decode_budget.check_fits`): a model that cannot fit the GPU(s) is refused
+with the numbers (e.g. Qwen3-235B with FP8 experts on one GPU, or over EP=2 at 128
+requests per rank).
 
     python -m bench.decode_step [--batches 1 16 64] [--context 512] [--impls torch-reference kernels kernels+cuda-graph]
 
@@ -33,9 +42,14 @@ kernels' experts): ``kernels`` (``ep_dispatch``/``ep_combine`` over NCCL
 all-to-all with host-known sizes, the reference, eager only), ``kernels+peer-moe``
 (`Collectives.decode_moe`: peer-memory dispatch, masked grouped GEMMs, combine)
 and the same under a CUDA graph. tokens/s counts all ranks' tokens; rank 0's step
-time is reported (the ranks step in lockstep).
+time is reported (the ranks step in lockstep). The roofline there is per GPU: the
+bytes one rank must read in a step (its experts the step's ``batch * N`` tokens hit,
+the replicated attention/router/lm_head weights, the K/V of its own sequences) over
+the device-to-device copy bandwidth each rank measures in the same run (the slowest
+rank's, as the ranks step in lockstep).
 
     python -m bench.decode_step --ep 2 --batches 16 64
+    python -m bench.decode_step --ep 8 --model qwen3-235b-a22b --weights fp8 --batches 32 64 128
 """
 
 from __future__ import annotations
@@ -51,12 +65,14 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch
 
+from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits, step_bytes
 from bench.results import print_table, record
 from bench.timing import capture_graph
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
-from shared.model.weights import AttentionWeights, LayerWeights, ModelWeights, MoEWeights
+from shared.model.quant_formats import FP8_DTYPE, WEIGHT_BLOCK, BlockFp8Weight, quantize_block_fp8
+from shared.model.weights import AttentionWeights, LayerWeights, Linear, ModelWeights, MoEWeights
 
 BENCH = "decode_step"
 REFERENCE, KERNELS, GRAPHED = "torch-reference", "kernels", "kernels+cuda-graph"
@@ -65,23 +81,32 @@ IMPLS = (REFERENCE, KERNELS, GRAPHED)
 HBM_BYTES_PER_S = 4.1e12  # H200 HBM copy bandwidth measured for this project (notes/GPU.md)
 PAGE_SIZE = 16
 
-# Qwen/Qwen3-30B-A3B config.json (shapes only; weights are random).
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-}
 
 
-def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, ep_rank: int = 0, ep_size: int = 1) -> ModelWeights:
+def random_block_fp8(experts: int, rows: int, cols: int, device: torch.device) -> BlockFp8Weight:
+    """Random experts ``[experts, rows, cols]`` (std 0.02) in block FP8, quantized one expert at a
+    time so that no bf16 copy of all of them is ever held."""
+    bn, bk = WEIGHT_BLOCK
+    weight = torch.empty(experts, rows, cols, dtype=FP8_DTYPE, device=device)
+    scale_inv = torch.empty(experts, -(-rows // bn), -(-cols // bk), dtype=torch.float32, device=device)
+    for e in range(experts):
+        q = quantize_block_fp8(torch.empty(rows, cols, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02), WEIGHT_BLOCK)
+        weight[e], scale_inv[e] = q.weight, q.scale_inv
+    return BlockFp8Weight(weight, scale_inv, WEIGHT_BLOCK)
+
+
+def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, ep_rank: int = 0, ep_size: int = 1, expert_weights: str = "bf16") -> ModelWeights:
     """Weights drawn on the device (no checkpoint): std 0.02 like HF's init, norms at one.
 
-    Experts: expert-parallel rank ``ep_rank`` of ``ep_size``'s share (all of them by default).
+    Experts: expert-parallel rank ``ep_rank`` of ``ep_size``'s share (all of them by default),
+    in ``dtype`` or, with ``expert_weights="fp8"``, block FP8.
     """
 
     def w(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02)
+
+    def experts(rows: int, cols: int) -> Linear:
+        return random_block_fp8(local, rows, cols, device) if expert_weights == "fp8" else w(local, rows, cols)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)
@@ -93,22 +118,11 @@ def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, ep_
             input_norm=ones(h),
             post_attention_norm=ones(h),
             attn=AttentionWeights(w(c.num_heads * d, h), w(c.num_kv_heads * d, h), w(c.num_kv_heads * d, h), w(h, c.num_heads * d), ones(d), ones(d)),
-            mlp=MoEWeights(router=w(c.num_experts, h), w13=w(local, 2 * i, h), w2=w(local, h, i), expert_start=ep_rank * local),
+            mlp=MoEWeights(router=w(c.num_experts, h), w13=experts(2 * i, h), w2=experts(h, i), expert_start=ep_rank * local),
         )
         for _ in range(c.num_layers)
     ]
     return ModelWeights(embed=w(c.vocab_size, h), layers=layers, final_norm=ones(h), lm_head=w(c.vocab_size, h))
-
-
-def step_bytes(c: ModelConfig, batch: int, context: int, elem: int) -> tuple[float, float]:
-    """(bytes a decode step must move at least, expected experts hit per layer)."""
-    h, d = c.hidden_size, c.head_dim
-    attn = (2 * c.num_heads * d * h + 2 * c.num_kv_heads * d * h + 2 * d + 2 * h) * elem
-    experts_hit = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** batch)
-    moe = (c.num_experts * h + experts_hit * 3 * c.moe_intermediate_size * h) * elem
-    kv_read = batch * (context + 1) * 2 * c.num_kv_heads * d * elem
-    per_layer = attn + moe + kv_read
-    return c.num_layers * per_layer + c.vocab_size * h * elem + batch * h * elem, experts_hit
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -158,47 +172,76 @@ def cache_and_batches(c: ModelConfig, batch_sizes: list[int], context: int, dtyp
     return cache, batches
 
 
-def _expert_parallel_rank(rank: int, world: int, c: ModelConfig, batch_sizes: list[int], context: int, iters: int) -> list[tuple[str, int, float]]:
-    """One DP x EP rank: ``(impl, batch per rank, step seconds)`` for each implementation and batch."""
+def _model_case(model: str, c: ModelConfig, expert_weights: str) -> dict[str, object]:
+    """The model part of a result's case (``expert_weights`` only when not bf16, so older rows keep their case)."""
+    case: dict[str, object] = {"model": f"{model}-shapes", "layers": c.num_layers, "experts": c.num_experts, "top_k": c.top_k, "vocab": c.vocab_size}
+    return case | ({"expert_weights": expert_weights} if expert_weights != "bf16" else {})
+
+
+def _expert_parallel_rank(rank: int, world: int, model: str, c: ModelConfig, expert_weights: str, batch_sizes: list[int], context: int, iters: int) -> list[dict]:
+    """One DP x EP rank; rank 0 records each ``(impl, batch per rank)`` as soon as it is measured
+    (a run cut short keeps what it finished) and returns the table rows."""
+    import torch.distributed as dist
+
     from shared.parallel import Topology
     from shared.parallel_cuda import CudaCollectives
 
     device, dtype = torch.device("cuda", rank), torch.bfloat16
     torch.manual_seed(rank)
+    # The ranks step in lockstep: the slowest GPU's copy bandwidth bounds them all.
+    bandwidth = torch.tensor([copy_bandwidth(device)], device=device)
+    dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
     topology = Topology.decode(world, rank)
     comm = CudaCollectives(topology)
-    weights = random_weights(c, dtype, device, rank, world)
+    weights = random_weights(c, dtype, device, rank, world, expert_weights)
     cache, batches = cache_and_batches(c, batch_sizes, context, dtype, device)
     # Both models share the weights (the first converts the experts for the kernels in place).
     nccl = Qwen3Model(c, weights, topology, comm, kernels=True)
     peer = Qwen3Model(c, weights, topology, comm, kernels=True, max_tokens_per_rank=max(batch_sizes))
-    times = [(EP_NCCL, b, time_step(lambda: nccl.forward(batch, cache), device, iters)) for b, batch in batches.items()]
-    times += [(EP_PEER, b, time_step(lambda: peer.forward(batch, cache), device, iters)) for b, batch in batches.items()]
-    for b, batch in batches.items():
-        replay = capture_graph(lambda: peer.forward(batch, cache), repeat=1, warmup=True).replay
-        times.append((EP_PEER_GRAPHED, b, time_step(replay, device, iters)))
-    return times
+    nccl_s: dict[int, float] = {}
+    rows: list[dict] = []
 
-
-def run_expert_parallel(c: ModelConfig, world: int, batch_sizes: list[int], context: int, iters: int) -> int:
-    """The ``--ep`` mode (see the module doc): one process per GPU, results recorded by this one."""
-    from kernels._local_group import run_local_group
-
-    times = run_local_group(_expert_parallel_rank, world, "nccl", c, batch_sizes, context, iters, timeout=600)[0]
-    nccl = {b: seconds for impl, b, seconds in times if impl == EP_NCCL}
-    rows = []
-    for impl, b, seconds in times:
-        metrics = {"tokens_per_s": b * world / seconds, "tokens_per_s_per_gpu": b / seconds, "step_ms": seconds * 1e3}
+    def report(impl: str, b: int, seconds: float) -> None:
+        if impl == EP_NCCL:
+            nccl_s[b] = seconds
+        if rank != 0:
+            return
+        nbytes, hit = step_bytes(c, b, context, dtype.itemsize, expert_weights, world)
+        roof_s = nbytes / bandwidth.item()
+        metrics = {"tokens_per_s": b * world / seconds, "tokens_per_s_per_gpu": b / seconds, "step_ms": seconds * 1e3,
+                   "roofline_tokens_per_s_per_gpu": b / roof_s, "roofline_step_ms": roof_s * 1e3, "fraction_of_roofline": roof_s / seconds,
+                   "bytes_per_step_per_gpu_gb": nbytes / 1e9, "experts_hit_per_layer_per_gpu": hit, "copy_bandwidth_gbps": bandwidth.item() / 1e9}
         peers = {}
         if impl != EP_NCCL:
-            metrics["speedup_vs_nccl_all_to_all"] = nccl[b] / seconds
-            peers[EP_NCCL] = {"tokens_per_s": b * world / nccl[b], "step_ms": nccl[b] * 1e3}
-        case = {"model": "qwen3-30b-a3b-shapes", "layers": c.num_layers, "experts": c.num_experts, "top_k": c.top_k,
-                "vocab": c.vocab_size, "layout": f"dp{world}xep{world}", "batch_per_rank": b, "context": context,
-                "dtype": "bfloat16", "impl": impl}
+            metrics["speedup_vs_nccl_all_to_all"] = nccl_s[b] / seconds
+            peers[EP_NCCL] = {"tokens_per_s": b * world / nccl_s[b], "step_ms": nccl_s[b] * 1e3}
+        case = _model_case(model, c, expert_weights) | {"layout": f"dp{world}xep{world}", "batch_per_rank": b, "context": context,
+                                                         "dtype": "bfloat16", "impl": impl}
         record(BENCH, case, metrics, peers)
+        print(f"{impl} batch/rank {b}: {metrics['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, roofline {metrics['roofline_tokens_per_s_per_gpu']:.0f}", flush=True)
         rows.append({"impl": impl, "batch_per_rank": b, **metrics})
-    print_table(rows, ["impl", "batch_per_rank", "tokens_per_s", "tokens_per_s_per_gpu", "step_ms", "speedup_vs_nccl_all_to_all"])
+
+    for b, batch in batches.items():
+        report(EP_NCCL, b, time_step(lambda: nccl.forward(batch, cache), device, iters))
+    for b, batch in batches.items():
+        report(EP_PEER, b, time_step(lambda: peer.forward(batch, cache), device, iters))
+    for b, batch in batches.items():
+        try:
+            replay = capture_graph(lambda: peer.forward(batch, cache), repeat=1, warmup=True).replay
+        except Exception:  # capture can fail where eager runs (on every rank alike); keep the eager results
+            print(f"rank {rank} {EP_PEER_GRAPHED} batch {b}: capture failed, not recorded:\n{traceback.format_exc()}", flush=True)
+            break
+        report(EP_PEER_GRAPHED, b, time_step(replay, device, iters))
+    return rows
+
+
+def run_expert_parallel(model: str, c: ModelConfig, world: int, expert_weights: str, batch_sizes: list[int], context: int, iters: int) -> int:
+    """The ``--ep`` mode (see the module doc): one process per GPU, rank 0 records."""
+    from kernels._local_group import run_local_group
+
+    rows = run_local_group(_expert_parallel_rank, world, "nccl", model, c, expert_weights, batch_sizes, context, iters, timeout=900)[0]
+    print_table(rows, ["impl", "batch_per_rank", "tokens_per_s", "tokens_per_s_per_gpu", "roofline_tokens_per_s_per_gpu", "fraction_of_roofline",
+                       "step_ms", "speedup_vs_nccl_all_to_all", "bytes_per_step_per_gpu_gb", "experts_hit_per_layer_per_gpu", "copy_bandwidth_gbps"])
     return 0
 
 
@@ -214,19 +257,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=None, help="override (quick CPU checks)")
     ap.add_argument("--vocab", type=int, default=None, help="override (quick CPU checks)")
     ap.add_argument("--ep", type=int, default=1, help="GPUs of a DP x EP decode layout (one process each; see the module doc)")
+    ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b", help="shapes (bench.decode_budget.MODELS)")
+    ap.add_argument("--weights", choices=EXPERT_WEIGHTS, default="bf16", help="expert weights: bf16 or block FP8 (attention etc. stay bf16)")
     a = ap.parse_args(argv)
     device, dtype = torch.device(a.device), torch.bfloat16
     if device.type != "cuda" and GRAPHED in a.impls:
         ap.error(f"{GRAPHED} needs a CUDA device")
-    raw = dict(QWEN3_30B_A3B)
+    if min(a.batches) < 1 or a.context < 0:
+        ap.error("--batches must be positive and --context not negative")
+    raw = dict(MODELS[a.model])
     for key, value in (("num_hidden_layers", a.layers), ("num_experts", a.experts), ("vocab_size", a.vocab)):
         if value is not None:
             raw[key] = value
     c = ModelConfig.from_dict(raw)
+    if a.ep < 1 or c.num_experts % a.ep:
+        ap.error(f"--ep {a.ep}: {c.num_experts} experts do not split evenly over {a.ep} GPUs")
+    if device.type != "cuda" and a.ep > 1:
+        ap.error("--ep needs CUDA devices")
+    if device.type == "cuda":
+        if a.ep > torch.cuda.device_count():
+            ap.error(f"--ep {a.ep} needs {a.ep} GPUs (one rank each), {torch.cuda.device_count()} visible")
+        try:
+            check_fits(a.model, c, a.ep, max(a.batches), a.context, PAGE_SIZE, a.weights, torch.cuda.get_device_properties(device).total_memory)
+        except DoesNotFit as e:
+            ap.error(str(e))
     if a.ep > 1:
-        return run_expert_parallel(c, a.ep, a.batches, a.context, a.iters)
+        return run_expert_parallel(a.model, c, a.ep, a.weights, a.batches, a.context, a.iters)
     torch.manual_seed(0)
-    weights = random_weights(c, dtype, device)
+    weights = random_weights(c, dtype, device, expert_weights=a.weights)
     cache, batches = cache_and_batches(c, a.batches, a.context, dtype, device)
     bandwidth = copy_bandwidth(device)
 
@@ -235,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(impl: str, b: int, seconds: float) -> None:
         step_s[(impl, b)] = seconds
-        nbytes, experts_hit = step_bytes(c, b, a.context, 2)
+        nbytes, experts_hit = step_bytes(c, b, a.context, dtype.itemsize, a.weights)
         roof_s = nbytes / HBM_BYTES_PER_S
         metrics = {
             "tokens_per_s": b / seconds,
@@ -252,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if impl != REFERENCE and ref is not None:
             metrics["speedup_vs_reference"] = ref / seconds
             peers[REFERENCE] = {"tokens_per_s": b / ref, "step_ms": ref * 1e3}
-        case = {"model": "qwen3-30b-a3b-shapes", "layers": c.num_layers, "experts": c.num_experts, "top_k": c.top_k,
-                "vocab": c.vocab_size, "batch": b, "context": a.context, "dtype": "bfloat16", "impl": impl}
+        case = _model_case(a.model, c, a.weights) | {"batch": b, "context": a.context, "dtype": "bfloat16", "impl": impl}
         record(BENCH, case, metrics, peers)
         rows.append({"impl": impl, "batch": b, **metrics})
 
