@@ -3,7 +3,7 @@
 For each prompt length it measures, in the same run:
 
 * ``peer_copy``  - one torch copy of the request's KV bytes from the prefill device to the
-  decode device (GPU0 -> GPU1; on CPU a memcpy between two tensors): the ceiling.
+  decode device (GPU 0 -> the decode GPU; on CPU a memcpy between two tensors): the ceiling.
 * ``raw_ucxx``   - one tagged ucxx send of one contiguous buffer of that size between the
   two processes: what UCX itself gives.
 * ``engine``     - the TransferEngine (KVSender -> KVReceiver), all layers ready at once
@@ -14,15 +14,15 @@ For each prompt length it measures, in the same run:
   for each prefill layout of ``--prefill-ranks`` (default 1 and 2: TP=1, and 2 ranks with 2
   of the 4 KV heads each; with more ranks than KV heads only one replica of each head
   sends, as in the services). Senders pack into their worker's send pool, as in the services.
+  Each row also carries the median per-phase times both sides record
+  (``TransferRecord.phases_s``), ``start_us`` (sender built -> first header at the decode
+  rank) and ``notify_us`` (request complete -> ``wait_complete`` returned).
 * placement  - the decode rank sits on the GPU after the prefill ranks of the largest layout
   (``--prefill-ranks 4`` on 8 GPUs: prefill ranks on GPUs 0-3, decode on GPU 4), or on the
   last GPU when there is none after them, the prefill ranks then sharing GPUs 0..last-1
   (`plan_placement`). On two GPUs that is the original layout (all prefill ranks on GPU 0,
   decode on GPU 1) and the rows are as before; any other placement adds ``sender_gpus`` and
   ``decode_gpu`` to the case. ``peer_copy`` and ``raw_ucxx`` run GPU 0 -> the decode GPU.
-  Each row also carries the median per-phase times both sides record
-  (``TransferRecord.phases_s``), ``start_us`` (sender built -> first header at the decode
-  rank) and ``notify_us`` (request complete -> ``wait_complete`` returned).
 * ``path``       - every engine row runs twice on CUDA: ``ucx`` (staged chunks over UCX, the
   decode receiver built with ``cuda_ipc=False``) and ``cuda_ipc`` (the same-host fast path:
   the decode receiver exports its KV storage, the sender packs each group locally and

@@ -146,3 +146,19 @@ def test_gpu_scale_bench_commands_parse_and_stop_only_at_the_gpu_count(capsys):
             module.main(command[3:])  # after "python3 -m bench.<name>"
         err = capsys.readouterr().err
         assert ("needs 8 GPUs" in err) or ("--ep needs CUDA" in err), err
+
+
+@pytest.mark.slow
+def test_kv_transfer_bench_with_four_prefill_ranks_on_cpu(tmp_path, monkeypatch):
+    # Real processes over UCX/TCP: each layout's first transfer is checked bit for bit on the
+    # decode side, and a layout whose transfer fails or differs records no row.
+    from bench import kv_transfer
+
+    monkeypatch.setenv("MOEBUS_RESULTS_DIR", str(tmp_path))
+    rc = kv_transfer.main(["--device", "cpu", "--prefill-ranks", "1,4", "--tokens", "64", "--layers", "2", "--iters", "1",
+                           "--overlap-iters", "0", "--chunk-mib", "4"])
+    assert rc == 0
+    rows = [json.loads(x) for x in (tmp_path / "kv_transfer.jsonl").read_text().splitlines()]
+    assert sorted(r["case"]["prefill_layout"] for r in rows) == ["tp1", "tp4"]
+    assert all("decode_gpu" not in r["case"] for r in rows)  # CPU rows keep the original case fields
+    assert all(r["metrics"]["gbps"] > 0 for r in rows)
