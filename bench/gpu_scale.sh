@@ -5,12 +5,12 @@
 #   bench/gpu_scale.sh [comm]   CuTeDSL bundle; within a ${SCALE_BUDGET_S:-540} s budget, in this order:
 #     test_dispatch_combine   tests/gpu/test_comm_dispatch_combine.py at W ranks (bf16 + FP8, eager + graph)
 #     bench_dispatch_combine  bench/dispatch_combine.py --world W       item 2: 1/32/128/256 tokens per rank
-#     decode_step             (W = 8 only) bench/decode_step.py --ep 8, Qwen3-235B-A22B shapes, FP8
-#                             experts, 32/64/128 requests per rank, per-GPU HBM roofline     item 4
 #     test_allreduce          tests/gpu/test_comm_allreduce.py at W ranks
 #     bench_allreduce         bench/allreduce.py --world W, 8 KiB .. 256 MiB vs NCCL and symm-mem   item 1
 #     test_parallel_ep        tests/gpu/test_comm_parallel_cuda.py, tests/gpu/test_comm_ep_prefill.py at W
 #     bench_ep_prefill        (W >= 4) bench/ep_prefill_layer.py --world 4, TP = EP = 4      item 3, layer
+#     decode_step             (W = 8 only) bench/decode_step.py --ep 8, Qwen3-235B-A22B shapes, FP8
+#                             experts, 32/64/128 requests per rank, per-GPU HBM roofline     item 4
 #   bench/gpu_scale.sh kv       ucxx bundle instead (ucxx and CuTeDSL together exceed the 64 MiB a call
 #                               may carry, so the KV handoff is a second call):
 #     bench_kv_transfer       bench/kv_transfer.py --prefill-ranks 1,2,4: the 4 TP ranks on GPUs 0-3 ->
@@ -76,14 +76,15 @@ if [ "$MODE" = kv ]; then
 else
   run test_dispatch_combine 90 $PYTEST --timeout=80 tests/gpu/test_comm_dispatch_combine.py
   run bench_dispatch_combine 90 python3 -m bench.dispatch_combine --world "$W"
-  if [ "$W" -eq 8 ]; then
-    run decode_step 200 python3 -m bench.decode_step --ep 8 --model qwen3-235b-a22b --weights fp8 --batches 32 64 128
-  fi
   run test_allreduce 80 $PYTEST --timeout=70 tests/gpu/test_comm_allreduce.py
   run bench_allreduce 100 python3 -m bench.allreduce --world "$W"
   run test_parallel_ep 60 $PYTEST --timeout=50 tests/gpu/test_comm_parallel_cuda.py tests/gpu/test_comm_ep_prefill.py
   if [ "$W" -ge 4 ]; then
     run bench_ep_prefill 45 python3 -m bench.ep_prefill_layer --world 4
+  fi
+  # Last: the longest step (compiles, 94 layers); it records each row as measured, so a cut keeps them.
+  if [ "$W" -eq 8 ]; then
+    run decode_step 240 python3 -m bench.decode_step --ep 8 --model qwen3-235b-a22b --weights fp8 --batches 32 64 128
   fi
 fi
 
