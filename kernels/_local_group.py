@@ -9,6 +9,7 @@ other ranks are killed (a rank waiting on a dead peer would otherwise spin).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import queue
@@ -34,32 +35,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, results) -> None:
+def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results) -> None:
     os.environ.update(NO_MULTICAST_ENV)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                device_id=torch.device("cuda", rank) if backend == "nccl" else None)
-        try:
-            # Tensors cross as plain bytes: torch's shared-memory handles would need the
-            # sending process alive until the parent has read them.
-            buf = io.BytesIO()
-            torch.save(fn(rank, world, *args), buf)
-            results.put((rank, True, buf.getvalue()))
-        finally:
-            dist.destroy_process_group()
+        # Tensors cross as plain bytes: torch's shared-memory handles would need the
+        # sending process alive until the parent has read them.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, port, *args), buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, False, traceback.format_exc()))
 
 
+def _in_group(backend: str, fn: Callable[..., Any], rank: int, world: int, port: int, *args: Any) -> Any:
+    """``fn(rank, world, *args)`` inside a process group of ``backend`` rendezvousing on ``port``."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank) if backend == "nccl" else None)
+    try:
+        return fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
 def run_local_group(fn: Callable[..., Any], world: int, backend: str, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results by rank."""
+    """Run ``fn(rank, world, *args)`` on ``world`` processes in one group; return the results by rank."""
+    return spawn_ranks(functools.partial(_in_group, backend, fn), world, *args, timeout=timeout)
+
+
+def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world, port, *args)`` on ``world`` processes that join no group themselves
+    (``port`` is free for their rendezvous); return the results by rank."""
     os.environ.update(NO_MULTICAST_ENV)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, backend, fn, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results)) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -12,14 +12,12 @@ NCCL. Then the same reductions captured in one CUDA graph, replayed with fresh i
 from __future__ import annotations
 
 import os
-import queue
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from kernels._local_group import spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,7 +80,7 @@ def _snapshot(cases):
             for name, x, whole in cases]
 
 
-def _rank_checks(rank: int, port: int) -> int:
+def _rank_checks(rank: int, world: int, port: int) -> int:
     from shared.parallel import Topology, init_distributed
     from shared.parallel_cuda import CudaCollectives
 
@@ -125,45 +123,6 @@ def _rank_checks(rank: int, port: int) -> int:
         dist.destroy_process_group()
 
 
-def _rank_main(rank: int, port: int, results) -> None:
-    os.environ.pop("MOEBUS_KERNELS", None)  # the default (auto) picks the kernels on CUDA
-    try:
-        results.put((rank, _rank_checks(rank, port), None))
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_init_distributed_on_cuda_returns_kernel_collectives_matching_nccl():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got, errors = {}, []
-    try:
-        while len(got) + len(errors) < WORLD:
-            try:
-                rank, value, err = results.get(timeout=240)
-            except queue.Empty:
-                errors.append("timed out waiting for the ranks")
-                break
-            if err is None:
-                got[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{err}")
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 60)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert not errors, "\n".join(errors)
-    assert got == {r: 6 for r in range(WORLD)}
+def test_init_distributed_on_cuda_returns_kernel_collectives_matching_nccl(monkeypatch):
+    monkeypatch.delenv("MOEBUS_KERNELS", raising=False)  # the default (auto) picks the kernels on CUDA
+    assert spawn_ranks(_rank_checks, WORLD, timeout=240) == [6] * WORLD
