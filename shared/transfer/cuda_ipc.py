@@ -7,17 +7,21 @@ never pickled. A prefill rank on the same host (same boot id and hostname) that 
 the exporting GPU opens it once (``open_export``: ``rebuild_cuda_tensor`` on the
 prefill's own GPU, so the peer memory is reached over NVLink with lazily enabled peer
 access) and caches the mapping per export. The sender then writes each layer group
-straight into the reserved pages with GPU kernels and announces the landed cells with
-a small UCX message; UCX stays the cross-host path and the control channel.
+straight from its own KV pages into the reserved pages (``direct_write``: copy-engine
+2-D copies or one copy kernel per group, no local pack, no staging) and announces the
+landed cells with a small UCX message; UCX stays the cross-host path and the control
+channel.
 
 Safety: the decode rank never hands pages to another request while a direct writer
 may still write them.
 
 * A sender issues a group's writes only after that group's compute finished (host
-  wait on its CUDA events) and only before its deadline, which is never later than the
-  reservation's lease; the writes are a few copy kernels on a high-priority stream, so
-  they end within milliseconds of being issued. On failure or cancel it waits for the
-  writes it issued to complete, then sends a ``"stopped"`` header for its heads.
+  check of its CUDA events) and only before its deadline, which is never later than
+  the reservation's lease; the writes are copies on a high-priority side stream with
+  nothing queued ahead of them but earlier writes, so they end within milliseconds of
+  being issued (a whole 32k-token request is ~6 GB, ~16 ms at NVLink speed). On failure
+  or cancel it waits for the writes it issued to complete, then sends a ``"stopped"``
+  header for its heads.
 * A receiver whose reservation may have a direct writer (it exported its storage)
   frees the pages of a cancelled / expired / failed reservation only when every head
   is quiet (all its layers landed, its sender said ``"stopped"``, or its sender sent a
@@ -30,20 +34,16 @@ may still write them.
   does there: the importer's ``cudaIpcOpenMemHandle`` mapping keeps the exporter's
   allocation referenced by the driver until the importer closes it, so a write
   already in flight lands in memory nobody reads instead of faulting; this is driver
-  behaviour we do not rely on for correctness and did not test (torch itself only
-  warns, at the decode's exit, "Producer process has been terminated before all shared
-  CUDA tensors released": seen on 2x H200 when the decode process ends while a prefill
-  still holds its cached mapping). If the decode dies
-  after the sender's last message was buffered (eager sends complete locally), the
-  sender reports success: the scheduler learns of the dead decode from its heartbeats.
+  behaviour we do not rely on for correctness (torch itself only warns, at the
+  decode's exit, "Producer process has been terminated before all shared CUDA tensors
+  released": seen on 2x H200 when the decode process ends while a prefill still holds
+  its cached mapping; ``tests/transfer/test_transfer_gpu.py`` kills a decode during
+  direct writes). If the decode dies after the sender's last message was buffered
+  (eager sends complete locally), the sender reports success: the scheduler learns of
+  the dead decode from its heartbeats.
 
 Not offered on CPU, and not when ``MOEBUS_KV_CUDA_IPC=0`` or ``KVReceiver(cuda_ipc=False)``.
-The sender packs each group into a local staging slot, then scatters it into the peer
-pages with ``shard.scatter_into`` (four index kernels per group, pack and scatter on two
-side streams). Measured on 2x H200 (bench/results/kv_transfer.jsonl @75e7ac06c758): 1.7x
-the UCX path at 1k tokens, even at 6k, 0.78x at 32k (the SM-driven writes over NVLink run
-below the copy engines UCX uses), and less exposed time behind a layer-by-layer prefill
-at every size.
+Measured on 2x H200: see README's KV transfer section and bench/results/kv_transfer.jsonl.
 """
 
 from __future__ import annotations

@@ -20,17 +20,21 @@ packed, on CUDA behind the group's compute), ``endpoint`` (connecting, 0 once ca
 finished: what the transfer adds after the forward's last layer).
 
 Same-host fast path (``cuda_ipc``): when the descriptor carries the decode rank's KV
-storage exported through CUDA IPC and this process can open it, each group is packed
-locally and scattered straight into the decode rank's reserved pages by kernels on the
-side stream (issued once the group's compute finished, never after the deadline), and
-a ``"landed"`` header announces the cells once those kernels completed; no chunk goes
-over UCX. Otherwise (another host, CPU, ``MOEBUS_KV_CUDA_IPC=0`` on the decode side,
-the open failing: logged as ``kv.cuda_ipc_unavailable`` with the reason) the UCX path
-above is taken. ``TransferRecord.path`` and the log events say which; on the direct
-path the ``pack`` phase is replaced by ``compute_wait`` (host wait for the group's
-compute) and ``write`` (pack + scatter into the peer), and ``wire`` is the header's
-send. On a failure the direct sender waits for its issued writes, then tells the
-decode rank ``"stopped"`` (the safety rules are in ``shared.transfer.cuda_ipc``).
+storage exported through CUDA IPC and this process can open it, no chunk is packed:
+each group of layers whose compute has finished (host check of its CUDA events) is
+written straight from the local pages into the decode rank's reserved pages on a side
+stream (``direct_write``: copy engines or a copy kernel, planned once per transfer;
+never issued after the deadline), and a ``"landed"`` header announces the cells once
+those writes completed. Groups are not bounded by staging: a group is every reported
+layer whose compute is done when the previous group was issued (all layers at once for
+KV that is all there). Otherwise (another host, CPU, ``MOEBUS_KV_CUDA_IPC=0`` on the
+decode side, the open failing: logged as ``kv.cuda_ipc_unavailable`` with the reason)
+the UCX path above is taken. ``TransferRecord.path`` and the log events say which; on
+the direct path the phases are ``compute_wait`` (host wait for the group's compute),
+``issue`` (enqueueing its writes), ``write`` (issued -> completed) and ``wire`` (the
+header's send); ``write_methods`` counts the groups per method. On a failure the
+direct sender waits for its issued writes, then tells the decode rank ``"stopped"``
+(the safety rules are in ``shared.transfer.cuda_ipc``).
 
 Every outcome is explicit: ``finish()`` returns a ``TransferRecord`` or raises
 ``TransferTimeout`` (deadline: the sender's timeout or the reservation's lease,
@@ -49,6 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 
@@ -57,7 +62,8 @@ from shared.kvcache import PagedKVCache
 from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
-from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers, scatter_into
+from shared.transfer.direct_write import WRITE_METHODS, DirectWriter, plan_segments
+from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
 from shared.transfer.streams import event_done, side_stream
 from shared.transfer.worker import TransferWorker, UCXError, data_tag, encode_header, header_tag, ucx_buffer
@@ -66,6 +72,9 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # a few large UCX messages per request (each costs a fixed ~0.3-0.5 ms)
 _STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the decode rank it stopped
+# Direct writes of up to this many bytes are awaited by blocking the event loop (~0.2 ms at
+# NVLink speed); larger ones in a thread, so the loop is not held for milliseconds.
+_SHORT_WRITE_BYTES = 64 << 20
 
 
 class KVSender:
@@ -78,11 +87,14 @@ class KVSender:
     waits for its layers' events on the GPU.
     ``page_table`` lists the request's pages in the local cache, which holds exactly
     the local heads (``kvcache.layout.kv_heads == heads.num_heads``). The caller keeps
-    those pages untouched until ``finish()`` returns or raises. A chunk holds at most as
-    many whole layers as fit ``chunk_bytes``, the decode side's ``max_chunk_bytes`` and a
-    staging slot. Chunks are packed into ``staging`` (default: the worker's long-lived
-    send pool for the cache's device, whose arena stays registered with UCX);
-    ``held_buffers`` counts the slots this sender holds (0 once ``finish()`` is over).
+    those pages untouched until ``finish()`` returns or raises. On the UCX path a chunk
+    holds at most as many whole layers as fit ``chunk_bytes``, the decode side's
+    ``max_chunk_bytes`` and a staging slot; chunks are packed into ``staging`` (default:
+    the worker's long-lived send pool for the cache's device, whose arena stays
+    registered with UCX); ``held_buffers`` counts the slots this sender holds (0 once
+    ``finish()`` is over). The direct path uses no staging (``staging`` is None) and
+    ``direct_write`` picks its method (``"auto"``, ``"copy_engine"``, ``"kernel"``; see
+    ``shared.transfer.direct_write``).
     """
 
     def __init__(
@@ -97,8 +109,11 @@ class KVSender:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         staging: StagingPool | None = None,
         metrics: TransferMetrics | None = None,
+        direct_write: str = "auto",
     ) -> None:
         created = time.perf_counter()
+        if direct_write not in WRITE_METHODS:
+            raise ValueError(f"direct_write {direct_write!r} is not one of {WRITE_METHODS}")
         self._created_unix = time.time()
         self._worker = worker
         self._cache = kvcache
@@ -107,20 +122,23 @@ class KVSender:
         self.metrics = metrics or TransferMetrics()
         _check_layouts(kvcache, descriptor, heads, len(page_table))
         layout = kvcache.layout
-        layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
-        self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
         self._peer_storage = _open_peer_storage(descriptor, kvcache.device)
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
-        limit = min(chunk_bytes, self.staging.slot_bytes)
+        self.staging: StagingPool | None = None
+        self._writer: DirectWriter | None = None
+        self.write_methods: dict[str, int] = {}  # direct path: layer groups written per method
         if self._peer_storage is None:
-            limit = min(limit, descriptor.max_chunk_bytes)  # UCX chunks land in the decode rank's staging slots
-        self._max_layers = _layers_per_chunk(layer_bytes, limit, descriptor.request_id)
-        self._pack_stream = side_stream(kvcache.device)
-        self._write_stream = None if self._peer_storage is None else side_stream(kvcache.device, "peer_write")
-        with torch.cuda.stream(self._pack_stream) if self._pack_stream is not None else contextlib.nullcontext():
-            # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
-            self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
-            self._decode_table = None if self._peer_storage is None else torch.tensor(descriptor.page_ids, dtype=torch.long).to(kvcache.device, non_blocking=True)
+            layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
+            self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
+            limit = min(chunk_bytes, self.staging.slot_bytes, descriptor.max_chunk_bytes)  # chunks land in the decode rank's staging slots
+            self._max_layers = _layers_per_chunk(layer_bytes, limit, descriptor.request_id)
+            self._side_stream = side_stream(kvcache.device)  # packs
+            with torch.cuda.stream(self._side_stream) if self._side_stream is not None else contextlib.nullcontext():
+                # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
+                self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
+        else:
+            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, direct_write)
+            self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._num_layers = layout.num_layers
@@ -190,7 +208,7 @@ class KVSender:
 
     def _stream_position(self) -> torch.cuda.Event | None:
         """On CUDA, an event at the caller's current stream position (packs wait for it)."""
-        if self._pack_stream is None:
+        if self._side_stream is None:
             return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._cache.device))
@@ -206,21 +224,10 @@ class KVSender:
         rid = self.request_id
         try:
             async with asyncio.timeout_at(self._deadline):
-                next_layer, num_layers = 0, self._num_layers
-                while next_layer < num_layers:
-                    while self._ready_at[next_layer] is None:
-                        self._progress.clear()
-                        await self._progress.wait()
-                    buf = await self._acquire(self._nbytes_of(range(next_layer, min(next_layer + self._max_layers, num_layers))))
-                    end = next_layer + 1  # every consecutive layer ready by now, up to the chunk limit
-                    while end < num_layers and end - next_layer < self._max_layers and self._ready_at[end] is not None:
-                        end += 1
-                    group = range(next_layer, end)
-                    self._sent_groups.append(group)
-                    buf = buf[: self._nbytes_of(group)]
-                    packed = await self._pack(group, buf)
-                    self._sends.append(self._loop.create_task(self._send_chunk(group, buf, packed)))
-                    next_layer = end
+                if self._writer is not None:
+                    await self._write_groups()
+                else:
+                    await self._send_chunks()
                 await asyncio.gather(*self._sends)
         except BaseException as e:
             await self._abort_sends()
@@ -235,10 +242,68 @@ class KVSender:
         self._phases.add("tail", done - max(t for t in self._ready_at if t is not None))
         record = TransferRecord(rid, self._nbytes, done - self._first_send_at, len(self._sent_groups), self._created_unix, self._phases.seconds, self.path)
         self.metrics.record_ok(record)
-        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s, path=self.path)
+        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s, path=self.path, write_methods=self.write_methods)
         return record
 
+    async def _reported(self, layer: int) -> None:
+        """Until ``on_layer_done(layer)`` (or ``mark_all_layers_done``) reached the loop."""
+        while self._ready_at[layer] is None:
+            self._progress.clear()
+            await self._progress.wait()
+
+    async def _send_chunks(self) -> None:
+        """UCX path: pack groups of ready layers into staging slots and send each as a chunk."""
+        next_layer, num_layers = 0, self._num_layers
+        while next_layer < num_layers:
+            await self._reported(next_layer)
+            buf = await self._acquire(self._nbytes_of(range(next_layer, min(next_layer + self._max_layers, num_layers))))
+            end = next_layer + 1  # every consecutive layer ready by now, up to the chunk limit
+            while end < num_layers and end - next_layer < self._max_layers and self._ready_at[end] is not None:
+                end += 1
+            group = range(next_layer, end)
+            self._sent_groups.append(group)
+            buf = buf[: self._nbytes_of(group)]
+            packed = await self._pack(group, buf)
+            self._sends.append(self._loop.create_task(self._send_chunk(group, buf, packed)))
+            next_layer = end
+
+    async def _write_groups(self) -> None:
+        """Direct path: write every reported layer whose compute is done straight into the
+        decode pages, group by group; never issues a write after the deadline."""
+        assert self._writer is not None and self._side_stream is not None
+        next_layer, num_layers = 0, self._num_layers
+        while next_layer < num_layers:
+            await self._reported(next_layer)
+            started = time.perf_counter()
+            await self._computed(next_layer, wait=True)
+            end = next_layer + 1  # and every following layer reported and computed by now
+            while end < num_layers and self._ready_at[end] is not None and await self._computed(end, wait=False):
+                end += 1
+            group = range(next_layer, end)
+            issued = time.perf_counter()
+            self._phases.add("compute_wait", issued - started)
+            if self._loop.time() >= self._deadline:
+                raise TimeoutError
+            method = self._writer.write(group, self._side_stream)
+            done = torch.cuda.Event()
+            done.record(self._side_stream)
+            self.write_methods[method] = self.write_methods.get(method, 0) + 1
+            self._sent_groups.append(group)
+            self._phases.add("issue", time.perf_counter() - issued)
+            self._sends.append(self._loop.create_task(self._announce(group, done)))
+            next_layer = end
+
+    async def _computed(self, layer: int, *, wait: bool) -> bool:
+        """Whether ``layer``'s compute (its CUDA event) has finished; ``wait``: until it has."""
+        event = self._layer_events[layer]
+        if event is None or event.query():
+            return True
+        if wait:
+            await event_done(event, short=False)
+        return wait
+
     async def _acquire(self, nbytes: int) -> torch.Tensor:
+        assert self.staging is not None
         started = time.perf_counter()
         buf = await self.staging.acquire(nbytes)
         self._held += 1
@@ -246,6 +311,7 @@ class KVSender:
         return buf
 
     def _release(self, buf: torch.Tensor) -> None:
+        assert self.staging is not None
         self._held -= 1
         self.staging.release(buf)
 
@@ -257,9 +323,7 @@ class KVSender:
         """Pack ``group`` into ``buf``; on CUDA enqueue it on the pack stream behind the group's event."""
         layout = self._cache.layout
         out = chunk_view(buf, len(group), self._heads.num_heads, self._desc.num_tokens, layout.head_dim, layout.dtype)
-        if self._peer_storage is not None:
-            return await self._write_direct(group, buf, out)
-        if self._pack_stream is None:
+        if self._side_stream is None:
             started = time.perf_counter()
             # Memory-bound copy that releases the GIL: keep the event loop (and UCX completions) running.
             pack = asyncio.ensure_future(asyncio.to_thread(pack_layers, self._cache, group, self._page_table, self._desc.num_tokens, out))
@@ -272,39 +336,13 @@ class KVSender:
             self._phases.add("pack", time.perf_counter() - started)
             return None
         computed = {id(e): e for e in (self._layer_events[layer] for layer in group) if e is not None}.values()
-        with torch.cuda.stream(self._pack_stream):
+        with torch.cuda.stream(self._side_stream):
             for event in computed:
-                self._pack_stream.wait_event(event)
+                self._side_stream.wait_event(event)
             pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
             done = torch.cuda.Event()
-            done.record(self._pack_stream)
+            done.record(self._side_stream)
         return _Packed(done, behind_compute=not all(event.query() for event in computed))
-
-    async def _write_direct(self, group: range, buf: torch.Tensor, out: torch.Tensor) -> _Packed:
-        """Same-host path: once ``group``'s compute is done, pack it into ``buf`` and scatter it
-        into the decode rank's pages (side stream). Never issues a write after the deadline."""
-        started = time.perf_counter()
-        try:
-            for event in {id(e): e for e in (self._layer_events[layer] for layer in group) if e is not None}.values():
-                await event_done(event, short=False)
-            if self._loop.time() >= self._deadline:
-                raise TimeoutError
-        except BaseException:
-            self._release(buf)
-            raise
-        self._phases.add("compute_wait", time.perf_counter() - started)
-        assert self._peer_storage is not None and self._decode_table is not None and self._write_stream is not None
-        heads = range(self._heads.start, self._heads.end)
-        with torch.cuda.stream(self._pack_stream):
-            pack_layers(self._cache, group, self._page_table, self._desc.num_tokens, out)
-            packed = torch.cuda.Event()
-            packed.record(self._pack_stream)
-        with torch.cuda.stream(self._write_stream):  # behind this pack only (tables were uploaded before it)
-            self._write_stream.wait_event(packed)
-            scatter_into(self._peer_storage, self._desc.layout.page_size, group, heads, self._decode_table, self._desc.num_tokens, out)
-            done = torch.cuda.Event()
-            done.record(self._write_stream)
-        return _Packed(done, behind_compute=False)
 
     async def _stop_direct_writes(self, error: TransferError) -> None:
         """After a failure (issued writes already complete): tell the decode rank these heads
@@ -320,46 +358,52 @@ class KVSender:
         except (TimeoutError, UCXError) as e:
             log.warning("kv.stopped_notice_failed", request_id=desc.request_id, error=f"{type(e).__name__}: {e}")
 
-    async def _send_chunk(self, group: range, buf: torch.Tensor, packed: _Packed | None) -> None:
+    def _header(self, group: range, nbytes: int, kind: str) -> ShardHeader:
         desc = self._desc
-        direct = self._peer_storage is not None
+        return ShardHeader(desc.request_id, desc.transfer_id, self._heads.start, self._heads.end, group.start, group.stop, desc.num_tokens, nbytes, desc.layout.dtype, kind=kind)
+
+    async def _post(self, *messages: tuple[int, object]) -> None:
+        """Send the header (and its chunk) to the decode rank; phase bookkeeping around it."""
+        address = self._desc.worker_address
+        posted = time.perf_counter()
+        if self._first_send_at is None:
+            self._first_send_at = posted
+            ready_at = self._ready_at[0]
+            assert ready_at is not None
+            self._phases.add("first_ready", ready_at - self._created)
+            self._phases.add("start", posted - ready_at)
+        await self._worker.endpoint(address)  # cached after the first transfer to this peer
+        self._phases.add("endpoint", time.perf_counter() - posted)
+        self._in_flight += 1
+        if len(messages) == 1:
+            await self._worker.send(address, *messages[0])
+        else:
+            await self._worker.send_pair(address, *messages)
+        self._in_flight -= 1
+        self._phases.add("wire", time.perf_counter() - posted)
+
+    async def _announce(self, group: range, done: torch.cuda.Event) -> None:
+        """Direct path: once ``group``'s writes completed, tell the decode rank its cells landed."""
+        nbytes = self._nbytes_of(group)
+        try:
+            started = time.perf_counter()
+            await event_done(done, short=nbytes <= _SHORT_WRITE_BYTES)
+            self._phases.add("write", time.perf_counter() - started)
+            await self._post((header_tag(self._desc.transfer_id), encode_header(self._header(group, nbytes, "landed"))))
+            self._nbytes += nbytes
+        finally:
+            done.synchronize()  # cancelled: the writes still run; the failure path reports only after them
+
+    async def _send_chunk(self, group: range, buf: torch.Tensor, packed: _Packed | None) -> None:
+        """UCX path: once packed, send the header and the chunk."""
+        tid = self._desc.transfer_id
         try:
             if packed is not None:
                 started = time.perf_counter()
                 await event_done(packed.done, short=not packed.behind_compute)
-                self._phases.add("write" if direct else "pack", time.perf_counter() - started)
-            header = ShardHeader(
-                request_id=desc.request_id,
-                transfer_id=desc.transfer_id,
-                head_start=self._heads.start,
-                head_end=self._heads.end,
-                layer_start=group.start,
-                layer_end=group.stop,
-                num_tokens=desc.num_tokens,
-                nbytes=buf.numel(),
-                dtype=desc.layout.dtype,
-                kind="landed" if direct else "chunk",
-            )
-            posted = time.perf_counter()
-            if self._first_send_at is None:
-                self._first_send_at = posted
-                ready_at = self._ready_at[0]
-                assert ready_at is not None
-                self._phases.add("first_ready", ready_at - self._created)
-                self._phases.add("start", posted - ready_at)
-            await self._worker.endpoint(desc.worker_address)  # cached after the first transfer to this peer
-            self._phases.add("endpoint", time.perf_counter() - posted)
-            self._in_flight += 1
-            if direct:  # the KV is already in the decode pages: announce it
-                await self._worker.send(desc.worker_address, header_tag(desc.transfer_id), encode_header(header))
-            else:
-                await self._worker.send_pair(
-                    desc.worker_address,
-                    (header_tag(desc.transfer_id), encode_header(header)),
-                    (data_tag(desc.transfer_id, self._heads.start, group.start), ucx_buffer(buf)),
-                )
-            self._in_flight -= 1
-            self._phases.add("wire", time.perf_counter() - posted)
+                self._phases.add("pack", time.perf_counter() - started)
+            header = encode_header(self._header(group, buf.numel(), "chunk"))
+            await self._post((header_tag(tid), header), (data_tag(tid, self._heads.start, group.start), ucx_buffer(buf)))
             self._nbytes += buf.numel()
         finally:
             if packed is not None:
@@ -388,16 +432,33 @@ def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torc
     """The decode rank's storage mapped through CUDA IPC, or None (UCX path; logged why)."""
     if desc.cuda_ipc is None:
         return None
-    pages_needed = -(-desc.num_tokens // desc.layout.page_size)
-    if len(desc.page_ids) < pages_needed or not all(0 <= p < desc.cuda_ipc.num_pages for p in desc.page_ids):
-        # Checked here: an index kernel writing out of range would kill this process's CUDA context.
-        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {len(desc.page_ids)} page ids (need {pages_needed}) not all inside the decode rank's {desc.cuda_ipc.num_pages} pages")
+    ids = np.asarray(desc.page_ids, dtype=np.int64)
+    if len(ids) < -(-desc.num_tokens // desc.layout.page_size) or (len(ids) and (ids.min() < 0 or ids.max() >= desc.cuda_ipc.num_pages)):
+        # An inconsistent descriptor whichever path is taken; a direct write there would hit another request's pages.
+        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {len(ids)} page ids not all inside the decode rank's {desc.cuda_ipc.num_pages} pages or too few for {desc.num_tokens} tokens")
     try:
         return cuda_ipc.open_export(desc.cuda_ipc, desc.layout, device)
     except cuda_ipc.CudaIpcUnavailable as e:
         same_host = desc.cuda_ipc.host_id == cuda_ipc.host_identity()  # then it is unexpected: louder
         (log.warning if same_host else log.info)("kv.cuda_ipc_unavailable", request_id=desc.request_id, reason=str(e))
         return None
+
+
+def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor, method: str) -> DirectWriter:
+    """The plan of this transfer's direct writes; checks both page tables against their storage
+    (a write outside would land in another request's pages or kill the CUDA context)."""
+    mine, theirs = cache.layout, desc.layout
+    table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else np.asarray(page_table, dtype=np.int64)
+    try:
+        plan = plan_segments(
+            num_tokens=desc.num_tokens, head_dim=mine.head_dim, itemsize=cache.storage.element_size(),
+            src_page_size=mine.page_size, src_heads=heads.num_heads, src_num_pages=mine.num_pages, src_table=table,
+            dst_page_size=theirs.page_size, dst_heads=theirs.kv_heads, dst_num_pages=peer.shape[1], dst_table=np.asarray(desc.page_ids, dtype=np.int64),
+            head_start=heads.start,
+        )
+    except ValueError as e:
+        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
+    return DirectWriter(plan, cache.storage, peer, method)
 
 
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:

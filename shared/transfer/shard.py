@@ -9,10 +9,9 @@ into its reserved pages (all heads).
 Both directions are two torch copy kernels per layer group, whatever the number of
 pages or layers in it: one ``index_select`` (pack) or ``index_copy_`` (scatter) over
 the group's full pages, and the same op over the partial last page. The bytes are
-moved as 8-byte words (the head_dim row seen as int64), so the kernels handle a quarter of the elements a bf16 copy would; the result
-is bit-identical by construction. On the same-host CUDA IPC path the sender packs
-locally and scatters straight into the decode rank's mapped storage (``scatter_into``),
-four kernels per group, the scatter's writes crossing NVLink.
+moved as 8-byte words (the head_dim row seen as int64), so the kernels handle a quarter
+of the elements a bf16 copy would; the result is bit-identical by construction. This is
+the UCX path's format; the same-host CUDA IPC path packs nothing (``direct_write``).
 """
 
 from __future__ import annotations
@@ -105,15 +104,9 @@ def pack_layers(cache: PagedKVCache, layers: range, page_table: torch.Tensor, nu
 
 def scatter_layers(cache: PagedKVCache, layers: range, heads: range, page_table: torch.Tensor, num_tokens: int, chunk: torch.Tensor) -> None:
     """Write a chunk view (heads ``heads`` of ``layers``) into the pages of ``page_table``."""
-    scatter_into(cache.storage, cache.layout.page_size, layers, heads, page_table, num_tokens, chunk)
-
-
-def scatter_into(storage: torch.Tensor, page_size: int, layers: range, heads: range, page_table: torch.Tensor, num_tokens: int, chunk: torch.Tensor) -> None:
-    """``scatter_layers`` on any KV storage ``[layers, pages, 2, heads, page_size, head_dim]``,
-    e.g. a decode rank's storage mapped through CUDA IPC (``cuda_ipc.open_export``)."""
-    ps = page_size
+    ps = cache.layout.page_size
     full, rem = divmod(num_tokens, ps)
-    dst = storage[layers.start : layers.stop, :, :, heads.start : heads.stop]  # [L, pages, 2, h, ps, D]
+    dst = cache.storage[layers.start : layers.stop, :, :, heads.start : heads.stop]  # [L, pages, 2, h, ps, D]
     word = _word_dtype(dst, chunk)
     dst, chunk = dst.view(word), chunk.view(word)
     dim = chunk.shape[-1]

@@ -2,10 +2,13 @@
 
 The decode process sees GPU1 first, the prefill processes GPU0 first (both see both),
 as on one host of a deployment. KV written directly into the decode pages must equal
-an unsharded prefill bit for bit (prefill page size != decode page size, shuffled page
-ids on both sides), with ``path == "cuda_ipc"`` on both sides; a cancelled or expired
-reservation keeps its pages out of the pool while a direct writer may still write them
-(until it landed everything, or the lease + grace when the writer was killed).
+an unsharded prefill bit for bit (equal and unequal page sizes, shuffled page ids on
+both sides, TP=1 and 2 ranks, each write method: copy engines, the copy kernel, and
+"auto" on layer groups formed while layers trickle in), with ``path == "cuda_ipc"`` on
+both sides; a cancelled or expired reservation keeps its pages out of the pool while a
+direct writer may still write them (until it landed everything, or the lease + grace
+when the writer was killed); a decode killed during direct writes fails the sender with
+a typed error within its deadline, and the prefill process stays usable.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def peers():
 
 
 def _send(decode, prefill, request_id, tokens, tp, page_size, seed, lease_s=30.0, **send_kwargs):
+    """Reserve on the decode side and start the ``tp`` prefill ranks' sends (chunk: two layers)."""
     desc = decode.call("reserve", cache="h4", request_id=request_id, num_tokens=tokens, lease_s=lease_s)
     jobs = [
         (prefill[r], prefill[r].submit("send", descriptor=desc, tp_rank=r, tp_size=tp, page_size=page_size, seed=seed, chunk_bytes=2 * layer_bytes(HEADS // tp, tokens), timeout_s=20.0, **send_kwargs))
@@ -47,22 +51,41 @@ def _send(decode, prefill, request_id, tokens, tp, page_size, seed, lease_s=30.0
     return jobs
 
 
-@pytest.mark.parametrize("tp,tokens,prefill_page", [(1, 200, 32), (2, 77, 8), (2, 333, 64)])
-def test_direct_writes_land_bit_identical(peers, tp, tokens, prefill_page):
+@pytest.mark.parametrize(
+    "tp,tokens,prefill_page,method,pace_s",
+    [
+        (1, 200, 16, "copy_engine", 0.0),
+        (1, 200, 16, "kernel", 0.0),
+        (2, 333, 16, "copy_engine", 0.0),
+        (2, 333, 16, "kernel", 0.0),
+        (1, 200, 32, "kernel", 0.0),
+        (1, 200, 32, "copy_engine", 0.0),
+        (2, 77, 8, "kernel", 0.0),
+        (2, 333, 64, "auto", 0.0),
+        (2, 333, 16, "auto", 0.02),  # layer groups formed while the layers come in
+    ],
+)
+def test_direct_writes_land_bit_identical(peers, tp, tokens, prefill_page, method, pace_s):
     decode, prefill = peers
     assert decode.call("status", cache="h4")["cuda_ipc"]
-    seed = tokens * 7 + tp
-    jobs = _send(decode, prefill, f"ipc-{tp}-{tokens}", tokens, tp, prefill_page, seed)
+    seed = tokens * 7 + tp + prefill_page
+    rid = f"ipc-{tp}-{tokens}-{prefill_page}-{method}-{pace_s}"
+    decode_free = decode.call("status", cache="h4")["free_pages"]
+    jobs = _send(decode, prefill, rid, tokens, tp, prefill_page, seed, direct_write=method, pace_s=pace_s)
     results = [peer.wait(job) for peer, job in jobs]
     assert all(r["ok"] and r["path"] == "cuda_ipc" and r["held_buffers"] == 0 for r in results), results
-    got = decode.call("wait", cache="h4", request_id=f"ipc-{tp}-{tokens}", timeout=20.0)
+    if method != "auto":
+        assert all(set(r["write_methods"]) == {method} for r in results), results
+    if pace_s:
+        assert all(r["groups"] > 1 for r in results), results
+    got = decode.call("wait", cache="h4", request_id=rid, timeout=20.0)
     assert got["ok"], got
     ref = reference_kv(seed, LAYERS, HEADS, tokens, HEAD_DIM)
     assert torch.equal(got["kv"].view(torch.int16), ref.view(torch.int16)), "decode pages differ from the unsharded reference"
     status = decode.call("status", cache="h4")
     assert status["metrics"]["last"]["path"] == "cuda_ipc" and status["metrics"]["last"]["nbytes"] == LAYERS * layer_bytes(HEADS, tokens)
     decode.call("free", cache="h4", pages=got["pages"])
-    assert decode.call("status", cache="h4")["free_pages"] == PAGES
+    assert decode.call("status", cache="h4")["free_pages"] == decode_free
 
 
 def test_cancel_keeps_pages_until_the_direct_writer_is_done(peers):
@@ -107,3 +130,27 @@ def test_killed_direct_writer_pages_return_only_after_lease_plus_grace(peers):
         assert time.monotonic() - reserved >= lease_s + GRACE_S - 0.1
     finally:
         victim.stop()
+
+
+def test_decode_killed_during_direct_writes_fails_the_sender_in_time():
+    """The decode process dies while a prefill writes into its pages: the sender ends with a
+    typed error within its deadline, holds nothing, and its process keeps working."""
+    ctx = spawn_context()
+    victim = Peer(ctx, "decode", device="cuda", visible="1,0", caches=CACHES, staging_slot_bytes=8 << 20)
+    sender = Peer(ctx, "prefill", device="cuda", visible="0,1")
+    try:
+        assert sender.call("ping")
+        timeout_s = 8.0
+        desc = victim.call("reserve", cache="h4", request_id="victim", num_tokens=160, lease_s=30.0)
+        job = sender.submit("send", descriptor=desc, tp_rank=0, tp_size=1, page_size=16, seed=9, chunk_bytes=2 * layer_bytes(HEADS, 160), timeout_s=timeout_s, pace_s=0.3, progress_after_layer=1)
+        sender.wait(job, "progress")
+        started = time.monotonic()
+        victim.kill()
+        result = sender.wait(job, reply_timeout=timeout_s + 10)
+        assert not result["ok"] and result["error"] in ("PeerFailed", "TransferTimeout") and result["path"] == "cuda_ipc", result
+        assert time.monotonic() - started < timeout_s + 2, result
+        assert result["held_buffers"] == 0 and sender.call("status")["pool_buffers"] == 0, result
+        assert sender.call("ping")  # the CUDA context survived writes into a dead process's memory
+    finally:
+        victim.stop()
+        sender.stop()

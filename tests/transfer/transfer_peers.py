@@ -185,7 +185,7 @@ class PrefillPeer:
     async def ping(self, **_: Any) -> bool:
         return True
 
-    async def send(self, job: int, outbox: Any, descriptor: bytes, tp_rank: int, tp_size: int, page_size: int, seed: int, chunk_bytes: int, timeout_s: float, pace_s: float = 0.0, progress_after_layer: int | None = None, **_: Any) -> dict[str, Any]:
+    async def send(self, job: int, outbox: Any, descriptor: bytes, tp_rank: int, tp_size: int, page_size: int, seed: int, chunk_bytes: int, timeout_s: float, pace_s: float = 0.0, progress_after_layer: int | None = None, direct_write: str = "auto", **_: Any) -> dict[str, Any]:
         desc = msgspec.msgpack.decode(descriptor, type=KVTransferDescriptor)
         lay, tokens = desc.layout, desc.num_tokens
         shard = kv_head_shard(tp_rank, tp_size, lay.kv_heads)
@@ -199,7 +199,7 @@ class PrefillPeer:
         for layer in range(lay.num_layers):
             local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
         t0 = time.monotonic()
-        sender = KVSender(self.worker, local, desc, table, shard, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
+        sender = KVSender(self.worker, local, desc, table, shard, timeout_s=timeout_s, chunk_bytes=chunk_bytes, direct_write=direct_write)
         try:
             for layer in range(lay.num_layers):
                 sender.on_layer_done(layer)
@@ -208,12 +208,13 @@ class PrefillPeer:
                 if layer == progress_after_layer:
                     outbox.put((job, "progress", layer))
             record = await sender.finish()
-            result = {"ok": True, "bytes": record.nbytes, "chunks": record.chunks, "path": record.path}
+            result = {"ok": True, "bytes": record.nbytes, "chunks": record.chunks, "path": record.path, "write_methods": sender.write_methods}
         except TransferError as e:
             result = {"ok": False, "error": type(e).__name__, "message": str(e), "path": sender.path}
         # held_buffers: this sender's slots; pool_buffers: the whole worker send pool (shared
-        # by the sends in flight on this rank).
-        return result | {"elapsed_s": time.monotonic() - t0, "held_buffers": sender.held_buffers, "pool_buffers": sender.staging.in_use_buffers, "groups": len(sender.layer_groups)}
+        # by the sends in flight on this rank; none on the direct CUDA IPC path).
+        pool_buffers = sender.staging.in_use_buffers if sender.staging is not None else 0
+        return result | {"elapsed_s": time.monotonic() - t0, "held_buffers": sender.held_buffers, "pool_buffers": pool_buffers, "groups": len(sender.layer_groups)}
 
     async def status(self, **_: Any) -> dict[str, Any]:
         """The worker's send staging pools: buffers and bytes in use (0 when nothing is sending)."""
