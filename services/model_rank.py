@@ -69,9 +69,15 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
         comm=comm,
         **runner_options,
     )
-    if runner.model.moe_reference_reason is not None:
+    model = runner.model
+    if model.moe_reference_reason is not None:
         # Kernels were asked for but the experts could not take them: slower, so say why once.
-        log.warning("moe_reference_ops", reason=runner.model.moe_reference_reason)
+        log.warning("moe_reference_ops", reason=model.moe_reference_reason)
+    # Which compute paths this rank runs (the GPU end-to-end test checks them here).
+    log.info("model_loaded", device=device, dtype=settings.dtype, kernels=model.kernels,
+             moe_kernels=model.kernels and model.config.is_moe and model.moe_reference_reason is None,
+             decode_moe=type(model.decode_moe).__name__ if model.decode_moe is not None else None,
+             collectives=type(comm).__name__ if comm is not None else None)
     return runner
 
 

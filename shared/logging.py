@@ -30,7 +30,9 @@ def configure_logging(service: str, level: str = "info", json: bool | None = Non
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write() per event (print() writes the newline separately): the ranks of an
+        # instance share one log file, and two writes each let their lines interleave.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

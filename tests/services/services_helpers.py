@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from schemas import subjects
 from schemas.api import GenerateChunk, GenerateRequest
 from schemas.internal import Heartbeat
 from services.client import Client
-from services.launch import REPO_ROOT, LocalStack, load_compose
+from services.launch import REPO_ROOT, LocalStack, ServiceSpec, load_compose
 from shared.bus import Bus, connect, unpack
 
 T = TypeVar("T")
@@ -25,15 +26,39 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def start_stack(tiny_model: Path, log_dir: Path, compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> LocalStack:
-    specs = load_compose(REPO_ROOT / "compose" / compose, {"MOEBUS_MODEL": str(tiny_model)}, scale)
-    stack = LocalStack(specs, tiny_model, log_dir, extra_env={"MOEBUS_LOG_JSON": "true", **(env or {})})
+def compose_specs(compose: str, model: Path, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
+    """The services of one of the repository's compose files."""
+    return load_compose(REPO_ROOT / "compose" / compose, {"MOEBUS_MODEL": str(model)}, scale)
+
+
+def start_specs(specs: list[ServiceSpec], model: Path, log_dir: Path, env: dict[str, str] | None = None) -> LocalStack:
+    """Start a stack (JSON logs) and wait until it is ready; stopped again if it never gets there."""
+    stack = LocalStack(specs, model, log_dir, extra_env={"MOEBUS_LOG_JSON": "true", **(env or {})})
     try:
         stack.start(ready_timeout=240)
     except BaseException:
         stack.stop()
         raise
     return stack
+
+
+def start_stack(tiny_model: Path, log_dir: Path, compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> LocalStack:
+    return start_specs(compose_specs(compose, tiny_model, scale), tiny_model, log_dir, env)
+
+
+def log_events(stack: LocalStack, event: str) -> list[dict[str, Any]]:
+    """Every `event` in the replicas' JSON-lines logs (other lines, e.g. tracebacks, are skipped)."""
+    found = []
+    for replica in stack.replicas:
+        for n, line in enumerate(replica.log_path.read_text(errors="replace").splitlines(), 1):
+            if line.startswith("{") and f'"{event}"' in line:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise AssertionError(f"{replica.log_path}:{n} is not one JSON event: {e}: {line[:300]}") from e
+                if record.get("event") == event:
+                    found.append(record | {"replica": replica.instance})
+    return found
 
 
 def stack_fixture(compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> Callable[..., Iterator[LocalStack]]:
