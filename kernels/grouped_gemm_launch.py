@@ -40,17 +40,17 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
 
     ``cluster_pairs`` (how many 2-CTA clusters the GPU runs at once) selects CTA
-    pairs sharing each weight tile by TMA multicast.  Not the default: on an
-    H200 it gained 1-4% at 2048 tokens per expert but lost 20-27% at 375, where
-    an expert's 3 M tiles become 2 pairs, 4 tiles of work (grouped_gemm.jsonl
-    at 5e6727614d60); with uneven routing half the experts have an odd count.
+    pairs sharing each token tile by TMA multicast (two adjacent weight tiles
+    per pair).  Pairs along M instead (sharing the weight tile) gained 1-4% at
+    2048 tokens per expert but lost 20-27% at 375, where an expert's 3 M tiles
+    became 2 pairs, 4 tiles of work (grouped_gemm.jsonl at 5e6727614d60).
     """
     tile_m = tile_m or (64 if tokens_per_expert <= 64 else 128)
     tile_n = tile_n or (256 if (tile_m == 128 and not fp8 and not mxfp8 and not swiglu) else 128)
-    cluster_m, ctas = (2, 2 * cluster_pairs) if cluster_pairs else (1, num_sms)
+    cluster_n, ctas = (2, 2 * cluster_pairs) if cluster_pairs else (1, num_sms)
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
-                             cluster_m=cluster_m, num_sms=ctas)
+                             cluster_n=cluster_n, num_sms=ctas)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,11 +117,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
            swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
            tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None,
-           cluster_m: int | None = None) -> torch.Tensor:
+           cluster_n: int | None = None) -> torch.Tensor:
     """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``
     (or ``kernels.grouped_gemm_mxfp8`` for ``w_scale_e8m0``: bf16 ``x`` times MXFP8 ``w``).
 
-    ``tile_m`` / ``tile_n`` override the tile bucket and ``cluster_m=2`` selects CTA pairs
+    ``tile_m`` / ``tile_n`` override the tile bucket and ``cluster_n=2`` selects CTA pairs
     (benchmarks compare buckets with them; see :func:`choose_config`).
     """
     E, N, K = w.shape
@@ -134,7 +134,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
                         num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
                         mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n,
-                        cluster_pairs=_cluster_pairs(device) if cluster_m == 2 else None)
+                        cluster_pairs=_cluster_pairs(device) if cluster_n == 2 else None)
     if rows * cfg.out_n >= 2**31:  # the epilogue addresses output elements with 32-bit offsets
         raise ValueError(f"output of {rows} rows x {cfg.out_n} columns exceeds 2^31 elements per batch; split the call")
     out_shape = (*x.shape[:-1], cfg.out_n)

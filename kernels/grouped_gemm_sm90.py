@@ -22,8 +22,8 @@ Work decomposition.  Every CTA first builds, in shared memory, the prefix sum
 of output tiles per expert (one warp, shuffle scan over the GPU-resident
 counts).  Tiles are numbered expert by expert, N-tile-major and M-tile-minor
 inside an expert so that CTAs working at the same time share a weight tile in
-L2; cluster ``c`` of ``G`` takes work units ``c, c+G, ...`` (a unit is one weight
-tile times ``cluster_m`` M tiles).  Warp 0 issues TMA loads
+L2; cluster ``c`` of ``G`` takes work units ``c, c+G, ...`` (a unit is one M
+tile times ``cluster_n`` weight tiles).  Warp 0 issues TMA loads
 for A (the tokens) and B (the weights) into a multi-stage mbarrier pipeline;
 one or two consumer warpgroups run WGMMA and the epilogue.
 
@@ -41,12 +41,11 @@ time), 855-912 FP8 block-scaled, 389-429 bf16 x MXFP8; decode bf16 4.0-4.4
 TB/s of weights (1.26-1.56x torch), FP8 about half of bf16's time, MXFP8
 about bf16's time.  Before the vector-store epilogue and the two-partial FP8
 mainloop (cd897b9): prefill 410-525 bf16, 556-762 FP8.
-With ``cluster_m=2`` CTAs run in pairs: the pair takes two M tiles of the same
-expert and weight tile, and each CTA loads half of the weight tile by TMA
-multicast into both (not the launcher's default; see
-``grouped_gemm_launch.choose_config`` for the measurements).  Not done:
-overlapping one tile's epilogue with the next tile's MMAs (both consumer
-warpgroups work on one tile).
+With ``cluster_n=2`` CTAs run in pairs: the pair takes two adjacent weight
+tiles of the same M tile, and each CTA loads half of the token tile by TMA
+multicast into both (see ``grouped_gemm_launch.choose_config`` for when).
+Pairing along N wastes nothing at the Qwen3 shapes (their N-tile counts are
+even), where pairing along M computed empty tiles for odd M-tile counts.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
-from kernels.grouped_gemm_sm90_epilogue import EPI_BUFFERS, EPI_N, Epilogue
+from kernels.grouped_gemm_sm90_epilogue import EPI_N, STORE_WARPS, Epilogue
 from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, ScaledMainloops
 
 SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
@@ -83,10 +82,10 @@ class GroupedGemmConfig:
     swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
     row_weights: bool = False  # multiply output row r by weights[r]
     mxfp8: bool = False  # bf16 activations x MXFP8 weights (E4M3 + E8M0 per 32 along K), bf16 math
-    # CTAs per cluster along M: 2 = the pair computes two M tiles of one weight tile and
-    # each CTA loads half of it, multicast to both (halves the weight reads from L2).
-    cluster_m: int = 1
-    num_sms: int = 132  # persistent CTAs launched (a multiple of cluster_m)
+    # CTAs per cluster along N: 2 = the pair computes two adjacent weight tiles of one M
+    # tile and each CTA loads half of the token tile, multicast to both (halves its L2 reads).
+    cluster_n: int = 1
+    num_sms: int = 132  # persistent CTAs launched (a multiple of cluster_n)
 
     def validate(self) -> None:
         elem_bytes = 1 if self.fp8 else 2
@@ -105,8 +104,8 @@ class GroupedGemmConfig:
             )
         if self.num_experts < 1:
             raise ValueError("num_experts must be >= 1")
-        if self.cluster_m not in (1, 2) or self.num_sms % self.cluster_m:
-            raise ValueError(f"cluster_m must be 1 or 2 and divide num_sms={self.num_sms}, got {self.cluster_m}")
+        if self.cluster_n not in (1, 2) or self.num_sms % self.cluster_n:
+            raise ValueError(f"cluster_n must be 1 or 2 and divide num_sms={self.num_sms}, got {self.cluster_n}")
 
     @property
     def out_n(self) -> int:
@@ -138,16 +137,19 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.tile_k = SCALE_BLOCK if cfg.fp8 else 64
         self.k_tiles = math.ceil(cfg.k / self.tile_k)
         self.n_tiles = math.ceil(cfg.n / cfg.tile_n)
-        self.unit_m = cfg.tile_m * cfg.cluster_m  # token rows per work unit (one per cluster)
-        self.num_clusters = cfg.num_sms // cfg.cluster_m
+        self.n_units = math.ceil(self.n_tiles / cfg.cluster_n)  # weight-tile groups (one per cluster)
+        self.num_clusters = cfg.num_sms // cfg.cluster_n
         self.scale_k_blocks = math.ceil(cfg.k / SCALE_BLOCK)
         # Weight-scale rows per output tile: one 128-row block, or with SwiGLU
         # (interleaved 64-row gate/up halves) one per half; see interleave_gate_up.
         self.scale_rows_per_tile = 2 if cfg.swiglu else 1
         self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
         stage_bytes = (cfg.tile_m * self.ab_dtype.width + cfg.tile_n * self.b_load_dtype.width) * self.tile_k // 8
-        reserved = 2048 + 12 * (cfg.num_experts + 1)  # mbarriers + schedule
-        epi_bytes = EPI_BUFFERS * cfg.tile_m * EPI_N * 2
+        # mbarriers (at most 8 stages) + schedule, padded to the 1024-byte alignment of the tiles
+        reserved = -(-(16 * 8 + 12 * (cfg.num_experts + 1)) // 1024) * 1024
+        self.out_cols = cfg.tile_n // 2 if cfg.swiglu else cfg.tile_n  # output columns per tile
+        self.out_chunks = self.out_cols // EPI_N
+        epi_bytes = cfg.tile_m * self.out_cols * 2  # one bf16 output tile, drained by the store warps
         mx_bytes = MX_B_BUFFERS * cfg.tile_n * self.tile_k * 2 if cfg.mxfp8 else 0
         self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes - mx_bytes) // stage_bytes)
         # Output elements per 16-byte global store in the epilogue (fewer when rows are not 16-byte aligned).
@@ -216,21 +218,21 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             if cfg.mxfp8 else self.b_smem_layout
         )
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), EPI_BUFFERS
+            self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), self.out_chunks
         )
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_n > 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mA,
             cute.slice_(self.a_smem_layout, (None, None, 0)),
             (cfg.tile_m, self.tile_k),
+            num_multicast=cfg.cluster_n,
         )
         tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1
-            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mB,
             cute.slice_(self.b_smem_layout, (None, None, 0)),
             (cfg.tile_n, self.tile_k),
-            num_multicast=cfg.cluster_m,
         )
 
         @cute.struct
@@ -243,10 +245,11 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_load_dtype, cute.cosize(self.b_smem_layout)], 1024]
             sEpi: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
-            # MXFP8 only (one byte otherwise)
-            sBmx: cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_mma_smem_layout) if cfg.mxfp8 else 1], 1024
-            ]
+            # MXFP8: the dequantized bf16 weight tiles (otherwise one unaligned byte, outside the stage budget)
+            sBmx: (
+                cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_mma_smem_layout)], 1024]
+                if cfg.mxfp8 else cute.struct.MemRange[self.ab_dtype, 1]
+            )
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -255,7 +258,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         ).launch(
             grid=[cfg.num_sms, 1, 1],
             block=[self.threads, 1, 1],
-            cluster=[cfg.cluster_m, 1, 1],
+            cluster=[cfg.cluster_n, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -285,10 +288,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, _, _ = cute.arch.block_idx()
-        cta_rank = 0  # rank in the cluster = which M tile of the pair
-        if cutlass.const_expr(cfg.cluster_m > 1):
+        cta_rank = 0  # rank in the cluster = which weight tile of the pair
+        if cutlass.const_expr(cfg.cluster_n > 1):
             cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster_idx = bidx // cfg.cluster_m
+        cluster_idx = bidx // cfg.cluster_n
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
@@ -311,15 +314,15 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             barrier_storage=storage.pipeline_mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.cluster_m * 4 * self.num_consumer_wg),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.cluster_n * 4 * self.num_consumer_wg),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, cfg.cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, cfg.cluster_n, 1)),
             defer_sync=True,
         )
         # CTA (or cluster) barrier with release/acquire: publishes the mbarrier inits to
         # the peer CTA and the schedule written above to every thread.
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(cfg.cluster_m, 1), is_relaxed=False)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(cfg.cluster_m, 1))
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, cfg.cluster_n), is_relaxed=False)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, cfg.cluster_n))
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -337,10 +340,13 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                     tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, cluster_idx, cta_rank, total_tiles,
                     s_tile_begin, s_row_start, s_row_count,
                 )
+            elif warp_idx >= STORE_WARPS[0]:
+                self._store_tiles(sEpi, mC, rows, tidx - 32 * STORE_WARPS[0], cluster_idx, cta_rank, total_tiles,
+                                  s_tile_begin, s_row_start, s_row_count)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tiled_mma, sA, sB, sBmma, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, cluster_idx,
+                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, cluster_idx,
                 cta_rank, total_tiles, s_tile_begin, s_row_start, s_row_count,
             )
 
@@ -366,7 +372,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                     count = mGroups[e + 1] - start
                 if count < 0:
                     count = cutlass.Int32(0)
-            tiles = (count + self.unit_m - 1) // self.unit_m * self.n_tiles
+            tiles = (count + cfg.tile_m - 1) // cfg.tile_m * self.n_units
             # inclusive warp scan of the tile counts
             for step in cutlass.range_constexpr(5):
                 other = cute.arch.shuffle_sync_up(tiles, 1 << step)
@@ -382,18 +388,20 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
     def _locate(self, unit, expert, cta_rank, s_tile_begin, s_row_count):
         """Advance ``expert`` to the one owning work ``unit``; return (expert, m_tile, n_tile).
 
-        A unit is one weight tile times ``cluster_m`` consecutive M tiles; the
-        CTA of rank r in the cluster takes the r-th (which may lie past the
-        expert's rows: that CTA then computes but stores nothing, and still
-        loads its half of the shared weight tile for its peer).
+        A unit is one M tile times ``cluster_n`` adjacent weight tiles; the
+        CTA of rank r in the cluster takes the r-th (which may lie past N with
+        an odd N-tile count: that CTA then computes on zero-filled weights but
+        stores nothing, and still loads its half of the shared token tile for
+        its peer).  Units run N-major, M-minor inside an expert, so the CTAs
+        working at the same time share weight tiles in L2.
         """
         while unit >= s_tile_begin[expert + 1]:
             expert = expert + 1
         local = unit - s_tile_begin[expert]
-        m_units = (s_row_count[expert] + self.unit_m - 1) // self.unit_m
-        n_tile = local // m_units
-        m_tile = (local - n_tile * m_units) * self.cfg.cluster_m + cta_rank
-        return expert, m_tile, n_tile
+        m_tiles = (s_row_count[expert] + self.cfg.tile_m - 1) // self.cfg.tile_m
+        n_unit = local // m_tiles
+        m_tile = local - n_unit * m_tiles
+        return expert, m_tile, n_unit * self.cfg.cluster_n + cta_rank
 
     @cute.jit
     def _produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, cluster_idx, cta_rank, total_tiles,
@@ -401,42 +409,58 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         cfg = self.cfg
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         gB = cute.local_tile(mB, (cfg.tile_n, self.tile_k), (None, None, None))
-        # With a cluster, each CTA loads its 1/cluster_m slice of the weight tile into every CTA's smem.
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, cta_rank, cute.make_layout(cfg.cluster_m), cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2)
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
-        b_mcast_mask = cutlass.Int16((1 << cfg.cluster_m) - 1)  # every CTA of the cluster shares the weight tile
+        a_mcast_mask = cutlass.Int16((1 << cfg.cluster_n) - 1)  # every CTA of the cluster shares the token tile
         tile = cluster_idx
         expert = cutlass.Int32(0)
         while tile < total_tiles:
             expert, m_tile, n_tile = self._locate(tile, expert, cta_rank, s_tile_begin, s_row_count)
             batch = expert if cutlass.const_expr(cfg.masked) else 0
             # The expert's rows start at an arbitrary row (contiguous layout): offset
-            # the TMA coordinate space, then tile.
+            # the TMA coordinate space, then tile.  With a cluster, each CTA loads its
+            # 1/cluster_n slice of the token tile into every CTA's smem.
             mA_e = cute.domain_offset((s_row_start[expert], 0, 0), mA)
             gA = cute.local_tile(mA_e, (cfg.tile_m, self.tile_k), (None, None, None))
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+                tma_atom_a, cta_rank, cute.make_layout(cfg.cluster_n), cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2)
             )
             tAgA_t = tAgA[(None, m_tile, None, batch)]
             tBgB_t = tBgB[(None, n_tile, None, expert)]
             for k_tile in cutlass.range(self.k_tiles, unroll=1):
                 mainloop.producer_acquire(state)
                 barrier = mainloop.producer_get_barrier(state)
-                cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
-                if cutlass.const_expr(cfg.cluster_m > 1):
-                    cute.copy(tma_atom_b, tBgB_t[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
-                              mcast_mask=b_mcast_mask)
+                if cutlass.const_expr(cfg.cluster_n > 1):
+                    cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier,
+                              mcast_mask=a_mcast_mask)
                 else:
-                    cute.copy(tma_atom_b, tBgB_t[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
+                    cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
+                cute.copy(tma_atom_b, tBgB_t[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
                 mainloop.producer_commit(state)
                 state.advance()
             tile = tile + self.num_clusters
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mC, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, cluster_idx,
+    def _store_tiles(self, sEpi, mC, rows, store_tidx, cluster_idx, cta_rank, total_tiles, s_tile_begin,
+                     s_row_start, s_row_count):
+        """Store warps: every output tile of this CTA, in the consumers' order, from shared to global memory."""
+        cfg = self.cfg
+        store = self._store_setup(sEpi, store_tidx)
+        tile = cluster_idx
+        expert = cutlass.Int32(0)
+        while tile < total_tiles:
+            expert, m_tile, n_tile = self._locate(tile, expert, cta_rank, s_tile_begin, s_row_count)
+            batch = expert if cutlass.const_expr(cfg.masked) else 0
+            row0 = s_row_start[expert] + m_tile * cfg.tile_m
+            rows_left = s_row_count[expert] - m_tile * cfg.tile_m
+            self._store_tile(store, mC, rows, row0, rows_left, n_tile, batch)
+            tile = tile + self.num_clusters
+
+    @cute.jit
+    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, cluster_idx,
                  cta_rank, total_tiles, s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
@@ -462,7 +486,6 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             expert, m_tile, n_tile = self._locate(tile, expert, cta_rank, s_tile_begin, s_row_count)
             batch = expert if cutlass.const_expr(cfg.masked) else 0
             row0 = s_row_start[expert] + m_tile * cfg.tile_m
-            rows_left = s_row_count[expert] - m_tile * cfg.tile_m
             # The pipeline states are assigned here, not only mutated in the callee,
             # so that the DSL carries them across iterations of this tile loop.
             if cutlass.const_expr(cfg.fp8):
@@ -479,7 +502,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 read_state, release_state = self._mainloop(
                     tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state
                 )
-            self._epilogue(acc, tCcC, epi, sEpi, mC, mRowW, rows, row0, rows_left, n_tile, batch)
+            self._epilogue(acc, tCcC, epi, mRowW, rows, row0, batch)
             tile = tile + self.num_clusters
 
     @cute.jit

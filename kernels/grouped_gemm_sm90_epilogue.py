@@ -1,12 +1,21 @@
-"""Epilogue of the Hopper grouped GEMM (a mixin of ``GroupedGemmSm90``).
+"""Epilogue of the Hopper grouped GEMM (a mixin of ``GroupedGemmSm90``), split over two roles.
 
-SwiGLU and row weights in registers, then the tile goes registers -> shared
-memory (``stmatrix``, chunks of ``EPI_N`` columns, two buffers) -> global
-memory in 16-byte vector stores by all consumer threads, each predicated on
-its row and column: a tile's rows may run past its expert (contiguous layout:
-the next expert's rows; masked: past the count), and those are never written.
-A TMA store could not respect expert boundaries inside a tile without a tensor
-map per expert.
+* The consumer warpgroups apply SwiGLU and row weights in registers, convert
+  to bf16 and write the whole output tile to shared memory (``stmatrix``, in
+  chunks of ``EPI_N`` columns), then go straight on to the next tile's
+  mainloop.
+* Two store warps of the producer warpgroup (``STORE_WARPS``; warp 0 issues
+  the TMA loads) copy that tile to global memory in 16-byte vector stores,
+  each predicated on its row and column: a tile's rows may run past its
+  expert (contiguous layout: the next expert's rows; masked: past the count),
+  and those are never written.  A TMA store could not respect expert
+  boundaries inside a tile without a tensor map per expert.
+
+So the global stores of tile t drain while the tensor cores run tile t+1.
+Two named barriers hand the one output buffer back and forth: ``OUT_FULL``
+(consumers arrive once the tile is in shared memory, store warps wait) and
+``OUT_EMPTY`` (store warps arrive once they have read it, consumers wait
+before writing the next tile), one phase of each per tile.
 """
 
 from __future__ import annotations
@@ -17,52 +26,39 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
-EPI_N = 32  # output columns per epilogue chunk (staged through shared memory)
-EPI_BUFFERS = 2  # chunks in flight: chunk i+1 is written while chunk i is stored
+EPI_N = 32  # output columns per stmatrix / store chunk
+STORE_WARPS = (2, 3)  # warps of the producer warpgroup that store output tiles
+STORE_THREADS = 32 * len(STORE_WARPS)
+_BAR_OUT_FULL, _BAR_OUT_EMPTY = 3, 4  # named barrier ids (2 is the MXFP8 dequant barrier)
 
 
 class Epilogue:
     """Per-tile output of the grouped GEMM (uses ``cfg``, ``c_dtype``, ``acc_dtype``, ``num_consumer_wg``, ``store_vec``)."""
 
-    # --------------------------------------------------------------- epilogue
-    @cute.jit
-    def _epilogue_setup(self, tiled_mma, sEpi, acc, mma_tidx):
-        """Copy partitions of the epilogue, made once per CTA.
+    def _out_barriers(self):
+        """(full, empty) named barriers between the consumer threads and the store warps."""
+        threads = 128 * self.num_consumer_wg + STORE_THREADS
+        return (pipeline.NamedBarrier(barrier_id=_BAR_OUT_FULL, num_threads=threads),
+                pipeline.NamedBarrier(barrier_id=_BAR_OUT_EMPTY, num_threads=threads))
 
-        Registers -> shared memory with ``stmatrix`` in chunks of ``EPI_N``
-        columns; shared -> global with 16-byte vector stores by all consumer
-        threads, each predicated on its row (the tile's rows may run past the
-        expert) and column.
-        """
-        cfg = self.cfg
+    @cute.jit
+    def _epilogue_setup(self, tiled_mma, sOut, acc, mma_tidx):
+        """Consumer side, made once per CTA: registers -> shared memory with ``stmatrix`` per chunk."""
         r2s_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.c_dtype, self.acc_dtype)
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
         r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
         thr_r2s = r2s.get_slice(mma_tidx)
-        tRS_sD = thr_r2s.partition_D(sEpi)
+        tRS_sD = thr_r2s.partition_D(sOut)
         tRS_rAcc = r2s.retile(acc)
-        rD_shape = cute.shape(thr_r2s.partition_S(sEpi))[:3]
-        vec = self.store_vec
-        vecs_per_row = EPI_N // vec
-        threads = 128 * self.num_consumer_wg
-        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype, num_bits_per_copy=16 * vec)
-        s2g = cute.make_tiled_copy_tv(
-            s2g_atom,
-            cute.make_layout((threads // vecs_per_row, vecs_per_row), stride=(vecs_per_row, 1)),
-            cute.make_layout((1, vec)),
-        )
-        thr_s2g = s2g.get_slice(mma_tidx)
-        tSG_sD = thr_s2g.partition_S(sEpi)
-        tSG_cD = thr_s2g.partition_S(cute.make_identity_tensor((cfg.tile_m, EPI_N)))
-        return r2s, tRS_sD, tRS_rAcc, rD_shape, thr_s2g, s2g_atom, tSG_sD, tSG_cD
+        rD_shape = cute.shape(thr_r2s.partition_S(sOut))[:3]
+        return r2s, tRS_sD, tRS_rAcc, rD_shape
 
     @cute.jit
-    def _epilogue(self, acc, tCcC, epi, sEpi, mC, mRowW, rows, row0, rows_left, n_tile, batch):
-        """Activation / row weights in registers, then the tile through shared memory to global."""
+    def _epilogue(self, acc, tCcC, epi, mRowW, rows, row0, batch):
+        """Consumers: activation / row weights in registers, then the tile into the shared output buffer."""
         cfg = self.cfg
-        r2s, tRS_sD, tRS_rAcc, rD_shape, thr_s2g, s2g_atom, tSG_sD, tSG_cD = epi
+        r2s, tRS_sD, tRS_rAcc, rD_shape = epi
         size = cute.size(acc)
-        out_cols = cfg.tile_n // 2 if cutlass.const_expr(cfg.swiglu) else cfg.tile_n
         if cutlass.const_expr(cfg.swiglu):
             # Element i (gate, column c) pairs with element i + size/2 (up, column
             # c + half): the accumulator's last mode walks 8-column blocks.  The
@@ -77,22 +73,47 @@ class Epilogue:
             w_hi = mRowW[(r_hi if r_hi < rows else rows - 1, batch)]
             for i in cutlass.range_constexpr(size // 2 if cutlass.const_expr(cfg.swiglu) else size):
                 acc[i] = acc[i] * (w_hi if (i // 2) % 2 else w_lo)
-        col0 = n_tile * out_cols
-        # Element offset of this expert's output rows (masked layout: [E, rows, out_n]).
-        batch_first = cutlass.Int64(batch) * rows * cfg.out_n
         rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
         rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
         n_rd = cute.size(rD)
-        barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=128 * self.num_consumer_wg)
-        for chunk in cutlass.range_constexpr(out_cols // EPI_N):
-            buf = chunk % EPI_BUFFERS
+        out_full, out_empty = self._out_barriers()
+        out_empty.arrive_and_wait()  # the store warps have read the previous tile
+        for chunk in cutlass.range_constexpr(self.out_chunks):
             for v in cutlass.range_constexpr(n_rd):
                 rD[v] = tRS_rAcc[chunk * n_rd + v]
             rD_out.store(rD.load().to(self.c_dtype))
-            cute.copy(r2s, rD_out, tRS_sD[(None, None, None, buf)])
-            # Every consumer thread wrote its part of the chunk; with two buffers the
-            # next chunk's writes go to the other one, so one barrier per chunk suffices.
-            barrier.arrive_and_wait()
+            cute.copy(r2s, rD_out, tRS_sD[(None, None, None, chunk)])
+        out_full.arrive()
+
+    @cute.jit
+    def _store_setup(self, sOut, store_tidx):
+        """Store-warp side, made once per CTA: shared -> global 16-byte vectors, chunk by chunk."""
+        cfg = self.cfg
+        vec = self.store_vec
+        vecs_per_row = EPI_N // vec
+        s2g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype, num_bits_per_copy=16 * vec)
+        s2g = cute.make_tiled_copy_tv(
+            s2g_atom,
+            cute.make_layout((STORE_THREADS // vecs_per_row, vecs_per_row), stride=(vecs_per_row, 1)),
+            cute.make_layout((1, vec)),
+        )
+        thr_s2g = s2g.get_slice(store_tidx)
+        tSG_sD = thr_s2g.partition_S(sOut)
+        tSG_cD = thr_s2g.partition_S(cute.make_identity_tensor((cfg.tile_m, EPI_N)))
+        return thr_s2g, s2g_atom, tSG_sD, tSG_cD
+
+    @cute.jit
+    def _store_tile(self, store, mC, rows, row0, rows_left, n_tile, batch):
+        """Store warps: wait for the tile in shared memory, write its valid rows and columns, free the buffer."""
+        cfg = self.cfg
+        thr_s2g, s2g_atom, tSG_sD, tSG_cD = store
+        out_full, out_empty = self._out_barriers()
+        out_empty.arrive()  # done with the previous tile: the consumers may overwrite the buffer
+        out_full.arrive_and_wait()
+        col0 = n_tile * self.out_cols
+        # Element offset of this expert's output rows (masked layout: [E, rows, out_n]).
+        batch_first = cutlass.Int64(batch) * rows * cfg.out_n
+        for chunk in cutlass.range_constexpr(self.out_chunks):
             cols_left = cfg.out_n - (col0 + chunk * EPI_N)
             # Rows are out_n elements apart and chunks start at multiples of EPI_N, so the
             # chunk's first element is store_vec-aligned: say so, or the stores get split.
@@ -102,4 +123,4 @@ class Epilogue:
             for m in cutlass.range_constexpr(cute.size(tSG_sD, mode=[1])):
                 coord = tSG_cD[(0, m, 0)]
                 if coord[0] < rows_left and coord[1] < cols_left:
-                    cute.copy(s2g_atom, tSG_sD[(None, m, 0, buf)], tSG_gD[(None, m, 0)])
+                    cute.copy(s2g_atom, tSG_sD[(None, m, 0, chunk)], tSG_gD[(None, m, 0)])
