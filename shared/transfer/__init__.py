@@ -1,8 +1,9 @@
 """TransferEngine: moves a request's KV from prefill TP ranks into a decode rank's pages.
 
 Two paths behind one API: UCX (any host: packed chunks into the decode rank's staging,
-scattered there) and, on one host, CUDA IPC (the sender writes straight into the decode
-pages and announces them over UCX; ``cuda_ipc`` has the mechanism and its safety rules).
+scattered there) and, on one host, CUDA IPC (the sender writes straight from its pages
+into the decode pages, copy engines or a copy kernel, and announces them over UCX;
+``cuda_ipc`` has the mechanism and its safety rules, ``direct_write`` the copies).
 
 One ``TransferWorker`` per rank: ``worker = await TransferWorker.create(progress_mode=None)``
 inside the rank's event loop (transports from ``UCX_*`` env, e.g. ``UCX_TLS=tcp,self`` on
@@ -30,9 +31,11 @@ Decode rank::
 Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
 
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
-                      timeout_s=30.0, chunk_bytes=256 << 20)   # packs into worker.staging_pool(device)
+                      timeout_s=30.0, chunk_bytes=256 << 20)   # UCX: packs into worker.staging_pool(device)
+    #   direct_write="auto" | "copy_engine" | "kernel": how the CUDA IPC path copies
     forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
     sender.path                      # "cuda_ipc" (descriptor's export opened) or "ucx"
+    sender.write_methods             # CUDA IPC: layer groups written per method
     record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, started_unix, phases_s, path)
     #   raises TransferTimeout (sender timeout or the reservation's lease, whichever is first),
     #   PeerFailed (decode rank died / endpoint error), Cancelled (sender.cancel()); the
@@ -42,12 +45,13 @@ The decode side completes a request when every (layer, KV head) cell has landed 
 whatever the prefill TP size; page sizes may differ between the two sides (the packed
 chunk is token-contiguous per head). Modules: ``worker`` (UCX worker, endpoint cache,
 tag protocol), ``shard`` (head mapping, pack/scatter), ``staging`` (slot arenas),
-``cuda_ipc`` (storage export / open, same-host identity),
-``receiver``, ``sender``, ``metrics``, ``errors``, ``streams`` (CUDA side streams). Pack
-and scatter are torch ops on CPU and on CUDA alike: per layer group one index_select /
-index_copy_ over the full pages plus one indexed copy of the partial last page, moving
-8-byte words; on CUDA they run on high-priority side streams. Both sides record where
-each transfer's time went (``TransferRecord.phases_s``; see sender and receiver).
+``cuda_ipc`` (storage export / open, same-host identity), ``direct_write`` (the CUDA
+IPC path's copy plan and its two executors), ``receiver``, ``sender``, ``metrics``,
+``errors``, ``streams`` (CUDA side streams). The UCX path's pack and scatter are torch
+ops on CPU and on CUDA alike: per layer group one index_select / index_copy_ over the
+full pages plus one indexed copy of the partial last page, moving 8-byte words; on CUDA
+they run on high-priority side streams. Both sides record where each transfer's time
+went (``TransferRecord.phases_s``; see sender and receiver).
 """
 
 from shared.transfer.errors import Cancelled, LayoutMismatch, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer

@@ -186,15 +186,11 @@ class DirectWriter:
         self._device = src.device
         self._pieces: torch.Tensor | None = None  # the kernel's piece table, uploaded on first use
         self._vector = _vector_bytes(plan, src.data_ptr(), dst.data_ptr())
-        max_pitch = _max_pitch(self._device.index if self._device.index is not None else torch.cuda.current_device())
-        self._ce_possible = max(plan.src_layer_bytes, plan.dst_layer_bytes) <= max_pitch
+        self._max_pitch = _max_pitch(self._device.index if self._device.index is not None else torch.cuda.current_device())
 
     def method_for(self, layers: range) -> str:
-        """``copy_engine`` or ``kernel`` for a group of ``layers`` (module doc, ``auto``)."""
-        if self.method != "auto":
-            return "copy_engine" if self.method == "copy_engine" and self._ce_possible else "kernel"
-        wide = self.plan.mean_segment_bytes >= CE_MIN_SEGMENT_BYTES
-        return "copy_engine" if self._ce_possible and wide and self.plan.mean_segment_bytes * len(layers) >= CE_MIN_CALL_BYTES else "kernel"
+        """``copy_engine`` or ``kernel`` for a group of ``layers`` (``choose_method``)."""
+        return choose_method(self.method, self.plan, len(layers), self._max_pitch)
 
     def write(self, layers: range, stream: torch.cuda.Stream) -> str:
         """Enqueue the writes of ``layers`` on ``stream``; returns the method used."""
@@ -236,6 +232,18 @@ class DirectWriter:
             (err,) = driver.cuLaunchKernel(function, min(items, ctas), 1, 1, _THREADS, 1, 1, 0, driver.CUstream(stream.cuda_stream), params, 0)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise DirectWriteError(f"launching the KV segment copy ({items} items) failed: {err!r}")
+
+
+def choose_method(method: str, plan: SegmentPlan, num_layers: int, max_pitch: int) -> str:
+    """The executor of a group of ``num_layers`` layers: ``method`` unless it is ``auto``
+    (module doc); copy engines never when a layer stride exceeds the 2-D copy's
+    ``max_pitch`` (the device's cudaDevAttrMaxPitch)."""
+    if max(plan.src_layer_bytes, plan.dst_layer_bytes) > max_pitch:
+        return "kernel"
+    if method != "auto":
+        return method
+    wide = plan.mean_segment_bytes >= CE_MIN_SEGMENT_BYTES
+    return "copy_engine" if wide and plan.mean_segment_bytes * num_layers >= CE_MIN_CALL_BYTES else "kernel"
 
 
 def _vector_bytes(plan: SegmentPlan, src_ptr: int, dst_ptr: int) -> int:

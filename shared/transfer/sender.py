@@ -72,9 +72,12 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # a few large UCX messages per request (each costs a fixed ~0.3-0.5 ms)
 _STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the decode rank it stopped
-# Direct writes of up to this many bytes are awaited by blocking the event loop (~0.2 ms at
-# NVLink speed); larger ones in a thread, so the loop is not held for milliseconds.
-_SHORT_WRITE_BYTES = 64 << 20
+# A direct write group's completion: the loop sleeps through most of the expected copy time
+# (at an optimistic NVLink rate), then blocks on the event for the rest, which wakes within
+# microseconds instead of a thread hand-off's ~0.1 ms; the margin covers the loop's 1 ms
+# timer resolution.
+_NVLINK_BYTES_PER_S = 400e9
+_WAKE_EARLY_S = 1.5e-3
 
 
 class KVSender:
@@ -284,13 +287,17 @@ class KVSender:
             self._phases.add("compute_wait", issued - started)
             if self._loop.time() >= self._deadline:
                 raise TimeoutError
-            method = self._writer.write(group, self._side_stream)
+            try:
+                method = self._writer.write(group, self._side_stream)
+            except BaseException:
+                self._side_stream.synchronize()  # the writes issued before the failure end before "stopped"
+                raise
             done = torch.cuda.Event()
             done.record(self._side_stream)
             self.write_methods[method] = self.write_methods.get(method, 0) + 1
             self._sent_groups.append(group)
             self._phases.add("issue", time.perf_counter() - issued)
-            self._sends.append(self._loop.create_task(self._announce(group, done)))
+            self._sends.append(self._loop.create_task(self._announce(group, done, issued)))
             next_layer = end
 
     async def _computed(self, layer: int, *, wait: bool) -> bool:
@@ -382,13 +389,14 @@ class KVSender:
         self._in_flight -= 1
         self._phases.add("wire", time.perf_counter() - posted)
 
-    async def _announce(self, group: range, done: torch.cuda.Event) -> None:
-        """Direct path: once ``group``'s writes completed, tell the decode rank its cells landed."""
+    async def _announce(self, group: range, done: torch.cuda.Event, issued: float) -> None:
+        """Direct path: once ``group``'s writes (issued at ``issued``, perf_counter) completed,
+        tell the decode rank its cells landed."""
         nbytes = self._nbytes_of(group)
         try:
-            started = time.perf_counter()
-            await event_done(done, short=nbytes <= _SHORT_WRITE_BYTES)
-            self._phases.add("write", time.perf_counter() - started)
+            await asyncio.sleep(max(0.0, issued + nbytes / _NVLINK_BYTES_PER_S - _WAKE_EARLY_S - time.perf_counter()))
+            await event_done(done, short=True)
+            self._phases.add("write", time.perf_counter() - issued)
             await self._post((header_tag(self._desc.transfer_id), encode_header(self._header(group, nbytes, "landed"))))
             self._nbytes += nbytes
         finally:

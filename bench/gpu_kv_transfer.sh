@@ -1,0 +1,25 @@
+#!/bin/bash
+# Issue 3 in one device call on 2x H200 (run kind "nvidia-h200-x2"), about 3-4 minutes of wall time:
+#   1. CUDA unit tests of the transfer (direct-write executors vs their torch reference, pack/scatter)
+#   2. tests/transfer/test_transfer_gpu.py: two processes on two GPUs over CUDA IPC + UCX
+#   3. bench/kv_transfer.py at 1k / 6k / 32k tokens: TP=1 and 2 ranks, prefill page 16 and 32 against
+#      decode page 16, ucx (256 and 1024 MiB chunks) and cuda_ipc (auto / copy_engine / kernel), overlap
+# Carry: [".gpu/ucxx-nats-cp312-cu13.tar.xz", ".cache/commit"]; before the call:
+#   git rev-parse --short=12 HEAD > .cache/commit
+# Logs go to $OUT/*.log, benchmark lines to $OUT/kv_transfer.jsonl: append that file to
+# bench/results/kv_transfer.jsonl here. Every step has a wall limit, every test a pytest-timeout.
+# Environment knobs: KV_TOKENS (default 1024,6144,32768), KV_ITERS (5), KV_STEPS (units,gpu_tests,bench).
+cd "$(dirname "$0")/.." || exit 1
+GPU_BUNDLE=.gpu/ucxx-nats-cp312-cu13.tar.xz
+source bench/gpu_common.sh
+STEPS=${KV_STEPS:-units,gpu_tests,bench}
+{ nvidia-smi topo -m; python3 -c "import cuda.bindings, torch; print('cuda-bindings', cuda.bindings.__version__, 'torch', torch.__version__)"; } >> "$OUT/run.log" 2>&1
+
+[[ $STEPS == *units* ]] && step units 90 $PYTEST --timeout=60 -m gpu tests/transfer/test_direct_write.py tests/transfer/test_transfer_units.py
+[[ $STEPS == *gpu_tests* ]] && step gpu_tests 150 $PYTEST --timeout=60 tests/transfer/test_transfer_gpu.py
+[[ $STEPS == *bench* ]] && step bench 240 python3 -m bench.kv_transfer --device cuda --tokens "${KV_TOKENS:-1024,6144,32768}" \
+  --iters "${KV_ITERS:-5}" --overlap-iters 2 --chunk-mib 256,1024
+echo "=== done $(date -u +%T), ${SECONDS}s" >> "$OUT/run.log"
+cat "$OUT/run.log"
+grep -h -E "passed|failed|Error|FAILED" "$OUT"/units.log "$OUT"/gpu_tests.log 2>/dev/null | tail -20
+grep -A80 -E "^tokens" "$OUT/bench.log" 2>/dev/null | cut -c1-230
