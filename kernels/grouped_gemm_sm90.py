@@ -258,7 +258,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         ).launch(
             grid=[cfg.num_sms, 1, 1],
             block=[self.threads, 1, 1],
-            cluster=[cfg.cluster_n, 1, 1],
+            cluster=[cfg.cluster_n, 1, 1] if cfg.cluster_n > 1 else None,  # single CTAs: no cluster launch
             min_blocks_per_mp=1,
             stream=stream,
         )
