@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -79,6 +80,21 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
              decode_moe=type(model.decode_moe).__name__ if model.decode_moe is not None else None,
              collectives=type(comm).__name__ if comm is not None else None)
     return runner
+
+
+def run_threads_on_device(device: torch.device) -> None:
+    """Make the running loop's worker threads (`asyncio.to_thread`) start on the rank's GPU.
+
+    The current CUDA device is per thread and a new thread starts on GPU 0, while the
+    model steps, the group's collectives and the KV packing run off the event loop. Torch
+    ops follow their tensors' device, but NCCL object collectives and the CuTeDSL kernels
+    (loaded into and launched on the current device's context and stream) do not: on a
+    rank placed on cuda:1 its first kernel hit cudaErrorIllegalAddress (seen on 2x H200).
+    Call before anything uses the default executor.
+    """
+    if device.type == "cuda":
+        executor = ThreadPoolExecutor(thread_name_prefix=f"rank-{device}", initializer=torch.cuda.set_device, initargs=(device,))
+        asyncio.get_running_loop().set_default_executor(executor)
 
 
 class RankLoop(Protocol):

@@ -7,7 +7,7 @@ import sys
 
 from services.common import parse_settings, stop_event
 from services.decode.rank import DecodeRank
-from services.model_rank import run_until_stopped, start_model_rank
+from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.ranks import run_group
 from shared.bus import connect
 from shared.logging import get_logger
@@ -26,6 +26,7 @@ def run_rank(settings: DecodeSettings, rank: int, world: int, dist_port: int) ->
 
 
 async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world: int) -> None:
+    run_threads_on_device(runner.cache.device)
     stop = stop_event()
     worker = await TransferWorker.create()
     receiver = KVReceiver(worker, runner.cache)

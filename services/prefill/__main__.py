@@ -7,7 +7,7 @@ import contextlib
 import sys
 
 from services.common import parse_settings, stop_event
-from services.model_rank import run_until_stopped, start_model_rank
+from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.prefill.group import PrefillGroup
 from services.ranks import run_group
 from shared.bus import connect
@@ -27,6 +27,7 @@ def run_rank(settings: PrefillSettings, rank: int, world: int, dist_port: int) -
 
 
 async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, world: int) -> None:
+    run_threads_on_device(runner.cache.device)
     stop = stop_event()  # peers: the leader decides when the group stops
     worker = await TransferWorker.create()
     try:
