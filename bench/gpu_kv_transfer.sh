@@ -1,9 +1,9 @@
 #!/bin/bash
 # Issue 3 in one device call on 2x H200 (run kind "nvidia-h200-x2"), about 3-4 minutes of wall time:
-#   1. CUDA unit tests of the transfer (direct-write executors vs their torch reference, pack/scatter)
+#   1. CUDA unit tests of the transfer (direct-write kernel vs its torch reference, pack/scatter)
 #   2. tests/transfer/test_transfer_gpu.py: two processes on two GPUs over CUDA IPC + UCX
 #   3. bench/kv_transfer.py at 1k / 6k / 32k tokens: TP=1 and 2 ranks, prefill page 16 and 32 against
-#      decode page 16, ucx (256 and 1024 MiB chunks) and cuda_ipc (auto / copy_engine / kernel), overlap
+#      decode page 16, ucx (256 and 1024 MiB chunks) and cuda_ipc, overlap behind a layer-by-layer prefill
 # Carry: [".gpu/ucxx-nats-cp312-cu13.tar.xz", ".cache/commit"]; before the call:
 #   git rev-parse --short=12 HEAD > .cache/commit
 # Logs go to $OUT/*.log, benchmark lines to $OUT/kv_transfer.jsonl: append that file to

@@ -26,10 +26,9 @@ For each prompt length it measures, in the same run:
 * ``path``       - every engine row runs per path on CUDA: ``ucx`` (staged chunks over UCX, the
   decode receiver built with ``cuda_ipc=False``, one row per ``--chunk-mib``) and
   ``cuda_ipc`` (the same-host fast path: the decode receiver exports its KV storage, the
-  sender writes straight from its pages into the decode pages over NVLink, then announces
-  them with a small UCX message) once per ``--ipc-writes`` method (``auto``, the engine's
-  default, and the forced ``copy_engine`` / ``kernel``; the case's ``direct_write`` says
-  which, ``write_methods`` what the groups used). On CPU only ``ucx``.
+  sender writes straight from its pages into the decode pages over NVLink with one kernel
+  per layer group and announces them with a small UCX message as it issues them). On CPU
+  only ``ucx``.
 * page sizes     - ``--prefill-page-size`` takes a list: every layout and path runs once per
   prefill page size against the decode's ``--page-size`` (default on CUDA 16 and 32 against
   16: the shipped equal-page default and a mismatch; on CPU 16).
@@ -247,18 +246,18 @@ class _Child:
             self.layer_work = (x, w, torch.empty(tokens, n, dtype=DTYPE, device=self.device))
         self._sync()
 
-    async def send(self, descriptor: bytes, compute: str, layer_s: float, chunk_bytes: int, direct_write: str) -> dict[str, Any]:
+    async def send(self, descriptor: bytes, compute: str, layer_s: float, chunk_bytes: int) -> dict[str, Any]:
         desc = msgspec.msgpack.decode(descriptor, type=KVTransferDescriptor)
         t_start = time.time()
         one_layer = 2 * self.shard.num_heads * desc.num_tokens * self.cfg["head_dim"] * DTYPE.itemsize
-        sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=max(chunk_bytes, one_layer), direct_write=direct_write)
+        sender = KVSender(self.worker, self.cache, desc, self.table, self.shard, timeout_s=120.0, chunk_bytes=max(chunk_bytes, one_layer))
         if compute == "none":  # the KV is all there: one report, full chunks
             sender.mark_all_layers_done()
             t_last_layer = time.time()
         else:
             t_last_layer = await asyncio.to_thread(self._forward, compute, layer_s, sender)
         rec = await sender.finish()
-        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "wall_s": rec.wall_s, "phases_s": rec.phases_s, "path": rec.path, "write_methods": sender.write_methods}
+        return {"t_start": t_start, "t_last_layer": t_last_layer, "chunks": rec.chunks, "wall_s": rec.wall_s, "phases_s": rec.phases_s, "path": rec.path}
 
     async def compute_only(self, compute: str, layer_s: float) -> float:
         """Seconds of the same forward without a transfer."""
@@ -396,26 +395,19 @@ def _raw_ucxx_s(decode: _Proc, prefill: _Proc, nbytes: int, iters: int) -> float
     return statistics.median(times[1:])
 
 
-def split_path(path: str) -> tuple[str, str]:
-    """``cuda_ipc:kernel`` -> (``cuda_ipc``, ``kernel``); a bare path writes with ``auto``."""
-    base, _, method = path.partition(":")
-    return base, method or "auto"
-
-
 def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, iters: int, compute: str, layer_s: float, chunk_bytes: int, tag: str, path: str) -> list[dict[str, Any]]:
     """``iters`` + 1 transfers (the first warms registration caches and compiles, is verified, then dropped)."""
     runs = []
-    base, method = split_path(path)
     for i in range(iters + 1):
         rid = f"{tag}-{path}-{tokens}-{chunk_bytes}-{i}"
-        desc = decode.call("reserve", request_id=rid, tokens=tokens, path=base)
-        wait = decode.submit("wait", request_id=rid, tokens=tokens, verify_seed=seed if i == 0 else None, path=base)
-        sends = [p.submit("send", descriptor=desc, compute=compute, layer_s=layer_s, chunk_bytes=chunk_bytes, direct_write=method) for p in prefills]
+        desc = decode.call("reserve", request_id=rid, tokens=tokens, path=path)
+        wait = decode.submit("wait", request_id=rid, tokens=tokens, verify_seed=seed if i == 0 else None, path=path)
+        sends = [p.submit("send", descriptor=desc, compute=compute, layer_s=layer_s, chunk_bytes=chunk_bytes) for p in prefills]
         sent = [p.result(s) for p, s in zip(prefills, sends)]
         got = decode.result(wait)
         paths = {got["path"], *(s["path"] for s in sent)}
-        if paths != {base}:
-            raise RuntimeError(f"{rid}: asked for the {base} path, the transfer took {sorted(paths)}")
+        if paths != {path}:
+            raise RuntimeError(f"{rid}: asked for the {path} path, the transfer took {sorted(paths)}")
         if i == 0:
             if not got["exact"]:
                 raise RuntimeError(f"{rid}: decode pages differ from the reference")
@@ -429,7 +421,6 @@ def _engine_runs(decode: _Proc, prefills: list[_Proc], tokens: int, seed: int, i
             "start_s": got["first_header_unix"] - t_start,
             "notify_s": got["t_done"] - got["completed_unix"],
             "chunks": sent[0]["chunks"],
-            "write_methods": sorted({m for s in sent for m in s["write_methods"]}),
             "sender_wall_s": max(s["wall_s"] for s in sent),  # first chunk posted -> last chunk sent
             "receiver_wall_s": got["wall_s"],  # first header -> last chunk scattered
             **{f"send_{k}": v for k, v in send_phases.items()},
@@ -460,7 +451,6 @@ def _overlap(decode: _Proc, prefill: _Proc, runs: dict[tuple[str, int, str, int]
             "exposed_after_prefill_us": exposed_s * 1e6,
             "hidden_pct": 100.0 * max(0.0, 1.0 - exposed_s / engine_alone_s),
             "compute_slowdown_pct": 100.0 * (statistics.median(r["forward_s"] for r in with_kv) / compute_s - 1.0),
-            "overlap_write_methods": with_kv[0]["write_methods"],
         }
     return overlap
 
@@ -490,7 +480,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16, help="decode page size")
     ap.add_argument("--prefill-page-size", default=None, help="comma-separated prefill page sizes, each run against the decode's --page-size (default cpu: 16; cuda: 16,32)")
-    ap.add_argument("--ipc-writes", default="auto,copy_engine,kernel", help="comma-separated direct-write methods of the cuda_ipc rows (auto, copy_engine, kernel)")
     ap.add_argument("--chunk-mib", default="256", help="comma-separated target packed chunk sizes of the ucx rows (at least one layer; layers per chunk follow); cuda_ipc rows pack nothing")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--modes", default=None, help="comma-separated ucxx configurations <future|poll>/<thread|thread-polling>[/UCX_A=x+UCX_B=y] (default: future/thread-polling on cuda, future/thread on cpu)")
@@ -505,9 +494,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prefill-ranks: {args.prefill_ranks!r} is not a comma-separated list of integers")
     chunk_list = [int(c) for c in args.chunk_mib.split(",")]
     page_sizes = [int(p) for p in (args.prefill_page_size or ("16" if args.device == "cpu" else "16,32")).split(",")]
-    ipc_writes = args.ipc_writes.split(",")
-    if not set(ipc_writes) <= {"auto", "copy_engine", "kernel"}:
-        ap.error(f"--ipc-writes: {args.ipc_writes!r} names a method other than auto, copy_engine, kernel")
     overlap_chunk = args.overlap_chunk_mib or chunk_list[0]
     tokens_list = [int(t) for t in (args.tokens or ("128,512,1024" if args.device == "cpu" else "1024,6144,32768")).split(",")]
     modes = _parse_modes(args.modes or ("future/thread-polling" if args.device == "cuda" else "future/thread"))
@@ -529,8 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_gpu = placement.decode_gpu
     layout_fields = {f"tp{tp}": placement.case_fields(tp) for tp in layouts}
     compute = "matmul" if gpu else "sleep"
-    paths = ["ucx", *("cuda_ipc" if m == "auto" else f"cuda_ipc:{m}" for m in ipc_writes)] if gpu else ["ucx"]
-    overlap_paths = [p for p in paths if p in ("ucx", "cuda_ipc")]
+    paths = ["ucx", "cuda_ipc"] if gpu else ["ucx"]
     ctx = mp.get_context("spawn")
     bytes_per_token = args.layers * 2 * args.kv_heads * args.head_dim * DTYPE.itemsize
     peer_s = {tokens: _peer_copy_s(tokens * bytes_per_token, args.device, args.iters, decode_gpu) for tokens in tokens_list}
@@ -572,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                             for chunk_mib in chunk_list if path == "ucx" else chunk_list[:1]:  # only UCX chunks
                                 engine((f"tp{tp}", chunk_mib, path, page_size), senders)
                         if tp == 1 and args.overlap_iters and mode == modes[0][0] and page_size == page_sizes[0]:  # needs TP=1's set-up
-                            overlap = _overlap(decode, first, runs, overlap_paths, tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk, chunk_list[0], gpu, cfg, page_size)
+                            overlap = _overlap(decode, first, runs, paths, tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk, chunk_list[0], gpu, cfg, page_size)
                 for (layout, chunk_mib, path, page_size), layout_runs in runs.items():
                     eng_s = statistics.median(r["total_s"] for r in layout_runs)
                     phase_keys = sorted(k for k in layout_runs[0] if k.startswith(("send_", "recv_")))
@@ -588,13 +573,10 @@ def main(argv: list[str] | None = None) -> int:
                         "receiver_wall_us": _median_us(layout_runs, "receiver_wall_s"),
                         **{f"{k}_us": _median_us(layout_runs, k) for k in phase_keys},
                     }
-                    base, method = split_path(path)
-                    if base == "cuda_ipc":
-                        metrics["write_methods"] = layout_runs[0]["write_methods"]
                     if layout == "tp1" and chunk_mib == overlap_chunk and page_size == page_sizes[0]:
                         metrics |= overlap.get(path, {})
-                    case = {"path": base, "tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": page_size, "chunk_mib": chunk_mib,
-                            **({"direct_write": method} if base == "cuda_ipc" else {}), "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env,
+                    case = {"path": path, "tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": page_size, "chunk_mib": chunk_mib,
+                            "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env,
                             **layout_fields[layout]}
                     record(BENCH, case, metrics, peers)
                     rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "path": path, "layout": layout, "ps": page_size, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})

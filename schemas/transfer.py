@@ -73,8 +73,12 @@ class ShardHeader(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ``kind``:
     * ``"chunk"``: a packed chunk follows on the data tag, laid out ``[layers, 2, heads,
       num_tokens, head_dim]`` (token-contiguous per head), ``nbytes`` long;
-    * ``"landed"``: the sender already wrote these cells into the reserved pages through
-      CUDA IPC (its kernels completed); ``nbytes`` is what it wrote, no data follows;
+    * ``"landed"``: the sender writes (``event`` None: wrote) these cells straight into the
+      reserved pages through CUDA IPC; ``nbytes`` is what it writes, no data follows. With
+      ``event`` (a CUDA IPC event handle recorded after the writes, on the sender's GPU)
+      the header is sent as soon as the writes are issued, and the cells have landed once
+      that event completed; ``writes_done_unix`` is the sender's estimate of when (same
+      host, same clock), ``sender_pid`` the process that recorded it;
     * ``"stopped"``: the sender of these heads gave up and will write nothing more
       (layers: all; ``nbytes`` 0), so the decode side may reuse the pages now.
     """
@@ -89,3 +93,6 @@ class ShardHeader(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     nbytes: int
     dtype: str
     kind: Literal["chunk", "landed", "stopped"] = "chunk"
+    event: bytes | None = None
+    writes_done_unix: float = 0.0
+    sender_pid: int = 0

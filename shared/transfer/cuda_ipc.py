@@ -61,11 +61,17 @@ from schemas.transfer import CudaIpcExport, KVTransferLayout
 
 ENV_SWITCH = "MOEBUS_KV_CUDA_IPC"
 _OPENED_KEPT = 8  # mappings of distinct decode exports kept open per process
+_LANDING_EVENTS = 16  # interprocess events a sending process cycles through, per device
+_OPENED_EVENTS_KEPT = 256  # other processes' landing events kept open by a receiver
 
 # Storage tensors this process exported (a sender in the same process uses them directly:
 # CUDA refuses to open an IPC handle in the process that made it).
 _exported: weakref.WeakValueDictionary[bytes, torch.Tensor] = weakref.WeakValueDictionary()
 _opened: OrderedDict[tuple[str, int, bytes, int], torch.Tensor] = OrderedDict()
+_landing: dict[torch.device, list[tuple[torch.cuda.Event, bytes]]] = {}
+_landing_next: dict[torch.device, int] = {}
+_own_events: dict[bytes, torch.cuda.Event] = {}  # handle -> this process's landing event
+_opened_events: OrderedDict[tuple[int, bytes], torch.cuda.Event] = OrderedDict()
 
 
 class CudaIpcUnavailable(Exception):
@@ -163,3 +169,47 @@ def _open(export: CudaIpcExport, layout: KVTransferLayout, device: torch.device)
         )
     except (RuntimeError, OSError) as e:
         raise CudaIpcUnavailable(f"opening the CUDA IPC handle failed: {e}") from e
+
+
+def landing_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
+    """An interprocess event (and its handle) to record after a group's direct writes.
+
+    A process cycles through a few per device instead of making one per group (an event's
+    handle is opened once per receiving process). Every record goes on the one direct-write
+    stream of the device (``streams.side_stream(device, "peer_write")``), so when a reused
+    event is recorded again before a receiver looked, the receiver waits for the later
+    record, whose completion implies the earlier one's (a delay of that later group's
+    writes: they are issued right before their record, after their compute).
+    """
+    pool = _landing.setdefault(device, [])
+    index = _landing_next.get(device, 0)
+    _landing_next[device] = (index + 1) % _LANDING_EVENTS
+    if index == len(pool):
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream(device))  # torch creates an event at its first record: on ``device``
+        handle = bytes(event.ipc_handle())
+        _own_events[handle] = event
+        pool.append((event, handle))
+    return pool[index]
+
+
+def open_landing_event(handle: bytes, pid: int, device: torch.device) -> torch.cuda.Event:
+    """A sender's landing event as seen from this process (cached; the process's own events
+    are used directly: CUDA does not open a handle in the process that made it)."""
+    if pid == os.getpid():
+        own = _own_events.get(handle)
+        if own is None:
+            raise CudaIpcUnavailable("landing event names this process, which did not make it")
+        return own
+    key = (pid, handle)
+    event = _opened_events.get(key)
+    if event is None:
+        try:
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+        except RuntimeError as e:
+            raise CudaIpcUnavailable(f"opening the landing event of process {pid} failed: {e}") from e
+        _opened_events[key] = event
+        while len(_opened_events) > _OPENED_EVENTS_KEPT:
+            _opened_events.popitem(last=False)
+    _opened_events.move_to_end(key)
+    return event

@@ -13,8 +13,9 @@ them to the caller (free them with ``kvcache.allocator.free`` when the request e
 Same-host fast path: on CUDA the receiver exports its KV storage once through CUDA IPC
 (``cuda_ipc.export_storage``; off with ``cuda_ipc=False`` or ``MOEBUS_KV_CUDA_IPC=0``)
 and every descriptor carries it. A sender that can open it writes straight into the
-pages and sends ``"landed"`` headers (no data message); the cells are marked landed
-exactly as after a scatter. Because such a writer bypasses this process, a cancelled,
+pages and sends ``"landed"`` headers (no data message) as it issues the writes, each
+with an interprocess CUDA event recorded after them; the cells are marked landed,
+exactly as after a scatter, once that event completed (``_await_landing``). Because such a writer bypasses this process, a cancelled,
 expired or failed reservation that may have one does not free its pages at once: they
 stay quarantined until every head is quiet (all its layers landed, its sender sent
 ``"stopped"``, or its sender sends chunks over UCX, so never writes directly) or until
@@ -50,7 +51,7 @@ import torch
 
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
 from shared.kvcache import PagedKVCache
-from shared.transfer.cuda_ipc import CudaIpcUnavailable, enabled_by_env, export_storage
+from shared.transfer.cuda_ipc import CudaIpcUnavailable, enabled_by_env, export_storage, open_landing_event
 from shared.transfer.errors import Cancelled, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
 from shared.transfer.shard import chunk_nbytes, chunk_view, scatter_layers
@@ -68,6 +69,11 @@ _ABANDONED_RECV_GRACE_S = 2.0
 # Pages a direct (CUDA IPC) writer may still write stay quarantined until the lease deadline
 # plus this margin: the writer's last kernels, issued before the deadline, end within ms.
 DIRECT_WRITE_GRACE_S = 2.0
+# Waiting for a sender's landing event: wake this long before its estimate (the loop's
+# timers fire up to 1 ms late), spin on the event at most this long, then poll it each ms.
+_LANDING_WAKE_EARLY_S = 1.5e-3
+_LANDING_SPIN_S = 3e-3
+_LANDING_POLL_S = 1e-3
 
 
 class _State(enum.Enum):
@@ -278,17 +284,20 @@ class KVReceiver:
                     if res.first_header_at is None:
                         res.first_header_at = time.perf_counter()
                         res.phases.add("first_header", res.first_header_at - res.reserved_at)
-                    if header.kind == "landed":
+                    if header.kind == "landed" and header.event is None:
                         self._landed(res, header, direct=True)
+                    elif header.kind == "landed":
+                        self._spawn(res, self._await_landing(res, header))
                     else:
                         self._spawn(res, self._receive_chunk(res, header, time.perf_counter()))
-                elif header.kind == "landed":
+                elif header.kind == "landed" and header.event is None:
                     res.landed[header.layer_start : header.layer_end, header.head_start : header.head_end] = True
+                elif header.kind == "landed":
+                    # Cancelled (draining): the cells are quiet once their writes completed.
+                    self._spawn(res, self._await_landing(res, header))
                 else:
                     self._spawn(res, self._drain_chunk(res, header))
-                if res.quarantine is not None and self._quiet(res):
-                    log.info("kv.quarantine_lifted", request_id=res.request_id, pages=len(res.page_ids))
-                    self._free_pages(res)
+                self._lift_quarantine_if_quiet(res)
         except ProtocolError as e:
             self._terminate(res, _State.FAILED, e)
         except UCXError as e:
@@ -365,6 +374,37 @@ class KVReceiver:
                     scattered.synchronize()  # cancelled mid-scatter: the kernels still read the slot
                 self.staging.release(buf)
         self._landed(res, h, direct=False)
+
+    def _lift_quarantine_if_quiet(self, res: _Reservation) -> None:
+        if res.quarantine is not None and self._quiet(res):
+            log.info("kv.quarantine_lifted", request_id=res.request_id, pages=len(res.page_ids))
+            self._free_pages(res)
+
+    async def _await_landing(self, res: _Reservation, h: ShardHeader) -> None:
+        """A ``"landed"`` header sent when the writes were issued: the cells land when the
+        sender's interprocess event completes. Sleep through most of the sender's estimate,
+        then poll the event (a spin of at most ``_LANDING_SPIN_S``, then every ms); a sender
+        that died before its writes ended never completes the event, and the lease ends it."""
+        assert h.event is not None
+        try:
+            event = open_landing_event(h.event, h.sender_pid, self._cache.device)
+        except CudaIpcUnavailable as e:
+            self._terminate(res, _State.FAILED, PeerFailed(res.request_id, str(e)))
+            return
+        await asyncio.sleep(max(0.0, h.writes_done_unix - time.time() - _LANDING_WAKE_EARLY_S))
+        spin_until = time.perf_counter() + _LANDING_SPIN_S
+        try:
+            while not event.query():
+                if time.perf_counter() > spin_until:
+                    await asyncio.sleep(_LANDING_POLL_S)
+        except RuntimeError as e:  # CUDA reported an error on the sender's event: the cells never land
+            self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"landing event of process {h.sender_pid} failed: {e}"))
+            return
+        if res.state is _State.RECEIVING:
+            self._landed(res, h, direct=True)
+        else:
+            res.landed[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
+            self._lift_quarantine_if_quiet(res)
 
     def _landed(self, res: _Reservation, h: ShardHeader, *, direct: bool) -> None:
         """The header's cells are in the pages (scattered from staging, or written directly)."""

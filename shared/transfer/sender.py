@@ -22,19 +22,20 @@ finished: what the transfer adds after the forward's last layer).
 Same-host fast path (``cuda_ipc``): when the descriptor carries the decode rank's KV
 storage exported through CUDA IPC and this process can open it, no chunk is packed:
 each group of layers whose compute has finished (host check of its CUDA events) is
-written straight from the local pages into the decode rank's reserved pages on a side
-stream (``direct_write``: copy engines or a copy kernel, planned once per transfer;
-never issued after the deadline), and a ``"landed"`` header announces the cells once
-those writes completed. Groups are not bounded by staging: a group is every reported
-layer whose compute is done when the previous group was issued (all layers at once for
-KV that is all there). Otherwise (another host, CPU, ``MOEBUS_KV_CUDA_IPC=0`` on the
-decode side, the open failing: logged as ``kv.cuda_ipc_unavailable`` with the reason)
-the UCX path above is taken. ``TransferRecord.path`` and the log events say which; on
-the direct path the phases are ``compute_wait`` (host wait for the group's compute),
-``issue`` (enqueueing its writes), ``write`` (issued -> completed) and ``wire`` (the
-header's send); ``write_methods`` counts the groups per method. On a failure the
-direct sender waits for its issued writes, then tells the decode rank ``"stopped"``
-(the safety rules are in ``shared.transfer.cuda_ipc``).
+written straight from the local pages into the decode rank's reserved pages by one
+kernel launch on a side stream (``direct_write``; never issued after the deadline),
+followed by an interprocess CUDA event, and a ``"landed"`` header carrying that event
+goes out at once: its trip to the decode rank overlaps the writes, and the decode rank
+counts the cells landed when the event completes. Groups are not bounded by staging: a
+group is every reported layer whose compute is done when the previous group was issued
+(all layers at once for KV that is all there). Otherwise (another host, CPU,
+``MOEBUS_KV_CUDA_IPC=0`` on the decode side, the open failing: logged as
+``kv.cuda_ipc_unavailable`` with the reason) the UCX path above is taken.
+``TransferRecord.path`` and the log events say which; on the direct path the phases are
+``compute_wait`` (host wait for the group's compute), ``issue`` (launching its writes),
+``write`` (issued -> completed, seen by the sender) and ``wire`` (the header's send). On
+a failure the direct sender waits for its issued writes, then tells the decode rank
+``"stopped"`` (the safety rules are in ``shared.transfer.cuda_ipc``).
 
 Every outcome is explicit: ``finish()`` returns a ``TransferRecord`` or raises
 ``TransferTimeout`` (deadline: the sender's timeout or the reservation's lease,
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,7 +64,7 @@ from shared.kvcache import PagedKVCache
 from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
-from shared.transfer.direct_write import WRITE_METHODS, DirectWriter, plan_segments
+from shared.transfer.direct_write import DirectWriter
 from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
 from shared.transfer.streams import event_done, side_stream
@@ -73,10 +75,10 @@ log = structlog.get_logger(__name__)
 DEFAULT_CHUNK_BYTES = 256 << 20  # a few large UCX messages per request (each costs a fixed ~0.3-0.5 ms)
 _STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the decode rank it stopped
 # A direct write group's completion: the loop sleeps through most of the expected copy time
-# (at an optimistic NVLink rate), then blocks on the event for the rest, which wakes within
-# microseconds instead of a thread hand-off's ~0.1 ms; the margin covers the loop's 1 ms
-# timer resolution.
-_NVLINK_BYTES_PER_S = 400e9
+# (at the direct-write kernel's measured rate over NVLink, bench/results/kv_transfer.jsonl),
+# then blocks on the event for the rest, which wakes within microseconds instead of a thread
+# hand-off's ~0.1 ms; the margin covers the loop's 1 ms timer resolution.
+_NVLINK_BYTES_PER_S = 350e9
 _WAKE_EARLY_S = 1.5e-3
 
 
@@ -95,9 +97,7 @@ class KVSender:
     ``max_chunk_bytes`` and a staging slot; chunks are packed into ``staging`` (default:
     the worker's long-lived send pool for the cache's device, whose arena stays
     registered with UCX); ``held_buffers`` counts the slots this sender holds (0 once
-    ``finish()`` is over). The direct path uses no staging (``staging`` is None) and
-    ``direct_write`` picks its method (``"auto"``, ``"copy_engine"``, ``"kernel"``; see
-    ``shared.transfer.direct_write``).
+    ``finish()`` is over). The direct path uses no staging (``staging`` is None).
     """
 
     def __init__(
@@ -112,11 +112,8 @@ class KVSender:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         staging: StagingPool | None = None,
         metrics: TransferMetrics | None = None,
-        direct_write: str = "auto",
     ) -> None:
         created = time.perf_counter()
-        if direct_write not in WRITE_METHODS:
-            raise ValueError(f"direct_write {direct_write!r} is not one of {WRITE_METHODS}")
         self._created_unix = time.time()
         self._worker = worker
         self._cache = kvcache
@@ -129,7 +126,6 @@ class KVSender:
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
         self.staging: StagingPool | None = None
         self._writer: DirectWriter | None = None
-        self.write_methods: dict[str, int] = {}  # direct path: layer groups written per method
         if self._peer_storage is None:
             layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
             self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
@@ -140,7 +136,7 @@ class KVSender:
                 # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
                 self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
         else:
-            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, direct_write)
+            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage)
             self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -245,7 +241,7 @@ class KVSender:
         self._phases.add("tail", done - max(t for t in self._ready_at if t is not None))
         record = TransferRecord(rid, self._nbytes, done - self._first_send_at, len(self._sent_groups), self._created_unix, self._phases.seconds, self.path)
         self.metrics.record_ok(record)
-        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s, path=self.path, write_methods=self.write_methods)
+        log.info("kv.sent", request_id=rid, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, heads=(self._heads.start, self._heads.end), phases_s=record.phases_s, path=self.path)
         return record
 
     async def _reported(self, layer: int) -> None:
@@ -287,17 +283,12 @@ class KVSender:
             self._phases.add("compute_wait", issued - started)
             if self._loop.time() >= self._deadline:
                 raise TimeoutError
-            try:
-                method = self._writer.write(group, self._side_stream)
-            except BaseException:
-                self._side_stream.synchronize()  # the writes issued before the failure end before "stopped"
-                raise
-            done = torch.cuda.Event()
+            self._writer.write(group, self._side_stream)
+            done, handle = cuda_ipc.landing_event(self._cache.device)
             done.record(self._side_stream)
-            self.write_methods[method] = self.write_methods.get(method, 0) + 1
             self._sent_groups.append(group)
             self._phases.add("issue", time.perf_counter() - issued)
-            self._sends.append(self._loop.create_task(self._announce(group, done, issued)))
+            self._sends.append(self._loop.create_task(self._announce(group, done, handle, issued)))
             next_layer = end
 
     async def _computed(self, layer: int, *, wait: bool) -> bool:
@@ -365,9 +356,10 @@ class KVSender:
         except (TimeoutError, UCXError) as e:
             log.warning("kv.stopped_notice_failed", request_id=desc.request_id, error=f"{type(e).__name__}: {e}")
 
-    def _header(self, group: range, nbytes: int, kind: str) -> ShardHeader:
+    def _header(self, group: range, nbytes: int, kind: str, event: bytes | None = None, writes_done_unix: float = 0.0) -> ShardHeader:
         desc = self._desc
-        return ShardHeader(desc.request_id, desc.transfer_id, self._heads.start, self._heads.end, group.start, group.stop, desc.num_tokens, nbytes, desc.layout.dtype, kind=kind)
+        return ShardHeader(desc.request_id, desc.transfer_id, self._heads.start, self._heads.end, group.start, group.stop, desc.num_tokens, nbytes, desc.layout.dtype,
+                           kind=kind, event=event, writes_done_unix=writes_done_unix, sender_pid=os.getpid() if event is not None else 0)
 
     async def _post(self, *messages: tuple[int, object]) -> None:
         """Send the header (and its chunk) to the decode rank; phase bookkeeping around it."""
@@ -389,15 +381,19 @@ class KVSender:
         self._in_flight -= 1
         self._phases.add("wire", time.perf_counter() - posted)
 
-    async def _announce(self, group: range, done: torch.cuda.Event, issued: float) -> None:
-        """Direct path: once ``group``'s writes (issued at ``issued``, perf_counter) completed,
-        tell the decode rank its cells landed."""
+    async def _announce(self, group: range, done: torch.cuda.Event, handle: bytes, issued: float) -> None:
+        """Direct path: tell the decode rank at once that ``group``'s cells land when the
+        interprocess event ``done`` (recorded after its writes, issued at ``issued``,
+        perf_counter) completes, so the header's trip overlaps the writes; then wait for
+        them (they read the local pages the caller keeps until ``finish()``)."""
         nbytes = self._nbytes_of(group)
+        expected_s = nbytes / _NVLINK_BYTES_PER_S
         try:
-            await asyncio.sleep(max(0.0, issued + nbytes / _NVLINK_BYTES_PER_S - _WAKE_EARLY_S - time.perf_counter()))
+            header = self._header(group, nbytes, "landed", event=handle, writes_done_unix=time.time() + expected_s + issued - time.perf_counter())
+            await self._post((header_tag(self._desc.transfer_id), encode_header(header)))
+            await asyncio.sleep(max(0.0, issued + expected_s - _WAKE_EARLY_S - time.perf_counter()))
             await event_done(done, short=True)
             self._phases.add("write", time.perf_counter() - issued)
-            await self._post((header_tag(self._desc.transfer_id), encode_header(self._header(group, nbytes, "landed"))))
             self._nbytes += nbytes
         finally:
             done.synchronize()  # cancelled: the writes still run; the failure path reports only after them
@@ -452,21 +448,13 @@ def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torc
         return None
 
 
-def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor, method: str) -> DirectWriter:
-    """The plan of this transfer's direct writes; checks both page tables against their storage
-    (a write outside would land in another request's pages or kill the CUDA context)."""
-    mine, theirs = cache.layout, desc.layout
+def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor) -> DirectWriter:
+    """The writer of this transfer's direct writes; checks both page tables against their storage."""
     table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else np.asarray(page_table, dtype=np.int64)
     try:
-        plan = plan_segments(
-            num_tokens=desc.num_tokens, head_dim=mine.head_dim, itemsize=cache.storage.element_size(),
-            src_page_size=mine.page_size, src_heads=heads.num_heads, src_num_pages=mine.num_pages, src_table=table,
-            dst_page_size=theirs.page_size, dst_heads=theirs.kv_heads, dst_num_pages=peer.shape[1], dst_table=np.asarray(desc.page_ids, dtype=np.int64),
-            head_start=heads.start,
-        )
+        return DirectWriter(cache.storage, table, peer, np.asarray(desc.page_ids, dtype=np.int64), head_start=heads.start, num_tokens=desc.num_tokens)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
-    return DirectWriter(plan, cache.storage, peer, method)
 
 
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:

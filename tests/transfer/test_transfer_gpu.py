@@ -3,12 +3,13 @@
 The decode process sees GPU1 first, the prefill processes GPU0 first (both see both),
 as on one host of a deployment. KV written directly into the decode pages must equal
 an unsharded prefill bit for bit (equal and unequal page sizes, shuffled page ids on
-both sides, TP=1 and 2 ranks, each write method: copy engines, the copy kernel, and
-"auto" on layer groups formed while layers trickle in), with ``path == "cuda_ipc"`` on
-both sides; a cancelled or expired reservation keeps its pages out of the pool while a
-direct writer may still write them (until it landed everything, or the lease + grace
-when the writer was killed); a decode killed during direct writes fails the sender with
-a typed error within its deadline, and the prefill process stays usable.
+both sides, TP=1 and 2 ranks, all layers at once and layer groups formed while layers
+trickle in), with ``path == "cuda_ipc"`` on both sides; a cancelled or expired
+reservation keeps its pages out of the pool while a direct writer may still write them
+(until it landed everything, or the lease + grace when the writer was killed); a sender
+killed after announcing writes that never ran does not complete the request; a decode
+killed during direct writes fails the sender with a typed error within its deadline,
+and the prefill process stays usable.
 """
 
 from __future__ import annotations
@@ -52,30 +53,26 @@ def _send(decode, prefill, request_id, tokens, tp, page_size, seed, lease_s=30.0
 
 
 @pytest.mark.parametrize(
-    "tp,tokens,prefill_page,method,pace_s",
+    "tp,tokens,prefill_page,pace_s",
     [
-        (1, 200, 16, "copy_engine", 0.0),
-        (1, 200, 16, "kernel", 0.0),
-        (2, 333, 16, "copy_engine", 0.0),
-        (2, 333, 16, "kernel", 0.0),
-        (1, 200, 32, "kernel", 0.0),
-        (1, 200, 32, "copy_engine", 0.0),
-        (2, 77, 8, "kernel", 0.0),
-        (2, 333, 64, "auto", 0.0),
-        (2, 333, 16, "auto", 0.02),  # layer groups formed while the layers come in
+        (1, 200, 16, 0.0),
+        (2, 333, 16, 0.0),
+        (1, 200, 32, 0.0),
+        (2, 77, 8, 0.0),
+        (2, 333, 64, 0.0),
+        (1, 1, 16, 0.0),
+        (2, 333, 16, 0.02),  # layer groups formed while the layers come in
     ],
 )
-def test_direct_writes_land_bit_identical(peers, tp, tokens, prefill_page, method, pace_s):
+def test_direct_writes_land_bit_identical(peers, tp, tokens, prefill_page, pace_s):
     decode, prefill = peers
     assert decode.call("status", cache="h4")["cuda_ipc"]
     seed = tokens * 7 + tp + prefill_page
-    rid = f"ipc-{tp}-{tokens}-{prefill_page}-{method}-{pace_s}"
+    rid = f"ipc-{tp}-{tokens}-{prefill_page}-{pace_s}"
     decode_free = decode.call("status", cache="h4")["free_pages"]
-    jobs = _send(decode, prefill, rid, tokens, tp, prefill_page, seed, direct_write=method, pace_s=pace_s)
+    jobs = _send(decode, prefill, rid, tokens, tp, prefill_page, seed, pace_s=pace_s)
     results = [peer.wait(job) for peer, job in jobs]
     assert all(r["ok"] and r["path"] == "cuda_ipc" and r["held_buffers"] == 0 for r in results), results
-    if method != "auto":
-        assert all(set(r["write_methods"]) == {method} for r in results), results
     if pace_s:
         assert all(r["groups"] > 1 for r in results), results
     got = decode.call("wait", cache="h4", request_id=rid, timeout=20.0)
@@ -128,6 +125,29 @@ def test_killed_direct_writer_pages_return_only_after_lease_plus_grace(peers):
             assert time.monotonic() - reserved < lease_s + GRACE_S + 10, "quarantined pages never freed"
             time.sleep(0.05)
         assert time.monotonic() - reserved >= lease_s + GRACE_S - 0.1
+    finally:
+        victim.stop()
+
+
+def test_sender_killed_before_its_announced_writes_ran_never_completes_the_request(peers):
+    """"landed" headers go out as the writes are issued, with an event recorded after them:
+    a sender killed while its writes still wait (behind a GPU sleep) must not complete the
+    request; the pages come back after the lease + grace."""
+    decode, _ = peers
+    victim = Peer(spawn_context(), "prefill", device="cuda", visible="0,1")
+    try:
+        assert victim.call("ping")
+        lease_s = 5.0
+        reserved = time.monotonic()
+        ((_, job),) = _send(decode, [victim], "stalled", 160, 1, 16, 8, lease_s=lease_s, stall_writes_s=60.0, progress_after_layer=LAYERS - 1)
+        victim.wait(job, "progress")
+        time.sleep(0.5)  # the "landed" headers are out: sent as the writes were issued
+        victim.kill()
+        got = decode.call("wait", cache="h4", request_id="stalled", timeout=20.0)
+        assert not got["ok"] and got["error"] in ("LeaseExpired", "PeerFailed"), got
+        while decode.call("status", cache="h4")["free_pages"] != PAGES:
+            assert time.monotonic() - reserved < lease_s + GRACE_S + 10, "quarantined pages never freed"
+            time.sleep(0.05)
     finally:
         victim.stop()
 

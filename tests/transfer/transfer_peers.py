@@ -25,6 +25,7 @@ import torch
 from schemas.transfer import KVTransferDescriptor
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.transfer import KVReceiver, KVSender, StagingPool, TransferError, TransferWorker, kv_head_shard
+from shared.transfer.streams import side_stream
 
 DTYPE = torch.bfloat16
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
@@ -185,7 +186,7 @@ class PrefillPeer:
     async def ping(self, **_: Any) -> bool:
         return True
 
-    async def send(self, job: int, outbox: Any, descriptor: bytes, tp_rank: int, tp_size: int, page_size: int, seed: int, chunk_bytes: int, timeout_s: float, pace_s: float = 0.0, progress_after_layer: int | None = None, direct_write: str = "auto", **_: Any) -> dict[str, Any]:
+    async def send(self, job: int, outbox: Any, descriptor: bytes, tp_rank: int, tp_size: int, page_size: int, seed: int, chunk_bytes: int, timeout_s: float, pace_s: float = 0.0, progress_after_layer: int | None = None, stall_writes_s: float = 0.0, **_: Any) -> dict[str, Any]:
         desc = msgspec.msgpack.decode(descriptor, type=KVTransferDescriptor)
         lay, tokens = desc.layout, desc.num_tokens
         shard = kv_head_shard(tp_rank, tp_size, lay.kv_heads)
@@ -198,8 +199,11 @@ class PrefillPeer:
         pages, offsets = local.slots(torch.tensor(table, device=self.device), torch.arange(tokens, device=self.device))
         for layer in range(lay.num_layers):
             local.write(layer, pages, offsets, ref[layer, 0].transpose(0, 1), ref[layer, 1].transpose(0, 1))
+        if stall_writes_s:  # direct writes queue behind a GPU sleep on their stream (tests of a sender killed meanwhile)
+            with torch.cuda.stream(side_stream(local.device, "peer_write")):
+                torch.cuda._sleep(int(stall_writes_s * 2e9))  # cycles: ~1 s each 2e9 at H200 clocks
         t0 = time.monotonic()
-        sender = KVSender(self.worker, local, desc, table, shard, timeout_s=timeout_s, chunk_bytes=chunk_bytes, direct_write=direct_write)
+        sender = KVSender(self.worker, local, desc, table, shard, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
         try:
             for layer in range(lay.num_layers):
                 sender.on_layer_done(layer)
@@ -208,7 +212,7 @@ class PrefillPeer:
                 if layer == progress_after_layer:
                     outbox.put((job, "progress", layer))
             record = await sender.finish()
-            result = {"ok": True, "bytes": record.nbytes, "chunks": record.chunks, "path": record.path, "write_methods": sender.write_methods}
+            result = {"ok": True, "bytes": record.nbytes, "chunks": record.chunks, "path": record.path}
         except TransferError as e:
             result = {"ok": False, "error": type(e).__name__, "message": str(e), "path": sender.path}
         # held_buffers: this sender's slots; pool_buffers: the whole worker send pool (shared
