@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -26,12 +27,17 @@ from shared.settings import DecodeSettings, PrefillSettings
 log = get_logger(__name__)
 
 
-def resolve_device(device: str, rank: int) -> str:
-    """"auto" -> the rank's GPU when CUDA is available, else "cpu"; "cuda" -> the rank's GPU."""
+def resolve_device(device: str, rank: int, gpus: Sequence[int] = ()) -> str:
+    """"auto" -> the rank's GPU when CUDA is available, else "cpu"; "cuda" -> the rank's GPU:
+    ``gpus[rank]`` when the instance lists its GPUs, else GPU ``rank`` (modulo the GPUs present).
+
+    Listing GPUs, rather than hiding the others with CUDA_VISIBLE_DEVICES, keeps every GPU
+    visible, which the same-host KV path (CUDA IPC into the decode GPU) needs.
+    """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        device = f"cuda:{rank % torch.cuda.device_count()}"
+        device = f"cuda:{gpus[rank]}" if gpus else f"cuda:{rank % torch.cuda.device_count()}"
     return device
 
 
@@ -55,7 +61,7 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
     """
     rank, world = topology.rank, topology.world_size
     configure_logging(topology.layout, settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
-    device = resolve_device(settings.device, rank)
+    device = resolve_device(settings.device, rank, settings.gpus)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL object collectives use the current device
     prepare_rank_environment(device.split(":")[0], world)

@@ -70,9 +70,17 @@ class SchedulerSettings(ServiceSettings, kw_only=True):
     lease_s: float = 30.0  # reserved KV pages are freed if prefill has not started decode by then
 
 
+def _check_gpus(gpus: list[int], ranks: int, field: str) -> None:
+    if gpus and len(gpus) != ranks:
+        raise ValueError(f"gpus {gpus} lists {len(gpus)} GPU(s) for {field}={ranks} ranks")
+    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        raise ValueError(f"gpus {gpus} must be distinct GPU indices >= 0")
+
+
 class PrefillSettings(ServiceSettings, kw_only=True):
     tp: int = 1  # tensor-parallel ranks (processes) of this instance
-    device: str = "auto"  # "auto": cuda when available, else cpu
+    device: str = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
+    gpus: list[int] = []  # with device auto/cuda: rank r on GPU gpus[r] (e.g. [2, 3]); empty: GPU r
     dtype: str = "float32"  # compute and KV dtype; must match the decode instances
     page_size: int = 16
     kv_pages: int = 512  # KV pages of the prefill-side cache (per rank)
@@ -80,16 +88,23 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     dist_port: int = 0  # torch.distributed rendezvous port; 0: pick a free one
     transfer_timeout_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        _check_gpus(self.gpus, self.tp, "tp")
+
 
 class DecodeSettings(ServiceSettings, kw_only=True):
     dp: int = 1  # data-parallel ranks (processes); experts are sharded over all of them (EP = dp)
-    device: str = "auto"  # "auto": cuda when available, else cpu
+    device: str = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
+    gpus: list[int] = []  # with device auto/cuda: rank r on GPU gpus[r] (e.g. [2, 3]); empty: GPU r
     dtype: str = "float32"  # compute and KV dtype; must match the prefill instances
     page_size: int = 16
     kv_pages: int = 512  # KV pages per rank
     max_batch: int = 32  # running + reserved requests per rank
     dist_port: int = 0
     idle_poll_ms: float = 20.0  # dp > 1: longest lockstep poll interval while every rank is idle
+
+    def __post_init__(self) -> None:
+        _check_gpus(self.gpus, self.dp, "dp")
 
 
 SERVICES: dict[str, type[ServiceSettings]] = {

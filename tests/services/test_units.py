@@ -11,7 +11,7 @@ from schemas.internal import Heartbeat, TokenBatch
 from services.gateway.completion import Completion
 from services.launch import REPO_ROOT, StackError, load_compose
 from services.scheduler.registry import Registry
-from shared.settings import DecodeSettings, GatewaySettings, SettingsError, load_settings
+from shared.settings import DecodeSettings, GatewaySettings, PrefillSettings, SettingsError, load_settings
 
 
 # ---------------------------------------------------------------- settings
@@ -37,6 +37,19 @@ def test_settings_reject_typos_and_bad_values(tmp_path: Path):
         load_settings(GatewaySettings, "gateway", bad, env={})
     with pytest.raises(SettingsError, match="instance"):
         load_settings(GatewaySettings, "gateway", env={"MOEBUS_INSTANCE": "has.dot"})
+
+
+def test_settings_place_the_ranks_of_an_instance_on_listed_gpus():
+    from services.model_rank import resolve_device
+
+    s = load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_DP": "2", "MOEBUS_DECODE_GPUS": "[3, 2]", "MOEBUS_DECODE_DEVICE": "cuda"})
+    assert s.gpus == [3, 2]
+    assert [resolve_device(s.device, r, s.gpus) for r in range(s.dp)] == ["cuda:3", "cuda:2"]
+    assert resolve_device("cuda:1", 0, s.gpus) == "cuda:1" and resolve_device("cpu", 1, s.gpus) == "cpu"
+    with pytest.raises(SettingsError, match=r"gpus \[2\] lists 1 GPU\(s\) for dp=2"):
+        load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_DP": "2", "MOEBUS_DECODE_GPUS": "[2]"})
+    with pytest.raises(SettingsError, match="distinct"):
+        load_settings(PrefillSettings, "prefill", env={"MOEBUS_PREFILL_TP": "2", "MOEBUS_PREFILL_GPUS": "[1, 1]"})
 
 
 # ---------------------------------------------------------------- compose files
