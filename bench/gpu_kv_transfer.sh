@@ -8,7 +8,8 @@
 #   git rev-parse --short=12 HEAD > .cache/commit
 # Logs go to $OUT/*.log, benchmark lines to $OUT/kv_transfer.jsonl: append that file to
 # bench/results/kv_transfer.jsonl here. Every step has a wall limit, every test a pytest-timeout.
-# Environment knobs: KV_TOKENS (default 1024,6144,32768), KV_ITERS (5), KV_STEPS (units,gpu_tests,bench).
+# Environment knobs: KV_TOKENS (default 1024,6144,32768), KV_ITERS (5), KV_CHUNKS (UCX chunk MiB, 256,1024;
+# the staging slots take the largest), KV_STEPS (units,gpu_tests,bench).
 cd "$(dirname "$0")/.." || exit 1
 GPU_BUNDLE=.gpu/ucxx-nats-cp312-cu13.tar.xz
 source bench/gpu_common.sh
@@ -18,7 +19,7 @@ STEPS=${KV_STEPS:-units,gpu_tests,bench}
 [[ $STEPS == *units* ]] && step units 90 $PYTEST --timeout=60 -m gpu tests/transfer/test_direct_write.py tests/transfer/test_transfer_units.py
 [[ $STEPS == *gpu_tests* ]] && step gpu_tests 150 $PYTEST --timeout=60 tests/transfer/test_transfer_gpu.py
 [[ $STEPS == *bench* ]] && step bench 240 python3 -m bench.kv_transfer --device cuda --tokens "${KV_TOKENS:-1024,6144,32768}" \
-  --iters "${KV_ITERS:-5}" --overlap-iters 2 --chunk-mib 256,1024
+  --iters "${KV_ITERS:-5}" --overlap-iters 2 --chunk-mib "${KV_CHUNKS:-256,1024}"
 echo "=== done $(date -u +%T), ${SECONDS}s" >> "$OUT/run.log"
 cat "$OUT/run.log"
 grep -h -E "passed|failed|Error|FAILED" "$OUT"/units.log "$OUT"/gpu_tests.log 2>/dev/null | tail -20
