@@ -101,7 +101,7 @@ def ceilings(iters: int) -> dict[str, float]:
 
 
 def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, weights: dict,
-             tile_m: int | None = None, tile_n: int | None = None, cluster_n: int | None = None) -> dict:
+             tile_m: int | None = None, tile_n: int | None = None) -> dict:
     """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights)."""
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
@@ -120,7 +120,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, 
         x_ours, groups = x_bf16, offsets
     xq, xs = quantize_act(x_ours) if fp8 else (x_ours, None)
     out = torch.empty(*x_ours.shape[:-1], N, dtype=torch.bfloat16, device="cuda")
-    if tile_m is None and tile_n is None and cluster_n is None:
+    if tile_m is None and tile_n is None:
         if mxfp8:
             ours = lambda: grouped_gemm_mxfp8(x_ours, w, ws, groups, masked=masked, out=out)  # noqa: E731
         else:
@@ -128,7 +128,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, 
     else:  # a forced tile bucket, through the launcher (inputs built above are valid by construction)
         ours = lambda: launch(xq, w, groups, masked=masked, x_scale=None if mxfp8 else xs,  # noqa: E731
                               w_scale=None if mxfp8 else ws, row_weights=None, swiglu=False, out=out, tile_m=tile_m,
-                              tile_n=tile_n, cluster_n=cluster_n, w_scale_e8m0=ws if mxfp8 else None)
+                              tile_n=tile_n, w_scale_e8m0=ws if mxfp8 else None)
     us = time_us(ours, iters)
     experts = [0, E - 1]
     rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
@@ -161,8 +161,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, 
             print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
             "dtype": {"bf16": "bf16", "fp8": "fp8_block128", "mxfp8": "bf16_x_mxfp8"}[dtype],
-            "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto",
-            "cluster_n": cluster_n or "auto"}
+            "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto"}
     record(BENCH, case, metrics, peers)
     peer = next(iter(peers.values()))
     return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
@@ -238,8 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-prefill-tile-m", type=int, default=None, help="force the FP8 prefill tile bucket")
     ap.add_argument("--bf16-prefill-tile-n", type=int, default=None, help="force the bf16 prefill tile width (128/256)")
     ap.add_argument("--mxfp8-tile-m", type=int, default=None, help="force the MXFP8 tile bucket (64/128 rows)")
-    ap.add_argument("--cluster-n", type=int, default=None,
-                    help="force CTA pairs sharing the token tile (2) or single CTAs (1) for every GEMM case")
     ap.add_argument("--only", default="", help="comma list of case-name prefixes to run (default: all)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of dtypes to run (of {','.join(DTYPES)})")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no case after this many seconds")
@@ -281,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
         tile_n = args.bf16_prefill_tile_n if (kind == "gemm" and phase == "prefill" and dtype == "bf16") else None
         if kind == "gemm":
-            row = run_case(model, proj, phase, m, dtype, args.iters, weights, tile_m, tile_n, args.cluster_n)
+            row = run_case(model, proj, phase, m, dtype, args.iters, weights, tile_m, tile_n)
         else:
             row = run_swiglu_case(model, phase, m, fp8, args.iters, weights)
         faulthandler.cancel_dump_traceback_later()

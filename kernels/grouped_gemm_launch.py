@@ -11,7 +11,6 @@ are CUDA-graph capturable and never synchronise with the host.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import threading
 
@@ -20,7 +19,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
-from cutlass.utils import HardwareInfo
 
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
@@ -31,32 +29,18 @@ _GMEM = cute.AddressSpace.gmem
 
 def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
                   row_weights: bool, tokens_per_expert: float, num_sms: int, mxfp8: bool = False,
-                  tile_m: int | None = None, tile_n: int | None = None, cluster_pairs: int | None = None
-                  ) -> GroupedGemmConfig:
+                  tile_m: int | None = None, tile_n: int | None = None) -> GroupedGemmConfig:
     """Tile bucket: 64-row tiles for decode-sized groups (<= 64 tokens), else 128 rows.
 
     bf16 prefill uses 128x256 tiles (two consumer warpgroups, 128 accumulator
     registers each); FP8 block scales, MXFP8 weights and the SwiGLU interleave fix N at 128.
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
-
-    ``cluster_pairs`` (how many 2-CTA clusters the GPU runs at once) selects CTA
-    pairs sharing each token tile by TMA multicast (two adjacent weight tiles
-    per pair).  Pairs along M instead (sharing the weight tile) gained 1-4% at
-    2048 tokens per expert but lost 20-27% at 375, where an expert's 3 M tiles
-    became 2 pairs, 4 tiles of work (grouped_gemm.jsonl at 5e6727614d60).
     """
     tile_m = tile_m or (64 if tokens_per_expert <= 64 else 128)
     tile_n = tile_n or (256 if (tile_m == 128 and not fp8 and not mxfp8 and not swiglu) else 128)
-    cluster_n, ctas = (2, 2 * cluster_pairs) if cluster_pairs else (1, num_sms)
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
-                             cluster_n=cluster_n, num_sms=ctas)
-
-
-@functools.lru_cache(maxsize=None)
-def _cluster_pairs(device_index: int) -> int:
-    """How many 2-CTA clusters of one full-smem CTA per SM the GPU runs at once (at most half its SMs)."""
-    return HardwareInfo(device_index).get_max_active_clusters(2)
+                             num_sms=num_sms)
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).
@@ -116,13 +100,12 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
            swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
-           tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None,
-           cluster_n: int | None = None) -> torch.Tensor:
+           tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None) -> torch.Tensor:
     """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``
     (or ``kernels.grouped_gemm_mxfp8`` for ``w_scale_e8m0``: bf16 ``x`` times MXFP8 ``w``).
 
-    ``tile_m`` / ``tile_n`` override the tile bucket and ``cluster_n=2`` selects CTA pairs
-    (benchmarks compare buckets with them; see :func:`choose_config`).
+    ``tile_m`` / ``tile_n`` override the tile bucket (benchmarks compare buckets with them;
+    see :func:`choose_config`).
     """
     E, N, K = w.shape
     fp8 = x_scale is not None
@@ -133,8 +116,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
                         num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
-                        mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n,
-                        cluster_pairs=_cluster_pairs(device) if cluster_n == 2 else None)
+                        mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n)
     if rows * cfg.out_n >= 2**31:  # the epilogue addresses output elements with 32-bit offsets
         raise ValueError(f"output of {rows} rows x {cfg.out_n} columns exceeds 2^31 elements per batch; split the call")
     out_shape = (*x.shape[:-1], cfg.out_n)

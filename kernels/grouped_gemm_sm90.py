@@ -22,10 +22,11 @@ Work decomposition.  Every CTA first builds, in shared memory, the prefix sum
 of output tiles per expert (one warp, shuffle scan over the GPU-resident
 counts).  Tiles are numbered expert by expert, N-tile-major and M-tile-minor
 inside an expert so that CTAs working at the same time share a weight tile in
-L2; cluster ``c`` of ``G`` takes work units ``c, c+G, ...`` (a unit is one M
-tile times ``cluster_n`` weight tiles).  Warp 0 issues TMA loads
+L2; CTA ``c`` of ``G`` takes tiles ``c, c+G, ...``.  Warp 0 issues TMA loads
 for A (the tokens) and B (the weights) into a multi-stage mbarrier pipeline;
-one or two consumer warpgroups run WGMMA and the epilogue.
+one or two consumer warpgroups run WGMMA and hand each finished tile to two
+store warps through shared memory, so its global stores drain while the
+consumers run the next tile's mainloop.
 
 Code: this module holds the configuration, the host side, the schedule, the
 TMA producer and the bf16 mainloop; ``grouped_gemm_sm90_scaled`` the FP8
@@ -34,18 +35,22 @@ block-scaled and MXFP8 mainloops; ``grouped_gemm_sm90_epilogue`` the epilogue
 of a tile past its expert are never written; TMA zero-fills K and N beyond the
 tensor bounds, so N and token counts need not be multiples of the tile).
 
-Measured on one H200 (bench/results/grouped_gemm.jsonl; 128 experts,
-Qwen3-235B shapes): at 5e6727614d60 with single CTAs, prefill at 375 / 2048
-tokens per expert 578-645 TFLOP/s bf16 (torch._grouped_mm 0.97-1.25x our
-time), 855-912 FP8 block-scaled, 389-429 bf16 x MXFP8; decode bf16 4.0-4.4
-TB/s of weights (1.26-1.56x torch), FP8 about half of bf16's time, MXFP8
-about bf16's time.  Before the vector-store epilogue and the two-partial FP8
-mainloop (cd897b9): prefill 410-525 bf16, 556-762 FP8.
-With ``cluster_n=2`` CTAs run in pairs: the pair takes two adjacent weight
-tiles of the same M tile, and each CTA loads half of the token tile by TMA
-multicast into both (see ``grouped_gemm_launch.choose_config`` for when).
-Pairing along N wastes nothing at the Qwen3 shapes (their N-tile counts are
-even), where pairing along M computed empty tiles for odd M-tile counts.
+Measured on one H200 (bench/results/grouped_gemm.jsonl, 128 experts, Qwen3-235B
+and Qwen3-30B shapes, prefill at 375 / 2048 tokens per expert), at 79cf9e99e7e7
+against the tree before the store warps (471e2d5) on the same GPU in the same
+call: bf16 602-684 TFLOP/s (was 543-623), FP8 block-scaled 812-1041 (was
+736-899), fused gate_up+SwiGLU bf16 576-629 (was 429-507).  Decode (at
+06558783ead2) bf16 3.6-4.3 TB/s of weights, FP8 about half of bf16's time,
+MXFP8 about bf16's time.
+
+Tried and dropped: CTA pairs sharing one operand tile by TMA multicast.  Pairs
+along M sharing the weight tile lost 20-27% at 375 tokens per expert (an
+expert's 3 M tiles became 2 pairs; 5e6727614d60); pairs along N sharing the
+token tile were within -6%..+10% of single CTAs per shape in the same call
+(79cf9e99e7e7, ``--cluster-n 2``), no consistent gain.  The cluster launch
+attribute alone, with one CTA per cluster, had cost the 128x128 bf16 tiles
+(the fused SwiGLU GEMM) about a quarter of their speed: 424 TFLOP/s at
+06558783ead2, 576 at 79cf9e99e7e7 without it (235B gate_up, 375 tokens).
 """
 
 from __future__ import annotations
@@ -82,10 +87,7 @@ class GroupedGemmConfig:
     swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
     row_weights: bool = False  # multiply output row r by weights[r]
     mxfp8: bool = False  # bf16 activations x MXFP8 weights (E4M3 + E8M0 per 32 along K), bf16 math
-    # CTAs per cluster along N: 2 = the pair computes two adjacent weight tiles of one M
-    # tile and each CTA loads half of the token tile, multicast to both (halves its L2 reads).
-    cluster_n: int = 1
-    num_sms: int = 132  # persistent CTAs launched (a multiple of cluster_n)
+    num_sms: int = 132  # persistent CTAs launched
 
     def validate(self) -> None:
         elem_bytes = 1 if self.fp8 else 2
@@ -104,8 +106,6 @@ class GroupedGemmConfig:
             )
         if self.num_experts < 1:
             raise ValueError("num_experts must be >= 1")
-        if self.cluster_n not in (1, 2) or self.num_sms % self.cluster_n:
-            raise ValueError(f"cluster_n must be 1 or 2 and divide num_sms={self.num_sms}, got {self.cluster_n}")
 
     @property
     def out_n(self) -> int:
@@ -137,8 +137,6 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.tile_k = SCALE_BLOCK if cfg.fp8 else 64
         self.k_tiles = math.ceil(cfg.k / self.tile_k)
         self.n_tiles = math.ceil(cfg.n / cfg.tile_n)
-        self.n_units = math.ceil(self.n_tiles / cfg.cluster_n)  # weight-tile groups (one per cluster)
-        self.num_clusters = cfg.num_sms // cfg.cluster_n
         self.scale_k_blocks = math.ceil(cfg.k / SCALE_BLOCK)
         # Weight-scale rows per output tile: one 128-row block, or with SwiGLU
         # (interleaved 64-row gate/up halves) one per half; see interleave_gate_up.
@@ -221,12 +219,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), self.out_chunks
         )
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_n > 1
-            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mA,
             cute.slice_(self.a_smem_layout, (None, None, 0)),
             (cfg.tile_m, self.tile_k),
-            num_multicast=cfg.cluster_n,
         )
         tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -258,7 +254,6 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         ).launch(
             grid=[cfg.num_sms, 1, 1],
             block=[self.threads, 1, 1],
-            cluster=[cfg.cluster_n, 1, 1] if cfg.cluster_n > 1 else None,  # single CTAs: no cluster launch
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -288,10 +283,6 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, _, _ = cute.arch.block_idx()
-        cta_rank = 0  # rank in the cluster = which weight tile of the pair
-        if cutlass.const_expr(cfg.cluster_n > 1):
-            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster_idx = bidx // cfg.cluster_n
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
@@ -308,21 +299,20 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))) + cute.size_in_bytes(
             self.b_load_dtype, cute.slice_(b_smem_layout, (None, None, 0))
         )
-        # A stage is free once every consumer warp of every CTA it was multicast to
-        # has released it: one arrive per consumer warp per cluster CTA.
+        # A stage is free once every consumer warp has released it (one arrive per warp).
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.pipeline_mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.cluster_n * 4 * self.num_consumer_wg),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, cfg.cluster_n, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
-        # CTA (or cluster) barrier with release/acquire: publishes the mbarrier inits to
-        # the peer CTA and the schedule written above to every thread.
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, cfg.cluster_n), is_relaxed=False)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, cfg.cluster_n))
+        # CTA barrier with release/acquire: publishes the mbarrier inits and the
+        # schedule written above to every thread.
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=False)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -337,17 +327,17 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(
-                    tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, cluster_idx, cta_rank, total_tiles,
+                    tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, bidx, total_tiles,
                     s_tile_begin, s_row_start, s_row_count,
                 )
             elif warp_idx >= STORE_WARPS[0]:
-                self._store_tiles(sEpi, mC, rows, tidx - 32 * STORE_WARPS[0], cluster_idx, cta_rank, total_tiles,
-                                  s_tile_begin, s_row_start, s_row_count)
+                self._store_tiles(sEpi, mC, rows, tidx - 32 * STORE_WARPS[0], bidx, total_tiles, s_tile_begin,
+                                  s_row_start, s_row_count)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, cluster_idx,
-                cta_rank, total_tiles, s_tile_begin, s_row_start, s_row_count,
+                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, bidx,
+                total_tiles, s_tile_begin, s_row_start, s_row_count,
             )
 
     @cute.jit
@@ -372,7 +362,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                     count = mGroups[e + 1] - start
                 if count < 0:
                     count = cutlass.Int32(0)
-            tiles = (count + cfg.tile_m - 1) // cfg.tile_m * self.n_units
+            tiles = (count + cfg.tile_m - 1) // cfg.tile_m * self.n_tiles
             # inclusive warp scan of the tile counts
             for step in cutlass.range_constexpr(5):
                 other = cute.arch.shuffle_sync_up(tiles, 1 << step)
@@ -385,26 +375,21 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             carry = carry + cute.arch.shuffle_sync(tiles, 31)
 
     @cute.jit
-    def _locate(self, unit, expert, cta_rank, s_tile_begin, s_row_count):
-        """Advance ``expert`` to the one owning work ``unit``; return (expert, m_tile, n_tile).
+    def _locate(self, tile, expert, s_tile_begin, s_row_count):
+        """Advance ``expert`` to the one owning output ``tile``; return (expert, m_tile, n_tile).
 
-        A unit is one M tile times ``cluster_n`` adjacent weight tiles; the
-        CTA of rank r in the cluster takes the r-th (which may lie past N with
-        an odd N-tile count: that CTA then computes on zero-filled weights but
-        stores nothing, and still loads its half of the shared token tile for
-        its peer).  Units run N-major, M-minor inside an expert, so the CTAs
-        working at the same time share weight tiles in L2.
+        Tiles run N-major, M-minor inside an expert, so the CTAs working at the
+        same time share weight tiles in L2.
         """
-        while unit >= s_tile_begin[expert + 1]:
+        while tile >= s_tile_begin[expert + 1]:
             expert = expert + 1
-        local = unit - s_tile_begin[expert]
+        local = tile - s_tile_begin[expert]
         m_tiles = (s_row_count[expert] + self.cfg.tile_m - 1) // self.cfg.tile_m
-        n_unit = local // m_tiles
-        m_tile = local - n_unit * m_tiles
-        return expert, m_tile, n_unit * self.cfg.cluster_n + cta_rank
+        n_tile = local // m_tiles
+        return expert, local - n_tile * m_tiles, n_tile
 
     @cute.jit
-    def _produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, cluster_idx, cta_rank, total_tiles,
+    def _produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, first_tile, total_tiles,
                  s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -412,56 +397,49 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
-        a_mcast_mask = cutlass.Int16((1 << cfg.cluster_n) - 1)  # every CTA of the cluster shares the token tile
-        tile = cluster_idx
+        tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
-            expert, m_tile, n_tile = self._locate(tile, expert, cta_rank, s_tile_begin, s_row_count)
+            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
             batch = expert if cutlass.const_expr(cfg.masked) else 0
             # The expert's rows start at an arbitrary row (contiguous layout): offset
-            # the TMA coordinate space, then tile.  With a cluster, each CTA loads its
-            # 1/cluster_n slice of the token tile into every CTA's smem.
+            # the TMA coordinate space, then tile.
             mA_e = cute.domain_offset((s_row_start[expert], 0, 0), mA)
             gA = cute.local_tile(mA_e, (cfg.tile_m, self.tile_k), (None, None, None))
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_a, cta_rank, cute.make_layout(cfg.cluster_n), cute.group_modes(sA, 0, 2),
-                cute.group_modes(gA, 0, 2)
+                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
             )
             tAgA_t = tAgA[(None, m_tile, None, batch)]
             tBgB_t = tBgB[(None, n_tile, None, expert)]
             for k_tile in cutlass.range(self.k_tiles, unroll=1):
                 mainloop.producer_acquire(state)
                 barrier = mainloop.producer_get_barrier(state)
-                if cutlass.const_expr(cfg.cluster_n > 1):
-                    cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier,
-                              mcast_mask=a_mcast_mask)
-                else:
-                    cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
+                cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
                 cute.copy(tma_atom_b, tBgB_t[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
                 mainloop.producer_commit(state)
                 state.advance()
-            tile = tile + self.num_clusters
+            tile = tile + cfg.num_sms
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _store_tiles(self, sEpi, mC, rows, store_tidx, cluster_idx, cta_rank, total_tiles, s_tile_begin,
-                     s_row_start, s_row_count):
+    def _store_tiles(self, sEpi, mC, rows, store_tidx, first_tile, total_tiles, s_tile_begin, s_row_start,
+                     s_row_count):
         """Store warps: every output tile of this CTA, in the consumers' order, from shared to global memory."""
         cfg = self.cfg
         store = self._store_setup(sEpi, store_tidx)
-        tile = cluster_idx
+        tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
-            expert, m_tile, n_tile = self._locate(tile, expert, cta_rank, s_tile_begin, s_row_count)
+            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
             batch = expert if cutlass.const_expr(cfg.masked) else 0
             row0 = s_row_start[expert] + m_tile * cfg.tile_m
             rows_left = s_row_count[expert] - m_tile * cfg.tile_m
             self._store_tile(store, mC, rows, row0, rows_left, n_tile, batch)
-            tile = tile + self.num_clusters
+            tile = tile + cfg.num_sms
 
     @cute.jit
-    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, cluster_idx,
-                 cta_rank, total_tiles, s_tile_begin, s_row_start, s_row_count):
+    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, first_tile,
+                 total_tiles, s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
         tCsA = thr_mma.partition_A(sA)
@@ -480,10 +458,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
-        tile = cluster_idx
+        tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
-            expert, m_tile, n_tile = self._locate(tile, expert, cta_rank, s_tile_begin, s_row_count)
+            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
             batch = expert if cutlass.const_expr(cfg.masked) else 0
             row0 = s_row_start[expert] + m_tile * cfg.tile_m
             # The pipeline states are assigned here, not only mutated in the callee,
@@ -503,7 +481,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                     tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state
                 )
             self._epilogue(acc, tCcC, epi, mRowW, rows, row0, batch)
-            tile = tile + self.num_clusters
+            tile = tile + cfg.num_sms
 
     @cute.jit
     def _mainloop(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state):

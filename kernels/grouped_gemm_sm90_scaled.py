@@ -142,10 +142,8 @@ class ScaledMainloops:
         """
         sa_lo = mSFA[(r_lo, k_tile, batch)]
         sa_hi = mSFA[(r_hi, k_tile, batch)]
-        # A CTA pair's second tile may lie past N (odd N-tile count): any in-range scale will do.
-        sb_row = cutlass.min(n_tile * self.scale_rows_per_tile, self.scale_n_blocks - self.scale_rows_per_tile)
-        sb_first = mSFB[(sb_row, k_tile, expert)]
-        sb_second = mSFB[(sb_row + self.scale_rows_per_tile - 1, k_tile, expert)]
+        sb_first = mSFB[(n_tile * self.scale_rows_per_tile, k_tile, expert)]
+        sb_second = mSFB[(n_tile * self.scale_rows_per_tile + self.scale_rows_per_tile - 1, k_tile, expert)]
         return sa_lo * sb_first, sa_hi * sb_first, sa_lo * sb_second, sa_hi * sb_second
 
     @cute.jit

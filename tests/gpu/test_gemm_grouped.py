@@ -90,32 +90,6 @@ def test_contiguous(fp8, counts_name, row_weights):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
-def test_cta_pairs_with_multicast_tokens(fp8, swiglu):
-    """cluster_n=2 (two weight tiles per token tile, TMA multicast), an option of the launcher: an odd N-tile
-    count (3 tiles of 128) leaves the second CTA of the last pair past N, which must store nothing."""
-    from kernels.grouped_gemm_launch import launch
-
-    gen = torch.Generator(device=DEV).manual_seed(23 + fp8 + 2 * swiglu)
-    counts = torch.tensor([0, 300, 1, 129, 0, 700, 64, 2])  # 3, 1, 2, 6, 1, 1 M tiles of 128
-    E, N, K = len(counts), 384 if swiglu else 328, 272
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
-    T = int(offsets[-1]) + 5
-    x, xs = _activations((T, K), fp8, gen)
-    w, ws = _random_weights(E, N, K, fp8, gen)
-    wk, wsk = gg.interleave_gate_up(w, ws) if swiglu else (w, ws)
-    out = torch.full((T, N // 2 if swiglu else N), float("nan"), dtype=torch.bfloat16, device=DEV)
-    launch(x, wk, offsets.to(DEV), masked=False, x_scale=xs, w_scale=wsk, row_weights=None, swiglu=swiglu, out=out,
-           tile_m=128, tile_n=128, cluster_n=2)
-    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=None if xs is None else xs.cpu(),
-                                    w_scale=None if ws is None else ws.cpu())
-    ref = gg.swiglu_reference(ref) if swiglu else ref
-    owned = _owned_rows_contiguous(offsets, T)
-    _assert_close(out.cpu()[owned], ref[owned], f"cta pairs fp8={fp8} swiglu={swiglu}")
-    assert torch.isnan(out.cpu()[~owned].float()).all(), "rows owned by no expert were written"
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("max_tokens", [40, 136], ids=["decode_tile64", "tile128"])
 def test_masked(fp8, max_tokens):
     gen = torch.Generator(device=DEV).manual_seed(7 + max_tokens + fp8)

@@ -24,32 +24,31 @@ FP8 = torch.float8_e4m3fn
 
 # --------------------------------------------------------------- compilation
 COMPILE_CASES = [
-    # (masked, fp8, tile_m, tile_n, swiglu, row_weights, k, cluster_n); FP8 K blocks: 272 -> 3, 400 -> 4
-    (False, False, 128, 256, False, False, 272, 2),
-    (False, False, 128, 256, False, False, 272, 1),
-    (False, False, 64, 128, False, True, 272, 1),
-    (True, False, 64, 128, False, False, 272, 1),
-    (True, False, 128, 256, False, True, 272, 2),
-    (False, True, 128, 128, False, False, 272, 2),
-    (False, True, 128, 128, False, False, 400, 1),
-    (True, True, 64, 128, False, True, 400, 1),
-    (False, False, 128, 128, True, True, 272, 2),
-    (True, True, 64, 128, True, False, 272, 1),
+    # (masked, fp8, tile_m, tile_n, swiglu, row_weights, k); FP8 K blocks: 272 -> 3, 400 -> 4
+    (False, False, 128, 256, False, False, 272),
+    (False, False, 64, 128, False, True, 272),
+    (True, False, 64, 128, False, False, 272),
+    (True, False, 128, 256, False, True, 272),
+    (False, True, 128, 128, False, False, 272),
+    (False, True, 128, 128, False, False, 400),
+    (True, True, 64, 128, False, True, 400),
+    (False, False, 128, 128, True, True, 272),
+    (True, True, 64, 128, True, False, 272),
 ]
-MXFP8_CASES = [  # (masked, tile_m, swiglu, row_weights, cluster_n): bf16 x MXFP8 weights dequantized in the kernel
-    (False, 128, False, False, 2),
-    (True, 64, True, True, 1),
+MXFP8_CASES = [  # (masked, tile_m, swiglu, row_weights): bf16 x MXFP8 weights dequantized in the kernel
+    (False, 128, False, False),
+    (True, 64, True, True),
 ]
 
 
-@pytest.mark.parametrize("masked,fp8,tile_m,tile_n,swiglu,row_weights,k,cluster_n", COMPILE_CASES)
-def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, row_weights, k, cluster_n, tmp_path):
+@pytest.mark.parametrize("masked,fp8,tile_m,tile_n,swiglu,row_weights,k", COMPILE_CASES)
+def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, row_weights, k, tmp_path):
     from kernels.grouped_gemm_launch import compile_kernel
 
     # K and N not multiples of the tile; SwiGLU needs N a multiple of 128.
     n = 384 if swiglu else 200
     cfg = sm90.GroupedGemmConfig(num_experts=6, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m, tile_n=tile_n,
-                                 swiglu=swiglu, row_weights=row_weights, cluster_n=cluster_n)
+                                 swiglu=swiglu, row_weights=row_weights)
     compiled = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = compiled.artifacts.PTX
     mma = "e4m3.e4m3" if fp8 else "bf16.bf16"
@@ -59,18 +58,18 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
         "setmaxnreg": "setmaxnreg" in ptx,
         "no local memory": ".local" not in ptx,
         "16-byte output stores": "st.global.v4" in ptx,
-        "token tiles multicast in CTA pairs": ("multicast::cluster" in ptx) == (cluster_n == 2),
+        # consumers hand each output tile to the two store warps: 64 + 128 per consumer warpgroup
+        "store-warp handoff": f"bar.arrive 3, {64 + 128 * (tile_m // 64)}" in ptx,
     }
     assert all(found.values()), found
 
 
-@pytest.mark.parametrize("masked,tile_m,swiglu,row_weights,cluster_n", MXFP8_CASES)
-def test_grouped_gemm_mxfp8_compiles_for_sm90a(masked, tile_m, swiglu, row_weights, cluster_n, tmp_path):
+@pytest.mark.parametrize("masked,tile_m,swiglu,row_weights", MXFP8_CASES)
+def test_grouped_gemm_mxfp8_compiles_for_sm90a(masked, tile_m, swiglu, row_weights, tmp_path):
     from kernels.grouped_gemm_launch import compile_kernel
 
     cfg = sm90.GroupedGemmConfig(num_experts=6, n=384 if swiglu else 200, k=272, masked=masked, fp8=False,
-                                 tile_m=tile_m, tile_n=128, swiglu=swiglu, row_weights=row_weights, mxfp8=True,
-                                 cluster_n=cluster_n)
+                                 tile_m=tile_m, tile_n=128, swiglu=swiglu, row_weights=row_weights, mxfp8=True)
     ptx = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}").artifacts.PTX
     found = {
         "bf16 wgmma": "wgmma.mma_async.sync.aligned.m64n128k16" in ptx and "bf16.bf16" in ptx,
@@ -98,9 +97,6 @@ def test_config_rejects_unsupported_shapes():
     with pytest.raises(ValueError, match="exclude each other"):
         sm90.GroupedGemmConfig(num_experts=2, n=128, k=128, masked=False, fp8=True, tile_m=128, tile_n=128,
                                mxfp8=True).validate()
-    with pytest.raises(ValueError, match="cluster_n"):
-        sm90.GroupedGemmConfig(num_experts=2, n=128, k=128, masked=False, fp8=False, tile_m=128, tile_n=128,
-                               cluster_n=2, num_sms=131).validate()
     with pytest.raises(ValueError, match="16 for MXFP8"):
         sm90.GroupedGemmConfig(num_experts=2, n=128, k=104, masked=False, fp8=False, tile_m=128, tile_n=128,
                                mxfp8=True).validate()
