@@ -34,4 +34,4 @@ wait $gpu0 $gpu1
 echo "=== done $(date -u +%T), ${SECONDS}s" >> "$OUT/run.log"
 cat "$OUT/run.log"
 grep -h -E "passed|failed|FAILED|Error|rel_fro" "$OUT/gemm_tests.log" | tail -45
-grep -h -E "^\[|ceilings|quantize_act" "$OUT"/bench_variant*.log "$OUT/bench.log" 2>/dev/null | cut -c1-150
+grep -h -E "^\[|ceilings|quantize_act" "$OUT"/bench*.log | cut -c1-150  # bench.log and any bench_variant*.log

@@ -39,7 +39,8 @@ Measured on one H200 (bench/results/grouped_gemm.jsonl, 128 experts, Qwen3-235B
 and Qwen3-30B shapes, prefill at 375 / 2048 tokens per expert), at 79cf9e99e7e7
 against the tree before the store warps (471e2d5) on the same GPU in the same
 call: bf16 602-684 TFLOP/s (was 543-623), FP8 block-scaled 812-1041 (was
-736-899), fused gate_up+SwiGLU bf16 576-629 (was 429-507).  Decode (at
+736-899), fused gate_up+SwiGLU bf16 576-629 (was 429-507); at 874430f2129c
+(this code) bf16 611-686, FP8 821-1039, SwiGLU bf16 566-597.  Decode (at
 06558783ead2) bf16 3.6-4.3 TB/s of weights, FP8 about half of bf16's time,
 MXFP8 about bf16's time.
 
