@@ -64,7 +64,7 @@ from shared.kvcache import PagedKVCache
 from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
-from shared.transfer.direct_write import DirectWriter
+from shared.transfer.direct_write import DirectWriter, check_table
 from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
 from shared.transfer.streams import event_done, side_stream
@@ -122,7 +122,8 @@ class KVSender:
         self.metrics = metrics or TransferMetrics()
         _check_layouts(kvcache, descriptor, heads, len(page_table))
         layout = kvcache.layout
-        self._peer_storage = _open_peer_storage(descriptor, kvcache.device)
+        ids = np.asarray(descriptor.page_ids, dtype=np.int64) if descriptor.cuda_ipc is not None else np.empty(0, dtype=np.int64)
+        self._peer_storage = _open_peer_storage(descriptor, ids, kvcache.device)
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
         self.staging: StagingPool | None = None
         self._writer: DirectWriter | None = None
@@ -136,7 +137,7 @@ class KVSender:
                 # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
                 self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
         else:
-            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage)
+            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, ids)
             self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -199,9 +200,10 @@ class KVSender:
     # -- internals -------------------------------------------------------------------
 
     def _schedule(self, callback: Callable[..., None], *args: int) -> None:
-        """Run ``callback`` on the event loop: directly from its own thread (no wake-up write)."""
+        """Run ``callback`` on the event loop: at once when called from the loop's own thread
+        (no wake-up, no extra loop iteration before the first group forms)."""
         if threading.get_ident() == self._loop_thread:
-            self._loop.call_soon(callback, *args)
+            callback(*args)
         else:
             self._loop.call_soon_threadsafe(callback, *args)
 
@@ -274,9 +276,17 @@ class KVSender:
         while next_layer < num_layers:
             await self._reported(next_layer)
             started = time.perf_counter()
-            await self._computed(next_layer, wait=True)
+            first_event = self._layer_events[next_layer]
+            if first_event is not None and not first_event.query():
+                await event_done(first_event, short=False)
+            computed = {id(first_event): True}  # each distinct event queried once (one for all layers after mark_all_layers_done)
             end = next_layer + 1  # and every following layer reported and computed by now
-            while end < num_layers and self._ready_at[end] is not None and await self._computed(end, wait=False):
+            while end < num_layers and self._ready_at[end] is not None:
+                event = self._layer_events[end]
+                if id(event) not in computed:
+                    computed[id(event)] = event is None or event.query()
+                if not computed[id(event)]:
+                    break
                 end += 1
             group = range(next_layer, end)
             issued = time.perf_counter()
@@ -290,15 +300,6 @@ class KVSender:
             self._phases.add("issue", time.perf_counter() - issued)
             self._sends.append(self._loop.create_task(self._announce(group, done, handle, issued)))
             next_layer = end
-
-    async def _computed(self, layer: int, *, wait: bool) -> bool:
-        """Whether ``layer``'s compute (its CUDA event) has finished; ``wait``: until it has."""
-        event = self._layer_events[layer]
-        if event is None or event.query():
-            return True
-        if wait:
-            await event_done(event, short=False)
-        return wait
 
     async def _acquire(self, nbytes: int) -> torch.Tensor:
         assert self.staging is not None
@@ -432,14 +433,15 @@ class _Packed:
     behind_compute: bool
 
 
-def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torch.Tensor | None:
-    """The decode rank's storage mapped through CUDA IPC, or None (UCX path; logged why)."""
+def _open_peer_storage(desc: KVTransferDescriptor, ids: np.ndarray, device: torch.device) -> torch.Tensor | None:
+    """The decode rank's storage mapped through CUDA IPC, or None (UCX path; logged why).
+    ``ids``: the descriptor's page ids as an array."""
     if desc.cuda_ipc is None:
         return None
-    ids = np.asarray(desc.page_ids, dtype=np.int64)
-    if len(ids) < -(-desc.num_tokens // desc.layout.page_size) or (len(ids) and (ids.min() < 0 or ids.max() >= desc.cuda_ipc.num_pages)):
-        # An inconsistent descriptor whichever path is taken; a direct write there would hit another request's pages.
-        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {len(ids)} page ids not all inside the decode rank's {desc.cuda_ipc.num_pages} pages or too few for {desc.num_tokens} tokens")
+    try:
+        check_table("decode", ids, desc.num_tokens, desc.layout.page_size, desc.cuda_ipc.num_pages)
+    except ValueError as e:  # an inconsistent descriptor whichever path is taken
+        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: decode page ids: {e}") from None
     try:
         return cuda_ipc.open_export(desc.cuda_ipc, desc.layout, device)
     except cuda_ipc.CudaIpcUnavailable as e:
@@ -448,11 +450,11 @@ def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torc
         return None
 
 
-def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor) -> DirectWriter:
+def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor, ids: np.ndarray) -> DirectWriter:
     """The writer of this transfer's direct writes; checks both page tables against their storage."""
     table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else np.asarray(page_table, dtype=np.int64)
     try:
-        return DirectWriter(cache.storage, table, peer, np.asarray(desc.page_ids, dtype=np.int64), head_start=heads.start, num_tokens=desc.num_tokens)
+        return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
 
