@@ -2,7 +2,7 @@
 
 Two paths behind one API: UCX (any host: packed chunks into the decode rank's staging,
 scattered there) and, on one host, CUDA IPC (the sender writes straight from its pages
-into the decode pages, copy engines or a copy kernel, and announces them over UCX;
+into the decode pages with one kernel per layer group, and announces them over UCX;
 ``cuda_ipc`` has the mechanism and its safety rules, ``direct_write`` the copies).
 
 One ``TransferWorker`` per rank: ``worker = await TransferWorker.create(progress_mode=None)``
@@ -32,10 +32,8 @@ Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends`
 
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
                       timeout_s=30.0, chunk_bytes=256 << 20)   # UCX: packs into worker.staging_pool(device)
-    #   direct_write="auto" | "copy_engine" | "kernel": how the CUDA IPC path copies
     forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
     sender.path                      # "cuda_ipc" (descriptor's export opened) or "ucx"
-    sender.write_methods             # CUDA IPC: layer groups written per method
     record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, started_unix, phases_s, path)
     #   raises TransferTimeout (sender timeout or the reservation's lease, whichever is first),
     #   PeerFailed (decode rank died / endpoint error), Cancelled (sender.cancel()); the
@@ -45,8 +43,8 @@ The decode side completes a request when every (layer, KV head) cell has landed 
 whatever the prefill TP size; page sizes may differ between the two sides (the packed
 chunk is token-contiguous per head). Modules: ``worker`` (UCX worker, endpoint cache,
 tag protocol), ``shard`` (head mapping, pack/scatter), ``staging`` (slot arenas),
-``cuda_ipc`` (storage export / open, same-host identity), ``direct_write`` (the CUDA
-IPC path's copy plan and its two executors), ``receiver``, ``sender``, ``metrics``,
+``cuda_ipc`` (storage export / open, same-host identity, landing events),
+``direct_write`` (the CUDA IPC path's copy kernel), ``receiver``, ``sender``, ``metrics``,
 ``errors``, ``streams`` (CUDA side streams). The UCX path's pack and scatter are torch
 ops on CPU and on CUDA alike: per layer group one index_select / index_copy_ over the
 full pages plus one indexed copy of the partial last page, moving 8-byte words; on CUDA

@@ -7,10 +7,11 @@ never pickled. A prefill rank on the same host (same boot id and hostname) that 
 the exporting GPU opens it once (``open_export``: ``rebuild_cuda_tensor`` on the
 prefill's own GPU, so the peer memory is reached over NVLink with lazily enabled peer
 access) and caches the mapping per export. The sender then writes each layer group
-straight from its own KV pages into the reserved pages (``direct_write``: copy-engine
-2-D copies or one copy kernel per group, no local pack, no staging) and announces the
-landed cells with a small UCX message; UCX stays the cross-host path and the control
-channel.
+straight from its own KV pages into the reserved pages (``direct_write``: one copy
+kernel per group, no local pack, no staging), records an interprocess event after the
+writes (``landing_event``) and announces the cells with a small UCX message sent right
+away; the receiver counts them landed once that event completed
+(``open_landing_event``). UCX stays the cross-host path and the control channel.
 
 Safety: the decode rank never hands pages to another request while a direct writer
 may still write them.
@@ -27,7 +28,11 @@ may still write them.
   is quiet (all its layers landed, its sender said ``"stopped"``, or its sender sent a
   chunk over UCX: one sender per head range, one path per sender), or else at the
   lease deadline + ``receiver.DIRECT_WRITE_GRACE_S``; until then they are quarantined.
-* A killed prefill: the lease expires, the pages are freed after the grace.
+* A killed prefill: the lease expires, the pages are freed after the grace. A prefill
+  killed after announcing a group but before its writes ran never completes that
+  group's event (its record never executes), so the cells are never counted
+  landed and the request is not completed (seen on 2x H200 in
+  ``tests/transfer/test_transfer_gpu.py``, writes held behind a GPU sleep).
 * A killed decode: the prefill's next UCX message fails with an endpoint error
   (``PeerFailed``) once UCX detects the peer's death, and the sender stops; it never
   touches the mapping again (the cached mapping is dropped, not written). What CUDA

@@ -18,9 +18,10 @@ before the decode writes them.
 
 The kernel is CUDA C compiled once per process with NVRTC (``cuda-python``) and
 launched with the driver API on the caller's stream. Measured on 2x H200
-(bench/results/kv_transfer.jsonl): ~340-360 GB/s over NVLink, where 2-D copy-engine
-copies of the same rows (one ``cudaMemcpy2DAsync`` per page, rows = layers) ran at
-~210 GB/s and cost ~7 us of host time per call; they were dropped.
+(bench/results/kv_transfer.jsonl, a9596d4384e4): ~370 GB/s over NVLink at 6k and 32k
+tokens (the copy engines' peer copy: 378-393), where 2-D copy-engine copies of the same
+rows (one ``cudaMemcpy2DAsync`` per page, rows = layers; 25564ebbe612) ran at ~210 GB/s
+and cost ~7 us of host time per call; they were dropped.
 
 The torch reference of the kernel is the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers`` (the GPU tests compare the two).

@@ -15,7 +15,8 @@ Same-host fast path: on CUDA the receiver exports its KV storage once through CU
 and every descriptor carries it. A sender that can open it writes straight into the
 pages and sends ``"landed"`` headers (no data message) as it issues the writes, each
 with an interprocess CUDA event recorded after them; the cells are marked landed,
-exactly as after a scatter, once that event completed (``_await_landing``). Because such a writer bypasses this process, a cancelled,
+exactly as after a scatter, once that event completed (``_await_landing``). Because
+such a writer bypasses this process, a cancelled,
 expired or failed reservation that may have one does not free its pages at once: they
 stay quarantined until every head is quiet (all its layers landed, its sender sent
 ``"stopped"``, or its sender sends chunks over UCX, so never writes directly) or until

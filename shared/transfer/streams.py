@@ -23,8 +23,8 @@ def side_stream(device: torch.device, purpose: str = "copy") -> torch.cuda.Strea
     """The process's high-priority transfer stream on ``device`` (one per device and purpose,
     shared by every sender and receiver: the caching allocator keeps its blocks per stream,
     so a new stream per transfer would open new memory segments), or None on CPU.
-    ``purpose`` "peer_write": the CUDA IPC path's scatter into the decode rank, apart from
-    the pack stream so the next group's pack overlaps this group's NVLink writes."""
+    ``purpose`` "peer_write": the CUDA IPC path's direct writes into the decode rank (its
+    landing events are all recorded on it, see ``cuda_ipc.landing_event``)."""
     if device.type != "cuda":
         return None
     stream = _streams.get((device, purpose))
