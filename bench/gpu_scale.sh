@@ -72,7 +72,7 @@ run() {
 
 if [ "$MODE" = kv ]; then
   run bench_kv_transfer 420 python3 -m bench.kv_transfer --device cuda --prefill-ranks 1,2,4 \
-    --tokens 1024,6144,32768 --chunk-mib 256 --iters 3 --overlap-iters 2
+    --tokens 1024,6144,32768 --prefill-page-size 16 --chunk-mib 256 --iters 3 --overlap-iters 2
 else
   run test_dispatch_combine 90 $PYTEST --timeout=80 tests/gpu/test_comm_dispatch_combine.py
   run bench_dispatch_combine 90 python3 -m bench.dispatch_combine --world "$W"
