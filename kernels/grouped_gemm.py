@@ -34,6 +34,10 @@ from kernels.act_quant import QUANT_BLOCK
 
 SWIGLU_BLOCK = 64  # must equal grouped_gemm_sm90.SWIGLU_BLOCK (checked in tests)
 FP8_DTYPE = torch.float8_e4m3fn
+# Tile bucket boundary: groups of up to this many tokens per expert (decode-sized) run
+# 64-row tiles, larger ones 128-row tiles, each a separately compiled kernel (see
+# grouped_gemm_launch.choose_config; a service warm-up compiles both buckets).
+SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64
 
 
 class GroupedGemmError(ValueError):

@@ -20,6 +20,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
+from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
 _CACHE: dict[GroupedGemmConfig, object] = {}
@@ -30,13 +31,13 @@ _GMEM = cute.AddressSpace.gmem
 def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
                   row_weights: bool, tokens_per_expert: float, num_sms: int, mxfp8: bool = False,
                   tile_m: int | None = None, tile_n: int | None = None) -> GroupedGemmConfig:
-    """Tile bucket: 64-row tiles for decode-sized groups (<= 64 tokens), else 128 rows.
+    """Tile bucket: 64-row tiles for decode-sized groups (<= SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64 tokens), else 128 rows.
 
     bf16 prefill uses 128x256 tiles (two consumer warpgroups, 128 accumulator
     registers each); FP8 block scales, MXFP8 weights and the SwiGLU interleave fix N at 128.
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
     """
-    tile_m = tile_m or (64 if tokens_per_expert <= 64 else 128)
+    tile_m = tile_m or (64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128)
     tile_n = tile_n or (256 if (tile_m == 128 and not fp8 and not mxfp8 and not swiglu) else 128)
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
