@@ -15,6 +15,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
+from kernels._cute_runtime import launch_stream
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK
 
 WARPS_PER_CTA = 8
@@ -85,7 +86,7 @@ def compiled_quantizer(k: int):
 
 
 def quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize contiguous bf16 CUDA ``x[..., K]`` on the current stream (checked by the caller)."""
+    """Quantize contiguous bf16 CUDA ``x[..., K]`` on its device's current stream (checked by the caller)."""
     K = x.shape[-1]
     kb = math.ceil(K / QUANT_BLOCK)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -93,11 +94,12 @@ def quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.numel() // K
     if rows == 0:
         return q, scale
-    compiled_quantizer(K)(
-        make_ptr(cutlass.BFloat16, x.data_ptr(), _GMEM, assumed_align=2),
-        make_ptr(cutlass.Float8E4M3FN, q.data_ptr(), _GMEM, assumed_align=1),
-        make_ptr(cutlass.Float32, scale.data_ptr(), _GMEM, assumed_align=4),
-        cutlass.Int32(rows),
-        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream),
-    )
+    with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
+        compiled_quantizer(K)(
+            make_ptr(cutlass.BFloat16, x.data_ptr(), _GMEM, assumed_align=2),
+            make_ptr(cutlass.Float8E4M3FN, q.data_ptr(), _GMEM, assumed_align=1),
+            make_ptr(cutlass.Float32, scale.data_ptr(), _GMEM, assumed_align=4),
+            cutlass.Int32(rows),
+            stream,
+        )
     return q, scale

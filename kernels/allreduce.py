@@ -551,7 +551,7 @@ class CudaAllReduce:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, algorithm: Algorithm | None = None) -> torch.Tensor:
         """Sum ``x`` over the group into ``out`` (new tensor if None; ``out=x`` is in place)."""
-        from kernels._cute_runtime import current_stream
+        from kernels._cute_runtime import launch_stream
 
         _check_input(x, self.mem.device)
         if out is None:
@@ -569,40 +569,40 @@ class CudaAllReduce:
         esz = x.element_size()
         vec = VEC_BYTES // esz
         blocks = max(1, min(self.max_blocks, MAX_BLOCKS))
-        stream = current_stream()
-        mem = self.mem
-        table, flags, slots, ctrl = mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"], mem.control.data_ptr()
-        if algo == "two_shot":
-            chunk = self.two_shot_chunk_elems(esz)
-            if n + chunk >= 2**31:  # the kernel indexes up to one chunk past the end in int32
-                raise AllReduceError(f"tensor of {n} elements is too large for two-shot steps of {chunk} (limit 2**31 - 1 - step)")
-            if -(-n // chunk) > MAX_CHUNKS:
-                raise AllReduceError(f"{n} elements need more than {MAX_CHUNKS} two-shot steps of {chunk}; raise two_shot_chunk_bytes")
-            grid = min(-(-slice_elems(min(n, chunk), self.world, vec) // (vec * THREADS)), blocks)
-            compile_two_shot(x.dtype, self.world, self.rank)(
-                x.data_ptr(), out.data_ptr(), n, chunk, table, flags, slots, self.slot_bytes, mem.layout["gather"], ctrl,
-                grid, stream,
-            )
-            return out
-        # One-shot kernels: messages beyond one slot run as several launches.
-        threads = self.one_shot_threads
-        if threads % 32 or not 32 <= threads <= 1024:
-            raise AllReduceError(f"one_shot_threads must be a multiple of 32 in 32..1024, got {threads}")
-        if algo == "lamport":
-            kernel, slot_bytes, region = compile_lamport(x.dtype, self.world, self.rank), self.lamport_slot_bytes, mem.layout["lamport"]
-        else:
-            kernel, slot_bytes, region = compile_one_shot(x.dtype, self.world, self.rank), self.slot_bytes, None
-        slot_elems = slot_bytes // esz
-        flat_in, flat_out = x.view(-1), out.view(-1)
-        for start in range(0, n, slot_elems):
-            m = min(slot_elems, n - start)
-            grid = min(-(-m // (vec * threads)), blocks)
-            addrs = (flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table)
-            if region is None:
-                kernel(*addrs, flags, slots, slot_bytes, ctrl, grid, threads, stream)
+        with launch_stream(self.mem.device) as stream:  # any calling thread: the communicator's GPU
+            mem = self.mem
+            table, flags, slots, ctrl = mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"], mem.control.data_ptr()
+            if algo == "two_shot":
+                chunk = self.two_shot_chunk_elems(esz)
+                if n + chunk >= 2**31:  # the kernel indexes up to one chunk past the end in int32
+                    raise AllReduceError(f"tensor of {n} elements is too large for two-shot steps of {chunk} (limit 2**31 - 1 - step)")
+                if -(-n // chunk) > MAX_CHUNKS:
+                    raise AllReduceError(f"{n} elements need more than {MAX_CHUNKS} two-shot steps of {chunk}; raise two_shot_chunk_bytes")
+                grid = min(-(-slice_elems(min(n, chunk), self.world, vec) // (vec * THREADS)), blocks)
+                compile_two_shot(x.dtype, self.world, self.rank)(
+                    x.data_ptr(), out.data_ptr(), n, chunk, table, flags, slots, self.slot_bytes, mem.layout["gather"], ctrl,
+                    grid, stream,
+                )
+                return out
+            # One-shot kernels: messages beyond one slot run as several launches.
+            threads = self.one_shot_threads
+            if threads % 32 or not 32 <= threads <= 1024:
+                raise AllReduceError(f"one_shot_threads must be a multiple of 32 in 32..1024, got {threads}")
+            if algo == "lamport":
+                kernel, slot_bytes, region = compile_lamport(x.dtype, self.world, self.rank), self.lamport_slot_bytes, mem.layout["lamport"]
             else:
-                kernel(*addrs, region, slot_bytes, ctrl, grid, threads, stream)
-        return out
+                kernel, slot_bytes, region = compile_one_shot(x.dtype, self.world, self.rank), self.slot_bytes, None
+            slot_elems = slot_bytes // esz
+            flat_in, flat_out = x.view(-1), out.view(-1)
+            for start in range(0, n, slot_elems):
+                m = min(slot_elems, n - start)
+                grid = min(-(-m // (vec * threads)), blocks)
+                addrs = (flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table)
+                if region is None:
+                    kernel(*addrs, flags, slots, slot_bytes, ctrl, grid, threads, stream)
+                else:
+                    kernel(*addrs, region, slot_bytes, ctrl, grid, threads, stream)
+            return out
 
 
 def _check_input(x: torch.Tensor, device: torch.device) -> None:

@@ -262,7 +262,7 @@ def ep_select(
     """
     if not x.is_cuda:
         return ep_select_reference(x, topk_ids, expert_start, num_local_experts, align)
-    from kernels._cute_runtime import current_stream
+    from kernels._cute_runtime import launch_stream
 
     _check(x, topk_ids, expert_start, num_local_experts, align)
     if x.dtype not in _CUTE_DTYPES or x.shape[1] * x.element_size() % VEC_BYTES or not x.is_contiguous():
@@ -275,10 +275,11 @@ def ep_select(
     row_of = torch.empty(t, k, dtype=torch.int32, device=x.device)
     rows = torch.empty(capacity(t, k, num_local_experts, align), x.shape[1], dtype=x.dtype, device=x.device)
     if t > 0:
-        compile_select(x.dtype, k)(
-            x.data_ptr(), ids.data_ptr(), t, x.shape[1], expert_start, num_local_experts, align, counts.data_ptr(),
-            offsets.data_ptr(), cursors.data_ptr(), row_of.data_ptr(), rows.data_ptr(), _grid(t), current_stream(),
-        )
+        with launch_stream(x.device) as stream:
+            compile_select(x.dtype, k)(
+                x.data_ptr(), ids.data_ptr(), t, x.shape[1], expert_start, num_local_experts, align, counts.data_ptr(),
+                offsets.data_ptr(), cursors.data_ptr(), row_of.data_ptr(), rows.data_ptr(), _grid(t), stream,
+            )
     else:
         offsets.zero_()
     return SelectedRows(rows, offsets, counts, row_of)
@@ -288,7 +289,7 @@ def ep_combine(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor
     """Weighted sum of each token's local expert outputs: ``[T, H]`` in ``y.dtype``."""
     if not y.is_cuda:
         return ep_combine_reference(y, row_of, topk_weights)
-    from kernels._cute_runtime import current_stream
+    from kernels._cute_runtime import launch_stream
 
     if row_of.shape != topk_weights.shape or y.dim() != 2 or not y.is_contiguous():
         raise EpExchangeError(f"y must be contiguous [rows, H]; row_of {tuple(row_of.shape)} vs weights {tuple(topk_weights.shape)}")
@@ -299,7 +300,8 @@ def ep_combine(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor
     if t > 0:
         w = topk_weights.to(torch.float32).contiguous()
         ro = row_of.to(torch.int32).contiguous()
-        compile_combine(y.dtype, k)(
-            y.data_ptr(), ro.data_ptr(), w.data_ptr(), t, y.shape[1], out.data_ptr(), _grid(t), current_stream()
-        )
+        with launch_stream(y.device) as stream:
+            compile_combine(y.dtype, k)(
+                y.data_ptr(), ro.data_ptr(), w.data_ptr(), t, y.shape[1], out.data_ptr(), _grid(t), stream
+            )
     return out

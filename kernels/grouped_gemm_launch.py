@@ -4,8 +4,9 @@ Kernels are keyed by :class:`GroupedGemmConfig` (experts, N, K, layout,
 dtype, tile shape, epilogue, SM count): the token count stays a run-time
 argument, so one compiled kernel serves every batch of a weight shape and
 "shape bucket" here means the tile bucket chosen from tokens per expert.
-Launches take raw device pointers and the current torch stream, so they
-are CUDA-graph capturable and never synchronise with the host.
+Launches take raw device pointers and the current torch stream of the
+tensors' device (under `launch_stream`: from any thread), so they are
+CUDA-graph capturable and never synchronise with the host.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import dataclasses
 import math
 import threading
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
+from kernels._cute_runtime import launch_stream
 from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
@@ -102,7 +103,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
            swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
            tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel on the current stream; arguments were validated by ``kernels.grouped_gemm``
+    """Run the kernel on ``x``'s device's current stream; arguments were validated by ``kernels.grouped_gemm``
     (or ``kernels.grouped_gemm_mxfp8`` for ``w_scale_e8m0``: bf16 ``x`` times MXFP8 ``w``).
 
     ``tile_m`` / ``tile_n`` override the tile bucket (benchmarks compare buckets with them;
@@ -130,17 +131,18 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     a, b, sb = _operand_types(cfg)
     # Placeholder for pointers this configuration never reads (any word-aligned address).
     unused = _ptr(groups, cutlass.Float32, _ALIGN_WORD)
-    fn = compiled_kernel(cfg)
-    fn(
-        _ptr(x, a, _ALIGN_AB),
-        _ptr(w, b, _ALIGN_AB),
-        _ptr(out, cutlass.BFloat16, _out_align(cfg)),
-        _ptr(groups, cutlass.Int32, _ALIGN_WORD),
-        _ptr(x_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
-        _ptr(w_scale, sb, _ALIGN_WORD) if fp8 else (_ptr(w_scale_e8m0, sb, 1) if mxfp8 else unused),
-        _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
-        cutlass.Int32(rows),
-        cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream),
-    )
+    with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
+        fn = compiled_kernel(cfg)
+        fn(
+            _ptr(x, a, _ALIGN_AB),
+            _ptr(w, b, _ALIGN_AB),
+            _ptr(out, cutlass.BFloat16, _out_align(cfg)),
+            _ptr(groups, cutlass.Int32, _ALIGN_WORD),
+            _ptr(x_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
+            _ptr(w_scale, sb, _ALIGN_WORD) if fp8 else (_ptr(w_scale_e8m0, sb, 1) if mxfp8 else unused),
+            _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
+            cutlass.Int32(rows),
+            stream,
+        )
     return out
 
