@@ -87,6 +87,7 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     max_batch_tokens: int = 8192  # prompts run together in one forward pass, up to this many tokens
     dist_port: int = 0  # torch.distributed rendezvous port; 0: pick a free one
     transfer_timeout_s: float = 30.0
+    warmup: bool = True  # run dummy prompts through every rank (compiling its kernels) before it reports ready
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.tp, "tp")
@@ -102,6 +103,7 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     max_batch: int = 32  # running + reserved requests per rank
     dist_port: int = 0
     idle_poll_ms: float = 20.0  # dp > 1: longest lockstep poll interval while every rank is idle
+    warmup: bool = True  # run dummy decode steps through every rank (compiling its kernels) before it reports ready
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.dp, "dp")

@@ -9,6 +9,7 @@ from services.common import parse_settings, stop_event
 from services.decode.rank import DecodeRank
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.ranks import run_group
+from services.warmup import warm_up_decode
 from shared.bus import connect
 from shared.logging import get_logger
 from shared.model.runner import ModelRunner
@@ -22,6 +23,8 @@ log = get_logger(__name__)
 def run_rank(settings: DecodeSettings, rank: int, world: int, dist_port: int) -> None:
     # A decode step feeds one new token per running sequence: at most max_batch tokens per rank.
     runner = start_model_rank(settings, Topology.decode(world, rank), dist_port, max_tokens_per_rank=settings.max_batch)
+    if settings.warmup:
+        warm_up_decode(runner, settings, world)  # before the first heartbeat: ready means compiled
     asyncio.run(_serve(settings, runner, rank, world))
 
 

@@ -10,6 +10,7 @@ from services.common import parse_settings, stop_event
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.prefill.group import PrefillGroup
 from services.ranks import run_group
+from services.warmup import warm_up_prefill
 from shared.bus import connect
 from shared.logging import get_logger
 from shared.model.runner import ModelRunner
@@ -23,6 +24,8 @@ log = get_logger(__name__)
 def run_rank(settings: PrefillSettings, rank: int, world: int, dist_port: int) -> None:
     # release_finished=False: a sequence's pages stay until its KV transfer is done.
     runner = start_model_rank(settings, Topology.prefill(world, rank), dist_port, release_finished=False)
+    if settings.warmup:
+        warm_up_prefill(runner, settings)  # before the leader's first heartbeat: ready means compiled
     asyncio.run(_serve(settings, runner, rank, world))
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from schemas.api import GenerateRequest
 
-from services_helpers import run, session, stack_fixture, stream_all
+from services_helpers import log_events, run, session, stack_fixture, stream_all
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +55,13 @@ def test_both_dp_ranks_serve_concurrent_requests(stack, tokenizer, hf_greedy):
     assert busy_ranks == {0, 1}
     for (prompt, n), resp in zip(cases, results):
         assert resp.token_ids == hf_greedy(tuple(tokenizer.encode(prompt)), n)
+
+
+def test_every_rank_of_the_tp_and_dp_groups_warmed_up(stack):
+    ranks = {(e["service"], e["replica"], e["rank"]) for e in log_events(stack, "warmup.done")}
+    prefill = next(r.instance for r in stack.replicas if r.role == "prefill")
+    decode = next(r.instance for r in stack.replicas if r.role == "decode")
+    assert {("prefill", prefill, 0), ("prefill", prefill, 1), ("decode", decode, 0), ("decode", decode, 1)} <= ranks
 
 
 def test_sigterm_drains_decode_in_flight_requests_finish(stack, tokenizer, hf_greedy):

@@ -9,6 +9,7 @@ import json
 import random
 import signal
 import time
+from datetime import datetime
 
 import msgspec
 import pytest
@@ -17,7 +18,7 @@ from schemas.api import ChatMessage, ErrorReply, GenerateRequest, GenerateRespon
 from services.client import GenerateError
 from shared.bus import CONTENT_TYPE, MSGPACK
 
-from services_helpers import all_kv_free, run, session, stack_fixture, stream_all
+from services_helpers import all_kv_free, log_events, run, session, stack_fixture, stream_all
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +47,20 @@ def test_models_lists_the_served_model(stack, tiny_model):
     assert isinstance(models, ModelList)
     assert [m.id for m in models.models] == [tiny_model.name]
     assert models.models[0].max_context == 4096
+
+
+def test_model_ranks_warm_up_before_their_first_heartbeat(stack):
+    async def go():
+        async with session(stack.url) as (_, watch):
+            await watch.wait_for(lambda w: len(w.live("prefill")) == 1 and len(w.live("decode")) == 2, 10, "every model rank")
+            return watch.live("prefill") + watch.live("decode")
+
+    warmed = {e["replica"]: e for e in log_events(stack, "warmup.done")}
+    for hb in run(go()):
+        done = warmed[hb.instance]
+        # A rank's heartbeats carry the time its heartbeater was made: after its warm-up.
+        assert datetime.fromisoformat(done["timestamp"]).timestamp() <= hb.started_at
+        assert done["duration_s"] > 0 and done["steps"]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
@@ -346,3 +361,20 @@ def test_new_decode_instance_gets_placements_without_restarts(stack):
             await watch.wait_for(all_kv_free, 5, "KV free")
 
     run(go())
+
+
+def test_a_decode_rank_whose_warm_up_fails_exits_without_reporting_ready(stack):
+    async def go():
+        async with session(stack.url) as (_, watch):
+            # max_batch=4 sequences of 2 tokens need 8 pages of 1 token; the rank has 3.
+            bad = stack.start_replica("decode", env={"MOEBUS_DECODE_KV_PAGES": "3", "MOEBUS_DECODE_PAGE_SIZE": "1", "MOEBUS_DECODE_MAX_BATCH": "4"})
+            exit_code = await asyncio.to_thread(bad.proc.wait, 120)
+            await asyncio.sleep(0.5)  # a heartbeat published just before exiting would have arrived
+            return bad, exit_code, [key for key in watch.latest if key[1] == bad.instance]
+
+    bad, exit_code, heartbeats = run(go())
+    assert exit_code != 0
+    assert heartbeats == []
+    failed = [e for e in log_events(stack, "warmup.failed") if e["replica"] == bad.instance]
+    assert len(failed) == 1 and "needs 8 KV pages" in failed[0]["error"]
+    assert "services.warmup.WarmupFailed" in bad.log_path.read_text()

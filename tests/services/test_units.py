@@ -26,6 +26,14 @@ def test_settings_sources_in_order(tmp_path: Path):
     assert s.model_name == "qwen" and s.instance  # defaults filled in
 
 
+def test_settings_turn_the_model_ranks_warm_up_off():
+    assert load_settings(PrefillSettings, "prefill", env={}).warmup and load_settings(DecodeSettings, "decode", env={}).warmup
+    assert not load_settings(PrefillSettings, "prefill", env={"MOEBUS_PREFILL_WARMUP": "false"}).warmup
+    assert not load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_WARMUP": "0"}).warmup
+    with pytest.raises(SettingsError, match="warmup"):
+        load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_WARMUP": "sometimes"})
+
+
 def test_settings_reject_typos_and_bad_values(tmp_path: Path):
     with pytest.raises(SettingsError, match="MOEBUS_DECODE_MAX_BACH"):
         load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_MAX_BACH": "4"})

@@ -1,0 +1,166 @@
+"""Warm-up of a model rank before it reports ready: dummy work through the serving code paths.
+
+The first forward of each shape bucket compiles CuTeDSL kernels (~6 s on 2x H200 for
+the first batch of an instance); a rank that said ready before that would make its
+first users wait. So a rank runs, before its first heartbeat,
+
+* prefill: one forward over a short prompt and, for MoE models, one over a prompt long
+  enough that the grouped GEMM's token count per local expert passes its small-tile
+  bucket (`kernels.grouped_gemm.SMALL_TILE_MAX_TOKENS_PER_EXPERT`) — skipped when no
+  real batch could reach that bucket (`max_batch_tokens`, KV pages);
+* decode: lockstep steps (`services.decode.lockstep.Lockstep`, the step loop's own
+  path) over a batch of one sequence and over a full batch of `max_batch`: the two ends
+  of the grouped GEMM's contiguous-layout buckets; the masked layout of a DP x EP
+  instance (and its dispatch/combine, sized by `max_batch`) has a single bucket.
+
+The ranks of an instance run it together: every step is collective (TP all-reduces,
+the expert all-to-all, the lockstep's all-reduce), and every rank derives the same
+steps from the same settings and checkpoint.
+
+Nothing is left behind: the dummy sequences are greedy (no random draw: a seeded
+request's tokens and the shared sampling stream are unchanged), the KV they wrote is
+zeroed (the cache is as loaded) and their pages freed, and no heartbeat, request or
+transfer counter exists yet to count them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
+from services.decode.lockstep import GroupState, Lockstep
+from shared.logging import get_logger
+from shared.model.runner import ModelRunner, SequenceState
+from shared.model.sampling import SamplingParams
+from shared.settings import DecodeSettings, PrefillSettings
+
+log = get_logger(__name__)
+
+SHORT_PROMPT_TOKENS = 16  # a typical short prompt (and the decode-sized GEMM bucket)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2)  # greedy: draws nothing from any generator
+
+
+class WarmupFailed(RuntimeError):
+    """The rank could not run its warm-up; it must not report ready."""
+
+
+def dummy_tokens(n: int, vocab: int, offset: int = 0) -> list[int]:
+    """``n`` token ids spread over the vocabulary (varied routing, unlike one repeated id)."""
+    return [(offset + 7919 * i) % vocab for i in range(n)]
+
+
+def prefill_warmup_lengths(runner: ModelRunner, max_batch_tokens: int) -> list[int]:
+    """Prompt lengths of the prefill warm-up forwards (see the module docstring)."""
+    layout, config = runner.cache.layout, runner.model.config
+    fits = min(max_batch_tokens, layout.num_pages * layout.page_size)
+    lengths = [min(SHORT_PROMPT_TOKENS, fits)]
+    if config.is_moe:
+        # Inputs are replicated over the TP group: each rank's local experts see all T tokens,
+        # T * top_k rows over experts_per_rank groups.
+        large_bucket = SMALL_TILE_MAX_TOKENS_PER_EXPERT * runner.model.experts_per_rank // config.top_k + 1
+        if lengths[0] < large_bucket <= fits:
+            lengths.append(large_bucket)
+    return lengths
+
+
+def decode_warmup_batches(max_batch: int) -> list[int]:
+    return sorted({1, max_batch})
+
+
+class Borrowed:
+    """The dummy sequences of one warm-up step and the KV pages they hold."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.seqs: list[SequenceState] = []
+        self.pages: list[int] = []
+
+    def add(self, seq_id: str, prompt: list[int], output_ids: Sequence[int] = ()) -> SequenceState:
+        """A greedy sequence whose pages cover its prompt, outputs and the next token (the
+        runner allocates nothing more, so every page it writes is in `pages`)."""
+        cache = self.runner.cache
+        pages = cache.allocator.alloc(cache.layout.pages_for(len(prompt) + len(output_ids)))
+        self.pages.extend(pages)
+        num_cached = len(prompt) if output_ids else 0
+        seq = self.runner.add(seq_id, prompt, GREEDY, page_table=pages, num_cached=num_cached, output_ids=output_ids)
+        self.seqs.append(seq)
+        return seq
+
+    def give_back(self) -> None:
+        """Zero the KV written into the pages and free them (the runner may have freed some)."""
+        if self.pages:
+            self.runner.cache.storage[:, self.pages] = 0
+        for seq in reversed(self.seqs):
+            self.runner.release(seq)
+
+
+Step = Callable[[Borrowed], None]
+
+
+def warm_up_prefill(runner: ModelRunner, settings: PrefillSettings) -> None:
+    """Prefill forwards over dummy prompts (every rank of the TP group, same order)."""
+    vocab = runner.model.config.vocab_size
+
+    def forward(i: int, n: int) -> Step:
+        def run(borrowed: Borrowed) -> None:
+            runner.prefill([borrowed.add(f"warmup-prefill-{i}", dummy_tokens(n, vocab, offset=i))])
+
+        return run
+
+    lengths = prefill_warmup_lengths(runner, settings.max_batch_tokens)
+    _run("prefill", runner, [(f"prefill_{n}_tokens", forward(i, n)) for i, n in enumerate(lengths)])
+
+
+def warm_up_decode(runner: ModelRunner, settings: DecodeSettings, world: int) -> None:
+    """Lockstep decode steps over dummy batches (every rank of the DP group, same order).
+
+    Each dummy sequence holds a 1-token prompt as if its KV had arrived (zeros in a fresh
+    cache) and its first token, so the step feeds one token per sequence like a real one.
+    """
+    lockstep = Lockstep(runner, world)
+    layout, allocator, vocab = runner.cache.layout, runner.cache.allocator, runner.model.config.vocab_size
+
+    def step(batch: int) -> Step:
+        def run(borrowed: Borrowed) -> None:
+            needed = batch * layout.pages_for(2)
+            if needed > allocator.num_free:
+                raise WarmupFailed(
+                    f"a decode step over {batch} sequence(s) of 2 tokens needs {needed} KV pages; "
+                    f"kv_pages={layout.num_pages} of page_size={layout.page_size} hold {allocator.num_free}: "
+                    f"raise kv_pages or lower max_batch={settings.max_batch}"
+                )
+            prompts, firsts = dummy_tokens(batch, vocab), dummy_tokens(batch, vocab, offset=1)
+            seqs = [borrowed.add(f"warmup-decode-{i}", [prompts[i]], output_ids=[firsts[i]]) for i in range(batch)]
+            result = lockstep.step(seqs, want_exit=False)
+            if result.state is not GroupState.STEPPED:
+                raise WarmupFailed(f"the decode group did not step the warm-up batch ({result.state.value})")
+
+        return run
+
+    _run("decode", runner, [(f"decode_batch_{b}", step(b)) for b in decode_warmup_batches(settings.max_batch)])
+
+
+def _run(service: str, runner: ModelRunner, steps: Sequence[tuple[str, Step]]) -> None:
+    """Run `steps` in order, giving their pages back after each (also on failure); log the time."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    for name, step in steps:
+        t0 = time.perf_counter()
+        borrowed = Borrowed(runner)
+        try:
+            step(borrowed)
+        except WarmupFailed as e:
+            log.error("warmup.failed", step=name, error=str(e))
+            raise
+        except Exception as e:
+            log.exception("warmup.failed", step=name, error=f"{type(e).__name__}: {e}")
+            raise WarmupFailed(f"{service} warm-up step {name} failed: {type(e).__name__}: {e}") from e
+        finally:
+            borrowed.give_back()
+        timings[name] = round(time.perf_counter() - t0, 3)
+    if runner.cache.device.type == "cuda":
+        torch.cuda.synchronize(runner.cache.device)  # compiled and run, not just queued
+    log.info("warmup.done", duration_s=round(time.perf_counter() - started, 3), steps=timings)

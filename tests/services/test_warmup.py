@@ -1,0 +1,97 @@
+"""A model rank's warm-up (services/warmup.py) in process, on the tiny checkpoint: it leaves
+nothing behind (KV, pages, random streams, later outputs) and fails with a typed error.
+That the ranks of the services warm up before their first heartbeat, also in TP and DP
+groups, is checked on the running stacks (test_pipeline.py, test_parallel_stack.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
+from services.warmup import WarmupFailed, prefill_warmup_lengths, warm_up_decode, warm_up_prefill
+from shared.model.runner import ModelRunner
+from shared.model.sampling import SamplingParams
+from shared.settings import DecodeSettings, PrefillSettings
+
+PROMPT = [11, 4051, 9, 77, 1203, 5, 88]
+REQUESTS = [
+    SamplingParams(temperature=0.0, max_tokens=6),  # greedy
+    SamplingParams(temperature=0.9, top_k=20, seed=1234, max_tokens=6),  # its own generator
+    SamplingParams(temperature=0.9, max_tokens=6),  # torch's global stream
+]
+
+
+def _generate(prefill: ModelRunner, decode: ModelRunner) -> list[list[int]]:
+    """Each request prefilled on `prefill`, its KV copied into `decode`'s pages, decoded there
+    (a miniature of the services' handoff, without the transfer)."""
+    outputs = []
+    for i, params in enumerate(REQUESTS):
+        seq = prefill.add(f"r{i}", PROMPT, params)
+        (first,) = prefill.prefill([seq])
+        pages = decode.cache.allocator.alloc(decode.cache.layout.pages_for(len(PROMPT) + params.max_tokens))
+        decode.cache.storage[:, pages[: len(seq.page_table)]] = prefill.cache.storage[:, seq.page_table]
+        prefill.release(seq)
+        running = decode.add(f"r{i}", PROMPT, params, page_table=pages, num_cached=len(PROMPT), output_ids=[first.token_id])
+        if running.generator is not None:
+            running.generator.set_state(seq.generator.get_state())
+        while not running.finished and first.finish_reason is None:
+            decode.decode([running])
+        decode.release(running)
+        outputs.append(running.output_ids)
+    return outputs
+
+
+def _runners(model: Path) -> tuple[ModelRunner, ModelRunner]:
+    prefill = ModelRunner.from_dir(model, num_pages=64, page_size=16, release_finished=False)
+    decode = ModelRunner.from_dir(model, num_pages=64, page_size=16, max_tokens_per_rank=8)
+    return prefill, decode
+
+
+def test_warm_up_leaves_kv_pages_and_random_streams_as_loaded_and_outputs_unchanged(tiny_model: Path):
+    torch.manual_seed(99)  # the unseeded request draws from torch's global stream
+    reference = _generate(*_runners(tiny_model))
+    torch.manual_seed(99)
+    prefill, decode = _runners(tiny_model)
+    rng = torch.get_rng_state()
+    warm_up_prefill(prefill, PrefillSettings(model=str(tiny_model), kv_pages=64, max_batch_tokens=1024))
+    warm_up_decode(decode, DecodeSettings(model=str(tiny_model), kv_pages=64, max_batch=8), world=1)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for runner in (prefill, decode):
+        assert runner.cache.allocator.num_free == runner.cache.layout.num_pages
+        assert not runner.cache.storage.any()  # every KV the dummy sequences wrote is zeroed
+    assert _generate(prefill, decode) == reference
+
+
+def test_prefill_warm_up_reaches_both_grouped_gemm_tile_buckets_when_a_batch_can(tiny_model: Path):
+    runner = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, release_finished=False)
+    experts, top_k = runner.model.experts_per_rank, runner.model.config.top_k
+
+    def per_expert(tokens: int) -> float:
+        return tokens * top_k / experts
+
+    lengths = prefill_warmup_lengths(runner, max_batch_tokens=1024)
+    assert per_expert(min(lengths)) <= SMALL_TILE_MAX_TOKENS_PER_EXPERT < per_expert(max(lengths))
+    assert max(lengths) <= 64 * 16
+    # A batch cap below the large bucket: no real batch reaches it, so neither does the warm-up.
+    capped = prefill_warmup_lengths(runner, max_batch_tokens=max(lengths) - 1)
+    assert all(per_expert(n) <= SMALL_TILE_MAX_TOKENS_PER_EXPERT for n in capped)
+
+
+def test_decode_warm_up_that_cannot_fit_its_batch_fails_typed_and_frees_everything(tiny_model: Path):
+    runner = ModelRunner.from_dir(tiny_model, num_pages=3, page_size=1, max_tokens_per_rank=4)
+    with pytest.raises(WarmupFailed, match=r"needs 8 KV pages.*kv_pages=3.*max_batch=4"):
+        warm_up_decode(runner, DecodeSettings(model=str(tiny_model), kv_pages=3, page_size=1, max_batch=4), world=1)
+    assert runner.cache.allocator.num_free == 3  # the batch-of-1 step ran and gave its pages back
+    assert not runner.cache.storage.any()
+
+
+def test_a_failing_warm_up_step_is_a_typed_error_naming_the_step(tiny_model: Path):
+    runner = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, release_finished=False)
+    runner.model.weights.lm_head = runner.model.weights.lm_head[:, :-1]  # a broken checkpoint: wrong lm_head shape
+    with pytest.raises(WarmupFailed, match=r"prefill warm-up step prefill_16_tokens failed: RuntimeError") as info:
+        warm_up_prefill(runner, PrefillSettings(model=str(tiny_model), kv_pages=64))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert runner.cache.allocator.num_free == 64
