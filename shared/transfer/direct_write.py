@@ -5,81 +5,47 @@ pages into the decode rank's reserved pages (its storage mapped through CUDA IPC
 ``cuda_ipc.open_export``): no local pack, no staging buffer, one pass over the bytes,
 one kernel launch per group whatever the layouts.
 
-Both storages are ``[layers, pages, 2, heads, page_size, head_dim]`` (HND inside a
-page). The token axis is cut into blocks of ``gcd`` of the two page sizes, so a block
-lies in one page on each side; a block's bytes are rows that are contiguous on both
-sides: with equal page sizes a row is a whole page (all heads, TP=1) or one K/V half of
-it (a head-range shard), with unequal page sizes one head's block. The kernel's CTAs
-take (layer, block, row) items, look the two page ids up in the page tables on the GPU
-and move the row with 16-byte loads and stores, several in flight per thread, the
-stores going over NVLink into the peer. The last block is copied whole: its slots past
-``num_tokens`` lie in pages reserved for this request on both sides and are never read
-before the decode writes them.
+This module plans and checks; the copy is ``kernels.kv_copy`` (a CuTeDSL kernel on CUDA,
+its torch reference on CPU). Both storages are ``[layers, pages, 2, heads, page_size,
+head_dim]`` (HND inside a page). The token axis is cut into blocks of ``gcd`` of the two
+page sizes, so a block lies in one page on each side; a block's bytes are rows that are
+contiguous on both sides: with equal page sizes a row is a whole page (all heads, TP=1)
+or one K/V half of it (a head-range shard), with unequal page sizes one head's block
+(``row_shape``, ``plan_rows``). The kernel's CTAs take (layer, block, row) items, look
+the two page ids up in the page tables on the GPU and move each row with 16-byte loads
+and stores (narrower only for rows that are not a multiple of 16 bytes), several loads
+in flight per thread, the stores going over NVLink into the peer. The last block is
+copied whole: its slots past ``num_tokens`` lie in pages reserved for this request on
+both sides and are never read before the decode writes them.
 
-The kernel is CUDA C compiled once per process with NVRTC (``cuda-python``) and
-launched with the driver API on the caller's stream. Measured on 2x H200
-(bench/results/kv_transfer.jsonl, a9596d4384e4): ~370 GB/s over NVLink at 6k and 32k
-tokens (the copy engines' peer copy: 378-393), where 2-D copy-engine copies of the same
-rows (one ``cudaMemcpy2DAsync`` per page, rows = layers; 25564ebbe612) ran at ~210 GB/s
-and cost ~7 us of host time per call; they were dropped.
+``prepare_direct_writes`` compiles and loads the kernel for a cache's rows; a CUDA
+prefill rank calls it at start, so its first request pays no compile (measured on this
+project's 2-core CPU box: ~0.4 s per access width, plus ~1 s to import CuTeDSL where
+nothing imported it yet).
 
-The torch reference of the kernel is the UCX path's ``shard.pack_layers`` followed by
-``shard.scatter_layers`` (the GPU tests compare the two).
+Measured on 2x H200 with the previous implementation of the same kernel (CUDA C through
+NVRTC; bench/results/kv_transfer.jsonl, a9596d4384e4): ~370 GB/s over NVLink at 6k and
+32k tokens (the copy engines' peer copy: 378-393), where 2-D copy-engine copies of the
+same rows (one ``cudaMemcpy2DAsync`` per page, rows = layers; 25564ebbe612) ran at
+~210 GB/s and cost ~7 us of host time per call; they were dropped. The CuTeDSL kernel
+has not been measured on a GPU yet.
+
+The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
+``shard.scatter_layers``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-from functools import cache
 
 import numpy as np
 import torch
 
-_THREADS = 256  # the kernel's block size (its unrolled loop assumes it)
-_CTAS_PER_SM = 8
-_modules: list[object] = []  # loaded kernel modules, kept for the life of the process
-
-_KERNEL_SOURCE = r"""
-// Items are (layer, block, row); all sizes and strides in vectors of T. The tables hold the
-// sequence's page ids on each side; src / dst point at the group's first layer (dst also
-// at the shard's first head).
-#define KV_DIRECT_COPY(NAME, T)                                                                  \
-extern "C" __global__ void __launch_bounds__(256) NAME(                                         \
-    const T* __restrict__ src, T* __restrict__ dst,                                             \
-    const int* __restrict__ src_table, const int* __restrict__ dst_table,                       \
-    long long num_items, long long items_per_layer, int rows, int rows_per_kv, int row_len,     \
-    int block, int src_ps, int dst_ps, long long tok,                                           \
-    long long src_page, long long src_kv, long long src_head, long long src_layer,              \
-    long long dst_page, long long dst_kv, long long dst_head, long long dst_layer) {            \
-  for (long long item = blockIdx.x; item < num_items; item += gridDim.x) {                      \
-    const long long layer = item / items_per_layer;                                             \
-    const int rest = (int)(item - layer * items_per_layer);                                     \
-    const int b = rest / rows, r = rest - b * rows;                                             \
-    const int kv = r / rows_per_kv, h = r - kv * rows_per_kv;                                   \
-    const int t = b * block;                                                                    \
-    const T* from = src + src_table[t / src_ps] * src_page + (t % src_ps) * tok                 \
-                    + kv * src_kv + h * src_head + layer * src_layer;                           \
-    T* to = dst + dst_table[t / dst_ps] * dst_page + (t % dst_ps) * tok                         \
-            + kv * dst_kv + h * dst_head + layer * dst_layer;                                   \
-    int i = threadIdx.x;                                                                        \
-    for (; i + 768 < row_len; i += 1024) {  /* four loads in flight before the first store */  \
-      const T a = __ldg(from + i), c = __ldg(from + i + 256);                                   \
-      const T d = __ldg(from + i + 512), e = __ldg(from + i + 768);                             \
-      to[i] = a; to[i + 256] = c; to[i + 512] = d; to[i + 768] = e;                             \
-    }                                                                                           \
-    for (; i < row_len; i += 256) to[i] = __ldg(from + i);                                      \
-  }                                                                                             \
-}
-KV_DIRECT_COPY(kv_direct_copy_16, int4)
-KV_DIRECT_COPY(kv_direct_copy_8, int2)
-KV_DIRECT_COPY(kv_direct_copy_4, int)
-KV_DIRECT_COPY(kv_direct_copy_2, short)
-"""
+from kernels.kv_copy import VECTOR_BYTES, RowPlan, kv_copy, prepare_kv_copy
 
 
-class DirectWriteError(RuntimeError):
-    """A CUDA call of the direct write failed (the message names the call and the error)."""
+class DirectWriteError(ValueError):
+    """No direct-write kernel fits these storages (their rows or addresses are not 2-byte aligned)."""
 
 
 def row_shape(src_page_size: int, dst_page_size: int, src_heads: int, dst_heads: int) -> tuple[int, int, int]:
@@ -92,6 +58,25 @@ def row_shape(src_page_size: int, dst_page_size: int, src_heads: int, dst_heads:
     return block, 2 * src_heads, 1
 
 
+def vector_bytes(row_bytes: int, *addresses: int) -> int | None:
+    """The widest kernel access that divides a row of ``row_bytes`` (one token of one head) and
+    every address; every other offset the kernel forms is a multiple of a row."""
+    return next((v for v in VECTOR_BYTES if all(x % v == 0 for x in (row_bytes, *addresses))), None)
+
+
+def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int, num_tokens: int) -> RowPlan:
+    """The rows of a write of tokens ``[0, num_tokens)`` of all of ``src``'s heads into heads
+    from ``head_start`` of ``dst`` (both ``[layers, pages, 2, heads, page_size, head_dim]``)."""
+    _, _, _, src_heads, src_ps, head_dim = src.shape
+    dst_heads, dst_ps = dst.shape[3], dst.shape[4]
+    row = head_dim * src.element_size()
+    vec = vector_bytes(row, src.data_ptr(), dst.data_ptr())
+    if vec is None:
+        raise DirectWriteError(f"KV rows of {row} bytes (or the storages) are not 2-byte aligned: no direct-write kernel for them")
+    block, rows, heads_per_row = row_shape(src_ps, dst_ps, src_heads, dst_heads)
+    return RowPlan(vec, block, -(-num_tokens // block), rows, 1 if rows <= 2 else src_heads, heads_per_row, head_start, num_tokens)
+
+
 def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, num_pages: int) -> None:
     """Raise ``ValueError`` unless ``table`` covers ``num_tokens`` with pages inside ``0..num_pages-1``
     (a write elsewhere would land in another request's pages or kill the CUDA context)."""
@@ -102,14 +87,28 @@ def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, n
         raise ValueError(f"{side} page table names pages outside 0..{num_pages - 1}")
 
 
+def prepare_direct_writes(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Compile, load and run once the copy kernel for KV rows of ``head_dim`` x ``dtype`` on a
+    CUDA ``device``, so a sender's first direct write pays none of it (nothing on CPU: no
+    direct writes there). KV storages are allocations aligned far beyond 16 bytes, so the
+    row alone decides the access width."""
+    vec = vector_bytes(head_dim * dtype.itemsize)
+    if device.type == "cuda" and vec is not None:
+        prepare_kv_copy(device, vec)
+
+
 class DirectWriter:
     """Writes layer groups of one transfer: ``src`` (the sender's storage, heads
     ``[0, src_heads)`` of its own cache) into heads ``[head_start, head_start + src_heads)``
     of ``dst`` (the decode rank's storage, mapped from the peer), tokens ``[0, num_tokens)``.
+    Every write runs on ``stream`` (CUDA; default: the current stream at construction), on
+    which both page tables go to the GPU once, here, from pinned memory (no host wait).
 
-    Raises ``ValueError`` on a page table that does not fit its storage."""
+    Raises ``ValueError`` on a page table that does not fit its storage, ``DirectWriteError``
+    (a ``ValueError``) on storages no kernel can copy."""
 
-    def __init__(self, src: torch.Tensor, src_table: np.ndarray, dst: torch.Tensor, dst_table: np.ndarray, *, head_start: int, num_tokens: int) -> None:
+    def __init__(self, src: torch.Tensor, src_table: np.ndarray, dst: torch.Tensor, dst_table: np.ndarray, *, head_start: int, num_tokens: int,
+                 stream: torch.cuda.Stream | None = None) -> None:
         layers, src_pages, _, src_heads, src_ps, head_dim = src.shape
         dst_layers, dst_pages, _, dst_heads, dst_ps, dst_dim = dst.shape
         if (layers, head_dim, src.dtype) != (dst_layers, dst_dim, dst.dtype) or not 0 <= head_start <= dst_heads - src_heads or num_tokens <= 0:
@@ -119,90 +118,30 @@ class DirectWriter:
         self.device = src.device
         self.num_layers = layers
         self._src, self._dst = src, dst  # keep the storages alive while writes may run
-        row = head_dim * src.element_size()  # one token of one head, bytes
-        layer_bytes = (src[0].numel() * src.element_size(), dst[0].numel() * dst.element_size())
-        vec = next((v for v in (16, 8, 4, 2) if all(x % v == 0 for x in (row, src.data_ptr(), dst.data_ptr(), *layer_bytes))), None)
-        if vec is None:
-            raise DirectWriteError(f"KV rows of {row} bytes (or the storages) are not 2-byte aligned: no direct-write kernel for them")
-        self._vec = vec
-        block, self._rows, heads_per_row = row_shape(src_ps, dst_ps, src_heads, dst_heads)
-        tok = row // self._vec
-        self._blocks = -(-num_tokens // block)
-        self._rows_per_kv = 1 if self._rows <= 2 else src_heads
-        self._row_len = heads_per_row * block * tok
-        self._geometry = (block, src_ps, dst_ps, tok,
-                          2 * src_heads * src_ps * tok, src_heads * src_ps * tok, src_ps * tok, layer_bytes[0] // self._vec,
-                          2 * dst_heads * dst_ps * tok, dst_heads * dst_ps * tok, dst_ps * tok, layer_bytes[1] // self._vec)
-        self._dst_head_offset = head_start * dst_ps * tok * self._vec  # bytes
-        n_src, n_dst = -(-num_tokens // src_ps), -(-num_tokens // dst_ps)
-        self._tables = torch.from_numpy(np.concatenate([src_table[:n_src], dst_table[:n_dst]]).astype(np.int32))
-        self._n_src = n_src
-        self._uploaded: torch.Tensor | None = None
+        self.plan = plan_rows(src, dst, head_start, num_tokens)
+        self._stream = (stream or torch.cuda.current_stream(src.device)) if src.is_cuda else None
+        n_src = -(-num_tokens // src_ps)
+        tables = _upload(np.concatenate([src_table[:n_src], dst_table[: -(-num_tokens // dst_ps)]]), src.device, self._stream)
+        self._src_table, self._dst_table = tables[:n_src], tables[n_src:]
 
     @property
     def bytes_per_layer(self) -> int:
-        return self._blocks * self._rows * self._row_len * self._vec
+        plan = self.plan
+        return plan.blocks * plan.rows * plan.heads_per_row * plan.block * self._src.shape[5] * self._src.element_size()
 
-    def write(self, layers: range, stream: torch.cuda.Stream) -> None:
-        """Enqueue the writes of ``layers`` on ``stream`` (one kernel launch)."""
-        from cuda.bindings import driver
-
-        if self._uploaded is None:
-            with torch.cuda.stream(stream):  # read by this stream's kernels only
-                self._uploaded = self._tables.to(self.device, non_blocking=True)
-        vec, geometry = self._vec, self._geometry
-        src = self._src.data_ptr() + layers.start * geometry[7] * vec
-        dst = self._dst.data_ptr() + layers.start * geometry[11] * vec + self._dst_head_offset
-        tables = self._uploaded.data_ptr()
-        items_per_layer = self._blocks * self._rows
-        items = items_per_layer * len(layers)
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        function, ctas = _kernel_function(index, vec)
-        ll, ptr, i32 = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
-        params = (
-            (src, dst, tables, tables + 4 * self._n_src, items, items_per_layer, self._rows, self._rows_per_kv, self._row_len, *geometry),
-            (ptr, ptr, ptr, ptr, ll, ll, i32, i32, i32, i32, i32, i32, ll, ll, ll, ll, ll, ll, ll, ll, ll),
-        )
-        with torch.cuda.device(self.device):  # the launch runs in the current (primary) context
-            (err,) = driver.cuLaunchKernel(function, min(items, ctas), 1, 1, _THREADS, 1, 1, 0, driver.CUstream(stream.cuda_stream), params, 0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise DirectWriteError(f"launching the KV direct copy ({items} items) failed: {err!r}")
+    def write(self, layers: range) -> None:
+        """Enqueue the writes of ``layers`` on the writer's stream (one kernel launch; on CPU, a copy now)."""
+        kv_copy(self._src, self._src_table, self._dst, self._dst_table, layers, self.plan, self._stream)
 
 
-@cache
-def _kernel_function(device: int, vector_bytes: int) -> tuple[object, int]:
-    """The copy kernel for ``vector_bytes`` accesses on ``device`` (compiled once per process
-    and device; its module stays loaded for the process), and the number of CTAs to launch."""
-    from cuda.bindings import driver, nvrtc
-
-    major, minor = torch.cuda.get_device_capability(device)
-    err, program = nvrtc.nvrtcCreateProgram(_KERNEL_SOURCE.encode(), b"kv_direct_copy.cu", 0, [], [])
-    _check(err == nvrtc.nvrtcResult.NVRTC_SUCCESS, "nvrtcCreateProgram", err)
-    try:
-        options = [f"--gpu-architecture=sm_{major}{minor}".encode()]
-        (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            _, size = nvrtc.nvrtcGetProgramLogSize(program)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(program, log)
-            raise DirectWriteError(f"NVRTC could not compile the KV direct copy: {log.decode(errors='replace')}")
-        err, size = nvrtc.nvrtcGetCUBINSize(program)
-        _check(err == nvrtc.nvrtcResult.NVRTC_SUCCESS, "nvrtcGetCUBINSize", err)
-        cubin = b" " * size
-        (err,) = nvrtc.nvrtcGetCUBIN(program, cubin)
-        _check(err == nvrtc.nvrtcResult.NVRTC_SUCCESS, "nvrtcGetCUBIN", err)
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
-    with torch.cuda.device(device):  # load into the primary context torch uses
-        err, module = driver.cuModuleLoadData(cubin)
-        _check(err == driver.CUresult.CUDA_SUCCESS, "cuModuleLoadData", err)
-        _modules.append(module)
-        err, function = driver.cuModuleGetFunction(module, f"kv_direct_copy_{vector_bytes}".encode())
-        _check(err == driver.CUresult.CUDA_SUCCESS, "cuModuleGetFunction", err)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return function, sms * _CTAS_PER_SM
-
-
-def _check(ok: bool, call: str, err: object) -> None:
-    if not ok:
-        raise DirectWriteError(f"{call} failed: {err!r}")
+def _upload(table: np.ndarray, device: torch.device, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """``table`` as int32 on ``device``; on CUDA copied from a pinned buffer on ``stream``
+    (torch's pinned allocator keeps the buffer until the copy has run, and the device
+    copy is allocated for ``stream``, the only one reading it)."""
+    host = torch.from_numpy(table.astype(np.int32))
+    if stream is None:
+        return host
+    pinned = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
+    pinned.copy_(host)
+    with torch.cuda.stream(stream):
+        return pinned.to(device, non_blocking=True)

@@ -137,8 +137,8 @@ class KVSender:
                 # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
                 self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
         else:
-            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, ids)
             self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
+            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, ids, self._side_stream)
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._num_layers = layout.num_layers
@@ -293,7 +293,7 @@ class KVSender:
             self._phases.add("compute_wait", issued - started)
             if self._loop.time() >= self._deadline:
                 raise TimeoutError
-            self._writer.write(group, self._side_stream)
+            self._writer.write(group)  # on the side stream
             done, handle = cuda_ipc.landing_event(self._cache.device)
             done.record(self._side_stream)
             self._sent_groups.append(group)
@@ -450,11 +450,13 @@ def _open_peer_storage(desc: KVTransferDescriptor, ids: np.ndarray, device: torc
         return None
 
 
-def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor, ids: np.ndarray) -> DirectWriter:
-    """The writer of this transfer's direct writes; checks both page tables against their storage."""
+def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor, ids: np.ndarray,
+                   stream: torch.cuda.Stream | None) -> DirectWriter:
+    """The writer of this transfer's direct writes (its page tables uploaded on ``stream``, where
+    the writes run); checks both page tables against their storage."""
     table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else np.asarray(page_table, dtype=np.int64)
     try:
-        return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens)
+        return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens, stream=stream)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
 

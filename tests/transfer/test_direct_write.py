@@ -1,7 +1,8 @@
 """Direct writes (same-host CUDA IPC path). On CPU: the row shapes the kernel copies are
-contiguous on both sides and cover every K/V head once, and bad page tables are refused
-before any write. On a GPU: the kernel writes exactly what the UCX path's pack + scatter
-(its torch reference) writes, for every page-size / shard combination, and nothing else."""
+contiguous on both sides and cover every K/V head once, bad page tables are refused
+before any write, and the writer (through ``kernels.kv_copy``'s torch reference) writes
+what the UCX path's pack + scatter writes. On a GPU: the CuTeDSL kernel writes exactly
+what pack + scatter writes, for every page-size / shard combination, and nothing else."""
 
 from __future__ import annotations
 
@@ -53,32 +54,37 @@ def test_bad_page_tables_are_refused_before_any_write():
     assert DirectWriter(src, np.arange(3), dst, np.array([9, 0, 4]), head_start=2, num_tokens=40).bytes_per_layer == 2 * 2 * 48 * DIM * 2
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src_page,dst_page,heads", SHAPES)
 @pytest.mark.parametrize("tokens", [1, 301])
-def test_kernel_writes_what_pack_and_scatter_write(src_page, dst_page, heads, tokens):
+def test_writer_writes_what_pack_and_scatter_write(device, src_page, dst_page, heads, tokens):
     tp = HEADS // heads
     for rank in range(tp):
         shard = kv_head_shard(rank, tp, HEADS)
-        src = PagedKVCache(KVLayout(LAYERS, 90, heads, src_page, DIM, torch.bfloat16), "cuda")
-        dst = PagedKVCache(KVLayout(LAYERS, 60, HEADS, dst_page, DIM, torch.bfloat16), "cuda")
-        expected = PagedKVCache(dst.layout, "cuda")
-        src.storage.copy_(torch.randn(src.storage.shape, device="cuda"))
+        src = PagedKVCache(KVLayout(LAYERS, 90, heads, src_page, DIM, torch.bfloat16), device)
+        dst = PagedKVCache(KVLayout(LAYERS, 60, HEADS, dst_page, DIM, torch.bfloat16), device)
+        expected = PagedKVCache(dst.layout, device)
+        src.storage.copy_(torch.randn(src.storage.shape, device=device))
         rng = random.Random(tokens + rank)
         src_table = rng.sample(range(90), src.layout.pages_for(tokens))
         dst_table = rng.sample(range(60), dst.layout.pages_for(tokens))
-        chunk = chunk_view(torch.empty(LAYERS * 2 * heads * tokens * DIM * 2, dtype=torch.uint8, device="cuda"), LAYERS, heads, tokens, DIM, torch.bfloat16)
-        pack_layers(src, range(LAYERS), torch.tensor(src_table, device="cuda"), tokens, chunk)
+        chunk = chunk_view(torch.empty(LAYERS * 2 * heads * tokens * DIM * 2, dtype=torch.uint8, device=device), LAYERS, heads, tokens, DIM, torch.bfloat16)
+        pack_layers(src, range(LAYERS), torch.tensor(src_table, device=device), tokens, chunk)
         dst.storage.fill_(float("nan"))
         expected.storage.fill_(float("nan"))
-        scatter_layers(expected, range(LAYERS), range(shard.start, shard.end), torch.tensor(dst_table, device="cuda"), tokens, chunk)
-        writer = DirectWriter(src.storage, np.array(src_table), dst.storage, np.array(dst_table), head_start=shard.start, num_tokens=tokens)
-        stream = torch.cuda.Stream()
-        writer.write(range(1, LAYERS), stream)  # two groups, the later layers first
-        writer.write(range(0, 1), stream)
-        stream.synchronize()
-        table = torch.tensor(dst_table, device="cuda")
+        scatter_layers(expected, range(LAYERS), range(shard.start, shard.end), torch.tensor(dst_table, device=device), tokens, chunk)
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        writer = DirectWriter(src.storage, np.array(src_table), dst.storage, np.array(dst_table), head_start=shard.start, num_tokens=tokens, stream=stream)
+        if stream is not None:
+            assert writer.plan.vector_bytes == 16  # DIM 8 bf16: one 16-byte vector per token of a head
+        writer.write(range(1, LAYERS))  # two groups, the later layers first
+        writer.write(range(0, 1))
+        if stream is not None:
+            stream.synchronize()
+        table = torch.tensor(dst_table, device=device)
         for layer in range(LAYERS):
             got, want = torch.stack(dst.read(layer, table, tokens)), torch.stack(expected.read(layer, table, tokens))
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (rank, layer)

@@ -1,0 +1,144 @@
+"""The KV page-to-page copy (kernels/kv_copy.py).
+
+CPU (CI): the kernel compiles for sm_90a at every access width, moving each vector with
+one load and one store of that width, loads ahead of stores, and no NVLink multicast
+instruction; the torch reference (and ``kv_copy`` on CPU tensors) equals a token-by-token
+loop; bad calls are refused with ``KVCopyError``.
+GPU: the kernel writes what the reference writes (every dtype and access width) and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest
+import torch
+
+import cutlass.cute as cute
+from kernels import kv_copy as kc
+from kernels import kv_copy_sm90 as sm90
+from kernels._cute_runtime import dummy_stream
+from shared.transfer.direct_write import plan_rows
+
+FP8 = torch.float8_e4m3fn
+
+
+# --------------------------------------------------------------------------- compilation
+
+
+@pytest.mark.parametrize("vector_bytes,access", [(16, "v4.b32"), (8, "v2.b32"), (4, "b32"), (2, "b16")])
+def test_kernel_compiles_for_sm90a_with_one_access_per_vector(vector_bytes, access, tmp_path, monkeypatch):
+    assert sm90.compile_kv_copy(vector_bytes) is not None
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes its file into the working directory
+    ptx = cute.compile(sm90._launch_kv_copy, *sm90.compile_args(dummy_stream()), vector_bytes, options="--keep-ptx").__ptx__
+    assert ".target sm_90a" in ptx and "multimem" not in ptx
+    body = [line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("ld.global", "st.global"))]
+    stores = [op for op in body if op.startswith("st.")]
+    assert len(stores) >= sm90.UNROLL + 1 and set(stores) == {f"st.global.{access}"}  # the unrolled loop and the tail
+    assert body.count(f"ld.global.{access}") >= len(stores)
+    first_store = body.index(f"st.global.{access}")
+    assert body[first_store - sm90.UNROLL : first_store] == [f"ld.global.{access}"] * sm90.UNROLL  # UNROLL loads in flight
+
+
+def test_unknown_width_is_refused():
+    with pytest.raises(kc.KVCopyError, match="12-byte"):
+        sm90.compile_kv_copy(12)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _loop_copy(src, src_table, dst, dst_table, layers, head_start, num_tokens):
+    """Token by token, the definition in words: token t of every source head lands in the
+    destination heads from ``head_start``, each side at its own page and slot."""
+    heads = src.shape[3]
+    for layer in layers:
+        for t in range(num_tokens):
+            s_page, s_slot = divmod(t, src.shape[4])
+            d_page, d_slot = divmod(t, dst.shape[4])
+            dst[layer, int(dst_table[d_page]), :, head_start : head_start + heads, d_slot] = src[layer, int(src_table[s_page]), :, :, s_slot]
+
+
+def _pools(dtype, layers, src_pages, dst_pages, src_heads, dst_heads, src_ps, dst_ps, dim, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randn(layers, src_pages, 2, src_heads, src_ps, dim, generator=g).to(dtype).to(device)
+    dst = torch.randn(layers, dst_pages, 2, dst_heads, dst_ps, dim, generator=g).to(dtype).to(device)
+    return src, dst
+
+
+def _tables(src_pages, dst_pages, src_ps, dst_ps, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(src_pages, generator=g)[: -(-tokens // src_ps)], torch.randperm(dst_pages, generator=g)[: -(-tokens // dst_ps)]
+
+
+CASES = [  # dtype, src page, dst page, src heads, dst heads, head start, head_dim, tokens, layers copied
+    (torch.bfloat16, 16, 16, 4, 4, 0, 8, 37, range(3)),
+    (torch.float16, 16, 16, 2, 4, 2, 8, 33, range(1, 3)),
+    (torch.float32, 32, 16, 1, 4, 1, 4, 50, range(2, 3)),
+    (FP8, 8, 16, 2, 4, 0, 16, 17, range(3)),
+    (torch.bfloat16, 24, 16, 4, 8, 4, 8, 1, range(3)),
+]
+
+
+@pytest.mark.parametrize("dtype,src_ps,dst_ps,src_heads,dst_heads,head_start,dim,tokens,layers", CASES)
+def test_reference_and_cpu_kv_copy_equal_a_token_loop(dtype, src_ps, dst_ps, src_heads, dst_heads, head_start, dim, tokens, layers):
+    src, dst = _pools(dtype, 3, 9, 10, src_heads, dst_heads, src_ps, dst_ps, dim, seed=tokens)
+    src_table, dst_table = _tables(9, 10, src_ps, dst_ps, tokens, seed=tokens + 1)
+    expected = dst.clone()
+    _loop_copy(src, src_table, expected, dst_table, layers, head_start, tokens)
+    got = dst.clone()
+    kc.kv_copy_reference(src, src_table, got, dst_table, layers, head_start, tokens)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert not torch.equal(got.view(torch.uint8), dst.view(torch.uint8))  # the copy wrote something
+    routed = dst.clone()
+    kc.kv_copy(src, src_table, routed, dst_table, layers, plan_rows(src, dst, head_start, tokens))
+    assert torch.equal(routed.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_bad_calls_are_refused():
+    src, dst = _pools(torch.bfloat16, 2, 4, 4, 2, 4, 16, 16, 8)
+    plan = plan_rows(src, dst, 0, 20)
+    table = torch.arange(2)
+    with pytest.raises(kc.KVCopyError, match="one dtype"):
+        kc.kv_copy(src, table, dst.float(), table, range(2), plan)
+    with pytest.raises(kc.KVCopyError, match="holding those layers"):
+        kc.kv_copy(src, table, dst, table, range(1, 3), plan)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+GPU_CASES = [  # dtype, head_dim -> access width of plan_rows
+    (torch.bfloat16, 64, 16),
+    (FP8, 64, 16),
+    (torch.float32, 2, 8),
+    (torch.bfloat16, 2, 4),
+    (FP8, 2, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,dim,width", GPU_CASES)
+@pytest.mark.parametrize("src_ps,dst_ps,src_heads", [(16, 16, 4), (16, 16, 2), (32, 16, 1)])
+def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_ps, src_heads):
+    dst_heads, head_start, tokens = 4, 4 - src_heads, 301
+    src, dst = _pools(dtype, 3, 40, 30, src_heads, dst_heads, src_ps, dst_ps, dim, device="cuda", seed=dim)
+    src_table, dst_table = _tables(40, 30, src_ps, dst_ps, tokens, seed=src_ps)
+    plan = plan_rows(src, dst, head_start, tokens)
+    assert plan.vector_bytes == width
+    expected = dst.clone()
+    kc.kv_copy_reference(src, src_table.cuda(), expected, dst_table.cuda(), range(1, 3), head_start, tokens)
+    got = dst.clone()
+    kc.kv_copy(src, src_table.int().cuda(), got, dst_table.int().cuda(), range(1, 3), plan)
+    torch.cuda.synchronize()
+    # Equal except the last block's slots past `tokens` (copied whole by the kernel, inside the sequence's last pages).
+    last = dst_table[-1].item()
+    keep = torch.ones(30, dtype=torch.bool)
+    keep[last] = False
+    assert torch.equal(got[:, keep].view(torch.uint8), expected[:, keep].view(torch.uint8))
+    slot = tokens % dst_ps
+    assert torch.equal(got[:, last, :, :, :slot].view(torch.uint8), expected[:, last, :, :, :slot].view(torch.uint8))
