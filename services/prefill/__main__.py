@@ -16,7 +16,7 @@ from shared.logging import get_logger
 from shared.model.runner import ModelRunner
 from shared.parallel import Topology
 from shared.settings import PrefillSettings
-from shared.transfer import TransferWorker
+from shared.transfer import TransferWorker, prepare_direct_writes
 
 log = get_logger(__name__)
 
@@ -33,6 +33,8 @@ async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, worl
     run_threads_on_device(runner.cache.device)
     stop = stop_event()  # peers: the leader decides when the group stops
     worker = await TransferWorker.create()
+    layout = runner.cache.layout
+    prepare_direct_writes(runner.cache.device, layout.dtype, layout.head_dim)  # the first KV transfer compiles nothing
     try:
         async with contextlib.AsyncExitStack() as stack:
             bus = await stack.enter_async_context(connect(settings.nats_url, f"prefill-{settings.instance}", drain_timeout=settings.drain_timeout_s)) if rank == 0 else None

@@ -30,6 +30,8 @@ Decode rank::
 
 Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends``)::
 
+    prepare_direct_writes(device, kv_dtype, head_dim)   # once at start on CUDA: compiles and loads
+    #   the CUDA IPC path's copy kernel, so the first transfer pays no JIT compile
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
                       timeout_s=30.0, chunk_bytes=256 << 20)   # UCX: packs into worker.staging_pool(device)
     forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
@@ -44,7 +46,7 @@ whatever the prefill TP size; page sizes may differ between the two sides (the p
 chunk is token-contiguous per head). Modules: ``worker`` (UCX worker, endpoint cache,
 tag protocol), ``shard`` (head mapping, pack/scatter), ``staging`` (slot arenas),
 ``cuda_ipc`` (storage export / open, same-host identity, landing events),
-``direct_write`` (the CUDA IPC path's copy kernel), ``receiver``, ``sender``, ``metrics``,
+``direct_write`` (the CUDA IPC path's copy plan; the kernel is ``kernels.kv_copy``, CuTeDSL), ``receiver``, ``sender``, ``metrics``,
 ``errors``, ``streams`` (CUDA side streams). The UCX path's pack and scatter are torch
 ops on CPU and on CUDA alike: per layer group one index_select / index_copy_ over the
 full pages plus one indexed copy of the partial last page, moving 8-byte words; on CUDA
@@ -52,6 +54,7 @@ they run on high-priority side streams. Both sides record where each transfer's 
 went (``TransferRecord.phases_s``; see sender and receiver).
 """
 
+from shared.transfer.direct_write import prepare_direct_writes
 from shared.transfer.errors import Cancelled, LayoutMismatch, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
 from shared.transfer.metrics import TransferMetrics, TransferRecord
 from shared.transfer.receiver import KVReceiver
@@ -77,4 +80,5 @@ __all__ = [
     "TransferWorker",
     "UnknownTransfer",
     "kv_head_shard",
+    "prepare_direct_writes",
 ]

@@ -36,7 +36,7 @@ def layer_bytes(heads: int, tokens: int) -> int:
 def peers():
     ctx = spawn_context()
     decode = Peer(ctx, "decode", device="cuda", visible="1,0", caches=CACHES, staging_slot_bytes=8 << 20)
-    prefill = [Peer(ctx, "prefill", device="cuda", visible="0,1") for _ in range(2)]
+    prefill = [Peer(ctx, "prefill", device="cuda", visible="0,1", head_dim=HEAD_DIM) for _ in range(2)]
     yield decode, prefill
     for peer in (decode, *prefill):
         peer.stop()
@@ -157,7 +157,7 @@ def test_decode_killed_during_direct_writes_fails_the_sender_in_time():
     typed error within its deadline, holds nothing, and its process keeps working."""
     ctx = spawn_context()
     victim = Peer(ctx, "decode", device="cuda", visible="1,0", caches=CACHES, staging_slot_bytes=8 << 20)
-    sender = Peer(ctx, "prefill", device="cuda", visible="0,1")
+    sender = Peer(ctx, "prefill", device="cuda", visible="0,1", head_dim=HEAD_DIM)
     try:
         assert sender.call("ping")
         timeout_s = 8.0

@@ -24,7 +24,7 @@ import torch
 
 from schemas.transfer import KVTransferDescriptor
 from shared.kvcache import KVLayout, PagedKVCache
-from shared.transfer import KVReceiver, KVSender, StagingPool, TransferError, TransferWorker, kv_head_shard
+from shared.transfer import KVReceiver, KVSender, StagingPool, TransferError, TransferWorker, kv_head_shard, prepare_direct_writes
 from shared.transfer.streams import side_stream
 
 DTYPE = torch.bfloat16
@@ -179,9 +179,11 @@ class DecodePeer:
 class PrefillPeer:
     """One prefill TP rank: builds its local KV shard from the reference and sends it."""
 
-    def __init__(self, worker: TransferWorker, device: str = "cpu") -> None:
+    def __init__(self, worker: TransferWorker, device: str = "cpu", head_dim: int | None = None) -> None:
         self.worker = worker
         self.device = device
+        if head_dim is not None:  # as a prefill service does at start: no kernel compile inside a send
+            prepare_direct_writes(torch.device(device), DTYPE, head_dim)
 
     async def ping(self, **_: Any) -> bool:
         return True
