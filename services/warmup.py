@@ -9,7 +9,8 @@ first users wait. So a rank runs, before its first heartbeat,
   bucket (`kernels.grouped_gemm.SMALL_TILE_MAX_TOKENS_PER_EXPERT`) — skipped when no
   real batch could reach that bucket (`max_batch_tokens`, KV pages);
 * decode: lockstep steps (`services.decode.lockstep.Lockstep`, the step loop's own
-  path) over a batch of one sequence and over a full batch of `max_batch`: the two ends
+  path) over a batch of one sequence and over a full batch of `max_batch` (or as many
+  sequences of 2 tokens as the KV pages hold, the most a real step can carry): the two ends
   of the grouped GEMM's contiguous-layout buckets; the masked layout of a DP x EP
   instance (and its dispatch/combine, sized by `max_batch`) has a single bucket.
 
@@ -66,8 +67,18 @@ def prefill_warmup_lengths(runner: ModelRunner, max_batch_tokens: int) -> list[i
     return lengths
 
 
-def decode_warmup_batches(max_batch: int) -> list[int]:
-    return sorted({1, max_batch})
+def decode_warmup_batches(runner: ModelRunner, max_batch: int) -> list[int]:
+    """Batch sizes of the decode warm-up steps: 1 and the largest batch a real step can reach
+    (`max_batch`, or fewer when the KV pages cannot hold that many sequences of 2 tokens)."""
+    layout = runner.cache.layout
+    largest = min(max_batch, layout.num_pages // layout.pages_for(2))
+    if largest < 1:
+        raise _failed(
+            "decode",
+            f"kv_pages={layout.num_pages} of page_size={layout.page_size} cannot hold one sequence of 2 tokens "
+            f"(a prompt token and a generated one): this decode rank could serve no request",
+        )
+    return sorted({1, largest})
 
 
 class Borrowed:
@@ -121,26 +132,19 @@ def warm_up_decode(runner: ModelRunner, settings: DecodeSettings, world: int) ->
     cache) and its first token, so the step feeds one token per sequence like a real one.
     """
     lockstep = Lockstep(runner, world)
-    layout, allocator, vocab = runner.cache.layout, runner.cache.allocator, runner.model.config.vocab_size
+    vocab = runner.model.config.vocab_size
 
     def step(batch: int) -> Step:
         def run(borrowed: Borrowed) -> None:
-            needed = batch * layout.pages_for(2)
-            if needed > allocator.num_free:
-                raise WarmupFailed(
-                    f"a decode step over {batch} sequence(s) of 2 tokens needs {needed} KV pages; "
-                    f"kv_pages={layout.num_pages} of page_size={layout.page_size} hold {allocator.num_free}: "
-                    f"raise kv_pages or lower max_batch={settings.max_batch}"
-                )
             prompts, firsts = dummy_tokens(batch, vocab), dummy_tokens(batch, vocab, offset=1)
             seqs = [borrowed.add(f"warmup-decode-{i}", [prompts[i]], output_ids=[firsts[i]]) for i in range(batch)]
             result = lockstep.step(seqs, want_exit=False)
             if result.state is not GroupState.STEPPED:
-                raise WarmupFailed(f"the decode group did not step the warm-up batch ({result.state.value})")
+                raise _failed("decode", f"the group did not step the warm-up batch ({result.state.value})")
 
         return run
 
-    _run("decode", runner, [(f"decode_batch_{b}", step(b)) for b in decode_warmup_batches(settings.max_batch)])
+    _run("decode", runner, [(f"decode_batch_{b}", step(b)) for b in decode_warmup_batches(runner, settings.max_batch)])
 
 
 def _run(service: str, runner: ModelRunner, steps: Sequence[tuple[str, Step]]) -> None:
@@ -152,15 +156,20 @@ def _run(service: str, runner: ModelRunner, steps: Sequence[tuple[str, Step]]) -
         borrowed = Borrowed(runner)
         try:
             step(borrowed)
-        except WarmupFailed as e:
-            log.error("warmup.failed", step=name, error=str(e))
+        except WarmupFailed:
             raise
         except Exception as e:
-            log.exception("warmup.failed", step=name, error=f"{type(e).__name__}: {e}")
-            raise WarmupFailed(f"{service} warm-up step {name} failed: {type(e).__name__}: {e}") from e
+            raise _failed(service, f"step {name} failed: {type(e).__name__}: {e}", step=name) from e
         finally:
             borrowed.give_back()
         timings[name] = round(time.perf_counter() - t0, 3)
     if runner.cache.device.type == "cuda":
         torch.cuda.synchronize(runner.cache.device)  # compiled and run, not just queued
     log.info("warmup.done", duration_s=round(time.perf_counter() - started, 3), steps=timings)
+
+
+def _failed(service: str, reason: str, **fields: object) -> WarmupFailed:
+    """Log `warmup.failed` and return the error to raise."""
+    error = WarmupFailed(f"{service} warm-up: {reason}")
+    log.error("warmup.failed", error=str(error), **fields)
+    return error

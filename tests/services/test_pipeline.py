@@ -366,8 +366,8 @@ def test_new_decode_instance_gets_placements_without_restarts(stack):
 def test_a_decode_rank_whose_warm_up_fails_exits_without_reporting_ready(stack):
     async def go():
         async with session(stack.url) as (_, watch):
-            # max_batch=4 sequences of 2 tokens need 8 pages of 1 token; the rank has 3.
-            bad = stack.start_replica("decode", env={"MOEBUS_DECODE_KV_PAGES": "3", "MOEBUS_DECODE_PAGE_SIZE": "1", "MOEBUS_DECODE_MAX_BATCH": "4"})
+            # One page of one token: not even a 1-token prompt and its first generated token fit.
+            bad = stack.start_replica("decode", env={"MOEBUS_DECODE_KV_PAGES": "1", "MOEBUS_DECODE_PAGE_SIZE": "1"})
             exit_code = await asyncio.to_thread(bad.proc.wait, 120)
             await asyncio.sleep(0.5)  # a heartbeat published just before exiting would have arrived
             return bad, exit_code, [key for key in watch.latest if key[1] == bad.instance]
@@ -376,5 +376,5 @@ def test_a_decode_rank_whose_warm_up_fails_exits_without_reporting_ready(stack):
     assert exit_code != 0
     assert heartbeats == []
     failed = [e for e in log_events(stack, "warmup.failed") if e["replica"] == bad.instance]
-    assert len(failed) == 1 and "needs 8 KV pages" in failed[0]["error"]
+    assert len(failed) == 1 and "kv_pages=1 of page_size=1 cannot hold one sequence" in failed[0]["error"]
     assert "services.warmup.WarmupFailed" in bad.log_path.read_text()

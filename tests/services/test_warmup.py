@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
-from services.warmup import WarmupFailed, prefill_warmup_lengths, warm_up_decode, warm_up_prefill
+from services.warmup import WarmupFailed, decode_warmup_batches, prefill_warmup_lengths, warm_up_decode, warm_up_prefill
 from shared.model.runner import ModelRunner
 from shared.model.sampling import SamplingParams
 from shared.settings import DecodeSettings, PrefillSettings
@@ -80,18 +80,26 @@ def test_prefill_warm_up_reaches_both_grouped_gemm_tile_buckets_when_a_batch_can
     assert all(per_expert(n) <= SMALL_TILE_MAX_TOKENS_PER_EXPERT for n in capped)
 
 
-def test_decode_warm_up_that_cannot_fit_its_batch_fails_typed_and_frees_everything(tiny_model: Path):
-    runner = ModelRunner.from_dir(tiny_model, num_pages=3, page_size=1, max_tokens_per_rank=4)
-    with pytest.raises(WarmupFailed, match=r"needs 8 KV pages.*kv_pages=3.*max_batch=4"):
-        warm_up_decode(runner, DecodeSettings(model=str(tiny_model), kv_pages=3, page_size=1, max_batch=4), world=1)
-    assert runner.cache.allocator.num_free == 3  # the batch-of-1 step ran and gave its pages back
-    assert not runner.cache.storage.any()
+def test_decode_warm_up_steps_the_largest_batch_the_kv_pages_can_hold(tiny_model: Path):
+    roomy = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, max_tokens_per_rank=8)
+    assert decode_warmup_batches(roomy, max_batch=8) == [1, 8]
+    tight = ModelRunner.from_dir(tiny_model, num_pages=5, page_size=1, max_tokens_per_rank=4)
+    assert decode_warmup_batches(tight, max_batch=4) == [1, 2]  # 2-token sequences: two fit in 5 pages
+    warm_up_decode(tight, DecodeSettings(model=str(tiny_model), kv_pages=5, page_size=1, max_batch=4), world=1)
+    assert tight.cache.allocator.num_free == 5 and not tight.cache.storage.any()
+
+
+def test_decode_warm_up_with_no_room_for_one_sequence_fails_typed(tiny_model: Path):
+    runner = ModelRunner.from_dir(tiny_model, num_pages=1, page_size=1, max_tokens_per_rank=4)
+    with pytest.raises(WarmupFailed, match=r"kv_pages=1 of page_size=1 cannot hold one sequence of 2 tokens"):
+        warm_up_decode(runner, DecodeSettings(model=str(tiny_model), kv_pages=1, page_size=1, max_batch=4), world=1)
+    assert runner.cache.allocator.num_free == 1
 
 
 def test_a_failing_warm_up_step_is_a_typed_error_naming_the_step(tiny_model: Path):
     runner = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, release_finished=False)
     runner.model.weights.lm_head = runner.model.weights.lm_head[:, :-1]  # a broken checkpoint: wrong lm_head shape
-    with pytest.raises(WarmupFailed, match=r"prefill warm-up step prefill_16_tokens failed: RuntimeError") as info:
+    with pytest.raises(WarmupFailed, match=r"prefill warm-up: step prefill_16_tokens failed: RuntimeError") as info:
         warm_up_prefill(runner, PrefillSettings(model=str(tiny_model), kv_pages=64))
     assert isinstance(info.value.__cause__, RuntimeError)
     assert runner.cache.allocator.num_free == 64
