@@ -114,6 +114,9 @@ def test_services_load_the_kernel_paths_on_their_gpus(stack):
     assert {k: e["decode_moe"] for k, e in loaded.items()} == {k: "PeerDecodeMoE" if k[0] == "decode-dp2-0" else None for k in expected}
     if TWO_GPUS:
         assert {loaded[("decode-dp2-0", r)]["collectives"] for r in (0, 1)} == {"CudaCollectives"}
+    # Every rank compiled its kernels before reporting ready (services/warmup.py).
+    warmed = {(e["replica"], e["rank"]): e["steps"] for e in log_events(stack, "warmup.done")}
+    assert set(warmed) == set(expected), warmed
 
 
 def _reference(model_dir: Path, prompt: str, max_tokens: int) -> list[int]:
