@@ -108,7 +108,7 @@ def test_cancel_keeps_pages_until_the_direct_writer_is_done(peers):
 def test_killed_direct_writer_pages_return_only_after_lease_plus_grace(peers):
     """A prefill killed mid-transfer sends no "stopped": its pages wait for the lease + grace."""
     decode, _ = peers
-    victim = Peer(spawn_context(), "prefill", device="cuda", visible="0,1")
+    victim = Peer(spawn_context(), "prefill", device="cuda", visible="0,1", head_dim=HEAD_DIM)
     try:
         assert victim.call("ping")  # started (CUDA, UCX) before the lease clock runs
         lease_s = 4.0
@@ -134,7 +134,7 @@ def test_sender_killed_before_its_announced_writes_ran_never_completes_the_reque
     a sender killed while its writes still wait (behind a GPU sleep) must not complete the
     request; the pages come back after the lease + grace."""
     decode, _ = peers
-    victim = Peer(spawn_context(), "prefill", device="cuda", visible="0,1")
+    victim = Peer(spawn_context(), "prefill", device="cuda", visible="0,1", head_dim=HEAD_DIM)
     try:
         assert victim.call("ping")
         lease_s = 5.0
