@@ -12,7 +12,10 @@
 #     decode_step             (W = 8 only) bench/decode_step.py --ep 8, Qwen3-235B-A22B shapes, FP8
 #                             experts, 32/64/128 requests per rank, per-GPU HBM roofline     item 4
 #   bench/gpu_scale.sh kv       ucxx bundle instead (ucxx and CuTeDSL together exceed the 64 MiB a call
-#                               may carry, so the KV handoff is a second call):
+#                               may carry, so the KV handoff is a second call, issued at once after the
+#                               first on the same warm machine: the CUDA IPC path's copy kernel is
+#                               CuTeDSL, which the first call left in /tmp/gpu-site; it refuses, exit 3,
+#                               when that is missing):
 #     bench_kv_transfer       bench/kv_transfer.py --prefill-ranks 1,2,4: the 4 TP ranks on GPUs 0-3 ->
 #                             the decode rank on GPU 4 (x8; on x4 the decode rank takes GPU 3 and
 #                             prefill rank 3 shares GPU 0), 1k/6k/32k tokens, ucx and cuda_ipc paths   item 3, KV
@@ -20,7 +23,7 @@
 # Device calls (after `git rev-parse --short=12 HEAD > .cache/commit` here), one per kind and mode:
 #   run kind "nvidia-h200-x8" (or -x4), timeout_s 600, command "bash bench/gpu_scale.sh",
 #       carry [".gpu/cutedsl-4.8.1-cp312-cu13.tar.xz", ".cache/commit"]
-#   run (same kind), timeout_s 600, command "bash bench/gpu_scale.sh kv",
+#   run (same kind, at once: the machine stays warm ~30 s), timeout_s 600, command "bash bench/gpu_scale.sh kv",
 #       carry [".gpu/ucxx-nats-cp312-cu13.tar.xz", ".cache/commit"]
 # What comes back (a call returns at most 8 files): run.log (one line and a log tail per step),
 # logs.tar.gz (every step's whole log) and the benchmarks' *.jsonl: append those to bench/results/ here.
@@ -47,7 +50,12 @@ else
   RESULTS=$OUT
   OUT=/tmp/gpu-scale-out
   rm -rf "$OUT" && mkdir -p "$OUT"
-  [ "$MODE" = kv ] && GPU_BUNDLE=.gpu/ucxx-nats-cp312-cu13.tar.xz
+  if [ "$MODE" = kv ]; then
+    if [ ! -d /tmp/gpu-site/nvidia_cutlass_dsl ]; then
+      echo "NOT WARM: /tmp/gpu-site/nvidia_cutlass_dsl is missing (run 'bash bench/gpu_scale.sh' first, same machine)"; exit 3
+    fi
+    GPU_BUNDLE=.gpu/ucxx-nats-cp312-cu13.tar.xz
+  fi
   source bench/gpu_common.sh
   collect() {
     cp "$OUT"/run.log "$RESULTS"/
