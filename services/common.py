@@ -103,7 +103,17 @@ class Heartbeater:
         await self.bus.publish(subjects.heartbeat(self.role, self.instance, self.rank), pack(self.heartbeat()))
 
     async def _loop(self) -> None:
+        # A beat more than two intervals after the last one went out late: watchers may soon
+        # count this process as gone. The CPU times over the gap say why: loop_cpu_s close to
+        # gap_s, the event loop itself was busy (work that belongs off the loop); a small
+        # process_cpu_s, the process did not get the CPU (an overloaded host).
+        last, last_cpu, last_loop_cpu = time.monotonic(), time.process_time(), time.thread_time()
         while True:
+            now, cpu, loop_cpu = time.monotonic(), time.process_time(), time.thread_time()
+            if now - last > 2 * self.interval:
+                log.warning("heartbeat_late", role=self.role, gap_s=round(now - last, 3),
+                            loop_cpu_s=round(loop_cpu - last_loop_cpu, 3), process_cpu_s=round(cpu - last_cpu, 3))
+            last, last_cpu, last_loop_cpu = now, cpu, loop_cpu
             try:
                 await self.beat()
             except Exception:

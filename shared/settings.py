@@ -33,6 +33,19 @@ class SettingsError(ValueError):
     """Invalid configuration; the message names the source (file, variable, field)."""
 
 
+# A member counts as gone only after this many heartbeat intervals of silence: one beat
+# late under CPU load plus one more must not take a working process out of service.
+MIN_EXPIRY_INTERVALS = 3
+
+
+def _check_expiry(expiry_s: float, interval_s: float, field: str) -> None:
+    if expiry_s < MIN_EXPIRY_INTERVALS * interval_s:
+        raise ValueError(
+            f"{field}={expiry_s:g} must be at least {MIN_EXPIRY_INTERVALS} x heartbeat_interval_s={interval_s:g}"
+            f" (set heartbeat_interval_s alike for every service)"
+        )
+
+
 def default_instance_id() -> str:
     """hostname-pid-random, restricted to characters valid in a NATS subject token."""
     host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:24]
@@ -48,7 +61,7 @@ class ServiceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instance: str = ""  # id in subjects and heartbeats; default: hostname-pid-random
     log_level: str = "info"
     log_json: bool | None = None  # None: JSON when stderr is not a terminal
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = 0.5  # every service beats this often: set it alike for all (the expiries below assume so)
     drain_timeout_s: float = 10.0  # SIGTERM: how long in-flight work may take to finish
 
 
@@ -58,8 +71,11 @@ class GatewaySettings(ServiceSettings, kw_only=True):
     default_timeout_ms: int = 120_000  # deadline of requests that set none
     max_timeout_ms: int = 600_000
     max_in_flight: int = 4096  # requests beyond this get `overloaded` at once
-    stage_expiry_s: float = 2.0  # a decode rank silent this long fails its requests
+    stage_expiry_s: float = 2.0  # a prefill/decode rank silent this long (while the gateway listens) fails its requests
     submit_timeout_s: float = 10.0  # a scheduler answers within its bounded wait; silence beyond this = gone
+
+    def __post_init__(self) -> None:
+        _check_expiry(self.stage_expiry_s, self.heartbeat_interval_s, "stage_expiry_s")
 
 
 class SchedulerSettings(ServiceSettings, kw_only=True):
@@ -68,6 +84,9 @@ class SchedulerSettings(ServiceSettings, kw_only=True):
     max_queued: int = 256  # requests waiting for capacity; beyond -> `overloaded` at once
     reserve_timeout_ms: int = 500  # a decode rank must answer a reservation within this
     lease_s: float = 30.0  # reserved KV pages are freed if prefill has not started decode by then
+
+    def __post_init__(self) -> None:
+        _check_expiry(self.heartbeat_expiry_s, self.heartbeat_interval_s, "heartbeat_expiry_s")
 
 
 def _check_gpus(gpus: list[int], ranks: int, field: str) -> None:

@@ -4,7 +4,8 @@ Per request: decode + admit (typed errors at once), submit to the scheduler, the
 relay the token batches arriving on `tok.<gateway>.<request>` to the client as one
 reply or a stream of chunks. The gateway also watches the heartbeats of the stages
 serving each request: a prefill or decode process that dies fails its requests with
-`unavailable` within `stage_expiry_s`, well before their deadlines.
+`unavailable` within `stage_expiry_s` (of time the gateway itself was listening:
+services/gateway/liveness.py), well before their deadlines.
 """
 
 from __future__ import annotations
@@ -36,15 +37,13 @@ from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, Subm
 from services.common import Heartbeater
 from services.gateway.admission import Admission, Admitted, Rejected
 from services.gateway.completion import Completion, Delta
+from services.gateway.liveness import StageKey, StageLiveness
 from shared.bus import Bus, BusError, Deadline, NoResponders, content_type, decode_public, encode_public, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
 log = get_logger(__name__)
-
-StageKey = tuple[str, str, int]  # (role, instance, rank)
-
 
 class Failed(Exception):
     """Terminal failure of one request, with the code the client sees."""
@@ -80,7 +79,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.id = settings.instance
         self.flights: dict[str, Flight] = {}
-        self.stages: dict[StageKey, tuple[float, float]] = {}  # stage -> (monotonic last seen, started_at)
+        self.liveness = StageLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic())
         self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"in_flight": len(self.flights)})
         self._generate_sub: Any = None
 
@@ -133,9 +132,7 @@ class Gateway:
             flight.inbox.put_nowait(unpack(msg.data, TokenMessage))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = unpack(msg.data, Heartbeat)
-        if hb.role in ("prefill", "decode"):
-            self.stages[(hb.role, hb.instance, hb.rank)] = (time.monotonic(), hb.started_at)
+        self.liveness.heard(unpack(msg.data, Heartbeat), time.monotonic())
 
     # ------------------------------------------------------------ one request
 
@@ -252,8 +249,7 @@ class Gateway:
         placement = asking.result()
         now = time.monotonic()
         for key in (("prefill", placement.prefill_instance, 0), ("decode", placement.decode_instance, placement.decode_rank)):
-            seen = self.stages.setdefault(key, (now, 0.0))  # placed there: as good as a heartbeat
-            flight.watched[key] = seen[1]
+            flight.watched[key] = self.liveness.placed(key, now)
         return placement
 
     async def _ask_scheduler(self, job: Job, deadline: Deadline) -> Placement:
@@ -302,9 +298,7 @@ class Gateway:
         for (role, instance, rank), started_at in flight.watched.items():
             if role == "prefill" and not first:
                 continue  # prefill's part is done once a token arrived
-            seen, current_start = self.stages.get((role, instance, rank), (0.0, 0.0))
-            restarted = started_at and current_start != started_at
-            if restarted or now - seen > self.settings.stage_expiry_s:
+            if self.liveness.stopped((role, instance, rank), started_at, now):
                 raise Failed("unavailable", f"{role} {instance}/{rank} serving this request stopped responding")
 
     async def _cancel_downstream(self, request_id: str, reason: str) -> None:
