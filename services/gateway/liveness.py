@@ -25,6 +25,8 @@ DEAF_AFTER_INTERVALS = 2.0
 
 
 class StageLiveness:
+    """The last heartbeat heard from every stage, and since when the gateway has been listening."""
+
     def __init__(self, own: StageKey, interval_s: float, expiry_s: float, now: float) -> None:
         """`own`: the gateway's own heartbeat key; `interval_s`: the heartbeat interval (every
         service beats this often); `expiry_s`: heard silence after which a stage counts as

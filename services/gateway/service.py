@@ -45,6 +45,7 @@ from shared.settings import GatewaySettings
 
 log = get_logger(__name__)
 
+
 class Failed(Exception):
     """Terminal failure of one request, with the code the client sees."""
 
