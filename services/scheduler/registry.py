@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from schemas.internal import Heartbeat
-
-MemberKey = tuple[str, str, int]  # (role, instance, rank)
+from services.liveness import Hearing, MemberKey
 
 
 @dataclass
@@ -47,6 +46,8 @@ class Registry:
     expiry_s: float
     model: str = ""  # only members serving this model are considered ("" = any)
     members: dict[MemberKey, Member] = field(default_factory=dict)
+    # The scheduler's own hearing: silence counts only while it was listening. None: by the clock alone.
+    hearing: Hearing | None = None
 
     def update(self, hb: Heartbeat) -> None:
         if self.model and hb.model != self.model:
@@ -59,12 +60,15 @@ class Registry:
         self.members[key] = member
 
     def expire(self) -> list[MemberKey]:
-        """Drop members whose heartbeat is older than the expiry; returns their keys."""
-        cutoff = time.monotonic() - self.expiry_s
-        gone = [k for k, m in self.members.items() if m.seen < cutoff]
+        """Drop members silent for longer than the expiry; returns their keys."""
+        now = time.monotonic()
+        gone = [k for k, m in self.members.items() if self._silence(m, now) > self.expiry_s]
         for k in gone:
             del self.members[k]
         return gone
+
+    def _silence(self, member: Member, now: float) -> float:
+        return self.hearing.silence(member.seen, now) if self.hearing is not None else now - member.seen
 
     def of_role(self, role: str) -> list[Member]:
         return [m for m in self.members.values() if m.hb.role == role and not m.hb.draining]

@@ -18,6 +18,7 @@ from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, Placement, PrefillTask, ReserveKV, SubmitAck, SubmitJob
 from services.common import Heartbeater
+from services.liveness import Hearing
 from services.scheduler.registry import Member, Registry
 from shared.bus import Bus, BusError, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
@@ -36,7 +37,8 @@ class Scheduler:
     def __init__(self, settings: SchedulerSettings, bus: Bus) -> None:
         self.settings = settings
         self.bus = bus
-        self.registry = Registry(expiry_s=settings.heartbeat_expiry_s, model=settings.model_name)
+        self.hearing = Hearing(("scheduler", settings.instance, 0), settings.heartbeat_interval_s, time.monotonic())
+        self.registry = Registry(expiry_s=settings.heartbeat_expiry_s, model=settings.model_name, hearing=self.hearing)
         self.capacity_changed = asyncio.Condition()
         self.waiting = 0
         self.placed = 0
@@ -67,6 +69,7 @@ class Scheduler:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         hb = unpack(msg.data, Heartbeat)
+        self.hearing.heard(hb, time.monotonic())  # our own beat coming back: we are listening
         if hb.role not in ("decode", "prefill"):
             return
         self.registry.update(hb)

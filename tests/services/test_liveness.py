@@ -1,11 +1,11 @@
-"""Liveness under load: silence is held against a stage only while the gateway was listening,
-and expiries leave room for late heartbeats.
+"""Liveness under load: silence is held against a stage (gateway) or a member (scheduler)
+only while the watcher was listening, and expiries leave room for late heartbeats.
 
 A pytest run on a loaded 2-core box once failed a healthy request with "decode ... stopped
 responding": a process that does not get the CPU (the gateway, the decode rank, or the
-whole host) reads or sends heartbeats late. The unit tests feed `StageLiveness` events at
-chosen times (no sleeps); the stack test pauses real processes with SIGSTOP, as a
-starved or paused host does, with margins of seconds.
+whole host) reads or sends heartbeats late. The unit tests feed `StageLiveness` and the
+scheduler's `Registry` heartbeats at chosen times (no sleeps); the stack test pauses real
+processes with SIGSTOP, as a starved or paused host does, with margins of seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import pytest
 from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Role
 from services.gateway.liveness import StageLiveness
+from services.liveness import Hearing
+from services.scheduler.registry import Registry
 from shared.settings import GatewaySettings, SchedulerSettings, SettingsError, load_settings
 
 from services_helpers import run, session, stack_fixture
@@ -78,6 +80,30 @@ def test_a_restarted_stage_stops_its_requests_at_once():
     live.heard(beat(DECODE, started_at=200.0), 1.2)  # same key, new process
     assert live.stopped(DECODE, 100.0, 1.2)
     assert not live.stopped(DECODE, 200.0, 1.2)  # a request placed on the new process
+
+
+def scheduler_registry(own_beats_from: float, now: float) -> tuple[Registry, tuple[str, str, int]]:
+    """A registry whose scheduler heard nothing from now-10 s on, then its own beat every 0.5 s
+    from `own_beats_from` to `now`; one decode rank, last heard 5 s ago."""
+    hearing = Hearing(("scheduler", "s", 0), interval_s=0.5, now=now - 10)
+    registry = Registry(expiry_s=1.5, hearing=hearing)
+    registry.update(beat(DECODE))
+    registry.members[DECODE].seen = now - 5
+    t = own_beats_from
+    while t <= now:
+        hearing.heard(beat(("scheduler", "s", 0)), t)
+        t += 0.5
+    return registry, DECODE
+
+
+def test_the_scheduler_drops_only_members_silent_while_it_listened():
+    now = time.monotonic()
+    deaf, _ = scheduler_registry(own_beats_from=now + 1, now=now)  # no own beat for 10 s: judges nobody
+    assert deaf.expire() == []
+    recovered, _ = scheduler_registry(own_beats_from=now - 1, now=now)  # listening again for 1 s < 1.5 s
+    assert recovered.expire() == []
+    listening, key = scheduler_registry(own_beats_from=now - 3, now=now)  # 3 s of listening and silence
+    assert listening.expire() == [key]
 
 
 @pytest.mark.parametrize(
