@@ -264,7 +264,9 @@ def test_overload_is_an_explicit_error_after_the_bounded_wait_and_cancel_frees_k
     err, waited, cancelled, cancel_latency, results = run(go())
     assert err.code == "overloaded"
     assert 0.9 <= waited < 5.0  # MOEBUS_SCHEDULER_QUEUE_WAIT_MS=1000, then a prompt answer
-    assert cancelled.code == "cancelled" and cancel_latency < 0.5
+    # "cancelled", not "overloaded", proves the cancel ended the wait before the queue's 1 s bound;
+    # the reply itself must follow promptly (a loose bound: 0.5 s once failed on a loaded 2-core box).
+    assert cancelled.code == "cancelled" and cancel_latency < 1.0
     assert all(isinstance(r, GenerateError) and r.code == "cancelled" for r in results), results
 
 
