@@ -2,7 +2,7 @@
 # One device call on 2x H200 (kind "nvidia-h200-x2") for the grouped GEMM, the two GPUs in parallel:
 #   GPU 0: tests/gpu/test_gemm_grouped.py and tests/gpu/test_model_kernels.py (correctness), then
 #          bench/grouped_gemm.py once per variant in GG_VARIANTS ('|'-separated argument lists, e.g.
-#          "--dtypes bf16,fp8|--bf16-prefill-tile-n 128 --dtypes bf16");
+#          "--dtypes bf16,fp8|--tile-n 128 --dtypes bf16 --only gemm:qwen3-30b:down:prefill");
 #   GPU 1: bench/grouped_gemm.py with GG_BENCH_ARGS (default: all cases).
 #   Each bench case measures ours and torch._grouped_mm / torch._scaled_grouped_mm in the same process.
 # Logs: $OUT/*.log; bench lines: $OUT/gpu0/grouped_gemm.jsonl and $OUT/gpu1/grouped_gemm.jsonl (append both

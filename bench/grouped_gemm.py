@@ -234,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="one model")
     ap.add_argument("--skip", default="", help="comma list of kind:model:proj:phase:tokens:dtype to leave out")
-    ap.add_argument("--fp8-prefill-tile-m", type=int, default=None, help="force the FP8 prefill tile bucket")
-    ap.add_argument("--bf16-prefill-tile-n", type=int, default=None, help="force the bf16 prefill tile width (128/256)")
-    ap.add_argument("--mxfp8-tile-m", type=int, default=None, help="force the MXFP8 tile bucket (64/128 rows)")
+    ap.add_argument("--tile-m", type=int, default=None,
+                    help="force the tile rows (64/128) of every plain GEMM case run (pick them with --only / --dtypes)")
+    ap.add_argument("--tile-n", type=int, default=None, help="force the tile width of every plain GEMM case run")
     ap.add_argument("--only", default="", help="comma list of case-name prefixes to run (default: all)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of dtypes to run (of {','.join(DTYPES)})")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no case after this many seconds")
@@ -261,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = set(filter(None, args.dtypes.split(",")))
     rows, weights, loaded = [], {}, None
     for kind, model, proj, phase, m, dtype in case_list(args.quick):
-        fp8 = dtype == "fp8"
         name = f"{kind}:{model}:{proj}:{phase}:{m}:{dtype}"
         if name in skip or (only and not name.startswith(only)) or dtype not in dtypes:
             continue
@@ -272,15 +271,12 @@ def main(argv: list[str] | None = None) -> int:
             weights, loaded = {}, None
             torch.cuda.empty_cache()
             weights, loaded = make_weights(model), model
-        tile_m = args.fp8_prefill_tile_m if (fp8 and phase == "prefill" and kind == "gemm") else None
-        if dtype == "mxfp8":
-            tile_m = args.mxfp8_tile_m
         faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
-        tile_n = args.bf16_prefill_tile_n if (kind == "gemm" and phase == "prefill" and dtype == "bf16") else None
+        tile_m, tile_n = args.tile_m, args.tile_n
         if kind == "gemm":
             row = run_case(model, proj, phase, m, dtype, args.iters, weights, tile_m, tile_n)
         else:
-            row = run_swiglu_case(model, phase, m, fp8, args.iters, weights)
+            row = run_swiglu_case(model, phase, m, dtype == "fp8", args.iters, weights)
         faulthandler.cancel_dump_traceback_later()
         rows.append(row)
         print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile={tile_m or 'auto'}x{tile_n or 'auto'}: {row['latency_us']:.1f} us "

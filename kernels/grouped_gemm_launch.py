@@ -34,12 +34,16 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
                   tile_m: int | None = None, tile_n: int | None = None) -> GroupedGemmConfig:
     """Tile bucket: 64-row tiles for decode-sized groups (<= SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64 tokens), else 128 rows.
 
-    bf16 prefill uses 128x256 tiles (two consumer warpgroups, 128 accumulator
-    registers each); FP8 block scales, MXFP8 weights and the SwiGLU interleave fix N at 128.
+    Prefill tiles are as wide as the registers allow: bf16 128x256 (two
+    consumer warpgroups, 128 accumulator registers each), FP8 128x192 (96
+    accumulator + 96 partial-product registers).  MXFP8 weights and the
+    SwiGLU interleave fix N at 128, and so do decode tiles.
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
     """
     tile_m = tile_m or (64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128)
-    tile_n = tile_n or (256 if (tile_m == 128 and not fp8 and not mxfp8 and not swiglu) else 128)
+    if not tile_n:
+        wide = tile_m == 128 and not mxfp8 and not swiglu
+        tile_n = (192 if fp8 else 256) if wide else 128
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
                              num_sms=num_sms)

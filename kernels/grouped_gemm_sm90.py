@@ -67,9 +67,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.grouped_gemm_sm90_epilogue import EPI_N, STORE_WARPS, Epilogue
-from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, ScaledMainloops
+from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, SCALE_BLOCK, ScaledMainloops
 
-SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
 SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
 
@@ -84,7 +83,7 @@ class GroupedGemmConfig:
     masked: bool  # masked [E, max_tokens, K] layout, else contiguous
     fp8: bool  # E4M3 operands with 1x128 / 128x128 fp32 block scales
     tile_m: int  # 64 (one consumer warpgroup) or 128 (two)
-    tile_n: int
+    tile_n: int  # 64 / 128 / 192 / 256 (bf16), 128 / 192 (FP8), 128 (MXFP8, SwiGLU)
     swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
     row_weights: bool = False  # multiply output row r by weights[r]
     mxfp8: bool = False  # bf16 activations x MXFP8 weights (E4M3 + E8M0 per 32 along K), bf16 math
@@ -94,8 +93,9 @@ class GroupedGemmConfig:
         elem_bytes = 1 if self.fp8 else 2
         if self.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {self.tile_m}")
-        if self.tile_n not in (64, 128, 256) or ((self.fp8 or self.mxfp8) and self.tile_n != 128):
-            raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 and mxfp8 need 128; bf16 64/128/256)")
+        if (self.tile_n not in (64, 128, 192, 256) or (self.fp8 and self.tile_n not in (128, 192))
+                or (self.mxfp8 and self.tile_n != 128)):
+            raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 128/192, mxfp8 128; bf16 64/128/192/256)")
         if self.fp8 and self.mxfp8:
             raise ValueError("fp8 (block-scaled E4M3 x E4M3) and mxfp8 (bf16 x MXFP8 weights) exclude each other")
         if (self.k * elem_bytes) % 16 or (self.mxfp8 and self.k % 16):
@@ -139,9 +139,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.k_tiles = math.ceil(cfg.k / self.tile_k)
         self.n_tiles = math.ceil(cfg.n / cfg.tile_n)
         self.scale_k_blocks = math.ceil(cfg.k / SCALE_BLOCK)
-        # Weight-scale rows per output tile: one 128-row block, or with SwiGLU
-        # (interleaved 64-row gate/up halves) one per half; see interleave_gate_up.
-        self.scale_rows_per_tile = 2 if cfg.swiglu else 1
+        # Weight-scale rows: 128-row blocks of N, or with SwiGLU (interleaved 64-row
+        # gate/up halves) one per half tile; see interleave_gate_up.
         self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
         stage_bytes = (cfg.tile_m * self.ab_dtype.width + cfg.tile_n * self.b_load_dtype.width) * self.tile_k // 8
         # mbarriers (at most 8 stages) + schedule, padded to the 1024-byte alignment of the tiles
@@ -376,18 +375,24 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             carry = carry + cute.arch.shuffle_sync(tiles, 31)
 
     @cute.jit
-    def _locate(self, tile, expert, s_tile_begin, s_row_count):
-        """Advance ``expert`` to the one owning output ``tile``; return (expert, m_tile, n_tile).
+    def _locate(self, tile, expert, s_tile_begin, s_row_start, s_row_count):
+        """Where output ``tile`` is: ``(expert, n_tile, batch, row0, rows_left)``.
 
-        Tiles run N-major, M-minor inside an expert, so the CTAs working at the
-        same time share weight tiles in L2.
+        ``expert`` advances from the caller's previous value (a CTA's tiles come
+        in order).  Tiles run N-major, M-minor inside an expert, so the CTAs
+        working at the same time share weight tiles in L2.  ``row0`` is the
+        tile's first row in its batch (masked layout: batch = expert), and
+        ``rows_left`` how many rows from there belong to the expert.
         """
+        cfg = self.cfg
         while tile >= s_tile_begin[expert + 1]:
             expert = expert + 1
         local = tile - s_tile_begin[expert]
-        m_tiles = (s_row_count[expert] + self.cfg.tile_m - 1) // self.cfg.tile_m
+        m_tiles = (s_row_count[expert] + cfg.tile_m - 1) // cfg.tile_m
         n_tile = local // m_tiles
-        return expert, local - n_tile * m_tiles, n_tile
+        m_row = (local - n_tile * m_tiles) * cfg.tile_m
+        batch = expert if cutlass.const_expr(cfg.masked) else 0
+        return expert, n_tile, batch, s_row_start[expert] + m_row, s_row_count[expert] - m_row
 
     @cute.jit
     def _produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, first_tile, total_tiles,
@@ -401,16 +406,14 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
-            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
-            batch = expert if cutlass.const_expr(cfg.masked) else 0
+            expert, n_tile, batch, row0, _ = self._locate(tile, expert, s_tile_begin, s_row_start, s_row_count)
             # The expert's rows start at an arbitrary row (contiguous layout): offset
-            # the TMA coordinate space, then tile.
-            mA_e = cute.domain_offset((s_row_start[expert], 0, 0), mA)
-            gA = cute.local_tile(mA_e, (cfg.tile_m, self.tile_k), (None, None, None))
+            # the TMA coordinate space to the tile's first row, then tile.
+            gA = cute.local_tile(cute.domain_offset((row0, 0, 0), mA), (cfg.tile_m, self.tile_k), (None, None, None))
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                 tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
             )
-            tAgA_t = tAgA[(None, m_tile, None, batch)]
+            tAgA_t = tAgA[(None, 0, None, batch)]
             tBgB_t = tBgB[(None, n_tile, None, expert)]
             for k_tile in cutlass.range(self.k_tiles, unroll=1):
                 mainloop.producer_acquire(state)
@@ -431,10 +434,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
-            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
-            batch = expert if cutlass.const_expr(cfg.masked) else 0
-            row0 = s_row_start[expert] + m_tile * cfg.tile_m
-            rows_left = s_row_count[expert] - m_tile * cfg.tile_m
+            expert, n_tile, batch, row0, rows_left = self._locate(tile, expert, s_tile_begin, s_row_start,
+                                                                  s_row_count)
             self._store_tile(store, mC, rows, row0, rows_left, n_tile, batch)
             tile = tile + cfg.num_sms
 
@@ -452,9 +453,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         # Coordinates of this thread's accumulator elements inside a tile.
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-        # FP8: two per-K-block partials, so one block's WGMMAs run while the other is promoted.
-        part0 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-        part1 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        part = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)  # FP8: one K block's product before scaling
         epi = self._epilogue_setup(tiled_mma, sEpi, acc, mma_tidx)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -462,14 +461,12 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
-            expert, m_tile, n_tile = self._locate(tile, expert, s_tile_begin, s_row_count)
-            batch = expert if cutlass.const_expr(cfg.masked) else 0
-            row0 = s_row_start[expert] + m_tile * cfg.tile_m
+            expert, n_tile, batch, row0, _ = self._locate(tile, expert, s_tile_begin, s_row_start, s_row_count)
             # The pipeline states are assigned here, not only mutated in the callee,
             # so that the DSL carries them across iterations of this tile loop.
             if cutlass.const_expr(cfg.fp8):
                 read_state, release_state = self._mainloop_block_scaled(
-                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB, rows, row0, batch,
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows, row0, batch,
                     expert, n_tile, mainloop, read_state, release_state,
                 )
             elif cutlass.const_expr(cfg.mxfp8):
@@ -485,17 +482,26 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             tile = tile + cfg.num_sms
 
     @cute.jit
+    def _mma_stage(self, tiled_mma, acc, tCrA, tCrB, num_k_blocks, a_stage, b_stage,
+                   fresh: cutlass.Constexpr = False):
+        """Issue one K stage's WGMMAs (A from smem stage ``a_stage``, B from ``b_stage``) as one batch, not waited for.
+
+        ``fresh``: the first WGMMA overwrites ``acc`` instead of adding to it.
+        """
+        cute.nvgpu.warpgroup.fence()
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, not fresh)
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, a_stage)], tCrB[(None, None, kb, b_stage)], acc)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
     def _mainloop(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state):
         """bf16: accumulate the whole K range in one fp32 accumulator, one WGMMA batch in flight."""
         acc.fill(0.0)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
             mainloop.consumer_wait(read_state)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                coord = (None, None, kb, read_state.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            cute.nvgpu.warpgroup.commit_group()
+            self._mma_stage(tiled_mma, acc, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index)
             # Keep this batch in flight; the previous one is done, free its stage.
             cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:

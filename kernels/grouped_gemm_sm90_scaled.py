@@ -1,15 +1,15 @@
 """Mainloops of the Hopper grouped GEMM for scaled operands (a mixin of ``GroupedGemmSm90``).
 
 * FP8 E4M3 x E4M3 with 1x128 activation / 128x128 weight block scales:
-  per-K-block partial products promoted into an fp32 accumulator, two
-  partials alternating so the tensor cores never wait for the promotion;
+  per-K-block partial products promoted into an fp32 accumulator (one
+  partial per consumer warpgroup, DeepGEMM's schedule);
 * bf16 activations x MXFP8 weights (E4M3 + one E8M0 scale per 32 along K):
   the consumer threads dequantize each weight tile to bf16 in shared memory,
   then bf16 WGMMA.
 
 The methods use the kernel object's attributes (``cfg``, ``tile_k``,
 ``k_tiles``, ``num_consumer_wg``, ``ab_dtype``, ``b_load_dtype``,
-``scale_rows_per_tile``); see ``kernels.grouped_gemm_sm90``.
+``scale_n_blocks``, ``_mma_stage``); see ``kernels.grouped_gemm_sm90``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import cutlass.pipeline as pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
 MX_BLOCK = 32  # MXFP8: one E8M0 weight scale per 32 values along K
 MX_B_BUFFERS = 3  # MXFP8: dequantized bf16 weight tiles (see _mainloop_mx for why three)
 
@@ -68,7 +69,6 @@ class ScaledMainloops:
         mx_k_blocks = math.ceil(cfg.k / MX_BLOCK)
         barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=threads)
         acc.fill(0.0)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         e_lo, e_hi = self._mx_scales(mSFB, n_row, 0, seg_idx, blocks_per_seg, mx_k_blocks, expert)
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
             k_next = k_tile + 1 if k_tile + 1 < self.k_tiles else k_tile
@@ -81,10 +81,7 @@ class ScaledMainloops:
             # Generic-proxy smem writes that the tensor cores (async proxy) read next.
             cute.arch.fence_proxy("async.shared", space="cta")
             barrier.arrive_and_wait()
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)], tCrB[(None, None, kb, buf)], acc)
-            cute.nvgpu.warpgroup.commit_group()
+            self._mma_stage(tiled_mma, acc, tCrA, tCrB, num_k_blocks, read_state.index, buf)
             cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
                 mainloop.consumer_release(release_state)
@@ -133,89 +130,56 @@ class ScaledMainloops:
 
     # ------------------------------------------------- FP8 block-scaled mainloop
     @cute.jit
-    def _block_scales(self, mSFA, mSFB, r_lo, r_hi, k_tile, batch, expert, n_tile):
-        """The four products ``sa[row] * sb[column half]`` one thread needs for K block ``k_tile``.
+    def _weight_scale_rows(self, n_tile):
+        """The weight-scale row (128-row block of N) of each 64-column quarter of output tile ``n_tile``.
 
-        Each thread's accumulator covers two rows per 64-row warpgroup slice
-        (``r`` and ``r + 8``); with SwiGLU (or none) the tile's two column
-        halves carry one weight scale each (see interleave_gate_up).
+        A 192-wide tile straddles two 128-row blocks, split after its first 64
+        or 128 columns by the tile's parity; with SwiGLU (128-wide tiles of an
+        interleaved gate/up matrix) each half has its own row (see interleave_gate_up).
         """
-        sa_lo = mSFA[(r_lo, k_tile, batch)]
-        sa_hi = mSFA[(r_hi, k_tile, batch)]
-        sb_first = mSFB[(n_tile * self.scale_rows_per_tile, k_tile, expert)]
-        sb_second = mSFB[(n_tile * self.scale_rows_per_tile + self.scale_rows_per_tile - 1, k_tile, expert)]
-        return sa_lo * sb_first, sa_hi * sb_first, sa_lo * sb_second, sa_hi * sb_second
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.swiglu):
+            return [n_tile * 2 + q for q in range(2)]
+        c0 = n_tile * cfg.tile_n
+        last = self.scale_n_blocks - 1  # columns past N (zero-filled by TMA) take any scale
+        return [cutlass.min((c0 + 64 * q) // SCALE_BLOCK, last) for q in range(cfg.tile_n // 64)]
 
     @cute.jit
-    def _issue_block(self, tiled_mma, tCrA, tCrB, num_k_blocks, part, mainloop, read_state):
-        """Wait for the next stage and issue its WGMMAs into a fresh ``part`` (not waited for)."""
-        mainloop.consumer_wait(read_state)
-        cute.nvgpu.warpgroup.fence()
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        for kb in cutlass.range_constexpr(num_k_blocks):
-            coord = (None, None, kb, read_state.index)
-            cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-        read_state.advance()
-        return read_state
-
-    @cute.jit
-    def _promote(self, acc, part, s0, s1, s2, s3, mainloop, release_state):
-        """``acc += part * scale`` for a finished K block, then free its stage."""
-        mainloop.consumer_release(release_state)
-        release_state.advance()
-        scales = (s0, s1, s2, s3)
-        size = cute.size(acc)
-        for i in cutlass.range_constexpr(size):
-            # element order: (column pair, row half, 8-column block)
-            which = (i // 2) % 2 + (2 if i >= size // 2 else 0)
-            acc[i] = acc[i] + part[i] * scales[which]
-        return release_state
-
-    @cute.jit
-    def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB,
+    def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB,
                                rows, row0, batch, expert, n_tile, mainloop, read_state, release_state):
-        """FP8: per 128-wide K block, WGMMA into a fresh partial, then ``acc += part * sa[row] * sb``.
+        """FP8: per 128-wide K block, WGMMA into ``part``, then ``acc += part * sa[row] * sb[column block]``.
 
-        Two partials alternate: block k+1's WGMMAs are issued before block k is
-        promoted, so the tensor cores never wait for the promotion (DeepGEMM's
-        schedule; one batch stays in flight, ``wait_group(1)``).  K blocks go in
-        pairs (part0, part1); the static tail finishes an odd or even count.
-        The K loop is unrolled: in a run-time loop ptxas cannot tell that
-        ``wait_group(1)`` retired the partial being promoted and serializes
-        every WGMMA (warning C7514).
-        Scales are loaded when a block is issued and used when it is promoted,
-        which hides their global-load latency behind the WGMMAs.
+        DeepGEMM's schedule: one partial per warpgroup, waited for
+        (``wait_group(0)``) and promoted at once.  The tensor cores do not idle
+        during a promotion because the other consumer warpgroup's WGMMAs, issued
+        while this one waited, run meanwhile.  One partial instead of two leaves
+        the registers for 128x192 tiles (96 + 96 accumulator registers per
+        thread), which read 5/6 of the shared-memory bytes per FLOP of 128x128
+        tiles; and since nothing is in flight when a partial is read, ptxas
+        keeps the WGMMAs asynchronous in a run-time K loop (no unrolling).
+        Scales are loaded before the stage's wait and multiplied while its
+        WGMMAs run, so their latency stays off the critical path.
         """
         acc.fill(0.0)
         r_lo = row0 + tCcC[0][0]
         r_hi = row0 + tCcC[2][0]
         r_lo = r_lo if r_lo < rows else rows - 1  # rows past the tensor hold no scale
         r_hi = r_hi if r_hi < rows else rows - 1
-        a0, a1, a2, a3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, 0, batch, expert, n_tile)
-        read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part0, mainloop, read_state)
-        for pair in cutlass.range_constexpr((self.k_tiles - 1) // 2):
-            k = 2 * pair
-            b0, b1, b2, b3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, k + 1, batch, expert, n_tile)
-            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
-            cute.nvgpu.warpgroup.wait_group(1)
-            release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)
-            a0, a1, a2, a3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, k + 2, batch, expert, n_tile)
-            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part0, mainloop, read_state)
-            cute.nvgpu.warpgroup.wait_group(1)
-            release_state = self._promote(acc, part1, b0, b1, b2, b3, mainloop, release_state)
-        # part0 holds the last block issued above: k_tiles - 1 (odd count) or k_tiles - 2 (even count).
-        if cutlass.const_expr(self.k_tiles % 2 == 0):
-            t0, t1, t2, t3 = self._block_scales(mSFA, mSFB, r_lo, r_hi, self.k_tiles - 1, batch, expert, n_tile)
-            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
-            cute.nvgpu.warpgroup.wait_group(1)
-            release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)
+        sb_rows = self._weight_scale_rows(n_tile)
+        for k_tile in cutlass.range(self.k_tiles, unroll=1):
+            sa = (mSFA[(r_lo, k_tile, batch)], mSFA[(r_hi, k_tile, batch)])
+            sb = [mSFB[(r, k_tile, expert)] for r in sb_rows]
+            mainloop.consumer_wait(read_state)
+            self._mma_stage(tiled_mma, part, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index, fresh=True)
+            # scale[quarter][row half], while the WGMMAs run
+            scale = [(sa[0] * s, sa[1] * s) for s in sb]
             cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._promote(acc, part1, t0, t1, t2, t3, mainloop, release_state)
-        else:
-            cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._promote(acc, part0, a0, a1, a2, a3, mainloop, release_state)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                # element order: (column pair, row half, 8-column block); 8 blocks per 64-column quarter
+                acc[i] = acc[i] + part[i] * scale[i // 32][(i // 2) % 2]
         return read_state, release_state
 
 

@@ -89,6 +89,27 @@ def test_contiguous(fp8, counts_name, row_weights):
     assert torch.isnan(out.cpu()[~owned].float()).all(), "rows owned by no expert were written"
 
 
+@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_fp8_tile_widths(tile_m, tile_n):
+    """FP8 block-scaled tiles forced to each width: a 192-wide tile straddles two 128-row weight-scale
+    blocks, split after 128 columns (even tiles) or 64 (odd tiles); N = 712 also ends mid-tile."""
+    from kernels.grouped_gemm_launch import launch
+
+    gen = torch.Generator(device=DEV).manual_seed(19 + tile_m + tile_n)
+    counts = torch.tensor([0, 131, 5, 64, 0, 257])
+    E, N, K = len(counts), 712, 400
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    T = int(offsets[-1])
+    x, xs = _activations((T, K), True, gen)
+    w, ws = _random_weights(E, N, K, True, gen)
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    launch(x, w, offsets.to(DEV), masked=False, x_scale=xs, w_scale=ws, row_weights=None, swiglu=False, out=out,
+           tile_m=tile_m, tile_n=tile_n)
+    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=xs.cpu(), w_scale=ws.cpu())
+    _assert_close(out.cpu(), ref, f"fp8 tile {tile_m}x{tile_n}")
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("max_tokens", [40, 136], ids=["decode_tile64", "tile128"])
 def test_masked(fp8, max_tokens):

@@ -31,6 +31,8 @@ COMPILE_CASES = [
     (True, False, 128, 256, False, True, 272),
     (False, True, 128, 128, False, False, 272),
     (False, True, 128, 128, False, False, 400),
+    (False, True, 128, 192, False, True, 400),  # 192-wide FP8 tiles straddle two weight-scale blocks
+    (True, True, 64, 192, False, False, 272),
     (True, True, 64, 128, False, True, 400),
     (False, False, 128, 128, True, True, 272),
     (True, True, 64, 128, True, False, 272),
