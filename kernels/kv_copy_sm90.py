@@ -6,8 +6,9 @@ page ids from the int32 tables in device memory, and move the row with
 (several requests in flight per thread: the stores may cross NVLink into a peer's memory,
 mapped through CUDA IPC, and a load-store-load chain would leave the link idle), then a
 tail of single copies. Stores are plain ``st.global`` (never ``multimem``). Sizes and
-strides are runtime scalars counted in vectors, addresses raw ``Int64`` bytes, so one
-compiled binary per access width serves every layout and request.
+strides (counted in vectors) and addresses (raw bytes) are int64 launch parameters read
+from device memory (``kernels.kv_copy.LAUNCH_PARAMS``), so one compiled binary per access
+width serves every layout and request, and a launch marshals three scalars.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int16, Int32, Int64
 
-from kernels._cute_comm import gptr, load_i32
-from kernels.kv_copy import VECTOR_BYTES, KVCopyError
+from kernels._cute_comm import gptr, load_i32, load_i64
+from kernels.kv_copy import LAUNCH_PARAMS, VECTOR_BYTES, KVCopyError
 
 THREADS = 256
 CTAS_PER_SM = 8  # items are many and short: several CTAs per SM keep every SM's loads going
@@ -45,33 +46,40 @@ def _store(addr: Int64, value, vector_bytes: cutlass.Constexpr):
     cute.make_tensor(gptr(word, addr, vector_bytes), cute.make_layout(n)).store(value)
 
 
+@cute.jit
+def _param(params: Int64, name: cutlass.Constexpr) -> Int64:
+    """Launch parameter ``name`` (``kernels.kv_copy.LAUNCH_PARAMS``) from the block at ``params``."""
+    return load_i64(params + 8 * LAUNCH_PARAMS.index(name))
+
+
 @cute.kernel
-def _kv_copy_kernel(
-    src: Int64, dst: Int64, src_table: Int64, dst_table: Int64,
-    num_items: Int32, items_per_layer: Int32, rows: Int32, rows_per_kv: Int32, row_len: Int32,
-    block: Int32, src_ps: Int32, dst_ps: Int32, tok: Int64,
-    src_page: Int64, src_kv: Int64, src_head: Int64, src_layer: Int64,
-    dst_page: Int64, dst_kv: Int64, dst_head: Int64, dst_layer: Int64,
-    vector_bytes: cutlass.Constexpr,
-):
-    """``src`` / ``dst``: byte addresses of the group's first layer (``dst`` also of the first
-    destination head); ``tok`` and the strides count vectors (``tok``: one token of one head)."""
+def _kv_copy_kernel(params: Int64, first_layer: Int32, num_layers: Int32, vector_bytes: cutlass.Constexpr):
+    """Layers ``[first_layer, first_layer + num_layers)`` of the copy described by the launch
+    parameters at ``params`` (device memory, ``kernels.kv_copy.LAUNCH_PARAMS``)."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
+    src, dst = _param(params, "src"), _param(params, "dst")
+    src_table, dst_table = _param(params, "src_table"), _param(params, "dst_table")
+    items_per_layer, rows, rows_per_kv = Int32(_param(params, "items_per_layer")), Int32(_param(params, "rows")), Int32(_param(params, "rows_per_kv"))
+    row_len, block = Int32(_param(params, "row_len")), Int32(_param(params, "block"))
+    src_ps, dst_ps, tok = Int32(_param(params, "src_ps")), Int32(_param(params, "dst_ps")), _param(params, "tok")
+    src_page, src_kv, src_head, src_layer = (_param(params, n) for n in ("src_page", "src_kv", "src_head", "src_layer"))
+    dst_page, dst_kv, dst_head, dst_layer = (_param(params, n) for n in ("dst_page", "dst_kv", "dst_head", "dst_layer"))
     unrolled = row_len // (UNROLL * THREADS) * (UNROLL * THREADS)  # the part every thread moves UNROLL at a time
-    for item in cutlass.range(bid, num_items, nblk):
-        layer = item // items_per_layer
-        rest = item - layer * items_per_layer
+    for item in cutlass.range(bid, num_layers * items_per_layer, nblk):
+        layer_in_group = item // items_per_layer
+        rest = item - layer_in_group * items_per_layer
+        layer = Int64(first_layer + layer_in_group)
         b = rest // rows
         r = rest - b * rows
         kv = r // rows_per_kv
         h = r - kv * rows_per_kv
         t = b * block
         src_at = (Int64(load_i32(src_table + Int64(t // src_ps) * 4)) * src_page + Int64(t % src_ps) * tok
-                  + Int64(kv) * src_kv + Int64(h) * src_head + Int64(layer) * src_layer)
+                  + Int64(kv) * src_kv + Int64(h) * src_head + layer * src_layer)
         dst_at = (Int64(load_i32(dst_table + Int64(t // dst_ps) * 4)) * dst_page + Int64(t % dst_ps) * tok
-                  + Int64(kv) * dst_kv + Int64(h) * dst_head + Int64(layer) * dst_layer)
+                  + Int64(kv) * dst_kv + Int64(h) * dst_head + layer * dst_layer)
         row_src = src + src_at * vector_bytes
         row_dst = dst + dst_at * vector_bytes
         for i in cutlass.range(tid, unrolled, UNROLL * THREADS):
@@ -83,24 +91,14 @@ def _kv_copy_kernel(
 
 
 @cute.jit
-def _launch_kv_copy(
-    src: Int64, dst: Int64, src_table: Int64, dst_table: Int64,
-    num_items: Int32, items_per_layer: Int32, rows: Int32, rows_per_kv: Int32, row_len: Int32,
-    block: Int32, src_ps: Int32, dst_ps: Int32, tok: Int64,
-    src_page: Int64, src_kv: Int64, src_head: Int64, src_layer: Int64,
-    dst_page: Int64, dst_kv: Int64, dst_head: Int64, dst_layer: Int64,
-    grid: Int32, stream: cuda_driver.CUstream, vector_bytes: cutlass.Constexpr,
-):
-    _kv_copy_kernel(
-        src, dst, src_table, dst_table, num_items, items_per_layer, rows, rows_per_kv, row_len, block, src_ps, dst_ps, tok,
-        src_page, src_kv, src_head, src_layer, dst_page, dst_kv, dst_head, dst_layer, vector_bytes,
-    ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+def _launch_kv_copy(params: Int64, first_layer: Int32, num_layers: Int32, grid: Int32, stream: cuda_driver.CUstream,
+                    vector_bytes: cutlass.Constexpr):
+    _kv_copy_kernel(params, first_layer, num_layers, vector_bytes).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
 def compile_args(stream: cuda_driver.CUstream) -> tuple:
     """Placeholder runtime arguments of ``_launch_kv_copy`` (only their types matter), then the stream."""
-    z, i = Int64(0), Int32(1)
-    return (z, z, z, z, i, i, i, i, i, i, i, i, z, z, z, z, z, z, z, z, z, i, stream)
+    return (Int64(0), Int32(0), Int32(1), Int32(1), stream)
 
 
 @functools.cache
@@ -118,13 +116,9 @@ def _max_ctas(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
 
 
-def launch(device: torch.device, stream: torch.cuda.Stream, vector_bytes: int, addresses: tuple[int, int, int, int],
-           items: int, items_per_layer: int, shape: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...]) -> None:
-    """One launch on ``stream``: ``addresses`` (src, dst, src table, dst table), ``shape`` (rows,
-    rows per K/V half, row length, block, src page size, dst page size, token), strides
-    (page, K/V, head, layer) in vectors. Arguments are checked by ``kv_copy``."""
+def launch(device: torch.device, stream: torch.cuda.Stream, vector_bytes: int, params: int, first_layer: int, num_layers: int, items: int) -> None:
+    """One launch on ``stream`` of layers ``[first_layer, first_layer + num_layers)``, ``items``
+    (layer, block, row) items, of the copy whose launch parameters are at device address
+    ``params`` (``kernels.kv_copy.KVCopy``, which checks everything)."""
     with torch.cuda.device(device):  # the launch runs in the pools' device's primary context
-        compile_kv_copy(vector_bytes)(
-            *addresses, items, items_per_layer, *shape, *src_strides, *dst_strides,
-            min(items, _max_ctas(device)), cuda_driver.CUstream(stream.cuda_stream),
-        )
+        compile_kv_copy(vector_bytes)(params, first_layer, num_layers, min(items, _max_ctas(device)), cuda_driver.CUstream(stream.cuda_stream))

@@ -190,12 +190,24 @@ def landing_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
     index = _landing_next.get(device, 0)
     _landing_next[device] = (index + 1) % _LANDING_EVENTS
     if index == len(pool):
-        event = torch.cuda.Event(interprocess=True)
-        event.record(torch.cuda.current_stream(device))  # torch creates an event at its first record: on ``device``
-        handle = bytes(event.ipc_handle())
-        _own_events[handle] = event
-        pool.append((event, handle))
+        _new_landing_event(device, pool)
     return pool[index]
+
+
+def prepare_landing_events(device: torch.device) -> None:
+    """Make all of ``device``'s landing events now (a CUDA prefill rank's start), so no transfer
+    pays an event's creation and handle export on its way to the first write."""
+    pool = _landing.setdefault(device, [])
+    while len(pool) < _LANDING_EVENTS:
+        _new_landing_event(device, pool)
+
+
+def _new_landing_event(device: torch.device, pool: list[tuple[torch.cuda.Event, bytes]]) -> None:
+    event = torch.cuda.Event(interprocess=True)
+    event.record(torch.cuda.current_stream(device))  # torch creates an event at its first record: on ``device``
+    handle = bytes(event.ipc_handle())
+    _own_events[handle] = event
+    pool.append((event, handle))
 
 
 def open_landing_event(handle: bytes, pid: int, device: torch.device) -> torch.cuda.Event:

@@ -42,7 +42,8 @@ import math
 import numpy as np
 import torch
 
-from kernels.kv_copy import VECTOR_BYTES, RowPlan, kv_copy, prepare_kv_copy
+from kernels.kv_copy import VECTOR_BYTES, KVCopy, RowPlan, prepare_kv_copy
+from shared.transfer import cuda_ipc
 
 
 class DirectWriteError(ValueError):
@@ -90,12 +91,14 @@ def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, n
 
 def prepare_direct_writes(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
     """Compile, load and run once the copy kernel for KV rows of ``head_dim`` x ``dtype`` on a
-    CUDA ``device``, so a sender's first direct write pays none of it (nothing on CPU: no
-    direct writes there). KV storages are allocations aligned far beyond 16 bytes, so the
-    row alone decides the access width."""
+    CUDA ``device`` and make the device's landing events (``cuda_ipc.prepare_landing_events``),
+    so a sender's first direct write pays none of it (nothing on CPU: no direct writes
+    there). KV storages are allocations aligned far beyond 16 bytes, so the row alone
+    decides the access width."""
     vec = vector_bytes(head_dim * dtype.itemsize)
     if device.type == "cuda" and vec is not None:
         prepare_kv_copy(device, vec)
+        cuda_ipc.prepare_landing_events(device)
 
 
 class DirectWriter:
@@ -103,7 +106,8 @@ class DirectWriter:
     ``[0, src_heads)`` of its own cache) into heads ``[head_start, head_start + src_heads)``
     of ``dst`` (the decode rank's storage, mapped from the peer), tokens ``[0, num_tokens)``.
     Every write runs on ``stream`` (CUDA; default: the current stream at construction), on
-    which both page tables go to the GPU once, here, from pinned memory (no host wait).
+    which the kernel's launch parameters and both page tables go to the GPU once, here, in
+    one small copy (``kernels.kv_copy.KVCopy``).
 
     Raises ``ValueError`` on a page table that does not fit its storage, ``DirectWriteError``
     (a ``ValueError``) on storages no kernel can copy."""
@@ -118,31 +122,14 @@ class DirectWriter:
         check_table("decode", dst_table, num_tokens, dst_ps, dst_pages)
         self.device = src.device
         self.num_layers = layers
-        self._src, self._dst = src, dst  # keep the storages alive while writes may run
         self.plan = plan_rows(src, dst, head_start, num_tokens)
-        self._stream = (stream or torch.cuda.current_stream(src.device)) if src.is_cuda else None
-        n_src = -(-num_tokens // src_ps)
-        tables = _upload(np.concatenate([src_table[:n_src], dst_table[: -(-num_tokens // dst_ps)]]), src.device, self._stream)
-        self._src_table, self._dst_table = tables[:n_src], tables[n_src:]
+        self._copy = KVCopy(src, src_table, dst, dst_table, self.plan, stream)
 
     @property
     def bytes_per_layer(self) -> int:
-        plan = self.plan
-        return plan.blocks * plan.rows * plan.heads_per_row * plan.block * self._src.shape[5] * self._src.element_size()
+        plan, src = self.plan, self._copy.src
+        return plan.blocks * plan.rows * plan.heads_per_row * plan.block * src.shape[5] * src.element_size()
 
     def write(self, layers: range) -> None:
         """Enqueue the writes of ``layers`` on the writer's stream (one kernel launch; on CPU, a copy now)."""
-        kv_copy(self._src, self._src_table, self._dst, self._dst_table, layers, self.plan, self._stream)
-
-
-def _upload(table: np.ndarray, device: torch.device, stream: torch.cuda.Stream | None) -> torch.Tensor:
-    """``table`` as int32 on ``device``; on CUDA copied from a pinned buffer on ``stream``
-    (torch's pinned allocator keeps the buffer until the copy has run, and the device
-    copy is allocated for ``stream``, the only one reading it)."""
-    host = torch.from_numpy(table.astype(np.int32))
-    if stream is None:
-        return host
-    pinned = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
-    pinned.copy_(host)
-    with torch.cuda.stream(stream):
-        return pinned.to(device, non_blocking=True)
+        self._copy.copy(layers)

@@ -2,7 +2,7 @@
 
 CPU (CI): the kernel compiles for sm_90a at every access width, moving each vector with
 one load and one store of that width, loads ahead of stores, and no NVLink multicast
-instruction; the torch reference (and ``kv_copy`` on CPU tensors) equals a token-by-token
+instruction; the torch reference (and ``KVCopy`` on CPU tensors) equals a token-by-token
 loop; bad calls are refused with ``KVCopyError``.
 GPU: the kernel writes what the reference writes (every dtype and access width) and
 nothing else.
@@ -94,7 +94,7 @@ def test_reference_and_cpu_kv_copy_equal_a_token_loop(dtype, src_ps, dst_ps, src
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     assert not torch.equal(got.view(torch.uint8), dst.view(torch.uint8))  # the copy wrote something
     routed = dst.clone()
-    kc.kv_copy(src, src_table, routed, dst_table, layers, plan_rows(src, dst, head_start, tokens))
+    kc.KVCopy(src, src_table.numpy(), routed, dst_table.tolist(), plan_rows(src, dst, head_start, tokens)).copy(layers)
     assert torch.equal(routed.view(torch.uint8), expected.view(torch.uint8))
 
 
@@ -103,9 +103,13 @@ def test_bad_calls_are_refused():
     plan = plan_rows(src, dst, 0, 20)
     table = torch.arange(2)
     with pytest.raises(kc.KVCopyError, match="one dtype"):
-        kc.kv_copy(src, table, dst.float(), table, range(2), plan)
-    with pytest.raises(kc.KVCopyError, match="holding those layers"):
-        kc.kv_copy(src, table, dst, table, range(1, 3), plan)
+        kc.KVCopy(src, table, dst.float(), table, plan)
+    with pytest.raises(kc.KVCopyError, match="destination page table must list at least 2 integer page ids"):
+        kc.KVCopy(src, table, dst, table[:1], plan)
+    with pytest.raises(kc.KVCopyError, match="source page table must list at least 2 integer page ids"):
+        kc.KVCopy(src, table.float(), dst, table, plan)
+    with pytest.raises(kc.KVCopyError, match="the pools hold layers 0..1"):
+        kc.KVCopy(src, table, dst, table, plan).copy(range(1, 3))
 
 
 # --------------------------------------------------------------------------- GPU
@@ -133,7 +137,9 @@ def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_
     expected = dst.clone()
     kc.kv_copy_reference(src, src_table.cuda(), expected, dst_table.cuda(), range(1, 3), head_start, tokens)
     got = dst.clone()
-    kc.kv_copy(src, src_table.int().cuda(), got, dst_table.int().cuda(), range(1, 3), plan)
+    copy = kc.KVCopy(src, src_table, got, dst_table.numpy(), plan)
+    copy.copy(range(2, 3))  # two launches of one set-up, the later layer first
+    copy.copy(range(1, 2))
     torch.cuda.synchronize()
     # Equal except the last block's slots past `tokens` (copied whole by the kernel, inside the sequence's last pages).
     last = dst_table[-1].item()
