@@ -444,6 +444,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                  total_tiles, s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
+        wg = cute.arch.make_warp_uniform(mma_tidx // 128)  # consumer warpgroup index
         tCsA = thr_mma.partition_A(sA)
         tCsB = thr_mma.partition_B(sBmma)
         tCrA = tiled_mma.make_fragment_A(tCsA)
@@ -453,7 +454,9 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         # Coordinates of this thread's accumulator elements inside a tile.
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
-        part = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)  # FP8: one K block's product before scaling
+        # FP8: K blocks' products before scaling (128-wide tiles use both, 192-wide one)
+        part0 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        part1 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
         epi = self._epilogue_setup(tiled_mma, sEpi, acc, mma_tidx)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -466,8 +469,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             # so that the DSL carries them across iterations of this tile loop.
             if cutlass.const_expr(cfg.fp8):
                 read_state, release_state = self._mainloop_block_scaled(
-                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB, rows, row0, batch,
-                    expert, n_tile, mainloop, read_state, release_state,
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB, rows, row0, batch,
+                    expert, n_tile, wg, mainloop, read_state, release_state,
                 )
             elif cutlass.const_expr(cfg.mxfp8):
                 read_state, release_state = self._mainloop_mx(

@@ -1,8 +1,9 @@
 """Mainloops of the Hopper grouped GEMM for scaled operands (a mixin of ``GroupedGemmSm90``).
 
 * FP8 E4M3 x E4M3 with 1x128 activation / 128x128 weight block scales:
-  per-K-block partial products promoted into an fp32 accumulator (one
-  partial per consumer warpgroup, DeepGEMM's schedule);
+  per-K-block partial products promoted into an fp32 accumulator by CUDA
+  cores, hidden behind the tensor cores' work (two partials per warpgroup
+  with 128-wide tiles, one with 192-wide tiles and the warpgroups in turn);
 * bf16 activations x MXFP8 weights (E4M3 + one E8M0 scale per 32 along K):
   the consumer threads dequantize each weight tile to bf16 in shared memory,
   then bf16 WGMMA.
@@ -25,6 +26,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
 MX_BLOCK = 32  # MXFP8: one E8M0 weight scale per 32 values along K
 MX_B_BUFFERS = 3  # MXFP8: dequantized bf16 weight tiles (see _mainloop_mx for why three)
+_BAR_WG_TURN = (5, 6)  # named barriers passing the WGMMA issue turn between consumer warpgroups
 
 
 class ScaledMainloops:
@@ -128,7 +130,31 @@ class ScaledMainloops:
             out[2 * i + 1] = _e4m3x2_to_bf16x2(words[i], 0x3424, s1, s2)
         cute.autovec_copy(cute.recast_tensor(out, self.ab_dtype), dst)
 
-    # ------------------------------------------------- FP8 block-scaled mainloop
+    # ------------------------------------------------- FP8 block-scaled mainloops
+    @cute.jit
+    def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB,
+                               rows, row0, batch, expert, n_tile, wg, mainloop, read_state, release_state):
+        """FP8: per 128-wide K block, WGMMA into a fresh partial, then ``acc += part * sa[row] * sb[column block]``.
+
+        The promotion must not leave the tensor cores idle.  128-wide tiles have
+        the registers for two partials per thread (3 x 64), so each warpgroup
+        hides its own promotions; 192-wide tiles (96 + 96) have one, and the two
+        warpgroups take turns instead (see the two loops).
+        """
+        acc.fill(0.0)
+        r_lo = row0 + tCcC[0][0]
+        r_hi = row0 + tCcC[2][0]
+        r_lo = r_lo if r_lo < rows else rows - 1  # rows past the tensor hold no scale
+        r_hi = r_hi if r_hi < rows else rows - 1
+        where = (mSFA, mSFB, r_lo, r_hi, self._weight_scale_rows(n_tile), batch, expert)
+        if cutlass.const_expr(self.cfg.tile_n == 128):
+            read_state, release_state = self._fp8_two_partials(
+                tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, where, mainloop, read_state, release_state)
+        else:
+            read_state, release_state = self._fp8_one_partial(
+                tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, where, wg, mainloop, read_state, release_state)
+        return read_state, release_state
+
     @cute.jit
     def _weight_scale_rows(self, n_tile):
         """The weight-scale row (128-row block of N) of each 64-column quarter of output tile ``n_tile``.
@@ -145,41 +171,111 @@ class ScaledMainloops:
         return [cutlass.min((c0 + 64 * q) // SCALE_BLOCK, last) for q in range(cfg.tile_n // 64)]
 
     @cute.jit
-    def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, tCcC, mSFA, mSFB,
-                               rows, row0, batch, expert, n_tile, mainloop, read_state, release_state):
-        """FP8: per 128-wide K block, WGMMA into ``part``, then ``acc += part * sa[row] * sb[column block]``.
+    def _load_scales(self, where, k_tile):
+        """This thread's scales of K block ``k_tile``: ``[sa[r], sa[r + 8], sb[quarter 0], sb[quarter 1], ...]``.
 
-        DeepGEMM's schedule: one partial per warpgroup, waited for
-        (``wait_group(0)``) and promoted at once.  The tensor cores do not idle
-        during a promotion because the other consumer warpgroup's WGMMAs, issued
-        while this one waited, run meanwhile.  One partial instead of two leaves
-        the registers for 128x192 tiles (96 + 96 accumulator registers per
-        thread), which read 5/6 of the shared-memory bytes per FLOP of 128x128
-        tiles; and since nothing is in flight when a partial is read, ptxas
-        keeps the WGMMAs asynchronous in a run-time K loop (no unrolling).
-        Scales are loaded before the stage's wait and multiplied while its
-        WGMMAs run, so their latency stays off the critical path.
+        Loaded well before use (the products are formed in ``_promote``), so the
+        load latency hides behind WGMMAs.
         """
-        acc.fill(0.0)
-        r_lo = row0 + tCcC[0][0]
-        r_hi = row0 + tCcC[2][0]
-        r_lo = r_lo if r_lo < rows else rows - 1  # rows past the tensor hold no scale
-        r_hi = r_hi if r_hi < rows else rows - 1
-        sb_rows = self._weight_scale_rows(n_tile)
-        for k_tile in cutlass.range(self.k_tiles, unroll=1):
-            sa = (mSFA[(r_lo, k_tile, batch)], mSFA[(r_hi, k_tile, batch)])
-            sb = [mSFB[(r, k_tile, expert)] for r in sb_rows]
-            mainloop.consumer_wait(read_state)
-            self._mma_stage(tiled_mma, part, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index, fresh=True)
-            # scale[quarter][row half], while the WGMMAs run
-            scale = [(sa[0] * s, sa[1] * s) for s in sb]
+        mSFA, mSFB, r_lo, r_hi, sb_rows, batch, expert = where
+        return [mSFA[(r_lo, k_tile, batch)], mSFA[(r_hi, k_tile, batch)]] + [
+            mSFB[(r, k_tile, expert)] for r in sb_rows]
+
+    @cute.jit
+    def _promote(self, acc, part, scales, mainloop, release_state):
+        """Free a finished K block's stage, then ``acc += part * sa[row] * sb[quarter]``."""
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        scale = [(scales[0] * sb, scales[1] * sb) for sb in scales[2:]]  # [quarter][row half]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            # element order: (column pair, row half, 8-column block); 8 blocks per 64-column quarter
+            acc[i] = acc[i] + part[i] * scale[i // 32][(i // 2) % 2]
+        return release_state
+
+    @cute.jit
+    def _issue_block(self, tiled_mma, tCrA, tCrB, num_k_blocks, part, mainloop, read_state):
+        """Wait for the next stage and issue its WGMMAs into a fresh ``part`` (not waited for)."""
+        mainloop.consumer_wait(read_state)
+        self._mma_stage(tiled_mma, part, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index, fresh=True)
+        read_state.advance()
+        return read_state
+
+    @cute.jit
+    def _fp8_two_partials(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, where, mainloop,
+                          read_state, release_state):
+        """Two partials alternate: block k+1's WGMMAs are issued before block k is promoted.
+
+        One batch stays in flight (``wait_group(1)``), so the tensor cores never
+        wait for this warpgroup's promotion.  K blocks go in pairs (part0,
+        part1); the static tail finishes an odd or even count.  The K loop is
+        unrolled: in a run-time loop ptxas cannot tell that ``wait_group(1)``
+        retired the partial being promoted and serializes every WGMMA (C7514).
+        """
+        a = self._load_scales(where, 0)
+        read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part0, mainloop, read_state)
+        for pair in cutlass.range_constexpr((self.k_tiles - 1) // 2):
+            b = self._load_scales(where, 2 * pair + 1)
+            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
+            cute.nvgpu.warpgroup.wait_group(1)
+            release_state = self._promote(acc, part0, a, mainloop, release_state)
+            a = self._load_scales(where, 2 * pair + 2)
+            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part0, mainloop, read_state)
+            cute.nvgpu.warpgroup.wait_group(1)
+            release_state = self._promote(acc, part1, b, mainloop, release_state)
+        # part0 holds the last block issued above: k_tiles - 1 (odd count) or k_tiles - 2 (even count).
+        if cutlass.const_expr(self.k_tiles % 2 == 0):
+            t = self._load_scales(where, self.k_tiles - 1)
+            read_state = self._issue_block(tiled_mma, tCrA, tCrB, num_k_blocks, part1, mainloop, read_state)
+            cute.nvgpu.warpgroup.wait_group(1)
+            release_state = self._promote(acc, part0, a, mainloop, release_state)
             cute.nvgpu.warpgroup.wait_group(0)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
+            release_state = self._promote(acc, part1, t, mainloop, release_state)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            release_state = self._promote(acc, part0, a, mainloop, release_state)
+        return read_state, release_state
+
+    @cute.jit
+    def _fp8_one_partial(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, where, wg, mainloop, read_state,
+                         release_state):
+        """One partial, waited for (``wait_group(0)``) and promoted at once; the two warpgroups take turns.
+
+        While one warpgroup promotes, the other's WGMMAs must be running.  Both
+        wait for the same stage, and WGMMAs issued by both at once share the
+        tensor cores and finish together, leaving both promotions exposed (on an
+        H200 this ran 5-10% below the two-partial 128-wide tiles).  So
+        warpgroup 0 issues a block, then warpgroup 1 (two named barriers pass
+        the turn): warpgroup 0's WGMMAs finish first and its promotion runs
+        under warpgroup 1's.  With one consumer warpgroup (64-row tiles) there
+        is nothing to overlap.  The K loop stays a run-time loop: nothing is
+        in flight when the partial is read.
+        """
+        ordered = self.num_consumer_wg == 2
+        threads = 128 * self.num_consumer_wg
+        turn = [pipeline.NamedBarrier(barrier_id=b, num_threads=threads) for b in _BAR_WG_TURN]
+        if cutlass.const_expr(ordered):
+            if wg == 1:
+                turn[0].arrive()  # warpgroup 0 goes first
+        for k_tile in cutlass.range(self.k_tiles, unroll=1):
+            scales = self._load_scales(where, k_tile)
+            mainloop.consumer_wait(read_state)
+            if cutlass.const_expr(ordered):
+                if wg == 0:
+                    turn[0].arrive_and_wait()
+                else:
+                    turn[1].arrive_and_wait()
+            self._mma_stage(tiled_mma, part, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index, fresh=True)
+            if cutlass.const_expr(ordered):
+                if wg == 0:
+                    turn[1].arrive()
+                else:
+                    turn[0].arrive()
             read_state.advance()
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                # element order: (column pair, row half, 8-column block); 8 blocks per 64-column quarter
-                acc[i] = acc[i] + part[i] * scale[i // 32][(i // 2) % 2]
+            cute.nvgpu.warpgroup.wait_group(0)
+            release_state = self._promote(acc, part, scales, mainloop, release_state)
+        if cutlass.const_expr(ordered):
+            if wg == 0:
+                turn[0].arrive_and_wait()  # warpgroup 1's turn after its last block: both barriers end balanced
         return read_state, release_state
 
 
