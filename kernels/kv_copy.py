@@ -156,18 +156,17 @@ def _upload_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, src_tabl
                           f"are not {vec}-byte aligned (kernel widths: {VECTOR_BYTES})")
     n_params, n_src = len(LAUNCH_PARAMS), len(src_table)
     host = np.zeros(n_params + -(-(n_src + len(dst_table)) // 2), dtype=np.int64)
-    with torch.cuda.stream(stream):  # allocated for the stream that reads it
-        params = torch.empty(host.shape, dtype=torch.int64, device=src.device)
     tok = row_bytes // vec
     # Contiguous pools: every stride is a multiple of a row, so of the vector too.
     src_strides, dst_strides = (tuple(s * esz // vec for s in (t.stride(1), t.stride(2), t.stride(3), t.stride(0))) for t in (src, dst))
-    tables_at = params.data_ptr() + n_params * 8
-    host[:n_params] = (src_at, dst_at, tables_at, tables_at + n_src * 4, plan.blocks * plan.rows, plan.rows, plan.rows_per_kv,
-                       plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok, *src_strides, *dst_strides)
     ids = host[n_params:].view(np.int32)
     ids[:n_src] = src_table
     ids[n_src : n_src + len(dst_table)] = dst_table
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # allocated for, and copied on, the stream that reads it
+        params = torch.empty(host.shape, dtype=torch.int64, device=src.device)
+        tables_at = params.data_ptr() + n_params * 8
+        host[:n_params] = (src_at, dst_at, tables_at, tables_at + n_src * 4, plan.blocks * plan.rows, plan.rows, plan.rows_per_kv,
+                           plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok, *src_strides, *dst_strides)
         params.copy_(torch.from_numpy(host), non_blocking=True)
     return params
 
