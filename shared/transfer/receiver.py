@@ -97,6 +97,7 @@ class _Reservation:
     done: asyncio.Future[list[int]]
     lease_ends_at: float  # event-loop time
     lease: asyncio.TimerHandle | None = None
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)  # wait_complete calls, woken with ``done``
     state: _State = _State.RECEIVING
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     nbytes: int = 0
@@ -223,10 +224,20 @@ class KVReceiver:
             if request_id in self._ended:
                 raise self._ended[request_id]
             raise UnknownTransfer(f"no KV reservation for request {request_id!r} (never made, or already claimed)")
-        try:
-            pages = await asyncio.wait_for(asyncio.shield(res.done), timeout)
-        except TimeoutError:
-            raise TransferTimeout(request_id, f"KV not complete after {timeout:.3g}s ({int(res.landed.sum())}/{res.landed.size} layer-heads landed)") from None
+        if not res.done.done():
+            # A waiter of our own that _complete / _terminate set directly: the caller resumes in the
+            # next loop iteration (shielding ``done`` instead, which a timeout must not cancel, costs
+            # one more hop through its done-callback).
+            waiter = asyncio.get_running_loop().create_future()
+            res.waiters.append(waiter)
+            try:
+                async with asyncio.timeout(timeout):
+                    await waiter
+            except TimeoutError:
+                raise TransferTimeout(request_id, f"KV not complete after {timeout:.3g}s ({int(res.landed.sum())}/{res.landed.size} layer-heads landed)") from None
+            finally:
+                res.waiters.remove(waiter)
+        pages = res.done.result()  # raises the reservation's error
         if res.error is not None:  # completed, then cancelled or expired before this call
             raise res.error
         self._retire(res)
@@ -468,6 +479,7 @@ class KVReceiver:
         res.state = _State.COMPLETE
         self.metrics.record_ok(record)
         res.done.set_result(list(res.page_ids))
+        _wake(res)
         log.info("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, phases_s=record.phases_s, path=path)
 
     def _terminate(self, res: _Reservation, state: _State, error: TransferError) -> None:
@@ -487,6 +499,7 @@ class KVReceiver:
         self.metrics.record_failure(error.cause)
         if not res.done.done():
             res.done.set_exception(error)
+            _wake(res)
         log.warning("kv.receive_failed", request_id=res.request_id, cause=error.cause, error=str(error))
         if state is not _State.CANCELLED:
             # Nothing more to drain: stop listening now.
@@ -513,3 +526,10 @@ class KVReceiver:
             self._ended[res.request_id] = res.error
             while len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
+
+
+def _wake(res: _Reservation) -> None:
+    """Wake the reservation's ``wait_complete`` callers (``done`` has its outcome)."""
+    for waiter in res.waiters:
+        if not waiter.done():
+            waiter.set_result(None)

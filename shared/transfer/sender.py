@@ -75,10 +75,12 @@ log = structlog.get_logger(__name__)
 DEFAULT_CHUNK_BYTES = 256 << 20  # a few large UCX messages per request (each costs a fixed ~0.3-0.5 ms)
 _STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the decode rank it stopped
 # A direct write group's completion: the loop sleeps through most of the expected copy time
-# (at the direct-write kernel's measured rate over NVLink, bench/results/kv_transfer.jsonl),
-# then blocks on the event for the rest, which wakes within microseconds instead of a thread
-# hand-off's ~0.1 ms; the margin covers the loop's 1 ms timer resolution.
-_NVLINK_BYTES_PER_S = 350e9
+# (at the direct-write kernel's measured rate over NVLink, ~366 GB/s on 2x H200,
+# bench/results/kv_transfer.jsonl), then blocks on the event for the rest, which wakes within
+# microseconds instead of a thread hand-off's ~0.1 ms; the margin covers the loop's 1 ms timer
+# resolution. The decode rank's receiver wakes on the same estimate (the header's
+# ``writes_done_unix``).
+_NVLINK_BYTES_PER_S = 360e9
 _WAKE_EARLY_S = 1.5e-3
 
 
@@ -388,7 +390,12 @@ class KVSender:
         perf_counter) completes, so the header's trip overlaps the writes; then wait for
         them (they read the local pages the caller keeps until ``finish()``)."""
         nbytes = self._nbytes_of(group)
-        expected_s = nbytes / _NVLINK_BYTES_PER_S
+        # The other TP ranks write their heads of the same layers at the same time into the same
+        # decode GPU, sharing its link: the estimate counts every head's bytes (on 2x H200 at
+        # 32k tokens, 2 ranks estimating their own bytes only: the decode rank held the pages
+        # ~0.9 ms after the slower rank's writes, ~0.35 ms with one rank; it woke half-way and
+        # then polled at 1 ms steps).
+        expected_s = nbytes * self._desc.layout.kv_heads / self._heads.num_heads / _NVLINK_BYTES_PER_S
         try:
             header = self._header(group, nbytes, "landed", event=handle, writes_done_unix=time.time() + expected_s + issued - time.perf_counter())
             await self._post((header_tag(self._desc.transfer_id), encode_header(header)))
