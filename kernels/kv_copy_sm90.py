@@ -25,8 +25,9 @@ from kernels._cute_comm import gptr, load_i32, load_i64
 from kernels.kv_copy import LAUNCH_PARAMS, VECTOR_BYTES, KVCopyError
 
 # Launch shape: on 2x H200 every shape from 128 threads x 8 loads to 512 x 4, 1 to 16 CTAs per SM,
-# wrote 356-367 GB/s over NVLink at 6k and 32k tokens (TP=1 and 2-head shards; the copy
-# engines' peer copy: ~393); this one was at the top in all three cases.
+# wrote 350-367 GB/s over NVLink at 6k and 32k tokens (TP=1 and 2-head shards; 1024 x 2:
+# 346-363; the copy engines' peer copy: ~393); this one was within 0.3% of the best in all
+# three cases: the stores, not the launch shape, set the rate.
 THREADS = 128
 CTAS_PER_SM = 8  # items are many and short: several CTAs per SM keep every SM's loads going
 UNROLL = 8  # loads in flight per thread before their stores
