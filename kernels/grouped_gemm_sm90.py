@@ -57,6 +57,7 @@ attribute alone, with one CTA per cluster, had cost the 128x128 bf16 tiles
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -152,6 +153,9 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes - mx_bytes) // stage_bytes)
         # Output elements per 16-byte global store in the epilogue (fewer when rows are not 16-byte aligned).
         self.store_vec = math.gcd(8, cfg.out_n)
+        # FP8 192-wide tiles: one partial, the two consumer warpgroups take turns (see _fp8_one_partial).
+        self.fp8_turns = cfg.fp8 and cfg.tile_n != 128 and self.num_consumer_wg == 2
+        self._tmp_prefetch = os.environ.get("GG_TMP_PREFETCH", "1") == "1"
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
 
@@ -461,6 +465,9 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
+        if cutlass.const_expr(self.fp8_turns):
+            if wg == 1:
+                self._pass_turn(wg)  # warpgroup 0 issues first
         tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
@@ -481,8 +488,11 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 read_state, release_state = self._mainloop(
                     tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state
                 )
-            self._epilogue(acc, tCcC, epi, mRowW, rows, row0, batch)
+            self._epilogue(acc, tCcC, epi, mRowW, rows, row0, batch, wg)
             tile = tile + cfg.num_sms
+        if cutlass.const_expr(self.fp8_turns):
+            if wg == 0:
+                self._take_turn(wg)  # the turn warpgroup 1 passed after its last block: both barriers end balanced
 
     @cute.jit
     def _mma_stage(self, tiled_mma, acc, tCrA, tCrB, num_k_blocks, a_stage, b_stage,

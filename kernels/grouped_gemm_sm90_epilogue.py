@@ -12,10 +12,16 @@
   boundaries inside a tile without a tensor map per expert.
 
 So the global stores of tile t drain while the tensor cores run tile t+1.
-Two named barriers hand the one output buffer back and forth: ``OUT_FULL``
-(consumers arrive once the tile is in shared memory, store warps wait) and
-``OUT_EMPTY`` (store warps arrive once they have read it, consumers wait
-before writing the next tile), one phase of each per tile.
+Each consumer warpgroup hands its 64 rows of the one output buffer back and
+forth with the store warps through its own pair of named barriers: ``FULL``
+(the warpgroup arrives once its rows are in shared memory; the store warps
+wait for every warpgroup's) and ``EMPTY`` (the store warps arrive once they
+have read the tile, the warpgroup waits before writing the next one), one
+phase of each per tile.
+Per-warpgroup pairs let a warpgroup start the next tile without waiting for
+the other one to finish this tile: with FP8 192-wide tiles the warpgroups
+run half a K block apart (see ``_fp8_one_partial``), and a shared barrier
+idled the tensor cores at every tile boundary.
 """
 
 from __future__ import annotations
@@ -29,17 +35,18 @@ from cutlass.tensor_utils import LayoutEnum
 EPI_N = 32  # output columns per stmatrix / store chunk
 STORE_WARPS = (2, 3)  # warps of the producer warpgroup that store output tiles
 STORE_THREADS = 32 * len(STORE_WARPS)
-_BAR_OUT_FULL, _BAR_OUT_EMPTY = 3, 4  # named barrier ids (2 is the MXFP8 dequant barrier)
+# Named barrier ids of consumer warpgroup w: FULL 3 + 4w, EMPTY 4 + 4w (2: MXFP8 dequant, 5/6: FP8 issue turns).
+_BAR_OUT_FULL, _BAR_OUT_EMPTY, _BAR_OUT_STRIDE = 3, 4, 4
 
 
 class Epilogue:
     """Per-tile output of the grouped GEMM (uses ``cfg``, ``c_dtype``, ``acc_dtype``, ``num_consumer_wg``, ``store_vec``)."""
 
-    def _out_barriers(self):
-        """(full, empty) named barriers between the consumer threads and the store warps."""
-        threads = 128 * self.num_consumer_wg + STORE_THREADS
-        return (pipeline.NamedBarrier(barrier_id=_BAR_OUT_FULL, num_threads=threads),
-                pipeline.NamedBarrier(barrier_id=_BAR_OUT_EMPTY, num_threads=threads))
+    def _out_barriers(self, wg):
+        """(full, empty) named barriers between consumer warpgroup ``wg`` (an int or a warp-uniform Int32) and the store warps."""
+        threads = 128 + STORE_THREADS
+        return (pipeline.NamedBarrier(barrier_id=_BAR_OUT_FULL + _BAR_OUT_STRIDE * wg, num_threads=threads),
+                pipeline.NamedBarrier(barrier_id=_BAR_OUT_EMPTY + _BAR_OUT_STRIDE * wg, num_threads=threads))
 
     @cute.jit
     def _epilogue_setup(self, tiled_mma, sOut, acc, mma_tidx):
@@ -54,8 +61,8 @@ class Epilogue:
         return r2s, tRS_sD, tRS_rAcc, rD_shape
 
     @cute.jit
-    def _epilogue(self, acc, tCcC, epi, mRowW, rows, row0, batch):
-        """Consumers: activation / row weights in registers, then the tile into the shared output buffer."""
+    def _epilogue(self, acc, tCcC, epi, mRowW, rows, row0, batch, wg):
+        """Consumer warpgroup ``wg``: activation / row weights in registers, then its rows into the shared output buffer."""
         cfg = self.cfg
         r2s, tRS_sD, tRS_rAcc, rD_shape = epi
         size = cute.size(acc)
@@ -76,8 +83,8 @@ class Epilogue:
         rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
         rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
         n_rd = cute.size(rD)
-        out_full, out_empty = self._out_barriers()
-        out_empty.arrive_and_wait()  # the store warps have read the previous tile
+        out_full, out_empty = self._out_barriers(wg)
+        out_empty.arrive_and_wait()  # the store warps have read these rows of the previous tile
         for chunk in cutlass.range_constexpr(self.out_chunks):
             for v in cutlass.range_constexpr(n_rd):
                 rD[v] = tRS_rAcc[chunk * n_rd + v]
@@ -107,17 +114,18 @@ class Epilogue:
         """Store warps: wait for the tile in shared memory, write its valid rows and columns, free the buffer."""
         cfg = self.cfg
         thr_s2g, s2g_atom, tSG_sD, tSG_cD = store
-        out_full, out_empty = self._out_barriers()
-        out_empty.arrive()  # done with the previous tile: the consumers may overwrite the buffer
-        out_full.arrive_and_wait()
+        for wg in cutlass.range_constexpr(self.num_consumer_wg):
+            self._out_barriers(wg)[1].arrive()  # done with the previous tile: the warpgroup may overwrite its rows
+        for wg in cutlass.range_constexpr(self.num_consumer_wg):
+            self._out_barriers(wg)[0].arrive_and_wait()
         col0 = n_tile * self.out_cols
-        # Element offset of this expert's output rows (masked layout: [E, rows, out_n]).
-        batch_first = cutlass.Int64(batch) * rows * cfg.out_n
+        # Element offset of the tile's first element (masked layout: [E, rows, out_n]).
+        tile_first = cutlass.Int64(batch) * rows * cfg.out_n + row0 * cfg.out_n + col0
         for chunk in cutlass.range_constexpr(self.out_chunks):
             cols_left = cfg.out_n - (col0 + chunk * EPI_N)
             # Rows are out_n elements apart and chunks start at multiples of EPI_N, so the
             # chunk's first element is store_vec-aligned: say so, or the stores get split.
-            first = cute.assume(batch_first + row0 * cfg.out_n + col0 + chunk * EPI_N, divby=self.store_vec)
+            first = cute.assume(tile_first + chunk * EPI_N, divby=self.store_vec)
             gD = cute.make_tensor(mC.iterator + first, cute.make_layout((cfg.tile_m, EPI_N), stride=(cfg.out_n, 1)))
             tSG_gD = thr_s2g.partition_D(gD)
             for m in cutlass.range_constexpr(cute.size(tSG_sD, mode=[1])):

@@ -26,7 +26,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
 MX_BLOCK = 32  # MXFP8: one E8M0 weight scale per 32 values along K
 MX_B_BUFFERS = 3  # MXFP8: dequantized bf16 weight tiles (see _mainloop_mx for why three)
-_BAR_WG_TURN = (5, 6)  # named barriers passing the WGMMA issue turn between consumer warpgroups
+_BAR_WG_TURN = (5, 6)  # named barrier of each consumer warpgroup's WGMMA issue turn (FP8, 192-wide tiles)
 
 
 class ScaledMainloops:
@@ -243,40 +243,53 @@ class ScaledMainloops:
         While one warpgroup promotes, the other's WGMMAs must be running.  Both
         wait for the same stage, and WGMMAs issued by both at once share the
         tensor cores and finish together, leaving both promotions exposed (on an
-        H200 this ran 5-10% below the two-partial 128-wide tiles).  So
-        warpgroup 0 issues a block, then warpgroup 1 (two named barriers pass
-        the turn): warpgroup 0's WGMMAs finish first and its promotion runs
-        under warpgroup 1's.  With one consumer warpgroup (64-row tiles) there
-        is nothing to overlap.  The K loop stays a run-time loop: nothing is
-        in flight when the partial is read.
+        H200 this ran 5-10% below the two-partial 128-wide tiles, d2c25f900d65).
+        So the warpgroups take turns to issue a block (``_take_turn`` /
+        ``_pass_turn``): warpgroup 0's WGMMAs finish first and its promotion
+        runs under warpgroup 1's, and so on.  The turns run on across tiles
+        (see ``_consume``).  With one consumer warpgroup (64-row tiles) there is
+        nothing to overlap.  The K loop stays a run-time loop: nothing is in
+        flight when the partial is read.  Block k+1's scales are loaded while
+        block k's WGMMAs run, a whole block ahead of their use.
         """
-        ordered = self.num_consumer_wg == 2
-        threads = 128 * self.num_consumer_wg
-        turn = [pipeline.NamedBarrier(barrier_id=b, num_threads=threads) for b in _BAR_WG_TURN]
-        if cutlass.const_expr(ordered):
-            if wg == 1:
-                turn[0].arrive()  # warpgroup 0 goes first
+        scales_next = cute.make_rmem_tensor((2 + self.cfg.tile_n // 64,), cutlass.Float32)
+        self._store_scales(scales_next, self._load_scales(where, 0))
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
-            scales = self._load_scales(where, k_tile)
+            if cutlass.const_expr(self._tmp_prefetch):
+                scales = [scales_next[i] for i in range(cute.size(scales_next))]
+            else:
+                scales = self._load_scales(where, k_tile)
             mainloop.consumer_wait(read_state)
-            if cutlass.const_expr(ordered):
-                if wg == 0:
-                    turn[0].arrive_and_wait()
-                else:
-                    turn[1].arrive_and_wait()
+            if cutlass.const_expr(self.fp8_turns):
+                self._take_turn(wg)
             self._mma_stage(tiled_mma, part, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index, fresh=True)
-            if cutlass.const_expr(ordered):
-                if wg == 0:
-                    turn[1].arrive()
-                else:
-                    turn[0].arrive()
+            if cutlass.const_expr(self.fp8_turns):
+                self._pass_turn(wg)
             read_state.advance()
+            if cutlass.const_expr(self._tmp_prefetch):
+                self._store_scales(scales_next, self._load_scales(where, cutlass.min(k_tile + 1, self.k_tiles - 1)))
             cute.nvgpu.warpgroup.wait_group(0)
             release_state = self._promote(acc, part, scales, mainloop, release_state)
-        if cutlass.const_expr(ordered):
-            if wg == 0:
-                turn[0].arrive_and_wait()  # warpgroup 1's turn after its last block: both barriers end balanced
         return read_state, release_state
+
+    @cute.jit
+    def _store_scales(self, dst, scales):
+        for i in cutlass.range_constexpr(len(scales)):
+            dst[i] = scales[i]
+
+    def _turn(self, wg_id):
+        """The named barrier on which consumer warpgroup ``wg_id`` waits for its turn to issue WGMMAs."""
+        return pipeline.NamedBarrier(barrier_id=_BAR_WG_TURN[0] + wg_id, num_threads=128 * self.num_consumer_wg)
+
+    @cute.jit
+    def _take_turn(self, wg):
+        """Wait until the other warpgroup has issued its block (``wg`` a warp-uniform Int32)."""
+        self._turn(wg).arrive_and_wait()
+
+    @cute.jit
+    def _pass_turn(self, wg):
+        """Let the other warpgroup issue its block."""
+        self._turn(1 - wg).arrive()
 
 
 # ----------------------------------------------------------- MXFP8 helpers
