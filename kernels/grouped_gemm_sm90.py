@@ -5,8 +5,9 @@ One persistent, warp-specialised kernel serves every variant:
 * operand types: bf16 x bf16, or FP8 E4M3 x E4M3 with DeepSeek-style block
   scales (1x128 per token for the activations, 128x128 for the weights; the
   partial product of every 128-wide K block is scaled in registers and added
-  to an fp32 accumulator, "scale promotion").  Two partials alternate so that
-  block k+1's WGMMAs run while block k is promoted; or bf16 activations x
+  to an fp32 accumulator, "scale promotion", hidden behind WGMMAs: 128-wide
+  tiles alternate two partials per warpgroup, 192-wide tiles keep one and
+  the two consumer warpgroups take turns to issue); or bf16 activations x
   MXFP8 weights (E4M3 + E8M0 per 32 along K) dequantized to bf16 in shared
   memory inside the kernel;
 * token layouts: *contiguous* (rows of all experts back to back, ``offsets``
@@ -57,7 +58,6 @@ attribute alone, with one CTA per cluster, had cost the 128x128 bf16 tiles
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -155,7 +155,6 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.store_vec = math.gcd(8, cfg.out_n)
         # FP8 192-wide tiles: one partial, the two consumer warpgroups take turns (see _fp8_one_partial).
         self.fp8_turns = cfg.fp8 and cfg.tile_n != 128 and self.num_consumer_wg == 2
-        self._tmp_prefetch = os.environ.get("GG_TMP_PREFETCH", "1") == "1"
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
 
