@@ -23,13 +23,14 @@ prefill rank calls it at start, so its first request pays no compile (measured o
 project's 2-core CPU box: ~0.4 s per access width, plus ~1 s to import CuTeDSL where
 nothing imported it yet).
 
-Measured on 2x H200 with the previous implementation of the same kernel (CUDA C through
-NVRTC; bench/results/kv_transfer.jsonl, a9596d4384e4): ~370 GB/s over NVLink at 6k and
-32k tokens (the copy engines' peer copy: 378-393), where 2-D copy-engine copies of the
-same rows (one ``cudaMemcpy2DAsync`` per page, rows = layers; 25564ebbe612) ran at
-~210 GB/s and cost ~7 us of host time per call; they were dropped. The CuTeDSL kernel
-(5a351fcccd1c) wrote at ~346 GB/s at 6k and ~362 GB/s at 32k tokens (the bench's
-``s_write_us`` phase).
+Measured on 2x H200 (bench/results/kv_transfer.jsonl): the CuTeDSL kernel writes ~366 GB/s
+over NVLink at 6k and 32k tokens, whatever its launch shape (128 to 512 threads, 1 to 16
+CTAs per SM: 350-367 GB/s), against the copy engines' ~393 for one contiguous peer copy; a
+copy-engine copy running next to the kernel adds nothing (367 GB/s together: the link is
+full). 2-D copy-engine copies of the same rows (one ``cudaMemcpy2DAsync`` per page, rows =
+layers; 25564ebbe612) ran at ~210 GB/s and cost ~7 us of host time per call; they were
+dropped. Host cost on that machine's CPU: building the writer ~90 us (~210 us inside a
+sender process), a launch ~44 us.
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.
