@@ -37,21 +37,25 @@ of a tile past its expert are never written; TMA zero-fills K and N beyond the
 tensor bounds, so N and token counts need not be multiples of the tile).
 
 Measured on one H200 (bench/results/grouped_gemm.jsonl, 128 experts, Qwen3-235B
-and Qwen3-30B shapes, prefill at 375 / 2048 tokens per expert), at 79cf9e99e7e7
-against the tree before the store warps (471e2d5) on the same GPU in the same
-call: bf16 602-684 TFLOP/s (was 543-623), FP8 block-scaled 812-1041 (was
-736-899), fused gate_up+SwiGLU bf16 576-629 (was 429-507); at 874430f2129c
-(this code) bf16 611-686, FP8 821-1039, SwiGLU bf16 566-597.  Decode (at
-06558783ead2) bf16 3.6-4.3 TB/s of weights, FP8 about half of bf16's time,
-MXFP8 about bf16's time.
+and Qwen3-30B shapes, prefill at 375 / 2048 tokens per expert) at 630de789194f,
+dense bf16 GEMM 696 TFLOP/s in the same run: bf16 614-687 TFLOP/s (1.04-1.44x
+torch._grouped_mm), FP8 block-scaled 878-1070 (1.01-4.1x torch's rowwise
+_scaled_grouped_mm); decode (1-64 tokens per expert) bf16 3.65-4.31 TB/s of
+weights (1.22-1.66x torch), FP8 0.49-0.57 of bf16's time.  128x192 FP8 tiles
+with turn-taking warpgroups against 128x128 with two partials, same GPU, at
+52897435c705: ahead on 5 of 8 prefill shapes (up to +9%), at most 2.4% behind.
 
-Tried and dropped: CTA pairs sharing one operand tile by TMA multicast.  Pairs
-along M sharing the weight tile lost 20-27% at 375 tokens per expert (an
-expert's 3 M tiles became 2 pairs; 5e6727614d60); pairs along N sharing the
-token tile were within -6%..+10% of single CTAs per shape in the same call
-(79cf9e99e7e7, ``--cluster-n 2``), no consistent gain.  The cluster launch
-attribute alone, with one CTA per cluster, had cost the 128x128 bf16 tiles
-(the fused SwiGLU GEMM) about a quarter of their speed: 424 TFLOP/s at
+Tried and dropped: for FP8, one partial per warpgroup without turns (DeepGEMM's
+plain schedule; the warpgroups' promotions coincide, 6-17% slower than two
+partials, d2c25f900d65), scales loaded a block ahead (91f4cc30e91f); bf16
+128x192 tiles (4 stages instead of 3; 0-7% slower than 128x256) and 64x256
+decode tiles (within 1%), d2c25f900d65.  CTA pairs sharing one operand tile by
+TMA multicast.  Pairs along M sharing the weight tile lost 20-27% at 375 tokens
+per expert (an expert's 3 M tiles became 2 pairs; 5e6727614d60); pairs along N
+sharing the token tile were within -6%..+10% of single CTAs per shape in the
+same call (79cf9e99e7e7, ``--cluster-n 2``), no consistent gain.  The cluster
+launch attribute alone, with one CTA per cluster, had cost the 128x128 bf16
+tiles (the fused SwiGLU GEMM) about a quarter of their speed: 424 TFLOP/s at
 06558783ead2, 576 at 79cf9e99e7e7 without it (235B gate_up, 375 tokens).
 """
 

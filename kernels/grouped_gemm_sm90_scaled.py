@@ -243,7 +243,7 @@ class ScaledMainloops:
         While one warpgroup promotes, the other's WGMMAs must be running.  Both
         wait for the same stage, and WGMMAs issued by both at once share the
         tensor cores and finish together, leaving both promotions exposed (on an
-        H200 this ran 5-10% below the two-partial 128-wide tiles, d2c25f900d65).
+        H200 this ran 6-17% below the two-partial 128-wide tiles, d2c25f900d65).
         So the warpgroups take turns to issue a block (``_take_turn`` /
         ``_pass_turn``): warpgroup 0's WGMMAs finish first and its promotion
         runs under warpgroup 1's, and so on.  The turns run on across tiles
