@@ -13,7 +13,7 @@ MXFP8 weights (E4M3 + E8M0 per 32, dequantized inside the kernel).
 Peers, same process and inputs: ``torch._grouped_mm`` (bf16; for MXFP8 on the
 dequantized weights) and ``torch._scaled_grouped_mm`` (FP8 rowwise scales, a
 coarser scaling than our 128x128 blocks; recorded where it runs).  Also measured: a device-to-device
-copy and a dense bf16 GEMM as ceilings, the fused gate_up+SwiGLU against the
+copy, a dense bf16 GEMM and a dense FP8 GEMM (``torch._scaled_mm``) as ceilings, the fused gate_up+SwiGLU against the
 plain gate_up GEMM, and the activation quantizer.  Every timing is the median
 over replays of a CUDA graph holding ``--iters`` launches.  Each of our cases
 is spot-checked against an fp32 matmul of two experts.
@@ -97,7 +97,12 @@ def ceilings(iters: int) -> dict[str, float]:
     a = torch.randn(8192, 8192, device="cuda").bfloat16()
     b = torch.randn(8192, 8192, device="cuda").bfloat16()
     mm_us = time_us(lambda: a @ b, iters)
-    return {"copy_tbps": 2 * src.numel() * 4 / copy_us / 1e6, "dense_bf16_tflops": 2 * 8192**3 / mm_us / 1e6}
+    # Dense FP8 (torch._scaled_mm, per-tensor scales, b column-major): the FP8 goal's yardstick on this GPU.
+    a8, b8 = a.to(FP8), b.to(FP8).t().contiguous().t()
+    one = torch.ones((), device="cuda")
+    fp8_us = time_us(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), iters)
+    return {"copy_tbps": 2 * src.numel() * 4 / copy_us / 1e6, "dense_bf16_tflops": 2 * 8192**3 / mm_us / 1e6,
+            "dense_fp8_tflops": 2 * 8192**3 / fp8_us / 1e6}
 
 
 def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, weights: dict,
@@ -247,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
     ceil = ceilings(args.iters)
     record(BENCH, {"what": "ceilings"}, ceil)
-    print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, dense bf16 GEMM {ceil['dense_bf16_tflops']:.0f} TFLOP/s", flush=True)
+    print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, dense bf16 GEMM {ceil['dense_bf16_tflops']:.0f} TFLOP/s, "
+          f"dense FP8 GEMM {ceil['dense_fp8_tflops']:.0f} TFLOP/s", flush=True)
     x = torch.randn(EXPERTS * 375, 4096, device="cuda").bfloat16()
     q_us = time_us(lambda: quantize_act(x), args.iters)
     q_bytes = x.numel() * 3 + x.numel() // 128 * 4

@@ -4,7 +4,8 @@ The stack is compose/single-node.yml started by the launcher (`LocalStack`, what
 up` runs): a real nats-server, a gateway, a scheduler, a prefill instance and a decode
 instance, plus a second decode instance of DP2 x EP2 over both GPUs. Placement is the
 services' own settings from the environment: prefill on cuda:0 (`MOEBUS_PREFILL_DEVICE`),
-the first decode instance on cuda:1, the DP2 one on device "cuda" (rank r on GPU r), so
+the first decode instance on cuda:1, the DP2 one on device "cuda" placed by its `gpus`
+setting in reverse (`MOEBUS_DECODE_GPUS=[1, 0]`: rank 0 on GPU 1, rank 1 on GPU 0), so
 its MoE layers run `PeerDecodeMoE` (peer-memory dispatch/combine and masked grouped
 GEMMs) inside the service. The model is a tiny Qwen3-MoE in bf16 with kernel shapes
 (hidden 128, 16 experts of intermediate 128, top-4) and the real Qwen3 tokenizer, so the
@@ -84,7 +85,7 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     decode = next(s for s in specs if s.name == "decode")
     placed = [dataclasses.replace(s, env={**s.env, "MOEBUS_DECODE_DEVICE": "cuda:1" if TWO_GPUS else "cuda:0"}) if s is decode else s for s in specs]
     if TWO_GPUS:
-        placed.append(dataclasses.replace(decode, name="decode-dp2", env={**decode.env, "MOEBUS_DECODE_DP": "2", "MOEBUS_DECODE_DEVICE": "cuda"}))
+        placed.append(dataclasses.replace(decode, name="decode-dp2", env={**decode.env, "MOEBUS_DECODE_DP": "2", "MOEBUS_DECODE_DEVICE": "cuda", "MOEBUS_DECODE_GPUS": "[1, 0]"}))
     env = {
         "MOEBUS_DTYPE": "bfloat16",  # the kernels take bf16 (fp32 runs the reference ops)
         "MOEBUS_PREFILL_DEVICE": "cuda:0",
@@ -108,7 +109,7 @@ def test_services_load_the_kernel_paths_on_their_gpus(stack):
     loaded = {(e["replica"], e["rank"]): e for e in log_events(stack, "model_loaded")}
     expected = {("prefill-0", 0): "cuda:0", ("decode-0", 0): "cuda:1" if TWO_GPUS else "cuda:0"}
     if TWO_GPUS:
-        expected |= {("decode-dp2-0", 0): "cuda:0", ("decode-dp2-0", 1): "cuda:1"}
+        expected |= {("decode-dp2-0", 0): "cuda:1", ("decode-dp2-0", 1): "cuda:0"}  # MOEBUS_DECODE_GPUS=[1, 0]
     assert {k: e["device"] for k, e in loaded.items()} == expected
     assert all(e["kernels"] and e["moe_kernels"] and e["dtype"] == "bfloat16" for e in loaded.values()), loaded
     assert {k: e["decode_moe"] for k, e in loaded.items()} == {k: "PeerDecodeMoE" if k[0] == "decode-dp2-0" else None for k in expected}
