@@ -12,7 +12,10 @@ first users wait. So a rank runs, before its first heartbeat,
   path) over a batch of one sequence and over a full batch of `max_batch` (or as many
   sequences of 2 tokens as the KV pages hold, the most a real step can carry): the two ends
   of the grouped GEMM's contiguous-layout buckets; the masked layout of a DP x EP
-  instance (and its dispatch/combine, sized by `max_batch`) has a single bucket.
+  instance (and its dispatch/combine, sized by `max_batch`) has a single bucket. With
+  CUDA graphs (`shared.model.cuda_graphs`), every batch bucket up to that largest batch
+  instead, each twice: the first step captures the bucket's graph (page bucket 1; longer
+  contexts capture theirs on first use), the second replays it.
 
 The ranks of an instance run it together: every step is collective (TP all-reduces,
 the expert all-to-all, the lockstep's all-reduce), and every rank derives the same
@@ -20,8 +23,9 @@ steps from the same settings and checkpoint.
 
 Nothing is left behind: the dummy sequences are greedy (no random draw: a seeded
 request's tokens and the shared sampling stream are unchanged), the KV they wrote is
-zeroed (the cache is as loaded) and their pages freed, and no heartbeat, request or
-transfer counter exists yet to count them.
+zeroed (the cache is as loaded, but for the graphs' scratch page, which no sequence
+reads) and their pages freed, and no heartbeat, request or transfer counter exists yet
+to count them.
 """
 
 from __future__ import annotations
@@ -69,16 +73,19 @@ def prefill_warmup_lengths(runner: ModelRunner, max_batch_tokens: int) -> list[i
 
 def decode_warmup_batches(runner: ModelRunner, max_batch: int) -> list[int]:
     """Batch sizes of the decode warm-up steps: 1 and the largest batch a real step can reach
-    (`max_batch`, or fewer when the KV pages cannot hold that many sequences of 2 tokens)."""
-    layout = runner.cache.layout
-    largest = min(max_batch, layout.num_pages // layout.pages_for(2))
+    (`max_batch`, or fewer when the free KV pages cannot hold that many sequences of 2 tokens);
+    with CUDA graphs, every graph batch bucket up to that largest batch as well."""
+    layout, free = runner.cache.layout, runner.cache.allocator.num_free
+    largest = min(max_batch, free // layout.pages_for(2))
     if largest < 1:
         raise _failed(
             "decode",
             f"kv_pages={layout.num_pages} of page_size={layout.page_size} cannot hold one sequence of 2 tokens "
-            f"(a prompt token and a generated one): this decode rank could serve no request",
+            f"(a prompt token and a generated one) in its {free} free pages: this decode rank could serve no request",
         )
-    return sorted({1, largest})
+    graphs = runner.decode_graphs
+    buckets = [b for b in graphs.batch_buckets if b <= largest] if graphs is not None else []
+    return sorted({1, largest, *buckets})
 
 
 class Borrowed:
@@ -144,7 +151,10 @@ def warm_up_decode(runner: ModelRunner, settings: DecodeSettings, world: int) ->
 
         return run
 
-    _run("decode", runner, [(f"decode_batch_{b}", step(b)) for b in decode_warmup_batches(runner, settings.max_batch)])
+    steps = [(f"decode_batch_{b}", step(b)) for b in decode_warmup_batches(runner, settings.max_batch)]
+    if runner.decode_graphs is not None:  # capture, then replay each bucket's graph before reporting ready
+        steps = [(f"{name}_{phase}", run) for name, run in steps for phase in ("capture", "replay")]
+    _run("decode", runner, steps)
 
 
 def _run(service: str, runner: ModelRunner, steps: Sequence[tuple[str, Step]]) -> None:

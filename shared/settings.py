@@ -123,9 +123,13 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     dist_port: int = 0
     idle_poll_ms: float = 20.0  # dp > 1: longest lockstep poll interval while every rank is idle
     warmup: bool = True  # run dummy decode steps through every rank (compiling its kernels) before it reports ready
+    cuda_graphs: bool = True  # on CUDA (kernel path): decode steps as CUDA-graph replays per batch x page bucket; ignored on CPU
+    cuda_graphs_max: int = 64  # graphs captured at most per rank; a step needing another bucket runs eagerly
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.dp, "dp")
+        if self.cuda_graphs_max < 1:
+            raise ValueError(f"cuda_graphs_max must be >= 1, got {self.cuda_graphs_max}")
 
 
 SERVICES: dict[str, type[ServiceSettings]] = {

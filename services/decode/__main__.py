@@ -12,6 +12,7 @@ from services.ranks import run_group
 from services.warmup import warm_up_decode
 from shared.bus import connect
 from shared.logging import get_logger
+from shared.model.cuda_graphs import graphs_unsupported
 from shared.model.runner import ModelRunner
 from shared.parallel import Topology
 from shared.settings import DecodeSettings
@@ -23,9 +24,24 @@ log = get_logger(__name__)
 def run_rank(settings: DecodeSettings, rank: int, world: int, dist_port: int) -> None:
     # A decode step feeds one new token per running sequence: at most max_batch tokens per rank.
     runner = start_model_rank(settings, Topology.decode(world, rank), dist_port, max_tokens_per_rank=settings.max_batch)
+    use_cuda_graphs(runner, settings)
     if settings.warmup:
-        warm_up_decode(runner, settings, world)  # before the first heartbeat: ready means compiled
+        warm_up_decode(runner, settings, world)  # before the first heartbeat: ready means compiled (and graphs captured)
     asyncio.run(_serve(settings, runner, rank, world))
+
+
+def use_cuda_graphs(runner: ModelRunner, settings: DecodeSettings) -> None:
+    """Decode steps as CUDA-graph replays where the setting asks and the model allows (every
+    rank of an instance decides alike: same settings, checkpoint and kernel path)."""
+    if not settings.cuda_graphs:
+        log.info("decode_graph.off", reason="cuda_graphs setting is false")
+        return
+    if (reason := graphs_unsupported(runner.model)) is not None:
+        log.info("decode_graph.off", reason=reason)
+        return
+    graphs = runner.use_decode_graphs(settings.max_batch, settings.cuda_graphs_max)
+    log.info("decode_graph.on", batch_buckets=graphs.batch_buckets, page_buckets=graphs.page_buckets,
+             max_graphs=settings.cuda_graphs_max, scratch_page=graphs.scratch_page)
 
 
 async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world: int) -> None:
@@ -41,7 +57,7 @@ async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world
             await run_until_stopped(decode, stop)
     finally:
         worker.close()
-    log.info("decode_stopped")
+    log.info("decode_stopped", **(runner.decode_graphs.stats() if runner.decode_graphs is not None else {}))
 
 
 def main(argv: list[str]) -> int:

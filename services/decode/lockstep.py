@@ -4,6 +4,9 @@ Experts are sharded over all ranks (EP = DP), so each MoE layer is an all-to-all
 which every rank must participate, also a rank with no sequences. Before each step
 the ranks agree, with one small all-reduce, on whether there is any work anywhere
 and whether all of them want to exit; then they all run the forward or all skip it.
+With CUDA graphs (`shared.model.cuda_graphs`) a rank replays its own bucket's graph, a
+rank with no sequences the smallest one: each still runs one forward, so one round of
+the expert all-to-all, per step.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class StepResult:
     state: GroupState
     outputs: list[StepOutput]
     compute_ms: float = 0.0
+    path: str = "eager"  # how this rank ran the forward: a `ForwardPath` value with graphs on
 
 
 class Lockstep:
@@ -51,4 +55,7 @@ class Lockstep:
             return StepResult(GroupState.IDLE, [])
         start = time.perf_counter()
         outputs = self.runner.decode(seqs)
-        return StepResult(GroupState.STEPPED, outputs, (time.perf_counter() - start) * 1000)
+        graphs = self.runner.decode_graphs
+        # Only read for this rank's sequences: with any, `decode` ran a forward and set last_path.
+        path = graphs.last_path.value if graphs is not None and graphs.last_path is not None else "eager"
+        return StepResult(GroupState.STEPPED, outputs, (time.perf_counter() - start) * 1000, path)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ class Running:
     job: Job
     seq: SequenceState
     cancelled: str | None = None  # reason, when cancelled while a step was in flight
+    steps: Counter[str] = field(default_factory=Counter)  # decode steps by forward path (graph_replay, eager, ...)
 
 
 class DecodeRank:
@@ -103,7 +105,7 @@ class DecodeRank:
                     pass
                 continue
             idle_polls = 0
-            await self._publish(batch, result.outputs, result.compute_ms)
+            await self._publish(batch, result.outputs, result.compute_ms, result.path)
             await self._expire_deadlines()
 
     async def drain(self) -> None:
@@ -219,9 +221,10 @@ class DecodeRank:
 
     # ------------------------------------------------------------ after a step
 
-    async def _publish(self, batch: list[Running], outputs: list, compute_ms: float) -> None:
+    async def _publish(self, batch: list[Running], outputs: list, compute_ms: float, path: str) -> None:
         for entry, out in zip(batch, outputs, strict=True):
             rid = entry.job.request_id
+            entry.steps[path] += 1
             if entry.cancelled is not None:
                 self._finish(entry)
                 log.info("decode_cancelled", request_id=rid, reason=entry.cancelled)
@@ -237,7 +240,8 @@ class DecodeRank:
             await self.bus.publish(subjects.tokens(entry.job.gateway, rid), pack(batch_msg))
             if out.finish_reason is not None:
                 self._finish(entry)
-                log.info("decode_finished", request_id=rid, finish_reason=out.finish_reason, tokens=len(entry.seq.output_ids))
+                log.info("decode_finished", request_id=rid, finish_reason=out.finish_reason, tokens=len(entry.seq.output_ids),
+                         steps=dict(entry.steps))
 
     def _finish(self, entry: Running) -> None:
         self.running.pop(entry.job.request_id, None)

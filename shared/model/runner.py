@@ -9,6 +9,11 @@ the pages they need all-or-nothing (`OutOfPages` leaves nothing allocated),
 runs one forward and samples one token per sequence. Sequences may join or
 leave between steps (continuous batching).
 
+With `use_decode_graphs` (off by default; the decode service turns it on on CUDA), steps
+that feed one token per sequence run through `shared.model.cuda_graphs.DecodeGraphs`:
+CUDA-graph replays per batch and page bucket. The offline generator stays eager, an
+independent reference for the services.
+
 Under the prefill layout every TP rank computes identical logits, and with the
 same per-request generators samples identical tokens, so no broadcast is needed.
 Under the decode layout a rank with no sequences still runs the forward (empty
@@ -25,6 +30,7 @@ import torch
 
 from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
 from shared.model.config import GenerationConfig
+from shared.model.cuda_graphs import DecodeGraphs
 from shared.model.model import ForwardBatch, LayerCallback, Qwen3Model, SequenceChunk
 from shared.model.sampling import Sampler, SamplingParams
 from shared.parallel import Collectives, Topology
@@ -67,6 +73,7 @@ class ModelRunner:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = sampler or Sampler()
         self.release_finished = release_finished
+        self.decode_graphs: DecodeGraphs | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", topology: Topology = Topology.single(), comm: Collectives | None = None, release_finished: bool = True, max_tokens_per_rank: int | None = None) -> ModelRunner:
@@ -76,6 +83,13 @@ class ModelRunner:
         cache = PagedKVCache(KVLayout(c.num_layers, num_pages, model.local_kv_heads, page_size, c.head_dim, dtype), device)
         eos = GenerationConfig.from_dir(model_dir).eos_token_ids
         return cls(model, cache, eos, release_finished=release_finished)
+
+    def use_decode_graphs(self, max_batch: int, max_graphs: int, capture: bool = True) -> DecodeGraphs:
+        """Run decode steps of up to ``max_batch`` sequences as CUDA-graph replays from now on
+        (at most ``max_graphs`` graphs; see `DecodeGraphs`, which takes one KV page as scratch).
+        ``capture=False`` runs the same padded static-buffer forward eagerly (CPU tests)."""
+        self.decode_graphs = DecodeGraphs(self.model, self.cache, max_batch, max_graphs, capture)
+        return self.decode_graphs
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, page_table: Sequence[int] = (), num_cached: int = 0, output_ids: Sequence[int] = ()) -> SequenceState:
         """A new sequence. A decode rank whose KV arrived by transfer passes the reserved
@@ -114,8 +128,11 @@ class ModelRunner:
             return []
         self._allocate(seqs)
         chunks = [SequenceChunk(s.token_ids[s.num_cached :], s.num_cached, s.page_table) for s in seqs]
-        batch = ForwardBatch.build(chunks, self.cache.layout.page_size, self.cache.device)
-        logits = self.model.forward(batch, self.cache, on_layer_done)
+        if self.decode_graphs is not None and on_layer_done is None and all(len(c.token_ids) == 1 for c in chunks):
+            logits = self.decode_graphs.forward(chunks)
+        else:
+            batch = ForwardBatch.build(chunks, self.cache.layout.page_size, self.cache.device)
+            logits = self.model.forward(batch, self.cache, on_layer_done)
         if not seqs:
             return []
         tokens, logprobs = self.sampler.sample(logits.float(), [s.params for s in seqs], [s.generator for s in seqs])
