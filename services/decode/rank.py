@@ -123,7 +123,7 @@ class DecodeRank:
         layout = self.runner.cache.layout
         return {
             "draining": self.draining,
-            "kv_total_pages": layout.num_pages,
+            "kv_total_pages": self.runner.usable_pages,
             "kv_free_pages": self.runner.cache.allocator.num_free,
             "page_size": layout.page_size,
             "batch_size": len(self.running) + len(self.reserved),

@@ -25,6 +25,9 @@ pool; they never run concurrently and each output is copied out before the next
 replay. At most ``max_graphs`` are captured; a step outside the buckets, or needing a
 new bucket beyond that bound, runs the plain eager forward (logged once per cause).
 
+A capture that raises is logged and leaves that bucket to the eager forward; the step
+that tried keeps the logits of its eager run.
+
 ``capture=False`` runs the same padded forward eagerly on the same static buffers,
 on any device: the CPU tests compare it with the unpadded step.
 """
@@ -114,6 +117,7 @@ class DecodeGraphs:
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device) if capture else None
+        self._failed: set[tuple[int, int]] = set()  # buckets whose capture raised: eager from then on
         self._logged_fallbacks: set[str] = set()
         self.counts: Counter[ForwardPath] = Counter()
         self.last_path: ForwardPath | None = None
@@ -127,6 +131,8 @@ class DecodeGraphs:
         if bucket[0] is None or bucket[1] is None:
             return self._eager(chunks, "outside the buckets", batch=len(chunks), max_batch=self.batch_buckets[-1],
                                pages=pages, max_pages=self.page_buckets[-1])
+        if bucket in self._failed:
+            return self._eager(chunks, "capture failed", batch_bucket=bucket[0], page_bucket=bucket[1])
         known = bucket in self._graphs
         if not known and len(self._graphs) >= self.max_graphs:
             return self._eager(chunks, "graph bound reached", max_graphs=self.max_graphs, batch_bucket=bucket[0], page_bucket=bucket[1])
@@ -136,7 +142,8 @@ class DecodeGraphs:
         graph = self._graphs[bucket]
         if graph is None:  # capture=False
             return self._done(ForwardPath.REPLAY, self.model.forward(batch, self.cache), len(chunks))
-        graph.replay()
+        with torch.cuda.device(self.cache.device):  # on this device's current stream, after the input copies
+            graph.replay()
         return self._done(ForwardPath.REPLAY, self._outputs[bucket], len(chunks))
 
     def _done(self, path: ForwardPath, logits: torch.Tensor, rows: int) -> torch.Tensor:
@@ -196,10 +203,16 @@ class DecodeGraphs:
             logits = self.model.forward(batch, self.cache)  # first launches (compilation, library set-up) outside the graph
         logits.record_stream(current)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the event loop's thread may use CUDA (KV transfers) while this one captures.
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            out = self.model.forward(batch, self.cache)
-        current.wait_stream(self._stream)
+        try:
+            # thread_local: the event loop's thread may use CUDA (KV transfers) while this one captures.
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                out = self.model.forward(batch, self.cache)
+        except Exception as e:  # an op that cannot be captured: this step's logits stand, the bucket runs eagerly
+            self._failed.add(bucket)
+            log.error("decode_graph.capture_failed", batch_bucket=bucket[0], page_bucket=bucket[1], error=f"{type(e).__name__}: {e}")
+            return logits
+        finally:
+            current.wait_stream(self._stream)
         self._graphs[bucket], self._outputs[bucket] = graph, out
         log.info("decode_graph.captured", batch_bucket=bucket[0], page_bucket=bucket[1], seconds=round(time.perf_counter() - started, 3),
                  graphs=len(self._graphs), pool_bytes=self.pool_bytes())

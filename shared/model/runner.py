@@ -91,6 +91,11 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.cache, max_batch, max_graphs, capture)
         return self.decode_graphs
 
+    @property
+    def usable_pages(self) -> int:
+        """KV pages sequences can hold: all but the decode graphs' scratch page."""
+        return self.cache.layout.num_pages - (1 if self.decode_graphs is not None else 0)
+
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, page_table: Sequence[int] = (), num_cached: int = 0, output_ids: Sequence[int] = ()) -> SequenceState:
         """A new sequence. A decode rank whose KV arrived by transfer passes the reserved
         ``page_table``, ``num_cached=len(prompt_ids)`` and the first token in ``output_ids``."""

@@ -10,7 +10,10 @@ its MoE layers run `PeerDecodeMoE` (peer-memory dispatch/combine and masked grou
 GEMMs) inside the service. The model is a tiny Qwen3-MoE in bf16 with kernel shapes
 (hidden 128, 16 experts of intermediate 128, top-4) and the real Qwen3 tokenizer, so the
 grouped-GEMM kernels run in prefill and decode; every process logs which paths it took
-(`model_loaded`) and the test checks them.
+(`model_loaded`) and the test checks them. Every decode rank (the DP2 ones included) runs
+its decode steps as CUDA-graph replays (`decode.cuda_graphs`, on by default): its warm-up
+captures the batch buckets (`decode_graph.captured`), and each request's `decode_finished`
+counts its steps by path: replays (and the steps that captured a new bucket), no eager one.
 
 Nine concurrent requests (streamed and unary) fill the three decode ranks (max_batch 3
 each) and must all go through the prefill GPU -> decode GPU KV handoff over CUDA IPC
@@ -118,6 +121,17 @@ def test_services_load_the_kernel_paths_on_their_gpus(stack):
     # Every rank compiled its kernels before reporting ready (services/warmup.py).
     warmed = {(e["replica"], e["rank"]): e["steps"] for e in log_events(stack, "warmup.done")}
     assert set(warmed) == set(expected), warmed
+    # Decode ranks run CUDA graphs; their warm-up captured (then replayed) every batch bucket.
+    decode = {k for k in expected if k[0] != "prefill-0"}
+    graphs_on = {(e["replica"], e["rank"]): e for e in log_events(stack, "decode_graph.on")}
+    assert set(graphs_on) == decode and not log_events(stack, "decode_graph.off"), graphs_on
+    assert all(e["batch_buckets"] == [1, 2, MAX_BATCH] for e in graphs_on.values()), graphs_on
+    captured: dict[tuple[str, int], set[tuple[int, int]]] = {}
+    for e in log_events(stack, "decode_graph.captured"):
+        captured.setdefault((e["replica"], e["rank"]), set()).add((e["batch_bucket"], e["page_bucket"]))
+        assert e["pool_bytes"] >= 0 and e["seconds"] >= 0, e
+    assert {k: {(b, 1) for b in (1, 2, MAX_BATCH)} <= v for k, v in captured.items()} == dict.fromkeys(decode, True), captured
+    assert all(f"decode_batch_{b}_replay" in warmed[k] for k in decode for b in (1, 2, MAX_BATCH)), warmed
 
 
 def _reference(model_dir: Path, prompt: str, max_tokens: int) -> list[int]:
@@ -201,3 +215,13 @@ def test_concurrent_requests_match_the_offline_reference_over_cuda_ipc(stack, mo
     assert serving == _decode_ranks(stack), f"requests reached only {serving}"
     sent = [e for e in log_events(stack, "kv.sent") if e["request_id"] in ids]
     assert sorted(e["request_id"] for e in sent) == sorted(ids) and {e["path"] for e in sent} == {"cuda_ipc"}
+
+    # Every decode step of every request was a CUDA-graph replay, or the step that captured a
+    # bucket first used then (a longer context's page bucket): none ran the eager forward.
+    finished = {e["request_id"]: e for e in log_events(stack, "decode_finished") if e["request_id"] in ids}
+    assert set(finished) == set(ids)
+    for rid, e in finished.items():
+        steps = e["steps"]
+        assert set(steps) <= {"graph_replay", "graph_capture"} and steps.get("graph_replay", 0) > 0, (rid, e["replica"], e["rank"], steps)
+        assert sum(steps.values()) == e["tokens"] - 1, (rid, steps, e["tokens"])  # the first token came from prefill
+    print({rid: (e["replica"], e["rank"], e["steps"]) for rid, e in finished.items()})

@@ -136,7 +136,7 @@ def test_runner_with_padded_steps_samples_the_same_tokens_and_logprobs(tiny_chec
         outputs.append(([s.output_ids for s in seqs], torch.tensor([lp for s in seqs for lp in s.logprobs])))
         if graphs is not None:
             assert graphs.counts[ForwardPath.EAGER] == 0 and graphs.counts[ForwardPath.REPLAY] > 0, graphs.stats()
-            assert runner.cache.allocator.num_free == runner.cache.layout.num_pages - 1  # the scratch page stays taken
+            assert runner.cache.allocator.num_free == runner.usable_pages == runner.cache.layout.num_pages - 1  # the scratch page stays taken
     (ids, logprobs), (want_ids, want_logprobs) = outputs
     assert ids == want_ids and [len(t) for t in ids] == [9, 3, 6]
     assert torch.allclose(logprobs, want_logprobs, rtol=0, atol=1e-5), (logprobs - want_logprobs).abs().max()
