@@ -39,7 +39,7 @@ def use_cuda_graphs(runner: ModelRunner, settings: DecodeSettings) -> None:
     if (reason := graphs_unsupported(runner.model)) is not None:
         log.info("decode_graph.off", reason=reason)
         return
-    graphs = runner.use_decode_graphs(settings.max_batch, settings.cuda_graphs_max)
+    graphs = runner.use_decode_graphs(settings.max_batch, settings.cuda_graphs_max, log=log)
     log.info("decode_graph.on", batch_buckets=graphs.batch_buckets, page_buckets=graphs.page_buckets,
              max_graphs=settings.cuda_graphs_max, scratch_page=graphs.scratch_page)
 

@@ -35,18 +35,17 @@ on any device: the CPU tests compare it with the unpadded step.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from shared.kvcache import PagedKVCache
-from shared.logging import get_logger
 from shared.model import layers as ops
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
-
-log = get_logger(__name__)
 
 # Rows of the per-step field buffer, one column per batch row.
 TOKEN, POSITION, SLOT_PAGE, SLOT_OFFSET, CONTEXT_LEN = range(5)
@@ -57,6 +56,31 @@ class ForwardPath(enum.Enum):
     REPLAY = "graph_replay"  # a captured graph ran
     CAPTURE = "graph_capture"  # first use of a bucket: padded eager forward, then captured
     EAGER = "eager"  # outside the buckets or past the graph bound: the plain forward
+
+
+class EventLog(Protocol):
+    """Where `DecodeGraphs` reports its events: a structlog logger in the services. The model
+    runtime itself does not import structlog (GPU machines run it without)."""
+
+    def info(self, event: str, **fields: object) -> None: ...
+    def warning(self, event: str, **fields: object) -> None: ...
+    def error(self, event: str, **fields: object) -> None: ...
+
+
+class StdlibEventLog:
+    """`EventLog` over the standard library's logging (the default outside the services)."""
+
+    def __init__(self) -> None:
+        self._log = logging.getLogger(__name__)
+
+    def info(self, event: str, **fields: object) -> None:
+        self._log.info("%s %s", event, fields)
+
+    def warning(self, event: str, **fields: object) -> None:
+        self._log.warning("%s %s", event, fields)
+
+    def error(self, event: str, **fields: object) -> None:
+        self._log.error("%s %s", event, fields)
 
 
 def powers_of_two_up_to(limit: int) -> list[int]:
@@ -94,13 +118,14 @@ def graphs_unsupported(model: Qwen3Model) -> str | None:
 class DecodeGraphs:
     """Static decode inputs and the captured graphs of one rank (see the module doc)."""
 
-    def __init__(self, model: Qwen3Model, cache: PagedKVCache, max_batch: int, max_graphs: int, capture: bool = True) -> None:
+    def __init__(self, model: Qwen3Model, cache: PagedKVCache, max_batch: int, max_graphs: int, capture: bool = True, log: EventLog | None = None) -> None:
         if capture and (reason := graphs_unsupported(model)) is not None:
             raise ValueError(f"CUDA graphs unavailable: {reason}")
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         layout = cache.layout
         self.model, self.cache, self.capture, self.max_graphs = model, cache, capture, max_graphs
+        self.log = log if log is not None else StdlibEventLog()
         self.page_size = layout.page_size
         # Reserved for good: the allocator never hands it to a sequence.
         self.scratch_page = cache.allocator.alloc(1)[0]
@@ -155,7 +180,7 @@ class DecodeGraphs:
     def _eager(self, chunks: Sequence[SequenceChunk], cause: str, **detail: int) -> torch.Tensor:
         if cause not in self._logged_fallbacks:  # once per cause: a busy rank would repeat it every step
             self._logged_fallbacks.add(cause)
-            log.warning("decode_graph.eager_fallback", reason=cause, **detail)
+            self.log.warning("decode_graph.eager_fallback", reason=cause, **detail)
         batch = ForwardBatch.build(chunks, self.page_size, self.cache.device)
         self.counts[ForwardPath.EAGER] += 1
         self.last_path = ForwardPath.EAGER
@@ -209,12 +234,12 @@ class DecodeGraphs:
                 out = self.model.forward(batch, self.cache)
         except Exception as e:  # an op that cannot be captured: this step's logits stand, the bucket runs eagerly
             self._failed.add(bucket)
-            log.error("decode_graph.capture_failed", batch_bucket=bucket[0], page_bucket=bucket[1], error=f"{type(e).__name__}: {e}")
+            self.log.error("decode_graph.capture_failed", batch_bucket=bucket[0], page_bucket=bucket[1], error=f"{type(e).__name__}: {e}")
             return logits
         finally:
             current.wait_stream(self._stream)
         self._graphs[bucket], self._outputs[bucket] = graph, out
-        log.info("decode_graph.captured", batch_bucket=bucket[0], page_bucket=bucket[1], seconds=round(time.perf_counter() - started, 3),
+        self.log.info("decode_graph.captured", batch_bucket=bucket[0], page_bucket=bucket[1], seconds=round(time.perf_counter() - started, 3),
                  graphs=len(self._graphs), pool_bytes=self.pool_bytes())
         return logits
 

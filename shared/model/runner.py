@@ -30,7 +30,7 @@ import torch
 
 from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
 from shared.model.config import GenerationConfig
-from shared.model.cuda_graphs import DecodeGraphs
+from shared.model.cuda_graphs import DecodeGraphs, EventLog
 from shared.model.model import ForwardBatch, LayerCallback, Qwen3Model, SequenceChunk
 from shared.model.sampling import Sampler, SamplingParams
 from shared.parallel import Collectives, Topology
@@ -84,11 +84,12 @@ class ModelRunner:
         eos = GenerationConfig.from_dir(model_dir).eos_token_ids
         return cls(model, cache, eos, release_finished=release_finished)
 
-    def use_decode_graphs(self, max_batch: int, max_graphs: int, capture: bool = True) -> DecodeGraphs:
+    def use_decode_graphs(self, max_batch: int, max_graphs: int, capture: bool = True, log: EventLog | None = None) -> DecodeGraphs:
         """Run decode steps of up to ``max_batch`` sequences as CUDA-graph replays from now on
-        (at most ``max_graphs`` graphs; see `DecodeGraphs`, which takes one KV page as scratch).
-        ``capture=False`` runs the same padded static-buffer forward eagerly (CPU tests)."""
-        self.decode_graphs = DecodeGraphs(self.model, self.cache, max_batch, max_graphs, capture)
+        (at most ``max_graphs`` graphs; see `DecodeGraphs`, which takes one KV page as scratch
+        and reports captures and fallbacks to ``log``). ``capture=False`` runs the same padded
+        static-buffer forward eagerly (CPU tests)."""
+        self.decode_graphs = DecodeGraphs(self.model, self.cache, max_batch, max_graphs, capture, log)
         return self.decode_graphs
 
     @property
