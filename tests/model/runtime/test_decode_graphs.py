@@ -6,7 +6,7 @@ checked here in fp32 against the plain step over the same rows bit for bit, and 
 the real rows only to fp32 rounding: padded batch rows, page-table padding to a
 page bucket, sequences crossing a page boundary,
 finished sequences freeing pages that new ones reuse, and the scratch page staying
-out of every sequence's hands. tests/gpu/test_decode_graphs.py checks graph replays
+out of every sequence's hands. tests/gpu/test_decode_graphs_cuda.py checks graph replays
 against this path on CUDA.
 """
 
