@@ -113,6 +113,16 @@ TokenMessage = TokenBatch | StageError
 Role = Literal["gateway", "scheduler", "prefill", "decode"]
 
 
+class TransferStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A model rank's KV transfers since it started: a decode rank's receiver (whole
+    requests), a prefill leader's senders (its own rank's shards)."""
+
+    completed: int = 0
+    bytes_total: int = 0
+    seconds_total: float = 0.0  # summed wall time of the completed transfers
+    failures: dict[str, int] = {}  # by cause: peer_failed, lease_expired, timeout, cancelled, ...
+
+
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Published ~2 Hz on ctl.heartbeat.<role>.<instance>.<rank>; the registry is built from these."""
 
@@ -129,6 +139,9 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     page_size: int = 0
     batch_size: int = 0  # running + reserved requests
     max_batch: int = 0
+    decode_steps: dict[str, int] = {}  # this rank's decode forwards by path: graph_replay, graph_capture, eager
+    # model ranks (decode ranks, prefill leaders)
+    transfer: TransferStats | None = None
     # prefill instances
     queued_tokens: int = 0  # input tokens queued or running
     queued_requests: int = 0

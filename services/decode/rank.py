@@ -68,6 +68,7 @@ class DecodeRank:
         self.running: dict[str, Running] = {}
         self.work = asyncio.Event()
         self.draining = False
+        self.step_paths: Counter[str] = Counter()  # steps of this rank's sequences by forward path (heartbeat)
         self.heartbeater = Heartbeater(bus, settings, "decode", self._status, rank=rank)
 
     # ------------------------------------------------------------ lifecycle
@@ -105,6 +106,8 @@ class DecodeRank:
                     pass
                 continue
             idle_polls = 0
+            if batch:
+                self.step_paths[result.path] += 1
             await self._publish(batch, result.outputs, result.compute_ms, result.path)
             await self._expire_deadlines()
 
@@ -119,7 +122,7 @@ class DecodeRank:
         await self.receiver.close()
 
     def _status(self) -> dict[str, Any]:
-        """This rank's heartbeat fields: its KV pages and batch."""
+        """This rank's heartbeat fields: its KV pages and batch, its decode steps, its KV transfers."""
         layout = self.runner.cache.layout
         return {
             "draining": self.draining,
@@ -128,6 +131,8 @@ class DecodeRank:
             "page_size": layout.page_size,
             "batch_size": len(self.running) + len(self.reserved),
             "max_batch": self.settings.max_batch,
+            "decode_steps": dict(self.step_paths),
+            "transfer": self.receiver.metrics.stats(),
         }
 
     # ------------------------------------------------------------ reservations

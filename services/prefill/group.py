@@ -31,7 +31,7 @@ from shared.bus import Bus, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.settings import PrefillSettings
-from shared.transfer import KVSender, LayoutMismatch, TransferError, TransferWorker, kv_head_shard
+from shared.transfer import KVSender, LayoutMismatch, TransferError, TransferMetrics, TransferWorker, kv_head_shard
 
 log = get_logger(__name__)
 
@@ -61,6 +61,7 @@ class PrefillGroup:
         self.arrived = asyncio.Event()
         self.draining = False
         self.name = f"prefill:{settings.instance}"
+        self.transfer_metrics = TransferMetrics()  # this rank's senders (the leader's go in the heartbeat)
         self.heartbeater = Heartbeater(bus, settings, "prefill", self._status) if bus is not None else None
 
     # ------------------------------------------------------------ leader: NATS side
@@ -72,11 +73,12 @@ class PrefillGroup:
         self.heartbeater.start()
 
     def _status(self) -> dict[str, Any]:
-        """The leader's heartbeat fields: the whole group's queue."""
+        """The leader's heartbeat fields: the whole group's queue, the leader's own KV sends."""
         return {
             "draining": self.draining,
             "queued_tokens": self.in_flight_tokens + sum(len(t.job.input_ids) for t in self.queue),
             "queued_requests": len(self.queue),
+            "transfer": self.transfer_metrics.stats(),
         }
 
     async def _on_task(self, msg: Msg) -> None:
@@ -177,7 +179,8 @@ class PrefillGroup:
             sender, error = None, None
             if self.shard.sends:
                 try:
-                    sender = KVSender(self.worker, self.runner.cache, task.descriptor, pages, self.shard, timeout_s=self.settings.transfer_timeout_s)
+                    sender = KVSender(self.worker, self.runner.cache, task.descriptor, pages, self.shard, timeout_s=self.settings.transfer_timeout_s,
+                                      metrics=self.transfer_metrics)
                 except LayoutMismatch as e:
                     error = str(e)
             senders.append(sender)

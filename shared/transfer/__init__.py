@@ -24,7 +24,7 @@ Decode rank::
     #   Cancelled (also to a late waiter: the last 1024 outcomes are kept), UnknownTransfer
     receiver.cancel(request_id) -> bool  # pages freed now; chunks still on the wire are drained
     await receiver.close()
-    receiver.metrics.snapshot()          # heartbeat dict: completed, bytes, GB/s, failures by cause
+    receiver.metrics.stats()             # heartbeat struct: completed, bytes, seconds, failures by cause
     receiver.num_free_pages, receiver.num_reservations, receiver.staging.in_use_bytes,
     receiver.num_quarantined_pages   # pages of ended reservations a direct writer may still write
 

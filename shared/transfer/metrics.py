@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
+import msgspec
+
+from schemas.internal import TransferStats
+
 
 @dataclass(frozen=True)
 class TransferRecord:
@@ -36,7 +40,7 @@ class PhaseTimes:
 
 @dataclass
 class TransferMetrics:
-    """Counters one side exports in its heartbeat (``snapshot()``)."""
+    """Counters one side exports in its heartbeat (``stats()``)."""
 
     completed: int = 0
     bytes_total: int = 0
@@ -53,13 +57,15 @@ class TransferMetrics:
     def record_failure(self, cause: str) -> None:
         self.failures[cause] += 1
 
+    def stats(self) -> TransferStats:
+        """The counters as the heartbeat carries them."""
+        return TransferStats(completed=self.completed, bytes_total=self.bytes_total, seconds_total=self.seconds_total,
+                             failures=dict(self.failures))
+
     def snapshot(self) -> dict[str, object]:
-        """Plain dict for heartbeats/logs: totals, mean GB/s, failures by cause, the last transfer."""
+        """Plain dict for logs and tests: the counters, mean GB/s, the last transfer."""
         return {
-            "completed": self.completed,
-            "bytes_total": self.bytes_total,
-            "seconds_total": self.seconds_total,
+            **msgspec.structs.asdict(self.stats()),
             "mean_gbps": self.bytes_total / self.seconds_total / 1e9 if self.seconds_total > 0 else 0.0,
-            "failures": dict(self.failures),
             "last": asdict(self.recent[-1]) | {"gbps": self.recent[-1].gbps} if self.recent else None,
         }

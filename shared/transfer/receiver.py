@@ -483,9 +483,15 @@ class KVReceiver:
         log.info("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, phases_s=record.phases_s, path=path)
 
     def _terminate(self, res: _Reservation, state: _State, error: TransferError) -> None:
-        """Fail/cancel/expire: free the pages once, count the cause, wake the waiter."""
+        """Fail/cancel/expire: free the pages once, count the cause, wake the waiter.
+
+        A reservation whose KV had all landed (counted as a completed transfer) and is let
+        go unclaimed - the request finished at its first token, was cancelled, or its lease
+        ran out before decode started - ends the request, not a transfer: it is logged as
+        ``kv.released_unclaimed``, not counted as a transfer failure."""
         if res.state not in (_State.RECEIVING, _State.COMPLETE):
             return
+        landed = res.state is _State.COMPLETE
         res.state = state
         res.error = error
         if res.direct and not self._quiet(res):
@@ -496,11 +502,15 @@ class KVReceiver:
             log.info("kv.pages_quarantined", request_id=res.request_id, pages=len(res.page_ids), for_s=until - loop.time())
         else:
             self._free_pages(res)
-        self.metrics.record_failure(error.cause)
+        if not landed:
+            self.metrics.record_failure(error.cause)
         if not res.done.done():
             res.done.set_exception(error)
             _wake(res)
-        log.warning("kv.receive_failed", request_id=res.request_id, cause=error.cause, error=str(error))
+        if landed:
+            log.info("kv.released_unclaimed", request_id=res.request_id, cause=error.cause, reason=str(error))
+        else:
+            log.warning("kv.receive_failed", request_id=res.request_id, cause=error.cause, error=str(error))
         if state is not _State.CANCELLED:
             # Nothing more to drain: stop listening now.
             current = asyncio.current_task()

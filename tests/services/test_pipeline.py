@@ -175,13 +175,24 @@ def test_64_concurrent_mixed_requests(stack, tokenizer, hf_greedy):
 
     async def go():
         async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: all_kv_free(w) and w.live("prefill"), 10, "idle model ranks")
+            before = _counters(watch)
             together = await asyncio.gather(*(one(client, c) for c in cases))
             # Some seeded ones again, alone: sharing a batch with 63 others must not change them.
             alone = {i: (await client.generate(request(*cases[i]))).token_ids for i in (1, 4, 31, 61)}
             await watch.wait_for(all_kv_free, 5, "all KV free after the burst")
-            return together, alone
+            sent = len(cases) + len(alone)
+            # The heartbeats count every KV handoff on both sides (the prefill is TP=1: its leader sends all heads).
+            await watch.wait_for(lambda w: _counters(w)["decode_completed"] >= before["decode_completed"] + sent
+                                 and _counters(w)["prefill_completed"] >= before["prefill_completed"] + sent, 5, "transfer counters")
+            return together, alone, before, _counters(watch), sent
 
-    together, alone = run(go())
+    together, alone, before, after, sent = run(go())
+    assert after["decode_completed"] - before["decode_completed"] == sent
+    assert after["prefill_completed"] - before["prefill_completed"] == sent
+    assert after["decode_bytes"] > before["decode_bytes"] and after["prefill_bytes"] > before["prefill_bytes"]
+    assert after["failures"] == before["failures"], (before, after)
+    assert after["eager_steps"] > before["eager_steps"] and after["graph_steps"] == 0, (before, after)  # CPU: no CUDA graphs
     for i, tokens in alone.items():
         assert together[i] == tokens, f"request {i}"
     for i, (prompt, max_tokens, kind, _) in enumerate(cases):
@@ -190,6 +201,22 @@ def test_64_concurrent_mixed_requests(stack, tokenizer, hf_greedy):
             assert together[i] == hf_greedy(tuple(tokenizer.encode(prompt)), 24)[:max_tokens], f"request {i}"
         else:
             assert 1 <= len(together[i]) <= max_tokens
+
+
+def _counters(watch) -> dict:
+    """Totals over the live model ranks' heartbeats: KV transfers (both sides) and decode steps by path."""
+    decode, prefill = watch.live("decode"), watch.live("prefill")
+    stats = [(role, hb.transfer) for role, hbs in (("decode", decode), ("prefill", prefill)) for hb in hbs if hb.transfer is not None]
+    steps = [hb.decode_steps for hb in decode]
+    return {
+        "decode_completed": sum(t.completed for role, t in stats if role == "decode"),
+        "prefill_completed": sum(t.completed for role, t in stats if role == "prefill"),
+        "decode_bytes": sum(t.bytes_total for role, t in stats if role == "decode"),
+        "prefill_bytes": sum(t.bytes_total for role, t in stats if role == "prefill"),
+        "failures": {f"{role}:{cause}": n for role, t in stats for cause, n in t.failures.items()},
+        "eager_steps": sum(s.get("eager", 0) for s in steps),
+        "graph_steps": sum(n for s in steps for path, n in s.items() if path != "eager"),
+    }
 
 
 BAD_INPUTS = [

@@ -166,6 +166,38 @@ def test_receiver_rejects_bad_reservations_and_expires_leases():
     asyncio.run(main())
 
 
+def test_landed_kv_let_go_unclaimed_is_not_a_transfer_failure():
+    """All KV landed, then the decode side drops the reservation (the request finished at its
+    first token): pages back, the waiter learns it was cancelled, and the metrics count one
+    completed transfer and no failure. A cancel while KV is still arriving is a failure."""
+
+    async def main():
+        worker = await TransferWorker.create()
+        try:
+            rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
+            desc = rx.reserve("landed", 20, 5.0)
+            sender = KVSender(worker, _cache(heads=4), desc, [0, 1], KVHeadShard(0, 4, True), timeout_s=5.0)
+            sender.mark_all_layers_done()
+            await sender.finish()
+            for _ in range(250):
+                if rx.metrics.completed == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert rx.metrics.completed == 1 and rx.num_free_pages == 6
+            assert rx.cancel("landed") and rx.num_free_pages == 8
+            with pytest.raises(TransferError, match="cancelled"):
+                await rx.wait_complete("landed", 1.0)
+            rx.reserve("arriving", 20, 5.0)
+            assert rx.cancel("arriving") and rx.num_free_pages == 8
+            stats = rx.metrics.stats()
+            assert (stats.completed, stats.failures) == (1, {"cancelled": 1}), stats
+            assert stats.bytes_total == chunk_nbytes(2, 4, 20, 8, torch.bfloat16)
+        finally:
+            worker.close()
+
+    asyncio.run(main())
+
+
 def test_sender_rejects_layouts_that_cannot_map():
     async def main():
         worker = await TransferWorker.create()
