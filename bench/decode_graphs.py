@@ -14,13 +14,12 @@ Each batch runs with a context of ``--context`` cached tokens per sequence.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import torch
 
 from bench.results import print_table, record
+from bench.timing import time_step
 from shared.model.runner import ModelRunner
 from shared.model.sampling import SamplingParams
 from shared.model.tiny import make_tiny
@@ -32,22 +31,17 @@ PAGE = 16
 
 
 def step_seconds(runner: ModelRunner, batch: int, context: int, iters: int) -> float:
-    """Median wall seconds of one `decode` over ``batch`` sequences after three warm-up steps."""
+    """Median wall seconds of one `decode` over ``batch`` sequences (``bench.timing.time_step``)."""
     layout = runner.cache.layout
     params = SamplingParams(temperature=0.0, max_tokens=iters + 8)
     seqs = []
     for i in range(batch):
         pages = runner.cache.allocator.alloc(layout.pages_for(context + iters + 8))
         seqs.append(runner.add(f"s{i}", [(7 * i + 1) % SHAPES["vocab"]] * context, params, page_table=pages, num_cached=context, output_ids=[1]))
-    times = []
-    for it in range(iters + 3):
-        t0 = time.perf_counter()
-        runner.decode(seqs)
-        if it >= 3:
-            times.append(time.perf_counter() - t0)
+    seconds = time_step(lambda: runner.decode(seqs), runner.cache.device, iters)
     for s in seqs:
         runner.release(s)
-    return statistics.median(times)
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,10 +56,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 import traceback
-from collections.abc import Callable
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -67,7 +65,7 @@ import torch
 
 from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits, step_bytes
 from bench.results import print_table, record
-from bench.timing import capture_graph
+from bench.timing import capture_graph, sync, time_step
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -136,24 +134,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
         dst.copy_(src)
     sync(device)
     return 2 * nbytes * 10 / (time.perf_counter() - t0)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_step(step: Callable[[], object], device: torch.device, iters: int) -> float:
-    """Median seconds of ``step`` after two warm-up calls (which also compile kernels)."""
-    times = []
-    for it in range(iters + 2):
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        if it >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def cache_and_batches(c: ModelConfig, batch_sizes: list[int], context: int, dtype: torch.dtype, device: torch.device) -> tuple[PagedKVCache, dict[int, ForwardBatch]]:

@@ -7,6 +7,7 @@ sample, so that one rank's time does not include waiting for a late peer.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -52,3 +53,22 @@ def capture_graph(fn: Callable[[], object], repeat: int, warmup: bool = False) -
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     return graph
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(step: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median wall seconds of ``step`` after two warm-up calls (which also compile kernels,
+    or capture a CUDA graph), the device synchronized around each call."""
+    times = []
+    for it in range(iters + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        if it >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
