@@ -14,11 +14,23 @@ Peers, same process and inputs: ``torch._grouped_mm`` (bf16; for MXFP8 on the
 dequantized weights) and ``torch._scaled_grouped_mm`` (FP8 rowwise scales, a
 coarser scaling than our 128x128 blocks; recorded where it runs).  Also measured: a device-to-device
 copy, a dense bf16 GEMM and a dense FP8 GEMM (``torch._scaled_mm``) as ceilings, the fused gate_up+SwiGLU against the
-plain gate_up GEMM, and the activation quantizer.  Every timing is the median
-over replays of a CUDA graph holding ``--iters`` launches.  Each of our cases
-is spot-checked against an fp32 matmul of two experts.
+plain gate_up GEMM, and the activation quantizer.  Each of our cases is
+spot-checked against an fp32 matmul of two experts.
 
-    python -m bench.grouped_gemm [--quick]
+Timing (``--timing``, recorded in every line's ``case.timing``; ours and the
+peers are always timed the same way in the same run), see :class:`Timer`:
+
+* ``sustained`` (default): the median over 7 back-to-back replays of a CUDA
+  graph holding ``--iters`` launches, after one warm-up replay;
+* ``burst``: 3 warm-up launches then 10 timed ones after 50 ms idle, 5 times,
+  the median (how KINDS.md measured this workplace's ceilings);
+* ``both``: each measurement in both modes.
+
+The SM clock and board power during each measurement are read from NVML
+(bench.gpu_clocks, read only) and recorded beside it: a heavy kernel under
+sustained load runs at a lower clock than in a burst (power limit).
+
+    python -m bench.grouped_gemm [--quick] [--timing sustained|burst|both]
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch
 
+from bench.gpu_clocks import ClockSampler
 from bench.results import print_table, record
 from bench.timing import event_time_us
 from kernels import grouped_gemm as gg
@@ -49,19 +62,70 @@ PREFILL_TOKENS = (375, 2048)
 FP8 = torch.float8_e4m3fn
 
 
-def time_us(fn, iters: int) -> float:
-    """Median per-launch time of ``fn`` from CUDA-graph replays of ``iters`` launches."""
-    fn()
-    torch.cuda.synchronize()
+TIMINGS = ("sustained", "burst")
+SUSTAINED_SAMPLES = 7
+BURST_WARMUPS, BURST_LAUNCHES, BURST_SAMPLES, BURST_IDLE_S = 3, 10, 5, 0.05
+
+
+def _graph(fn, launches: int) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(iters):
+        for _ in range(launches):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = [event_time_us(graph.replay) / iters for _ in range(7)]
-    del graph
-    return statistics.median(samples)
+    return graph
+
+
+class Timer:
+    """Per-launch microseconds of ``fn`` in one timing mode, with the SM clock and power it ran at.
+
+    ``sustained``: a CUDA graph of ``iters`` launches, one warm-up replay, then 7
+    timed replays back to back; the median replay over ``iters``.  The GPU stays
+    loaded for all of them (``load_ms`` records how long: it grows with the
+    kernel's time), and the clocks are NVML samples taken meanwhile.
+    ``burst``: 5 times: 50 ms idle, 3 warm-up launches, 10 timed launches (each
+    group one graph, so no host launch gap), the median over launches; the clocks
+    are read right after each timed group.
+    """
+
+    def __init__(self, mode: str, iters: int, sampler: ClockSampler):
+        if mode not in TIMINGS:
+            raise ValueError(f"timing mode {mode!r} is not one of {TIMINGS}")
+        self.mode, self.iters, self.sampler = mode, iters, sampler
+
+    def __call__(self, fn) -> tuple[float, dict[str, float]]:
+        fn()
+        torch.cuda.synchronize()
+        return self._sustained(fn) if self.mode == "sustained" else self._burst(fn)
+
+    def _sustained(self, fn) -> tuple[float, dict[str, float]]:
+        graph = _graph(fn, self.iters)
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        samples = [event_time_us(graph.replay) / self.iters for _ in range(SUSTAINED_SAMPLES)]
+        t1 = time.perf_counter()
+        del graph
+        return statistics.median(samples), {**self.sampler.window(t0, t1), "load_ms": (t1 - t0) * 1e3}
+
+    def _burst(self, fn) -> tuple[float, dict[str, float]]:
+        warm, timed = _graph(fn, BURST_WARMUPS), _graph(fn, BURST_LAUNCHES)
+        samples, readings = [], []
+        for _ in range(BURST_SAMPLES):
+            torch.cuda.synchronize()
+            time.sleep(BURST_IDLE_S)
+            warm.replay()
+            samples.append(event_time_us(timed.replay) / BURST_LAUNCHES)
+            reading = self.sampler.now()
+            if reading is not None:
+                readings.append(reading)
+        del warm, timed
+        us = statistics.median(samples)
+        clocks = {"load_ms": (BURST_WARMUPS + BURST_LAUNCHES) * us / 1e3}
+        if readings:
+            clocks.update(sm_mhz_mean=statistics.fmean(r[0] for r in readings), sm_mhz_min=min(r[0] for r in readings),
+                          power_w_mean=statistics.fmean(r[1] for r in readings),
+                          power_w_max=max(r[1] for r in readings), clock_samples=len(readings))
+        return us, clocks
 
 
 def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,22 +154,40 @@ def spot_check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rows: list[s
     return worst
 
 
-def ceilings(iters: int) -> dict[str, float]:
+def ceilings(timer: Timer) -> dict[str, float]:
+    """This GPU's ceilings in ``timer``'s mode, each with the clocks it ran at (``<name>_sm_mhz_mean``, ...).
+
+    The copy (1 GiB, bytes read + written) is timed twice: ``copy_kernel``, an
+    SM copy kernel (``torch.neg`` into the destination: one read, one write per
+    element), the HBM ceiling; and ``copy_memcpy``, ``Tensor.copy_``, which a
+    CUDA graph records as a memcpy node, a slower path than the eager copy
+    (pytorch/pytorch#191284), so under the sustained mode it is no ceiling.
+    Dense GEMMs 8192^3: bf16 (``a @ b``) and FP8 (``torch._scaled_mm``, per-tensor
+    scales, b column-major), the yardsticks of the prefill goals on this GPU.
+    """
     src = torch.randn(256 * 1024**2, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
-    copy_us = time_us(lambda: dst.copy_(src), iters)
     a = torch.randn(8192, 8192, device="cuda").bfloat16()
     b = torch.randn(8192, 8192, device="cuda").bfloat16()
-    mm_us = time_us(lambda: a @ b, iters)
-    # Dense FP8 (torch._scaled_mm, per-tensor scales, b column-major): the FP8 goal's yardstick on this GPU.
     a8, b8 = a.to(FP8), b.to(FP8).t().contiguous().t()
     one = torch.ones((), device="cuda")
-    fp8_us = time_us(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), iters)
-    return {"copy_tbps": 2 * src.numel() * 4 / copy_us / 1e6, "dense_bf16_tflops": 2 * 8192**3 / mm_us / 1e6,
-            "dense_fp8_tflops": 2 * 8192**3 / fp8_us / 1e6}
+    copy_bytes, gemm_flops = 2 * src.numel() * 4, 2 * 8192**3
+    runs = {
+        "copy_kernel_tbps": (lambda: torch.neg(src, out=dst), copy_bytes),
+        "copy_memcpy_tbps": (lambda: dst.copy_(src), copy_bytes),
+        "dense_bf16_tflops": (lambda: a @ b, gemm_flops),
+        "dense_fp8_tflops": (lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), gemm_flops),
+    }
+    out: dict[str, float] = {}
+    for name, (fn, work) in runs.items():
+        us, clocks = timer(fn)
+        out[name] = work / us / 1e6
+        stem = name.rsplit("_", 1)[0]
+        out.update({f"{stem}_{k}": v for k, v in clocks.items()})
+    return out
 
 
-def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, weights: dict,
+def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer, weights: dict,
              tile_m: int | None = None, tile_n: int | None = None) -> dict:
     """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights)."""
     hidden, inter = MODELS[model]
@@ -134,7 +216,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, 
         ours = lambda: launch(xq, w, groups, masked=masked, x_scale=None if mxfp8 else xs,  # noqa: E731
                               w_scale=None if mxfp8 else ws, row_weights=None, swiglu=False, out=out, tile_m=tile_m,
                               tile_n=tile_n, w_scale_e8m0=ws if mxfp8 else None)
-    us = time_us(ours, iters)
+    us, clocks = timer(ours)
     experts = [0, E - 1]
     rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
     if mxfp8:  # the reference sees the dequantized weights (exact in bf16)
@@ -144,36 +226,39 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, iters: int, 
 
     flops = 2.0 * T * N * K
     wbytes = w.numel() * w.element_size() + (0 if ws is None else ws.numel() * ws.element_size())
-    metrics = {"latency_us": us, "tflops": flops / us / 1e6, "weight_tbps": wbytes / us / 1e6, "spot_rel_err": err}
+    metrics = {"latency_us": us, "tflops": flops / us / 1e6, "weight_tbps": wbytes / us / 1e6, "spot_rel_err": err,
+               **clocks}
     peers: dict[str, dict[str, float]] = {}
     w_t = w_bf16.transpose(1, 2)  # [E, K, N] view of the same [E, N, K] storage
     if mxfp8:
         w_t = dequantize_mxfp8(w, ws, torch.bfloat16).transpose(1, 2)
     if not fp8:
-        p_us = time_us(lambda: torch._grouped_mm(x_bf16, w_t, offs=offsets[1:]), iters)
-        peers["torch._grouped_mm"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6, "weight_tbps": wbytes / p_us / 1e6}
+        p_us, p_clocks = timer(lambda: torch._grouped_mm(x_bf16, w_t, offs=offsets[1:]))
+        peers["torch._grouped_mm"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6,
+                                      "weight_tbps": wbytes / p_us / 1e6, **p_clocks}
     else:
         try:
             wq_row = weights[(model, proj, "fp8_rowwise")]
             xr_scale = x_bf16.float().abs().amax(-1).clamp(min=1e-10) / 448.0
             xr = (x_bf16.float() / xr_scale[:, None]).to(FP8)
-            p_us = time_us(lambda: torch._scaled_grouped_mm(xr, wq_row[0].transpose(1, 2), xr_scale, wq_row[1],
-                                                            offs=offsets[1:], out_dtype=torch.bfloat16), iters)
+            p_us, p_clocks = timer(lambda: torch._scaled_grouped_mm(xr, wq_row[0].transpose(1, 2), xr_scale, wq_row[1],
+                                                                    offs=offsets[1:], out_dtype=torch.bfloat16))
             peers["torch._scaled_grouped_mm_rowwise"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6,
-                                                         "weight_tbps": wbytes / p_us / 1e6}
+                                                         "weight_tbps": wbytes / p_us / 1e6, **p_clocks}
         except Exception as exc:  # recorded, not fatal: the peer may not exist on this build/GPU
             peers["torch._scaled_grouped_mm_rowwise"] = {"error": 1.0}
             print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
             "dtype": {"bf16": "bf16", "fp8": "fp8_block128", "mxfp8": "bf16_x_mxfp8"}[dtype],
-            "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto"}
+            "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto",
+            "timing": timer.mode}
     record(BENCH, case, metrics, peers)
     peer = next(iter(peers.values()))
     return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
             "speedup_vs_peer": peer.get("latency_us", float("nan")) / us}
 
 
-def run_swiglu_case(model: str, phase: str, m: int, fp8: bool, iters: int, weights: dict) -> dict:
+def run_swiglu_case(model: str, phase: str, m: int, fp8: bool, timer: Timer, weights: dict) -> dict:
     """Fused gate_up + SwiGLU + routing weight vs the plain gate_up GEMM alone."""
     hidden, inter = MODELS[model]
     E, K = EXPERTS, hidden
@@ -188,8 +273,8 @@ def run_swiglu_case(model: str, phase: str, m: int, fp8: bool, iters: int, weigh
     wi, si = gg.interleave_gate_up(w, ws)
     rw = torch.rand(*x.shape[:-1], device="cuda")
     out = torch.empty(*x.shape[:-1], inter, dtype=torch.bfloat16, device="cuda")
-    fused_us = time_us(lambda: gg.grouped_gemm_swiglu(xq, wi, groups, masked=masked, x_scale=xs,
-                                                      w_scale_interleaved=si, row_weights=rw, out=out), iters)
+    fused_us, clocks = timer(lambda: gg.grouped_gemm_swiglu(xq, wi, groups, masked=masked, x_scale=xs,
+                                                            w_scale_interleaved=si, row_weights=rw, out=out))
     h = torch.empty(*x.shape[:-1], 2 * inter, dtype=torch.bfloat16, device="cuda")
 
     def unfused():
@@ -197,11 +282,12 @@ def run_swiglu_case(model: str, phase: str, m: int, fp8: bool, iters: int, weigh
         g, u = h.chunk(2, dim=-1)
         return torch.nn.functional.silu(g) * u * rw[..., None]
 
-    unfused_us = time_us(unfused, iters)
+    unfused_us, unfused_clocks = timer(unfused)
     case = {"model": model, "proj": "gate_up_swiglu", "phase": phase, "tokens_per_expert": m, "experts": E,
-            "n": 2 * inter, "k": K, "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous"}
-    metrics = {"latency_us": fused_us, "tflops": 2.0 * T * 2 * inter * K / fused_us / 1e6}
-    record(BENCH, case, metrics, {"gemm_then_torch_swiglu": {"latency_us": unfused_us}})
+            "n": 2 * inter, "k": K, "dtype": "fp8_block128" if fp8 else "bf16", "layout": "masked" if masked else "contiguous",
+            "timing": timer.mode}
+    metrics = {"latency_us": fused_us, "tflops": 2.0 * T * 2 * inter * K / fused_us / 1e6, **clocks}
+    record(BENCH, case, metrics, {"gemm_then_torch_swiglu": {"latency_us": unfused_us, **unfused_clocks}})
     return {**case, **metrics, "peer_latency_us": unfused_us, "speedup_vs_peer": unfused_us / fused_us}
 
 
@@ -246,20 +332,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of dtypes to run (of {','.join(DTYPES)})")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no case after this many seconds")
     ap.add_argument("--case-timeout-s", type=float, default=60.0, help="dump stacks and exit if one case hangs")
+    ap.add_argument("--timing", choices=(*TIMINGS, "both"), default="sustained",
+                    help="sustained: back-to-back graph replays; burst: 10 launches after 3 warm-ups and an idle gap "
+                         "(see Timer); both: every measurement both ways")
     args = ap.parse_args(argv)
+    with ClockSampler(torch.cuda.current_device()) as sampler:
+        if sampler.error:
+            print(f"no clock readings: {sampler.error}", file=sys.stderr)
+        modes = TIMINGS if args.timing == "both" else (args.timing,)
+        return run(args, [Timer(mode, args.iters, sampler) for mode in modes])
+
+
+def run(args: argparse.Namespace, timers: list[Timer]) -> int:
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
-    ceil = ceilings(args.iters)
-    record(BENCH, {"what": "ceilings"}, ceil)
-    print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, dense bf16 GEMM {ceil['dense_bf16_tflops']:.0f} TFLOP/s, "
-          f"dense FP8 GEMM {ceil['dense_fp8_tflops']:.0f} TFLOP/s", flush=True)
     x = torch.randn(EXPERTS * 375, 4096, device="cuda").bfloat16()
-    q_us = time_us(lambda: quantize_act(x), args.iters)
     q_bytes = x.numel() * 3 + x.numel() // 128 * 4
-    record(BENCH, {"what": "quantize_act", "rows": x.shape[0], "k": x.shape[1]}, {"latency_us": q_us, "gbps": q_bytes / q_us / 1e3})
-    print(f"quantize_act {tuple(x.shape)}: {q_us:.1f} us, {q_bytes / q_us / 1e3:.0f} GB/s", flush=True)
-    faulthandler.cancel_dump_traceback_later()
+    for timer in timers:
+        faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
+        ceil = ceilings(timer)
+        record(BENCH, {"what": "ceilings", "timing": timer.mode}, ceil)
+        print(f"ceilings ({timer.mode}): copy {ceil['copy_kernel_tbps']:.2f} TB/s (memcpy path "
+              f"{ceil['copy_memcpy_tbps']:.2f}), dense bf16 GEMM {ceil['dense_bf16_tflops']:.0f} TFLOP/s at "
+              f"{ceil.get('dense_bf16_sm_mhz_mean', float('nan')):.0f} MHz, dense FP8 GEMM {ceil['dense_fp8_tflops']:.0f} "
+              f"TFLOP/s at {ceil.get('dense_fp8_sm_mhz_mean', float('nan')):.0f} MHz", flush=True)
+        q_us, clocks = timer(lambda: quantize_act(x))
+        record(BENCH, {"what": "quantize_act", "rows": x.shape[0], "k": x.shape[1], "timing": timer.mode},
+               {"latency_us": q_us, "gbps": q_bytes / q_us / 1e3, **clocks})
+        print(f"quantize_act {tuple(x.shape)} ({timer.mode}): {q_us:.1f} us, {q_bytes / q_us / 1e3:.0f} GB/s", flush=True)
+        faulthandler.cancel_dump_traceback_later()
     del x
 
     skip = set(filter(None, args.skip.split(",")))
@@ -277,20 +378,22 @@ def main(argv: list[str] | None = None) -> int:
             weights, loaded = {}, None
             torch.cuda.empty_cache()
             weights, loaded = make_weights(model), model
-        faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
         tile_m, tile_n = args.tile_m, args.tile_n
-        if kind == "gemm":
-            row = run_case(model, proj, phase, m, dtype, args.iters, weights, tile_m, tile_n)
-        else:
-            row = run_swiglu_case(model, phase, m, dtype == "fp8", args.iters, weights)
-        faulthandler.cancel_dump_traceback_later()
-        rows.append(row)
-        print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile={tile_m or 'auto'}x{tile_n or 'auto'}: {row['latency_us']:.1f} us "
-              f"{row['tflops']:.0f} TFLOP/s {row.get('weight_tbps', float('nan')):.2f} TB/s "
-              f"peer {row['peer_latency_us']:.1f} us err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
+        for timer in timers:
+            faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
+            if kind == "gemm":
+                row = run_case(model, proj, phase, m, dtype, timer, weights, tile_m, tile_n)
+            else:
+                row = run_swiglu_case(model, phase, m, dtype == "fp8", timer, weights)
+            faulthandler.cancel_dump_traceback_later()
+            rows.append(row)
+            print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile={tile_m or 'auto'}x{tile_n or 'auto'} {timer.mode}: "
+                  f"{row['latency_us']:.1f} us {row['tflops']:.0f} TFLOP/s {row.get('weight_tbps', float('nan')):.2f} TB/s "
+                  f"at {row.get('sm_mhz_mean', float('nan')):.0f} MHz {row.get('power_w_mean', float('nan')):.0f} W; "
+                  f"peer {row['peer_latency_us']:.1f} us err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
 
-    print_table(rows, ["model", "proj", "phase", "tokens_per_expert", "dtype", "latency_us", "tflops", "weight_tbps",
-                       "peer_latency_us", "speedup_vs_peer"])
+    print_table(rows, ["model", "proj", "phase", "tokens_per_expert", "dtype", "timing", "latency_us", "tflops",
+                       "weight_tbps", "sm_mhz_mean", "peer_latency_us", "speedup_vs_peer"])
     return 0
 
 

@@ -62,6 +62,7 @@ tiles (the fused SwiGLU GEMM) about a quarter of their speed: 424 TFLOP/s at
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -159,6 +160,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.store_vec = math.gcd(8, cfg.out_n)
         # FP8 192-wide tiles: one partial, the two consumer warpgroups take turns (see _fp8_one_partial).
         self.fp8_turns = cfg.fp8 and cfg.tile_n != 128 and self.num_consumer_wg == 2
+        # TEMPORARY A/B switch (GG_TMP_BF16_TURNS=1): bf16 warpgroups take turns to issue each stage too.
+        self.bf16_turns = (not cfg.fp8 and not cfg.mxfp8 and self.num_consumer_wg == 2
+                           and os.environ.get("GG_TMP_BF16_TURNS") == "1")
+        self.turns = self.fp8_turns or self.bf16_turns
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
 
@@ -468,7 +473,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
-        if cutlass.const_expr(self.fp8_turns):
+        if cutlass.const_expr(self.turns):
             if wg == 1:
                 self._pass_turn(wg)  # warpgroup 0 issues first
         tile = first_tile
@@ -489,11 +494,11 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 )
             else:
                 read_state, release_state = self._mainloop(
-                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, wg, mainloop, read_state, release_state
                 )
             self._epilogue(acc, tCcC, epi, mRowW, rows, row0, batch, wg)
             tile = tile + cfg.num_sms
-        if cutlass.const_expr(self.fp8_turns):
+        if cutlass.const_expr(self.turns):
             if wg == 0:
                 self._take_turn(wg)  # the turn warpgroup 1 passed after its last block: both barriers end balanced
 
@@ -512,12 +517,16 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _mainloop(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, mainloop, read_state, release_state):
+    def _mainloop(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, wg, mainloop, read_state, release_state):
         """bf16: accumulate the whole K range in one fp32 accumulator, one WGMMA batch in flight."""
         acc.fill(0.0)
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
             mainloop.consumer_wait(read_state)
+            if cutlass.const_expr(self.bf16_turns):
+                self._take_turn(wg)
             self._mma_stage(tiled_mma, acc, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index)
+            if cutlass.const_expr(self.bf16_turns):
+                self._pass_turn(wg)
             # Keep this batch in flight; the previous one is done, free its stage.
             cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:
