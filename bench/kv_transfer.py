@@ -4,6 +4,11 @@ For each prompt length it measures, in the same run:
 
 * ``peer_copy``  - one torch copy of the request's KV bytes from the prefill device to the
   decode device (GPU 0 -> the decode GPU; on CPU a memcpy between two tensors): the ceiling.
+* ``peer_copy_ranks`` - layouts of several sending ranks (CUDA): each sender process copies
+  its share of the bytes (its heads) with torch to the decode GPU, all starting at one
+  instant; the time until the last ended. On two GPUs the ranks share GPU 0 as the
+  engine's senders do, so their copies take turns on it as their kernels do; a row's
+  ``ratio_to_peer_copy_ranks`` (strict) and ``..._from_ready`` compare with it.
 * ``raw_ucxx``   - one tagged ucxx send of one contiguous buffer of that size between the
   two processes: what UCX itself gives.
 * ``engine``     - the TransferEngine (KVSender -> KVReceiver), all layers ready at once
@@ -168,11 +173,13 @@ class _Child:
         self.receivers: dict[str, KVReceiver] = {}  # decode process: one per path, same cache and staging
         self.raw: torch.Tensor | None = None
         self.layer_work: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # x, w, y of the per-layer matmul
+        self.peer_bufs: tuple[torch.Tensor, torch.Tensor] | None = None  # source here, destination on the decode GPU (peer_copy_at)
         self._decode_staging: StagingPool | None = None
 
     def _release_device_memory(self) -> None:
         """Give the previous size's buffers back before allocating the next (32k tokens is ~6 GiB a copy)."""
         self.layer_work = None
+        self.peer_bufs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -282,6 +289,22 @@ class _Child:
         self._sync()
         return time.time()
 
+    async def peer_copy_at(self, nbytes: int, start_unix: float) -> float:
+        """One torch copy of ``nbytes`` from this process's GPU to the decode GPU (``cuda:1`` in a
+        prefill process: own GPU first, then the decode's), begun at ``start_unix`` so that the
+        senders of a layout copy at once; returns when it ended (unix time)."""
+        if self.peer_bufs is None or self.peer_bufs[0].numel() != nbytes:
+            self.peer_bufs = (torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.device), torch.empty(nbytes, dtype=torch.uint8, device="cuda:1"))
+            torch.cuda.synchronize("cuda:1")
+            self._sync()
+        src, dst = self.peer_bufs
+        while time.time() < start_unix:
+            pass
+        dst.copy_(src)
+        torch.cuda.synchronize("cuda:1")
+        self._sync()
+        return time.time()
+
     async def raw_send(self, address: bytes, nbytes: int, tag: int) -> float:
         if self.raw is None or self.raw.numel() != nbytes:
             self.raw = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.device)
@@ -387,6 +410,18 @@ def _peer_copy_s(nbytes: int, device_kind: str, iters: int, dst_gpu: int) -> flo
             torch.cuda.synchronize(src_dev)
         times.append(time.perf_counter() - t0)
     assert torch.equal(dst[:4096].cpu(), src[:4096].cpu())
+    return statistics.median(times[1:])
+
+
+def _peer_copy_ranks_s(senders: list[_Proc], nbytes_each: list[int], iters: int) -> float:
+    """Median seconds from a common start until every sender's own torch copy of its share
+    (``nbytes_each``) to the decode GPU ended: the copy engines' ceiling for the layout, its
+    processes sharing GPUs as the layout's senders do."""
+    times = []
+    for _ in range(iters + 1):
+        start = time.time() + 0.05  # past the job hand-off to every process
+        jobs = [p.submit("peer_copy_at", nbytes=n, start_unix=start) for p, n in zip(senders, nbytes_each)]
+        times.append(max(p.result(j) for p, j in zip(senders, jobs)) - start)
     return statistics.median(times[1:])
 
 
@@ -553,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"# {mode} {tokens} tokens {key}: FAILED {e}", flush=True)
 
                 overlap: dict[str, dict[str, float]] = {}
+                ranks_peer_s: dict[str, float] = {}  # layout -> its senders' own peer copies at once (several senders only)
                 for page_size in page_sizes:
                     for tp in layouts:
                         senders = [prefill_procs[slot] for slot in placement.slots(tp)]
@@ -561,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
                         for path in paths:
                             for chunk_mib in chunk_list if path == "ucx" else chunk_list[:1]:  # only UCX chunks
                                 engine((f"tp{tp}", chunk_mib, path, page_size), senders)
+                        if gpu and len(senders) > 1 and f"tp{tp}" not in ranks_peer_s:
+                            shares = [nbytes * kv_head_shard(rank, tp, args.kv_heads).num_heads // args.kv_heads for rank, _ in placement.senders[tp]]
+                            ranks_peer_s[f"tp{tp}"] = _peer_copy_ranks_s(senders, shares, args.iters)
                         if tp == 1 and args.overlap_iters and mode == modes[0][0] and page_size == page_sizes[0]:  # needs TP=1's set-up
                             overlap = _overlap(decode, first, runs, paths, tokens, seed, args.overlap_iters, compute, layer_s, overlap_chunk, chunk_list[0], gpu, cfg, page_size)
                 for (layout, chunk_mib, path, page_size), layout_runs in runs.items():
@@ -583,16 +622,21 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     if layout == "tp1" and chunk_mib == overlap_chunk and page_size == page_sizes[0]:
                         metrics |= overlap.get(path, {})
+                    layout_peers = peers
+                    if layout in ranks_peer_s:
+                        ranks_s = ranks_peer_s[layout]
+                        metrics |= {"ratio_to_peer_copy_ranks": ranks_s / eng_s, "ratio_to_peer_copy_ranks_from_ready": ranks_s / ready_s}
+                        layout_peers = peers | {"peer_copy_ranks": {"gbps": nbytes / ranks_s / 1e9, "latency_us": ranks_s * 1e6}}
                     case = {"path": path, "tokens": tokens, "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16", "bytes": nbytes, "prefill_layout": layout, "decode_page_size": args.page_size, "prefill_page_size": page_size, "chunk_mib": chunk_mib,
                             "transport": "ucx " + os.environ.get("UCX_TLS", "default"), "progress_mode": progress_mode, "completions": "future" if python_future else "poll", "ucx_env": ucx_env,
                             **layout_fields[layout]}
-                    record(BENCH, case, metrics, peers)
-                    rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "path": path, "layout": layout, "ps": page_size, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "ready/peer": metrics["ratio_to_peer_copy_from_ready"], "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
+                    record(BENCH, case, metrics, layout_peers)
+                    rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "path": path, "layout": layout, "ps": page_size, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "ready/peer": metrics["ratio_to_peer_copy_from_ready"], "ready/ranks_peer": metrics.get("ratio_to_peer_copy_ranks_from_ready", ""), "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
                     phase_rows.append({"tokens": tokens, "mode": mode, "path": path, "layout": layout, "ps": page_size, "total_us": metrics["latency_us"], "ready_us": metrics["ready_to_held_us"], "start_us": metrics["start_us"], "s_setup_us": metrics.get("send_setup_us", ""), "s_pack_us": metrics.get("send_pack_us", ""), "s_issue_us": metrics.get("send_issue_us", ""), "s_write_us": metrics.get("send_write_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})
         finally:
             for p in (decode, *prefill_procs.values()):
                 p.stop()
-    print_table(rows, ["tokens", "MiB", "mode", "path", "layout", "ps", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "ready/peer", "engine/raw", "chunks", "exposed_us", "hidden_pct", "slowdown_pct"])
+    print_table(rows, ["tokens", "MiB", "mode", "path", "layout", "ps", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "ready/peer", "ready/ranks_peer", "engine/raw", "chunks", "exposed_us", "hidden_pct", "slowdown_pct"])
     print()
     print_table(phase_rows, ["tokens", "mode", "path", "layout", "ps", "total_us", "ready_us", "start_us", "s_setup_us", "s_pack_us", "s_issue_us", "s_write_us", "s_wire_us", "r_post_us", "r_wire_us", "r_scatter_us", "r_wall_us", "notify_us"])
     return 0
