@@ -123,6 +123,26 @@ class TransferStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     failures: dict[str, int] = {}  # by cause: peer_failed, lease_expired, timeout, cancelled, ...
 
 
+class LatencySummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Percentiles over the latest ``count`` samples of a gateway's window of finished requests."""
+
+    count: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+
+class RequestStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A gateway's requests since it started: every final reply counted once, by outcome,
+    and latency percentiles over its most recent finished requests."""
+
+    outcomes: dict[str, int] = {}  # finished: "stop" / "length"; failed: the error code (overloaded, timeout, ...)
+    prompt_tokens: int = 0  # of finished requests
+    completion_tokens: int = 0
+    ttft: LatencySummary | None = None  # arrival to first token
+    tpot: LatencySummary | None = None  # per output token after the first (requests of 2+ tokens)
+
+
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Published ~2 Hz on ctl.heartbeat.<role>.<instance>.<rank>; the registry is built from these."""
 
@@ -147,6 +167,7 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queued_requests: int = 0
     # gateways
     in_flight: int = 0
+    requests: RequestStats | None = None
 
 
 class Cancel(msgspec.Struct, forbid_unknown_fields=True):

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("shared.model.quantize", "convert a bf16 checkpoint to FP8 block-scaled or MXFP8"),
     "up": ("services.launch", "start nats-server and a compose stack as local processes"),
     "request": ("services.client", "send one request to a running stack"),
+    "status": ("services.status", "show the processes of a running stack, their load and totals"),
     "gateway": ("services.gateway.__main__", "run a gateway"),
     "scheduler": ("services.scheduler.__main__", "run a scheduler"),
     "prefill": ("services.prefill.__main__", "run a prefill instance"),

@@ -19,7 +19,7 @@ import msgspec
 
 from schemas import subjects
 from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, ModelList
-from shared.bus import CONTENT_TYPE, JSON, MSGPACK, Bus, BusError, Deadline, connect, decode_public, encode_public
+from shared.bus import CONTENT_TYPE, JSON, MSGPACK, Bus, BusError, Deadline, Unreachable, connect, decode_public, encode_public
 
 
 class GenerateError(Exception):
@@ -161,4 +161,8 @@ def _summary(finish_reason: Any, usage: Any, timing: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return asyncio.run(_run(_parse(argv)))
+    try:
+        return asyncio.run(_run(_parse(argv)))
+    except Unreachable as e:
+        print(f"moebus request: {e}", file=sys.stderr)
+        return 1

@@ -49,6 +49,10 @@ class RequestTimeout(BusError):
     pass
 
 
+class Unreachable(BusError):
+    """No NATS server accepted the connection within the connect timeout."""
+
+
 # ---------------------------------------------------------------- deadlines
 
 
@@ -220,19 +224,37 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
 
     Fails fast (after `connect_timeout`) when no server listens, instead of retrying forever.
     """
+    connected = False
+    repeats: set[str] = set()
+
     async def on_error(e: Exception) -> None:
-        log.warning("nats_error", error=f"{type(e).__name__}: {e}")
+        error = f"{type(e).__name__}: {e}"
+        if not connected:  # the first connect retries every 0.25 s: log each distinct error once
+            if error in repeats:
+                return
+            repeats.add(error)
+        log.warning("nats_error", error=error)
 
     async with contextlib.AsyncExitStack() as stack:
-        nc = await nats.connect(
-            url,
-            name=name,
-            error_cb=on_error,
-            connect_timeout=connect_timeout,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25,
-        )
+        # Once connected, reconnect forever (a restarted server is waited for); but nats-py
+        # applies the same unbounded retry to the *first* connect, which would then hang
+        # silently on a wrong URL: bound that one by the connect timeout.
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name=name,
+                    error_cb=on_error,
+                    connect_timeout=connect_timeout,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.25,
+                ),
+                timeout=connect_timeout,
+            )
+        except asyncio.TimeoutError as e:
+            raise Unreachable(f"no NATS server answered at {url} within {connect_timeout:g}s") from e
+        connected = True
         stack.push_async_callback(nc.close)
         bus = Bus(nc, name)
         stack.push_async_callback(bus.drain, drain_timeout)

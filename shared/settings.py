@@ -63,6 +63,7 @@ class ServiceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_json: bool | None = None  # None: JSON when stderr is not a terminal
     heartbeat_interval_s: float = 0.5  # every service beats this often: set it alike for all (the expiries below assume so)
     drain_timeout_s: float = 10.0  # SIGTERM: how long in-flight work may take to finish
+    connect_timeout_s: float = 30.0  # at start, how long to wait for the NATS server before exiting with an error
 
 
 class GatewaySettings(ServiceSettings, kw_only=True):

@@ -50,7 +50,7 @@ async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world
     worker = await TransferWorker.create()
     receiver = KVReceiver(worker, runner.cache)
     try:
-        async with connect(settings.nats_url, f"decode-{settings.instance}-{rank}", drain_timeout=settings.drain_timeout_s) as bus:
+        async with connect(settings.nats_url, f"decode-{settings.instance}-{rank}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
             decode = DecodeRank(settings, bus, runner, receiver, rank, world)
             await decode.start()
             log.info("decode_ready", kv_pages=settings.kv_pages, max_batch=settings.max_batch, device=str(runner.cache.device))

@@ -20,7 +20,7 @@ async def serve(settings: GatewaySettings) -> None:
     stop = stop_event()
     tokenizer = Tokenizer.from_dir(settings.model)
     admission = Admission(settings, ModelInfo.load(settings), tokenizer)
-    async with connect(settings.nats_url, f"gateway-{settings.instance}", drain_timeout=settings.drain_timeout_s) as bus:
+    async with connect(settings.nats_url, f"gateway-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
         gateway = Gateway(settings, bus, admission, tokenizer)
         await gateway.start()
         log.info("gateway_ready", model=settings.model_name)

@@ -38,6 +38,7 @@ from services.common import Heartbeater
 from services.gateway.admission import Admission, Admitted, Rejected
 from services.gateway.completion import Completion, Delta
 from services.gateway.liveness import StageKey, StageLiveness
+from services.gateway.stats import RequestCounters
 from shared.bus import Bus, BusError, Deadline, NoResponders, content_type, decode_public, encode_public, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.tokenizer import Tokenizer
@@ -81,7 +82,8 @@ class Gateway:
         self.id = settings.instance
         self.flights: dict[str, Flight] = {}
         self.liveness = StageLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic())
-        self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"in_flight": len(self.flights)})
+        self.counters = RequestCounters()
+        self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"in_flight": len(self.flights), "requests": self.counters.stats()})
         self._generate_sub: Any = None
 
     async def start(self) -> None:
@@ -144,6 +146,7 @@ class Gateway:
         ctype = content_type(msg)
 
         async def send(obj: Any) -> None:
+            self.counters.reply(obj)
             await self.bus.publish(msg.reply, encode_public(obj, ctype))
 
         try:

@@ -37,7 +37,7 @@ async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, worl
     prepare_direct_writes(runner.cache.device, layout.dtype, layout.head_dim)  # the first KV transfer compiles nothing
     try:
         async with contextlib.AsyncExitStack() as stack:
-            bus = await stack.enter_async_context(connect(settings.nats_url, f"prefill-{settings.instance}", drain_timeout=settings.drain_timeout_s)) if rank == 0 else None
+            bus = await stack.enter_async_context(connect(settings.nats_url, f"prefill-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s)) if rank == 0 else None
             group = PrefillGroup(settings, runner, worker, rank, world, bus)
             if bus is not None:
                 await group.start()

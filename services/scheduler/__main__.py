@@ -16,7 +16,7 @@ log = get_logger(__name__)
 
 async def serve(settings: SchedulerSettings) -> None:
     stop = stop_event()
-    async with connect(settings.nats_url, f"scheduler-{settings.instance}", drain_timeout=settings.drain_timeout_s) as bus:
+    async with connect(settings.nats_url, f"scheduler-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
         scheduler = Scheduler(settings, bus)
         await scheduler.start()
         log.info("scheduler_ready")

@@ -8,13 +8,17 @@ import asyncio
 import json
 import random
 import signal
+import subprocess
+import sys
 import time
+from collections import Counter
 from datetime import datetime
 
 import msgspec
 import pytest
 
 from schemas.api import ChatMessage, ErrorReply, GenerateRequest, GenerateResponse, ModelList
+from schemas.internal import Heartbeat
 from services.client import GenerateError
 from shared.bus import CONTENT_TYPE, MSGPACK
 
@@ -185,10 +189,16 @@ def test_64_concurrent_mixed_requests(stack, tokenizer, hf_greedy):
             sent = len(cases) + len(alone)
             # The heartbeats count every KV handoff on both sides (the prefill is TP=1: its leader sends all heads).
             await watch.wait_for(lambda w: _counters(w)["decode_completed"] >= before["decode_completed"] + sent
-                                 and _counters(w)["prefill_completed"] >= before["prefill_completed"] + sent, 5, "transfer counters")
+                                 and _counters(w)["prefill_completed"] >= before["prefill_completed"] + sent
+                                 and _counters(w)["finished"] >= before["finished"] + sent, 5, "transfer and request counters")
             return together, alone, before, _counters(watch), sent
 
     together, alone, before, after, sent = run(go())
+    # The gateway counted every reply once, as finished, with the tokens the clients got.
+    assert after["finished"] - before["finished"] == sent and after["failed"] == before["failed"], (before, after)
+    tokens_out = sum(len(t) for t in together) + sum(len(t) for t in alone.values())
+    assert after["completion_tokens"] - before["completion_tokens"] == tokens_out
+    assert after["ttft_count"] >= min(sent, 1024)
     assert after["decode_completed"] - before["decode_completed"] == sent
     assert after["prefill_completed"] - before["prefill_completed"] == sent
     assert after["decode_bytes"] > before["decode_bytes"] and after["prefill_bytes"] > before["prefill_bytes"]
@@ -204,12 +214,36 @@ def test_64_concurrent_mixed_requests(stack, tokenizer, hf_greedy):
             assert 1 <= len(together[i]) <= max_tokens
 
 
+def test_moebus_status_lists_every_process_and_the_request_totals(stack):
+    def status(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.cli", "status", "--url", stack.url, *flags], capture_output=True, text=True, timeout=60)
+
+    as_json, as_text = status("--json"), status()
+    assert as_json.returncode == 0 and as_text.returncode == 0, as_json.stderr + as_text.stderr
+    members = [msgspec.json.decode(line, type=Heartbeat) for line in as_json.stdout.splitlines()]
+    assert Counter(hb.role for hb in members) == {"gateway": 1, "scheduler": 1, "prefill": 1, "decode": 2}
+    lines = as_text.stdout.splitlines()
+    for hb in members:
+        assert any(line.split()[:4] == [hb.role, hb.instance, str(hb.rank), hb.model] for line in lines), (hb, lines)
+    requests = next(hb.requests for hb in members if hb.role == "gateway")
+    assert requests is not None and requests.outcomes.get("length", 0) + requests.outcomes.get("stop", 0) >= 68  # the burst above
+    assert f"requests: {sum(requests.outcomes.values())} answered" in as_text.stdout
+    decode_pages = sum(hb.kv_total_pages for hb in members if hb.role == "decode")
+    assert f"kv pages 0/{decode_pages} in use" in as_text.stdout  # idle between tests
+
+
 def _counters(watch) -> dict:
-    """Totals over the live model ranks' heartbeats: KV transfers (both sides) and decode steps by path."""
+    """Totals over the live heartbeats: KV transfers (both sides), decode steps by path, the gateways' replies."""
     decode, prefill = watch.live("decode"), watch.live("prefill")
     stats = [(role, hb.transfer) for role, hbs in (("decode", decode), ("prefill", prefill)) for hb in hbs if hb.transfer is not None]
     steps = [hb.decode_steps for hb in decode]
+    requests = [hb.requests for hb in watch.live("gateway") if hb.requests is not None]
+    outcomes = [(name, n) for r in requests for name, n in r.outcomes.items()]
     return {
+        "finished": sum(n for name, n in outcomes if name in ("stop", "length")),
+        "failed": {name: n for name, n in outcomes if name not in ("stop", "length")},
+        "completion_tokens": sum(r.completion_tokens for r in requests),
+        "ttft_count": sum(r.ttft.count for r in requests if r.ttft),
         "decode_completed": sum(t.completed for role, t in stats if role == "decode"),
         "prefill_completed": sum(t.completed for role, t in stats if role == "prefill"),
         "decode_bytes": sum(t.bytes_total for role, t in stats if role == "decode"),
@@ -242,15 +276,21 @@ def test_bad_input_gets_a_typed_error_fast_and_others_are_unaffected(stack, toke
     prompt = PROMPTS[0]
 
     async def go():
-        async with session(stack.url) as (client, _):
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 5, "the gateway's heartbeat")
+            before = _counters(watch)["failed"]
             good = asyncio.ensure_future(client.generate(GenerateRequest(prompt=prompt, max_tokens=20, temperature=0)))
             replies = []
             for payload, _ in BAD_INPUTS + [(json.dumps({"prompt": long_prompt}).encode(), "context"), (b'{"prompt": "hi", "model": "nope"}', "nope")]:
                 started = time.monotonic()
                 replies.append((await client.send_raw(payload), time.monotonic() - started))
-            return replies, await good
+            good = await good
+            rejected = {"invalid_request": before.get("invalid_request", 0) + len(BAD_INPUTS) + 1, "unknown_model": before.get("unknown_model", 0) + 1}
+            await watch.wait_for(lambda w: all(_counters(w)["failed"].get(code, 0) >= n for code, n in rejected.items()), 5, "rejections counted")
+            return replies, good, rejected, _counters(watch)["failed"]
 
-    replies, good = run(go())
+    replies, good, rejected, failed = run(go())
+    assert {code: failed[code] for code in rejected} == rejected  # every rejection counted once, under its code
     expectations = [e for _, e in BAD_INPUTS] + ["context", "nope"]
     for (reply, elapsed), expected in zip(replies, expectations, strict=True):
         assert isinstance(reply, ErrorReply), reply

@@ -1,0 +1,157 @@
+"""`moebus status`: what a running stack reports about itself, read from its heartbeats.
+
+`moebus status --url nats://127.0.0.1:4222` listens on `ctl.heartbeat.>` for `--wait`
+seconds (every service beats every `heartbeat_interval_s`, 0.5 s by default) and prints
+one line per process: role, instance, rank, model, uptime, whether it drains, and its
+load (gateway: requests in flight; prefill: queued requests and tokens; decode: batch
+and KV pages in use), its KV transfer totals and a decode rank's steps by path. Below
+come the totals over all gateways (requests by outcome, tokens, time to first token and
+time per output token, percentiles over each gateway's recent requests; with several
+gateways, the worst gateway's percentile) and over all decode ranks (KV pages, transfers).
+`--json` prints the heartbeats themselves, one JSON object per line.
+
+The exit status is 1 when no process was heard: nothing serves on that bus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import msgspec
+
+from schemas import subjects
+from schemas.internal import Heartbeat, LatencySummary, TransferStats
+from shared.bus import Unreachable, connect, unpack
+
+ROLE_ORDER = ("gateway", "scheduler", "prefill", "decode")
+
+
+async def collect(url: str, wait_s: float) -> list[Heartbeat]:
+    """The latest heartbeat of every (role, instance, rank) heard within `wait_s`, in display order."""
+    latest: dict[tuple[str, str, int], Heartbeat] = {}
+
+    async def on_heartbeat(msg) -> None:  # type: ignore[no-untyped-def]
+        hb = unpack(msg.data, Heartbeat)
+        latest[(hb.role, hb.instance, hb.rank)] = hb
+
+    async with connect(url, "moebus-status") as bus:
+        await bus.subscribe(subjects.HEARTBEAT_ALL, on_heartbeat, concurrent=False)
+        await asyncio.sleep(wait_s)
+    return [latest[key] for key in sorted(latest, key=lambda k: (ROLE_ORDER.index(k[0]), k[1], k[2]))]
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return " ".join(f"{name}={n}" for name, n in sorted(counts.items())) or "-"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _transfers(role: str, t: TransferStats | None) -> str:
+    if t is None:
+        return ""
+    rate = f" {_bytes(t.bytes_total / t.seconds_total)}/s" if t.seconds_total > 0 else ""
+    failed = f" failed[{_counts(t.failures)}]" if t.failures else ""
+    return f"kv_{'sent' if role == 'prefill' else 'received'}={t.completed} ({_bytes(t.bytes_total)}{rate}){failed}"
+
+
+def _load(hb: Heartbeat) -> str:
+    if hb.role == "gateway":
+        return f"in_flight={hb.in_flight}"
+    if hb.role == "prefill":
+        return f"queued={hb.queued_requests} ({hb.queued_tokens} tok)"
+    if hb.role == "decode":
+        used = hb.kv_total_pages - hb.kv_free_pages
+        return f"batch={hb.batch_size}/{hb.max_batch} kv_pages={used}/{hb.kv_total_pages}"
+    return ""
+
+
+def member_line(hb: Heartbeat, now: float) -> str:
+    """One process: who it is, how long it has run, its load and totals."""
+    state = "draining" if hb.draining else "serving"
+    steps = f"steps[{_counts(hb.decode_steps)}]" if hb.decode_steps else ""
+    parts = [f"{hb.role:<9}", f"{hb.instance:<14}", f"{hb.rank:>2}", f"{hb.model:<16}", f"{_duration(now - hb.started_at):>7}", f"{state:<8}",
+             _load(hb), _transfers(hb.role, hb.transfer), steps]
+    return "  ".join(p for p in parts if p).rstrip()
+
+
+def _latency(name: str, summaries: list[LatencySummary]) -> str:
+    if not summaries:
+        return f"{name} -"
+    worst = {q: max(getattr(s, q) for s in summaries) for q in ("p50_ms", "p90_ms", "p99_ms")}
+    return f"{name} p50={worst['p50_ms']:.1f}ms p90={worst['p90_ms']:.1f}ms p99={worst['p99_ms']:.1f}ms (last {sum(s.count for s in summaries)})"
+
+
+def summary_lines(members: list[Heartbeat]) -> list[str]:
+    """Totals over the gateways' requests and over the decode ranks' KV pages and transfers."""
+    lines = []
+    stats = [hb.requests for hb in members if hb.role == "gateway" and hb.requests is not None]
+    if stats:
+        outcomes: dict[str, int] = {}
+        for s in stats:
+            for name, n in s.outcomes.items():
+                outcomes[name] = outcomes.get(name, 0) + n
+        finished = outcomes.get("stop", 0) + outcomes.get("length", 0)
+        lines.append(f"requests: {sum(outcomes.values())} answered, {finished} finished; by outcome: {_counts(outcomes)}; "
+                     f"tokens in={sum(s.prompt_tokens for s in stats)} out={sum(s.completion_tokens for s in stats)}")
+        lines.append("latency: " + _latency("ttft", [s.ttft for s in stats if s.ttft]) + "; " + _latency("tpot", [s.tpot for s in stats if s.tpot]))
+    decode = [hb for hb in members if hb.role == "decode"]
+    if decode:
+        total = sum(hb.kv_total_pages for hb in decode)
+        used = total - sum(hb.kv_free_pages for hb in decode)
+        received = [hb.transfer for hb in decode if hb.transfer is not None]
+        failures: dict[str, int] = {}
+        for t in received:
+            for cause, n in t.failures.items():
+                failures[cause] = failures.get(cause, 0) + n
+        lines.append(f"decode: {len(decode)} ranks, batch {sum(hb.batch_size for hb in decode)}/{sum(hb.max_batch for hb in decode)}, "
+                     f"kv pages {used}/{total} in use; kv received {sum(t.completed for t in received)} "
+                     f"({_bytes(sum(t.bytes_total for t in received))}), transfer failures: {_counts(failures)}")
+    return lines
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moebus status", description="show what a running moebus stack reports in its heartbeats")
+    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    ap.add_argument("--wait", type=float, default=1.5, help="seconds to listen (at least two heartbeat intervals)")
+    ap.add_argument("--json", action="store_true", help="print each process's latest heartbeat as a JSON line")
+    a = ap.parse_args(argv)
+    if a.wait <= 0:
+        ap.error(f"--wait must be positive, got {a.wait}")
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = _parse(argv)
+    try:
+        members = asyncio.run(collect(a.url, a.wait))
+    except Unreachable as e:
+        print(f"moebus status: {e}", file=sys.stderr)
+        return 1
+    if not members:
+        print(f"moebus status: no heartbeat on {a.url} within {a.wait}s: no moebus process serves there", file=sys.stderr)
+        return 1
+    if a.json:
+        for hb in members:
+            print(msgspec.json.encode(hb).decode())
+        return 0
+    now = time.time()
+    for hb in members:
+        print(member_line(hb, now))
+    for line in summary_lines(members):
+        print(line)
+    return 0
