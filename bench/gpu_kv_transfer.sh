@@ -2,8 +2,8 @@
 # Issue 3 on 2x H200 (run kind "nvidia-h200-x2"), ONE device call:
 #   1. CUDA unit tests of the transfer (the CuTeDSL KV copy kernel vs its torch reference and vs
 #      pack/scatter, every access width; pack/scatter)
-#   2. bench/kv_copy.py: the KV copy kernel alone GPU 0 -> GPU 1, register and bulk paths (KV_BULK: shapes)
-#      against a torch peer copy, each checked against the reference
+#   2. bench/kv_copy.py: the KV copy kernel alone GPU 0 -> GPU 1 against a torch peer copy, checked
+#      against the reference
 #   3. tests/transfer/test_transfer_gpu.py: two processes on two GPUs over CUDA IPC + UCX
 #   4. bench/kv_transfer.py at 1k / 6k / 32k tokens: TP=1 and 2 ranks, prefill page 16 against decode
 #      page 16, ucx (256 MiB chunks) and cuda_ipc, overlap behind a layer-by-layer prefill
@@ -18,7 +18,7 @@
 # bench/results/kv_transfer.jsonl here. Every step has a wall limit, every test a pytest-timeout.
 # Environment knobs: KV_TOKENS (default 1024,6144,32768), KV_ITERS (5), KV_CHUNKS (UCX chunk MiB, 256),
 # KV_PAGES (prefill page sizes, 16), KV_RANKS (prefill layouts, 1,2), KV_OVERLAP (overlap iterations, 2),
-# KV_STEPS (units,kernel,gpu_tests,bench), KV_KERNEL_TOKENS (6144,32768), KV_BULK (bulk shapes of the kernel step).
+# KV_STEPS (units,kernel,gpu_tests,bench), KV_KERNEL_TOKENS (6144,32768).
 cd "$(dirname "$0")/.." || exit 1
 SLIM=.cache/ucxx-slim-cp312-cu13.tar.xz
 if [ "$1" = slim ]; then
@@ -32,7 +32,7 @@ STEPS=${KV_STEPS:-units,kernel,gpu_tests,bench}
 { nvidia-smi topo -m; python3 -c "import cuda.bindings, torch, cutlass, ucxx; print('cuda-bindings', cuda.bindings.__version__, 'torch', torch.__version__, 'cutlass-dsl', cutlass.__version__, 'ucxx', ucxx.__version__)"; } >> "$OUT/run.log" 2>&1
 
 [[ $STEPS == *units* ]] && step units 120 $PYTEST --timeout=60 -m gpu tests/kernels/test_kv_copy.py tests/transfer/test_direct_write.py tests/transfer/test_transfer_units.py
-[[ $STEPS == *kernel* ]] && step kernel 150 python3 -m bench.kv_copy --tokens "${KV_KERNEL_TOKENS:-6144,32768}" --iters 10 ${KV_BULK:+--bulk "$KV_BULK"}
+[[ $STEPS == *kernel* ]] && step kernel 150 python3 -m bench.kv_copy --tokens "${KV_KERNEL_TOKENS:-6144,32768}" --iters 10
 [[ $STEPS == *gpu_tests* ]] && step gpu_tests 150 $PYTEST --timeout=60 tests/transfer/test_transfer_gpu.py
 [[ $STEPS == *bench* ]] && step bench 300 python3 -m bench.kv_transfer --device cuda --tokens "${KV_TOKENS:-1024,6144,32768}" \
   --iters "${KV_ITERS:-5}" --overlap-iters "${KV_OVERLAP:-2}" --chunk-mib "${KV_CHUNKS:-256}" --prefill-page-size "${KV_PAGES:-16}" \

@@ -1,4 +1,4 @@
-"""KV copy kernel alone: one request's KV pages GPU 0 -> GPU 1 over NVLink, per kernel path.
+"""KV copy kernel alone: one request's KV pages GPU 0 -> GPU 1 over NVLink.
 
 What the CUDA IPC transfer's write costs without the transfer around it (issue 3): the
 Qwen3-235B KV (94 layers, 4 KV heads, head_dim 128, bf16) of one request, every layer in
@@ -10,14 +10,19 @@ copy of all 4 heads' bytes GPU 0 -> GPU 1 (the copy engines) in the same run. La
 * ``shard2``     - 2 heads into heads [2, 4), page 16 -> 16: one row per K/V half (8 KiB);
 * ``pages32``    - all 4 heads, page 32 -> 16: one row per head and block (4 KiB).
 
-Paths: ``register`` (16-byte loads and stores from registers) and the bulk path
-(``kernels.kv_copy_sm90.BulkShape``: the SM's bulk-copy engine through shared memory) at
-each ``--bulk`` shape. Each (layout, path) is checked byte for byte against the torch
-reference at the first prompt length (destination poisoned first), then timed: median
-wall time of ``--iters`` copies, both GPUs synchronized before and after each, the paths
-taking turns.
+Each layout's copy is checked byte for byte against the torch reference at the first
+prompt length (destination poisoned first), then timed: median wall time of ``--iters``
+copies, both GPUs synchronized before and after each, the kernel and the peer copy taking
+turns.
 
-    python -m bench.kv_copy --tokens 6144,32768 --bulk 8192x4x4,16384x2x4
+A bulk-copy-engine path (``cp.async.bulk`` global -> shared -> peer global, a334c51) was
+measured here against the kernel's register path and dropped: over 7 shapes (8-16 KiB
+chunks, 2-8 stages, 1-4 CTAs per SM) it wrote 351-368 GB/s, the register path 356-367 in
+the same layouts, the best bulk shape at most 1% above it (6k and 32k tokens, peer copy
+386-395; bench/results/kv_copy.jsonl, 21ebb95+h29-bulk2): SM-issued writes over NVLink
+top out there whichever unit issues them.
+
+    python -m bench.kv_copy --tokens 6144,32768
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import time
 import torch
 
 from bench.results import print_table, record
-from kernels import kv_copy_sm90
 from kernels.kv_copy import KVCopy, kv_copy_reference, prepare_kv_copy
 from shared.transfer.direct_write import plan_rows
 
@@ -40,14 +44,6 @@ LAYOUTS = {  # name -> (source heads, head start, source page size, destination 
     "shard2": (2, 2, 16, 16),
     "pages32": (4, 0, 32, 16),
 }
-
-
-def _parse_bulk(text: str) -> list[kv_copy_sm90.BulkShape]:
-    shapes = []
-    for spec in filter(None, text.split(",")):
-        chunk, stages, ctas = (int(x) for x in spec.split("x"))
-        shapes.append(kv_copy_sm90.BulkShape(chunk, stages, ctas))
-    return shapes
 
 
 def _wall_s(fn, iters: int) -> float:
@@ -70,14 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--bulk", default=f"{kv_copy_sm90.BULK.chunk}x{kv_copy_sm90.BULK.stages}x{kv_copy_sm90.BULK.ctas_per_sm}",
-                    help="comma-separated bulk shapes chunk_bytes x stages x CTAs per SM")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench.kv_copy needs 2 GPUs")
     src_dev, dst_dev = torch.device("cuda", 0), torch.device("cuda", 1)
     torch.cuda.set_device(src_dev)
-    paths: list[tuple[str, kv_copy_sm90.BulkShape | None]] = [("register", None)] + [(f"bulk {b.chunk}x{b.stages}x{b.ctas_per_sm}", b) for b in _parse_bulk(args.bulk)]
     prepare_kv_copy(src_dev, 16)
     rows = []
     for n, tokens in enumerate(int(t) for t in args.tokens.split(",")):
@@ -95,10 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             dst_table = torch.randperm(2 * dst_pages + 4, generator=g)[:dst_pages]
             plan = plan_rows(src, dst, head_start, tokens)
             moved = tokens * args.layers * 2 * src_heads * args.head_dim * DTYPE.itemsize
-            runs = {}
-            for name, bulk in paths:
-                copy = KVCopy(src, src_table, dst, dst_table, plan)
-                runs[name] = lambda copy=copy, bulk=bulk: copy.copy(range(args.layers), bulk)
+            copy = KVCopy(src, src_table, dst, dst_table, plan)
+            runs = {"register": lambda: copy.copy(range(args.layers))}  # the kernel's one path (module doc)
             checked: dict[str, bool | str] = {name: "" for name in runs}
             if n == 0:  # byte for byte against the reference, the destination poisoned before each copy
                 dst.view(torch.uint8).fill_(0xFF)
@@ -114,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                         raise SystemExit(f"{layout} {name} at {tokens} tokens: the copy differs from the reference")
                 del expected
             times: dict[str, list[float]] = {name: [] for name in [*runs, "peer copy"]}
-            for _ in range(args.iters):  # paths and the peer copy take turns, so a drift of clocks or link hits all alike
+            for _ in range(args.iters):  # the kernel and the peer copy take turns, so a drift of clocks or link hits both alike
                 for name, run in runs.items():
                     times[name].append(_wall_s(run, 1))
                 times["peer copy"].append(_wall_s(lambda: flat_dst.copy_(flat_src), 1))
@@ -126,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 record(BENCH, case, metrics, {"peer_copy": {"gbps": nbytes / peer_s / 1e9, "latency_us": peer_s * 1e6}})
                 rows.append({"tokens": tokens, "layout": layout, "row_B": case["row_bytes"], "path": name, "GBps": metrics["gbps"],
                              "peer_GBps": nbytes / peer_s / 1e9, "ratio": metrics["ratio_to_peer_copy"], "checked": checked[name]})
-            del src, dst, runs
+            del src, dst, runs, copy
             torch.cuda.empty_cache()
         del flat_src, flat_dst
     print_table(rows, ["tokens", "layout", "row_B", "path", "GBps", "peer_GBps", "ratio", "checked"])

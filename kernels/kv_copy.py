@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 VECTOR_BYTES = (16, 8, 4, 2)  # access widths the kernel is compiled for, widest first
-MAX_ITEMS = 2**31 - 1  # work items of one launch (rows, or the bulk path's chunks), counted in int32 by the kernel
+MAX_ITEMS = 2**31 - 1  # (layer, block, row) items of one launch, counted in int32 by the kernel
 # The kernel's launch parameters, int64 each, in this order (addresses in bytes: the first
 # layer of each pool, the destination's at its first head; sizes, strides and ``tok``, one
 # token of one head, in vectors; strides of (page, K/V, head, layer)).
@@ -126,12 +126,9 @@ class KVCopy:
         self._stream = stream or torch.cuda.current_stream(src.device)
         self._params = _upload_params(src, dst, plan, tables[0], tables[1], self._stream)
         self._grid_items = plan.blocks * plan.rows  # items of one layer
-        self.row_bytes = plan.heads_per_row * plan.block * src.shape[5] * src.element_size()
 
-    def copy(self, layers: range, path: object = "default") -> None:
-        """Enqueue the copy of ``layers`` (on CPU: copy now). ``path`` (CUDA; benchmarks compare
-        them): a ``kernels.kv_copy_sm90.BulkShape``, None for the register path, or
-        ``"default"``: ``kv_copy_sm90.path_for`` the plan's access width."""
+    def copy(self, layers: range) -> None:
+        """Enqueue the copy of ``layers`` (on CPU: copy now)."""
         if not 0 <= layers.start < layers.stop <= self.num_layers:
             raise KVCopyError(f"KV copy of layers {layers}: the pools hold layers 0..{self.num_layers - 1}")
         if self._stream is None:
@@ -139,7 +136,10 @@ class KVCopy:
             return
         from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
 
-        kv_copy_sm90.launch(self.src.device, self._stream, self.plan.vector_bytes, self._params.data_ptr(), layers.start, len(layers), self._grid_items * len(layers), self.row_bytes, path)
+        items = self._grid_items * len(layers)
+        if items > MAX_ITEMS:
+            raise KVCopyError(f"KV copy of {items} (layer, block, row) items, above the kernel's {MAX_ITEMS}")
+        kv_copy_sm90.launch(self.src.device, self._stream, self.plan.vector_bytes, self._params.data_ptr(), layers.start, len(layers), items)
 
 
 def _upload_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, src_table: np.ndarray, dst_table: np.ndarray,

@@ -4,8 +4,8 @@ CPU (CI): the kernel compiles for sm_90a at every access width, moving each vect
 one load and one store of that width, loads ahead of stores, and no NVLink multicast
 instruction; the torch reference (and ``KVCopy`` on CPU tensors) equals a token-by-token
 loop; bad calls are refused with ``KVCopyError``.
-GPU: the kernel writes what the reference writes (every dtype and access width, the bulk
-path and the register path for 16-byte rows) and nothing else.
+GPU: the kernel writes what the reference writes (every dtype and access width) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -29,15 +29,11 @@ FP8 = torch.float8_e4m3fn
 # --------------------------------------------------------------------------- compilation
 
 
-def _ptx(vector_bytes, bulk, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # --keep-ptx writes its file into the working directory
-    return cute.compile(sm90._launch_kv_copy, *sm90.compile_args(dummy_stream()), vector_bytes, bulk, options="--keep-ptx").__ptx__
-
-
 @pytest.mark.parametrize("vector_bytes,access", [(16, "v4.b32"), (8, "v2.b32"), (4, "b32"), (2, "b16")])
-def test_register_path_compiles_for_sm90a_with_one_access_per_vector(vector_bytes, access, tmp_path, monkeypatch):
-    assert sm90.compile_kv_copy(vector_bytes, None) is not None
-    ptx = _ptx(vector_bytes, None, tmp_path, monkeypatch)
+def test_kernel_compiles_for_sm90a_with_one_access_per_vector(vector_bytes, access, tmp_path, monkeypatch):
+    assert sm90.compile_kv_copy(vector_bytes) is not None
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes its file into the working directory
+    ptx = cute.compile(sm90._launch_kv_copy, *sm90.compile_args(dummy_stream()), vector_bytes, options="--keep-ptx").__ptx__
     assert ".target sm_90a" in ptx and "multimem" not in ptx
     body = [line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("ld.global", "st.global"))]
     stores = [op for op in body if op.startswith("st.")]
@@ -47,24 +43,9 @@ def test_register_path_compiles_for_sm90a_with_one_access_per_vector(vector_byte
     assert body[first_store - sm90.UNROLL : first_store] == [f"ld.global.{access}"] * sm90.UNROLL  # UNROLL loads in flight
 
 
-def test_bulk_path_moves_16_byte_rows_through_shared_memory(tmp_path, monkeypatch):
-    assert sm90.path_for(16) == sm90.BULK and all(sm90.path_for(v) is None for v in (8, 4, 2))
-    assert sm90.compile_kv_copy(16) is sm90.compile_kv_copy(16, sm90.BULK)  # one binary, whichever way it is asked for
-    ptx = _ptx(16, sm90.BULK, tmp_path, monkeypatch)
-    assert ".target sm_90a" in ptx and "multimem" not in ptx
-    ops = [line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("cp.async.bulk", "st.global", "mbarrier"))]
-    assert "st.global" not in " ".join(ops)  # no register stores: every byte goes through the bulk-copy engine
-    loads = [op for op in ops if op.startswith("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")]
-    assert len(loads) >= sm90.BULK.stages + 1  # the prologue's loads ahead, then one refill
-    assert "cp.async.bulk.global.shared::cta.bulk_group" in ops and "cp.async.bulk.wait_group.read" in ops
-    assert ops[-1] == "cp.async.bulk.wait_group"  # every write complete before the kernel ends
-
-
 def test_unknown_width_is_refused():
     with pytest.raises(kc.KVCopyError, match="12-byte"):
         sm90.compile_kv_copy(12)
-    with pytest.raises(kc.KVCopyError, match="bulk KV copy needs 16-byte rows"):
-        sm90.compile_kv_copy(8, sm90.BULK)
 
 
 # --------------------------------------------------------------------------- reference
@@ -136,7 +117,7 @@ def test_bad_calls_are_refused():
 
 GPU_CASES = [  # dtype, head_dim -> access width of plan_rows
     (torch.bfloat16, 64, 16),
-    (torch.bfloat16, 80, 16),  # TP=1 rows of 20 KiB: 2.5 bulk chunks
+    (torch.bfloat16, 80, 16),  # TP=1 rows of 1280 vectors: the unrolled loop and the tail in one row
     (FP8, 64, 16),
     (torch.float32, 2, 8),
     (torch.bfloat16, 2, 4),
@@ -148,10 +129,7 @@ GPU_CASES = [  # dtype, head_dim -> access width of plan_rows
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,dim,width", GPU_CASES)
 @pytest.mark.parametrize("src_ps,dst_ps,src_heads", [(16, 16, 4), (16, 16, 2), (32, 16, 1)])
-@pytest.mark.parametrize("path", ["default", None], ids=["default_path", "register_path"])
-def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_ps, src_heads, path):
-    if path is None and width != 16:
-        pytest.skip("narrower rows take the register path by default")
+def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_ps, src_heads):
     dst_heads, head_start, tokens = 4, 4 - src_heads, 301
     src, dst = _pools(dtype, 3, 40, 30, src_heads, dst_heads, src_ps, dst_ps, dim, device="cuda", seed=dim)
     src_table, dst_table = _tables(40, 30, src_ps, dst_ps, tokens, seed=src_ps)
@@ -161,8 +139,8 @@ def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_
     kc.kv_copy_reference(src, src_table.cuda(), expected, dst_table.cuda(), range(1, 3), head_start, tokens)
     got = dst.clone()
     copy = kc.KVCopy(src, src_table, got, dst_table.numpy(), plan)
-    copy.copy(range(2, 3), path)  # two launches of one set-up, the later layer first
-    copy.copy(range(1, 2), path)
+    copy.copy(range(2, 3))  # two launches of one set-up, the later layer first
+    copy.copy(range(1, 2))
     torch.cuda.synchronize()
     # Equal except the last block's slots past `tokens` (copied whole by the kernel, inside the sequence's last pages).
     last = dst_table[-1].item()
