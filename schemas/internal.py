@@ -114,8 +114,8 @@ Role = Literal["gateway", "scheduler", "prefill", "decode"]
 
 
 class TransferStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A model rank's KV transfers since it started: a decode rank's receiver (whole
-    requests), a prefill leader's senders (its own rank's shards)."""
+    """KV transfers since start: a decode rank's receiver (whole requests), or a prefill
+    instance's senders (every rank's shards, summed; reported by its leader)."""
 
     completed: int = 0
     bytes_total: int = 0

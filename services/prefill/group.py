@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.api import ErrorCode
-from schemas.internal import Cancel, PrefillTask, StageError, StartDecode, TokenBatch
+from schemas.internal import Cancel, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
 from services.common import Heartbeater
 from services.model_rank import sampling_params
 from shared.bus import Bus, Deadline, pack, unpack
@@ -61,7 +61,8 @@ class PrefillGroup:
         self.arrived = asyncio.Event()
         self.draining = False
         self.name = f"prefill:{settings.instance}"
-        self.transfer_metrics = TransferMetrics()  # this rank's senders (the leader's go in the heartbeat)
+        self.transfer_metrics = TransferMetrics()  # this rank's senders
+        self.group_transfers = TransferStats()  # every rank's senders, summed after each batch (the leader's heartbeat)
         self.heartbeater = Heartbeater(bus, settings, "prefill", self._status) if bus is not None else None
 
     # ------------------------------------------------------------ leader: NATS side
@@ -73,12 +74,12 @@ class PrefillGroup:
         self.heartbeater.start()
 
     def _status(self) -> dict[str, Any]:
-        """The leader's heartbeat fields: the whole group's queue, the leader's own KV sends."""
+        """The leader's heartbeat fields: the whole group's queue and KV sends (every rank's shards)."""
         return {
             "draining": self.draining,
             "queued_tokens": self.in_flight_tokens + sum(len(t.job.input_ids) for t in self.queue),
             "queued_requests": len(self.queue),
-            "transfer": self.transfer_metrics.stats(),
+            "transfer": self.group_transfers if self.world > 1 else self.transfer_metrics.stats(),
         }
 
     async def _on_task(self, msg: Msg) -> None:
@@ -211,6 +212,8 @@ class PrefillGroup:
         for seq in seqs:
             self.runner.release(seq)
         delivered = await asyncio.to_thread(self._agree, [e is None for e in errors])
+        if self.world > 1:
+            self.group_transfers = await asyncio.to_thread(self._sum_transfer_stats)
         return [
             Outcome(
                 task,
@@ -229,6 +232,16 @@ class PrefillGroup:
         flags = torch.tensor([int(x) for x in ok], dtype=torch.int64, device=self.runner.cache.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         return [bool(x) for x in flags.tolist()]
+
+    def _sum_transfer_stats(self) -> TransferStats:
+        """Every rank's KV send totals, summed: only the leader heartbeats, but each rank sends its own heads."""
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, self.transfer_metrics.stats())
+        failures: Counter[str] = Counter()
+        for stats in gathered:
+            failures.update(stats.failures)
+        return TransferStats(completed=sum(t.completed for t in gathered), bytes_total=sum(t.bytes_total for t in gathered),
+                             seconds_total=sum(t.seconds_total for t in gathered), failures=dict(failures))
 
     # ------------------------------------------------------------ leader: results
 

@@ -57,6 +57,32 @@ def test_both_dp_ranks_serve_concurrent_requests(stack, tokenizer, hf_greedy):
         assert resp.token_ids == hf_greedy(tuple(tokenizer.encode(prompt)), n)
 
 
+def test_the_prefill_leader_reports_both_tp_ranks_kv_sends(stack):
+    """Each TP rank sends its own KV head; the leader's heartbeat sums both ranks' shards,
+    so its totals match what the decode ranks received (every request's whole KV)."""
+
+    def totals(watch):
+        sent = [hb.transfer for hb in watch.live("prefill") if hb.transfer is not None]
+        received = [hb.transfer for hb in watch.live("decode") if hb.transfer is not None]
+        return (sum(t.completed for t in sent), sum(t.bytes_total for t in sent), sum(t.completed for t in received),
+                sum(t.bytes_total for t in received), [t.failures for t in sent + received if t.failures])
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("prefill")) == 1 and len(w.live("decode")) == 2, 10, "prefill leader and decode ranks")
+            before = totals(watch)
+            for prompt in PROMPTS:
+                await client.generate(GenerateRequest(prompt=prompt, max_tokens=2, temperature=0))
+            await watch.wait_for(lambda w: totals(w)[2] >= before[2] + len(PROMPTS) and totals(w)[0] >= before[0] + 2 * len(PROMPTS), 5, "transfer totals")
+            return before, totals(watch)
+
+    before, after = run(go())
+    sent, sent_bytes, received, received_bytes, failures = (a - b if isinstance(a, int) else a for a, b in zip(after, before))
+    assert received == len(PROMPTS) and sent == 2 * len(PROMPTS)  # one shard per TP rank per request
+    assert sent_bytes == received_bytes > 0
+    assert failures == []
+
+
 def test_every_rank_of_the_tp_and_dp_groups_warmed_up(stack):
     ranks = {(e["service"], e["replica"], e["rank"]) for e in log_events(stack, "warmup.done")}
     prefill = next(r.instance for r in stack.replicas if r.role == "prefill")
