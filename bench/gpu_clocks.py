@@ -8,6 +8,16 @@ background thread; :meth:`ClockSampler.window` gives the readings taken
 between two moments.  Nothing here changes a clock, a power limit or any
 other setting of the card.  Without NVML (no ``pynvml``, no driver) the
 sampler records nothing and every window is empty.
+
+What the readings showed on 2x H200 (grouped_gemm.jsonl at a371ffeef6e4 and
+d53287d0f526): under the bench's sustained timing a dense bf16 8192^3 GEMM read
+1650-1700 MHz at the 700 W cap (nvidia-smi: "SW Power Cap" active, no thermal
+slowdown, at most 73 C) and in bursts 1930-1980 MHz.  NVML's SM clock is the
+clock set at the moment of the sample, not the clock averaged over a kernel:
+ncu (``--clock-control none``) measured single grouped-GEMM launches at an
+effective 1.54-1.61 GHz (cycles over duration) where NVML samples of similar
+short runs read 1980.  Read the recorded clocks as an upper bound; NVML's power
+figure is itself averaged over a past period and lags short windows.
 """
 
 from __future__ import annotations

@@ -36,15 +36,30 @@ block-scaled and MXFP8 mainloops; ``grouped_gemm_sm90_epilogue`` the epilogue
 of a tile past its expert are never written; TMA zero-fills K and N beyond the
 tensor bounds, so N and token counts need not be multiples of the tile).
 
-Measured on one H200 (bench/results/grouped_gemm.jsonl, 128 experts, Qwen3-235B
-and Qwen3-30B shapes, prefill at 375 / 2048 tokens per expert) at 630de789194f,
-dense bf16 GEMM 696 TFLOP/s in the same run: bf16 614-687 TFLOP/s (1.04-1.44x
-torch._grouped_mm), FP8 block-scaled 878-1070 (1.01-4.1x torch's rowwise
-_scaled_grouped_mm); decode (1-64 tokens per expert) bf16 3.65-4.31 TB/s of
-weights (1.22-1.66x torch), FP8 0.49-0.57 of bf16's time.  128x192 FP8 tiles
-with turn-taking warpgroups against 128x128 with two partials, same GPU, at
-52897435c705: ahead on 5 of 8 prefill shapes (up to +9%), at most 2.4% behind.
+Measured on one H200 of a 2x H200 machine (bench/results/grouped_gemm.jsonl at
+d53287d0f526, 2026-11-30, GPU 1, 128 experts, Qwen3-235B / Qwen3-30B shapes), each
+figure sustained / burst (bench ``--timing``; the GPU holds its 700 W power cap under
+sustained load and lowers its SM clock, so long kernels lose 5-15% sustained):
+bf16 prefill at 375 tokens per expert 604-672 / 608-709 TFLOP/s, at 2048 633-683 /
+717-772 (1.07-1.57x torch._grouped_mm); FP8 block-scaled 849-1031 / 889-1130
+(1.03-4.1x torch's rowwise _scaled_grouped_mm); dense GEMMs in the same run: bf16
+672 / 784, FP8 (torch._scaled_mm) 1271 / 1431.  GPU 0 of the same call, prefill
+only: bf16 615-696 / 617-781, FP8 912-1063 / 912-1161.  Decode (1-64 tokens per
+expert) bf16 streams 3.63-4.27 TB/s of weights (1.21-1.67x torch), FP8 takes
+0.50-0.58 of bf16's time; decode PTX equals a371ffeef6e4's, where 30B down at 64
+tokens streamed 3.70 / 3.71 TB/s: machine-to-machine spread is 2-3%.  An ncu profile
+of single launches (d53287d0f526): bf16 30B down at 375 tokens keeps the tensor pipe
+74% busy with DRAM at 56% (2.68 TB/s, about the bytes that must move), 30B gate_up
+80%, 30B down at 2048 tokens 88%; FP8 54% (30B down) and 67% (235B gate_up).
 
+Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
+burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%
+(235B down), +4.4 / +3.5% (30B gate_up), +3.1 / +3.2% (30B down) and -0.8 / -0.4%
+(235B gate_up), 128x128 +8.4 / +3.0% on 30B gate_up and +1.6% on 30B down, -1..-6%
+elsewhere; at 2048 tokens both were 2-9% slower on every shape.  A choice by token
+count would need a third tile bucket, which the services' warm-up (two buckets, see
+services.warmup) does not compile.  FP8 128x128 two-partial tiles against 128x192:
+192 ahead or level on 7 of 8 prefill shapes.
 Tried and dropped: for FP8, one partial per warpgroup without turns (DeepGEMM's
 plain schedule; the warpgroups' promotions coincide, 6-17% slower than two
 partials, d2c25f900d65), scales loaded a block ahead (91f4cc30e91f); bf16
