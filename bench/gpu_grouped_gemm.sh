@@ -5,6 +5,8 @@
 #          "--dtypes bf16,fp8|--tile-n 128 --dtypes bf16 --only gemm:qwen3-30b:down:prefill");
 #   GPU 1: bench/grouped_gemm.py with GG_BENCH_ARGS (default: all cases).
 #   Each bench case measures ours and torch._grouped_mm / torch._scaled_grouped_mm in the same process.
+#   Add --timing both (or burst) to GG_BENCH_ARGS / a variant for burst figures beside the sustained ones
+#   (the H200 lowers its clock at its 700 W cap under sustained load; see bench/grouped_gemm.py).
 # Logs: $OUT/*.log; bench lines: $OUT/gpu0/grouped_gemm.jsonl and $OUT/gpu1/grouped_gemm.jsonl (append both
 # to bench/results/grouped_gemm.jsonl here). Every step has a wall limit, every test a pytest-timeout.
 # Carry: [".gpu/cutedsl-4.8.1-cp312-cu13.tar.xz", ".cache/commit"]; before the call:
