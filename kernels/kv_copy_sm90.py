@@ -27,7 +27,12 @@ from kernels.kv_copy import LAUNCH_PARAMS, VECTOR_BYTES, KVCopyError
 # Launch shape: on 2x H200 every shape from 128 threads x 8 loads to 512 x 4, 1 to 16 CTAs per SM,
 # wrote 350-367 GB/s over NVLink at 6k and 32k tokens (TP=1 and 2-head shards; 1024 x 2:
 # 346-363; the copy engines' peer copy: ~393); this one was within 0.3% of the best in all
-# three cases: the stores, not the launch shape, set the rate.
+# three cases: the stores, not the launch shape, set the rate. This shape, measured alone
+# (bench/kv_copy.py, 2026-11-30, recorded as 21ebb95b7f77+h29-pinned): 364 / 356 / 363 GB/s
+# at 6k tokens for 32 KiB / 8 KiB / 4 KiB rows, 369 / 356 / 362 at 32k, peer copy 391-394.
+# Moving the rows with the SM's bulk-copy engine (cp.async.bulk global -> shared -> peer, 7
+# chunk / stage / CTA shapes, a334c51) wrote 351-368 GB/s, and this kernel run on the decode
+# GPU reading over NVLink 370 against 365 writing: SM-issued NVLink traffic tops out there.
 THREADS = 128
 CTAS_PER_SM = 8  # items are many and short: several CTAs per SM keep every SM's loads going
 UNROLL = 8  # loads in flight per thread before their stores

@@ -23,14 +23,19 @@ prefill rank calls it at start, so its first request pays no compile (measured o
 project's 2-core CPU box: ~0.4 s per access width, plus ~1 s to import CuTeDSL where
 nothing imported it yet).
 
-Measured on 2x H200 (bench/results/kv_transfer.jsonl): the CuTeDSL kernel writes ~366 GB/s
-over NVLink at 6k and 32k tokens, whatever its launch shape (128 to 512 threads, 1 to 16
-CTAs per SM: 350-367 GB/s), against the copy engines' ~393 for one contiguous peer copy; a
-copy-engine copy running next to the kernel adds nothing (367 GB/s together: the link is
-full). 2-D copy-engine copies of the same rows (one ``cudaMemcpy2DAsync`` per page, rows =
-layers; 25564ebbe612) ran at ~210 GB/s and cost ~7 us of host time per call; they were
-dropped. Host cost on that machine's CPU: building the writer ~90 us (~210 us inside a
-sender process), a launch ~44 us.
+Measured on 2x H200 (bench/results/kv_copy.jsonl and kv_transfer.jsonl, 2026-11-30): the
+CuTeDSL kernel alone writes 356-369 GB/s over NVLink at 6k and 32k tokens (whole pages,
+2-head K/V halves, one head's 4 KiB block), whatever its launch shape (350-367 GB/s) and
+whether the rows go through registers or the SM's bulk-copy engine (351-368, a334c51),
+against the copy engines' 391-394 for one contiguous peer copy; a copy-engine copy running
+next to the kernel adds nothing (367 GB/s together). 2-D copy-engine copies of the same rows
+(one ``cudaMemcpy2DAsync`` per page, rows = layers; 25564ebbe612) ran at ~210 GB/s and cost
+~7 us of host time per call; they were dropped. Host cost on that machine's CPU: building
+the writer ~45 us and a launch ~23 us when timed in a loop (in a fresh process and inside a
+sender process alike), but ~280 us and ~140 us once per transfer in a sender (the
+transfer's set-up runs cold: on the 2-core CPU box a writer takes ~30-70 us in a loop and
+~260-330 us after 20 ms of idling); uploading the launch parameters from pinned memory did
+not change that.
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.
