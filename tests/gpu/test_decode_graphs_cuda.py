@@ -9,7 +9,8 @@ token by token, then the plain runner's greedy choice), with sequences joining,
 crossing page boundaries (page size 4) and leaving (pages freed and reused).
 
 Every graph replay must equal the eager padded forward bit for bit, and both must
-agree with the plain step to bf16 rounding. Once on one GPU (ep 1), once as DP2 x EP2
+agree with the plain step to bf16 rounding; with bf16 weights and with block-FP8 ones (the
+checkpoint converted by `moebus quantize`). Once on one GPU (ep 1), once as DP2 x EP2
 on two GPUs with `PeerDecodeMoE`, where rank 1 has no sequences in the first steps
 and after its sequence leaves: it replays the smallest bucket with padding only,
 which its peer's all-to-all needs.
@@ -106,11 +107,19 @@ def _check(report: dict, who: str) -> None:
     assert report["pool_bytes"] > 0
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["bf16", "fp8-block"])
+def checkpoint(request, tmp_path_factory) -> str:
+    """The tiny checkpoint in bf16, and converted by `moebus quantize` to block FP8 (Qwen's FP8
+    format: experts through the FP8 grouped GEMM, the other projections dequantized per call)."""
+    from shared.model.quantize import quantize_checkpoint
     from shared.model.tiny import make_tiny
 
-    return str(make_tiny(tmp_path_factory.mktemp("decode_graphs"), **SHAPES))
+    path = make_tiny(tmp_path_factory.mktemp("decode_graphs"), **SHAPES)
+    if request.param == "bf16":
+        return str(path)
+    out = tmp_path_factory.mktemp("decode_graphs_fp8") / "model"
+    quantize_checkpoint(path, out, request.param)
+    return str(out)
 
 
 def test_graph_replays_equal_eager_on_one_gpu(checkpoint):
