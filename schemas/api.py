@@ -97,7 +97,14 @@ class ErrorReply(msgspec.Struct, forbid_unknown_fields=True, tag="error", tag_fi
     request_id: str | None = None
 
 
-GenerateReply = GenerateResponse | GenerateChunk | ErrorReply
+class Keepalive(msgspec.Struct, forbid_unknown_fields=True, tag="keepalive", tag_field="type", kw_only=True):
+    """Not a result: the gateway still serves the request. Sent only to a client that asked for
+    it (header ``Moebus-Keepalive-Ms``), whenever that long passed without another reply."""
+
+    request_id: str
+
+
+GenerateReply = GenerateResponse | GenerateChunk | ErrorReply | Keepalive
 
 
 class ModelCard(msgspec.Struct, forbid_unknown_fields=True):

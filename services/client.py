@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 
 from schemas import subjects
-from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, ModelList
-from shared.bus import CONTENT_TYPE, JSON, MSGPACK, Bus, BusError, Deadline, Unreachable, connect, decode_public, encode_public
+from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList
+from shared.bus import CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, Unreachable, connect, decode_public, encode_public
 
 
 class GenerateError(Exception):
@@ -32,13 +32,25 @@ class GenerateError(Exception):
         self.request_id = request_id
 
 
-class Client:
-    """Talks to `llm.*` over an open bus. `timeout` bounds the wait when a request sets no deadline."""
+# A gateway silent for this many keepalive intervals is taken for gone (one late keepalive,
+# e.g. from a loaded host, is not enough).
+SILENT_INTERVALS = 3
 
-    def __init__(self, bus: Bus, content_type: str = JSON, timeout: float = 120.0) -> None:
+
+class Client:
+    """Talks to `llm.*` over an open bus. `timeout` bounds the wait when a request sets no deadline.
+
+    `keepalive_s`: the gateway is asked for a keepalive whenever that long passed without a
+    reply (`KEEPALIVE_HEADER`); after `SILENT_INTERVALS` of them without any reply the
+    request fails with `unavailable` instead of waiting out its deadline (a gateway that
+    died after accepting it). None: ask for none, wait for the deadline.
+    """
+
+    def __init__(self, bus: Bus, content_type: str = JSON, timeout: float = 120.0, keepalive_s: float | None = 2.0) -> None:
         self.bus = bus
         self.ctype = content_type
         self.timeout = timeout
+        self.keepalive_s = keepalive_s
 
     def _deadline(self, req: GenerateRequest) -> Deadline:
         # The gateway answers `timeout` at the request's own deadline; wait a little longer for that reply.
@@ -68,14 +80,20 @@ class Client:
     async def _replies(self, req: GenerateRequest) -> AsyncIterator[GenerateResponse | GenerateChunk]:
         def is_last(msg: Any) -> bool:
             reply = decode_public(msg.data, GenerateReply, self.ctype)
-            return not isinstance(reply, GenerateChunk) or reply.finish_reason is not None
+            return isinstance(reply, (GenerateResponse, ErrorReply)) or (isinstance(reply, GenerateChunk) and reply.finish_reason is not None)
 
+        headers = self._headers()
+        silence_s = None
+        if self.keepalive_s is not None:
+            headers[KEEPALIVE_HEADER] = str(round(self.keepalive_s * 1000))
+            silence_s = SILENT_INTERVALS * self.keepalive_s
         try:
-            async for msg in self.bus.stream(subjects.GENERATE, encode_public(req, self.ctype), is_last, self._deadline(req), self._headers()):
+            async for msg in self.bus.stream(subjects.GENERATE, encode_public(req, self.ctype), is_last, self._deadline(req), headers, silence_s):
                 reply = decode_public(msg.data, GenerateReply, self.ctype)
                 if isinstance(reply, ErrorReply):
                     raise GenerateError(reply.error.code, reply.error.message, reply.request_id)
-                yield reply
+                if not isinstance(reply, Keepalive):
+                    yield reply
         except BusError as e:
             raise GenerateError("unavailable", str(e), req.request_id) from e
 

@@ -1,7 +1,7 @@
 """Whether this process is hearing the bus: the reference for judging others' silence.
 
-The gateway (stages serving a request) and the scheduler (its registry) count a process
-as gone once its heartbeats stop. But silence is only evidence while the watcher itself
+The gateway (stages serving a request), the scheduler (its registry) and the decode
+ranks (gateways whose requests they run) count a process as gone once its heartbeats stop. But silence is only evidence while the watcher itself
 was reading: its own heartbeat travels the same way as everyone's (its event loop ->
 NATS -> its event loop), so while its own beats do not come back it hears nobody (its
 process starved of CPU, a pause of the whole host, a stalled NATS server). A watcher
@@ -51,3 +51,42 @@ class Hearing:
         if now - self.own_heard_at > self.deaf_after_s:
             return 0.0
         return max(0.0, now - max(last_heard, self.listening_since))
+
+
+class PeerLiveness:
+    """The last heartbeat heard from every process of `roles`, judged against our own hearing.
+
+    The gateway watches the prefill and decode ranks serving its requests and fails a
+    request whose stage died (or restarted) once that stage has been silent for
+    `expiry_s` of time the gateway itself was listening, instead of at the request's
+    deadline; a decode rank watches the gateways it sends tokens to and drops the requests
+    of one that died (nobody is left to read them), freeing their KV pages.
+    """
+
+    def __init__(self, own: MemberKey, interval_s: float, expiry_s: float, now: float, roles: tuple[str, ...]) -> None:
+        """`own`: this process's heartbeat key; `interval_s`: the heartbeat interval; `expiry_s`:
+        heard silence after which a peer counts as stopped; `now`: we start listening here;
+        `roles`: the roles watched."""
+        self.hearing = Hearing(own, interval_s, now)
+        self.expiry_s = expiry_s
+        self.roles = roles
+        self.heard_at: dict[MemberKey, tuple[float, float]] = {}  # peer -> (last heard, its started_at)
+
+    def heard(self, hb: Heartbeat, now: float) -> None:
+        """A heartbeat read from the bus (every role's: our own one is the reference)."""
+        self.hearing.heard(hb, now)
+        if hb.role in self.roles:
+            self.heard_at[member_key(hb)] = (now, hb.started_at)
+
+    def placed(self, key: MemberKey, now: float) -> float:
+        """Work now depends on `key`: as good as a heartbeat if none was heard yet.
+        Returns the peer's start time as last heard (0.0: unknown, restarts go unnoticed)."""
+        return self.heard_at.setdefault(key, (now, 0.0))[1]
+
+    def stopped(self, key: MemberKey, started_at: float, now: float) -> bool:
+        """Whether the peer (started at `started_at` when the work was placed) restarted since,
+        or has been silent for `expiry_s` of time we were listening."""
+        last, current_start = self.heard_at.get(key, (now, 0.0))
+        if started_at and current_start != started_at:
+            return True
+        return self.hearing.silence(last, now) > self.expiry_s

@@ -33,6 +33,10 @@ log = get_logger(__name__)
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 CONTENT_TYPE = "Content-Type"
+# A client that sends this header (milliseconds) gets a `Keepalive` reply whenever that long
+# passed without another reply, so it can tell a gateway that died from a long request.
+KEEPALIVE_HEADER = "Moebus-Keepalive-Ms"
+KEEPALIVE_MS_RANGE = (100, 60_000)
 
 Handler = Callable[[Msg], Awaitable[None]]
 
@@ -47,6 +51,10 @@ class NoResponders(BusError):
 
 class RequestTimeout(BusError):
     pass
+
+
+class Silent(BusError):
+    """The responder sent nothing, not even a keepalive, for longer than it promised."""
 
 
 class Unreachable(BusError):
@@ -101,6 +109,18 @@ def content_type(msg: Msg) -> str:
     headers = msg.headers or {}
     value = headers.get(CONTENT_TYPE, "").split(";")[0].strip().lower()
     return MSGPACK if value == MSGPACK else JSON
+
+
+def keepalive_interval(msg: Msg) -> float | None:
+    """Seconds between keepalives a request asked for (``KEEPALIVE_HEADER``), None if it asked
+    for none; ``ValueError`` naming the header when its value is not an integer in range."""
+    value = (msg.headers or {}).get(KEEPALIVE_HEADER)
+    if value is None:
+        return None
+    low, high = KEEPALIVE_MS_RANGE
+    if not value.strip().isdigit() or not low <= int(value) <= high:
+        raise ValueError(f"header {KEEPALIVE_HEADER} must be an integer number of milliseconds in [{low}, {high}], got {value!r}")
+    return int(value) / 1000
 
 
 def encode_public(obj: Any, ctype: str = JSON) -> bytes:
@@ -179,11 +199,13 @@ class Bus:
         is_last: Callable[[Msg], bool],
         deadline: Deadline,
         headers: dict[str, str] | None = None,
+        silence_s: float | None = None,
     ) -> AsyncIterator[Msg]:
         """Send one request and yield every reply until `is_last(reply)` or the deadline.
 
-        Raises NoResponders when nobody listens on `subject` and RequestTimeout when the
-        deadline passes before the last reply.
+        Raises NoResponders when nobody listens on `subject`, RequestTimeout when the
+        deadline passes before the last reply, and Silent when `silence_s` passes without
+        any reply (for a responder that promised keepalives).
         """
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
@@ -191,9 +213,11 @@ class Bus:
             await self.nc.publish(subject, payload, reply=inbox, headers=headers)
             while True:
                 try:
-                    msg = await sub.next_msg(timeout=deadline.timeout())
+                    msg = await sub.next_msg(timeout=deadline.timeout(silence_s))
                 except NATSTimeoutError as e:
-                    raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
+                    if deadline.expired:
+                        raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
+                    raise Silent(f"no reply on {subject} for {silence_s:g}s: the responder stopped answering") from e
                 if msg.headers and msg.headers.get("Status") == "503":
                     raise NoResponders(f"no responder on {subject}")
                 yield msg

@@ -126,9 +126,11 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     warmup: bool = True  # run dummy decode steps through every rank (compiling its kernels) before it reports ready
     cuda_graphs: bool = True  # on CUDA (kernel path): decode steps as CUDA-graph replays per batch x page bucket; ignored on CPU
     cuda_graphs_max: int = 64  # graphs captured at most per rank; a step needing another bucket runs eagerly
+    gateway_expiry_s: float = 5.0  # a gateway silent this long (while the rank listens) has its requests dropped here
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.dp, "dp")
+        _check_expiry(self.gateway_expiry_s, self.heartbeat_interval_s, "gateway_expiry_s")
         if self.cuda_graphs_max < 1:
             raise ValueError(f"cuda_graphs_max must be >= 1, got {self.cuda_graphs_max}")
 

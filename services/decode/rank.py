@@ -9,6 +9,11 @@ A reservation holds the pages the transfer fills (the prompt) plus room for
 `max_tokens`, so a running sequence never needs pages mid-flight. It ends in one of:
 `StartDecode` (the sequence runs), cancel, or its lease — then every page is freed
 and the gateway hears why.
+
+The rank also watches the heartbeats of the gateways it serves (`PeerLiveness`): a
+gateway silent for `gateway_expiry_s` of time the rank was listening, or restarted, can
+no longer read its requests' tokens, so they are dropped and their pages freed instead
+of decoding on to their deadlines.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.api import ErrorCode
-from schemas.internal import Cancel, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
+from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
 from services.common import Heartbeater
 from services.decode.lockstep import GroupState, Lockstep
+from services.liveness import MemberKey, PeerLiveness
 from services.model_rank import sampling_params
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.kvcache import OutOfPages
@@ -43,6 +49,7 @@ class Reservation:
     request_id: str
     gateway: str
     extra_pages: list[int]  # completion room beyond the transferred prompt pages
+    gateway_started_at: float  # the gateway's start time as last heard at reservation (0.0: unknown)
     lease: asyncio.TimerHandle | None = None
     starting: bool = False  # StartDecode arrived, waiting for the KV to land
 
@@ -51,6 +58,7 @@ class Reservation:
 class Running:
     job: Job
     seq: SequenceState
+    gateway_started_at: float
     cancelled: str | None = None  # reason, when cancelled while a step was in flight
     steps: Counter[str] = field(default_factory=Counter)  # decode steps by forward path (graph_replay, eager, ...)
 
@@ -70,6 +78,8 @@ class DecodeRank:
         self.draining = False
         self.step_paths: Counter[str] = Counter()  # steps of this rank's sequences by forward path (heartbeat)
         self.heartbeater = Heartbeater(bus, settings, "decode", self._status, rank=rank)
+        self.gateways = PeerLiveness(("decode", settings.instance, rank), settings.heartbeat_interval_s, settings.gateway_expiry_s,
+                                     time.monotonic(), roles=("gateway",))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -78,6 +88,7 @@ class DecodeRank:
         await self.bus.subscribe(subjects.decode_reserve(inst, rank), self._on_reserve, concurrent=False)
         await self.bus.subscribe(subjects.decode_start(inst, rank), self._on_start)
         await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
+        await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
         self.heartbeater.start()
 
     async def run(self) -> None:
@@ -110,6 +121,7 @@ class DecodeRank:
                 self.step_paths[result.path] += 1
             await self._publish(batch, result.outputs, result.compute_ms, result.path)
             await self._expire_deadlines()
+            await self._drop_orphans()
 
     async def drain(self) -> None:
         """Stop taking reservations; `run` finishes the running sequences and returns."""
@@ -167,7 +179,7 @@ class DecodeRank:
         except (OutOfPages, ValueError) as e:
             return refuse(str(e))
         extra = allocator.alloc(total - len(descriptor.page_ids))
-        res = Reservation(req.request_id, req.gateway, extra)
+        res = Reservation(req.request_id, req.gateway, extra, self.gateways.placed(_gateway_key(req.gateway), time.monotonic()))
         res.lease = asyncio.get_running_loop().call_later(lease_s, self._lease_ended, res)
         self.reserved[req.request_id] = res
         return KVReservation(request_id=req.request_id, ok=True, descriptor=descriptor)
@@ -213,7 +225,7 @@ class DecodeRank:
             seq = self.runner.add(job.request_id, prompt, params, page_table=pages + res.extra_pages, num_cached=len(prompt), output_ids=[start.first_token])
             if seq.generator is not None and start.generator_state is not None:
                 seq.generator.set_state(torch.frombuffer(bytearray(start.generator_state), dtype=torch.uint8))
-            self.running[job.request_id] = Running(job, seq)
+            self.running[job.request_id] = Running(job, seq, res.gateway_started_at)
             log.info("decode_started", prompt_tokens=len(prompt))
             self.work.set()
 
@@ -259,6 +271,18 @@ class DecodeRank:
             self._finish(entry)
             await self._send_error(entry.job.gateway, entry.job.request_id, "timeout", "deadline passed during decode")
 
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        self.gateways.heard(unpack(msg.data, Heartbeat), time.monotonic())
+
+    async def _drop_orphans(self) -> None:
+        """Free the requests (running or reserved) of gateways that stopped: nobody reads their tokens."""
+        now = time.monotonic()
+        for entry in [e for e in self.running.values() if self.gateways.stopped(_gateway_key(e.job.gateway), e.gateway_started_at, now)]:
+            self._finish(entry)
+            log.info("decode_orphaned", request_id=entry.job.request_id, gateway=entry.job.gateway, tokens=len(entry.seq.output_ids))
+        for res in [r for r in self.reserved.values() if self.gateways.stopped(_gateway_key(r.gateway), r.gateway_started_at, now)]:
+            await self._drop_reservation(res, None, f"gateway {res.gateway} stopped")
+
     async def _fail_all(self, code: ErrorCode, message: str) -> None:
         for entry in list(self.running.values()):
             self._finish(entry)
@@ -269,3 +293,7 @@ class DecodeRank:
     async def _send_error(self, gateway: str, request_id: str, code: ErrorCode, message: str) -> None:
         error = StageError(request_id=request_id, code=code, message=message, stage=self.name)
         await self.bus.publish(subjects.tokens(gateway, request_id), pack(error))
+
+
+def _gateway_key(gateway: str) -> MemberKey:
+    return ("gateway", gateway, 0)

@@ -5,7 +5,7 @@ relay the token batches arriving on `tok.<gateway>.<request>` to the client as o
 reply or a stream of chunks. The gateway also watches the heartbeats of the stages
 serving each request: a prefill or decode process that dies fails its requests with
 `unavailable` within `stage_expiry_s` (of time the gateway itself was listening:
-services/gateway/liveness.py), well before their deadlines.
+services/liveness.py), well before their deadlines.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, Subm
 from services.common import Heartbeater
 from services.gateway.admission import Admission, Admitted, Rejected
 from services.gateway.completion import Completion, Delta
-from services.gateway.liveness import StageKey, StageLiveness
+from services.gateway.replies import Replies
 from services.gateway.stats import RequestCounters
-from shared.bus import Bus, BusError, Deadline, NoResponders, content_type, decode_public, encode_public, pack, unpack
+from services.liveness import MemberKey, PeerLiveness
+from shared.bus import Bus, BusError, Deadline, NoResponders, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
@@ -64,7 +65,7 @@ class Flight:
     aborted: asyncio.Future[StageError] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     unanswered_submit: asyncio.Task[Placement] | None = None  # the scheduler's answer, still due after an abort
     placement: Placement | None = None
-    watched: dict[StageKey, float] = field(default_factory=dict)  # stage -> its started_at when placed
+    watched: dict[MemberKey, float] = field(default_factory=dict)  # stage -> its started_at when placed
 
     def abort(self, error: StageError) -> None:
         """End the request from the gateway's side (cancel, shutdown), whatever phase it is in."""
@@ -81,7 +82,8 @@ class Gateway:
         self.tokenizer = tokenizer
         self.id = settings.instance
         self.flights: dict[str, Flight] = {}
-        self.liveness = StageLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic())
+        self.liveness = PeerLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic(),
+                                     roles=("prefill", "decode"))
         self.counters = RequestCounters()
         self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"in_flight": len(self.flights), "requests": self.counters.stats()})
         self._generate_sub: Any = None
@@ -144,10 +146,8 @@ class Gateway:
             return  # published without a reply subject: nobody to answer
         arrival_mono, arrival = time.monotonic(), time.time()
         ctype = content_type(msg)
-
-        async def send(obj: Any) -> None:
-            self.counters.reply(obj)
-            await self.bus.publish(msg.reply, encode_public(obj, ctype))
+        replies = Replies(self.bus, msg.reply, ctype, self.counters)
+        send = replies.send
 
         try:
             req = decode_public(msg.data, GenerateRequest, ctype)
@@ -158,6 +158,10 @@ class Gateway:
             await send(ErrorReply(error=ErrorInfo("invalid_request", f"malformed {ctype.split('/')[-1]}: {e}")))
             return
         try:
+            try:
+                keepalive_s = keepalive_interval(msg)
+            except ValueError as e:
+                raise Rejected("invalid_request", str(e)) from e
             if len(self.flights) >= self.settings.max_in_flight:
                 raise Rejected("overloaded", f"gateway {self.id} has {len(self.flights)} requests in flight")
             admitted = self.admission.admit(req, self.id, arrival)
@@ -171,6 +175,7 @@ class Gateway:
         flight = Flight(admitted)
         self.flights[request_id] = flight
         with bind_request(request_id=request_id):
+            pinger = asyncio.create_task(replies.keep_alive(keepalive_s, request_id)) if keepalive_s else None
             try:
                 await self._serve(flight, req.stream, send, arrival_mono)
             except Failed as e:
@@ -180,6 +185,8 @@ class Gateway:
                 log.exception("request_crashed")
                 await send(ErrorReply(error=ErrorInfo("internal", f"{type(e).__name__}: {e}"), request_id=request_id))
             finally:
+                if pinger is not None:
+                    pinger.cancel()
                 await self._cancel_late_placement(flight)
                 self.flights.pop(request_id, None)  # only now may a new request reuse the id here
 

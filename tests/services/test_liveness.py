@@ -3,7 +3,7 @@ only while the watcher was listening, and expiries leave room for late heartbeat
 
 A pytest run on a loaded 2-core box once failed a healthy request with "decode ... stopped
 responding": a process that does not get the CPU (the gateway, the decode rank, or the
-whole host) reads or sends heartbeats late. The unit tests feed `StageLiveness` and the
+whole host) reads or sends heartbeats late. The unit tests feed `PeerLiveness` and the
 scheduler's `Registry` heartbeats at chosen times (no sleeps); the stack test pauses real
 processes with SIGSTOP, as a starved or paused host does, with margins of seconds.
 """
@@ -19,8 +19,7 @@ import pytest
 
 from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Role
-from services.gateway.liveness import StageLiveness
-from services.liveness import Hearing
+from services.liveness import Hearing, PeerLiveness
 from services.scheduler.registry import Registry
 from shared.settings import GatewaySettings, SchedulerSettings, SettingsError, load_settings
 
@@ -36,9 +35,9 @@ def beat(key: tuple[str, str, int], started_at: float = 100.0) -> Heartbeat:
     return Heartbeat(role=role, instance=key[1], rank=key[2], model="m", version="v", started_at=started_at)
 
 
-def listening_gateway(until: float, decode_beats_until: float) -> StageLiveness:
+def listening_gateway(until: float, decode_beats_until: float) -> PeerLiveness:
     """A gateway that heard its own beat and the decode rank's every 0.5 s from t=0."""
-    live = StageLiveness(GATEWAY, interval_s=0.5, expiry_s=EXPIRY, now=0.0)
+    live = PeerLiveness(GATEWAY, interval_s=0.5, expiry_s=EXPIRY, now=0.0, roles=("prefill", "decode"))
     live.placed(DECODE, 0.0)
     t = 0.0
     while t <= until:

@@ -19,8 +19,8 @@ import pytest
 
 from schemas.api import ChatMessage, ErrorReply, GenerateRequest, GenerateResponse, ModelList
 from schemas.internal import Heartbeat
-from services.client import GenerateError
-from shared.bus import CONTENT_TYPE, MSGPACK
+from services.client import Client, GenerateError
+from shared.bus import CONTENT_TYPE, KEEPALIVE_HEADER, MSGPACK
 
 from services_helpers import all_kv_free, log_events, run, session, stack_fixture, stream_all
 
@@ -285,13 +285,15 @@ def test_bad_input_gets_a_typed_error_fast_and_others_are_unaffected(stack, toke
                 started = time.monotonic()
                 replies.append((await client.send_raw(payload), time.monotonic() - started))
             good = await good
-            rejected = {"invalid_request": before.get("invalid_request", 0) + len(BAD_INPUTS) + 1, "unknown_model": before.get("unknown_model", 0) + 1}
+            bad_header = await client.send_raw(b'{"prompt": "hi"}', headers={KEEPALIVE_HEADER: "5"})
+            replies.append((bad_header, 0.0))
+            rejected = {"invalid_request": before.get("invalid_request", 0) + len(BAD_INPUTS) + 2, "unknown_model": before.get("unknown_model", 0) + 1}
             await watch.wait_for(lambda w: all(_counters(w)["failed"].get(code, 0) >= n for code, n in rejected.items()), 5, "rejections counted")
             return replies, good, rejected, _counters(watch)["failed"]
 
     replies, good, rejected, failed = run(go())
     assert {code: failed[code] for code in rejected} == rejected  # every rejection counted once, under its code
-    expectations = [e for _, e in BAD_INPUTS] + ["context", "nope"]
+    expectations = [e for _, e in BAD_INPUTS] + ["context", "nope", "Moebus-Keepalive-Ms must be an integer number of milliseconds in [100, 60000], got '5'"]
     for (reply, elapsed), expected in zip(replies, expectations, strict=True):
         assert isinstance(reply, ErrorReply), reply
         assert reply.error.code == ("unknown_model" if expected == "nope" else "invalid_request")
@@ -415,6 +417,45 @@ def test_decode_killed_mid_stream_fails_fast_and_survivors_serve(stack, tokenize
     assert err.code == "unavailable"
     assert detected < 5.0  # stage_expiry_s=2 + the 0.25 s watch tick, far before the 60 s deadline
     assert after.token_ids == hf_greedy(tuple(tokenizer.encode(PROMPTS[3])), 12)
+
+
+def test_a_gateway_killed_mid_request_fails_its_clients_within_three_keepalives(stack, tokenizer, hf_greedy):
+    """Clients that ask for keepalives (every 0.5 s here) learn within 3 intervals that the
+    gateway which accepted their requests died, instead of at their 60 s deadline; a new
+    gateway then serves."""
+    old = next(r for r in stack.replicas if r.role == "gateway" and r.proc.poll() is None)
+
+    async def go():
+        async with session(stack.url) as (plain, watch):
+            client = Client(plain.bus, keepalive_s=0.5)
+            # A unary request quiet for long stretches (only keepalives), and a streamed one.
+            unary = asyncio.ensure_future(client.generate(GenerateRequest(prompt="unary victim", max_tokens=4000, temperature=0, timeout_ms=60_000, request_id="unary-victim")))
+            chunks = client.stream(GenerateRequest(prompt="stream victim", max_tokens=4000, temperature=0, timeout_ms=60_000, request_id="stream-victim"))
+            await chunks.__anext__()
+            await watch.wait_for(lambda w: sum(hb.batch_size for hb in w.live("decode")) == 2, 10, "both victims decoding")
+            await asyncio.sleep(1.5)  # the unary one has lived on keepalives alone for a while
+            assert not unary.done()
+            killed_at = time.monotonic()
+            stack.stop_replica(old, signal.SIGKILL)
+            with pytest.raises(GenerateError) as stream_lost:
+                async for _ in chunks:
+                    pass
+            with pytest.raises(GenerateError) as unary_lost:
+                await unary
+            detected = time.monotonic() - killed_at
+            new = stack.start_replica("gateway")
+            await watch.wait_for(lambda w: any(hb.instance == new.instance for hb in w.live("gateway")), 60, "the new gateway")
+            after = await client.generate(GenerateRequest(prompt=PROMPTS[3], max_tokens=6, temperature=0))
+            await watch.wait_for(all_kv_free, 15, "the victims' KV freed by the decode ranks (gateway_expiry_s=5)")
+            return stream_lost.value, unary_lost.value, detected, after
+
+    stream_lost, unary_lost, detected, after = run(go())
+    assert stream_lost.code == unary_lost.code == "unavailable"
+    assert "stopped answering" in stream_lost.message and "stopped answering" in unary_lost.message
+    assert detected < 4.0  # 3 x 0.5 s of silence, plus a loaded box's slack; the deadline was 60 s
+    assert after.token_ids == hf_greedy(tuple(tokenizer.encode(PROMPTS[3])), 6)
+    orphaned = {e["request_id"] for e in log_events(stack, "decode_orphaned")}
+    assert {"unary-victim", "stream-victim"} <= orphaned  # dropped for the dead gateway, not at the deadline
 
 
 def test_new_decode_instance_gets_placements_without_restarts(stack):
