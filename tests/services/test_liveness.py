@@ -21,7 +21,7 @@ from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Role
 from services.liveness import Hearing, PeerLiveness
 from services.scheduler.registry import Registry
-from shared.settings import GatewaySettings, SchedulerSettings, SettingsError, load_settings
+from shared.settings import DecodeSettings, GatewaySettings, SchedulerSettings, SettingsError, load_settings
 
 from services_helpers import run, session, stack_fixture
 
@@ -110,6 +110,7 @@ def test_the_scheduler_drops_only_members_silent_while_it_listened():
     [
         (GatewaySettings, "gateway", {"MOEBUS_HEARTBEAT_INTERVAL_S": "1.0"}, "stage_expiry_s=2"),
         (SchedulerSettings, "scheduler", {"MOEBUS_SCHEDULER_HEARTBEAT_EXPIRY_S": "1.0"}, "heartbeat_expiry_s=1"),
+        (DecodeSettings, "decode", {"MOEBUS_DECODE_GATEWAY_EXPIRY_S": "1.0"}, "gateway_expiry_s=1"),
     ],
 )
 def test_an_expiry_shorter_than_three_heartbeat_intervals_is_rejected(cls, service, env, field):
