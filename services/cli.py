@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.launch", "start nats-server and a compose stack as local processes"),
     "request": ("services.client", "send one request to a running stack"),
     "status": ("services.status", "show the processes of a running stack, their load and totals"),
+    "metrics": ("services.metrics", "serve a running stack's heartbeats as Prometheus metrics (GET /metrics)"),
     "gateway": ("services.gateway.__main__", "run a gateway"),
     "scheduler": ("services.scheduler.__main__", "run a scheduler"),
     "prefill": ("services.prefill.__main__", "run a prefill instance"),

@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from datetime import datetime
 
@@ -230,6 +233,39 @@ def test_moebus_status_lists_every_process_and_the_request_totals(stack):
     assert f"requests: {sum(requests.outcomes.values())} answered" in as_text.stdout
     decode_pages = sum(hb.kv_total_pages for hb in members if hb.role == "decode")
     assert f"kv pages 0/{decode_pages} in use" in as_text.stdout  # idle between tests
+
+
+def test_moebus_metrics_serves_every_process_to_a_prometheus_scrape(stack):
+    exporter = subprocess.Popen([sys.executable, "-m", "services.cli", "metrics", "--url", stack.url, "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = exporter.stdout.readline()
+        url = re.search(r"(http://\S+/metrics)", first).group(1)
+        deadline = time.monotonic() + 10
+        while True:  # until every process has beaten once since the exporter started
+            page = urllib.request.urlopen(url, timeout=5).read().decode()
+            up = re.findall(r'^moebus_up\{role="(\w+)"', page, re.M)
+            if sorted(up) == ["decode", "decode", "gateway", "prefill", "scheduler"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(url.replace("/metrics", "/nope"), timeout=5)
+
+        async def gateway_requests():
+            async with session(stack.url) as (_, watch):
+                await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 5, "the gateway")
+                return watch.live("gateway")[0].requests
+
+        requests = run(gateway_requests())
+    finally:
+        exporter.send_signal(signal.SIGINT)
+        rc = exporter.wait(30)
+    assert sorted(up) == ["decode", "decode", "gateway", "prefill", "scheduler"], page
+    assert missing.value.code == 404
+    scraped = {m[0]: int(m[1]) for m in re.findall(r'^moebus_gateway_requests_total\{.*outcome="(\w+)"\} (\d+)$', page, re.M)}
+    assert scraped == requests.outcomes and sum(scraped.values()) >= 68  # no traffic between the scrape and the heartbeat
+    assert re.search(r'^moebus_decode_steps_total\{.*path="eager"\} \d+$', page, re.M)
+    assert rc == 0
 
 
 def _counters(watch) -> dict:

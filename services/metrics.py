@@ -1,0 +1,191 @@
+"""`moebus metrics`: the stack's heartbeats as a Prometheus scrape target.
+
+`moebus metrics --url nats://127.0.0.1:4222 --port 9464` listens on `ctl.heartbeat.>`
+and serves `GET /metrics` in Prometheus' text format (version 0.0.4), one series per
+process and field of its latest heartbeat: the same figures `moebus status` prints
+(load, KV pages, decode steps by path, KV transfer totals, a gateway's requests by
+outcome, tokens and latency quantiles). Every series carries `role`, `instance` and
+`rank`; a process silent for `--expiry` seconds is dropped from the page, so a dead
+replica's series end instead of freezing. Counters are the processes' own totals since
+they started (a restart starts them again, which Prometheus' `rate()` handles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+
+from schemas import subjects
+from schemas.internal import Heartbeat, LatencySummary, TransferStats
+from services.common import stop_event
+from shared.bus import Unreachable, connect, unpack
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# (name, type, help) of every family, in page order.
+FAMILIES = [
+    ("moebus_up", "gauge", "1 for every process heard within the expiry"),
+    ("moebus_draining", "gauge", "1 while the process takes no new work"),
+    ("moebus_uptime_seconds", "gauge", "seconds since the process started"),
+    ("moebus_gateway_in_flight", "gauge", "requests between admission and final reply"),
+    ("moebus_gateway_requests_total", "counter", "final replies by outcome (stop, length or the error code)"),
+    ("moebus_gateway_prompt_tokens_total", "counter", "prompt tokens of finished requests"),
+    ("moebus_gateway_completion_tokens_total", "counter", "completion tokens of finished requests"),
+    ("moebus_gateway_ttft_seconds", "gauge", "time to first token over the gateway's latest finished requests, by quantile"),
+    ("moebus_gateway_tpot_seconds", "gauge", "time per output token after the first over the latest finished requests, by quantile"),
+    ("moebus_prefill_queued_requests", "gauge", "requests queued at a prefill instance"),
+    ("moebus_prefill_queued_tokens", "gauge", "input tokens queued or running at a prefill instance"),
+    ("moebus_decode_batch_size", "gauge", "running and reserved requests of a decode rank"),
+    ("moebus_decode_max_batch", "gauge", "most requests a decode rank takes"),
+    ("moebus_decode_kv_pages", "gauge", "KV pages of a decode rank"),
+    ("moebus_decode_kv_pages_free", "gauge", "KV pages neither in use nor reserved"),
+    ("moebus_decode_steps_total", "counter", "decode forwards by path (graph_replay, graph_capture, eager)"),
+    ("moebus_kv_transfers_total", "counter", "completed KV transfers (decode: requests received; prefill: shards sent)"),
+    ("moebus_kv_transfer_bytes_total", "counter", "bytes of the completed KV transfers"),
+    ("moebus_kv_transfer_seconds_total", "counter", "summed wall time of the completed KV transfers"),
+    ("moebus_kv_transfer_failures_total", "counter", "failed KV transfers by cause"),
+]
+Sample = tuple[str, dict[str, str], float]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _quantiles(name: str, labels: dict[str, str], summary: LatencySummary | None) -> Iterator[Sample]:
+    if summary is not None:
+        for q, ms in (("0.5", summary.p50_ms), ("0.9", summary.p90_ms), ("0.99", summary.p99_ms)):
+            yield name, labels | {"quantile": q}, ms / 1000
+
+
+def _transfers(labels: dict[str, str], t: TransferStats | None) -> Iterator[Sample]:
+    if t is None:
+        return
+    yield "moebus_kv_transfers_total", labels, t.completed
+    yield "moebus_kv_transfer_bytes_total", labels, t.bytes_total
+    yield "moebus_kv_transfer_seconds_total", labels, t.seconds_total
+    for cause, n in t.failures.items():
+        yield "moebus_kv_transfer_failures_total", labels | {"cause": cause}, n
+
+
+def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
+    """Every series of one process's heartbeat (`now`: wall clock, for the uptime)."""
+    who = {"role": hb.role, "instance": hb.instance, "rank": str(hb.rank)}
+    yield "moebus_up", who | {"model": hb.model, "version": hb.version}, 1
+    yield "moebus_draining", who, int(hb.draining)
+    yield "moebus_uptime_seconds", who, max(0.0, now - hb.started_at)
+    if hb.role == "gateway":
+        yield "moebus_gateway_in_flight", who, hb.in_flight
+        if hb.requests is not None:
+            for outcome, n in hb.requests.outcomes.items():
+                yield "moebus_gateway_requests_total", who | {"outcome": outcome}, n
+            yield "moebus_gateway_prompt_tokens_total", who, hb.requests.prompt_tokens
+            yield "moebus_gateway_completion_tokens_total", who, hb.requests.completion_tokens
+            yield from _quantiles("moebus_gateway_ttft_seconds", who, hb.requests.ttft)
+            yield from _quantiles("moebus_gateway_tpot_seconds", who, hb.requests.tpot)
+    elif hb.role == "prefill":
+        yield "moebus_prefill_queued_requests", who, hb.queued_requests
+        yield "moebus_prefill_queued_tokens", who, hb.queued_tokens
+    elif hb.role == "decode":
+        yield "moebus_decode_batch_size", who, hb.batch_size
+        yield "moebus_decode_max_batch", who, hb.max_batch
+        yield "moebus_decode_kv_pages", who, hb.kv_total_pages
+        yield "moebus_decode_kv_pages_free", who, hb.kv_free_pages
+        for path, n in hb.decode_steps.items():
+            yield "moebus_decode_steps_total", who | {"path": path}, n
+    yield from _transfers(who, hb.transfer)
+
+
+def render(members: list[Heartbeat], now: float) -> str:
+    """The scrape page: HELP and TYPE, then the series, for every family that has one."""
+    by_family: dict[str, list[str]] = {name: [] for name, _, _ in FAMILIES}
+    for hb in members:
+        for name, labels, value in samples(hb, now):
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            by_family[name].append(f"{name}{{{label_text}}} {value!r}")
+    lines = []
+    for name, kind, help_ in FAMILIES:
+        if by_family[name]:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *by_family[name]]
+    return "\n".join(lines) + "\n"
+
+
+class Exporter:
+    """The latest heartbeat of every process heard within `expiry_s`, and the HTTP side."""
+
+    def __init__(self, expiry_s: float) -> None:
+        self.expiry_s = expiry_s
+        self.latest: dict[tuple[str, str, int], tuple[float, Heartbeat]] = {}
+
+    async def on_heartbeat(self, msg) -> None:  # type: ignore[no-untyped-def]
+        hb = unpack(msg.data, Heartbeat)
+        self.latest[(hb.role, hb.instance, hb.rank)] = (time.monotonic(), hb)
+
+    def page(self) -> str:
+        now = time.monotonic()
+        self.latest = {key: (at, hb) for key, (at, hb) in self.latest.items() if now - at <= self.expiry_s}
+        return render([hb for _, hb in sorted(self.latest.values(), key=lambda x: (x[1].role, x[1].instance, x[1].rank))], time.time())
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One HTTP/1.0-style exchange: GET /metrics gets the page, anything else 404/405."""
+        try:
+            request_line = (await asyncio.wait_for(reader.readline(), 10)).decode("latin-1").split()
+            while (await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
+                pass  # headers: nothing in them changes the answer
+            if len(request_line) < 2 or request_line[0] != "GET":
+                status, body, ctype = "405 Method Not Allowed", "only GET /metrics\n", "text/plain"
+            elif request_line[1].split("?")[0] != "/metrics":
+                status, body, ctype = "404 Not Found", "see /metrics\n", "text/plain"
+            else:
+                status, body, ctype = "200 OK", self.page(), CONTENT_TYPE
+            data = body.encode()
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass  # a client that went away or never finished its request
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+async def serve(url: str, host: str, port: int, expiry_s: float) -> None:
+    exporter = Exporter(expiry_s)
+    stop = stop_event()
+    async with connect(url, "moebus-metrics") as bus:
+        await bus.subscribe(subjects.HEARTBEAT_ALL, exporter.on_heartbeat, concurrent=False)
+        server = await asyncio.start_server(exporter.handle, host, port)
+        async with server:
+            bound = server.sockets[0].getsockname()
+            print(f"moebus metrics: serving http://{bound[0]}:{bound[1]}/metrics from the heartbeats on {url}", flush=True)
+            await stop.wait()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moebus metrics", description="serve a running stack's heartbeats as Prometheus metrics")
+    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    ap.add_argument("--port", type=int, default=9464, help="TCP port (0: any free one, printed at start)")
+    ap.add_argument("--expiry", type=float, default=5.0, help="seconds after its last heartbeat a process leaves the page")
+    a = ap.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port must be in [0, 65535], got {a.port}")
+    if a.expiry <= 0:
+        ap.error(f"--expiry must be positive, got {a.expiry}")
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = _parse(argv)
+    try:
+        asyncio.run(serve(a.url, a.host, a.port, a.expiry))
+    except Unreachable as e:
+        print(f"moebus metrics: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the port is taken or not ours to bind
+        print(f"moebus metrics: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
