@@ -183,7 +183,8 @@ def test_64_concurrent_mixed_requests(stack, tokenizer, hf_greedy):
     async def go():
         async with session(stack.url) as (client, watch):
             # Every model rank heard from (a fresh watch may have seen only some yet), all idle.
-            await watch.wait_for(lambda w: len(w.live("decode")) == 2 and len(w.live("prefill")) == 1 and all_kv_free(w), 10, "idle model ranks")
+            await watch.wait_for(lambda w: len(w.live("decode")) == 2 and len(w.live("prefill")) == 1 and len(w.live("gateway")) == 1
+                                 and all_kv_free(w), 10, "idle model ranks and the gateway")
             before = _counters(watch)
             together = await asyncio.gather(*(one(client, c) for c in cases))
             # Some seeded ones again, alone: sharing a batch with 63 others must not change them.
