@@ -137,10 +137,16 @@ class PagedKVCache:
         ``page_tables`` is ``[B, P]``: each row a sequence's pages, padded with any valid
         page id; the caller masks positions past each sequence's length.
         """
-        # One gather straight into [2, H, B, P, ps, D] (the pool viewed as [2, H, pages, ps, D]),
-        # where each sequence's pages already lie back to back: K and V are then views with
-        # B and H swapped, no second pass. (Gathering [B, P, 2, H, ps, D] and permuting it
-        # took a strided copy of the whole gathered KV, 3x the gather's own time on an H200.)
-        blocks = self.pools[layer].permute(1, 2, 0, 3, 4)[:, :, page_tables]  # [2, H, B, P, ps, D]
-        kv = blocks.transpose(1, 2).flatten(3, 4)  # [2, B, H, P * ps, D]
+        # One row gather straight into [2, B, H, P, ps * D]: a row is one K or V head of a
+        # page (ps * D contiguous elements), so a flat row index per (K/V, sequence, head,
+        # page) lets torch's vectorized dim-0 gather write K and V in the layout attention
+        # reads, with no second pass. (Gathering [B, P, 2, H, ps, D] and permuting it took a
+        # strided copy of 3x the gather's own time on an H200; indexing the pool along a
+        # non-leading dim instead fell back to a slow generic index kernel.)
+        pool = self.pools[layer]
+        n_pages, two, H, ps, D = pool.shape
+        b, p = page_tables.shape
+        rows = pool.view(n_pages * two * H, ps * D)
+        kv_head = torch.arange(two * H, device=pool.device).view(two, 1, H, 1)  # K/V half * H + head
+        kv = rows[page_tables[None, :, None, :] * (two * H) + kv_head].view(two, b, H, p * ps, D)
         return kv[0], kv[1]
