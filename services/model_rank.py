@@ -84,7 +84,8 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
     log.info("model_loaded", device=device, dtype=settings.dtype, kernels=model.kernels,
              moe_kernels=model.kernels and model.config.is_moe and model.moe_reference_reason is None,
              decode_moe=type(model.decode_moe).__name__ if model.decode_moe is not None else None,
-             collectives=type(comm).__name__ if comm is not None else None)
+             collectives=type(comm).__name__ if comm is not None else None,
+             dense_dequantized_mib=round(model.dense_dequantized_bytes / 2**20, 1))
     return runner
 
 

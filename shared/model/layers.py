@@ -10,8 +10,10 @@ kernels accumulate) and rounds only its output.
 Where a model runs the kernels (`kernels.ops.use_kernels`, decided once when the
 model is built): `moe_experts` takes the grouped-GEMM path of `kernels.moe` for
 experts prepared as `FusedGateUp` (bf16, FP8 block-scaled or MXFP8), and attention
-is `paged_attention_sdpa`. Every quantized projection outside the grouped GEMM
-(attention, dense MLPs) runs the reference: dequantize, then a plain matmul.
+is `paged_attention_sdpa`. A quantized projection outside the grouped GEMM
+(attention, dense MLPs) reaches `linear` already dequantized when the model runs the
+kernels (`shared.model.weights.dequantize_dense`, once at load); on the reference
+path `linear` dequantizes it on every call.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ they offer one (CUDA: peer memory and masked grouped GEMMs), else
 ``ep_dispatch`` -> experts -> ``ep_combine``.
 
 On CUDA (unless ``MOEBUS_KERNELS=reference``, see `kernels.ops`) the model runs the
-kernels: the MoE experts are prepared once for the grouped GEMM and attention goes
+kernels: the MoE experts are prepared once for the grouped GEMM, quantized weights
+outside the experts are dequantized once (`dequantize_dense`) and attention goes
 through SDPA; elsewhere it runs the torch reference ops of `shared.model.layers`.
 """
 
@@ -31,7 +32,7 @@ from shared.kvcache import PagedKVCache
 from shared.model import layers as ops
 from shared.model.config import ModelConfig
 from shared.model.quant_formats import BlockFp8Weight
-from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, load_weights, prepare_for_kernels
+from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, dequantize_dense, load_weights, prepare_for_kernels
 from shared.parallel import Collectives, DecodeMoE, LocalCollectives, Topology
 
 
@@ -133,6 +134,9 @@ class Qwen3Model:
         # Why the MoE experts run the reference ops although kernels were asked for (None when
         # they run the kernels or were not asked to); the service start-up logs it.
         self.moe_reference_reason = prepare_for_kernels(weights) if self.kernels and config.is_moe else None
+        # Bytes the quantized weights outside the experts grew by when made plain (kernels only:
+        # the reference path keeps dequantizing per call, as the checkpoint stores them).
+        self.dense_dequantized_bytes = dequantize_dense(weights) if self.kernels else 0
         self.decode_moe = self._make_decode_moe(max_tokens_per_rank)
 
     def _make_decode_moe(self, max_tokens_per_rank: int | None) -> DecodeMoE | None:

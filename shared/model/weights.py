@@ -17,7 +17,9 @@ Files are memory-mapped (``safe_open``) and every tensor is read through
 
 `prepare_for_kernels` then puts the expert weights into the grouped-GEMM kernels'
 layout (gate/up rows interleaved with their FP8 block scales or MXFP8 exponents,
-`FusedGateUp`), once, when a model runs them.
+`FusedGateUp`), once, when a model runs them, and `dequantize_dense` turns the
+quantized weights outside the experts (attention projections, dense MLPs) into
+plain weights of the activation dtype, so no step dequantizes them again.
 
 Router, norms, embeddings and ``lm_head`` are replicated on every rank.
 """
@@ -387,6 +389,40 @@ def prepare_for_kernels(weights: ModelWeights) -> str | None:
             fused = FusedGateUp(*interleave_gate_up(m.w13))
         weights.layers[i] = dataclasses.replace(weights.layers[i], mlp=dataclasses.replace(m, w13=fused))
     return None
+
+
+def dequantize_dense(weights: ModelWeights) -> int:
+    """Replace every FP8 block-scaled or MXFP8 weight outside the experts by its
+    dequantized copy in the activation dtype, in place; returns the bytes this adds.
+
+    The reference `linear` dequantizes such a weight on every call: per step that reads
+    the FP8 bytes, writes and reads back twice as many, 5 bytes per parameter where a
+    plain bf16 weight costs 2 (at decode, where these projections are replicated on
+    every rank, that is most of a step's bytes outside the experts). The result is
+    the same to the bit: the values are the ones `linear` would have made. The price
+    is memory: these weights take twice their FP8 size (Qwen3-235B-A22B: ~6.7e9
+    parameters outside the experts, ~13 GB in bf16). Layer by layer, so the peak is
+    one layer's copy.
+    """
+    dtype = weights.embed.dtype
+    added = 0
+
+    def plain(w: Linear) -> Linear:
+        nonlocal added
+        if not isinstance(w, (BlockFp8Weight, Mxfp8Weight)):
+            return w
+        dense = w.dequantize(dtype)
+        added += dense.numel() * dense.element_size() - w.weight.numel() * w.weight.element_size()
+        return dense
+
+    for i, layer in enumerate(weights.layers):
+        a = layer.attn
+        attn = dataclasses.replace(a, q_proj=plain(a.q_proj), k_proj=plain(a.k_proj), v_proj=plain(a.v_proj), o_proj=plain(a.o_proj))
+        mlp = layer.mlp
+        if isinstance(mlp, DenseMLPWeights):
+            mlp = dataclasses.replace(mlp, w13=plain(mlp.w13), w2=plain(mlp.w2))
+        weights.layers[i] = dataclasses.replace(layer, attn=attn, mlp=mlp)
+    return added
 
 
 def _unsupported(act_dtype: torch.dtype, m: MoEWeights) -> str | None:

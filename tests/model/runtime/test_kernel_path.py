@@ -47,11 +47,11 @@ from shared.kvcache import KVLayout, PagedKVCache
 from shared.model import layers as ops
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
-from shared.model.quant_formats import Mxfp8Weight
+from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.model.quantize import quantize_checkpoint
 from shared.model.runner import ModelRunner
 from shared.model.sampling import SamplingParams
-from shared.model.weights import FusedGateUp, load_weights, prepare_for_kernels
+from shared.model.weights import FusedGateUp, dequantize_dense, load_weights, prepare_for_kernels
 
 KERNEL_SHAPES = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2, moe_intermediate=128)
 PAGE = 16
@@ -215,3 +215,37 @@ def test_reference_switch_on_cuda(checkpoints, device, monkeypatch):
     monkeypatch.setenv("MOEBUS_KERNELS", "reference")
     forced = Qwen3Model.load(checkpoints["bf16"], dtype=torch.bfloat16, device=device)
     assert not forced.kernels and not isinstance(forced.weights.layers[0].mlp.w13, FusedGateUp)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_dequantize_dense_makes_the_projections_plain_once(checkpoints, fmt):
+    """Attention projections become exactly what the reference `linear` makes per call; experts stay quantized."""
+    path = checkpoints[fmt]
+    weights = load_weights(path, ModelConfig.from_dir(path), dtype=torch.bfloat16)
+    quantized = (BlockFp8Weight, Mxfp8Weight)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    before = [{n: getattr(layer.attn, n) for n in names} for layer in weights.layers]
+    assert all(isinstance(w, quantized) for layer in before for w in layer.values())
+    expect = [{n: w.dequantize(torch.bfloat16) for n, w in layer.items()} for layer in before]
+    fp8_bytes = sum(w.weight.numel() for layer in before for w in layer.values())  # one byte per E4M3 value
+
+    added = dequantize_dense(weights)
+
+    for layer, want in zip(weights.layers, expect):
+        for n in names:
+            got = getattr(layer.attn, n)
+            assert type(got) is torch.Tensor and got.dtype == torch.bfloat16 and torch.equal(got, want[n]), n
+        assert isinstance(layer.mlp.w13, quantized) and isinstance(layer.mlp.w2, quantized)  # the experts' kernels take these
+    assert added == fp8_bytes  # 2 bytes per value in (bf16), 1 byte out (E4M3)
+    assert dequantize_dense(weights) == 0  # nothing left to do
+
+    x = torch.randn(5, weights.embed.shape[1], generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    assert torch.equal(ops.linear(x, weights.layers[0].attn.q_proj), ops.linear(x, before[0]["q_proj"]))
+
+
+def test_kernel_model_dequantizes_dense_weights_and_reference_model_does_not(checkpoints):
+    kern = Qwen3Model.load(checkpoints["fp8"], dtype=torch.bfloat16, kernels=True)
+    ref = Qwen3Model.load(checkpoints["fp8"], dtype=torch.bfloat16, kernels=False)
+    assert kern.dense_dequantized_bytes > 0 and type(kern.weights.layers[0].attn.o_proj) is torch.Tensor
+    assert ref.dense_dequantized_bytes == 0 and isinstance(ref.weights.layers[0].attn.o_proj, BlockFp8Weight)
+    assert Qwen3Model.load(checkpoints["bf16"], dtype=torch.bfloat16, kernels=True).dense_dequantized_bytes == 0
