@@ -6,7 +6,8 @@ default: 48 layers, hidden 2048, 32 q / 4 KV heads of 128, 128 experts top-8,
 moe_intermediate 768, vocab 151936) or ``qwen3-235b-a22b`` (94 layers, hidden 4096,
 64 q / 4 KV heads, moe_intermediate 1536). Experts are bf16, or with ``--weights fp8``
 block FP8 (E4M3 + fp32 128x128 scales, drawn in bf16 and quantized one expert at a
-time); attention, router and embeddings stay bf16. A paged KV cache holds
+time); attention, router and embeddings stay bf16 (what a model on the kernel path
+runs for an FP8 checkpoint too: `shared.model.weights.dequantize_dense`). A paged KV cache holds
 ``--context`` random tokens per sequence. Up to three implementations run in one
 process (``--impls``), on the same weights and cache:
 
