@@ -1,16 +1,16 @@
 """The model's operators as small, separate functions.
 
-RMSNorm, RoPE, linear (plain, FP8 block-scaled or MXFP8), paged attention, router
-top-k, MoE experts, dense SwiGLU MLP. The torch reference ops follow
-transformers' Qwen3-MoE code, so that fp32 results agree with it to rounding:
-norms in fp32 and cast back before the weight, router probabilities in fp32 then
-cast to the activation dtype. Attention runs in fp32 internally (as SDPA / flash
+RoPE angles, linear (plain, FP8 block-scaled or MXFP8), paged attention, router
+top-k, MoE experts, dense SwiGLU MLP (RMSNorm and RoPE themselves, reference and
+kernel, are `kernels.norm_rope`). The torch reference ops follow transformers'
+Qwen3-MoE code, so that fp32 results agree with it to rounding: router
+probabilities in fp32 then cast to the activation dtype. Attention runs in fp32 internally (as SDPA / flash
 kernels accumulate) and rounds only its output.
 
 Where a model runs the kernels (`kernels.ops.use_kernels`, decided once when the
 model is built): `moe_experts` takes the grouped-GEMM path of `kernels.moe` for
-experts prepared as `FusedGateUp` (bf16, FP8 block-scaled or MXFP8), and attention
-is `paged_attention_sdpa`. A quantized projection outside the grouped GEMM
+experts prepared as `FusedGateUp` (bf16, FP8 block-scaled or MXFP8), attention
+is `paged_attention_sdpa`, and the norms and RoPE are fused kernels. A quantized projection outside the grouped GEMM
 (attention, dense MLPs) reaches `linear` already dequantized when the model runs the
 kernels (`shared.model.weights.dequantize_dense`, once at load); on the reference
 path `linear` dequantizes it on every call.
@@ -29,26 +29,12 @@ from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.model.weights import FusedGateUp, Linear
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; computed in fp32, cast back, then scaled (as HF does)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[T, head_dim]`` for the default (unscaled) RoPE at integer positions."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, D]`` by the per-token angles (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:

@@ -14,8 +14,9 @@ they offer one (CUDA: peer memory and masked grouped GEMMs), else
 
 On CUDA (unless ``MOEBUS_KERNELS=reference``, see `kernels.ops`) the model runs the
 kernels: the MoE experts are prepared once for the grouped GEMM, quantized weights
-outside the experts are dequantized once (`dequantize_dense`) and attention goes
-through SDPA; elsewhere it runs the torch reference ops of `shared.model.layers`.
+outside the experts are dequantized once (`dequantize_dense`), each residual add
+runs fused with the RMSNorm after it and q/k norms with RoPE (`kernels.norm_rope`),
+and attention goes through SDPA; elsewhere it runs the torch reference ops of `shared.model.layers`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.norm_rope import add_rms_norm, qk_norm_rope
 from kernels.ops import use_kernels
 from shared.kvcache import PagedKVCache
 from shared.model import layers as ops
@@ -166,24 +168,29 @@ class Qwen3Model:
         issued. On CUDA that means enqueued on the current stream, not finished: a KV
         sender records an event on the stream there and waits on it before reading pages.
         """
-        c = self.config
+        c, layers = self.config, self.weights.layers
         h = F.embedding(batch.token_ids, self.weights.embed)
         cos, sin = ops.rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, self.dtype)
-        for i, layer in enumerate(self.weights.layers):
-            h = h + self._attention(i, layer.attn, ops.rms_norm(h, layer.input_norm, c.rms_norm_eps), batch, cache, cos, sin)
-            h = h + self._mlp(layer, ops.rms_norm(h, layer.post_attention_norm, c.rms_norm_eps))
+        # The residual stream h and its normed copy x: each residual add is fused with the
+        # norm after it (the next layer's input norm, or the final norm after the last).
+        h, x = self._add_norm(h, None, layers[0].input_norm if layers else self.weights.final_norm)
+        for i, layer in enumerate(layers):
+            h, x = self._add_norm(h, self._attention(i, layer.attn, x, batch, cache, cos, sin), layer.post_attention_norm)
+            h, x = self._add_norm(h, self._mlp(layer, x), layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm)
             if on_layer_done is not None:
                 on_layer_done(i)
         if not all_logits:
-            h = h[batch.last_token]
-        return F.linear(ops.rms_norm(h, self.weights.final_norm, c.rms_norm_eps), self.weights.lm_head)
+            x = x[batch.last_token]
+        return F.linear(x, self.weights.lm_head)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(h, delta, weight, self.config.rms_norm_eps, use_kernel=self.kernels)
 
     def _attention(self, layer_idx: int, w: AttentionWeights, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, t, d = self.config, x.shape[0], self.config.head_dim
-        q = ops.rms_norm(ops.linear(x, w.q_proj).view(t, self.heads.num_q, d), w.q_norm, c.rms_norm_eps)
-        k = ops.rms_norm(ops.linear(x, w.k_proj).view(t, self.heads.num_kv, d), w.k_norm, c.rms_norm_eps)
+        q = qk_norm_rope(ops.linear(x, w.q_proj).view(t, self.heads.num_q, d), w.q_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
+        k = qk_norm_rope(ops.linear(x, w.k_proj).view(t, self.heads.num_kv, d), w.k_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
         v = ops.linear(x, w.v_proj).view(t, self.heads.num_kv, d)
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         cache.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
         o = self._attend(q, cache, layer_idx, batch.attn, d**-0.5)
         out = ops.linear(o.reshape(t, self.heads.num_q * d), w.o_proj)

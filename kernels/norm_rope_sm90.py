@@ -1,0 +1,166 @@
+"""CuTeDSL kernels of :mod:`kernels.norm_rope` (CUDA tensors only).
+
+Both kernels give one warp to one row and keep the row's sum of squares in a warp
+shuffle reduction, so no shared memory and no block barrier:
+
+* add + RMSNorm: a row of ``hidden`` bf16 values, 16-byte vectors of 8 per lane.
+  A first pass adds the residual, rounds the sum to bf16, stores it and sums its
+  squares; the second pass reads the stored sum back (the lane's own writes, from
+  L1/L2), normalizes and scales it. Any ``hidden`` that is a multiple of 8.
+* per-head RMSNorm + RoPE: a row is one head of ``head_dim`` 64 or 128, each lane
+  holding ``head_dim / 32`` consecutive values, so lanes 0-15 hold the first half
+  and lanes 16-31 the second: ``rotate_half`` is a butterfly shuffle across 16 lanes.
+
+Roundings follow the torch references of :mod:`kernels.norm_rope` step by step
+(fp32 math, a bf16 rounding wherever the reference's bf16 ops round). Launches take
+raw device pointers on torch's current stream and never synchronise with the host,
+so they are CUDA-graph capturable; one compilation per row length serves every
+token count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cuda.bindings.driver as cuda_driver
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from kernels._cute_comm import load_vec_f32, store_vec_f32
+from kernels._cute_runtime import dummy_stream, launch_stream
+
+WARPS = 4  # rows per CTA
+VEC = 8  # bf16 values per 16-byte vector
+
+
+@cute.jit
+def _round_bf16(frag):
+    """``frag`` (fp32) rounded to bf16 and back, in place: where the reference's bf16 op rounds."""
+    frag.store(frag.load().to(BFloat16).to(Float32))
+
+
+@cute.kernel
+def _add_rms_norm_kernel(h: Int64, delta: Int64, weight: Int64, out_h: Int64, out: Int64, rows: Int32, eps: Float32,
+                         hidden: cutlass.Constexpr, residual: cutlass.Constexpr):
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    row = bid * WARPS + tid // 32
+    if row < rows:
+        base = Int64(row) * hidden
+        ss = Float32(0.0)
+        for c0 in cutlass.range_constexpr(0, hidden, 32 * VEC):
+            c = c0 + lane * VEC
+            v = load_vec_f32(h + (base + c) * 2, BFloat16, VEC, hidden - c)
+            if cutlass.const_expr(residual):
+                d = load_vec_f32(delta + (base + c) * 2, BFloat16, VEC, hidden - c)
+                v.store(v.load() + d.load())
+                _round_bf16(v)  # the residual stream is bf16: h + delta rounds
+                store_vec_f32(out_h + (base + c) * 2, v, BFloat16, VEC, hidden - c)
+            for e in cutlass.range_constexpr(VEC):
+                ss += v[e] * v[e]
+        ss = cute.arch.warp_reduction_sum(ss)
+        inv = cute.math.rsqrt(ss / Float32(hidden) + eps)
+        src = out_h if cutlass.const_expr(residual) else h
+        for c0 in cutlass.range_constexpr(0, hidden, 32 * VEC):
+            c = c0 + lane * VEC
+            v = load_vec_f32(src + (base + c) * 2, BFloat16, VEC, hidden - c)
+            w = load_vec_f32(weight + c * 2, BFloat16, VEC, hidden - c)
+            v.store(v.load() * inv)
+            _round_bf16(v)  # normalized in fp32, cast back to bf16 ...
+            v.store(v.load() * w.load())  # ... then scaled by the bf16 weight (rounded by the store)
+            store_vec_f32(out + (base + c) * 2, v, BFloat16, VEC, hidden - c)
+
+
+@cute.kernel
+def _qk_norm_rope_kernel(x: Int64, weight: Int64, cos: Int64, sin: Int64, out: Int64, rows: Int32, heads: Int32,
+                         eps: Float32, head_dim: cutlass.Constexpr):
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    lane = cute.arch.lane_idx()
+    row = bid * WARPS + tid // 32
+    per_lane = head_dim // 32
+    if row < rows:
+        token = row // heads
+        c = lane * per_lane
+        v = load_vec_f32(x + (Int64(row) * head_dim + c) * 2, BFloat16, per_lane, per_lane, align=per_lane * 2)
+        ss = Float32(0.0)
+        for e in cutlass.range_constexpr(per_lane):
+            ss += v[e] * v[e]
+        ss = cute.arch.warp_reduction_sum(ss)
+        inv = cute.math.rsqrt(ss / Float32(head_dim) + eps)
+        w = load_vec_f32(weight + c * 2, BFloat16, per_lane, per_lane, align=per_lane * 2)
+        v.store(v.load() * inv)
+        _round_bf16(v)
+        v.store(v.load() * w.load())
+        _round_bf16(v)  # the normed head is a bf16 tensor before RoPE
+        cs = load_vec_f32(cos + (Int64(token) * head_dim + c) * 2, BFloat16, per_lane, per_lane, align=per_lane * 2)
+        sn = load_vec_f32(sin + (Int64(token) * head_dim + c) * 2, BFloat16, per_lane, per_lane, align=per_lane * 2)
+        # rotate_half: the first half takes minus the second half's values, the second half the first's.
+        sign = Float32(1.0)
+        if lane < 16:
+            sign = Float32(-1.0)
+        r = cute.make_rmem_tensor((per_lane,), Float32)
+        for e in cutlass.range_constexpr(per_lane):
+            rotated = cute.arch.shuffle_sync_bfly(v[e], offset=16) * sign
+            a = (v[e] * cs[e]).to(BFloat16).to(Float32)
+            b = (rotated * sn[e]).to(BFloat16).to(Float32)
+            r[e] = a + b  # rounded by the store
+        store_vec_f32(out + (Int64(row) * head_dim + c) * 2, r, BFloat16, per_lane, per_lane, align=per_lane * 2)
+
+
+@cute.jit
+def _launch_add_rms_norm(h: Int64, delta: Int64, weight: Int64, out_h: Int64, out: Int64, rows: Int32, eps: Float32,
+                         stream: cuda_driver.CUstream, hidden: cutlass.Constexpr, residual: cutlass.Constexpr):
+    _add_rms_norm_kernel(h, delta, weight, out_h, out, rows, eps, hidden, residual).launch(
+        grid=[(rows + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+
+
+@cute.jit
+def _launch_qk_norm_rope(x: Int64, weight: Int64, cos: Int64, sin: Int64, out: Int64, rows: Int32, heads: Int32,
+                         eps: Float32, stream: cuda_driver.CUstream, head_dim: cutlass.Constexpr):
+    _qk_norm_rope_kernel(x, weight, cos, sin, out, rows, heads, eps, head_dim).launch(
+        grid=[(rows + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+
+
+@functools.cache
+def compiled_add_rms_norm(hidden: int, residual: bool):
+    """Compiled add + RMSNorm for rows of ``hidden`` (cached; compiles without a GPU under CUTE_DSL_ARCH)."""
+    z = Int64(0)
+    return cute.compile(_launch_add_rms_norm, z, z, z, z, z, Int32(1), Float32(1e-6), dummy_stream(), hidden, residual)
+
+
+@functools.cache
+def compiled_qk_norm_rope(head_dim: int):
+    """Compiled per-head RMSNorm + RoPE for heads of ``head_dim`` (64 or 128)."""
+    z = Int64(0)
+    return cute.compile(_launch_qk_norm_rope, z, z, z, z, z, Int32(1), Int32(1), Float32(1e-6), dummy_stream(), head_dim)
+
+
+def add_rms_norm_cuda(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous bf16 CUDA tensors (checked by :func:`kernels.norm_rope.add_rms_norm`)."""
+    hidden = h.shape[-1]
+    rows = h.numel() // hidden
+    out = torch.empty_like(h)
+    out_h = h if delta is None else torch.empty_like(h)
+    if rows == 0:
+        return out_h, out
+    with launch_stream(h.device) as stream:
+        compiled_add_rms_norm(hidden, delta is not None)(
+            h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), out_h.data_ptr(), out.data_ptr(),
+            rows, eps, stream)
+    return out_h, out
+
+
+def qk_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Contiguous bf16 CUDA tensors (checked by :func:`kernels.norm_rope.qk_norm_rope`)."""
+    t, heads, head_dim = x.shape
+    out = torch.empty_like(x)
+    if t * heads == 0:
+        return out
+    with launch_stream(x.device) as stream:
+        compiled_qk_norm_rope(head_dim)(x.data_ptr(), weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                        t * heads, heads, eps, stream)
+    return out
