@@ -13,7 +13,10 @@ copy of all 4 heads' bytes GPU 0 -> GPU 1 (the copy engines) in the same run. La
 Each layout's copy is checked byte for byte against the torch reference at the first
 prompt length (destination poisoned first), then timed: median wall time of ``--iters``
 copies, both GPUs synchronized before and after each, the kernel and the peer copy taking
-turns.
+turns. Host cost, as a transfer meets it (once per request, after the process idled):
+``setup_us`` (building the ``KVCopy``: launch parameters and page tables uploaded) and
+``launch_us`` (one ``copy`` call of every layer), each the median over ``--iters`` calls
+made 20 ms after the previous one.
 
 A bulk-copy-engine path (``cp.async.bulk`` global -> shared -> peer global, a334c51) was
 measured here against the kernel's register path and dropped: over 7 shapes (8-16 KiB
@@ -57,6 +60,23 @@ def _wall_s(fn, iters: int) -> float:
         torch.cuda.synchronize(1)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
+
+
+def _host_costs(build, layers: int, iters: int) -> tuple[float, float]:
+    """Median host seconds of building a copy and of launching it, each call 20 ms after the
+    last (the copies run between the calls: only the host's part is timed)."""
+    setup, launch = [], []
+    for _ in range(iters):
+        time.sleep(0.02)
+        t0 = time.perf_counter()
+        copy = build()
+        setup.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+        t0 = time.perf_counter()
+        copy.copy(range(layers))
+        launch.append(time.perf_counter() - t0)
+        torch.cuda.synchronize(0)
+    return statistics.median(setup), statistics.median(launch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not checked[name]:
                         raise SystemExit(f"{layout} {name} at {tokens} tokens: the copy differs from the reference")
                 del expected
+            setup_s, launch_s = _host_costs(lambda: KVCopy(src, src_table, dst, dst_table, plan), args.layers, args.iters)
             times: dict[str, list[float]] = {name: [] for name in [*runs, "peer copy"]}
             for _ in range(args.iters):  # the kernel and the peer copy take turns, so a drift of clocks or link hits both alike
                 for name, run in runs.items():
@@ -112,15 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             peer_s = statistics.median(times["peer copy"])
             for name in runs:
                 seconds = statistics.median(times[name])
-                metrics = {"gbps": moved / seconds / 1e9, "latency_us": seconds * 1e6, "ratio_to_peer_copy": (moved / seconds) / (nbytes / peer_s)}
+                metrics = {"gbps": moved / seconds / 1e9, "latency_us": seconds * 1e6, "ratio_to_peer_copy": (moved / seconds) / (nbytes / peer_s),
+                           "setup_us": setup_s * 1e6, "launch_us": launch_s * 1e6}
                 case = {"tokens": tokens, "layout": layout, "path": name, "row_bytes": plan.heads_per_row * plan.block * args.head_dim * DTYPE.itemsize, "bytes": moved, "layers": args.layers}
                 record(BENCH, case, metrics, {"peer_copy": {"gbps": nbytes / peer_s / 1e9, "latency_us": peer_s * 1e6}})
                 rows.append({"tokens": tokens, "layout": layout, "row_B": case["row_bytes"], "path": name, "GBps": metrics["gbps"],
-                             "peer_GBps": nbytes / peer_s / 1e9, "ratio": metrics["ratio_to_peer_copy"], "checked": checked[name]})
+                             "peer_GBps": nbytes / peer_s / 1e9, "ratio": metrics["ratio_to_peer_copy"], "setup_us": setup_s * 1e6, "launch_us": launch_s * 1e6,
+                             "checked": checked[name]})
             del src, dst, runs, copy
             torch.cuda.empty_cache()
         del flat_src, flat_dst
-    print_table(rows, ["tokens", "layout", "row_B", "path", "GBps", "peer_GBps", "ratio", "checked"])
+    print_table(rows, ["tokens", "layout", "row_B", "path", "GBps", "peer_GBps", "ratio", "setup_us", "launch_us", "checked"])
     return 0
 
 

@@ -16,12 +16,15 @@ For each prompt length it measures, in the same run:
   a thread, which with chunks formed from the layers ready so far split off a small
   first chunk): pack per layer group, UCX chunks, scatter into scattered decode pages; timed from the
   sender's construction to the decode side holding the pages (wall clock of one host;
-  ``ratio_to_peer_copy``, the strict measure: in the services a batch's senders are built
-  just before its forward, so their set-up precedes the prefill compute on the request's
-  path) and from the KV ready (``mark_all_layers_done`` called, so the writes' issue counts;
-  up to 21ebb95 the clock started when it had returned, leaving out ~0.15 ms at 6k) to the
-  same point (``ready_to_held_us``, ``ratio_to_peer_copy_from_ready``: what a user waits
-  for after the prefill's last layer),
+  ``ratio_to_peer_copy``, the strict measure: it counts the sender's set-up, which in the
+  services up to 488c9f91cf04 preceded the batch's forward on the request's path and now
+  overlaps it, ``shared.transfer.LayerReports``) and from the KV ready to the same point
+  (``ready_to_held_us``, ``ratio_to_peer_copy_from_ready``: what a user waits for after
+  the prefill's last layer). Here the KV is on the GPU before the sender exists, and the
+  ready clock starts right before ``mark_all_layers_done`` is called: whatever the engine
+  does once told counts (on the CUDA IPC path: enqueueing the writes, which now happens
+  inside that call, not on the event loop afterwards; up to 21ebb95 the clock started when
+  the call had returned, leaving out ~0.15 ms at 6k), nothing before it does,
   for each prefill layout of ``--prefill-ranks`` (default 1 and 2: TP=1, and 2 ranks with 2
   of the 4 KV heads each; with more ranks than KV heads only one replica of each head
   sends, as in the services). Senders pack into their worker's send pool, as in the services.
@@ -634,13 +637,13 @@ def main(argv: list[str] | None = None) -> int:
                             **layout_fields[layout]}
                     record(BENCH, case, metrics, layout_peers)
                     rows.append({"tokens": tokens, "MiB": nbytes / 2**20, "mode": mode, "path": path, "layout": layout, "ps": page_size, "chunk_MiB": chunk_mib, "engine_GBps": metrics["gbps"], "raw_ucxx_GBps": peers["raw_ucxx"]["gbps"], "peer_copy_GBps": peers["peer_copy"]["gbps"], "engine/peer": metrics["ratio_to_peer_copy"], "ready/peer": metrics["ratio_to_peer_copy_from_ready"], "ready/ranks_peer": metrics.get("ratio_to_peer_copy_ranks_from_ready", ""), "engine/raw": metrics["ratio_to_raw_ucxx"], "chunks": metrics["chunks_per_rank"], "exposed_us": metrics.get("exposed_after_prefill_us", ""), "hidden_pct": metrics.get("hidden_pct", ""), "slowdown_pct": metrics.get("compute_slowdown_pct", "")})
-                    phase_rows.append({"tokens": tokens, "mode": mode, "path": path, "layout": layout, "ps": page_size, "total_us": metrics["latency_us"], "ready_us": metrics["ready_to_held_us"], "start_us": metrics["start_us"], "s_setup_us": metrics.get("send_setup_us", ""), "s_pack_us": metrics.get("send_pack_us", ""), "s_issue_us": metrics.get("send_issue_us", ""), "s_write_us": metrics.get("send_write_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})
+                    phase_rows.append({"tokens": tokens, "mode": mode, "path": path, "layout": layout, "ps": page_size, "total_us": metrics["latency_us"], "ready_us": metrics["ready_to_held_us"], "start_us": metrics["start_us"], "s_setup_us": metrics.get("send_setup_us", ""), "s_pack_us": metrics.get("send_pack_us", ""), "s_issue_us": metrics.get("send_issue_us", ""), "s_cwait_us": metrics.get("send_compute_wait_us", ""), "s_write_us": metrics.get("send_write_us", ""), "s_wire_us": metrics.get("send_wire_us", ""), "r_post_us": metrics.get("recv_post_us", ""), "r_wire_us": metrics.get("recv_wire_us", ""), "r_scatter_us": metrics.get("recv_scatter_us", ""), "r_wall_us": metrics["receiver_wall_us"], "notify_us": metrics["notify_us"]})
         finally:
             for p in (decode, *prefill_procs.values()):
                 p.stop()
     print_table(rows, ["tokens", "MiB", "mode", "path", "layout", "ps", "chunk_MiB", "engine_GBps", "raw_ucxx_GBps", "peer_copy_GBps", "engine/peer", "ready/peer", "ready/ranks_peer", "engine/raw", "chunks", "exposed_us", "hidden_pct", "slowdown_pct"])
     print()
-    print_table(phase_rows, ["tokens", "mode", "path", "layout", "ps", "total_us", "ready_us", "start_us", "s_setup_us", "s_pack_us", "s_issue_us", "s_write_us", "s_wire_us", "r_post_us", "r_wire_us", "r_scatter_us", "r_wall_us", "notify_us"])
+    print_table(phase_rows, ["tokens", "mode", "path", "layout", "ps", "total_us", "ready_us", "start_us", "s_setup_us", "s_pack_us", "s_issue_us", "s_cwait_us", "s_write_us", "s_wire_us", "r_post_us", "r_wire_us", "r_scatter_us", "r_wall_us", "notify_us"])
     return 0
 
 

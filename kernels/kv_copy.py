@@ -31,11 +31,20 @@ is a launch parameter in device memory (``LAUNCH_PARAMS``, int64), uploaded with
 tables in one small host-to-device copy when the ``KVCopy`` is built; a launch passes only
 that block's address and its layer range. One binary serves every layout and request, and
 a launch costs a few host microseconds instead of converting some twenty scalars through
-the DSL's argument marshalling (~85 us on this project's CPU box).
+the DSL's argument marshalling (~85 us on this project's CPU box); the three that vary
+sit in ctypes slots marshalled once per ``KVCopy`` (``kv_copy_sm90.Launcher``).
+
+Deadline: a ``KVCopy`` may carry a deadline on the device's clock (``device_time_ns``:
+``%globaltimer`` on CUDA, the host's wall clock on CPU). A copy that starts past it moves
+nothing and records when it found out (``skipped_at_ns``), so a launch enqueued behind
+compute that finishes too late cannot write. On CUDA the clock is related to the host's
+by running the kernel once with a deadline in the past, which stores ``%globaltimer`` at
+its start, between two host clock readings (redone once a minute: the two clocks drift).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,11 +53,17 @@ import torch
 
 VECTOR_BYTES = (16, 8, 4, 2)  # access widths the kernel is compiled for, widest first
 MAX_ITEMS = 2**31 - 1  # (layer, block, row) items of one launch, counted in int32 by the kernel
+NO_DEADLINE = 2**63 - 1
 # The kernel's launch parameters, int64 each, in this order (addresses in bytes: the first
 # layer of each pool, the destination's at its first head; sizes, strides and ``tok``, one
-# token of one head, in vectors; strides of (page, K/V, head, layer)).
+# token of one head, in vectors; strides of (page, K/V, head, layer); the deadline in ns of
+# the device clock and the address of the pinned word a skipped copy stores its clock into).
 LAUNCH_PARAMS = ("src", "dst", "src_table", "dst_table", "items_per_layer", "rows", "rows_per_kv", "row_len", "block",
-                 "src_ps", "dst_ps", "tok", "src_page", "src_kv", "src_head", "src_layer", "dst_page", "dst_kv", "dst_head", "dst_layer")
+                 "src_ps", "dst_ps", "tok", "src_page", "src_kv", "src_head", "src_layer", "dst_page", "dst_kv", "dst_head", "dst_layer",
+                 "deadline", "skipped")
+_CLOCK_MAX_AGE_S = 60.0  # the device clock is related to the host's again after this long
+_clock: dict[torch.device, tuple[float, int]] = {}  # device -> (monotonic time of the calibration, device ns - host ns)
+_clock_width: dict[torch.device, int] = {}  # device -> the access width its calibration runs (prepare_kv_copy's)
 
 
 class KVCopyError(ValueError):
@@ -97,17 +112,21 @@ class KVCopy:
     arrays or tensors), which the caller has checked against its pools (the kernel trusts
     them). On CUDA they travel with the launch parameters in one host-to-device copy on
     ``stream``, here. ``plan`` must describe rows contiguous on both sides
-    (``shared.transfer.direct_write.plan_rows``). Raises ``KVCopyError`` on pools, tables
-    or alignment the copy cannot take.
+    (``shared.transfer.direct_write.plan_rows``). ``deadline_ns`` (device clock,
+    ``device_time_ns``; None: none): a copy starting later writes nothing and sets
+    ``skipped_at_ns``. Raises ``KVCopyError`` on pools, tables or alignment the copy
+    cannot take. One thread at a time calls ``copy``.
     """
 
     def __init__(self, src: torch.Tensor, src_table: Sequence[int] | np.ndarray | torch.Tensor, dst: torch.Tensor,
-                 dst_table: Sequence[int] | np.ndarray | torch.Tensor, plan: RowPlan, stream: torch.cuda.Stream | None = None) -> None:
+                 dst_table: Sequence[int] | np.ndarray | torch.Tensor, plan: RowPlan, stream: torch.cuda.Stream | None = None,
+                 deadline_ns: int | None = None) -> None:
         if src.dim() != 6 or dst.dim() != 6 or src.dtype != dst.dtype or src.shape[0] != dst.shape[0]:
             raise KVCopyError(f"KV copy from {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}: "
                               "needs two [layers, pages, 2, heads, page_size, head_dim] pools of one dtype and layer count")
         self.src, self.dst, self.plan = src, dst, plan  # kept alive while copies may run
         self.num_layers = src.shape[0]
+        self.deadline_ns = NO_DEADLINE if deadline_ns is None else deadline_ns
         tables = []
         for name, table, page_size in (("source", src_table, src.shape[4]), ("destination", dst_table, dst.shape[4])):
             need = -(-plan.num_tokens // page_size)
@@ -120,30 +139,44 @@ class KVCopy:
                 raise KVCopyError(f"KV copy from {src.device} into {dst.device}: the reference copies within one device")
             self._tables = tuple(torch.from_numpy(t.astype(np.int64)) for t in tables)
             self._stream = None
+            self._skipped_at = 0
             return
         if not dst.is_cuda or not src.is_contiguous() or not dst.is_contiguous():
             raise KVCopyError(f"the KV copy kernel needs two contiguous CUDA pools, got {src.device} and {dst.device}")
+        from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
+
         self._stream = stream or torch.cuda.current_stream(src.device)
-        self._params = _upload_params(src, dst, plan, tables[0], tables[1], self._stream)
+        self._skip_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # the kernel stores to it through its host address (UVA)
+        self._params = _upload_params(src, dst, plan, tables[0], tables[1], self.deadline_ns, self._skip_word.data_ptr(), self._stream)
+        self._launcher = kv_copy_sm90.Launcher(src.device, self._stream, plan.vector_bytes, self._params.data_ptr())
         self._grid_items = plan.blocks * plan.rows  # items of one layer
+
+    @property
+    def skipped_at_ns(self) -> int | None:
+        """When (device clock) a copy found its deadline passed and wrote nothing, or None; on
+        CUDA read it once the copies completed (an event recorded after them)."""
+        at = self._skipped_at if self._stream is None else int(self._skip_word[0])
+        return at or None
 
     def copy(self, layers: range) -> None:
         """Enqueue the copy of ``layers`` (on CPU: copy now)."""
         if not 0 <= layers.start < layers.stop <= self.num_layers:
             raise KVCopyError(f"KV copy of layers {layers}: the pools hold layers 0..{self.num_layers - 1}")
         if self._stream is None:
-            kv_copy_reference(self.src, self._tables[0], self.dst, self._tables[1], layers, self.plan.head_start, self.plan.num_tokens)
+            now = time.time_ns()
+            if now > self.deadline_ns:
+                self._skipped_at = now
+            else:
+                kv_copy_reference(self.src, self._tables[0], self.dst, self._tables[1], layers, self.plan.head_start, self.plan.num_tokens)
             return
-        from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
-
         items = self._grid_items * len(layers)
         if items > MAX_ITEMS:
             raise KVCopyError(f"KV copy of {items} (layer, block, row) items, above the kernel's {MAX_ITEMS}")
-        kv_copy_sm90.launch(self.src.device, self._stream, self.plan.vector_bytes, self._params.data_ptr(), layers.start, len(layers), items)
+        self._launcher.launch(layers.start, len(layers), items)
 
 
 def _upload_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, src_table: np.ndarray, dst_table: np.ndarray,
-                   stream: torch.cuda.Stream) -> torch.Tensor:
+                   deadline_ns: int, skipped_at: int, stream: torch.cuda.Stream) -> torch.Tensor:
     """The launch parameters (``LAUNCH_PARAMS``) followed by both page tables (int32), as one
     int64 tensor on ``src``'s device, filled from host memory by one copy on ``stream``
     (pageable host memory: the driver stages it at once, no wait for the stream)."""
@@ -166,20 +199,64 @@ def _upload_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, src_tabl
         params = torch.empty(host.shape, dtype=torch.int64, device=src.device)
         tables_at = params.data_ptr() + n_params * 8
         host[:n_params] = (src_at, dst_at, tables_at, tables_at + n_src * 4, plan.blocks * plan.rows, plan.rows, plan.rows_per_kv,
-                           plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok, *src_strides, *dst_strides)
+                           plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok, *src_strides, *dst_strides,
+                           deadline_ns, skipped_at)
         params.copy_(torch.from_numpy(host), non_blocking=True)
     return params
 
 
 def prepare_kv_copy(device: torch.device, vector_bytes: int) -> None:
     """Compile the kernel for ``vector_bytes``-wide accesses and, on CUDA, run it once on a scratch
-    pool, so the first real copy on ``device`` pays neither the compile nor the module load."""
+    pool and relate the device's clock to the host's (``device_time_ns``), so the first real
+    copy on ``device`` pays neither the compile, the module load nor the calibration."""
     from kernels import kv_copy_sm90
 
     kv_copy_sm90.compile_kv_copy(vector_bytes)
     if device.type != "cuda":
         return
-    pool = torch.zeros(1, 2, 2, 1, 1, vector_bytes, dtype=torch.uint8, device=device)  # [layer, 2 pages, K/V, head, slot, dim]
-    plan = RowPlan(vector_bytes, block=1, blocks=1, rows=1, rows_per_kv=1, heads_per_row=2, head_start=0, num_tokens=1)
+    pool, plan = _scratch(device, vector_bytes)
     KVCopy(pool, [0], pool, [1], plan).copy(range(1))  # page 0 -> page 1
     torch.cuda.synchronize(device)
+    _clock_width.setdefault(device, vector_bytes)
+    _clock[device] = (time.monotonic(), _calibrate(device))
+
+
+def device_time_ns(device: torch.device, unix_s: float) -> int:
+    """Host wall-clock time ``unix_s`` (seconds, ``time.time()``) on ``device``'s clock in ns, the
+    clock of ``KVCopy``'s deadline: ``%globaltimer`` on CUDA (related to the host clock within
+    tens of microseconds, once a minute), the host clock itself on CPU."""
+    ns = int(unix_s * 1e9)
+    if device.type != "cuda":
+        return ns
+    calibrated_at, offset = _clock.get(device, (-_CLOCK_MAX_AGE_S, 0))
+    if time.monotonic() - calibrated_at >= _CLOCK_MAX_AGE_S:
+        offset = _calibrate(device)
+        _clock[device] = (time.monotonic(), offset)
+    return ns + offset
+
+
+def _scratch(device: torch.device, vector_bytes: int) -> tuple[torch.Tensor, RowPlan]:
+    """A two-page pool of one layer, one head and one vector per token, and the plan of a
+    one-token copy from its page 0 into its page 1."""
+    pool = torch.zeros(1, 2, 2, 1, 1, vector_bytes, dtype=torch.uint8, device=device)  # [layer, 2 pages, K/V, head, slot, dim]
+    return pool, RowPlan(vector_bytes, block=1, blocks=1, rows=1, rows_per_kv=1, heads_per_row=2, head_start=0, num_tokens=1)
+
+
+def _calibrate(device: torch.device) -> int:
+    """Device clock minus host clock (ns): a copy with a deadline in the past stores
+    ``%globaltimer`` as it starts, between two host clock readings (on a stream of its
+    own, never queued behind transfer writes that wait for compute)."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        pool, plan = _scratch(device, _clock_width.get(device, VECTOR_BYTES[0]))
+        probe = KVCopy(pool, [0], pool, [1], plan, stream, deadline_ns=0)
+        done = torch.cuda.Event()
+        before = time.time_ns()
+        probe.copy(range(1))
+        done.record(stream)
+    done.synchronize()
+    after = time.time_ns()
+    device_ns = probe.skipped_at_ns
+    if device_ns is None:
+        raise KVCopyError(f"clock calibration on {device}: the probe copy did not report its start")
+    return device_ns - (before + after) // 2

@@ -6,7 +6,8 @@ broadcasts each batch to its peers over the process group. Every rank then runs
 the batch's forward — TP needs all of them — and sends its own KV heads to the
 decode rank layer by layer while later layers compute. The ranks agree on which
 transfers succeeded (one all-reduce), and the leader publishes the first tokens
-and tells the decode ranks to start.
+and tells the decode ranks to start. A batch's senders are built while its forward
+runs (``LayerReports``), not before it: their set-up is off the requests' path.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from shared.bus import Bus, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.settings import PrefillSettings
-from shared.transfer import KVSender, LayoutMismatch, TransferError, TransferMetrics, TransferWorker, kv_head_shard
+from shared.transfer import KVSender, LayerReports, LayoutMismatch, TransferError, TransferMetrics, TransferWorker, kv_head_shard
 
 log = get_logger(__name__)
 
@@ -169,32 +170,42 @@ class PrefillGroup:
 
     async def _prefill(self, batch: list[PrefillTask]) -> list[Outcome]:
         seqs: list[SequenceState] = []
-        senders: list[KVSender | None] = []
-        errors: list[str | None] = []
+        page_tables: list[list[int]] = []
         allocator, layout = self.runner.cache.allocator, self.runner.cache.layout
         for task in batch:
             job = task.job
             params = sampling_params(job)
             pages = allocator.alloc(layout.pages_for(len(job.input_ids)))  # the batch was sized to fit
             seqs.append(self.runner.add(job.request_id, job.input_ids, params, page_table=pages))
-            sender, error = None, None
-            if self.shard.sends:
-                try:
-                    sender = KVSender(self.worker, self.runner.cache, task.descriptor, pages, self.shard, timeout_s=self.settings.transfer_timeout_s,
-                                      metrics=self.transfer_metrics)
-                except LayoutMismatch as e:
-                    error = str(e)
-            senders.append(sender)
-            errors.append(error)
+            page_tables.append(pages)
 
-        def on_layer_done(layer: int) -> None:
+        # The senders are built while the forward runs (their set-up overlaps its first layers,
+        # LayerReports): each gets the layers reported before it existed, then the rest.
+        reports = LayerReports(self.runner.cache.device)
+        started = time.perf_counter()
+        forward = asyncio.ensure_future(asyncio.to_thread(self.runner.prefill, seqs, reports.on_layer_done))
+        senders: list[KVSender | None] = []
+        errors: list[str | None] = []
+        try:
+            for task, pages in zip(batch, page_tables, strict=True):
+                sender, error = None, None
+                if self.shard.sends:
+                    try:
+                        sender = KVSender(self.worker, self.runner.cache, task.descriptor, pages, self.shard, timeout_s=self.settings.transfer_timeout_s,
+                                          metrics=self.transfer_metrics)
+                        reports.attach(sender)
+                    except LayoutMismatch as e:
+                        error = str(e)
+                senders.append(sender)
+                errors.append(error)
+        except BaseException:
             for sender in senders:
                 if sender is not None:
-                    sender.on_layer_done(layer)
-
-        started = time.perf_counter()
+                    sender.cancel()
+            await asyncio.wait([forward])  # the forward's thread uses the batch's state: let it end first
+            raise
         try:
-            outputs: Sequence[StepOutput | None] = await asyncio.to_thread(self.runner.prefill, seqs, on_layer_done)
+            outputs: Sequence[StepOutput | None] = await forward
         except Exception as e:
             log.exception("prefill_failed")
             outputs = [None] * len(seqs)

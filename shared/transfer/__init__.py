@@ -2,7 +2,8 @@
 
 Two paths behind one API: UCX (any host: packed chunks into the decode rank's staging,
 scattered there) and, on one host, CUDA IPC (the sender writes straight from its pages
-into the decode pages with one kernel per layer group, and announces them over UCX;
+into the decode pages with one kernel per layer report, enqueued behind the layer's
+compute, and announces them over UCX;
 ``cuda_ipc`` has the mechanism and its safety rules, ``direct_write`` the copies).
 
 One ``TransferWorker`` per rank: ``worker = await TransferWorker.create(progress_mode=None)``
@@ -35,6 +36,8 @@ Prefill TP rank (only ranks whose ``kv_head_shard(rank, tp, num_kv_heads).sends`
     sender = KVSender(worker, kvcache, desc, page_table, kv_head_shard(rank, tp, num_kv_heads),
                       timeout_s=30.0, chunk_bytes=256 << 20)   # UCX: packs into worker.staging_pool(device)
     forward(..., on_layer_done=sender.on_layer_done)   # or sender.mark_all_layers_done()
+    #   or senders built after the forward started: reports = LayerReports(device);
+    #   forward(..., on_layer_done=reports.on_layer_done) in a thread, then reports.attach(sender)
     sender.path                      # "cuda_ipc" (descriptor's export opened) or "ucx"
     record = await sender.finish()   # TransferRecord(request_id, nbytes, wall_s, chunks, started_unix, phases_s, path)
     #   raises TransferTimeout (sender timeout or the reservation's lease, whichever is first),
@@ -47,7 +50,8 @@ chunk is token-contiguous per head). Modules: ``worker`` (UCX worker, endpoint c
 tag protocol), ``shard`` (head mapping, pack/scatter), ``staging`` (slot arenas),
 ``cuda_ipc`` (storage export / open, same-host identity, landing events),
 ``direct_write`` (the CUDA IPC path's copy plan; the kernel is ``kernels.kv_copy``, CuTeDSL), ``receiver``, ``sender``, ``metrics``,
-``errors``, ``streams`` (CUDA side streams). The UCX path's pack and scatter are torch
+``errors``, ``streams`` (CUDA side streams), ``reports`` (a forward's layer reports for
+senders built while it runs). The UCX path's pack and scatter are torch
 ops on CPU and on CUDA alike: per layer group one index_select / index_copy_ over the
 full pages plus one indexed copy of the partial last page, moving 8-byte words; on CUDA
 they run on high-priority side streams. Both sides record where each transfer's time
@@ -58,6 +62,7 @@ from shared.transfer.direct_write import prepare_direct_writes
 from shared.transfer.errors import Cancelled, LayoutMismatch, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
 from shared.transfer.metrics import TransferMetrics, TransferRecord
 from shared.transfer.receiver import KVReceiver
+from shared.transfer.reports import LayerReports
 from shared.transfer.sender import KVSender
 from shared.transfer.shard import KVHeadShard, kv_head_shard
 from shared.transfer.staging import StagingPool
@@ -68,6 +73,7 @@ __all__ = [
     "KVHeadShard",
     "KVReceiver",
     "KVSender",
+    "LayerReports",
     "LayoutMismatch",
     "LeaseExpired",
     "PeerFailed",

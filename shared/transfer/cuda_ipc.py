@@ -16,26 +16,35 @@ away; the receiver counts them landed once that event completed
 Safety: the decode rank never hands pages to another request while a direct writer
 may still write them.
 
-* A sender issues a group's writes only after that group's compute finished (host
-  check of its CUDA events) and only before its deadline, which is never later than
-  the reservation's lease; the writes are copies on a high-priority side stream with
-  nothing queued ahead of them but earlier writes, so they end within milliseconds of
-  being issued (a whole 32k-token request is ~6 GB, ~16 ms at NVLink speed). On failure
-  or cancel it waits for the writes it issued to complete, then sends a ``"stopped"``
-  header for its heads.
+* A sender enqueues a layer's writes as the layer is reported, on a high-priority side
+  stream behind the layer's CUDA event, so they may wait there for the prefill's compute.
+  It enqueues nothing once its own deadline passed (never later than the reservation's
+  lease), and the copy kernel checks a deadline itself as it starts: the lease deadline
+  + ``WRITE_GUARD_AFTER_LEASE_S`` on the GPU's ``%globaltimer`` (related to the host clock
+  within tens of microseconds, ``kernels.kv_copy.device_time_ns``). A write that starts later
+  writes nothing (and the sender fails with ``TransferTimeout``); one that started in time
+  ends within milliseconds (a whole 32k-token request is ~6 GB, ~16 ms at NVLink speed),
+  well inside the receiver's grace below. On failure or cancel the sender enqueues
+  nothing more, waits for the writes it enqueued to run or be skipped, then sends a
+  ``"stopped"`` header for its heads.
+* The receiver counts a sender's cells landed when its landing event (recorded after all
+  its writes) completed, but only if it sees that before the lease deadline: a write
+  skipped by the guard started after the deadline, so its event completes after it, and
+  skipped cells are never counted as landed.
 * A receiver whose reservation may have a direct writer (it exported its storage)
   frees the pages of a cancelled / expired / failed reservation only when every head
   is quiet (all its layers landed, its sender said ``"stopped"``, or its sender sent a
   chunk over UCX: one sender per head range, one path per sender), or else at the
   lease deadline + ``receiver.DIRECT_WRITE_GRACE_S``; until then they are quarantined.
 * A killed prefill: the lease expires, the pages are freed after the grace. A prefill
-  killed after announcing a group but before its writes ran never completes that
-  group's event (its record never executes), so the cells are never counted
+  killed after announcing its writes but before they ran never completes their
+  landing event (its record never executes), so the cells are never counted
   landed and the request is not completed (seen on 2x H200 in
   ``tests/transfer/test_transfer_gpu.py``, writes held behind a GPU sleep).
-* A killed decode: the prefill's next UCX message fails with an endpoint error
-  (``PeerFailed``) once UCX detects the peer's death, and the sender stops; it never
-  touches the mapping again (the cached mapping is dropped, not written). What CUDA
+* A killed decode: the prefill's UCX message (its one header, after the last layer)
+  fails with an endpoint error (``PeerFailed``) once UCX detects the peer's death, and
+  the sender stops; it never touches the mapping again (the cached mapping is dropped,
+  not written). Writes it enqueued before that land in the dead process's memory. What CUDA
   does there: the importer's ``cudaIpcOpenMemHandle`` mapping keeps the exporter's
   allocation referenced by the driver until the importer closes it, so a write
   already in flight lands in memory nobody reads instead of faulting; this is driver
@@ -65,6 +74,10 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from schemas.transfer import CudaIpcExport, KVTransferLayout
 
 ENV_SWITCH = "MOEBUS_KV_CUDA_IPC"
+# A direct write whose kernel starts later than this after the lease deadline writes nothing
+# (module doc). Below the receiver's DIRECT_WRITE_GRACE_S (2 s) by more than a write lasts and
+# far above the error of the GPU clock's calibration (tens of microseconds, redone each minute).
+WRITE_GUARD_AFTER_LEASE_S = 0.5
 _OPENED_KEPT = 8  # mappings of distinct decode exports kept open per process
 _LANDING_EVENTS = 16  # interprocess events a sending process cycles through, per device
 _OPENED_EVENTS_KEPT = 256  # other processes' landing events kept open by a receiver
@@ -179,12 +192,13 @@ def _open(export: CudaIpcExport, layout: KVTransferLayout, device: torch.device)
 def landing_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
     """An interprocess event (and its handle) to record after a group's direct writes.
 
-    A process cycles through a few per device instead of making one per group (an event's
-    handle is opened once per receiving process). Every record goes on the one direct-write
-    stream of the device (``streams.side_stream(device, "peer_write")``), so when a reused
-    event is recorded again before a receiver looked, the receiver waits for the later
-    record, whose completion implies the earlier one's (a delay of that later group's
-    writes: they are issued right before their record, after their compute).
+    A process cycles through a few per device instead of making one per transfer (an
+    event's handle is opened once per receiving process). Every record goes on the one
+    direct-write stream of the device (``streams.side_stream(device, "peer_write")``), so
+    when a reused event is recorded again before a receiver looked, the receiver waits for
+    the later record, whose completion implies the earlier one's (a delay of that later
+    transfer's writes: a transfer records its event once, after its last layer's write, and
+    a prefill rank's transfers of one batch reach their last layer together).
     """
     pool = _landing.setdefault(device, [])
     index = _landing_next.get(device, 0)

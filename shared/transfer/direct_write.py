@@ -5,8 +5,10 @@ pages into the decode rank's reserved pages (its storage mapped through CUDA IPC
 ``cuda_ipc.open_export``): no local pack, no staging buffer, one pass over the bytes,
 one kernel launch per group whatever the layouts.
 
-This module plans and checks; the copy is ``kernels.kv_copy`` (a CuTeDSL kernel on CUDA,
-its torch reference on CPU). Both storages are ``[layers, pages, 2, heads, page_size,
+This module plans and checks (``DirectWriter``) and enqueues a transfer's writes as its
+layers are reported, each behind its layer's compute on the GPU (``WriteIssuer``); the
+copy is ``kernels.kv_copy`` (a CuTeDSL kernel on CUDA, its torch reference on CPU), which
+also enforces the transfer's write deadline on the GPU. Both storages are ``[layers, pages, 2, heads, page_size,
 head_dim]`` (HND inside a page). The token axis is cut into blocks of ``gcd`` of the two
 page sizes, so a block lies in one page on each side; a block's bytes are rows that are
 contiguous on both sides: with equal page sizes a row is a whole page (all heads, TP=1)
@@ -44,11 +46,14 @@ The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followe
 from __future__ import annotations
 
 import math
+import threading
+import time
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from kernels.kv_copy import VECTOR_BYTES, KVCopy, RowPlan, prepare_kv_copy
+from kernels.kv_copy import VECTOR_BYTES, KVCopy, RowPlan, device_time_ns, prepare_kv_copy
 from shared.transfer import cuda_ipc
 
 
@@ -113,13 +118,15 @@ class DirectWriter:
     of ``dst`` (the decode rank's storage, mapped from the peer), tokens ``[0, num_tokens)``.
     Every write runs on ``stream`` (CUDA; default: the current stream at construction), on
     which the kernel's launch parameters and both page tables go to the GPU once, here, in
-    one small copy (``kernels.kv_copy.KVCopy``).
+    one small copy (``kernels.kv_copy.KVCopy``). A write that starts after ``deadline_unix``
+    (host wall clock, seconds; None: none) writes nothing and sets ``skipped``: on CUDA the
+    kernel itself checks, so a write enqueued behind unfinished compute is covered too.
 
     Raises ``ValueError`` on a page table that does not fit its storage, ``DirectWriteError``
     (a ``ValueError``) on storages no kernel can copy."""
 
     def __init__(self, src: torch.Tensor, src_table: np.ndarray, dst: torch.Tensor, dst_table: np.ndarray, *, head_start: int, num_tokens: int,
-                 stream: torch.cuda.Stream | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, deadline_unix: float | None = None) -> None:
         layers, src_pages, _, src_heads, src_ps, head_dim = src.shape
         dst_layers, dst_pages, _, dst_heads, dst_ps, dst_dim = dst.shape
         if (layers, head_dim, src.dtype) != (dst_layers, dst_dim, dst.dtype) or not 0 <= head_start <= dst_heads - src_heads or num_tokens <= 0:
@@ -129,13 +136,104 @@ class DirectWriter:
         self.device = src.device
         self.num_layers = layers
         self.plan = plan_rows(src, dst, head_start, num_tokens)
-        self._copy = KVCopy(src, src_table, dst, dst_table, self.plan, stream)
+        deadline_ns = None if deadline_unix is None else device_time_ns(src.device, deadline_unix)
+        self._copy = KVCopy(src, src_table, dst, dst_table, self.plan, stream, deadline_ns)
 
     @property
     def bytes_per_layer(self) -> int:
         plan, src = self.plan, self._copy.src
         return plan.blocks * plan.rows * plan.heads_per_row * plan.block * src.shape[5] * src.element_size()
 
+    @property
+    def skipped(self) -> bool:
+        """Whether a write found the deadline passed and wrote nothing (on CUDA: ask once the
+        writes completed)."""
+        return self._copy.skipped_at_ns is not None
+
     def write(self, layers: range) -> None:
         """Enqueue the writes of ``layers`` on the writer's stream (one kernel launch; on CPU, a copy now)."""
         self._copy.copy(layers)
+
+
+class WriteIssuer:
+    """Enqueues one transfer's direct writes as its layers are reported, from any thread.
+
+    ``issue(layers, event)``: the layers not enqueued yet are written by one launch per run of
+    consecutive layers on ``stream`` behind ``event`` (the report's CUDA event on the compute
+    stream, ``Stream.wait_event``): the GPU starts the copy as soon as that compute is done and
+    no host thread waits for it. An event recorded after every launch (``writes_done``) tells
+    when everything enqueued so far ran; the report that completes the layers also records the
+    transfer's interprocess landing event (``landing``, ``cuda_ipc.landing_event``), after the
+    last write. Nothing is enqueued after ``close()`` or once the host clock passed
+    ``deadline`` (``time.monotonic``); the writer's own deadline guard covers writes enqueued
+    in time whose compute ends too late. An error while enqueueing is kept in ``error`` for
+    the sender, never raised into the reporting thread (the model's forward).
+    """
+
+    def __init__(self, writer: DirectWriter, stream: torch.cuda.Stream, deadline: float) -> None:
+        self.writer = writer
+        self._stream = stream
+        self._deadline = deadline
+        self._lock = threading.Lock()
+        self._pending = set(range(writer.num_layers))
+        self._closed = False
+        self.groups: list[range] = []  # one per launch, in launch order
+        self.compute_events: list[torch.cuda.Event] = []  # the distinct events the writes wait for
+        self.writes_done: torch.cuda.Event | None = None
+        self.landing: tuple[torch.cuda.Event, bytes] | None = None
+        self.error: BaseException | None = None
+        self.first_issued_at: float | None = None  # perf_counter
+        self.issue_s = 0.0  # host time spent enqueueing
+
+    @property
+    def complete(self) -> bool:
+        """Every layer's write is enqueued."""
+        return not self._pending
+
+    def issue(self, layers: Iterable[int], event: torch.cuda.Event | None) -> None:
+        """Enqueue the writes of ``layers`` (those not enqueued yet) behind ``event``."""
+        started = time.perf_counter()
+        with self._lock:
+            todo = sorted(set(layers) & self._pending)
+            if not todo or self._closed or self.error is not None or time.monotonic() >= self._deadline:
+                return
+            if self.first_issued_at is None:
+                self.first_issued_at = started
+            try:
+                self._enqueue(todo, event)
+            except Exception as e:  # noqa: BLE001 - surfaced by the sender as a typed error
+                self.error = e
+            self.issue_s += time.perf_counter() - started
+
+    def _enqueue(self, layers: list[int], event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            self._stream.wait_event(event)
+            if all(e is not event for e in self.compute_events):
+                self.compute_events.append(event)
+        for run in _runs(layers):
+            self.writer.write(run)
+            self.groups.append(run)
+            self._pending.difference_update(run)
+            if self.writes_done is None:
+                self.writes_done = torch.cuda.Event()
+            self.writes_done.record(self._stream)  # after every launch: a failure waits for all of them
+        if not self._pending:
+            self.landing = cuda_ipc.landing_event(self.writer.device)
+            self.landing[0].record(self._stream)
+
+    def close(self) -> torch.cuda.Event | None:
+        """Enqueue nothing more; the event recorded after the last enqueued write (None: none)."""
+        with self._lock:
+            self._closed = True
+            return self.writes_done
+
+
+def _runs(layers: list[int]) -> list[range]:
+    """Sorted layer indices as maximal ranges of consecutive layers."""
+    runs: list[range] = []
+    for layer in layers:
+        if runs and runs[-1].stop == layer:
+            runs[-1] = range(runs[-1].start, layer + 1)
+        else:
+            runs.append(range(layer, layer + 1))
+    return runs

@@ -15,7 +15,8 @@ Same-host fast path: on CUDA the receiver exports its KV storage once through CU
 and every descriptor carries it. A sender that can open it writes straight into the
 pages and sends ``"landed"`` headers (no data message) as it issues the writes, each
 with an interprocess CUDA event recorded after them; the cells are marked landed,
-exactly as after a scatter, once that event completed (``_await_landing``). Because
+exactly as after a scatter, once that event completed (``_await_landing``) before the
+lease deadline (after it, the kernel's deadline guard may have skipped them). Because
 such a writer bypasses this process, a cancelled,
 expired or failed reservation that may have one does not free its pages at once: they
 stay quarantined until every head is quiet (all its layers landed, its sender sent
@@ -393,10 +394,11 @@ class KVReceiver:
             self._free_pages(res)
 
     async def _await_landing(self, res: _Reservation, h: ShardHeader) -> None:
-        """A ``"landed"`` header sent when the writes were issued: the cells land when the
-        sender's interprocess event completes. Sleep through most of the sender's estimate,
-        then poll the event (a spin of at most ``_LANDING_SPIN_S``, then every ms); a sender
-        that died before its writes ended never completes the event, and the lease ends it."""
+        """A ``"landed"`` header sent while the writes may still run: the cells land when the
+        sender's interprocess event completes, if that is seen before the lease deadline.
+        Sleep through most of the sender's estimate, then poll the event (a spin of at most
+        ``_LANDING_SPIN_S``, then every ms); a sender that died before its writes ended never
+        completes the event, and the lease ends it."""
         assert h.event is not None
         try:
             event = open_landing_event(h.event, h.sender_pid, self._cache.device)
@@ -412,11 +414,15 @@ class KVReceiver:
         except RuntimeError as e:  # CUDA reported an error on the sender's event: the cells never land
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"landing event of process {h.sender_pid} failed: {e}"))
             return
-        if res.state is _State.RECEIVING:
+        if res.state is _State.RECEIVING and asyncio.get_running_loop().time() < res.lease_ends_at:
             self._landed(res, h, direct=True)
-        else:
-            res.landed[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
-            self._lift_quarantine_if_quiet(res)
+            return
+        # Writes seen done only after the lease deadline may have been skipped by the kernel's
+        # deadline guard (``cuda_ipc``): never counted as KV, but the sender is quiet now.
+        res.landed[h.layer_start : h.layer_end, h.head_start : h.head_end] = True
+        if res.state is _State.RECEIVING:
+            self._end_lease(res)
+        self._lift_quarantine_if_quiet(res)
 
     def _landed(self, res: _Reservation, h: ShardHeader, *, direct: bool) -> None:
         """The header's cells are in the pages (scattered from staging, or written directly)."""
@@ -519,6 +525,8 @@ class KVReceiver:
                     task.cancel()
 
     def _end_lease(self, res: _Reservation) -> None:
+        if res.lease is not None:  # ended early (a landing seen past the deadline): the timer is moot
+            res.lease.cancel()
         res.lease = None
         self._terminate(res, _State.EXPIRED, LeaseExpired(res.request_id, "lease ended before all KV shards landed"))
         self._retire(res)

@@ -21,21 +21,26 @@ finished: what the transfer adds after the forward's last layer).
 
 Same-host fast path (``cuda_ipc``): when the descriptor carries the decode rank's KV
 storage exported through CUDA IPC and this process can open it, no chunk is packed:
-each group of layers whose compute has finished (host check of its CUDA events) is
-written straight from the local pages into the decode rank's reserved pages by one
-kernel launch on a side stream (``direct_write``; never issued after the deadline),
-followed by an interprocess CUDA event, and a ``"landed"`` header carrying that event
-goes out at once: its trip to the decode rank overlaps the writes, and the decode rank
-counts the cells landed when the event completes. Groups are not bounded by staging: a
-group is every reported layer whose compute is done when the previous group was issued
-(all layers at once for KV that is all there). Otherwise (another host, CPU,
-``MOEBUS_KV_CUDA_IPC=0`` on the decode side, the open failing: logged as
-``kv.cuda_ipc_unavailable`` with the reason) the UCX path above is taken.
-``TransferRecord.path`` and the log events say which; on the direct path the phases are
-``compute_wait`` (host wait for the group's compute), ``issue`` (launching its writes),
-``write`` (issued -> completed, seen by the sender) and ``wire`` (the header's send). On
-a failure the direct sender waits for its issued writes, then tells the decode rank
-``"stopped"`` (the safety rules are in ``shared.transfer.cuda_ipc``).
+each report (``on_layer_done`` / ``mark_all_layers_done``) enqueues, in the reporting
+thread and at once, the kernel that writes its layers straight from the local pages into
+the decode rank's reserved pages on a side stream behind the report's CUDA event
+(``direct_write.WriteIssuer``): the copy starts on the GPU the moment the layer's compute
+is done, with no host wake-up or launch in between. The kernel checks a deadline itself
+(the reservation's lease + ``cuda_ipc.WRITE_GUARD_AFTER_LEASE_S``, on the GPU's clock): a
+write enqueued in time whose compute ends later writes nothing and the sender fails with
+``TransferTimeout``. Once every layer is enqueued and the host sees the compute of all of
+them done, one ``"landed"`` header for all layers goes out, carrying an interprocess CUDA
+event recorded after the last write: its trip to the decode rank overlaps the writes
+still running, and the decode rank counts the cells landed when the event completes.
+Otherwise (another host, CPU, ``MOEBUS_KV_CUDA_IPC=0`` on the decode side, the open
+failing: logged as ``kv.cuda_ipc_unavailable`` with the reason) the UCX path above is
+taken. ``TransferRecord.path`` and the log events say which; on the direct path the
+phases are ``issue`` (host time enqueueing, in the reporting threads), ``compute_wait``
+(all layers reported -> their compute seen done by the host), ``write`` (first write
+enqueued -> all seen complete) and ``wire`` (the header's send). On a failure the direct
+sender enqueues nothing more, waits (in a thread) for the writes it enqueued to run or be
+skipped, then tells the decode rank ``"stopped"`` (the safety rules are in
+``shared.transfer.cuda_ipc``).
 
 Every outcome is explicit: ``finish()`` returns a ``TransferRecord`` or raises
 ``TransferTimeout`` (deadline: the sender's timeout or the reservation's lease,
@@ -64,10 +69,10 @@ from shared.kvcache import PagedKVCache
 from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
-from shared.transfer.direct_write import DirectWriter, check_table
+from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table
 from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
-from shared.transfer.streams import event_done, side_stream
+from shared.transfer.streams import event_done, event_polled, side_stream
 from shared.transfer.worker import TransferWorker, UCXError, data_tag, encode_header, header_tag, ucx_buffer
 
 log = structlog.get_logger(__name__)
@@ -82,6 +87,7 @@ _STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the dec
 # ``writes_done_unix``).
 _NVLINK_BYTES_PER_S = 360e9
 _WAKE_EARLY_S = 1.5e-3
+_WRITES_SPIN_S = 3e-3  # then poll each ms: writes queued behind a stalled stream must not block the loop
 
 
 class KVSender:
@@ -128,7 +134,6 @@ class KVSender:
         self._peer_storage = _open_peer_storage(descriptor, ids, kvcache.device)
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
         self.staging: StagingPool | None = None
-        self._writer: DirectWriter | None = None
         if self._peer_storage is None:
             layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
             self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
@@ -138,10 +143,15 @@ class KVSender:
             with torch.cuda.stream(self._side_stream) if self._side_stream is not None else contextlib.nullcontext():
                 # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
                 self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
-        else:
-            self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
-            self._writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, ids, self._side_stream)
         self._loop = asyncio.get_running_loop()
+        lease_left = descriptor.lease_deadline_unix - time.time()
+        self._deadline = self._loop.time() + min(timeout_s, lease_left)  # the loop's clock is time.monotonic
+        self._issuer: WriteIssuer | None = None
+        if self._peer_storage is not None:
+            self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
+            writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, ids, self._side_stream,
+                                    descriptor.lease_deadline_unix + cuda_ipc.WRITE_GUARD_AFTER_LEASE_S)
+            self._issuer = WriteIssuer(writer, self._side_stream, self._deadline)
         self._loop_thread = threading.get_ident()
         self._num_layers = layout.num_layers
         self._layer_events: list[torch.cuda.Event | None] = [None] * layout.num_layers  # written by the forward's thread (CUDA)
@@ -154,8 +164,6 @@ class KVSender:
         self._nbytes = 0
         self._first_send_at: float | None = None
         self._phases = PhaseTimes()
-        lease_left = descriptor.lease_deadline_unix - time.time()
-        self._deadline = self._loop.time() + min(timeout_s, lease_left)
         self._task = self._loop.create_task(self._run())
         self._created = time.perf_counter()  # setup, first_ready and start follow each other
         self._phases.add("setup", self._created - created)
@@ -166,24 +174,34 @@ class KVSender:
 
     @property
     def layer_groups(self) -> list[range]:
-        """The layer ranges packed into one chunk each so far (formed as layers become ready)."""
-        return list(self._sent_groups)
+        """The layer ranges packed into one chunk each so far (formed as layers become ready), or
+        written by one launch each on the direct path (one per report)."""
+        return list(self._sent_groups if self._issuer is None else self._issuer.groups)
 
     @property
     def held_buffers(self) -> int:
         """Staging slots this sender holds now (packing or on the wire)."""
         return self._held
 
-    def on_layer_done(self, layer: int) -> None:
-        """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks."""
+    def on_layer_done(self, layer: int, event: torch.cuda.Event | None = None) -> None:
+        """Layer ``layer``'s KV is written (or queued, on CUDA); thread-safe, never blocks.
+        ``event``: a CUDA event already recorded after the layer's KV writes (default: one
+        recorded now on the caller's current stream), for reports made after the fact."""
         if not 0 <= layer < self._num_layers:
             raise ValueError(f"layer {layer} outside 0..{self._num_layers - 1}")
-        self._layer_events[layer] = self._stream_position()  # stored before the loop learns of the layer
+        event = self._stream_position() if event is None else event
+        self._layer_events[layer] = event  # stored before the loop learns of the layer
+        if self._issuer is not None:
+            self._issuer.issue((layer,), event)
         self._schedule(self._mark_ready, layer)
 
-    def mark_all_layers_done(self) -> None:
-        """Every layer's KV is written (or queued on the caller's current CUDA stream)."""
-        self._layer_events[:] = [self._stream_position()] * self._num_layers
+    def mark_all_layers_done(self, event: torch.cuda.Event | None = None) -> None:
+        """Every layer's KV is written (or queued on the caller's current CUDA stream; ``event``
+        as in ``on_layer_done``)."""
+        event = self._stream_position() if event is None else event
+        self._layer_events[:] = [event] * self._num_layers
+        if self._issuer is not None:
+            self._issuer.issue(range(self._num_layers), event)
         self._schedule(self._mark_ready, *range(self._num_layers))
 
     async def finish(self) -> TransferRecord:
@@ -227,16 +245,16 @@ class KVSender:
         rid = self.request_id
         try:
             async with asyncio.timeout_at(self._deadline):
-                if self._writer is not None:
-                    await self._write_groups()
+                if self._issuer is not None:
+                    await self._write_directly(self._issuer)
                 else:
                     await self._send_chunks()
                 await asyncio.gather(*self._sends)
         except BaseException as e:
             await self._abort_sends()
             error = _as_transfer_error(rid, e)
-            if self._peer_storage is not None:
-                await self._stop_direct_writes(error)
+            if self._issuer is not None:
+                await self._stop_direct_writes(self._issuer, error)
             self.metrics.record_failure(error.cause)
             log.warning("kv.send_failed", request_id=rid, cause=error.cause, error=str(error), heads=(self._heads.start, self._heads.end), path=self.path)
             raise error from e
@@ -270,38 +288,43 @@ class KVSender:
             self._sends.append(self._loop.create_task(self._send_chunk(group, buf, packed)))
             next_layer = end
 
-    async def _write_groups(self) -> None:
-        """Direct path: write every reported layer whose compute is done straight into the
-        decode pages, group by group; never issues a write after the deadline."""
-        assert self._writer is not None and self._side_stream is not None
-        next_layer, num_layers = 0, self._num_layers
-        while next_layer < num_layers:
-            await self._reported(next_layer)
-            started = time.perf_counter()
-            first_event = self._layer_events[next_layer]
-            if first_event is not None and not first_event.query():
-                await event_done(first_event, short=False)
-            computed = {id(first_event): True}  # each distinct event queried once (one for all layers after mark_all_layers_done)
-            end = next_layer + 1  # and every following layer reported and computed by now
-            while end < num_layers and self._ready_at[end] is not None:
-                event = self._layer_events[end]
-                if id(event) not in computed:
-                    computed[id(event)] = event is None or event.query()
-                if not computed[id(event)]:
-                    break
-                end += 1
-            group = range(next_layer, end)
-            issued = time.perf_counter()
-            self._phases.add("compute_wait", issued - started)
-            if self._loop.time() >= self._deadline:
-                raise TimeoutError
-            self._writer.write(group)  # on the side stream
-            done, handle = cuda_ipc.landing_event(self._cache.device)
-            done.record(self._side_stream)
-            self._sent_groups.append(group)
-            self._phases.add("issue", time.perf_counter() - issued)
-            self._sends.append(self._loop.create_task(self._announce(group, done, handle, issued)))
-            next_layer = end
+    async def _write_directly(self, issuer: WriteIssuer) -> None:
+        """Direct path: the reports enqueue the writes (``WriteIssuer``); once all layers are
+        reported and their compute is done, announce every cell with one ``"landed"`` header,
+        then wait for the writes and check that none found the deadline passed."""
+        for layer in range(self._num_layers):
+            await self._reported(layer)
+            if issuer.error is not None:
+                raise issuer.error
+        if not issuer.complete:  # a report came after the deadline: nothing enqueued for it
+            raise TimeoutError
+        reported = time.perf_counter()
+        for event in issuer.compute_events:
+            await event_done(event, short=False)  # the prefill's compute: a thread waits, not the loop
+        self._phases.add("compute_wait", time.perf_counter() - reported)
+        self._phases.add("issue", issuer.issue_s)
+        assert issuer.landing is not None and issuer.first_issued_at is not None
+        self._first_send_at = issuer.first_issued_at
+        self._phases.add("first_ready", issuer.first_issued_at - self._created)
+        nbytes = self._nbytes_of(range(self._num_layers))
+        # The writes of earlier reports ran as their compute finished; the last report's are
+        # what may still be running. The other TP ranks write their heads of the same layers at
+        # the same time into the same decode GPU, sharing its link: the estimate counts every
+        # head's bytes (on 2x H200 at 32k tokens, 2 ranks estimating their own bytes only: the
+        # decode rank held the pages ~0.9 ms after the slower rank's writes, ~0.35 ms with one
+        # rank; it woke half-way and then polled at 1 ms steps).
+        expected_s = self._nbytes_of(issuer.groups[-1]) * self._desc.layout.kv_heads / self._heads.num_heads / _NVLINK_BYTES_PER_S
+        landing, handle = issuer.landing
+        announced = time.perf_counter()
+        header = self._header(range(self._num_layers), nbytes, "landed", event=handle, writes_done_unix=time.time() + expected_s)
+        await self._post((header_tag(self._desc.transfer_id), encode_header(header)))
+        await asyncio.sleep(max(0.0, announced + expected_s - _WAKE_EARLY_S - time.perf_counter()))
+        await event_polled(landing, spin_s=_WRITES_SPIN_S)
+        self._phases.add("write", time.perf_counter() - issuer.first_issued_at)
+        if issuer.writer.skipped:
+            raise TransferTimeout(self.request_id, "direct writes reached the GPU after the lease deadline and wrote nothing")
+        self._sent_groups = list(issuer.groups)
+        self._nbytes = nbytes
 
     async def _acquire(self, nbytes: int) -> torch.Tensor:
         assert self.staging is not None
@@ -345,10 +368,17 @@ class KVSender:
             done.record(self._side_stream)
         return _Packed(done, behind_compute=not all(event.query() for event in computed))
 
-    async def _stop_direct_writes(self, error: TransferError) -> None:
-        """After a failure (issued writes already complete): tell the decode rank these heads
-        get no more writes, so it can reuse the pages before the lease grace. Not to a dead peer."""
+    async def _stop_direct_writes(self, issuer: WriteIssuer, error: TransferError) -> None:
+        """After a failure: enqueue no more writes, wait for those enqueued to run (or be skipped
+        by their deadline guard; a thread waits, as they may still wait for the prefill's
+        compute), then tell the decode rank these heads get no more writes, so it can reuse the
+        pages before the lease grace. Not to a dead peer."""
+        last_write = issuer.close()
+        if last_write is not None:
+            await asyncio.to_thread(last_write.synchronize)
         desc = self._desc
+        if issuer.writer.skipped:
+            log.warning("kv.direct_writes_skipped", request_id=desc.request_id, reason="the kernel started past the lease deadline + guard")
         if isinstance(error, PeerFailed):
             assert desc.cuda_ipc is not None
             cuda_ipc.forget(desc.cuda_ipc)  # the peer is gone: never touch its mapping again
@@ -383,28 +413,6 @@ class KVSender:
             await self._worker.send_pair(address, *messages)
         self._in_flight -= 1
         self._phases.add("wire", time.perf_counter() - posted)
-
-    async def _announce(self, group: range, done: torch.cuda.Event, handle: bytes, issued: float) -> None:
-        """Direct path: tell the decode rank at once that ``group``'s cells land when the
-        interprocess event ``done`` (recorded after its writes, issued at ``issued``,
-        perf_counter) completes, so the header's trip overlaps the writes; then wait for
-        them (they read the local pages the caller keeps until ``finish()``)."""
-        nbytes = self._nbytes_of(group)
-        # The other TP ranks write their heads of the same layers at the same time into the same
-        # decode GPU, sharing its link: the estimate counts every head's bytes (on 2x H200 at
-        # 32k tokens, 2 ranks estimating their own bytes only: the decode rank held the pages
-        # ~0.9 ms after the slower rank's writes, ~0.35 ms with one rank; it woke half-way and
-        # then polled at 1 ms steps).
-        expected_s = nbytes * self._desc.layout.kv_heads / self._heads.num_heads / _NVLINK_BYTES_PER_S
-        try:
-            header = self._header(group, nbytes, "landed", event=handle, writes_done_unix=time.time() + expected_s + issued - time.perf_counter())
-            await self._post((header_tag(self._desc.transfer_id), encode_header(header)))
-            await asyncio.sleep(max(0.0, issued + expected_s - _WAKE_EARLY_S - time.perf_counter()))
-            await event_done(done, short=True)
-            self._phases.add("write", time.perf_counter() - issued)
-            self._nbytes += nbytes
-        finally:
-            done.synchronize()  # cancelled: the writes still run; the failure path reports only after them
 
     async def _send_chunk(self, group: range, buf: torch.Tensor, packed: _Packed | None) -> None:
         """UCX path: once packed, send the header and the chunk."""
@@ -458,12 +466,13 @@ def _open_peer_storage(desc: KVTransferDescriptor, ids: np.ndarray, device: torc
 
 
 def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor, ids: np.ndarray,
-                   stream: torch.cuda.Stream | None) -> DirectWriter:
+                   stream: torch.cuda.Stream | None, deadline_unix: float) -> DirectWriter:
     """The writer of this transfer's direct writes (its page tables uploaded on ``stream``, where
-    the writes run); checks both page tables against their storage."""
+    the writes run; none starts after ``deadline_unix``); checks both page tables against
+    their storage."""
     table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else np.asarray(page_table, dtype=np.int64)
     try:
-        return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens, stream=stream)
+        return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens, stream=stream, deadline_unix=deadline_unix)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
 

@@ -9,6 +9,7 @@ On CPU there is no stream (``None``) and the work runs inline or in a thread.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -47,3 +48,13 @@ async def event_done(event: torch.cuda.Event, *, short: bool) -> None:
         event.synchronize()
     else:
         await asyncio.to_thread(event.synchronize)
+
+
+async def event_polled(event: torch.cuda.Event, *, spin_s: float, poll_s: float = 1e-3) -> None:
+    """Wait for ``event`` expected to complete about now: query it in a tight loop (blocking the
+    event loop) for at most ``spin_s``, then every ``poll_s`` without blocking it. For work that
+    may, rarely, wait far longer (queued behind other work): the loop's timeouts still fire."""
+    spin_until = time.perf_counter() + spin_s
+    while not event.query():
+        if time.perf_counter() > spin_until:
+            await asyncio.sleep(poll_s)

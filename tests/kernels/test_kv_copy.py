@@ -2,15 +2,18 @@
 
 CPU (CI): the kernel compiles for sm_90a at every access width, moving each vector with
 one load and one store of that width, loads ahead of stores, and no NVLink multicast
-instruction; the torch reference (and ``KVCopy`` on CPU tensors) equals a token-by-token
-loop; bad calls are refused with ``KVCopyError``.
+instruction, behind a ``%globaltimer`` deadline check; the torch reference (and ``KVCopy``
+on CPU tensors) equals a token-by-token loop; a copy past its deadline writes nothing and
+says so; bad calls are refused with ``KVCopyError``.
 GPU: the kernel writes what the reference writes (every dtype and access width) and
-nothing else.
+nothing else, through its own launcher; past its deadline it writes nothing, reports the
+GPU clock it saw, and the host-to-GPU clock relation holds to well under a millisecond.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -36,7 +39,8 @@ def test_kernel_compiles_for_sm90a_with_one_access_per_vector(vector_bytes, acce
     ptx = cute.compile(sm90._launch_kv_copy, *sm90.compile_args(dummy_stream()), vector_bytes, options="--keep-ptx").__ptx__
     assert ".target sm_90a" in ptx and "multimem" not in ptx
     body = [line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("ld.global", "st.global"))]
-    stores = [op for op in body if op.startswith("st.")]
+    guard, *stores = [op for op in body if op.startswith("st.")]
+    assert "%globaltimer" in ptx and guard == "st.global.b64"  # the deadline guard's skip word comes first
     assert len(stores) >= sm90.UNROLL + 1 and set(stores) == {f"st.global.{access}"}  # the unrolled loop and the tail
     assert body.count(f"ld.global.{access}") >= len(stores)
     first_store = body.index(f"st.global.{access}")
@@ -98,6 +102,22 @@ def test_reference_and_cpu_kv_copy_equal_a_token_loop(dtype, src_ps, dst_ps, src
     assert torch.equal(routed.view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_copy_past_its_deadline_writes_nothing_and_says_so():
+    src, dst = _pools(torch.bfloat16, 2, 4, 4, 2, 4, 16, 16, 8)
+    table = torch.arange(2)
+    plan = plan_rows(src, dst, 2, 20)
+    now_ns = kc.device_time_ns(src.device, time.time())
+    assert abs(now_ns - time.time_ns()) < 10**8  # the CPU's "device" clock is the host's
+    late = dst.clone()
+    copy = kc.KVCopy(src, table, late, table, plan, deadline_ns=now_ns - 1)
+    copy.copy(range(2))
+    assert torch.equal(late.view(torch.uint8), dst.view(torch.uint8)) and copy.skipped_at_ns >= now_ns
+    in_time = dst.clone()
+    copy = kc.KVCopy(src, table, in_time, table, plan, deadline_ns=now_ns + 60 * 10**9)
+    copy.copy(range(2))
+    assert not torch.equal(in_time.view(torch.uint8), dst.view(torch.uint8)) and copy.skipped_at_ns is None
+
+
 def test_bad_calls_are_refused():
     src, dst = _pools(torch.bfloat16, 2, 4, 4, 2, 4, 16, 16, 8)
     plan = plan_rows(src, dst, 0, 20)
@@ -149,3 +169,27 @@ def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_
     assert torch.equal(got[:, keep].view(torch.uint8), expected[:, keep].view(torch.uint8))
     slot = tokens % dst_ps
     assert torch.equal(got[:, last, :, :, :slot].view(torch.uint8), expected[:, last, :, :, :slot].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_past_its_deadline_writes_nothing_and_the_clocks_agree():
+    src, dst = _pools(torch.bfloat16, 3, 40, 30, 2, 4, 16, 16, 64, device="cuda", seed=3)
+    src_table, dst_table = _tables(40, 30, 16, 16, 301, seed=4)
+    plan = plan_rows(src, dst, 2, 301)
+    kc.prepare_kv_copy(src.device, plan.vector_bytes)  # relates the GPU clock to the host's
+    before = time.time()
+    now_ns = kc.device_time_ns(src.device, before)
+    late = dst.clone()
+    copy = kc.KVCopy(src, src_table, late, dst_table, plan, deadline_ns=now_ns)
+    copy.copy(range(3))
+    torch.cuda.synchronize()
+    after_ns = kc.device_time_ns(src.device, time.time())
+    assert torch.equal(late.view(torch.uint8), dst.view(torch.uint8)), "a copy past its deadline wrote"
+    assert copy.skipped_at_ns is not None and now_ns - 10**6 < copy.skipped_at_ns < after_ns + 10**6, (now_ns, copy.skipped_at_ns, after_ns)
+    in_time = dst.clone()
+    copy = kc.KVCopy(src, src_table, in_time, dst_table, plan, deadline_ns=kc.device_time_ns(src.device, time.time() + 60))
+    copy.copy(range(3))
+    torch.cuda.synchronize()
+    assert copy.skipped_at_ns is None and not torch.equal(in_time.view(torch.uint8), dst.view(torch.uint8))
+    assert torch.equal(in_time[:, :, :, :2].view(torch.uint8), dst[:, :, :, :2].view(torch.uint8))  # only heads [2, 4) written

@@ -2,18 +2,21 @@
 contiguous on both sides and cover every K/V head once, bad page tables are refused
 before any write, and the writer (through ``kernels.kv_copy``'s torch reference) writes
 what the UCX path's pack + scatter writes. On a GPU: the CuTeDSL kernel writes exactly
-what pack + scatter writes, for every page-size / shard combination, and nothing else."""
+what pack + scatter writes, for every page-size / shard combination, and nothing else; the
+write issuer enqueues writes behind unfinished compute without the host waiting for it,
+and they land once that compute is done."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from shared.kvcache import KVLayout, PagedKVCache
-from shared.transfer.direct_write import DirectWriter, row_shape
+from shared.transfer.direct_write import DirectWriter, WriteIssuer, row_shape
 from shared.transfer.shard import chunk_view, kv_head_shard, pack_layers, scatter_layers
 
 LAYERS, HEADS, DIM = 3, 4, 8
@@ -94,3 +97,34 @@ def test_writer_writes_what_pack_and_scatter_write(device, src_page, dst_page, h
         unused = torch.ones(60, dtype=torch.bool)
         unused[table] = False
         assert dst.storage[:, unused].isnan().all()  # other requests' pages untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_issuer_enqueues_writes_behind_compute_without_waiting_for_it():
+    tokens, layers = 301, 6
+    src = PagedKVCache(KVLayout(layers, 30, HEADS, 16, DIM, torch.bfloat16), "cuda")
+    dst = PagedKVCache(KVLayout(layers, 30, HEADS, 16, DIM, torch.bfloat16), "cuda")
+    src.storage.copy_(torch.randn(src.storage.shape, device="cuda"))
+    dst.storage.fill_(float("nan"))
+    src_table, dst_table = random.Random(3).sample(range(30), 19), random.Random(4).sample(range(30), 19)
+    stream = torch.cuda.Stream()
+    writer = DirectWriter(src.storage, np.array(src_table), dst.storage, np.array(dst_table), head_start=0, num_tokens=tokens, stream=stream,
+                          deadline_unix=time.time() + 60)
+    issuer = WriteIssuer(writer, stream, time.monotonic() + 60)
+    torch.cuda._sleep(int(0.5 * 2e9))  # the "compute" of the layers (~0.5 s) on the current stream
+    computed = torch.cuda.Event()
+    computed.record()
+    started = time.perf_counter()
+    issuer.issue(range(2), computed)
+    issuer.issue([5, 2, 3, 4], computed)
+    issuer.issue(range(layers), computed)  # every layer enqueued already: nothing more
+    assert time.perf_counter() - started < 0.2, "the issuer waited for the compute"
+    assert issuer.error is None and issuer.complete and issuer.groups == [range(0, 2), range(2, 6)]
+    assert not issuer.writes_done.query(), "a write ran before its compute"
+    issuer.landing[0].synchronize()
+    assert issuer.writes_done.query() and not writer.skipped
+    table = torch.tensor(src_table, device="cuda"), torch.tensor(dst_table, device="cuda")
+    for layer in range(layers):
+        assert torch.equal(torch.stack(dst.read(layer, table[1], tokens)), torch.stack(src.read(layer, table[0], tokens))), layer
+    assert issuer.close() is issuer.writes_done

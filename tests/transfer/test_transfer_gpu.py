@@ -7,7 +7,9 @@ both sides, TP=1 and 2 ranks, all layers at once and layer groups formed while l
 trickle in), with ``path == "cuda_ipc"`` on both sides; a cancelled or expired
 reservation keeps its pages out of the pool while a direct writer may still write them
 (until it landed everything, or the lease + grace when the writer was killed); a sender
-killed after announcing writes that never ran does not complete the request; a decode
+killed after announcing writes that never ran does not complete the request; writes
+enqueued in time that reach the GPU only after the lease deadline + guard write nothing
+(the kernel's own check) and the sender fails with ``TransferTimeout``; a decode
 killed during direct writes fails the sender with a typed error within its deadline,
 and the prefill process stays usable.
 """
@@ -16,8 +18,12 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
+
+from schemas.transfer import KVTransferDescriptor
+from shared.transfer.cuda_ipc import WRITE_GUARD_AFTER_LEASE_S
 
 from transfer_peers import Peer, reference_kv, spawn_context
 
@@ -150,6 +156,35 @@ def test_sender_killed_before_its_announced_writes_ran_never_completes_the_reque
             time.sleep(0.05)
     finally:
         victim.stop()
+
+
+def test_writes_reaching_the_gpu_after_the_lease_write_nothing(peers):
+    """Writes enqueued before the deadline but held on their stream (a GPU sleep) until past
+    the lease deadline + guard: the kernel skips them, the decode pages keep what they held,
+    the sender fails with TransferTimeout and the receiver never completes the request."""
+    decode, _ = peers
+    sender = Peer(spawn_context(), "prefill", device="cuda", visible="0,1", head_dim=HEAD_DIM)
+    try:
+        assert sender.call("ping")
+        lease_s, tokens = 1.5, 160
+        stall_s = lease_s + WRITE_GUARD_AFTER_LEASE_S + 1.5
+        desc = decode.call("reserve", cache="h4", request_id="late", num_tokens=tokens, lease_s=lease_s)
+        pages = msgspec.msgpack.decode(desc, type=KVTransferDescriptor).page_ids
+        decode.call("fill", cache="h4", pages=pages, value=7.0)
+        job = sender.submit("send", descriptor=desc, tp_rank=0, tp_size=1, page_size=16, seed=11, chunk_bytes=2 * layer_bytes(HEADS, tokens), timeout_s=20.0, stall_writes_s=stall_s)
+        got = decode.call("wait", cache="h4", request_id="late", timeout=20.0)
+        result = sender.wait(job, reply_timeout=stall_s + 20)
+        assert not got["ok"] and got["error"] == "LeaseExpired", got
+        assert not result["ok"] and result["error"] == "TransferTimeout" and result["path"] == "cuda_ipc", result
+        assert result["elapsed_s"] >= stall_s - 0.5, result  # it waited for its held writes before reporting
+        kv = decode.call("read", cache="h4", pages=pages, num_tokens=tokens)
+        assert bool((kv == 7.0).all()), "writes that reached the GPU past the deadline wrote into the decode pages"
+        deadline = time.monotonic() + GRACE_S + 10
+        while decode.call("status", cache="h4")["free_pages"] != PAGES:
+            assert time.monotonic() < deadline, "the pages never came back"
+            time.sleep(0.05)
+    finally:
+        sender.stop()
 
 
 def test_decode_killed_during_direct_writes_fails_the_sender_in_time():
