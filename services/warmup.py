@@ -15,7 +15,9 @@ first users wait. So a rank runs, before its first heartbeat,
   instance (and its dispatch/combine, sized by `max_batch`) has a single bucket. With
   CUDA graphs (`shared.model.cuda_graphs`), every batch bucket up to that largest batch
   instead, each twice: the first step captures the bucket's graph (page bucket 1; longer
-  contexts capture theirs on first use), the second replays it.
+  contexts capture theirs on first use), the second replays it. Before them, the paged
+  decode attention kernels are compiled (`shared.model.layers.prepare_decode_attention`):
+  the warm-up's one-page contexts would not reach the combine of split long contexts.
 
 The ranks of an instance run it together: every step is collective (TP all-reduces,
 the expert all-to-all, the lockstep's all-reduce), and every rank derives the same
@@ -38,6 +40,7 @@ import torch
 from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
 from services.decode.lockstep import GroupState, Lockstep
 from shared.logging import get_logger
+from shared.model.layers import prepare_decode_attention
 from shared.model.runner import ModelRunner, SequenceState
 from shared.model.sampling import SamplingParams
 from shared.settings import DecodeSettings, PrefillSettings
@@ -139,7 +142,10 @@ def warm_up_decode(runner: ModelRunner, settings: DecodeSettings, world: int) ->
     cache) and its first token, so the step feeds one token per sequence like a real one.
     """
     lockstep = Lockstep(runner, world)
-    vocab = runner.model.config.vocab_size
+    model, vocab = runner.model, runner.model.config.vocab_size
+    if model.kernels:
+        prepare_decode_attention(model.heads.num_q, model.local_kv_heads, model.config.head_dim, runner.cache.layout.page_size,
+                                 model.dtype, runner.cache.device)
 
     def step(batch: int) -> Step:
         def run(borrowed: Borrowed) -> None:

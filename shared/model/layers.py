@@ -14,16 +14,22 @@ is `paged_attention_sdpa`, and the norms and RoPE are fused kernels. A quantized
 (attention, dense MLPs) reaches `linear` already dequantized when the model runs the
 kernels (`shared.model.weights.dequantize_dense`, once at load); on the reference
 path `linear` dequantizes it on every call.
+
+Decode batches (one query per sequence) take the paged decode attention kernel of
+`kernels.paged_attention` inside `paged_attention_sdpa`: K/V read straight from the pool
+(``MOEBUS_DECODE_ATTENTION=sdpa`` turns it off); other batches gather their pages for SDPA.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.moe import grouped_moe
+from kernels.paged_attention import kernel_supports, paged_decode_attention, prepare_paged_decode_attention
 from shared.kvcache import PagedKVCache
 from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.model.weights import FusedGateUp, Linear
@@ -87,16 +93,43 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     return out[meta.token_seq, meta.token_idx]
 
 
-def paged_attention_sdpa(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """`paged_attention` through torch's fused SDPA kernel, in q's dtype (the GPU path).
+DECODE_ATTENTION_ENV = "MOEBUS_DECODE_ATTENTION"  # "kernel" (default) or "sdpa"
+DECODE_ATTENTION_MODES = ("kernel", "sdpa")
 
-    The query heads sharing a KV head are folded into the query rows
-    (``[B, Hkv, g * Qmax, D]``), so it is plain multi-head attention with a mask,
+
+def decode_attention_kernel(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `paged_attention_sdpa` runs decode batches of this shape through the paged decode
+    attention kernel: on CUDA, for shapes the kernel takes, unless ``MOEBUS_DECODE_ATTENTION=sdpa``."""
+    mode = os.environ.get(DECODE_ATTENTION_ENV, "kernel").strip().lower() or "kernel"
+    if mode not in DECODE_ATTENTION_MODES:
+        raise ValueError(f"{DECODE_ATTENTION_ENV}={os.environ[DECODE_ATTENTION_ENV]!r} is not one of {', '.join(DECODE_ATTENTION_MODES)}")
+    return mode == "kernel" and device.type == "cuda" and kernel_supports(q_heads, kv_heads, head_dim, page_size, dtype) is None
+
+
+def prepare_decode_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Compile the decode attention kernels `paged_attention_sdpa` will run for this shape (all of
+    them: a warm-up's short contexts would not reach the split-context combine); False when
+    decode batches of this shape keep the gather + SDPA path."""
+    if not decode_attention_kernel(q_heads, kv_heads, head_dim, page_size, dtype, device):
+        return False
+    return prepare_paged_decode_attention(q_heads, kv_heads, head_dim, page_size)
+
+
+def paged_attention_sdpa(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`paged_attention` through fused kernels, in q's dtype (the GPU path).
+
+    A decode batch (one query per sequence, flat tokens in sequence order) runs the paged
+    decode attention kernel where `decode_attention_kernel` says so. Otherwise the batch's
+    pages are gathered and the query heads sharing a KV head are folded into the query
+    rows (``[B, Hkv, g * Qmax, D]``), so it is plain multi-head attention with a mask,
     which SDPA's memory-efficient kernel takes (no K/V copy per query head).
     """
     t, hq, d = q.shape
     if meta.num_seqs == 0:
         return q.new_zeros((t, hq, d))
+    pool = cache.pools[layer]
+    if meta.max_q == 1 and t == meta.num_seqs and decode_attention_kernel(hq, pool.shape[2], d, pool.shape[3], q.dtype, q.device):
+        return paged_decode_attention(q, pool, meta.page_tables, meta.context_lens, scale)
     k, v = cache.gather(layer, meta.page_tables)  # [B, Hkv, Lmax, D]
     b, hkv, lmax, _ = k.shape
     group, max_q = hq // hkv, meta.max_q

@@ -1,0 +1,148 @@
+"""Paged decode attention: one query per sequence against its K/V in the paged pool.
+
+``paged_decode_attention(q, pool, page_tables, context_lens, scale)``:
+
+* ``q`` ``[B, Hq, D]``: each sequence's one new query (the decode step);
+* ``pool`` ``[num_pages, 2, Hkv, page_size, D]``: one layer's KV pool (K then V, HND inside
+  a page: ``shared.kvcache.PagedKVCache``);
+* ``page_tables`` ``[B, P]`` int32 or int64: each sequence's pages in order, padded with
+  any valid page id; ``context_lens`` ``[B]`` int32 or int64: sequence ``b`` sees keys
+  ``0 .. context_lens[b] - 1`` (a length of 0 gives zeros);
+* returns ``[B, Hq, D]`` in ``q``'s dtype. GQA: query head ``i`` reads KV head ``i // (Hq / Hkv)``.
+
+On CUDA bf16 tensors of a supported shape (``kernel_supports``: up to 16 query heads per KV
+head, ``D`` 64 or 128, page sizes dividing 16 or multiples of 16) it runs the
+CuTeDSL kernel (``kernels.paged_attention_sm90``): K/V read straight from the pool once,
+the query heads of a KV head sharing each load through tensor-core MMAs, fp32 scores,
+online softmax and accumulation, the context split over CTAs (flash-decoding) so that small
+batches and long contexts fill the GPU. Lengths and page ids are read on the GPU and the
+launch shape depends only on tensor shapes: it can be captured in a CUDA graph. Elsewhere
+it runs ``paged_decode_attention_reference`` (fp32). Slots of a sequence's last page past
+its length are read and given weight 0, so they must hold finite values (the model's
+pools do: zeroed at start, then only ever written with K/V).
+
+Kernels are compiled once per (query heads per KV head, head dim, page size, index widths)
+and cached (``prepare_paged_decode_attention`` compiles ahead); batch, page-table width and
+split count are launch arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_GROUP = 16  # query heads per KV head: the 16 rows of the kernel's MMA tile
+HEAD_DIMS = (64, 128)  # the fragment layout takes multiples of 64; larger ones would spill the accumulator
+TILE = 16  # tokens per MMA tile
+# Split rule (flash-decoding): enough CTAs for this many per SM, but no split shorter than
+# MIN_TILES_PER_SPLIT tiles (each split writes fp32 partials that a second kernel merges).
+CTAS_PER_SM_TARGET = 4
+MIN_TILES_PER_SPLIT = 16
+MAX_GRID_DIM = 65535  # batch and KV heads are grid dimensions
+
+
+class PagedAttentionError(ValueError):
+    """Arguments the paged decode attention cannot take; the message names the tensor."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise PagedAttentionError(msg)
+
+
+def check_arguments(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Shapes, dtypes and devices (see the module doc); raises ``PagedAttentionError``."""
+    _check(q.dim() == 3, f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
+    _check(pool.dim() == 5 and pool.shape[1] == 2,
+           f"pool must be [num_pages, 2, kv_heads, page_size, head_dim], got shape {tuple(pool.shape)}")
+    b, hq, d = q.shape
+    _, _, hkv, _, pool_d = pool.shape
+    _check(pool_d == d, f"pool head_dim {pool_d} differs from q's {d}")
+    _check(hkv > 0 and hq % hkv == 0, f"q_heads {hq} must be a multiple of the pool's kv_heads {hkv}")
+    _check(pool.dtype == q.dtype, f"pool dtype {pool.dtype} differs from q's {q.dtype}")
+    _check(page_tables.dim() == 2 and page_tables.shape[0] == b and page_tables.shape[1] > 0,
+           f"page_tables must be [batch={b}, pages >= 1], got shape {tuple(page_tables.shape)}")
+    _check(context_lens.shape == (b,), f"context_lens must be [batch={b}], got shape {tuple(context_lens.shape)}")
+    for name, t in (("page_tables", page_tables), ("context_lens", context_lens)):
+        _check(t.dtype in INDEX_DTYPES, f"{name} must be int32 or int64, got {t.dtype}")
+    devices = {t.device for t in (q, pool, page_tables, context_lens)}
+    _check(len(devices) == 1, f"q, pool, page_tables and context_lens must be on one device, got {sorted(map(str, devices))}")
+
+
+def kernel_supports(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> str | None:
+    """None when the CUDA kernel takes this shape, else why not (the caller keeps another path)."""
+    if dtype != torch.bfloat16:
+        return f"dtype {dtype} (the kernel takes bfloat16)"
+    if q_heads % kv_heads or q_heads // kv_heads > MAX_GROUP:
+        return f"{q_heads} query heads over {kv_heads} KV heads (the kernel takes up to {MAX_GROUP} per KV head)"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (the kernel takes {HEAD_DIMS})"
+    if not (TILE % page_size == 0 or page_size % TILE == 0):
+        return f"page_size {page_size} (the kernel takes divisors or multiples of {TILE})"
+    return None
+
+
+def choose_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int) -> int:
+    """How many CTAs share one (sequence, KV head): from static shapes only (graph capturable)."""
+    want = -(-CTAS_PER_SM_TARGET * num_sms // (batch * kv_heads))
+    return max(1, min(want, max_tiles // MIN_TILES_PER_SPLIT))
+
+
+def paged_decode_attention_reference(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, context_lens: torch.Tensor,
+                                     scale: float) -> torch.Tensor:
+    """fp32 definition of ``paged_decode_attention`` (returns fp32): gather, mask, softmax, weighted sum."""
+    check_arguments(q, pool, page_tables, context_lens)
+    b, hq, d = q.shape
+    _, _, hkv, ps, _ = pool.shape
+    p = page_tables.shape[1]
+    kv = pool[page_tables.long()].float()  # [B, P, 2, Hkv, ps, D]
+    k, v = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, b, hkv, p * ps, d).unbind(0)
+    qf = q.float().view(b, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bhld->bhgl", qf, k) * scale
+    visible = torch.arange(p * ps, device=q.device)[None, :] < context_lens.long()[:, None]  # [B, L]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a sequence of length 0 sees nothing: zeros
+    return torch.einsum("bhgl,bhld->bhgd", probs, v).reshape(b, hq, d)
+
+
+def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of each sequence's one query over its paged K/V: ``[B, Hq, D]`` in q's dtype (module doc).
+
+    ``out`` (CUDA path): where to write the result (``[B, Hq, D]``, q's dtype, contiguous).
+    """
+    check_arguments(q, pool, page_tables, context_lens)
+    b, hq, d = q.shape
+    _, _, hkv, ps, _ = pool.shape
+    reason = kernel_supports(hq, hkv, d, ps, q.dtype)
+    if not q.is_cuda or reason is not None:
+        result = paged_decode_attention_reference(q, pool, page_tables, context_lens, scale).to(q.dtype)
+        return result if out is None else out.copy_(result)
+    _check(pool.is_contiguous(), f"the kernel needs a contiguous pool, got strides {pool.stride()}")
+    _check(b <= MAX_GRID_DIM and hkv <= MAX_GRID_DIM, f"batch {b} or kv_heads {hkv} above the grid limit {MAX_GRID_DIM}")
+    if out is None:
+        out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    _check(out.shape == (b, hq, d) and out.dtype == q.dtype and out.is_contiguous(),
+           f"out must be contiguous {q.dtype} {(b, hq, d)}, got {out.dtype} {tuple(out.shape)}")
+    if b == 0:
+        return out
+    from kernels import paged_attention_sm90  # CuTeDSL is imported only on the GPU path
+
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = choose_splits(b, hkv, page_tables.shape[1] * ps // TILE, num_sms)
+    paged_attention_sm90.launch(q.contiguous(), pool, page_tables.contiguous(), context_lens.contiguous(), scale, splits, out)
+    return out
+
+
+def prepare_paged_decode_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int,
+                                   index_dtype: torch.dtype = torch.int64) -> bool:
+    """Compile the kernels of this shape ahead of the first call (both the split kernel and the
+    combine of split contexts); False when the kernel does not take the shape (bf16 assumed)."""
+    if kernel_supports(q_heads, kv_heads, head_dim, page_size, torch.bfloat16) is not None:
+        return False
+    from kernels import paged_attention_sm90
+
+    width = torch.empty((), dtype=index_dtype).element_size()
+    paged_attention_sm90.compiled_split(q_heads // kv_heads, head_dim, page_size, width, width)
+    paged_attention_sm90.compiled_combine(q_heads // kv_heads, head_dim)
+    return True

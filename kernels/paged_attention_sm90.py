@@ -1,0 +1,404 @@
+"""CuTeDSL kernels of :func:`kernels.paged_attention.paged_decode_attention` (CUDA tensors only).
+
+Decode attention straight from the paged pool: one query per sequence, the ``g`` query
+heads of a KV head as the 16 rows of ``mma.sync.m16n8k16`` (bf16 in, fp32 out; rows past
+``g`` are zeros), so every K/V element loaded feeds all ``g`` heads at once.
+
+Work split (flash-decoding). CTA ``(split, kv head, sequence)`` takes an equal share of the
+sequence's 16-token tiles (``ceil(tiles / splits)``, from the length read on the GPU); its
+4 warps take every 4th tile of the share. Per tile a warp loads K and V straight from the
+tile's page (16-byte loads, every 32-byte sector used whole), computes the 16 x 16 scores
+with 16 MMAs, runs the online softmax in fp32 (exp2, scale folded in), and adds P @ V with
+``head_dim / 8`` MMAs into its fp32 accumulator. The 4 warps' (max, sum, output) meet in
+shared memory; with one split the CTA writes the bf16 output, otherwise fp32 partials that
+``_combine_kernel`` merges (one CTA per (sequence, query head)).
+
+Fragment layouts (PTX ISA, ``mma.m16n8k16``; lane = 4 * grp + t): A holds rows ``grp`` and
+``grp + 8`` at k ``2t, 2t+1`` and ``2t+8, 2t+9``; B holds k ``2t, 2t+1`` and ``2t+8, 2t+9`` at
+column ``grp``; C holds rows ``grp``, ``grp + 8`` at columns ``2t, 2t+1``. Contracted
+dimensions may be permuted freely as long as both operands agree, which is how the loads
+stay 16 bytes wide without shared memory:
+
+* Q @ K^T contracts head dims: in k-step ``2j + hh`` the logical k ``2t + e`` is dim
+  ``32j + 8t + 4hh + e`` and ``2t + 8 + e`` is ``32j + 8t + 4hh + 2 + e``, so thread t's
+  16-byte load of dims ``32j + 8t .. + 8`` (of a K row, and of its Q rows) feeds two k-steps.
+* P @ V contracts tokens, in their natural order (P's A fragment is the scores' C fragment
+  converted to bf16 in place). V's B fragment wants two tokens of one dim per register, so
+  thread (grp, t) loads dims ``64hh + 8grp .. + 8`` of tokens ``2t, 2t+1, 2t+8, 2t+9`` and
+  pairs them with ``prmt``; output column n of n-tile ``8hh + e`` is dim ``64hh + 8n + e``.
+
+Launch shapes come from static tensor shapes and the split count the host picks, lengths
+and page ids are read on the GPU: the launches are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import cuda.bindings.driver as cuda_driver
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from kernels._cute_comm import gptr
+
+THREADS = 128
+WARPS = THREADS // 32
+TILE = 16  # tokens per MMA tile (the n of Q @ K^T, the k of P @ V)
+ROWS = 16  # query rows of an MMA tile: the most query heads per KV head the kernel takes
+MASKED = -1.0e30  # score of a masked key and the running max of a warp with no tile (finite: no inf - inf)
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------- PTX pieces
+
+
+@dsl_user_op
+def _load_v4(addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """16 read-only bytes at ``addr`` as 4 words (``ld.global.nc``: K/V, Q and tables do not change during the launch)."""
+    res = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(i32,i32,i32,i32)>"),
+        [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def _mma(a: tuple, b0: Int32, b1: Int32, c: tuple, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
+    """``mma.sync.m16n8k16`` bf16 x bf16 + fp32: A in 4 words, B in 2, C/D in 4 floats."""
+    ins = [Int32(x).ir_value(loc=loc, ip=ip) for x in (*a, b0, b1)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in c]
+    res = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(f32,f32,f32,f32)>"),
+        ins,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def _exp2(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x (``ex2.approx``: 2 ulp; 2^-1e30 is 0)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                                   asm_dialect=0, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """Byte permute of ``{b, a}``: 0x5410 pairs the low bf16 halves, 0x7632 the high ones (a's in the low half)."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+                                 f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", asm_dialect=0, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _pack_bf16(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """Two floats rounded to bf16 in one word, ``lo`` in the low half (the lower k index of a fragment pair)."""
+    return Int32(llvm.inline_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                                 "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", asm_dialect=0, loc=loc, ip=ip))
+
+
+@cute.jit
+def _load_index(addr: Int64, index_bytes: cutlass.Constexpr) -> Int64:
+    """One int32 or int64 entry of a page table or length vector."""
+    value = Int64(0)
+    if cutlass.const_expr(index_bytes == 8):
+        value = cute.arch.load(gptr(Int64, addr, 8), Int64)
+    else:
+        value = Int64(cute.arch.load(gptr(Int32, addr, 4), Int32))
+    return value
+
+
+@cute.jit
+def _load_f32(addr: Int64) -> Float32:
+    return cute.arch.load(gptr(Float32, addr, 4), Float32)
+
+
+@cute.jit
+def _store_f32(addr: Int64, value: Float32):
+    cute.arch.store(gptr(Float32, addr, 4), value)
+
+
+@dsl_user_op
+def _store_bf16(addr: Int64, value: Float32, *, loc=None, ip=None) -> None:
+    """``value`` rounded to bf16, stored at ``addr``."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+                    "{\n\t.reg .b16 h;\n\tcvt.rn.bf16.f32 h, $1;\n\tst.global.b16 [$0], h;\n\t}", "l,f,~{memory}",
+                    has_side_effects=True, asm_dialect=0, loc=loc, ip=ip)
+
+
+@cute.jit
+def _quad_max(x: Float32) -> Float32:
+    """Max over the 4 lanes holding one row of a C fragment."""
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+
+@cute.jit
+def _quad_sum(x: Float32) -> Float32:
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+
+# --------------------------------------------------------------------------- the split kernel
+
+
+@cute.jit
+def _row_address(pool: Int64, table_row: Int64, token: Int32, kv: cutlass.Constexpr, head: Int32, kv_heads: Int32,
+                 max_pages: Int32, page: Int64, head_dim: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                 table_bytes: cutlass.Constexpr) -> Int64:
+    """Byte address of ``token``'s K (kv 0) or V (kv 1) row of KV head ``head``. ``page``: the tile's
+    page id when a tile lies in one page (page_size a multiple of 16); smaller pages are looked
+    up per token (clamped to the table: the rows past a sequence's end are masked)."""
+    page_id = page
+    if cutlass.const_expr(page_size < TILE):
+        page_id = _load_index(table_row + Int64(cutlass.min(token // page_size, max_pages - 1)) * table_bytes, table_bytes)
+    block = (page_id * 2 + kv) * Int64(kv_heads) + Int64(head)  # [page, K/V, head] block of page_size x head_dim
+    return pool + (block * page_size + Int64(token % page_size)) * (head_dim * 2)
+
+
+@cute.kernel
+def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64, part_o: Int64, part_ml: Int64,
+                  kv_heads: Int32, max_pages: Int32, splits: Int32, scale_log2: Float32, group: cutlass.Constexpr,
+                  head_dim: cutlass.Constexpr, page_size: cutlass.Constexpr, table_bytes: cutlass.Constexpr,
+                  len_bytes: cutlass.Constexpr):
+    split, head, seq = cute.arch.block_idx()
+    tid, _, _ = cute.arch.thread_idx()
+    warp, lane = tid // 32, tid % 32
+    grp, t = lane // 4, lane % 4
+    q_heads = kv_heads * group
+    n_tiles_d = head_dim // 8  # n-tiles of P @ V
+    k_chunks = head_dim // 32  # 16-byte loads per K row and thread (two k-steps each)
+    v_chunks = head_dim // 64  # 16-byte loads per V row and thread
+
+    length = Int32(cutlass.min(cutlass.max(_load_index(lens + Int64(seq) * len_bytes, len_bytes), Int64(0)),
+                               Int64(max_pages) * page_size))
+    n_tiles = (length + TILE - 1) // TILE
+    share = (n_tiles + splits - 1) // splits
+    first = split * share
+    last = cutlass.min(n_tiles, first + share)
+    table_row = tables + Int64(seq) * Int64(max_pages) * table_bytes
+
+    # Q as A fragments, one per k-step: rows grp and grp + 8 (zeros past the group).
+    qf = cute.make_rmem_tensor((head_dim // 16 * 4,), Int32)
+    qf.fill(0)
+    for half in cutlass.range_constexpr(2):
+        row = grp + 8 * half
+        if row < group:
+            q_row = q + (Int64(seq) * q_heads + Int64(head * group + row)) * (head_dim * 2)
+            for j in cutlass.range_constexpr(k_chunks):
+                w = _load_v4(q_row + (j * 32 + t * 8) * 2)
+                for hh in cutlass.range_constexpr(2):
+                    qf[(2 * j + hh) * 4 + half] = w[2 * hh]
+                    qf[(2 * j + hh) * 4 + 2 + half] = w[2 * hh + 1]
+
+    acc = cute.make_rmem_tensor((n_tiles_d * 4,), Float32)  # C fragments of P @ V: [n-tile][c0..c3]
+    acc.fill(0.0)
+    stats = cute.make_rmem_tensor((4,), Float32)  # running max of rows grp, grp+8 (log2 units); this thread's sums
+    stats[0] = MASKED
+    stats[1] = MASKED
+    stats[2] = 0.0
+    stats[3] = 0.0
+    for tile in cutlass.range(first + warp, last, WARPS):
+        tok0 = tile * TILE
+        page = Int64(0)
+        if cutlass.const_expr(page_size >= TILE):
+            page = _load_index(table_row + Int64(tok0 // page_size) * table_bytes, table_bytes)
+        k_rows = [_row_address(pool, table_row, tok0 + nt * 8 + grp, 0, head, kv_heads, max_pages, page, head_dim, page_size,
+                               table_bytes) for nt in range(2)]
+        v_rows = [_row_address(pool, table_row, tok0 + tok, 1, head, kv_heads, max_pages, page, head_dim, page_size,
+                               table_bytes) for tok in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)]
+        kw = [[_load_v4(k_rows[nt] + (j * 32 + t * 8) * 2) for j in range(k_chunks)] for nt in range(2)]
+        vw = [[_load_v4(v_rows[i] + (hh * 64 + grp * 8) * 2) for hh in range(v_chunks)] for i in range(4)]
+
+        # Scores of tokens tok0 + 8nt + 2t + (c & 1), rows grp (c < 2) and grp + 8, in log2 units.
+        x = []
+        for nt in cutlass.range_constexpr(2):
+            s = (Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
+            for j in cutlass.range_constexpr(k_chunks):
+                for hh in cutlass.range_constexpr(2):
+                    ks = 2 * j + hh
+                    s = _mma((qf[ks * 4], qf[ks * 4 + 1], qf[ks * 4 + 2], qf[ks * 4 + 3]), kw[nt][j][2 * hh], kw[nt][j][2 * hh + 1], s)
+            for c in cutlass.range_constexpr(4):
+                token = tok0 + nt * 8 + 2 * t + c % 2
+                x.append(cutlass.select_(token < length, s[c] * scale_log2, Float32(MASKED)))
+        # x[4 * nt + c]; row grp: c in (0, 1), row grp + 8: c in (2, 3).
+        p = [Float32(0.0)] * 8
+        for half in cutlass.range_constexpr(2):
+            cols = [4 * nt + 2 * half + e for nt in range(2) for e in range(2)]
+            tile_max = _quad_max(cute.arch.fmax(cute.arch.fmax(x[cols[0]], x[cols[1]]), cute.arch.fmax(x[cols[2]], x[cols[3]])))
+            m_old = stats[half]
+            m_new = cute.arch.fmax(m_old, tile_max)
+            alpha = _exp2(m_old - m_new)
+            stats[half] = m_new
+            row_sum = Float32(0.0)
+            for col in cols:
+                p[col] = _exp2(x[col] - m_new)
+                row_sum = row_sum + p[col]
+            stats[2 + half] = stats[2 + half] * alpha + row_sum
+            for i in cutlass.range_constexpr(n_tiles_d):
+                acc[i * 4 + 2 * half] = acc[i * 4 + 2 * half] * alpha
+                acc[i * 4 + 2 * half + 1] = acc[i * 4 + 2 * half + 1] * alpha
+        pa = (_pack_bf16(p[0], p[1]), _pack_bf16(p[2], p[3]), _pack_bf16(p[4], p[5]), _pack_bf16(p[6], p[7]))
+        for hh in cutlass.range_constexpr(v_chunks):
+            for e in cutlass.range_constexpr(8):
+                sel = 0x5410 if e % 2 == 0 else 0x7632
+                b0 = _prmt(vw[0][hh][e // 2], vw[1][hh][e // 2], sel)  # tokens 2t, 2t + 1 of dim 64hh + 8grp + e
+                b1 = _prmt(vw[2][hh][e // 2], vw[3][hh][e // 2], sel)  # tokens 2t + 8, 2t + 9
+                i = hh * 8 + e
+                o = _mma(pa, b0, b1, (acc[i * 4], acc[i * 4 + 1], acc[i * 4 + 2], acc[i * 4 + 3]))
+                for c in cutlass.range_constexpr(4):
+                    acc[i * 4 + c] = o[c]
+
+    # The 4 warps' partial results meet in shared memory: output rows [warp][row][dim], (max, sum) [warp][row].
+    smem = cutlass.memory.SmemAllocator()
+    s_out = smem.allocate_tensor(Float32, cute.make_layout(WARPS * group * head_dim), 16)
+    s_stats = smem.allocate_tensor(Float32, cute.make_layout(WARPS * ROWS * 2), 16)
+    for half in cutlass.range_constexpr(2):
+        row = grp + 8 * half
+        row_sum = _quad_sum(stats[2 + half])
+        if row < group:
+            for i in cutlass.range_constexpr(n_tiles_d):
+                for e in cutlass.range_constexpr(2):
+                    dim = (i // 8) * 64 + (2 * t + e) * 8 + i % 8
+                    s_out[(warp * group + row) * head_dim + dim] = acc[i * 4 + 2 * half + e]
+        if t == 0:
+            s_stats[(warp * ROWS + row) * 2] = stats[half]
+            s_stats[(warp * ROWS + row) * 2 + 1] = row_sum
+    cute.arch.sync_threads()
+    for item in cutlass.range(tid, group * head_dim, THREADS):
+        row, dim = item // head_dim, item % head_dim
+        m_all = Float32(MASKED)
+        for w in cutlass.range_constexpr(WARPS):
+            m_all = cute.arch.fmax(m_all, s_stats[(w * ROWS + row) * 2])
+        total, value = Float32(0.0), Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            f = _exp2(s_stats[(w * ROWS + row) * 2] - m_all)
+            total = total + f * s_stats[(w * ROWS + row) * 2 + 1]
+            value = value + f * s_out[(w * group + row) * head_dim + dim]
+        if splits == 1:
+            inv = Float32(0.0)
+            if total > 0.0:
+                inv = 1.0 / total
+            _store_bf16(out + ((Int64(seq) * q_heads + Int64(head * group + row)) * head_dim + dim) * 2, value * inv)
+        else:
+            part = ((Int64(seq) * kv_heads + Int64(head)) * splits + Int64(split)) * group + Int64(row)
+            _store_f32(part_o + (part * head_dim + dim) * 4, value)
+            if dim == 0:
+                _store_f32(part_ml + part * 8, m_all)
+                _store_f32(part_ml + part * 8 + 4, total)
+
+
+@cute.kernel
+def _combine_kernel(part_o: Int64, part_ml: Int64, out: Int64, kv_heads: Int32, splits: Int32, group: cutlass.Constexpr,
+                    head_dim: cutlass.Constexpr):
+    """out[seq, q head] from the splits' partials: CTA (q head, seq), thread = dim."""
+    q_head, seq, _ = cute.arch.block_idx()
+    dim, _, _ = cute.arch.thread_idx()
+    head, row = q_head // group, q_head % group
+    base = (Int64(seq) * kv_heads + Int64(head)) * splits * group + Int64(row)  # partial of split s: base + s * group
+    m_all = Float32(MASKED)
+    for s in cutlass.range(splits):
+        m_all = cute.arch.fmax(m_all, _load_f32(part_ml + (base + Int64(s) * group) * 8))
+    total, value = Float32(0.0), Float32(0.0)
+    for s in cutlass.range(splits):
+        part = base + Int64(s) * group
+        f = _exp2(_load_f32(part_ml + part * 8) - m_all)
+        total = total + f * _load_f32(part_ml + part * 8 + 4)
+        value = value + f * _load_f32(part_o + (part * head_dim + dim) * 4)
+    inv = Float32(0.0)
+    if total > 0.0:
+        inv = 1.0 / total
+    _store_bf16(out + ((Int64(seq) * kv_heads * group + Int64(q_head)) * head_dim + dim) * 2, value * inv)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+@cute.jit
+def _launch_split(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64, part_o: Int64, part_ml: Int64,
+                  batch: Int32, kv_heads: Int32, max_pages: Int32, splits: Int32, scale_log2: Float32,
+                  stream: cuda_driver.CUstream, group: cutlass.Constexpr, head_dim: cutlass.Constexpr,
+                  page_size: cutlass.Constexpr, table_bytes: cutlass.Constexpr, len_bytes: cutlass.Constexpr):
+    smem_bytes = (WARPS * group * head_dim + WARPS * ROWS * 2) * 4 + 64
+    _split_kernel(q, pool, tables, lens, out, part_o, part_ml, kv_heads, max_pages, splits, scale_log2, group, head_dim,
+                  page_size, table_bytes, len_bytes).launch(grid=[splits, kv_heads, batch], block=[THREADS, 1, 1], smem=smem_bytes,
+                                                 stream=stream)
+
+
+@cute.jit
+def _launch_combine(part_o: Int64, part_ml: Int64, out: Int64, batch: Int32, kv_heads: Int32, splits: Int32,
+                    stream: cuda_driver.CUstream, group: cutlass.Constexpr, head_dim: cutlass.Constexpr):
+    _combine_kernel(part_o, part_ml, out, kv_heads, splits, group, head_dim).launch(
+        grid=[kv_heads * group, batch, 1], block=[head_dim, 1, 1], stream=stream)
+
+
+_CACHE: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+
+
+def _compiled(key: tuple, build):
+    with _LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = build()
+        return _CACHE[key]
+
+
+def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, len_bytes: int, options: str = ""):
+    """The split kernel of one head shape, page size and index widths, compiled once per process (no GPU
+    needed); ``options`` go to ``cute.compile`` (and bypass the cache)."""
+    from kernels._cute_runtime import dummy_stream
+
+    z64, z32 = Int64(0), Int32(1)
+    args = (z64, z64, z64, z64, z64, z64, z64, z32, z32, z32, z32, Float32(1.0), dummy_stream(), group, head_dim, page_size,
+            table_bytes, len_bytes)
+    if options:
+        return cute.compile(_launch_split, *args, options=options)
+    return _compiled(("split", group, head_dim, page_size, table_bytes, len_bytes), lambda: cute.compile(_launch_split, *args))
+
+
+def compiled_combine(group: int, head_dim: int, options: str = ""):
+    """The combine kernel of one head shape, compiled once per process."""
+    from kernels._cute_runtime import dummy_stream
+
+    z64, z32 = Int64(0), Int32(1)
+    args = (z64, z64, z64, z32, z32, z32, dummy_stream(), group, head_dim)
+    if options:
+        return cute.compile(_launch_combine, *args, options=options)
+    return _compiled(("combine", group, head_dim), lambda: cute.compile(_launch_combine, *args))
+
+
+def launch(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+           splits: int, out: torch.Tensor) -> None:
+    """Enqueue the attention on ``q``'s device's current stream (``kernels.paged_attention`` checked the
+    arguments: contiguous, aligned, supported shape). ``splits > 1`` adds the partials' combine."""
+    from kernels._cute_runtime import launch_stream
+
+    batch, q_heads, head_dim = q.shape
+    _, _, kv_heads, page_size, _ = pool.shape
+    group, max_pages = q_heads // kv_heads, page_tables.shape[1]
+    table_bytes, len_bytes = page_tables.element_size(), context_lens.element_size()
+    with launch_stream(q.device) as stream:
+        split_fn = compiled_split(group, head_dim, page_size, table_bytes, len_bytes)
+        if splits == 1:
+            part_o = part_ml = out  # never touched with one split
+        else:
+            part_o = torch.empty(batch * kv_heads * splits * group * head_dim, dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(batch * kv_heads * splits * group * 2, dtype=torch.float32, device=q.device)
+        split_fn(Int64(q.data_ptr()), Int64(pool.data_ptr()), Int64(page_tables.data_ptr()), Int64(context_lens.data_ptr()),
+                 Int64(out.data_ptr()), Int64(part_o.data_ptr()), Int64(part_ml.data_ptr()), Int32(batch), Int32(kv_heads),
+                 Int32(max_pages), Int32(splits), Float32(scale * LOG2E), stream)
+        if splits > 1:
+            compiled_combine(group, head_dim)(Int64(part_o.data_ptr()), Int64(part_ml.data_ptr()), Int64(out.data_ptr()),
+                                              Int32(batch), Int32(kv_heads), Int32(splits), stream)

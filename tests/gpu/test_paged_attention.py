@@ -1,0 +1,139 @@
+"""GPU: the paged decode attention kernel (kernels/paged_attention_sm90.py) against the fp32 reference.
+
+Fresh random inputs per case: 4/8/16 query heads per KV head (and 2 with head_dim 64 and
+pages of 4, the tiny test model's shape), uneven lengths including 1 and lengths that are
+no multiple of the page size, page ids drawn at random over the pool, batch 1 and 128,
+contexts past 8k, int32 and int64 indices, one split and several. The output is poisoned
+(NaN) before each launch so that every element must be written; slots past each
+sequence's length hold large finite values, which must not leak into the result. A CUDA
+graph captured once reads lengths and page ids on the GPU: replayed after they changed in
+place, it matches the reference of the new ones. The model's routing: `paged_attention_sdpa`
+on a decode batch runs the kernel and agrees with its gather + SDPA path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_attention as pa
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+REL_TOL = 1e-2  # bf16 inputs and output, probabilities rounded to bf16 before P @ V (as flash kernels do)
+
+
+def _case(gen: torch.Generator, batch: int, hq: int, hkv: int, d: int, page: int, lens: list[int], index=torch.int64, spare: int = 3):
+    """A bf16 pool on the GPU with every sequence's pages at random ids, tails past each length poisoned
+    with large finite values, tables padded with valid ids, random queries."""
+    pages = [-(-n // page) for n in lens]
+    width = max(pages) + spare
+    num_pages = sum(pages) + 8
+    pool = torch.randn((num_pages, 2, hkv, page, d), generator=gen).to(torch.bfloat16)
+    order = torch.randperm(num_pages, generator=gen)
+    tables = torch.randint(0, num_pages, (batch, width), generator=gen)  # padding: any valid id
+    at = 0
+    for b, (n, p) in enumerate(zip(lens, pages)):
+        tables[b, :p] = order[at:at + p]
+        at += p
+        tail = n % page
+        if tail:
+            pool[tables[b, p - 1], :, :, tail:] = 3.0e4  # past the length: must get weight 0
+    q = torch.randn((batch, hq, d), generator=gen).to(torch.bfloat16)
+    dev = torch.device("cuda")
+    return q.to(dev), pool.to(dev), tables.to(dev, index), torch.tensor(lens, dtype=index, device=dev)
+
+
+def _check(q, pool, tables, lens, scale):
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    pa.paged_decode_attention(q, pool, tables, lens, scale, out=out)
+    ref = pa.paged_decode_attention_reference(q, pool, tables, lens, scale)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "elements left unwritten (NaN poison) or NaN results"
+    err = (out.float() - ref).norm() / ref.norm()
+    max_abs = (out.float() - ref).abs().max().item()
+    print(f"  B={q.shape[0]} Hq={q.shape[1]} Hkv={pool.shape[2]} D={q.shape[2]} page={pool.shape[3]} "
+          f"max_len={int(lens.max())} rel_err={err.item():.2e} max_abs={max_abs:.2e}")
+    assert err < REL_TOL and max_abs < 0.05 * ref.abs().max().item()
+    return out
+
+
+def _splits(q, pool, tables) -> int:
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return pa.choose_splits(q.shape[0], pool.shape[2], tables.shape[1] * pool.shape[3] // pa.TILE, sms)
+
+
+@pytest.mark.parametrize("hq,hkv,d,page", [(16, 4, 128, 16), (32, 4, 128, 16), (64, 4, 128, 16), (4, 2, 64, 4), (32, 4, 128, 32)])
+def test_kernel_matches_reference_on_uneven_batches(hq, hkv, d, page):
+    gen = torch.Generator().manual_seed(hq * 7 + page)
+    lens = [1, page - 1, page, page + 1, 2 * page + 5, 100, 333, 1000] * 2
+    q, pool, tables, lens_t = _case(gen, len(lens), hq, hkv, d, page, lens)
+    _check(q, pool, tables, lens_t, d**-0.5)
+
+
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+def test_batch_128_one_split_and_batch_1_many(index):
+    gen = torch.Generator().manual_seed(11)
+    lens = torch.randint(1, 480, (128,), generator=gen).tolist()
+    q, pool, tables, lens_t = _case(gen, 128, 32, 4, 128, 16, lens, index, spare=0)
+    assert _splits(q, pool, tables) == 1
+    _check(q, pool, tables, lens_t, 0.088)
+    q, pool, tables, lens_t = _case(gen, 1, 64, 4, 128, 16, [9000], index)
+    assert _splits(q, pool, tables) > 8
+    _check(q, pool, tables, lens_t, 0.088)
+
+
+def test_long_contexts_split_and_combine():
+    gen = torch.Generator().manual_seed(12)
+    lens = [8192, 8193, 12000, 17, 16384, 1, 9999, 4096]
+    q, pool, tables, lens_t = _case(gen, len(lens), 32, 4, 128, 16, lens)
+    assert _splits(q, pool, tables) > 1
+    _check(q, pool, tables, lens_t, 128**-0.5)
+
+
+def test_graph_replay_reads_lengths_and_pages_on_the_gpu():
+    gen = torch.Generator().manual_seed(13)
+    lens = [40, 700, 3, 2000]
+    q, pool, tables, lens_t = _case(gen, 4, 32, 4, 128, 16, lens)
+    out = torch.empty_like(q)
+    pa.paged_decode_attention(q, pool, tables, lens_t, 0.1, out=out)  # compile and load outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        pa.paged_decode_attention(q, pool, tables, lens_t, 0.1, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in range(3):
+        lens_t.add_(1 + 37 * step)
+        tables.copy_(tables[torch.randperm(4, generator=gen)].roll(1, dims=1))  # new page order per sequence
+        q.copy_(torch.randn(q.shape, generator=gen))
+        pool.copy_(torch.randn(pool.shape, generator=gen))  # no poisoned tails: tables moved between sequences
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = pa.paged_decode_attention_reference(q, pool, tables, lens_t, 0.1)
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert (out.float() - ref).norm() / ref.norm() < REL_TOL
+
+
+def test_model_routes_decode_batches_through_the_kernel(monkeypatch):
+    from shared.kvcache import KVLayout, PagedKVCache
+    from shared.model import layers
+    from shared.model.model import ForwardBatch, SequenceChunk
+
+    gen = torch.Generator().manual_seed(14)
+    dev = torch.device("cuda")
+    cache = PagedKVCache(KVLayout(2, 96, 4, 16, 128, torch.bfloat16), dev)
+    cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
+    ids = torch.randperm(96, generator=gen).tolist()
+    chunks = [SequenceChunk([1], 40, ids[:3]), SequenceChunk([2], 700, ids[3:48]), SequenceChunk([3], 0, ids[48:49])]
+    meta = ForwardBatch.build(chunks, 16, dev).attn
+    q = torch.randn((3, 32, 128), generator=gen).to(dev, torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(layers, "paged_decode_attention", lambda *a, **k: calls.append(1) or pa.paged_decode_attention(*a, **k))
+    monkeypatch.delenv(layers.DECODE_ATTENTION_ENV, raising=False)
+    got = layers.paged_attention_sdpa(q, cache, 1, meta, 128**-0.5)
+    monkeypatch.setenv(layers.DECODE_ATTENTION_ENV, "sdpa")
+    sdpa = layers.paged_attention_sdpa(q, cache, 1, meta, 128**-0.5)
+    assert calls == [1]
+    torch.testing.assert_close(got.float(), sdpa.float(), rtol=2.0**-6, atol=2.0**-6)
