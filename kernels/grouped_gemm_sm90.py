@@ -51,6 +51,26 @@ tokens streamed 3.70 / 3.71 TB/s: machine-to-machine spread is 2-3%.  An ncu pro
 of single launches (d53287d0f526): bf16 30B down at 375 tokens keeps the tensor pipe
 74% busy with DRAM at 56% (2.68 TB/s, about the bytes that must move), 30B gate_up
 80%, 30B down at 2048 tokens 88%; FP8 54% (30B down) and 67% (235B gate_up).
+Re-measured at 8d3ba77539c5 (same kernel code, both GPUs of another 2x H200 machine,
+prefill, sustained / burst): bf16 375 tokens 613-713 / 637-764, 2048 623-692 / 702-795;
+FP8 862-1061 / 864-1152; dense bf16 675-702 / 792-816, FP8 1247-1277 / 1450-1505.
+
+Where the time goes (8d3ba77539c5, 2x H200, burst, variants of the same tree that skip
+one part, results wrong by design): FP8 without promotion and scales (plain
+accumulation like bf16), FP8 with the scale loads replaced by constants, and bf16 /
+FP8 without the hand-off to the store warps and without global stores each ran within
+1% of the full kernel on 30B down and 235B gate_up at 375 and 2048 tokens (FP8 235B
+gate_up at 2048, clock-capped even in bursts, +1..3% without promotion or scale loads,
+against 1% between two runs of the full kernel).  ncu's
+SASS-level stall samples (30B down, 375 tokens): bf16 consumer warps wait mostly on
+the stage-full mbarrier (41% of all warp samples: the operand tiles have not landed),
+FP8 consumers on their own WGMMAs (wait_group, 17%) with the data already in shared
+memory.  So neither the promotion nor the epilogue limits these shapes: the operand
+feed (L2 -> shared memory, and the WGMMAs' shared-memory operand reads, which for
+FP8 128x192 tiles plus the TMA writes come to ~138 B/clk per SM at peak by count,
+against 128) does.  Only
+fewer operand bytes per FLOP can move them: larger tiles (registers bound them for
+FP8), or the weight tile multicast to the CTAs of an expert's M tiles.
 
 Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
 burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%
@@ -71,7 +91,15 @@ sharing the token tile were within -6%..+10% of single CTAs per shape in the
 same call (79cf9e99e7e7, ``--cluster-n 2``), no consistent gain.  The cluster
 launch attribute alone, with one CTA per cluster, had cost the 128x128 bf16
 tiles (the fused SwiGLU GEMM) about a quarter of their speed: 424 TFLOP/s at
-06558783ead2, 576 at 79cf9e99e7e7 without it (235B gate_up, 375 tokens).
+06558783ead2, 576 at 79cf9e99e7e7 without it (235B gate_up, 375 tokens).  One more
+pipeline stage (bf16 128x256: 4 instead of 3; FP8 128x192: 5 instead of 4) by
+handing each output tile to the store warps in two halves through a half-size
+buffer (bf16: the second half written during the next tile's first stage; store
+warps serving each warpgroup's rows on their own), against this kernel on both GPUs
+of one call (8d3ba77539c5, "+h30-epi2" in the results): burst within 1% on 14 of 16
+prefill cases per GPU (235B down 2048 bf16 +1.3 / +3.5%), sustained mostly within
+1.5% but 30B gate_up 375 bf16 -7 / -9%; so the stage count does not limit these
+shapes.  With the second half written at once instead, bf16 lost another 1-6%.
 """
 
 from __future__ import annotations
