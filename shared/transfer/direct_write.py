@@ -34,10 +34,14 @@ next to the kernel adds nothing (367 GB/s together). 2-D copy-engine copies of t
 (one ``cudaMemcpy2DAsync`` per page, rows = layers; 25564ebbe612) ran at ~210 GB/s and cost
 ~7 us of host time per call; they were dropped. Host cost on that machine's CPU: building
 the writer ~45 us and a launch ~23 us when timed in a loop (in a fresh process and inside a
-sender process alike), but ~280 us and ~140 us once per transfer in a sender (the
-transfer's set-up runs cold: on the 2-core CPU box a writer takes ~30-70 us in a loop and
-~260-330 us after 20 ms of idling); uploading the launch parameters from pinned memory did
-not change that.
+sender process alike), but ~280 us and ~140 us once per transfer in a sender up to
+488c9f91cf04 (the transfer's set-up runs cold: on the 2-core CPU box a writer takes ~30-70
+us in a loop and ~260-330 us after 20 ms of idling); uploading the launch parameters from
+pinned memory did not change that. Launching through ``kv_copy_sm90.Launcher`` (arguments
+marshalled once) and enqueueing in the reporting thread, a whole 6k-token request's issue
+(launch, stream wait, events) took 83 us in the sender at 67be2100317e (160 us at
+488c9f91cf04); ``bench/kv_copy.py`` measures a lone ``KVCopy`` 20 ms after idling at
+640-785 us to build and 190-215 us to launch (the same run).
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.
