@@ -29,6 +29,13 @@ stay 16 bytes wide without shared memory:
 
 Launch shapes come from static tensor shapes and the split count the host picks, lengths
 and page ids are read on the GPU: the launches are CUDA-graph capturable.
+
+Measured (2x H200, fec297f6042a, bench/results/paged_attention.jsonl; one layer call under
+a CUDA graph, K/V not in L2): 3.0-3.9x faster than gather + SDPA in all 18 cases (30B and
+235B heads, batch 32/64/128, context 512/4k/16k), e.g. 30B heads at batch 64: 33.5 us vs
+102.7 at 512 tokens, 568 us vs 1893 at 16k; 2.9-3.9 TB/s of K/V at 4k+ tokens, 1.8-2.5
+TB/s at 512 (18-60 us: launch and split-combine overheads show). ptxas: 158 registers at
+8 query heads per KV head, 210 at 16, no spills.
 """
 
 from __future__ import annotations
