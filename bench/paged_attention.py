@@ -15,9 +15,9 @@ Each is captured in a CUDA graph of one call per layer of a cache of several lay
 (at least ~4x the L2 of KV in total, as a model's layers are: no call finds its K/V in
 L2) and timed over ``--reps`` replays (CUDA events, median), per call. ``gbps`` is the K/V
 bytes the sequences' lengths cover over that time; ``hbm_copy_gbps`` a device-to-device
-copy of 1 GiB timed in the same run (bytes read plus written), the ceiling to compare
-with (eager: a graph's memcpy node is slower). Before timing, the kernel's output is compared with gather + SDPA's
-(``rel_err_vs_sdpa``, relative Frobenius norm of the bf16 outputs).
+copy of 1 GiB timed eagerly in the same run (bytes read plus written; a graph's memcpy
+node is slower), the ceiling to compare with. Before timing, the kernel's output is
+compared with gather + SDPA's (``rel_err_vs_sdpa``, relative norm of the bf16 outputs).
 
     python -m bench.paged_attention [--models 30b 235b] [--batches 32 64 128] [--contexts 512 4096 16384]
 """
