@@ -66,11 +66,13 @@ SASS-level stall samples (30B down, 375 tokens): bf16 consumer warps wait mostly
 the stage-full mbarrier (41% of all warp samples: the operand tiles have not landed),
 FP8 consumers on their own WGMMAs (wait_group, 17%) with the data already in shared
 memory.  So neither the promotion nor the epilogue limits these shapes: the operand
-feed (L2 -> shared memory, and the WGMMAs' shared-memory operand reads, which for
-FP8 128x192 tiles plus the TMA writes come to ~138 B/clk per SM at peak by count,
-against 128) does.  Only
-fewer operand bytes per FLOP can move them: larger tiles (registers bound them for
-FP8), or the weight tile multicast to the CTAs of an expert's M tiles.
+path does, L2 -> shared memory (TMA) and the WGMMAs' shared-memory operand reads; by
+count the two come to ~128 B/clk per SM at the tensor peak for bf16 128x256 and ~138
+for FP8 128x192, about the shared-memory bandwidth of an SM (128 B/clk).  Cutting the
+L2 bytes per FLOP by 22% (swapped 192x256 tiles, below) moved the 375-token cases by
+0-4% only.  A WGMMA reads its B tile from shared memory once per 64 rows of A, so the
+larger part of that traffic is fixed by the instruction; the open question is what
+else lowers it.
 
 Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
 burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%
@@ -100,6 +102,13 @@ of one call (8d3ba77539c5, "+h30-epi2" in the results): burst within 1% on 14 of
 prefill cases per GPU (235B down 2048 bf16 +1.3 / +3.5%), sustained mostly within
 1.5% but 30B gate_up 375 bf16 -7 / -9%; so the stage count does not limit these
 shapes.  With the second half written at once instead, bf16 lost another 1-6%.
+bf16 192x256 tiles computed as their transpose (weight rows on the MMA's M side, two
+64x192 WGMMAs per warpgroup, 22% fewer operand bytes per FLOP than 128x256, transposed
+stmatrix, the output in two halves; correct on GPU, 77c6be1bd7e5+h30-swap in the
+results), same GPU and call as 128x256, sustained / burst: at 375 tokens +0.3 / +1.6%
+(235B gate_up), +0.3 / +1.5% (235B down), +3.9 / +4.4% (30B gate_up), +2.5 / +3.9%
+(30B down); at 2048 -1.6..-6.1 / -1.8..-7.0%.  About what the plain 128x192 tiles
+gave, so fewer L2 bytes per FLOP alone do not lift these shapes either.
 """
 
 from __future__ import annotations
