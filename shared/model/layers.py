@@ -1,16 +1,17 @@
 """The model's operators as small, separate functions.
 
-RoPE angles, linear (plain, FP8 block-scaled or MXFP8), paged attention, router
-top-k, MoE experts, dense SwiGLU MLP (RMSNorm and RoPE themselves, reference and
-kernel, are `kernels.norm_rope`). The torch reference ops follow transformers'
-Qwen3-MoE code, so that fp32 results agree with it to rounding: router
-probabilities in fp32 then cast to the activation dtype. Attention runs in fp32 internally (as SDPA / flash
+RoPE angles, linear (plain, FP8 block-scaled or MXFP8), paged attention, MoE
+experts, dense SwiGLU MLP (RMSNorm and RoPE, and the router's softmax + top-k, are
+`kernels.norm_rope` and `kernels.router`: reference and kernel side by side). The
+torch reference ops follow transformers' Qwen3-MoE code, so that fp32 results agree
+with it to rounding. Attention runs in fp32 internally (as SDPA / flash
 kernels accumulate) and rounds only its output.
 
 Where a model runs the kernels (`kernels.ops.use_kernels`, decided once when the
 model is built): `moe_experts` takes the grouped-GEMM path of `kernels.moe` for
 experts prepared as `FusedGateUp` (bf16, FP8 block-scaled or MXFP8), attention
-is `paged_attention_sdpa`, and the norms and RoPE are fused kernels. A quantized projection outside the grouped GEMM
+is `paged_attention_sdpa`, and the norms, RoPE and the router's top-k are fused
+kernels. A quantized projection outside the grouped GEMM
 (attention, dense MLPs) reaches `linear` already dequantized when the model runs the
 kernels (`shared.model.weights.dequantize_dense`, once at load); on the reference
 path `linear` dequantizes it on every call.
@@ -155,16 +156,6 @@ def _visible_keys(meta: AttentionMetadata, lmax: int) -> torch.Tensor:
     device = meta.context_lens.device
     query_pos = (meta.context_lens - meta.query_lens)[:, None] + torch.arange(meta.max_q, device=device)[None, :]
     return torch.arange(lmax, device=device)[None, None, :] <= query_pos[:, :, None]
-
-
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax router: ``(weights [T, k] in x.dtype, expert ids [T, k])``."""
-    logits = F.linear(x, router)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), ids
 
 
 def _expert(w: Linear, e: int) -> Linear:

@@ -14,9 +14,11 @@ they offer one (CUDA: peer memory and masked grouped GEMMs), else
 
 On CUDA (unless ``MOEBUS_KERNELS=reference``, see `kernels.ops`) the model runs the
 kernels: the MoE experts are prepared once for the grouped GEMM, quantized weights
-outside the experts are dequantized once (`dequantize_dense`), each residual add
-runs fused with the RMSNorm after it and q/k norms with RoPE (`kernels.norm_rope`),
-and attention goes through SDPA; elsewhere it runs the torch reference ops of `shared.model.layers`.
+outside the experts are dequantized once (`dequantize_dense`), each residual add runs
+fused with the RMSNorm after it, q/k norms with RoPE (`kernels.norm_rope`), the
+router's softmax with its top-k (`kernels.router`), and attention is
+`layers.paged_attention_sdpa` (the paged decode-attention kernel for decode steps);
+elsewhere it runs the torch reference ops of `shared.model.layers`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.norm_rope import add_rms_norm, qk_norm_rope
+from kernels.router import route_topk
 from kernels.ops import use_kernels
 from shared.kvcache import PagedKVCache
 from shared.model import layers as ops
@@ -201,7 +204,7 @@ class Qwen3Model:
         if not isinstance(w, MoEWeights):
             out = ops.dense_mlp(x, w.w13, w.w2)
             return self.comm.all_reduce(out) if self.topology.tp_size > 1 else out
-        weights, ids = ops.route(x, w.router, self.config.top_k, self.config.norm_topk_prob)
+        weights, ids = route_topk(F.linear(x, w.router), self.config.top_k, self.config.norm_topk_prob, use_kernel=self.kernels)
         if self.topology.ep_size == 1:
             return ops.moe_experts(x, w.w13, w.w2, ids, weights, w.expert_start)
         if self.topology.inputs_replicated:
