@@ -129,6 +129,24 @@ def finish_launch(ctrl: Int64):
             store_i32(ctrl + CTRL_EPOCH * 4, read_epoch(ctrl) + 1)
 
 
+# Rows per CTA of the warp-per-row kernels (norms, RoPE, router): one warp each.
+ROW_WARPS = 4
+
+
+@cute.jit
+def warp_row() -> tuple[Int32, Int32]:
+    """(row, lane) of the calling thread in a warp-per-row kernel launched with
+    ``row_grid(rows)`` CTAs of ``32 * ROW_WARPS`` threads."""
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    return bid * ROW_WARPS + tid // 32, cute.arch.lane_idx()
+
+
+def row_launch(rows: Int32) -> dict:
+    """``launch()`` keywords (less the stream) of a warp-per-row kernel over ``rows`` rows."""
+    return {"grid": [(rows + ROW_WARPS - 1) // ROW_WARPS, 1, 1], "block": [32 * ROW_WARPS, 1, 1]}
+
+
 @cute.jit
 def load_vec_f32(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32, align: cutlass.Constexpr = 16):
     """Load ``vec`` elements at ``addr`` as fp32; elements at index >= ``valid`` read as 0.

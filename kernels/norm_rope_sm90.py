@@ -28,10 +28,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from kernels._cute_comm import load_vec_f32, store_vec_f32
+from kernels._cute_comm import load_vec_f32, row_launch, store_vec_f32, warp_row
 from kernels._cute_runtime import dummy_stream, launch_stream
 
-WARPS = 4  # rows per CTA
 VEC = 8  # bf16 values per 16-byte vector
 
 
@@ -44,10 +43,7 @@ def _round_bf16(frag):
 @cute.kernel
 def _add_rms_norm_kernel(h: Int64, delta: Int64, weight: Int64, out_h: Int64, out: Int64, rows: Int32, eps: Float32,
                          hidden: cutlass.Constexpr, residual: cutlass.Constexpr):
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    row = bid * WARPS + tid // 32
+    row, lane = warp_row()
     if row < rows:
         base = Int64(row) * hidden
         ss = Float32(0.0)
@@ -77,10 +73,7 @@ def _add_rms_norm_kernel(h: Int64, delta: Int64, weight: Int64, out_h: Int64, ou
 @cute.kernel
 def _qk_norm_rope_kernel(x: Int64, weight: Int64, cos: Int64, sin: Int64, out: Int64, rows: Int32, heads: Int32,
                          eps: Float32, head_dim: cutlass.Constexpr):
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    row = bid * WARPS + tid // 32
+    row, lane = warp_row()
     per_lane = head_dim // 32
     if row < rows:
         token = row // heads
@@ -114,15 +107,13 @@ def _qk_norm_rope_kernel(x: Int64, weight: Int64, cos: Int64, sin: Int64, out: I
 @cute.jit
 def _launch_add_rms_norm(h: Int64, delta: Int64, weight: Int64, out_h: Int64, out: Int64, rows: Int32, eps: Float32,
                          stream: cuda_driver.CUstream, hidden: cutlass.Constexpr, residual: cutlass.Constexpr):
-    _add_rms_norm_kernel(h, delta, weight, out_h, out, rows, eps, hidden, residual).launch(
-        grid=[(rows + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+    _add_rms_norm_kernel(h, delta, weight, out_h, out, rows, eps, hidden, residual).launch(**row_launch(rows), stream=stream)
 
 
 @cute.jit
 def _launch_qk_norm_rope(x: Int64, weight: Int64, cos: Int64, sin: Int64, out: Int64, rows: Int32, heads: Int32,
                          eps: Float32, stream: cuda_driver.CUstream, head_dim: cutlass.Constexpr):
-    _qk_norm_rope_kernel(x, weight, cos, sin, out, rows, heads, eps, head_dim).launch(
-        grid=[(rows + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+    _qk_norm_rope_kernel(x, weight, cos, sin, out, rows, heads, eps, head_dim).launch(**row_launch(rows), stream=stream)
 
 
 @functools.cache

@@ -19,10 +19,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from kernels._cute_comm import gptr, load_vec_f32
+from kernels._cute_comm import gptr, load_vec_f32, row_launch, warp_row
 from kernels._cute_runtime import dummy_stream, launch_stream
 
-WARPS = 4  # tokens per CTA
 
 
 @cute.jit
@@ -44,10 +43,7 @@ def _warp_argmax(p: Float32, idx: Int32):
 @cute.kernel
 def _route_kernel(logits: Int64, weights_out: Int64, ids_out: Int64, rows: Int32,
                   experts: cutlass.Constexpr, top_k: cutlass.Constexpr, renormalize: cutlass.Constexpr):
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    row = bid * WARPS + tid // 32
+    row, lane = warp_row()
     per_lane = experts // 32
     if row < rows:
         first = lane * per_lane
@@ -93,8 +89,7 @@ def _route_kernel(logits: Int64, weights_out: Int64, ids_out: Int64, rows: Int32
 @cute.jit
 def _launch_route(logits: Int64, weights_out: Int64, ids_out: Int64, rows: Int32, stream: cuda_driver.CUstream,
                   experts: cutlass.Constexpr, top_k: cutlass.Constexpr, renormalize: cutlass.Constexpr):
-    _route_kernel(logits, weights_out, ids_out, rows, experts, top_k, renormalize).launch(
-        grid=[(rows + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+    _route_kernel(logits, weights_out, ids_out, rows, experts, top_k, renormalize).launch(**row_launch(rows), stream=stream)
 
 
 @functools.cache
