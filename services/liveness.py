@@ -26,6 +26,11 @@ def member_key(hb: Heartbeat) -> MemberKey:
     return (hb.role, hb.instance, hb.rank)
 
 
+def gateway_key(instance: str) -> MemberKey:
+    """The key of gateway ``instance`` (a job's ``gateway`` field)."""
+    return ("gateway", instance, 0)
+
+
 class Hearing:
     """Since when this process has been hearing its own heartbeats come back."""
 
@@ -60,7 +65,8 @@ class PeerLiveness:
     request whose stage died (or restarted) once that stage has been silent for
     `expiry_s` of time the gateway itself was listening, instead of at the request's
     deadline; a decode rank watches the gateways it sends tokens to and drops the requests
-    of one that died (nobody is left to read them), freeing their KV pages.
+    of one that died (nobody is left to read them), freeing their KV pages; a prefill
+    leader drops the queued tasks of such a gateway instead of running them.
     """
 
     def __init__(self, own: MemberKey, interval_s: float, expiry_s: float, now: float, roles: tuple[str, ...]) -> None:

@@ -108,9 +108,11 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     dist_port: int = 0  # torch.distributed rendezvous port; 0: pick a free one
     transfer_timeout_s: float = 30.0
     warmup: bool = True  # run dummy prompts through every rank (compiling its kernels) before it reports ready
+    gateway_expiry_s: float = 5.0  # a gateway silent this long (while the leader listens) has its queued tasks dropped
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.tp, "tp")
+        _check_expiry(self.gateway_expiry_s, self.heartbeat_interval_s, "gateway_expiry_s")
 
 
 class DecodeSettings(ServiceSettings, kw_only=True):

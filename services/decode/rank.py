@@ -32,7 +32,7 @@ from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
 from services.common import Heartbeater
 from services.decode.lockstep import GroupState, Lockstep
-from services.liveness import MemberKey, PeerLiveness
+from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.kvcache import OutOfPages
@@ -179,7 +179,7 @@ class DecodeRank:
         except (OutOfPages, ValueError) as e:
             return refuse(str(e))
         extra = allocator.alloc(total - len(descriptor.page_ids))
-        res = Reservation(req.request_id, req.gateway, extra, self.gateways.placed(_gateway_key(req.gateway), time.monotonic()))
+        res = Reservation(req.request_id, req.gateway, extra, self.gateways.placed(gateway_key(req.gateway), time.monotonic()))
         res.lease = asyncio.get_running_loop().call_later(lease_s, self._lease_ended, res)
         self.reserved[req.request_id] = res
         return KVReservation(request_id=req.request_id, ok=True, descriptor=descriptor)
@@ -277,10 +277,10 @@ class DecodeRank:
     async def _drop_orphans(self) -> None:
         """Free the requests (running or reserved) of gateways that stopped: nobody reads their tokens."""
         now = time.monotonic()
-        for entry in [e for e in self.running.values() if self.gateways.stopped(_gateway_key(e.job.gateway), e.gateway_started_at, now)]:
+        for entry in [e for e in self.running.values() if self.gateways.stopped(gateway_key(e.job.gateway), e.gateway_started_at, now)]:
             self._finish(entry)
             log.info("decode_orphaned", request_id=entry.job.request_id, gateway=entry.job.gateway, tokens=len(entry.seq.output_ids))
-        for res in [r for r in self.reserved.values() if self.gateways.stopped(_gateway_key(r.gateway), r.gateway_started_at, now)]:
+        for res in [r for r in self.reserved.values() if self.gateways.stopped(gateway_key(r.gateway), r.gateway_started_at, now)]:
             await self._drop_reservation(res, None, f"gateway {res.gateway} stopped")
 
     async def _fail_all(self, code: ErrorCode, message: str) -> None:
@@ -294,6 +294,3 @@ class DecodeRank:
         error = StageError(request_id=request_id, code=code, message=message, stage=self.name)
         await self.bus.publish(subjects.tokens(gateway, request_id), pack(error))
 
-
-def _gateway_key(gateway: str) -> MemberKey:
-    return ("gateway", gateway, 0)

@@ -8,6 +8,11 @@ decode rank layer by layer while later layers compute. The ranks agree on which
 transfers succeeded (one all-reduce), and the leader publishes the first tokens
 and tells the decode ranks to start. A batch's senders are built while its forward
 runs (``LayerReports``), not before it: their set-up is off the requests' path.
+
+The leader watches the gateways' heartbeats (`PeerLiveness`, as the decode ranks do):
+a queued task whose gateway has been silent for `gateway_expiry_s` of time the leader
+was listening, or restarted, is dropped (`prefill_orphaned`) instead of run: nobody is
+left to read its tokens, and its decode rank frees the reservation on its own.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.api import ErrorCode
-from schemas.internal import Cancel, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
+from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
 from services.common import Heartbeater
+from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
@@ -37,6 +43,12 @@ from shared.transfer import KVSender, LayerReports, LayoutMismatch, TransferErro
 log = get_logger(__name__)
 
 IDLE_TICK_S = 1.0  # the leader broadcasts an empty batch this often so peers never time out
+
+
+@dataclass
+class Queued:
+    task: PrefillTask
+    gateway_started_at: float  # the gateway's start time when the task arrived (0.0: not heard yet)
 
 
 @dataclass
@@ -57,7 +69,9 @@ class PrefillGroup:
         self.world = world
         self.bus = bus  # the leader's; None on peers
         self.shard = kv_head_shard(rank, world, runner.model.config.num_kv_heads)
-        self.queue: deque[PrefillTask] = deque()
+        self.queue: deque[Queued] = deque()
+        self.gateways = PeerLiveness(("prefill", settings.instance, rank), settings.heartbeat_interval_s, settings.gateway_expiry_s,
+                                     time.monotonic(), roles=("gateway",))
         self.in_flight_tokens = 0
         self.arrived = asyncio.Event()
         self.draining = False
@@ -72,26 +86,37 @@ class PrefillGroup:
         assert self.bus is not None and self.heartbeater is not None
         await self.bus.subscribe(subjects.prefill_task(self.settings.instance), self._on_task, concurrent=False)
         await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
+        await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
         self.heartbeater.start()
 
     def _status(self) -> dict[str, Any]:
         """The leader's heartbeat fields: the whole group's queue and KV sends (every rank's shards)."""
         return {
             "draining": self.draining,
-            "queued_tokens": self.in_flight_tokens + sum(len(t.job.input_ids) for t in self.queue),
+            "queued_tokens": self.in_flight_tokens + sum(len(q.task.job.input_ids) for q in self.queue),
             "queued_requests": len(self.queue),
             "transfer": self.group_transfers if self.world > 1 else self.transfer_metrics.stats(),
         }
 
     async def _on_task(self, msg: Msg) -> None:
         task = unpack(msg.data, PrefillTask)
-        self.queue.append(task)
+        self.queue.append(Queued(task, self.gateways.placed(gateway_key(task.job.gateway), time.monotonic())))
         self.arrived.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
         rid = unpack(msg.data, Cancel).request_id
-        for task in [t for t in self.queue if t.job.request_id == rid]:
-            self.queue.remove(task)
+        for queued in [q for q in self.queue if q.task.job.request_id == rid]:
+            self.queue.remove(queued)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        self.gateways.heard(unpack(msg.data, Heartbeat), time.monotonic())
+
+    def _drop_orphans(self) -> None:
+        """Drop the queued tasks of gateways that stopped (module doc)."""
+        now = time.monotonic()
+        for queued in [q for q in self.queue if self.gateways.stopped(gateway_key(q.task.job.gateway), q.gateway_started_at, now)]:
+            self.queue.remove(queued)
+            log.info("prefill_orphaned", request_id=queued.task.job.request_id, gateway=queued.task.job.gateway)
 
     async def drain(self) -> None:
         self.draining = True
@@ -116,15 +141,16 @@ class PrefillGroup:
                 await asyncio.wait_for(self.arrived.wait(), IDLE_TICK_S)
             except TimeoutError:
                 return []
+        self._drop_orphans()
         if drain_deadline is not None and drain_deadline.expired:
             while self.queue:
-                await self._fail(self.queue.popleft(), "unavailable", "prefill instance shut down before the request ran")
+                await self._fail(self.queue.popleft().task, "unavailable", "prefill instance shut down before the request ran")
             return None
         batch: list[PrefillTask] = []
         tokens = pages = 0
         layout, free = self.runner.cache.layout, self.runner.cache.allocator.num_free
         while self.queue:
-            task = self.queue[0]
+            task = self.queue[0].task
             n = len(task.job.input_ids)
             if batch and (tokens + n > self.settings.max_batch_tokens or pages + layout.pages_for(n) > free):
                 break
