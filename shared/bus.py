@@ -153,6 +153,20 @@ class Bus:
         self.name = name
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
+        self._reconnect_callbacks: list[Callable[[], None]] = []
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` each time the connection is re-established after a loss.
+
+        NATS delivers at most once: what was published to this process while it was
+        disconnected is gone, so work that waits on such messages must not wait on.
+        """
+        self._reconnect_callbacks.append(callback)
+
+    def _reconnected(self) -> None:
+        log.warning("nats_reconnected", client=self.name)
+        for callback in self._reconnect_callbacks:
+            callback()
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True) -> Subscription:
         """Run `handler(msg)` for each message. `concurrent`: each message in its own task.
@@ -250,6 +264,7 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
     """
     connected = False
     repeats: set[str] = set()
+    bus: Bus | None = None
 
     async def on_error(e: Exception) -> None:
         error = f"{type(e).__name__}: {e}"
@@ -258,6 +273,10 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
                 return
             repeats.add(error)
         log.warning("nats_error", error=error)
+
+    async def on_reconnected() -> None:
+        if bus is not None:
+            bus._reconnected()
 
     async with contextlib.AsyncExitStack() as stack:
         # Once connected, reconnect forever (a restarted server is waited for); but nats-py
@@ -269,6 +288,7 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
                     url,
                     name=name,
                     error_cb=on_error,
+                    reconnected_cb=on_reconnected,
                     connect_timeout=connect_timeout,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,

