@@ -61,6 +61,14 @@ class Unreachable(BusError):
     """No NATS server accepted the connection within the connect timeout."""
 
 
+class Reconnected(BusError):
+    """The connection was re-established while replies were due: some may have been lost."""
+
+
+# How often a stream of replies checks whether the connection was re-established meanwhile.
+RECONNECT_CHECK_S = 0.25
+
+
 # ---------------------------------------------------------------- deadlines
 
 
@@ -154,6 +162,7 @@ class Bus:
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         self._reconnect_callbacks: list[Callable[[], None]] = []
+        self.reconnects = 0  # connections re-established since connect()
 
     def on_reconnect(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` each time the connection is re-established after a loss.
@@ -164,6 +173,7 @@ class Bus:
         self._reconnect_callbacks.append(callback)
 
     def _reconnected(self) -> None:
+        self.reconnects += 1
         log.warning("nats_reconnected", client=self.name)
         for callback in self._reconnect_callbacks:
             callback()
@@ -218,20 +228,29 @@ class Bus:
         """Send one request and yield every reply until `is_last(reply)` or the deadline.
 
         Raises NoResponders when nobody listens on `subject`, RequestTimeout when the
-        deadline passes before the last reply, and Silent when `silence_s` passes without
-        any reply (for a responder that promised keepalives).
+        deadline passes before the last reply, Silent when `silence_s` passes without
+        any reply (for a responder that promised keepalives), and Reconnected when the
+        connection was re-established meanwhile (NATS delivers at most once: replies sent
+        while it was down are gone, and waiting on would last until the deadline).
         """
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
+        reconnects = self.reconnects
         try:
             await self.nc.publish(subject, payload, reply=inbox, headers=headers)
+            last_reply = time.monotonic()
             while True:
+                if self.reconnects != reconnects:
+                    raise Reconnected(f"the NATS connection was re-established while replies on {subject} were due; some may have been lost")
                 try:
-                    msg = await sub.next_msg(timeout=deadline.timeout(silence_s))
+                    msg = await sub.next_msg(timeout=deadline.timeout(RECONNECT_CHECK_S))
                 except NATSTimeoutError as e:
                     if deadline.expired:
                         raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
-                    raise Silent(f"no reply on {subject} for {silence_s:g}s: the responder stopped answering") from e
+                    if silence_s is not None and time.monotonic() - last_reply >= silence_s:
+                        raise Silent(f"no reply on {subject} for {silence_s:g}s: the responder stopped answering") from e
+                    continue
+                last_reply = time.monotonic()
                 if msg.headers and msg.headers.get("Status") == "503":
                     raise NoResponders(f"no responder on {subject}")
                 yield msg

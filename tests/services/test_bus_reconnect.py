@@ -1,0 +1,77 @@
+"""`Bus` against a real nats-server that restarts: the connection comes back by itself, and a
+stream of replies that was due meanwhile fails with `Reconnected` at once instead of
+waiting out its deadline (NATS delivers at most once: replies sent while the client was
+disconnected are gone)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from services.launch import nats_server_binary
+from services.ranks import free_port
+from shared.bus import Deadline, Reconnected, connect
+
+
+def _start_server(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"nats-server did not start on port {port}")
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
+    port = free_port()
+    procs = [_start_server(port)]
+    yield port, procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stream_due_across_a_server_restart_fails_with_reconnected(server):
+    port, procs = server
+    url = f"nats://127.0.0.1:{port}"
+
+    async def scenario() -> tuple[list[bytes], float, int, bytes]:
+        async with connect(url, "responder") as responder, connect(url, "caller") as caller:
+
+            async def answer_once(msg) -> None:  # type: ignore[no-untyped-def]
+                await msg.respond(b"first")  # then nothing: the rest would have been lost
+
+            await responder.subscribe("svc.work", answer_once)
+            await responder.nc.flush()  # the server knows the subscription before the request
+            got: list[bytes] = []
+            stream = caller.stream("svc.work", b"go", lambda m: m.data == b"last", Deadline.after(60.0))
+            got.append((await stream.__anext__()).data)
+            procs[0].kill()
+            procs[0].wait()
+            procs.append(_start_server(port))
+            restarted = time.monotonic()
+            with pytest.raises(Reconnected):
+                async for msg in stream:
+                    got.append(msg.data)
+            failed_after = time.monotonic() - restarted
+            # The connection itself is back: a plain request round trip works again.
+            await responder.subscribe("svc.echo", lambda m: m.respond(m.data))
+            await responder.nc.flush()
+            echo = (await caller.nc.request("svc.echo", b"ping", timeout=5.0)).data
+            return got, failed_after, caller.reconnects, echo
+
+    got, failed_after, reconnects, echo = asyncio.run(scenario())
+    assert got == [b"first"]
+    assert reconnects == 1
+    assert failed_after < 5.0  # the stream's deadline was 60 s
+    assert echo == b"ping"
