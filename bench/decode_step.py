@@ -50,6 +50,7 @@ the device-to-device copy bandwidth each rank measures in the same run (the slow
 rank's, as the ranks step in lockstep).
 
     python -m bench.decode_step --ep 2 --batches 16 64
+    python -m bench.decode_step --ep 2 --weights fp8 --batches 128 --profile 5   # + where the step's time goes
     python -m bench.decode_step --ep 8 --model qwen3-235b-a22b --weights fp8 --batches 32 64 128
 """
 
@@ -66,7 +67,7 @@ import torch
 
 from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits, step_bytes
 from bench.results import print_table, record
-from bench.timing import capture_graph, sync, time_step
+from bench.timing import capture_graph, kernel_profile, sync, time_step
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -159,9 +160,11 @@ def _model_case(model: str, c: ModelConfig, expert_weights: str) -> dict[str, ob
     return case | ({"expert_weights": expert_weights} if expert_weights != "bf16" else {})
 
 
-def _expert_parallel_rank(rank: int, world: int, model: str, c: ModelConfig, expert_weights: str, batch_sizes: list[int], context: int, iters: int) -> list[dict]:
+def _expert_parallel_rank(rank: int, world: int, model: str, c: ModelConfig, expert_weights: str, batch_sizes: list[int], context: int, iters: int,
+                          profile_steps: int) -> list[dict]:
     """One DP x EP rank; rank 0 records each ``(impl, batch per rank)`` as soon as it is measured
-    (a run cut short keeps what it finished) and returns the table rows."""
+    (a run cut short keeps what it finished) and returns the table rows. With ``profile_steps``
+    rank 0 prints the kernel profile of that many graph replays at the largest batch."""
     import torch.distributed as dist
 
     from shared.parallel import Topology
@@ -213,14 +216,19 @@ def _expert_parallel_rank(rank: int, world: int, model: str, c: ModelConfig, exp
             print(f"rank {rank} {EP_PEER_GRAPHED} batch {b}: capture failed, not recorded:\n{traceback.format_exc()}", flush=True)
             break
         report(EP_PEER_GRAPHED, b, time_step(replay, device, iters))
+        if profile_steps and b == max(batch_sizes):
+            table = kernel_profile(replay, device, profile_steps)
+            if rank == 0:
+                print(f"{EP_PEER_GRAPHED} batch/rank {b}, rank 0, {profile_steps} steps:\n{table}", flush=True)
     return rows
 
 
-def run_expert_parallel(model: str, c: ModelConfig, world: int, expert_weights: str, batch_sizes: list[int], context: int, iters: int) -> int:
+def run_expert_parallel(model: str, c: ModelConfig, world: int, expert_weights: str, batch_sizes: list[int], context: int, iters: int,
+                        profile_steps: int = 0) -> int:
     """The ``--ep`` mode (see the module doc): one process per GPU, rank 0 records."""
     from kernels._local_group import run_local_group
 
-    rows = run_local_group(_expert_parallel_rank, world, "nccl", model, c, expert_weights, batch_sizes, context, iters, timeout=900)[0]
+    rows = run_local_group(_expert_parallel_rank, world, "nccl", model, c, expert_weights, batch_sizes, context, iters, profile_steps, timeout=900)[0]
     print_table(rows, ["impl", "batch_per_rank", "tokens_per_s", "tokens_per_s_per_gpu", "roofline_tokens_per_s_per_gpu", "fraction_of_roofline",
                        "step_ms", "speedup_vs_nccl_all_to_all", "bytes_per_step_per_gpu_gb", "experts_hit_per_layer_per_gpu", "copy_bandwidth_gbps"])
     return 0
@@ -240,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", type=int, default=1, help="GPUs of a DP x EP decode layout (one process each; see the module doc)")
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b", help="shapes (bench.decode_budget.MODELS)")
     ap.add_argument("--weights", choices=EXPERT_WEIGHTS, default="bf16", help="expert weights: bf16 or block FP8 (attention etc. stay bf16)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="with --ep: print the kernel profile of STEPS graph replays at the largest batch (rank 0)")
     a = ap.parse_args(argv)
     device, dtype = torch.device(a.device), torch.bfloat16
     if min(a.batches) < 1 or a.context < 0:
@@ -263,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         except DoesNotFit as e:
             ap.error(str(e))
     if a.ep > 1:
-        return run_expert_parallel(a.model, c, a.ep, a.weights, a.batches, a.context, a.iters)
+        return run_expert_parallel(a.model, c, a.ep, a.weights, a.batches, a.context, a.iters, a.profile)
     torch.manual_seed(0)
     weights = random_weights(c, dtype, device, expert_weights=a.weights)
     cache, batches = cache_and_batches(c, a.batches, a.context, dtype, device)

@@ -55,6 +55,21 @@ def capture_graph(fn: Callable[[], object], repeat: int, warmup: bool = False) -
     return graph
 
 
+def kernel_profile(step: Callable[[], object], device: torch.device, steps: int, rows: int = 25) -> str:
+    """The GPU kernels of ``steps`` calls of ``step`` (e.g. a graph replay) under the torch
+    profiler, as its table sorted by total CUDA time (``rows`` kernels): where a step's time
+    goes. Every rank of a multi-rank step must call it alike (their kernels wait for each other)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=100)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
