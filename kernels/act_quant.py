@@ -46,17 +46,24 @@ def quantize_act_reference(x: torch.Tensor, group: int = QUANT_BLOCK) -> tuple[t
     return q.view(*x.shape[:-1], kb * group)[..., :K].contiguous(), scale.squeeze(-1).contiguous()
 
 
-def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize bf16 activations ``[..., K]`` per token per 128 channels (see module doc).
 
+    ``counts``: the masked grouped-GEMM layout, ``x`` ``[E, capacity, K]`` of which group ``e``
+    holds ``counts[e]`` rows (int32 ``[E]``, on x's device): on CUDA only those rows are
+    quantized, the rest of ``q`` and ``scale`` is left unwritten (the masked GEMMs never
+    store a result from such rows); the torch reference quantizes every row.
     CUDA tensors run the CuTeDSL kernel, others the torch reference.
     """
     if x.dtype != torch.bfloat16:
         raise TypeError(f"quantize_act expects bfloat16 activations, got {x.dtype}")
     if x.shape[-1] % 16:
         raise ValueError(f"quantize_act needs K % 16 == 0 (FP8 TMA rows), got K={x.shape[-1]}")
+    if counts is not None and (x.dim() != 3 or tuple(counts.shape) != (x.shape[0],) or counts.dtype != torch.int32 or counts.device != x.device):
+        raise ActQuantError(f"masked quantization takes x [E, capacity, K] and int32 counts [E] on its device, got x {tuple(x.shape)} "
+                            f"and counts {tuple(counts.shape)} {counts.dtype} on {counts.device}")
     if not x.is_cuda:
         return quantize_act_reference(x)
     from kernels import act_quant_sm90  # CuTeDSL is imported only on the GPU path
 
-    return act_quant_sm90.quantize_cuda(x.contiguous())
+    return act_quant_sm90.quantize_cuda(x.contiguous(), counts)

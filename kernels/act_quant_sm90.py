@@ -2,7 +2,10 @@
 
 One warp per (row, 128-channel block), four channels per lane, a shuffle
 max-reduction; the scale and rounding follow :func:`kernels.act_quant.quantize_act_reference`
-(``max(amax, floor) * fl(1/448)``, so scales match it bit for bit).
+(``max(amax, floor) * fl(1/448)``, so scales match it bit for bit). The masked variant
+takes ``[E, capacity, K]`` rows with per-group counts on the GPU and quantizes only the
+rows below each count: a decode MoE's intermediate lives in such a buffer sized for the
+worst routing (``capacity`` = all tokens of all ranks), of which a step fills a few percent.
 """
 
 from __future__ import annotations
@@ -24,28 +27,36 @@ WARPS_PER_CTA = 8
 class ActQuantKernel:
     """One warp per (row, 128-channel block); each lane owns four channels."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, masked: bool = False):
         self.k = k
         self.k_blocks = math.ceil(k / QUANT_BLOCK)
+        self.masked = masked  # rows are [groups, capacity]; a row at or past its group's count is skipped
 
     @cute.jit
-    def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, rows: cutlass.Int32,
-                 stream: cuda.CUstream):
+    def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, counts_ptr: cute.Pointer,
+                 rows: cutlass.Int32, capacity: cutlass.Int32, stream: cuda.CUstream):
         K, kb = self.k, self.k_blocks
         mX = cute.make_tensor(x_ptr, cute.make_layout((rows, K), stride=(K, 1)))
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, K), stride=(K, 1)))
         mS = cute.make_tensor(s_ptr, cute.make_layout((rows, kb), stride=(kb, 1)))
+        mCounts = cute.make_tensor(counts_ptr, cute.make_layout(((rows + capacity - 1) // capacity,)))
         blocks = (rows * kb + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-        self.kernel(mX, mQ, mS, rows).launch(grid=[blocks, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+        self.kernel(mX, mQ, mS, mCounts, rows, capacity).launch(grid=[blocks, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, rows: cutlass.Int32):
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mCounts: cute.Tensor, rows: cutlass.Int32,
+               capacity: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         pair = bidx * WARPS_PER_CTA + tidx // 32
-        if pair < rows * self.k_blocks:
-            row = pair // self.k_blocks
+        row = pair // self.k_blocks
+        live = pair < rows * self.k_blocks
+        if cutlass.const_expr(self.masked):
+            if live:
+                group = row // capacity
+                live = row - group * capacity < mCounts[group]
+        if live:
             block = pair - row * self.k_blocks
             col0 = block * QUANT_BLOCK + lane * 4
             vals = cute.make_rmem_tensor((4,), cutlass.Float32)
@@ -68,25 +79,31 @@ class ActQuantKernel:
 
 
 _GMEM = cute.AddressSpace.gmem
-_COMPILED: dict[int, object] = {}
+_COMPILED: dict[tuple[int, bool], object] = {}
 
 
-def compiled_quantizer(k: int):
-    """Compiled quantizer for rows of ``k`` channels (cached; compiles without a GPU under CUTE_DSL_ARCH)."""
-    if k not in _COMPILED:
-        _COMPILED[k] = cute.compile(
-            ActQuantKernel(k),
+def compiled_quantizer(k: int, masked: bool = False):
+    """Compiled quantizer for rows of ``k`` channels, plain or masked (cached; compiles without a
+    GPU under CUTE_DSL_ARCH)."""
+    key = (k, masked)
+    if key not in _COMPILED:
+        _COMPILED[key] = cute.compile(
+            ActQuantKernel(k, masked),
             make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=2),
             make_ptr(cutlass.Float8E4M3FN, 0, _GMEM, assumed_align=1),
             make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=4),
-            cutlass.Int32(0),
+            make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
             make_fake_stream(),
         )
-    return _COMPILED[k]
+    return _COMPILED[key]
 
 
-def quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize contiguous bf16 CUDA ``x[..., K]`` on its device's current stream (checked by the caller)."""
+def quantize_cuda(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize contiguous bf16 CUDA ``x[..., K]`` on its device's current stream; with ``counts``
+    (int32 ``[E]`` on x's GPU, x ``[E, capacity, K]``) only each group's first ``counts[e]`` rows,
+    the others left unwritten (inputs checked by the caller)."""
     K = x.shape[-1]
     kb = math.ceil(K / QUANT_BLOCK)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -94,12 +111,15 @@ def quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.numel() // K
     if rows == 0:
         return q, scale
+    capacity = rows if counts is None else x.shape[1]
     with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
-        compiled_quantizer(K)(
+        compiled_quantizer(K, counts is not None)(
             make_ptr(cutlass.BFloat16, x.data_ptr(), _GMEM, assumed_align=2),
             make_ptr(cutlass.Float8E4M3FN, q.data_ptr(), _GMEM, assumed_align=1),
             make_ptr(cutlass.Float32, scale.data_ptr(), _GMEM, assumed_align=4),
+            make_ptr(cutlass.Int32, 0 if counts is None else counts.data_ptr(), _GMEM, assumed_align=4),
             cutlass.Int32(rows),
+            cutlass.Int32(capacity),
             stream,
         )
     return q, scale

@@ -103,7 +103,7 @@ def expert_ffn(rows: torch.Tensor, groups: torch.Tensor, w13_interleaved: torch.
         rows, rows_scale = quantize_act(rows)
     h = gg.grouped_gemm_swiglu(rows, w13_interleaved, groups, masked=masked, x_scale=rows_scale,
                                w_scale_interleaved=w13_scale, out=h_out).to(torch.bfloat16)
-    h, h_scale = quantize_act(h) if fp8 else (h, None)
+    h, h_scale = quantize_act(h, groups if masked else None) if fp8 else (h, None)  # masked: only the filled rows
     return gg.grouped_gemm(h, w2, groups, masked=masked, x_scale=h_scale, w_scale=w2_scale,
                            out=y_out).to(torch.bfloat16)
 

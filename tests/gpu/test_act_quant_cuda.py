@@ -1,0 +1,44 @@
+"""The masked activation quantizer on a GPU: the rows below each group's count equal the torch
+reference bit for bit; the rows past it are not written (the outputs are pre-filled through
+the caching allocator and checked for the fill)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.act_quant import quantize_act, quantize_act_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("k", [768, 1040])
+def test_masked_rows_match_reference_and_others_stay_unwritten(k):
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    groups, capacity = 6, 40
+    counts = torch.tensor([3, 0, 40, 17, 1, 39], dtype=torch.int32, device="cuda")
+    x = (torch.randn(groups, capacity, k, generator=gen, device="cuda") * 3).bfloat16()
+    # Fill the blocks the quantizer's two allocations get next (the caching allocator hands freed
+    # blocks back in the same order; checked below), so an unwritten element still holds the fill.
+    kb = -(-k // 128)
+    fill_q = torch.full((groups, capacity, k), 0x7F, dtype=torch.uint8, device="cuda")  # E4M3 NaN pattern
+    fill_s = torch.full((groups, capacity, kb), -1.0, dtype=torch.float32, device="cuda")
+    addresses = (fill_q.data_ptr(), fill_s.data_ptr())
+    del fill_q, fill_s
+    q, s = quantize_act(x, counts)
+    torch.cuda.synchronize()
+    assert (q.data_ptr(), s.data_ptr()) == addresses, "the allocator did not reuse the filled blocks: the test's premise"
+    q_ref, s_ref = quantize_act_reference(x)
+    owned = torch.arange(capacity, device="cuda")[None, :] < counts[:, None]
+    assert torch.equal(q.view(torch.uint8)[owned], q_ref.view(torch.uint8)[owned])
+    assert torch.equal(s[owned], s_ref[owned])
+    assert bool((q.view(torch.uint8)[~owned] == 0x7F).all()), "rows past a group's count were written"
+    assert bool((s[~owned] == -1.0).all()), "scales past a group's count were written"
+
+
+def test_unmasked_quantization_unchanged():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = (torch.randn(4, 33, 768, generator=gen, device="cuda") * 2).bfloat16()
+    q, s = quantize_act(x)
+    q_ref, s_ref = quantize_act_reference(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
