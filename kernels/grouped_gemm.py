@@ -185,16 +185,18 @@ def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return out.copy_(result)
 
 
-def _launch(x, w, groups, masked, x_scale, w_scale, row_weights, swiglu, out):
+def _launch(x, w, groups, masked, x_scale, w_scale, row_weights, swiglu, out, expected_rows_per_expert):
     from kernels import grouped_gemm_launch  # CuTeDSL is imported only on the GPU path
 
     return grouped_gemm_launch.launch(x, w, groups, masked=masked, x_scale=x_scale, w_scale=w_scale,
-                                      row_weights=row_weights, swiglu=swiglu, out=out)
+                                      row_weights=row_weights, swiglu=swiglu, out=out,
+                                      expected_rows_per_expert=expected_rows_per_expert)
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool = False,
                  x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                 row_weights: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 row_weights: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 expected_rows_per_expert: float | None = None) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ w[e]^T`` (times ``row_weights`` per row if given).
 
     ``groups`` is ``offsets[E+1]`` (contiguous, ``x[T, K]``) or ``counts[E]``
@@ -202,10 +204,13 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, mask
     ``w_scale`` required).  Returns bf16 on CUDA, fp32 on CPU; with ``out``
     (bf16 ``[..., N]`` on CUDA) the result lands there.  On CUDA, rows no
     expert owns are left untouched; the CPU reference writes zeros there.
+    ``expected_rows_per_expert`` picks the tile bucket on CUDA (default: the average
+    for the contiguous layout, ``max_tokens`` for the masked one, whose counts only
+    the GPU knows); any value gives the same result.
     """
     _check_operands(x, w, groups, masked, x_scale, w_scale, row_weights)
     if x.is_cuda:
-        return _launch(x, w, groups, masked, x_scale, w_scale, row_weights, False, out)
+        return _launch(x, w, groups, masked, x_scale, w_scale, row_weights, False, out, expected_rows_per_expert)
     return into(out, grouped_gemm_reference(x, w, groups, masked=masked, x_scale=x_scale, w_scale=w_scale,
                                              row_weights=row_weights))
 
@@ -213,13 +218,13 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, mask
 def grouped_gemm_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, groups: torch.Tensor, *,
                         masked: bool = False, x_scale: torch.Tensor | None = None,
                         w_scale_interleaved: torch.Tensor | None = None,
-                        row_weights: torch.Tensor | None = None, out: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        row_weights: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                        expected_rows_per_expert: float | None = None) -> torch.Tensor:
     """Fused expert gate_up GEMM + SwiGLU: ``silu(x @ gate^T) * (x @ up^T)`` -> ``[..., I]``.
 
     Weights (and FP8 scales) come from :func:`interleave_gate_up`.  With
     ``row_weights`` the routing weight scales each row here, so the down GEMM
-    output needs no extra pass.
+    output needs no extra pass.  ``expected_rows_per_expert`` as in :func:`grouped_gemm`.
     """
     _check(w13_interleaved.dim() == 3 and w13_interleaved.shape[1] % (2 * SWIGLU_BLOCK) == 0,
            f"w13 must be [E, 2I, K] with 2I a multiple of {2 * SWIGLU_BLOCK}, got {tuple(w13_interleaved.shape)}")
@@ -227,7 +232,8 @@ def grouped_gemm_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, groups: 
     _check_operands(x, w13_interleaved, groups, masked, x_scale, w_scale_interleaved, row_weights,
                     w_scale_block_rows=SWIGLU_BLOCK)
     if x.is_cuda:
-        return _launch(x, w13_interleaved, groups, masked, x_scale, w_scale_interleaved, row_weights, True, out)
+        return _launch(x, w13_interleaved, groups, masked, x_scale, w_scale_interleaved, row_weights, True, out,
+                       expected_rows_per_expert)
     w13, s = deinterleave_gate_up(w13_interleaved, w_scale_interleaved)
     h = grouped_gemm_reference(x, w13, groups, masked=masked, x_scale=x_scale, w_scale=s,
                                w_scale_block_rows=SWIGLU_BLOCK)

@@ -106,7 +106,8 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
            swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
-           tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None) -> torch.Tensor:
+           tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None,
+           expected_rows_per_expert: float | None = None) -> torch.Tensor:
     """Run the kernel on ``x``'s device's current stream; arguments were validated by ``kernels.grouped_gemm``
     (or ``kernels.grouped_gemm_mxfp8`` for ``w_scale_e8m0``: bf16 ``x`` times MXFP8 ``w``).
 
@@ -117,7 +118,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     fp8 = x_scale is not None
     mxfp8 = w_scale_e8m0 is not None
     rows = x.shape[-2]
-    tokens_per_expert = rows if masked else rows / E
+    # The tile bucket's token count. A masked layout's host-side shape is its capacity, far
+    # above what a decode step fills: its caller passes the expected rows per expert.
+    tokens_per_expert = expected_rows_per_expert if expected_rows_per_expert is not None else (rows if masked else rows / E)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,

@@ -76,33 +76,34 @@ def _check_mx(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor) -> N
         raise gg.GroupedGemmError(f"MXFP8 weights need K % 16 == 0 (16-byte rows for TMA), got K={w.shape[-1]}")
 
 
-def _launch(x, w, w_scale_e8m0, groups, masked, row_weights, swiglu, out):
+def _launch(x, w, w_scale_e8m0, groups, masked, row_weights, swiglu, out, expected_rows_per_expert):
     from kernels import grouped_gemm_launch  # CuTeDSL is imported only on the GPU path
 
     return grouped_gemm_launch.launch(x, w, groups, masked=masked, x_scale=None, w_scale=None,
-                                      row_weights=row_weights, swiglu=swiglu, out=out, w_scale_e8m0=w_scale_e8m0)
+                                      row_weights=row_weights, swiglu=swiglu, out=out, w_scale_e8m0=w_scale_e8m0,
+                                      expected_rows_per_expert=expected_rows_per_expert)
 
 
 def grouped_gemm_mxfp8(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor, groups: torch.Tensor, *,
                        masked: bool = False, row_weights: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, expected_rows_per_expert: float | None = None) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ dequant(w[e])^T`` for bf16 ``x`` and MXFP8 ``w[E, N, K]``.
 
-    Layouts, ``groups``, ``row_weights`` and ``out`` as in
+    Layouts, ``groups``, ``row_weights``, ``out`` and ``expected_rows_per_expert`` as in
     :func:`kernels.grouped_gemm.grouped_gemm`; ``w_scale_e8m0`` is uint8
     ``[E, N, ceil(K/32)]``; K must be a multiple of 16.
     """
     _check_mx(x, w, w_scale_e8m0)
     gg.check_layout(x, w, groups, masked, row_weights, w_scale_e8m0)
     if x.is_cuda:
-        return _launch(x, w, w_scale_e8m0, groups, masked, row_weights, False, out)
+        return _launch(x, w, w_scale_e8m0, groups, masked, row_weights, False, out, expected_rows_per_expert)
     w_deq = dequantize_mxfp8(w, w_scale_e8m0)
     return gg.into(out, gg.grouped_gemm_reference(x, w_deq, groups, masked=masked, row_weights=row_weights))
 
 
 def grouped_gemm_mxfp8_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, w13_scale_interleaved: torch.Tensor,
                               groups: torch.Tensor, *, masked: bool = False, row_weights: torch.Tensor | None = None,
-                              out: torch.Tensor | None = None) -> torch.Tensor:
+                              out: torch.Tensor | None = None, expected_rows_per_expert: float | None = None) -> torch.Tensor:
     """Fused gate_up GEMM + SwiGLU (as :func:`kernels.grouped_gemm.grouped_gemm_swiglu`) for MXFP8 weights.
 
     Prepare both tensors once with :func:`interleave_gate_up_mxfp8`.
@@ -113,7 +114,8 @@ def grouped_gemm_mxfp8_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, w1
                                   f"got {tuple(w13_interleaved.shape)}")
     gg.check_layout(x, w13_interleaved, groups, masked, row_weights, w13_scale_interleaved)
     if x.is_cuda:
-        return _launch(x, w13_interleaved, w13_scale_interleaved, groups, masked, row_weights, True, out)
+        return _launch(x, w13_interleaved, w13_scale_interleaved, groups, masked, row_weights, True, out,
+                       expected_rows_per_expert)
     w13, _ = gg.deinterleave_gate_up(dequantize_mxfp8(w13_interleaved, w13_scale_interleaved))
     y = gg.swiglu_reference(gg.grouped_gemm_reference(x, w13, groups, masked=masked))
     if row_weights is not None:

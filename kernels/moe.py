@@ -79,7 +79,7 @@ def expert_ffn(rows: torch.Tensor, groups: torch.Tensor, w13_interleaved: torch.
                masked: bool = False, rows_scale: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
                w2_scale: torch.Tensor | None = None, w13_mx_scale: torch.Tensor | None = None,
                w2_mx_scale: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
-               y_out: torch.Tensor | None = None) -> torch.Tensor:
+               y_out: torch.Tensor | None = None, expected_rows_per_expert: float | None = None) -> torch.Tensor:
     """``down_e(silu(gate_e x) * up_e x)`` for the rows of every local expert ``e``: bf16 ``[..., H]``.
 
     ``rows``/``groups`` in the grouped GEMM's contiguous (``offsets``) or masked
@@ -87,25 +87,29 @@ def expert_ffn(rows: torch.Tensor, groups: torch.Tensor, w13_interleaved: torch.
     arrive quantized already (``rows`` E4M3 with ``rows_scale``, as the decode
     dispatch sends them); bf16 rows are quantized here.  ``h_out`` / ``y_out``
     (bf16, CUDA) receive the SwiGLU and down outputs.  Masked rows past an
-    expert's count are left as they were on CUDA.
+    expert's count are left as they were on CUDA.  ``expected_rows_per_expert`` picks the
+    GEMMs' tile bucket (see `kernels.grouped_gemm.grouped_gemm`).
     """
+    expect = expected_rows_per_expert
     mx_given = [s is not None for s in (w13_mx_scale, w2_mx_scale)]
     if any(mx_given) and (not all(mx_given) or w13_scale is not None or w2_scale is not None):
         raise gg.GroupedGemmError("MXFP8 experts take both w13_mx_scale and w2_mx_scale, and no FP8 block scales")
     if (w13_scale is None) != (w2_scale is None):
         raise gg.GroupedGemmError("FP8 block-scaled experts take both w13_scale and w2_scale")
     if w13_mx_scale is not None:
-        h = mx.grouped_gemm_mxfp8_swiglu(rows, w13_interleaved, w13_mx_scale, groups, masked=masked, out=h_out)
+        h = mx.grouped_gemm_mxfp8_swiglu(rows, w13_interleaved, w13_mx_scale, groups, masked=masked, out=h_out,
+                                         expected_rows_per_expert=expect)
         h = h.to(torch.bfloat16)  # the CPU reference returns fp32, the kernel bf16 already
-        return mx.grouped_gemm_mxfp8(h, w2, w2_mx_scale, groups, masked=masked, out=y_out).to(torch.bfloat16)
+        return mx.grouped_gemm_mxfp8(h, w2, w2_mx_scale, groups, masked=masked, out=y_out,
+                                     expected_rows_per_expert=expect).to(torch.bfloat16)
     fp8 = w13_scale is not None
     if fp8 and rows_scale is None:
         rows, rows_scale = quantize_act(rows)
     h = gg.grouped_gemm_swiglu(rows, w13_interleaved, groups, masked=masked, x_scale=rows_scale,
-                               w_scale_interleaved=w13_scale, out=h_out).to(torch.bfloat16)
+                               w_scale_interleaved=w13_scale, out=h_out, expected_rows_per_expert=expect).to(torch.bfloat16)
     h, h_scale = quantize_act(h, groups if masked else None) if fp8 else (h, None)  # masked: only the filled rows
     return gg.grouped_gemm(h, w2, groups, masked=masked, x_scale=h_scale, w_scale=w2_scale,
-                           out=y_out).to(torch.bfloat16)
+                           out=y_out, expected_rows_per_expert=expect).to(torch.bfloat16)
 
 
 def grouped_moe(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

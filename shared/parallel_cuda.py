@@ -90,6 +90,7 @@ class PeerDecodeMoE:
     def __init__(self, group: dist.ProcessGroup, num_experts: int, hidden: int, top_k: int, moe_intermediate: int, max_tokens: int, fp8: bool) -> None:
         self.exchange = DispatchCombine(group, num_experts, max_tokens, hidden, top_k, "fp8" if fp8 else "bf16")
         self.max_tokens, self.hidden, self.fp8 = max_tokens, hidden, fp8
+        self.top_k, self.num_experts = top_k, num_experts
         dev = self.exchange.mem.device
         rows = (self.exchange.num_local, self.exchange.capacity)
         self._num_tokens = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -116,7 +117,11 @@ class PeerDecodeMoE:
         self._num_tokens.fill_(t)
         ex.dispatch_send(x.contiguous(), ids, topk_weights.float().contiguous(), self._num_tokens)
         recv_x, recv_scales, counts, _ = ex.dispatch_recv()
-        y = expert_ffn(recv_x, counts, masked=True, rows_scale=recv_scales, h_out=self._h, y_out=self._y, **weights)
+        # The GEMMs' tiles suit the rows a step brings each expert, not the buffers' capacity
+        # (every token of every rank): uniform routing, every rank stepping this many tokens.
+        expected = ex.world * t * self.top_k / self.num_experts
+        y = expert_ffn(recv_x, counts, masked=True, rows_scale=recv_scales, h_out=self._h, y_out=self._y,
+                       expected_rows_per_expert=expected, **weights)
         ex.combine_send(y)
         out = torch.empty(self.max_tokens, self.hidden, dtype=torch.bfloat16, device=x.device)
         return ex.combine_recv(ids, self._num_tokens, out)[:t]
