@@ -188,8 +188,11 @@ def ceilings(timer: Timer) -> dict[str, float]:
 
 
 def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer, weights: dict,
-             tile_m: int | None = None, tile_n: int | None = None) -> dict:
-    """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights)."""
+             tile_m: int | None = None, tile_n: int | None = None, with_peers: bool = True) -> dict:
+    """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights).
+
+    ``with_peers=False`` leaves out torch's grouped GEMMs (a tile A/B whose other side timed them).
+    """
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
     E = EXPERTS
@@ -232,11 +235,11 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
     w_t = w_bf16.transpose(1, 2)  # [E, K, N] view of the same [E, N, K] storage
     if mxfp8:
         w_t = dequantize_mxfp8(w, ws, torch.bfloat16).transpose(1, 2)
-    if not fp8:
+    if with_peers and not fp8:
         p_us, p_clocks = timer(lambda: torch._grouped_mm(x_bf16, w_t, offs=offsets[1:]))
         peers["torch._grouped_mm"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6,
                                       "weight_tbps": wbytes / p_us / 1e6, **p_clocks}
-    else:
+    elif with_peers:
         try:
             wq_row = weights[(model, proj, "fp8_rowwise")]
             xr_scale = x_bf16.float().abs().amax(-1).clamp(min=1e-10) / 448.0
@@ -253,7 +256,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
             "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto",
             "timing": timer.mode}
     record(BENCH, case, metrics, peers)
-    peer = next(iter(peers.values()))
+    peer = next(iter(peers.values()), {})
     return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
             "speedup_vs_peer": peer.get("latency_us", float("nan")) / us}
 
@@ -307,13 +310,13 @@ def make_weights(model: str) -> dict:
 DTYPES = ("bf16", "fp8", "mxfp8")
 
 
-def case_list(quick: bool) -> list[tuple]:
+def case_list(quick: bool, prefill_tokens: tuple[int, ...] = PREFILL_TOKENS) -> list[tuple]:
     """(kind, model, proj, phase, tokens, dtype) in run order, the most wanted first."""
     models = ["qwen3-30b"] if quick else ["qwen3-235b", "qwen3-30b"]
     cases = []
     for model in models:
         for proj in ("gate_up", "down"):
-            cases += [("gemm", model, proj, "prefill", m, dt) for m in PREFILL_TOKENS for dt in DTYPES]
+            cases += [("gemm", model, proj, "prefill", m, dt) for m in prefill_tokens for dt in DTYPES]
             cases += [("gemm", model, proj, "decode", m, dt) for m in DECODE_TOKENS for dt in DTYPES]
         cases += [("swiglu", model, "gate_up", phase, m, dt)
                   for phase, m in (("decode", 16), ("prefill", 375)) for dt in ("bf16", "fp8")]
@@ -330,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile-n", type=int, default=None, help="force the tile width of every plain GEMM case run")
     ap.add_argument("--only", default="", help="comma list of case-name prefixes to run (default: all)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of dtypes to run (of {','.join(DTYPES)})")
+    ap.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)),
+                    help="comma list of tokens per expert of the prefill cases")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="plain GEMM cases without torch's grouped GEMMs (an A/B run whose other side times them)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no case after this many seconds")
     ap.add_argument("--case-timeout-s", type=float, default=60.0, help="dump stacks and exit if one case hangs")
     ap.add_argument("--timing", choices=(*TIMINGS, "both"), default="sustained",
@@ -367,7 +374,8 @@ def run(args: argparse.Namespace, timers: list[Timer]) -> int:
     only = tuple(filter(None, args.only.split(",")))
     dtypes = set(filter(None, args.dtypes.split(",")))
     rows, weights, loaded = [], {}, None
-    for kind, model, proj, phase, m, dtype in case_list(args.quick):
+    prefill_tokens = tuple(int(t) for t in args.prefill_tokens.split(",") if t)
+    for kind, model, proj, phase, m, dtype in case_list(args.quick, prefill_tokens):
         name = f"{kind}:{model}:{proj}:{phase}:{m}:{dtype}"
         if name in skip or (only and not name.startswith(only)) or dtype not in dtypes:
             continue
@@ -382,7 +390,7 @@ def run(args: argparse.Namespace, timers: list[Timer]) -> int:
         for timer in timers:
             faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
             if kind == "gemm":
-                row = run_case(model, proj, phase, m, dtype, timer, weights, tile_m, tile_n)
+                row = run_case(model, proj, phase, m, dtype, timer, weights, tile_m, tile_n, not args.no_peers)
             else:
                 row = run_swiglu_case(model, phase, m, dtype == "fp8", timer, weights)
             faulthandler.cancel_dump_traceback_later()

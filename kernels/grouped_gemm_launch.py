@@ -21,7 +21,7 @@ import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from kernels._cute_runtime import launch_stream
-from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
+from kernels.grouped_gemm import MID_TILE_MAX_TOKENS_PER_EXPERT, SMALL_TILE_MAX_TOKENS_PER_EXPERT
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
 _CACHE: dict[GroupedGemmConfig, object] = {}
@@ -32,18 +32,28 @@ _GMEM = cute.AddressSpace.gmem
 def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
                   row_weights: bool, tokens_per_expert: float, num_sms: int, mxfp8: bool = False,
                   tile_m: int | None = None, tile_n: int | None = None) -> GroupedGemmConfig:
-    """Tile bucket: 64-row tiles for decode-sized groups (<= SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64 tokens), else 128 rows.
+    """Tile bucket by tokens per expert (the bounds are ``kernels.grouped_gemm.TILE_BUCKET_BOUNDS``).
 
-    Prefill tiles are as wide as the registers allow: bf16 128x256 (two
-    consumer warpgroups, 128 accumulator registers each), FP8 128x192 (96
-    accumulator + 96 partial-product registers).  MXFP8 weights and the
-    SwiGLU interleave fix N at 128, and so do decode tiles.
+    * up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (64, decode-sized groups): 64x128 tiles;
+    * above: 128-row tiles as wide as the registers allow, FP8 128x192 (96 accumulator
+      + 96 partial-product registers); bf16 128x256 (two consumer warpgroups, 128
+      accumulator registers each), but 128x192 for the contiguous (prefill) layout up
+      to MID_TILE_MAX_TOKENS_PER_EXPERT (1024): with few row tiles per expert the
+      narrower tile ran faster on H200 (see the measured section of
+      ``kernels.grouped_gemm_sm90``), with many it ran slower.  The masked (decode)
+      layout keeps 128x256: nothing was measured there.
+    * MXFP8 weights and the SwiGLU interleave fix N at 128.
+
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
     """
     tile_m = tile_m or (64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128)
     if not tile_n:
-        wide = tile_m == 128 and not mxfp8 and not swiglu
-        tile_n = (192 if fp8 else 256) if wide else 128
+        if tile_m != 128 or mxfp8 or swiglu:
+            tile_n = 128
+        elif fp8:
+            tile_n = 192
+        else:
+            tile_n = 192 if not masked and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT else 256
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
                              num_sms=num_sms)

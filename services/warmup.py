@@ -4,10 +4,12 @@ The first forward of each shape bucket compiles CuTeDSL kernels (~6 s on 2x H200
 the first batch of an instance); a rank that said ready before that would make its
 first users wait. So a rank runs, before its first heartbeat,
 
-* prefill: one forward over a short prompt and, for MoE models, one over a prompt long
-  enough that the grouped GEMM's token count per local expert passes its small-tile
-  bucket (`kernels.grouped_gemm.SMALL_TILE_MAX_TOKENS_PER_EXPERT`) — skipped when no
-  real batch could reach that bucket (`max_batch_tokens`, KV pages);
+* prefill: one forward over a short prompt and, for MoE models, one over a prompt just
+  long enough that the grouped GEMM's token count per local expert passes each bound of
+  its tile buckets (`kernels.grouped_gemm.TILE_BUCKET_BOUNDS`: past 64 the 128-row tiles,
+  past 1024 the widest bf16 tiles), so every bucket a batch can reach is compiled before
+  the first request — a forward is skipped when no real batch could reach its bucket
+  (`max_batch_tokens`, KV pages);
 * decode: lockstep steps (`services.decode.lockstep.Lockstep`, the step loop's own
   path) over a batch of one sequence and over a full batch of `max_batch` (or as many
   sequences of 2 tokens as the KV pages hold, the most a real step can carry): the two ends
@@ -37,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
+from kernels.grouped_gemm import TILE_BUCKET_BOUNDS
 from services.decode.lockstep import GroupState, Lockstep
 from shared.logging import get_logger
 from shared.model.layers import prepare_decode_attention
@@ -67,10 +69,11 @@ def prefill_warmup_lengths(runner: ModelRunner, max_batch_tokens: int) -> list[i
     lengths = [min(SHORT_PROMPT_TOKENS, fits)]
     if config.is_moe:
         # Inputs are replicated over the TP group: each rank's local experts see all T tokens,
-        # T * top_k rows over experts_per_rank groups.
-        large_bucket = SMALL_TILE_MAX_TOKENS_PER_EXPERT * runner.model.experts_per_rank // config.top_k + 1
-        if lengths[0] < large_bucket <= fits:
-            lengths.append(large_bucket)
+        # T * top_k rows over experts_per_rank groups; the shortest prompt past `bound` per expert:
+        for bound in TILE_BUCKET_BOUNDS:
+            past = bound * runner.model.experts_per_rank // config.top_k + 1
+            if lengths[-1] < past <= fits:
+                lengths.append(past)
     return lengths
 
 

@@ -64,7 +64,8 @@ def _activations(shape, fp8: bool, gen: torch.Generator):
 
 CONTIGUOUS_COUNTS = {
     "uneven_decode": [0, 1, 7, 0, 64, 3, 0, 2],  # avg <= 64: 64-row tiles
-    "uneven_prefill": [0, 300, 1, 129, 0, 700, 64, 2],  # avg > 64: 128-row tiles (bf16 128x256)
+    "uneven_prefill": [0, 300, 1, 129, 0, 700, 64, 2],  # avg in (64, 1024]: 128-row tiles (bf16 128x192)
+    "uneven_large": [0, 3000, 1, 2600, 0, 2900, 129, 700],  # avg > 1024: bf16 128x256 tiles
 }
 
 
@@ -108,6 +109,25 @@ def test_fp8_tile_widths(tile_m, tile_n):
            tile_m=tile_m, tile_n=tile_n)
     ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=xs.cpu(), w_scale=ws.cpu())
     _assert_close(out.cpu(), ref, f"fp8 tile {tile_m}x{tile_n}")
+
+
+@pytest.mark.parametrize("tile_n", [128, 192, 256])
+def test_bf16_tile_widths(tile_n):
+    """bf16 128-row tiles forced to each width the tile buckets use; N = 712 ends mid-tile, K = 400 mid-stage."""
+    from kernels.grouped_gemm_launch import launch
+
+    gen = torch.Generator(device=DEV).manual_seed(23 + tile_n)
+    counts = torch.tensor([0, 131, 5, 64, 0, 257])
+    E, N, K = len(counts), 712, 400
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    T = int(offsets[-1])
+    x, _ = _activations((T, K), False, gen)
+    w, _ = _random_weights(E, N, K, False, gen)
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    launch(x, w, offsets.to(DEV), masked=False, x_scale=None, w_scale=None, row_weights=None, swiglu=False, out=out,
+           tile_m=128, tile_n=tile_n)
+    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False)
+    _assert_close(out.cpu(), ref, f"bf16 tile 128x{tile_n}")
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

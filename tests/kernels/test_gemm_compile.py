@@ -26,6 +26,7 @@ FP8 = torch.float8_e4m3fn
 COMPILE_CASES = [
     # (masked, fp8, tile_m, tile_n, swiglu, row_weights, k); FP8 K blocks: 272 -> 3, 400 -> 4
     (False, False, 128, 256, False, False, 272),
+    (False, False, 128, 192, False, True, 272),  # bf16 prefill up to MID_TILE_MAX_TOKENS_PER_EXPERT
     (False, False, 64, 128, False, True, 272),
     (True, False, 64, 128, False, False, 272),
     (True, False, 128, 256, False, True, 272),
@@ -104,6 +105,29 @@ def test_config_rejects_unsupported_shapes():
         sm90.GroupedGemmConfig(num_experts=2, n=128, k=104, masked=False, fp8=False, tile_m=128, tile_n=128,
                                mxfp8=True).validate()
     assert gg.SWIGLU_BLOCK == sm90.SWIGLU_BLOCK and QUANT_BLOCK == sm90.SCALE_BLOCK
+
+
+def test_tile_bucket_rule_by_tokens_per_expert():
+    from kernels.grouped_gemm_launch import choose_config
+
+    def tile(tokens: float, *, masked: bool = False, fp8: bool = False, swiglu: bool = False,
+             mxfp8: bool = False) -> tuple[int, int]:
+        cfg = choose_config(num_experts=8, n=512, k=256, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,
+                            tokens_per_expert=tokens, num_sms=132, mxfp8=mxfp8)
+        cfg.validate()
+        return cfg.tile_m, cfg.tile_n
+
+    small, mid = gg.SMALL_TILE_MAX_TOKENS_PER_EXPERT, gg.MID_TILE_MAX_TOKENS_PER_EXPERT
+    assert gg.TILE_BUCKET_BOUNDS == (small, mid) and small < mid
+    # bf16, contiguous (prefill): three buckets, each bound inclusive
+    assert [tile(t) for t in (1, small, small + 1, mid, mid + 0.5, 8 * mid)] == [
+        (64, 128), (64, 128), (128, 192), (128, 192), (128, 256), (128, 256)]
+    # the masked (decode) layout keeps the widest bf16 tile above the small bucket
+    assert [tile(t, masked=True) for t in (small, small + 1, mid, mid + 1)] == [(64, 128)] + [(128, 256)] * 3
+    # FP8: one 128-row tile width at every size; SwiGLU and MXFP8 weights fix N at 128
+    assert [tile(t, fp8=True) for t in (small, small + 1, mid + 1)] == [(64, 128), (128, 192), (128, 192)]
+    for kind in ({"swiglu": True}, {"mxfp8": True}, {"swiglu": True, "fp8": True}):
+        assert {tile(t, **kind) for t in (small, small + 1, mid + 1)} == {(64, 128), (128, 128)}
 
 
 # ----------------------------------------------------------- torch references

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.grouped_gemm import SMALL_TILE_MAX_TOKENS_PER_EXPERT
+from kernels.grouped_gemm import TILE_BUCKET_BOUNDS
 from services.warmup import WarmupFailed, decode_warmup_batches, prefill_warmup_lengths, warm_up_decode, warm_up_prefill
 from shared.model.runner import ModelRunner
 from shared.model.sampling import SamplingParams
@@ -65,19 +65,23 @@ def test_warm_up_leaves_kv_pages_and_random_streams_as_loaded_and_outputs_unchan
     assert _generate(prefill, decode) == reference
 
 
-def test_prefill_warm_up_reaches_both_grouped_gemm_tile_buckets_when_a_batch_can(tiny_model: Path):
-    runner = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, release_finished=False)
+def test_prefill_warm_up_reaches_every_grouped_gemm_tile_bucket_a_batch_can(tiny_model: Path):
+    runner = ModelRunner.from_dir(tiny_model, num_pages=300, page_size=16, release_finished=False)
     experts, top_k = runner.model.experts_per_rank, runner.model.config.top_k
 
-    def per_expert(tokens: int) -> float:
-        return tokens * top_k / experts
+    def bucket(tokens: int) -> int:
+        """0 = decode-sized tiles, then one more for each bound the tokens per local expert pass."""
+        return sum(tokens * top_k / experts > bound for bound in TILE_BUCKET_BOUNDS)
 
-    lengths = prefill_warmup_lengths(runner, max_batch_tokens=1024)
-    assert per_expert(min(lengths)) <= SMALL_TILE_MAX_TOKENS_PER_EXPERT < per_expert(max(lengths))
-    assert max(lengths) <= 64 * 16
-    # A batch cap below the large bucket: no real batch reaches it, so neither does the warm-up.
-    capped = prefill_warmup_lengths(runner, max_batch_tokens=max(lengths) - 1)
-    assert all(per_expert(n) <= SMALL_TILE_MAX_TOKENS_PER_EXPERT for n in capped)
+    lengths = prefill_warmup_lengths(runner, max_batch_tokens=300 * 16)
+    assert [bucket(n) for n in lengths] == list(range(len(TILE_BUCKET_BOUNDS) + 1))
+    assert all(bucket(n - 1) < bucket(n) for n in lengths[1:])  # each the shortest prompt of its bucket
+    assert max(lengths) <= 300 * 16
+    # A batch cap below the largest bucket: no real batch reaches it, so neither does the warm-up.
+    assert prefill_warmup_lengths(runner, max_batch_tokens=max(lengths) - 1) == lengths[:-1]
+    # Nor when the KV pages cannot hold such a prompt (64 pages of 16 tokens).
+    small = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, release_finished=False)
+    assert prefill_warmup_lengths(small, max_batch_tokens=300 * 16) == [n for n in lengths if n <= 64 * 16]
 
 
 def test_decode_warm_up_steps_the_largest_batch_the_kv_pages_can_hold(tiny_model: Path):
