@@ -42,7 +42,7 @@ For each prompt length it measures, in the same run:
   ``cuda_ipc`` (the same-host fast path: the decode receiver exports its KV storage, the
   sender writes straight from its pages into the decode pages over NVLink with one kernel
   per layer group and announces them with a small UCX message as it issues them). On CPU
-  only ``ucx``.
+  only ``ucx``; ``--paths`` runs a subset.
 * page sizes     - ``--prefill-page-size`` takes a list: every layout and path runs once per
   prefill page size against the decode's ``--page-size`` (default on CUDA 16 and 32 against
   16: the shipped equal-page default and a mismatch; on CPU 16).
@@ -532,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap-chunk-mib", type=int, default=None, help="chunk size of the overlap runs (default: the first of --chunk-mib)")
     ap.add_argument("--layer-us-per-1k", type=float, default=150.0, help="CPU only: simulated prefill compute per layer per 1k tokens (us)")
     ap.add_argument("--prefill-ranks", default="1,2", help="comma-separated prefill TP sizes, one layout each (placement: module doc)")
+    ap.add_argument("--paths", default=None, help="comma-separated engine paths to run (default cuda: ucx,cuda_ipc; cpu: ucx)")
     args = ap.parse_args(argv)
     try:
         layouts = [int(n) for n in args.prefill_ranks.split(",")]
@@ -560,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     decode_gpu = placement.decode_gpu
     layout_fields = {f"tp{tp}": placement.case_fields(tp) for tp in layouts}
     compute = "matmul" if gpu else "sleep"
-    paths = ["ucx", "cuda_ipc"] if gpu else ["ucx"]
+    paths = args.paths.split(",") if args.paths else ["ucx", "cuda_ipc"] if gpu else ["ucx"]
+    if not set(paths) <= ({"ucx", "cuda_ipc"} if gpu else {"ucx"}):
+        ap.error(f"--paths: {args.paths!r} names a path this device has not (cuda: ucx, cuda_ipc; cpu: ucx)")
     ctx = mp.get_context("spawn")
     bytes_per_token = args.layers * 2 * args.kv_heads * args.head_dim * DTYPE.itemsize
     peer_s = {tokens: _peer_copy_s(tokens * bytes_per_token, args.device, args.iters, decode_gpu) for tokens in tokens_list}

@@ -76,9 +76,10 @@ class ShardHeader(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     * ``"landed"``: the sender writes (``event`` None: wrote) these cells straight into the
       reserved pages through CUDA IPC; ``nbytes`` is what it writes, no data follows. With
       ``event`` (a CUDA IPC event handle recorded after the writes, on the sender's GPU)
-      the header is sent as soon as the writes are issued, and the cells have landed once
-      that event completed; ``writes_done_unix`` is the sender's estimate of when (same
-      host, same clock), ``sender_pid`` the process that recorded it;
+      the header is sent as soon as the writes are issued (they may still wait for the
+      prefill's compute), and the cells have landed once that event completed;
+      ``writes_done_unix`` is the earliest time they can have (same host, same clock; 0.0:
+      unknown, the compute was still running), ``sender_pid`` the process that recorded it;
     * ``"stopped"``: the sender of these heads gave up and will write nothing more
       (layers: all; ``nbytes`` 0), so the decode side may reuse the pages now.
     """

@@ -58,7 +58,7 @@ from shared.transfer.errors import Cancelled, LeaseExpired, PeerFailed, Protocol
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
 from shared.transfer.shard import chunk_nbytes, chunk_view, scatter_layers
 from shared.transfer.staging import StagingPool
-from shared.transfer.streams import event_done, side_stream
+from shared.transfer.streams import event_done, side_stream, watch_event
 from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError, data_tag, decode_header, header_tag, ucx_buffer
 
 log = structlog.get_logger(__name__)
@@ -71,11 +71,10 @@ _ABANDONED_RECV_GRACE_S = 2.0
 # Pages a direct (CUDA IPC) writer may still write stay quarantined until the lease deadline
 # plus this margin: the writer's last kernels, issued before the deadline, end within ms.
 DIRECT_WRITE_GRACE_S = 2.0
-# Waiting for a sender's landing event: wake this long before its estimate (the loop's
-# timers fire up to 1 ms late), spin on the event at most this long, then poll it each ms.
-_LANDING_WAKE_EARLY_S = 1.5e-3
-_LANDING_SPIN_S = 3e-3
-_LANDING_POLL_S = 1e-3
+# Waiting for a sender's landing event: its watcher polls it this often, from this long before
+# the sender's earliest estimate (1 ms polls before that).
+_LANDING_POLL_S = 25e-6
+_LANDING_EARLY_S = 3e-4
 
 
 class _State(enum.Enum):
@@ -394,23 +393,28 @@ class KVReceiver:
             self._free_pages(res)
 
     async def _await_landing(self, res: _Reservation, h: ShardHeader) -> None:
-        """A ``"landed"`` header sent while the writes may still run: the cells land when the
-        sender's interprocess event completes, if that is seen before the lease deadline.
-        Sleep through most of the sender's estimate, then poll the event (a spin of at most
-        ``_LANDING_SPIN_S``, then every ms); a sender that died before its writes ended never
-        completes the event, and the lease ends it."""
+        """A ``"landed"`` header sent once the writes were enqueued (they may still wait for the
+        prefill's compute): the cells land when the sender's interprocess event completes, if
+        that is seen before the lease deadline. The process's watcher thread polls the event
+        (``streams.watch_event``) every ``_LANDING_POLL_S``, from the sender's earliest
+        estimate on when it gave one, so the loop never blocks on it; a sender that died
+        before its writes ended never completes the event, and the lease ends the wait."""
         assert h.event is not None
         try:
             event = open_landing_event(h.event, h.sender_pid, self._cache.device)
         except CudaIpcUnavailable as e:
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, str(e)))
             return
-        await asyncio.sleep(max(0.0, h.writes_done_unix - time.time() - _LANDING_WAKE_EARLY_S))
-        spin_until = time.perf_counter() + _LANDING_SPIN_S
+        hot_at = 0.0  # compute still running at the sender: poll closely from now
+        if h.writes_done_unix:
+            hot_at = time.perf_counter() + h.writes_done_unix - time.time() - _LANDING_EARLY_S
         try:
-            while not event.query():
-                if time.perf_counter() > spin_until:
-                    await asyncio.sleep(_LANDING_POLL_S)
+            # Past the lease + grace no write can come any more (a cancelled reservation keeps
+            # this task, and its pages are freed then): stop polling an event that may never complete.
+            async with asyncio.timeout_at(res.lease_ends_at + DIRECT_WRITE_GRACE_S):
+                await watch_event(event, poll_s=_LANDING_POLL_S, hot_at=hot_at)
+        except TimeoutError:
+            return
         except RuntimeError as e:  # CUDA reported an error on the sender's event: the cells never land
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, f"landing event of process {h.sender_pid} failed: {e}"))
             return

@@ -28,16 +28,18 @@ the decode rank's reserved pages on a side stream behind the report's CUDA event
 is done, with no host wake-up or launch in between. The kernel checks a deadline itself
 (the reservation's lease + ``cuda_ipc.WRITE_GUARD_AFTER_LEASE_S``, on the GPU's clock): a
 write enqueued in time whose compute ends later writes nothing and the sender fails with
-``TransferTimeout``. Once every layer is enqueued and the host sees the compute of all of
-them done, one ``"landed"`` header for all layers goes out, carrying an interprocess CUDA
-event recorded after the last write: its trip to the decode rank overlaps the writes
-still running, and the decode rank counts the cells landed when the event completes.
+``TransferTimeout``. Once every layer is reported (its write enqueued, the landing event
+recorded behind it), one ``"landed"`` header for all layers goes out at once, carrying an
+interprocess CUDA event recorded after the last write: its trip to the decode rank
+overlaps the compute and the writes still running on the GPU, and the decode rank counts
+the cells landed when the event completes (its watcher thread polls it,
+``streams.watch_event``); when the compute is already done, the header also says when the
+writes can have ended at the earliest, so the decode rank polls closely only from then.
 Otherwise (another host, CPU, ``MOEBUS_KV_CUDA_IPC=0`` on the decode side, the open
 failing: logged as ``kv.cuda_ipc_unavailable`` with the reason) the UCX path above is
 taken. ``TransferRecord.path`` and the log events say which; on the direct path the
-phases are ``issue`` (host time enqueueing, in the reporting threads), ``compute_wait``
-(all layers reported -> their compute seen done by the host), ``write`` (first write
-enqueued -> all seen complete) and ``wire`` (the header's send). On a failure the direct
+phases are ``issue`` (host time enqueueing, in the reporting threads), ``write`` (first
+write enqueued -> all seen complete, compute included) and ``wire`` (the header's send). On a failure the direct
 sender enqueues nothing more, waits (in a thread) for the writes it enqueued to run or be
 skipped, then tells the decode rank ``"stopped"`` (the safety rules are in
 ``shared.transfer.cuda_ipc``).
@@ -72,22 +74,20 @@ from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
 from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table
 from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
-from shared.transfer.streams import event_done, event_polled, side_stream
+from shared.transfer.streams import event_done, side_stream, watch_event
 from shared.transfer.worker import TransferWorker, UCXError, data_tag, encode_header, header_tag, ucx_buffer
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # a few large UCX messages per request (each costs a fixed ~0.3-0.5 ms)
 _STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the decode rank it stopped
-# A direct write group's completion: the loop sleeps through most of the expected copy time
-# (at the direct-write kernel's measured rate over NVLink, ~366 GB/s on 2x H200,
-# bench/results/kv_transfer.jsonl), then blocks on the event for the rest, which wakes within
-# microseconds instead of a thread hand-off's ~0.1 ms; the margin covers the loop's 1 ms timer
-# resolution. The decode rank's receiver wakes on the same estimate (the header's
-# ``writes_done_unix``).
-_NVLINK_BYTES_PER_S = 360e9
-_WAKE_EARLY_S = 1.5e-3
-_WRITES_SPIN_S = 3e-3  # then poll each ms: writes queued behind a stalled stream must not block the loop
+# The direct path's "landed" header tells the decode rank the earliest time its writes can have
+# ended when the prefill's compute is done already (``_writes_done_hint``): the writes cannot
+# outrun this rate, above the direct-write kernel's measured ~365 GB/s over NVLink (2x H200,
+# bench/results/kv_transfer.jsonl), so the hint errs early (the decode rank then polls a
+# little longer), never late.
+_PEAK_WRITE_BYTES_PER_S = 400e9
+_SENDER_POLL_S = 2e-4  # the sender's own wait for its writes: nothing waits on it but the caller's finish()
 
 
 class KVSender:
@@ -290,36 +290,24 @@ class KVSender:
 
     async def _write_directly(self, issuer: WriteIssuer) -> None:
         """Direct path: the reports enqueue the writes (``WriteIssuer``); once all layers are
-        reported and their compute is done, announce every cell with one ``"landed"`` header,
-        then wait for the writes and check that none found the deadline passed."""
+        reported, announce every cell with one ``"landed"`` header at once (its trip overlaps
+        whatever compute and writes are still running on the GPU), then wait for the writes
+        and check that none found the deadline passed."""
         for layer in range(self._num_layers):
             await self._reported(layer)
             if issuer.error is not None:
                 raise issuer.error
         if not issuer.complete:  # a report came after the deadline: nothing enqueued for it
             raise TimeoutError
-        reported = time.perf_counter()
-        for event in issuer.compute_events:
-            await event_done(event, short=False)  # the prefill's compute: a thread waits, not the loop
-        self._phases.add("compute_wait", time.perf_counter() - reported)
         self._phases.add("issue", issuer.issue_s)
         assert issuer.landing is not None and issuer.first_issued_at is not None
         self._first_send_at = issuer.first_issued_at
         self._phases.add("first_ready", issuer.first_issued_at - self._created)
         nbytes = self._nbytes_of(range(self._num_layers))
-        # The writes of earlier reports ran as their compute finished; the last report's are
-        # what may still be running. The other TP ranks write their heads of the same layers at
-        # the same time into the same decode GPU, sharing its link: the estimate counts every
-        # head's bytes (on 2x H200 at 32k tokens, 2 ranks estimating their own bytes only: the
-        # decode rank held the pages ~0.9 ms after the slower rank's writes, ~0.35 ms with one
-        # rank; it woke half-way and then polled at 1 ms steps).
-        expected_s = self._nbytes_of(issuer.groups[-1]) * self._desc.layout.kv_heads / self._heads.num_heads / _NVLINK_BYTES_PER_S
         landing, handle = issuer.landing
-        announced = time.perf_counter()
-        header = self._header(range(self._num_layers), nbytes, "landed", event=handle, writes_done_unix=time.time() + expected_s)
+        header = self._header(range(self._num_layers), nbytes, "landed", event=handle, writes_done_unix=_writes_done_hint(issuer, nbytes))
         await self._post((header_tag(self._desc.transfer_id), encode_header(header)))
-        await asyncio.sleep(max(0.0, announced + expected_s - _WAKE_EARLY_S - time.perf_counter()))
-        await event_polled(landing, spin_s=_WRITES_SPIN_S)
+        await watch_event(landing, poll_s=_SENDER_POLL_S)  # a thread polls: the loop stays free
         self._phases.add("write", time.perf_counter() - issuer.first_issued_at)
         if issuer.writer.skipped:
             raise TransferTimeout(self.request_id, "direct writes reached the GPU after the lease deadline and wrote nothing")
@@ -446,6 +434,17 @@ class _Packed:
 
     done: torch.cuda.Event
     behind_compute: bool
+
+
+def _writes_done_hint(issuer: WriteIssuer, nbytes: int) -> float:
+    """When (host wall clock) a transfer's ``nbytes`` of direct writes can have landed at the
+    earliest, or 0.0 (unknown) while the compute they wait for still runs. Reports come from
+    one stream in layer order, so the last report's compute done means all of it is."""
+    last = issuer.compute_events[-1] if issuer.compute_events else None
+    if last is not None and not last.query():
+        return 0.0
+    assert issuer.first_issued_at is not None
+    return time.time() - (time.perf_counter() - issuer.first_issued_at) + nbytes / _PEAK_WRITE_BYTES_PER_S
 
 
 def _open_peer_storage(desc: KVTransferDescriptor, ids: np.ndarray, device: torch.device) -> torch.Tensor | None:
