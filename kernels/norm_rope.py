@@ -9,7 +9,11 @@ small model. On CUDA these two functions are one launch each:
 * :func:`add_rms_norm` ``(h, delta, weight)`` -> ``(h + delta, rms_norm(h + delta))``
   (``delta=None``: plain RMSNorm of ``h``);
 * :func:`qk_norm_rope` ``(x [T, heads, D], weight [D], cos, sin)`` ->
-  ``apply_rope(rms_norm(x))``, per head.
+  ``apply_rope(rms_norm(x))``, per head;
+* :func:`qkv_norm_rope_store`: the same for the q and k heads of a fused q/k/v
+  projection's output, which also stores k and v into their slots of the layer's
+  paged KV pool (replacing two norm/RoPE launches, the column copies of a split
+  and the pool's two index writes).
 
 Both reproduce the torch reference (transformers' Qwen3 code) rounding for
 rounding: the residual sum is rounded to the activation dtype before it is
@@ -79,3 +83,33 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     from kernels import norm_rope_sm90
 
     return norm_rope_sm90.qk_norm_rope_cuda(x.contiguous(), weight.contiguous(), cos.contiguous(), sin.contiguous(), eps)
+
+
+def qkv_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, eps: float, pool: torch.Tensor, pages: torch.Tensor,
+                        offsets: torch.Tensor, *, use_kernel: bool = True) -> torch.Tensor:
+    """q of an attention layer from its fused projection ``qkv [T, (q_heads + 2 kv_heads) * D]``.
+
+    Returns ``qk_norm_rope`` of the q heads ``[T, q_heads, D]``; stores ``qk_norm_rope`` of the
+    k heads and the v heads as they are into ``pool [pages, 2, kv_heads, page_size, D]`` at
+    token ``i``'s slot ``(pages[i], offsets[i])``, K at index 0 and V at 1 of the pool's
+    second dim (the layout of `shared.kvcache.PagedKVCache`), converted to the pool's dtype.
+    """
+    t, d = qkv.shape[0], pool.shape[-1]
+    if qkv.dim() != 2 or qkv.shape[1] != (q_heads + 2 * kv_heads) * d or pool.dim() != 5 or tuple(pool.shape[1:3]) != (2, kv_heads):
+        raise ValueError(f"qkv_norm_rope_store: qkv {tuple(qkv.shape)} and pool {tuple(pool.shape)} do not hold "
+                         f"{q_heads} q and {kv_heads} kv heads of {d}")
+    if pages.shape != (t,) or offsets.shape != (t,):
+        raise ValueError(f"qkv_norm_rope_store: {t} tokens need pages and offsets of ({t},), got {tuple(pages.shape)}, {tuple(offsets.shape)}")
+    if not (use_kernel and _kernel_takes(qkv, d) and d in (64, 128) and pool.dtype == qkv.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == sin.dtype
+            and pool.is_contiguous() and pages.dtype == offsets.dtype == torch.int64):
+        heads = qkv.view(t, q_heads + 2 * kv_heads, d)
+        q = qk_norm_rope(heads[:, :q_heads], q_weight, cos, sin, eps, use_kernel=use_kernel)
+        k = qk_norm_rope(heads[:, q_heads:q_heads + kv_heads], k_weight, cos, sin, eps, use_kernel=use_kernel)
+        pool[pages, 0, :, offsets, :] = k.to(pool.dtype)
+        pool[pages, 1, :, offsets, :] = heads[:, q_heads + kv_heads:].to(pool.dtype)
+        return q
+    from kernels import norm_rope_sm90
+
+    return norm_rope_sm90.qkv_norm_rope_store_cuda(qkv.contiguous(), q_heads, kv_heads, q_weight.contiguous(), k_weight.contiguous(),
+                                                   cos.contiguous(), sin.contiguous(), eps, pool, pages.contiguous(), offsets.contiguous())

@@ -14,8 +14,9 @@ they offer one (CUDA: peer memory and masked grouped GEMMs), else
 
 On CUDA (unless ``MOEBUS_KERNELS=reference``, see `kernels.ops`) the model runs the
 kernels: the MoE experts are prepared once for the grouped GEMM, quantized weights
-outside the experts are dequantized once (`dequantize_dense`), each residual add runs
-fused with the RMSNorm after it, q/k norms with RoPE (`kernels.norm_rope`), the
+outside the experts are dequantized once (`dequantize_dense`), q/k/v run as one GEMM
+(`fuse_qkv`) whose output one launch normalizes, rotates and stores into the KV pages,
+each residual add runs fused with the RMSNorm after it (`kernels.norm_rope`), the
 router's softmax with its top-k (`kernels.router`), and attention is
 `layers.paged_attention_sdpa` (the paged decode-attention kernel for decode steps);
 elsewhere it runs the torch reference ops of `shared.model.layers`.
@@ -30,14 +31,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.norm_rope import add_rms_norm, qk_norm_rope
+from kernels.norm_rope import add_rms_norm, qk_norm_rope, qkv_norm_rope_store
 from kernels.router import route_topk
 from kernels.ops import use_kernels
 from shared.kvcache import PagedKVCache
 from shared.model import layers as ops
 from shared.model.config import ModelConfig
 from shared.model.quant_formats import BlockFp8Weight
-from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, dequantize_dense, load_weights, prepare_for_kernels
+from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, dequantize_dense, fuse_qkv, load_weights, prepare_for_kernels
 from shared.parallel import Collectives, DecodeMoE, LocalCollectives, Topology
 
 
@@ -142,6 +143,8 @@ class Qwen3Model:
         # Bytes the quantized weights outside the experts grew by when made plain (kernels only:
         # the reference path keeps dequantizing per call, as the checkpoint stores them).
         self.dense_dequantized_bytes = dequantize_dense(weights) if self.kernels else 0
+        if self.kernels:
+            fuse_qkv(weights)
         self.decode_moe = self._make_decode_moe(max_tokens_per_rank)
 
     def _make_decode_moe(self, max_tokens_per_rank: int | None) -> DecodeMoE | None:
@@ -191,10 +194,14 @@ class Qwen3Model:
 
     def _attention(self, layer_idx: int, w: AttentionWeights, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, t, d = self.config, x.shape[0], self.config.head_dim
-        q = qk_norm_rope(ops.linear(x, w.q_proj).view(t, self.heads.num_q, d), w.q_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
-        k = qk_norm_rope(ops.linear(x, w.k_proj).view(t, self.heads.num_kv, d), w.k_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
-        v = ops.linear(x, w.v_proj).view(t, self.heads.num_kv, d)
-        cache.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
+        if w.qkv_proj is not None:  # kernel path: one GEMM, one launch for norms, RoPE and the K/V store
+            q = qkv_norm_rope_store(ops.linear(x, w.qkv_proj), self.heads.num_q, self.heads.num_kv, w.q_norm, w.k_norm, cos, sin,
+                                    c.rms_norm_eps, cache.pools[layer_idx], batch.slot_pages, batch.slot_offsets)
+        else:
+            q = qk_norm_rope(ops.linear(x, w.q_proj).view(t, self.heads.num_q, d), w.q_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
+            k = qk_norm_rope(ops.linear(x, w.k_proj).view(t, self.heads.num_kv, d), w.k_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
+            v = ops.linear(x, w.v_proj).view(t, self.heads.num_kv, d)
+            cache.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
         o = self._attend(q, cache, layer_idx, batch.attn, d**-0.5)
         out = ops.linear(o.reshape(t, self.heads.num_q * d), w.o_proj)
         return self.comm.all_reduce(out) if self.topology.tp_size > 1 else out

@@ -73,6 +73,8 @@ class AttentionWeights:
     o_proj: Linear  # [H, local_heads * D]
     q_norm: torch.Tensor  # [D]
     k_norm: torch.Tensor
+    # q, k and v stacked for one GEMM (`fuse_qkv`, kernel path); q/k/v_proj are then views of it.
+    qkv_proj: torch.Tensor | None = None
 
 
 @dataclass
@@ -423,6 +425,23 @@ def dequantize_dense(weights: ModelWeights) -> int:
             mlp = dataclasses.replace(mlp, w13=plain(mlp.w13), w2=plain(mlp.w2))
         weights.layers[i] = dataclasses.replace(layer, attn=attn, mlp=mlp)
     return added
+
+
+def fuse_qkv(weights: ModelWeights) -> None:
+    """Stack every layer's q, k and v projections into one weight, in place: attention then
+    runs one GEMM where it ran three (at decode, each a few microseconds on a small batch),
+    and `kernels.norm_rope.qkv_norm_rope_store` takes its output apart. ``q_proj`` /
+    ``k_proj`` / ``v_proj`` become row slices of ``qkv_proj`` (views: no memory added).
+    Plain weights of one dtype only (quantized ones are made plain first by
+    `dequantize_dense`); layers already fused are left as they are."""
+    for i, layer in enumerate(weights.layers):
+        a = layer.attn
+        projs = (a.q_proj, a.k_proj, a.v_proj)
+        if a.qkv_proj is not None or not all(isinstance(w, torch.Tensor) for w in projs) or len({(w.dtype, w.device) for w in projs}) > 1:
+            continue
+        qkv = torch.cat(projs)
+        q, k, v = qkv.split([w.shape[0] for w in projs])
+        weights.layers[i] = dataclasses.replace(layer, attn=dataclasses.replace(a, q_proj=q, k_proj=k, v_proj=v, qkv_proj=qkv))
 
 
 def _unsupported(act_dtype: torch.dtype, m: MoEWeights) -> str | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm_rope import add_rms_norm, apply_rope_reference, qk_norm_rope, rms_norm_reference
+from kernels.norm_rope import add_rms_norm, apply_rope_reference, qk_norm_rope, qkv_norm_rope_store, rms_norm_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -80,3 +80,59 @@ def test_kernels_replay_in_a_cuda_graph_on_new_inputs():
         assert torch.equal(s, s_ref)
         _close(x, x_ref)
         _close(r, apply_rope_reference(rms_norm_reference(q, qw, EPS), cos, sin))
+
+
+def _qkv_case(tokens: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int, seed: int):
+    """A fused projection output, norm weights, angles, a paged pool with random contents and
+    distinct random slots for the tokens."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    heads = q_heads + 2 * kv_heads
+    qkv = (torch.randn(tokens, heads * head_dim, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    qw, kw = ((1 + 0.2 * torch.randn(head_dim, device="cuda", generator=gen)).to(torch.bfloat16) for _ in range(2))
+    angles = torch.rand(tokens, head_dim // 2, device="cuda", generator=gen) * 1000
+    cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16)
+    sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16)
+    num_pages = -(-tokens // page_size) * 3
+    pool = torch.randn(num_pages, 2, kv_heads, page_size, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_pages * page_size, device="cuda", generator=gen)[:tokens]
+    return qkv, qw, kw, cos, sin, pool, slots // page_size, slots % page_size
+
+
+@pytest.mark.parametrize("tokens, q_heads, kv_heads, head_dim, page_size", [
+    (1, 32, 4, 128, 16), (128, 32, 4, 128, 16), (300, 64, 4, 128, 16), (37, 8, 2, 64, 32)])
+def test_qkv_norm_rope_store_matches_reference(tokens, q_heads, kv_heads, head_dim, page_size):
+    """q, the K slots (normed and rotated) and the V slots (copied) against the unfused reference
+    ops on the same pool; every other slot of the pool keeps its contents."""
+    qkv, qw, kw, cos, sin, pool, pages, offsets = _qkv_case(tokens, q_heads, kv_heads, head_dim, page_size, tokens + head_dim)
+    ref_pool = pool.clone()
+    q_ref = qkv_norm_rope_store(qkv, q_heads, kv_heads, qw, kw, cos, sin, EPS, ref_pool, pages, offsets, use_kernel=False)
+    q = qkv_norm_rope_store(qkv, q_heads, kv_heads, qw, kw, cos, sin, EPS, pool, pages, offsets)
+    torch.cuda.synchronize()
+    _close(q, q_ref)
+    _close(pool[pages, 0, :, offsets], ref_pool[pages, 0, :, offsets])
+    assert torch.equal(pool[pages, 1, :, offsets], qkv.view(tokens, -1, head_dim)[:, q_heads + kv_heads:])
+    written = torch.zeros(pool.shape[0], pool.shape[3], dtype=torch.bool, device="cuda")
+    written[pages, offsets] = True
+    untouched = ~written[:, None, None, :, None].expand_as(pool)
+    assert torch.equal(pool[untouched], ref_pool[untouched])
+
+
+def test_qkv_norm_rope_store_replays_in_a_cuda_graph():
+    tokens, q_heads, kv_heads, d, ps = 24, 16, 4, 128, 16
+    qkv, qw, kw, cos, sin, pool, pages, offsets = _qkv_case(tokens, q_heads, kv_heads, d, ps, 5)
+    qkv_norm_rope_store(qkv, q_heads, kv_heads, qw, kw, cos, sin, EPS, pool, pages, offsets)  # compile and load before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = qkv_norm_rope_store(qkv, q_heads, kv_heads, qw, kw, cos, sin, EPS, pool, pages, offsets)
+    for seed in (1, 2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        qkv.copy_(torch.randn(qkv.shape, device="cuda", generator=gen))
+        offsets.copy_((offsets + seed) % ps)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_pool = pool.clone()
+        q_ref = qkv_norm_rope_store(qkv, q_heads, kv_heads, qw, kw, cos, sin, EPS, ref_pool, pages, offsets, use_kernel=False)
+        _close(q, q_ref)
+        _close(pool[pages, 0, :, offsets], ref_pool[pages, 0, :, offsets])
+        assert torch.equal(pool[pages, 1, :, offsets], ref_pool[pages, 1, :, offsets])

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, apply_rotary_pos_emb
 
-from kernels.norm_rope import add_rms_norm, qk_norm_rope
-from kernels.norm_rope_sm90 import compiled_add_rms_norm, compiled_qk_norm_rope
+from kernels.norm_rope import add_rms_norm, qk_norm_rope, qkv_norm_rope_store
+from kernels.norm_rope_sm90 import compiled_add_rms_norm, compiled_qk_norm_rope, compiled_qkv_norm_rope_store
 
 
 @pytest.mark.parametrize("hidden, residual", [(2048, True), (4096, False), (136, True)])
@@ -24,6 +24,32 @@ def test_add_rms_norm_compiles_for_sm90a(hidden, residual):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_qk_norm_rope_compiles_for_sm90a(head_dim):
     assert compiled_qk_norm_rope(head_dim) is not None
+
+
+@pytest.mark.parametrize("head_dim, q_heads, kv_heads, page_size", [(128, 32, 4, 16), (128, 64, 4, 16), (64, 8, 2, 32)])
+def test_qkv_norm_rope_store_compiles_for_sm90a(head_dim, q_heads, kv_heads, page_size):
+    assert compiled_qkv_norm_rope_store(head_dim, q_heads, kv_heads, page_size) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_norm_rope_store_reference_is_the_unfused_ops(dtype):
+    """Off the GPU the fused op is the model's unfused path: q/k norm + RoPE and the cache's two
+    index writes, on column slices of the fused projection output."""
+    gen = torch.Generator().manual_seed(3)
+    t, qh, kvh, d, ps, eps = 6, 4, 2, 64, 4, 1e-6
+    qkv = torch.randn(t, (qh + 2 * kvh) * d, generator=gen).to(dtype)
+    qw, kw = ((1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) for _ in range(2))
+    angles = torch.randn(t, d // 2, generator=gen)
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    pool = torch.randn(5, 2, kvh, ps, d, generator=gen).to(dtype)
+    pages, offsets = torch.tensor([4, 0, 2, 2, 1, 3]), torch.tensor([3, 1, 0, 2, 1, 3])
+    expect_pool = pool.clone()
+    q, k, v = qkv.view(t, -1, d).split([qh, kvh, kvh], dim=1)
+    expect_pool[pages, 0, :, offsets, :] = qk_norm_rope(k, kw, cos, sin, eps)
+    expect_pool[pages, 1, :, offsets, :] = v
+    got_q = qkv_norm_rope_store(qkv, qh, kvh, qw, kw, cos, sin, eps, pool, pages, offsets)
+    assert torch.equal(got_q, qk_norm_rope(q, qw, cos, sin, eps))
+    assert torch.equal(pool, expect_pool)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -57,3 +83,8 @@ def test_shapes_are_checked():
         add_rms_norm(h, None, torch.ones(32), 1e-6)
     with pytest.raises(ValueError, match="cos/sin"):
         qk_norm_rope(torch.zeros(4, 2, 64), torch.ones(64), torch.zeros(3, 64), torch.zeros(3, 64), 1e-6)
+    pool, slots = torch.zeros(3, 2, 2, 4, 64), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not hold 4 q and 2 kv heads"):
+        qkv_norm_rope_store(torch.zeros(4, 7 * 64), 4, 2, torch.ones(64), torch.ones(64), torch.zeros(4, 64), torch.zeros(4, 64), 1e-6, pool, slots, slots)
+    with pytest.raises(ValueError, match="pages and offsets"):
+        qkv_norm_rope_store(torch.zeros(4, 8 * 64), 4, 2, torch.ones(64), torch.ones(64), torch.zeros(4, 64), torch.zeros(4, 64), 1e-6, pool, slots[:3], slots)

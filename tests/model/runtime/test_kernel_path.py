@@ -249,3 +249,20 @@ def test_kernel_model_dequantizes_dense_weights_and_reference_model_does_not(che
     assert kern.dense_dequantized_bytes > 0 and type(kern.weights.layers[0].attn.o_proj) is torch.Tensor
     assert ref.dense_dequantized_bytes == 0 and isinstance(ref.weights.layers[0].attn.o_proj, BlockFp8Weight)
     assert Qwen3Model.load(checkpoints["bf16"], dtype=torch.bfloat16, kernels=True).dense_dequantized_bytes == 0
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_kernel_model_fuses_qkv_into_one_weight_without_copies(checkpoints, fmt):
+    """On the kernel path every layer's q/k/v projections are row slices of one stacked weight
+    (the checkpoint's values, FP8 ones dequantized first); the reference path keeps three."""
+    ref = Qwen3Model.load(checkpoints[fmt], dtype=torch.bfloat16, kernels=False)
+    kern = Qwen3Model.load(checkpoints[fmt], dtype=torch.bfloat16, kernels=True)
+    for k_layer, r_layer in zip(kern.weights.layers, ref.weights.layers):
+        a, r = k_layer.attn, r_layer.attn
+        assert r.qkv_proj is None and a.qkv_proj is not None
+        rows = [w.shape[0] for w in (a.q_proj, a.k_proj, a.v_proj)]
+        assert a.qkv_proj.shape[0] == sum(rows)
+        for part, start in zip((a.q_proj, a.k_proj, a.v_proj), (0, rows[0], rows[0] + rows[1])):
+            assert part.data_ptr() == a.qkv_proj[start].data_ptr()  # a view, not a copy
+        plain = [w if isinstance(w, torch.Tensor) else w.dequantize(torch.bfloat16) for w in (r.q_proj, r.k_proj, r.v_proj)]
+        assert torch.equal(a.qkv_proj, torch.cat(plain))
