@@ -39,11 +39,14 @@ Deadline: a ``KVCopy`` may carry a deadline on the device's clock (``device_time
 nothing and records when it found out (``skipped_at_ns``), so a launch enqueued behind
 compute that finishes too late cannot write. On CUDA the clock is related to the host's
 by running the kernel once with a deadline in the past, which stores ``%globaltimer`` at
-its start, between two host clock readings (redone once a minute: the two clocks drift).
+its start, between two host clock readings (redone once a minute in a thread: the two clocks
+drift).
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,9 +64,18 @@ NO_DEADLINE = 2**63 - 1
 LAUNCH_PARAMS = ("src", "dst", "src_table", "dst_table", "items_per_layer", "rows", "rows_per_kv", "row_len", "block",
                  "src_ps", "dst_ps", "tok", "src_page", "src_kv", "src_head", "src_layer", "dst_page", "dst_kv", "dst_head", "dst_layer",
                  "deadline", "skipped")
-_CLOCK_MAX_AGE_S = 60.0  # the device clock is related to the host's again after this long
+_CLOCK_MAX_AGE_S = 60.0  # the device clock is related to the host's again after this long (in a thread)
 _clock: dict[torch.device, tuple[float, int]] = {}  # device -> (monotonic time of the calibration, device ns - host ns)
 _clock_width: dict[torch.device, int] = {}  # device -> the access width its calibration runs (prepare_kv_copy's)
+_recalibrating: set[torch.device] = set()
+# Skip words: the pinned host words copies store their skip time into, one per copy, taken in
+# turn from one array per device (allocated once: a pinned allocation per copy cost the copy's
+# set-up). A word comes round again after _SKIP_WORDS later copies on its device; a copy still
+# pending then (queued for longer than its deadline allows) could only make the newer copy read
+# a skip it did not have: its sender fails, never the other way round.
+_SKIP_WORDS = 4096
+_skip_words: dict[torch.device, tuple[torch.Tensor, np.ndarray, itertools.count]] = {}
+_skip_words_lock = threading.Lock()
 
 
 class KVCopyError(ValueError):
@@ -146,8 +158,8 @@ class KVCopy:
         from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
 
         self._stream = stream or torch.cuda.current_stream(src.device)
-        self._skip_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # the kernel stores to it through its host address (UVA)
-        self._params = _upload_params(src, dst, plan, tables[0], tables[1], self.deadline_ns, self._skip_word.data_ptr(), self._stream)
+        self._skip_word, skip_at = _take_skip_word(src.device)  # the kernel stores to it through its host address (UVA)
+        self._params = _upload_params(src, dst, plan, tables[0], tables[1], self.deadline_ns, skip_at, self._stream)
         self._launcher = kv_copy_sm90.Launcher(src.device, self._stream, plan.vector_bytes, self._params.data_ptr())
         self._grid_items = plan.blocks * plan.rows  # items of one layer
 
@@ -155,7 +167,7 @@ class KVCopy:
     def skipped_at_ns(self) -> int | None:
         """When (device clock) a copy found its deadline passed and wrote nothing, or None; on
         CUDA read it once the copies completed (an event recorded after them)."""
-        at = self._skipped_at if self._stream is None else int(self._skip_word[0])
+        at = self._skipped_at if self._stream is None else int(self._skip_word[0])  # a 1-word view of pinned memory
         return at or None
 
     def copy(self, layers: range) -> None:
@@ -215,7 +227,7 @@ def prepare_kv_copy(device: torch.device, vector_bytes: int) -> None:
     if device.type != "cuda":
         return
     pool, plan = _scratch(device, vector_bytes)
-    KVCopy(pool, [0], pool, [1], plan).copy(range(1))  # page 0 -> page 1
+    KVCopy(pool, [0], pool, [1], plan).copy(range(1))  # page 0 -> page 1 (and the device's skip words made)
     torch.cuda.synchronize(device)
     _clock_width.setdefault(device, vector_bytes)
     _clock[device] = (time.monotonic(), _calibrate(device))
@@ -228,11 +240,40 @@ def device_time_ns(device: torch.device, unix_s: float) -> int:
     ns = int(unix_s * 1e9)
     if device.type != "cuda":
         return ns
-    calibrated_at, offset = _clock.get(device, (-_CLOCK_MAX_AGE_S, 0))
-    if time.monotonic() - calibrated_at >= _CLOCK_MAX_AGE_S:
+    calibrated = _clock.get(device)
+    if calibrated is None:
         offset = _calibrate(device)
         _clock[device] = (time.monotonic(), offset)
+        return ns + offset
+    calibrated_at, offset = calibrated
+    if time.monotonic() - calibrated_at >= _CLOCK_MAX_AGE_S and device not in _recalibrating:
+        # Off the caller's path (a transfer's set-up): this offset is a minute old, its drift far
+        # inside the deadline guard's slack (``shared.transfer.cuda_ipc.WRITE_GUARD_AFTER_LEASE_S``).
+        _recalibrating.add(device)
+        threading.Thread(target=_recalibrate, args=(device,), name="kv-copy-clock", daemon=True).start()
     return ns + offset
+
+
+def _recalibrate(device: torch.device) -> None:
+    try:
+        _clock[device] = (time.monotonic(), _calibrate(device))
+    finally:
+        _recalibrating.discard(device)
+
+
+def _take_skip_word(device: torch.device) -> tuple[np.ndarray, int]:
+    """The next skip word of ``device`` (module state above), zeroed: a 1-element view of it and its address."""
+    words = _skip_words.get(device)
+    if words is None:
+        with _skip_words_lock:
+            words = _skip_words.get(device)
+            if words is None:
+                pinned = torch.zeros(_SKIP_WORDS, dtype=torch.int64, pin_memory=True)
+                words = _skip_words[device] = (pinned, pinned.numpy(), itertools.count())
+    pinned, view, counter = words
+    i = next(counter) % _SKIP_WORDS  # itertools.count: one increment per call, whichever thread
+    view[i] = 0
+    return view[i : i + 1], pinned.data_ptr() + 8 * i
 
 
 def _scratch(device: torch.device, vector_bytes: int) -> tuple[torch.Tensor, RowPlan]:

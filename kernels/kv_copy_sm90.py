@@ -145,6 +145,11 @@ def _executor(vector_bytes: int):
     return compile_kv_copy(vector_bytes).to()
 
 
+@functools.cache
+def _max_ctas(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
+
+
 class Launcher:
     """Launches of one copy (``kernels.kv_copy.KVCopy``): the kernel's five arguments live in
     ctypes slots marshalled once, here, so a launch only sets three integers and calls the
@@ -155,7 +160,7 @@ class Launcher:
     def __init__(self, device: torch.device, stream: torch.cuda.Stream, vector_bytes: int, params: int) -> None:
         self._device = device
         self._executor = _executor(vector_bytes)
-        self._max_ctas = torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
+        self._max_ctas = _max_ctas(device)
         # The compiled host function takes a pointer to each argument's value (stream: its handle).
         self._slots = (ctypes.c_int64(params), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p(stream.cuda_stream))
         self._args = [ctypes.addressof(slot) for slot in self._slots]
