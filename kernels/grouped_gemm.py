@@ -35,12 +35,14 @@ from kernels.act_quant import QUANT_BLOCK
 SWIGLU_BLOCK = 64  # must equal grouped_gemm_sm90.SWIGLU_BLOCK (checked in tests)
 FP8_DTYPE = torch.float8_e4m3fn
 # Tile buckets by tokens per expert, each a separately compiled kernel (see
-# grouped_gemm_launch.choose_config; a service warm-up runs a batch in every bucket, see
+# grouped_gemm_launch.choose_config; a service warm-up runs a batch past every bound, see
 # services.warmup): up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (decode-sized groups) 64-row
-# tiles; above it 128-row tiles, for bf16 prefill (contiguous layout) 128x192 up to
-# MID_TILE_MAX_TOKENS_PER_EXPERT and 128x256 above.
+# tiles, above it 128-row tiles.  bf16 prefill (contiguous layout) of experts with at most
+# MID_TILE_MAX_WEIGHT_ELEMENTS weights each (N * K: Qwen3-30B's, not Qwen3-235B's) takes
+# 128x192 tiles up to MID_TILE_MAX_TOKENS_PER_EXPERT, 128x256 above.
 SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64
-MID_TILE_MAX_TOKENS_PER_EXPERT = 1024
+MID_TILE_MAX_TOKENS_PER_EXPERT = 512
+MID_TILE_MAX_WEIGHT_ELEMENTS = 1 << 22
 TILE_BUCKET_BOUNDS = (SMALL_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_TOKENS_PER_EXPERT)
 
 

@@ -21,7 +21,8 @@ import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from kernels._cute_runtime import launch_stream
-from kernels.grouped_gemm import MID_TILE_MAX_TOKENS_PER_EXPERT, SMALL_TILE_MAX_TOKENS_PER_EXPERT
+from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_WEIGHT_ELEMENTS,
+                                  SMALL_TILE_MAX_TOKENS_PER_EXPERT)
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
 
 _CACHE: dict[GroupedGemmConfig, object] = {}
@@ -36,12 +37,14 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
 
     * up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (64, decode-sized groups): 64x128 tiles;
     * above: 128-row tiles as wide as the registers allow, FP8 128x192 (96 accumulator
-      + 96 partial-product registers); bf16 128x256 (two consumer warpgroups, 128
-      accumulator registers each), but 128x192 for the contiguous (prefill) layout up
-      to MID_TILE_MAX_TOKENS_PER_EXPERT (1024): with few row tiles per expert the
-      narrower tile ran faster on H200 (see the measured section of
-      ``kernels.grouped_gemm_sm90``), with many it ran slower.  The masked (decode)
-      layout keeps 128x256: nothing was measured there.
+      + 96 partial-product registers), bf16 128x256 (two consumer warpgroups, 128
+      accumulator registers each) -- but bf16 128x192 for the contiguous (prefill)
+      layout of small experts (N * K <= MID_TILE_MAX_WEIGHT_ELEMENTS, 4 Mi) up to
+      MID_TILE_MAX_TOKENS_PER_EXPERT (512).  Measured on H200 (both GPUs of one call, see
+      the measured section of ``kernels.grouped_gemm_sm90``): at 375 tokens per expert the
+      Qwen3-30B shapes ran 3-4% faster with 128x192, the Qwen3-235B shapes (6-12 Mi
+      weights) up to 5% slower under sustained load; from 768 tokens on 128x192 was
+      mostly level or slower.  The masked (decode) layout keeps 128x256.
     * MXFP8 weights and the SwiGLU interleave fix N at 128.
 
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
@@ -53,7 +56,9 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
         elif fp8:
             tile_n = 192
         else:
-            tile_n = 192 if not masked and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT else 256
+            small_experts = n * k <= MID_TILE_MAX_WEIGHT_ELEMENTS
+            mid = not masked and small_experts and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT
+            tile_n = 192 if mid else 256
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
                              num_sms=num_sms)

@@ -64,8 +64,8 @@ def _activations(shape, fp8: bool, gen: torch.Generator):
 
 CONTIGUOUS_COUNTS = {
     "uneven_decode": [0, 1, 7, 0, 64, 3, 0, 2],  # avg <= 64: 64-row tiles
-    "uneven_prefill": [0, 300, 1, 129, 0, 700, 64, 2],  # avg in (64, 1024]: 128-row tiles (bf16 128x192)
-    "uneven_large": [0, 3000, 1, 2600, 0, 2900, 129, 700],  # avg > 1024: bf16 128x256 tiles
+    "uneven_prefill": [0, 300, 1, 129, 0, 700, 64, 2],  # avg in (64, 512]: 128-row tiles (bf16 128x192)
+    "uneven_large": [0, 3000, 1, 2600, 0, 2900, 129, 700],  # avg > 512: bf16 128x256 tiles
 }
 
 

@@ -107,22 +107,25 @@ def test_config_rejects_unsupported_shapes():
     assert gg.SWIGLU_BLOCK == sm90.SWIGLU_BLOCK and QUANT_BLOCK == sm90.SCALE_BLOCK
 
 
-def test_tile_bucket_rule_by_tokens_per_expert():
+def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     from kernels.grouped_gemm_launch import choose_config
 
-    def tile(tokens: float, *, masked: bool = False, fp8: bool = False, swiglu: bool = False,
-             mxfp8: bool = False) -> tuple[int, int]:
-        cfg = choose_config(num_experts=8, n=512, k=256, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,
+    small, mid, big = gg.SMALL_TILE_MAX_TOKENS_PER_EXPERT, gg.MID_TILE_MAX_TOKENS_PER_EXPERT, gg.MID_TILE_MAX_WEIGHT_ELEMENTS
+
+    def tile(tokens: float, *, n: int = 2048, k: int = 768, masked: bool = False, fp8: bool = False,
+             swiglu: bool = False, mxfp8: bool = False) -> tuple[int, int]:
+        cfg = choose_config(num_experts=8, n=n, k=k, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,
                             tokens_per_expert=tokens, num_sms=132, mxfp8=mxfp8)
         cfg.validate()
         return cfg.tile_m, cfg.tile_n
 
-    small, mid = gg.SMALL_TILE_MAX_TOKENS_PER_EXPERT, gg.MID_TILE_MAX_TOKENS_PER_EXPERT
     assert gg.TILE_BUCKET_BOUNDS == (small, mid) and small < mid
-    # bf16, contiguous (prefill): three buckets, each bound inclusive
+    # bf16 prefill (contiguous) of small experts (Qwen3-30B down: 2048 x 768): three buckets, each bound inclusive
     assert [tile(t) for t in (1, small, small + 1, mid, mid + 0.5, 8 * mid)] == [
         (64, 128), (64, 128), (128, 192), (128, 192), (128, 256), (128, 256)]
-    # the masked (decode) layout keeps the widest bf16 tile above the small bucket
+    assert tile(mid, n=big // 1024, k=1024) == (128, 192) and tile(mid, n=big // 1024 + 8, k=1024) == (128, 256)
+    # large experts (Qwen3-235B down: 4096 x 1536) and the masked (decode) layout: the widest bf16 tile
+    assert [tile(t, n=4096, k=1536) for t in (small, small + 1, mid)] == [(64, 128), (128, 256), (128, 256)]
     assert [tile(t, masked=True) for t in (small, small + 1, mid, mid + 1)] == [(64, 128)] + [(128, 256)] * 3
     # FP8: one 128-row tile width at every size; SwiGLU and MXFP8 weights fix N at 128
     assert [tile(t, fp8=True) for t in (small, small + 1, mid + 1)] == [(64, 128), (128, 192), (128, 192)]
