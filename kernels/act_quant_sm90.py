@@ -4,8 +4,9 @@ One warp per (row, 128-channel block), four channels per lane, a shuffle
 max-reduction; the scale and rounding follow :func:`kernels.act_quant.quantize_act_reference`
 (``max(amax, floor) * fl(1/448)``, so scales match it bit for bit). The masked variant
 takes ``[E, capacity, K]`` rows with per-group counts on the GPU and quantizes only the
-rows below each count: a decode MoE's intermediate lives in such a buffer sized for the
-worst routing (``capacity`` = all tokens of all ranks), of which a step fills a few percent.
+rows below each count (a grid over groups and row chunks): a decode MoE's intermediate
+lives in such a buffer sized for the worst routing (``capacity`` = all tokens of all
+ranks), of which a step fills a few percent.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ WARPS_PER_CTA = 8
 
 
 class ActQuantKernel:
-    """One warp per (row, 128-channel block); each lane owns four channels."""
+    """Plain: one warp per (row, 128-channel block), each lane owning four channels.
+    Masked: CTA ``(chunk, group)`` gives a warp to each of the group's rows ``chunk * 8 ..``
+    below its count, the warp taking the row's blocks one after another; CTAs wholly past
+    the count exit at once (a decode step fills a few rows of each group's capacity, and a
+    warp per (row, block) of the whole capacity cost 29 us at 64 x 256 x 768)."""
 
     def __init__(self, k: int, masked: bool = False):
         self.k = k
         self.k_blocks = math.ceil(k / QUANT_BLOCK)
-        self.masked = masked  # rows are [groups, capacity]; a row at or past its group's count is skipped
+        self.masked = masked
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, counts_ptr: cute.Pointer,
@@ -39,43 +44,52 @@ class ActQuantKernel:
         mX = cute.make_tensor(x_ptr, cute.make_layout((rows, K), stride=(K, 1)))
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, K), stride=(K, 1)))
         mS = cute.make_tensor(s_ptr, cute.make_layout((rows, kb), stride=(kb, 1)))
-        mCounts = cute.make_tensor(counts_ptr, cute.make_layout(((rows + capacity - 1) // capacity,)))
-        blocks = (rows * kb + WARPS_PER_CTA - 1) // WARPS_PER_CTA
-        self.kernel(mX, mQ, mS, mCounts, rows, capacity).launch(grid=[blocks, 1, 1], block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+        groups = (rows + capacity - 1) // capacity
+        mCounts = cute.make_tensor(counts_ptr, cute.make_layout((groups,)))
+        if cutlass.const_expr(self.masked):
+            grid = [(capacity + WARPS_PER_CTA - 1) // WARPS_PER_CTA, groups, 1]
+        else:
+            grid = [(rows * kb + WARPS_PER_CTA - 1) // WARPS_PER_CTA, 1, 1]
+        self.kernel(mX, mQ, mS, mCounts, rows, capacity).launch(grid=grid, block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mCounts: cute.Tensor, rows: cutlass.Int32,
                capacity: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
+        bidx, gidx, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
-        pair = bidx * WARPS_PER_CTA + tidx // 32
-        row = pair // self.k_blocks
-        live = pair < rows * self.k_blocks
+        warp = bidx * WARPS_PER_CTA + tidx // 32
         if cutlass.const_expr(self.masked):
-            if live:
-                group = row // capacity
-                live = row - group * capacity < mCounts[group]
-        if live:
-            block = pair - row * self.k_blocks
-            col0 = block * QUANT_BLOCK + lane * 4
-            vals = cute.make_rmem_tensor((4,), cutlass.Float32)
-            amax = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(4):
-                v = cutlass.Float32(0.0)
-                if col0 + j < self.k:
-                    v = mX[(row, col0 + j)].to(cutlass.Float32)
-                vals[j] = v
-                amax = cute.arch.fmax(amax, cute.math.absf(v))
-            amax = cute.arch.warp_reduction_max(amax)
-            scale = cute.arch.fmax(amax, cutlass.Float32(AMAX_FLOOR)) * cutlass.Float32(INV_FP8_MAX)
-            for j in cutlass.range_constexpr(4):
-                if col0 + j < self.k:
-                    y = vals[j] / scale
-                    y = cute.arch.fmin(cute.arch.fmax(y, cutlass.Float32(-FP8_MAX)), cutlass.Float32(FP8_MAX))
-                    mQ[(row, col0 + j)] = y.to(cutlass.Float8E4M3FN)
-            if lane == 0:
-                mS[(row, block)] = scale
+            if warp < mCounts[gidx]:
+                for block in cutlass.range_constexpr(self.k_blocks):
+                    self.quantize_block(mX, mQ, mS, gidx * capacity + warp, block, lane)
+        else:
+            if warp < rows * self.k_blocks:
+                row = warp // self.k_blocks
+                self.quantize_block(mX, mQ, mS, row, warp - row * self.k_blocks, lane)
+
+    @cute.jit
+    def quantize_block(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, row: cutlass.Int32, block: cutlass.Int32,
+                       lane: cutlass.Int32):
+        """One warp: channels ``block * 128 ..`` of ``row``, four per lane, and their scale."""
+        col0 = block * QUANT_BLOCK + lane * 4
+        vals = cute.make_rmem_tensor((4,), cutlass.Float32)
+        amax = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(4):
+            v = cutlass.Float32(0.0)
+            if col0 + j < self.k:
+                v = mX[(row, col0 + j)].to(cutlass.Float32)
+            vals[j] = v
+            amax = cute.arch.fmax(amax, cute.math.absf(v))
+        amax = cute.arch.warp_reduction_max(amax)
+        scale = cute.arch.fmax(amax, cutlass.Float32(AMAX_FLOOR)) * cutlass.Float32(INV_FP8_MAX)
+        for j in cutlass.range_constexpr(4):
+            if col0 + j < self.k:
+                y = vals[j] / scale
+                y = cute.arch.fmin(cute.arch.fmax(y, cutlass.Float32(-FP8_MAX)), cutlass.Float32(FP8_MAX))
+                mQ[(row, col0 + j)] = y.to(cutlass.Float8E4M3FN)
+        if lane == 0:
+            mS[(row, block)] = scale
 
 
 _GMEM = cute.AddressSpace.gmem

@@ -217,11 +217,18 @@ def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
     stats[1] = MASKED
     stats[2] = 0.0
     stats[3] = 0.0
+    # A tile's page id is loaded one tile ahead (when a tile lies in one page), so the K/V
+    # loads of a tile wait for one memory latency, not for the page id's and then their own.
+    next_page = Int64(0)
+    if cutlass.const_expr(page_size >= TILE):
+        if first + warp < last:
+            next_page = _load_index(table_row + Int64((first + warp) * TILE // page_size) * table_bytes, table_bytes)
     for tile in cutlass.range(first + warp, last, WARPS):
         tok0 = tile * TILE
-        page = Int64(0)
+        page = next_page
         if cutlass.const_expr(page_size >= TILE):
-            page = _load_index(table_row + Int64(tok0 // page_size) * table_bytes, table_bytes)
+            if tile + WARPS < last:
+                next_page = _load_index(table_row + Int64((tile + WARPS) * TILE // page_size) * table_bytes, table_bytes)
         k_rows = [_row_address(pool, table_row, tok0 + nt * 8 + grp, 0, head, kv_heads, max_pages, page, head_dim, page_size,
                                table_bytes) for nt in range(2)]
         v_rows = [_row_address(pool, table_row, tok0 + tok, 1, head, kv_heads, max_pages, page, head_dim, page_size,
