@@ -26,6 +26,7 @@ import functools
 import cuda.bindings.driver as cuda_driver
 import cutlass
 import cutlass.cute as cute
+import numpy as np
 import torch
 from cutlass import Int16, Int32, Int64
 
@@ -143,6 +144,14 @@ def compile_kv_copy(vector_bytes: int):
 def _executor(vector_bytes: int):
     """The compiled kernel's executor (its CUDA library is context-free: one for every device)."""
     return compile_kv_copy(vector_bytes).to()
+
+
+def upload(dst: int, host: np.ndarray, stream: torch.cuda.Stream) -> None:
+    """Copy ``host`` (pageable: staged by the driver before this returns) to device address
+    ``dst`` on ``stream``, in the calling thread's current CUDA context."""
+    (err,) = cuda_driver.cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, stream.cuda_stream)
+    if err != cuda_driver.CUresult.CUDA_SUCCESS:
+        raise KVCopyError(f"uploading the KV copy's launch parameters ({host.nbytes} bytes) failed: {err}")
 
 
 @functools.cache

@@ -234,6 +234,8 @@ class WriteIssuer:
 
 def _runs(layers: list[int]) -> list[range]:
     """Sorted layer indices as maximal ranges of consecutive layers."""
+    if layers and layers[-1] - layers[0] == len(layers) - 1:  # one run (all layers at once, or one layer)
+        return [range(layers[0], layers[-1] + 1)]
     runs: list[range] = []
     for layer in layers:
         if runs and runs[-1].stop == layer:

@@ -58,7 +58,7 @@ from shared.transfer.errors import Cancelled, LeaseExpired, PeerFailed, Protocol
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
 from shared.transfer.shard import chunk_nbytes, chunk_view, scatter_layers
 from shared.transfer.staging import StagingPool
-from shared.transfer.streams import event_done, side_stream, watch_event
+from shared.transfer.streams import event_done, event_spun, side_stream, watch_event
 from shared.transfer.worker import HEADER_FRAME_BYTES, TransferWorker, UCXError, data_tag, decode_header, header_tag, ucx_buffer
 
 log = structlog.get_logger(__name__)
@@ -71,10 +71,15 @@ _ABANDONED_RECV_GRACE_S = 2.0
 # Pages a direct (CUDA IPC) writer may still write stay quarantined until the lease deadline
 # plus this margin: the writer's last kernels, issued before the deadline, end within ms.
 DIRECT_WRITE_GRACE_S = 2.0
-# Waiting for a sender's landing event: its watcher polls it this often, from this long before
-# the sender's earliest estimate (1 ms polls before that).
+# Waiting for a sender's landing event with its estimate: wake this long before it (the loop's
+# timers fire up to 1 ms late), poll between loop iterations until this long after it plus a
+# quarter of the time it was ahead (the estimate takes the link's peak rate; two sender processes
+# sharing a GPU wrote ~20% slower on 2x H200), then hand over to the watcher thread, which
+# polls this often (also for a header without estimate: the sender's compute still ran).
+_LANDING_WAKE_EARLY_S = 1.5e-3
+_LANDING_SPIN_S = 2e-3
+_LANDING_SLOW_FRACTION = 0.25
 _LANDING_POLL_S = 25e-6
-_LANDING_EARLY_S = 3e-4
 
 
 class _State(enum.Enum):
@@ -395,24 +400,30 @@ class KVReceiver:
     async def _await_landing(self, res: _Reservation, h: ShardHeader) -> None:
         """A ``"landed"`` header sent once the writes were enqueued (they may still wait for the
         prefill's compute): the cells land when the sender's interprocess event completes, if
-        that is seen before the lease deadline. The process's watcher thread polls the event
-        (``streams.watch_event``) every ``_LANDING_POLL_S``, from the sender's earliest
-        estimate on when it gave one, so the loop never blocks on it; a sender that died
-        before its writes ended never completes the event, and the lease ends the wait."""
+        that is seen before the lease deadline. With the sender's estimate (its compute was
+        done), sleep through most of it, then poll the event between the loop's iterations
+        (``streams.event_spun``) for a while; otherwise, or past that, the process's watcher
+        thread polls it every ``_LANDING_POLL_S`` (``streams.watch_event``). The loop never
+        blocks on it; a sender that died before its writes ended never completes the event,
+        and the lease ends the wait."""
         assert h.event is not None
         try:
             event = open_landing_event(h.event, h.sender_pid, self._cache.device)
         except CudaIpcUnavailable as e:
             self._terminate(res, _State.FAILED, PeerFailed(res.request_id, str(e)))
             return
-        hot_at = 0.0  # compute still running at the sender: poll closely from now
-        if h.writes_done_unix:
-            hot_at = time.perf_counter() + h.writes_done_unix - time.time() - _LANDING_EARLY_S
         try:
             # Past the lease + grace no write can come any more (a cancelled reservation keeps
             # this task, and its pages are freed then): stop polling an event that may never complete.
             async with asyncio.timeout_at(res.lease_ends_at + DIRECT_WRITE_GRACE_S):
-                await watch_event(event, poll_s=_LANDING_POLL_S, hot_at=hot_at)
+                seen = False
+                if h.writes_done_unix:
+                    ahead = max(0.0, h.writes_done_unix - time.time())
+                    due = time.perf_counter() + ahead
+                    await asyncio.sleep(max(0.0, ahead - _LANDING_WAKE_EARLY_S))
+                    seen = await event_spun(event, until=due + _LANDING_SPIN_S + _LANDING_SLOW_FRACTION * ahead)
+                if not seen:
+                    await watch_event(event, poll_s=_LANDING_POLL_S)
         except TimeoutError:
             return
         except RuntimeError as e:  # CUDA reported an error on the sender's event: the cells never land

@@ -85,7 +85,7 @@ _STOPPED_NOTICE_S = 1.0  # how long a failed direct sender tries to tell the dec
 # ended when the prefill's compute is done already (``_writes_done_hint``): the writes cannot
 # outrun this rate, above the direct-write kernel's measured ~365 GB/s over NVLink (2x H200,
 # bench/results/kv_transfer.jsonl), so the hint errs early (the decode rank then polls a
-# little longer), never late.
+# little longer) rather than late.
 _PEAK_WRITE_BYTES_PER_S = 400e9
 _SENDER_POLL_S = 2e-4  # the sender's own wait for its writes: nothing waits on it but the caller's finish()
 
@@ -130,8 +130,8 @@ class KVSender:
         self.metrics = metrics or TransferMetrics()
         _check_layouts(kvcache, descriptor, heads, len(page_table))
         layout = kvcache.layout
-        ids = np.asarray(descriptor.page_ids, dtype=np.int64) if descriptor.cuda_ipc is not None else np.empty(0, dtype=np.int64)
-        self._peer_storage = _open_peer_storage(descriptor, ids, kvcache.device)
+        ids = _decode_page_ids(descriptor)
+        self._peer_storage = None if ids is None else _open_peer_storage(descriptor, kvcache.device)
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
         self.staging: StagingPool | None = None
         if self._peer_storage is None:
@@ -149,7 +149,8 @@ class KVSender:
         self._issuer: WriteIssuer | None = None
         if self._peer_storage is not None:
             self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
-            writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, ids, self._side_stream,
+            assert ids is not None
+            writer = _direct_writer(kvcache, descriptor, page_table, ids, heads, self._peer_storage, self._side_stream,
                                     descriptor.lease_deadline_unix + cuda_ipc.WRITE_GUARD_AFTER_LEASE_S)
             self._issuer = WriteIssuer(writer, self._side_stream, self._deadline)
         self._loop_thread = threading.get_ident()
@@ -305,7 +306,10 @@ class KVSender:
         self._phases.add("first_ready", issuer.first_issued_at - self._created)
         nbytes = self._nbytes_of(range(self._num_layers))
         landing, handle = issuer.landing
-        header = self._header(range(self._num_layers), nbytes, "landed", event=handle, writes_done_unix=_writes_done_hint(issuer, nbytes))
+        # The other TP ranks write their heads of the same layers at the same time into the same
+        # decode GPU: the estimate counts every head's bytes on the link.
+        link_share = self._desc.layout.kv_heads / self._heads.num_heads
+        header = self._header(range(self._num_layers), nbytes, "landed", event=handle, writes_done_unix=_writes_done_hint(issuer, nbytes, link_share))
         await self._post((header_tag(self._desc.transfer_id), encode_header(header)))
         await watch_event(landing, poll_s=_SENDER_POLL_S)  # a thread polls: the loop stays free
         self._phases.add("write", time.perf_counter() - issuer.first_issued_at)
@@ -436,26 +440,34 @@ class _Packed:
     behind_compute: bool
 
 
-def _writes_done_hint(issuer: WriteIssuer, nbytes: int) -> float:
+def _writes_done_hint(issuer: WriteIssuer, nbytes: int, link_share: float) -> float:
     """When (host wall clock) a transfer's ``nbytes`` of direct writes can have landed at the
-    earliest, or 0.0 (unknown) while the compute they wait for still runs. Reports come from
+    earliest, the link shared with the other ranks writing ``link_share`` times as many bytes
+    in all, or 0.0 (unknown) while the compute they wait for still runs. Reports come from
     one stream in layer order, so the last report's compute done means all of it is."""
     last = issuer.compute_events[-1] if issuer.compute_events else None
     if last is not None and not last.query():
         return 0.0
     assert issuer.first_issued_at is not None
-    return time.time() - (time.perf_counter() - issuer.first_issued_at) + nbytes / _PEAK_WRITE_BYTES_PER_S
+    return time.time() - (time.perf_counter() - issuer.first_issued_at) + nbytes * link_share / _PEAK_WRITE_BYTES_PER_S
 
 
-def _open_peer_storage(desc: KVTransferDescriptor, ids: np.ndarray, device: torch.device) -> torch.Tensor | None:
-    """The decode rank's storage mapped through CUDA IPC, or None (UCX path; logged why).
-    ``ids``: the descriptor's page ids as an array."""
+def _decode_page_ids(desc: KVTransferDescriptor) -> np.ndarray | None:
+    """The descriptor's page ids as an array when it offers CUDA IPC (else None), checked against
+    the exported storage: an inconsistent descriptor is refused whichever path is taken."""
     if desc.cuda_ipc is None:
         return None
     try:
+        ids = _int_array(desc.page_ids, "decode page ids")
         check_table("decode", ids, desc.num_tokens, desc.layout.page_size, desc.cuda_ipc.num_pages)
-    except ValueError as e:  # an inconsistent descriptor whichever path is taken
+    except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: decode page ids: {e}") from None
+    return ids
+
+
+def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torch.Tensor | None:
+    """The decode rank's storage mapped through CUDA IPC, or None (UCX path; logged why)."""
+    assert desc.cuda_ipc is not None
     try:
         return cuda_ipc.open_export(desc.cuda_ipc, desc.layout, device)
     except cuda_ipc.CudaIpcUnavailable as e:
@@ -464,16 +476,24 @@ def _open_peer_storage(desc: KVTransferDescriptor, ids: np.ndarray, device: torc
         return None
 
 
-def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard, peer: torch.Tensor, ids: np.ndarray,
-                   stream: torch.cuda.Stream | None, deadline_unix: float) -> DirectWriter:
-    """The writer of this transfer's direct writes (its page tables uploaded on ``stream``, where
-    the writes run; none starts after ``deadline_unix``); checks both page tables against
-    their storage."""
-    table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else np.asarray(page_table, dtype=np.int64)
+def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, ids: np.ndarray, heads: KVHeadShard,
+                   peer: torch.Tensor, stream: torch.cuda.Stream | None, deadline_unix: float) -> DirectWriter:
+    """The writer of this transfer's direct writes into the decode pages ``ids`` (its page tables
+    uploaded on ``stream``, where the writes run; none starts after ``deadline_unix``); it checks
+    both page tables against their storage (a bad one: ``LayoutMismatch``)."""
     try:
+        table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else _int_array(page_table, "local page table")
         return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens, stream=stream, deadline_unix=deadline_unix)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
+
+
+def _int_array(ids: Sequence[int], what: str) -> np.ndarray:
+    """Page ids as int32, the kernel's table type (one conversion from the list)."""
+    try:
+        return np.array(ids, dtype=np.int32)
+    except OverflowError:
+        raise ValueError(f"{what} hold ids outside int32") from None
 
 
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:
