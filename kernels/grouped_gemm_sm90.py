@@ -54,6 +54,13 @@ of single launches (d53287d0f526): bf16 30B down at 375 tokens keeps the tensor 
 Re-measured at 8d3ba77539c5 (same kernel code, both GPUs of another 2x H200 machine,
 prefill, sustained / burst): bf16 375 tokens 613-713 / 637-764, 2048 623-692 / 702-795;
 FP8 862-1061 / 864-1152; dense bf16 675-702 / 792-816, FP8 1247-1277 / 1450-1505.
+Re-measured at 95e3dc2333f4 with the third tile bucket (below), both GPUs of one 2x H200
+call, prefill at 375 / 2048 tokens, sustained / burst: bf16 623-694 / 638-732 and
+641-701 / 726-792 (1.06-1.75x torch._grouped_mm); FP8 910-1072 / 915-1140 and
+865-1009 / 1009-1172 (1.04-4.19x torch's rowwise _scaled_grouped_mm); dense bf16
+687-690 / 796-804, FP8 1258-1260 / 1467-1481.  bf16 at 375 stays below 650 sustained
+in 6 of 8 shape-GPU pairs (623-645); FP8 reaches 1100 only in bursts (1111-1172: 235B
+gate_up at 375 and 2048, 235B down and 30B gate_up at 2048).
 
 Where the time goes (8d3ba77539c5, 2x H200, burst, variants of the same tree that skip
 one part, results wrong by design): FP8 without promotion and scales (plain
@@ -72,16 +79,48 @@ for FP8 128x192, about the shared-memory bandwidth of an SM (128 B/clk).  Cuttin
 L2 bytes per FLOP by 22% (swapped 192x256 tiles, below) moved the 375-token cases by
 0-4% only.  A WGMMA reads its B tile from shared memory once per 64 rows of A, so the
 larger part of that traffic is fixed by the instruction; the open question is what
-else lowers it.
+else lowers it.  The same kernels on half the SMs (66 persistent CTAs instead of 132,
+a0f3c0311772, burst, 375 tokens, 128x192 tiles for both dtypes, scratch script): per SM
+bf16 ran 24% faster on 30B down and 22% on 235B gate_up (17% at equal clock), FP8 15% and
+13%, so part of the limit is shared (L2 and the path to the SMs) and bf16 feels it
+more; but FP8 on half the SMs still reached only ~60% of its per-SM tensor peak (9.8
+TFLOP/s per SM at 1980 MHz) where bf16 reached 75-84%, although a 64x192 WGMMA reads
+the same shared-memory bytes per cycle at a given fraction of peak in both dtypes: FP8
+is also held inside the SM, by something the ablations above did not isolate (not the
+promotion, the scales or the epilogue).
 
 Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
 burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%
 (235B down), +4.4 / +3.5% (30B gate_up), +3.1 / +3.2% (30B down) and -0.8 / -0.4%
 (235B gate_up), 128x128 +8.4 / +3.0% on 30B gate_up and +1.6% on 30B down, -1..-6%
-elsewhere; at 2048 tokens both were 2-9% slower on every shape.  A choice by token
-count would need a third tile bucket, which the services' warm-up (two buckets, see
-services.warmup) does not compile.  FP8 128x128 two-partial tiles against 128x192:
-192 ahead or level on 7 of 8 prefill shapes.
+elsewhere; at 2048 tokens both were 2-9% slower on every shape.  FP8 128x128
+two-partial tiles against 128x192: 192 ahead or level on 7 of 8 prefill shapes.
+Adopted since as a third tile bucket for bf16 prefill of small experts (see
+``grouped_gemm_launch.choose_config``): 128x192 against 128x256 forced in the same
+call on both GPUs (95e3dc2333f4, opposite orders, sustained / burst): Qwen3-30B shapes
+at 375 and 512 tokens +1.5..+10.5 / +1.5..+4.0% on all 8 measurements, Qwen3-235B at
+375 / 512 -5.8..+0.2 / -0.2..+1.7% (sustained at 1440-1980 MHz, 30B at 1820-1980),
+every shape at 2048 -1.1..-7.5 / -0.9..-8.6%; the call before (a0f3c0311772, logs
+only, its result lines did not come back) also had 768, 1024 and 1536 tokens: -6..+1%
+sustained and -6..+1% burst by shape, but for two sustained outliers on 30B down (+4.9%
+at 768 on one GPU, +7.3% at 1024 on the other).  Hence the rule: N * K <= 4 Mi and at
+most 512 tokens per expert.
+
+FP8 toward 1100 sustained, ideas weighed against this kernel (not built):
+a BLOCK_N per shape to cut wave quantization over 132 SMs (DeepGEMM picks from
+112..256): by count of padded rows, columns and the last wave, 128x192 does
+0.947-0.997 useful work at 375-2048 tokens; the best width in 112..256 per shape does
+0.967-0.974 at 375 and 0.996-0.999 at 2048, at most 3.2% more, always at 128 or 256:
+256 does not fit (next), 128 measured level or slower (above).
+128x256 FP8 tiles need 128 accumulator + 128 partial-product registers per consumer
+thread, over the 232 this kernel gives them; DeepGEMM's 256-row tiles (two 64-row
+waves per warpgroup, one partial) move 10% fewer bytes per FLOP from L2 but compute
+512 rows for 375 tokens, and its promotion schedule is the plain one dropped below.
+The order of tiles already has the CTAs working at one time share each weight tile
+in L2 (DRAM moves about the bytes that must move, see the ncu figures); scale loads
+ahead of time were tried (below) and scale loads replaced by constants gave nothing
+(above).  What is left is the shared-memory/WGMMA path inside the SM (half-SM run
+above), which none of these touch.
 Tried and dropped: for FP8, one partial per warpgroup without turns (DeepGEMM's
 plain schedule; the warpgroups' promotions coincide, 6-17% slower than two
 partials, d2c25f900d65), scales loaded a block ahead (91f4cc30e91f); bf16
