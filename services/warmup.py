@@ -12,9 +12,11 @@ first users wait. So a rank runs, before its first heartbeat,
   (`max_batch_tokens`, KV pages);
 * decode: lockstep steps (`services.decode.lockstep.Lockstep`, the step loop's own
   path) over a batch of one sequence and over a full batch of `max_batch` (or as many
-  sequences of 2 tokens as the KV pages hold, the most a real step can carry): the two ends
-  of the grouped GEMM's contiguous-layout buckets; the masked layout of a DP x EP
-  instance (and its dispatch/combine, sized by `max_batch`) has a single bucket. With
+  sequences of 2 tokens as the KV pages hold, the most a real step can carry), and for MoE
+  models the first batch past each tile-bucket bound below it: the contiguous layout's
+  three buckets, and the two ends of the masked layout of a DP x EP instance (its tiles
+  picked from the rows a step brings each expert, its dispatch/combine sized by
+  `max_batch`). With
   CUDA graphs (`shared.model.cuda_graphs`), every batch bucket up to that largest batch
   instead, each twice: the first step captures the bucket's graph (page bucket 1; longer
   contexts capture theirs on first use), the second replays it. Before them, the paged
@@ -64,22 +66,27 @@ def dummy_tokens(n: int, vocab: int, offset: int = 0) -> list[int]:
 
 def prefill_warmup_lengths(runner: ModelRunner, max_batch_tokens: int) -> list[int]:
     """Prompt lengths of the prefill warm-up forwards (see the module docstring)."""
-    layout, config = runner.cache.layout, runner.model.config
+    layout = runner.cache.layout
     fits = min(max_batch_tokens, layout.num_pages * layout.page_size)
     lengths = [min(SHORT_PROMPT_TOKENS, fits)]
-    if config.is_moe:
-        # Inputs are replicated over the TP group: each rank's local experts see all T tokens,
-        # T * top_k rows over experts_per_rank groups; the shortest prompt past `bound` per expert:
-        for bound in TILE_BUCKET_BOUNDS:
-            past = bound * runner.model.experts_per_rank // config.top_k + 1
-            if lengths[-1] < past <= fits:
-                lengths.append(past)
+    lengths += [n for n in tokens_past_tile_bounds(runner) if lengths[0] < n <= fits]
     return lengths
+
+
+def tokens_past_tile_bounds(runner: ModelRunner) -> list[int]:
+    """For each grouped-GEMM tile-bucket bound, the fewest tokens of a forward whose rows per
+    local expert pass it (none for a dense model). Inputs are replicated over the TP group:
+    each rank's local experts see all T tokens, T * top_k rows over experts_per_rank groups."""
+    config = runner.model.config
+    if not config.is_moe:
+        return []
+    return [bound * runner.model.experts_per_rank // config.top_k + 1 for bound in TILE_BUCKET_BOUNDS]
 
 
 def decode_warmup_batches(runner: ModelRunner, max_batch: int) -> list[int]:
     """Batch sizes of the decode warm-up steps: 1 and the largest batch a real step can reach
-    (`max_batch`, or fewer when the free KV pages cannot hold that many sequences of 2 tokens);
+    (`max_batch`, or fewer when the free KV pages cannot hold that many sequences of 2 tokens),
+    the first batch past each tile-bucket bound below it (a sequence brings one token a step);
     with CUDA graphs, every graph batch bucket up to that largest batch as well."""
     layout, free = runner.cache.layout, runner.cache.allocator.num_free
     largest = min(max_batch, free // layout.pages_for(2))
@@ -91,7 +98,8 @@ def decode_warmup_batches(runner: ModelRunner, max_batch: int) -> list[int]:
         )
     graphs = runner.decode_graphs
     buckets = [b for b in graphs.batch_buckets if b <= largest] if graphs is not None else []
-    return sorted({1, largest, *buckets})
+    past_bounds = [b for b in tokens_past_tile_bounds(runner) if b < largest]
+    return sorted({1, largest, *past_bounds, *buckets})
 
 
 class Borrowed:

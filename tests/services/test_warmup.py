@@ -93,6 +93,21 @@ def test_decode_warm_up_steps_the_largest_batch_the_kv_pages_can_hold(tiny_model
     assert tight.cache.allocator.num_free == 5 and not tight.cache.storage.any()
 
 
+def test_decode_warm_up_steps_a_batch_in_every_tile_bucket_below_the_largest(tiny_model: Path):
+    largest = 2100  # 8 experts, top-2: past the last bound, so the two ends alone skip the middle bucket
+    runner = ModelRunner.from_dir(tiny_model, num_pages=largest + 100, page_size=16, max_tokens_per_rank=largest)
+    experts, top_k = runner.model.experts_per_rank, runner.model.config.top_k
+
+    def bucket(batch: int) -> int:  # a decode step brings one token per sequence
+        return sum(batch * top_k / experts > bound for bound in TILE_BUCKET_BOUNDS)
+
+    assert bucket(largest) == len(TILE_BUCKET_BOUNDS)
+    batches = decode_warmup_batches(runner, max_batch=largest)
+    assert batches[0] == 1 and batches[-1] == largest
+    assert {bucket(b) for b in batches} == set(range(len(TILE_BUCKET_BOUNDS) + 1))  # every bucket
+    assert all(bucket(b - 1) < bucket(b) for b in batches[1:-1])  # each the smallest batch of its bucket
+
+
 def test_decode_warm_up_with_no_room_for_one_sequence_fails_typed(tiny_model: Path):
     runner = ModelRunner.from_dir(tiny_model, num_pages=1, page_size=1, max_tokens_per_rank=4)
     with pytest.raises(WarmupFailed, match=r"kv_pages=1 of page_size=1 cannot hold one sequence of 2 tokens"):
