@@ -41,7 +41,13 @@ pinned memory did not change that. Launching through ``kv_copy_sm90.Launcher`` (
 marshalled once) and enqueueing in the reporting thread, a whole 6k-token request's issue
 (launch, stream wait, events) took 83 us in the sender at 67be2100317e (160 us at
 488c9f91cf04); ``bench/kv_copy.py`` measures a lone ``KVCopy`` 20 ms after idling at
-640-785 us to build and 190-215 us to launch (the same run).
+640-785 us to build and 190-215 us to launch (the same run). A profile of the set-up's
+pieces on that host, each sequence 20 ms after the last (6k tokens, 2d4d2820defc), put
+~0.24 ms in uploading the parameters through a tensor (a stream context 99 us, the
+allocation 44, ``torch.from_numpy`` 18, ``copy_`` 81) against 19 + 21 us for a caching-
+allocator block and a driver copy, which ``KVCopy`` has used since; the sender's whole
+set-up then measured 300-381 us at 6k TP=1 (383-559 before), enqueueing 72-102 us
+(a147946f51b4, bench/results/kv_transfer.jsonl).
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.
