@@ -35,7 +35,10 @@ a CUDA graph, K/V not in L2): 3.0-3.9x faster than gather + SDPA in all 18 cases
 235B heads, batch 32/64/128, context 512/4k/16k), e.g. 30B heads at batch 64: 33.5 us vs
 102.7 at 512 tokens, 568 us vs 1893 at 16k; 2.9-3.9 TB/s of K/V at 4k+ tokens, 1.8-2.5
 TB/s at 512 (18-60 us: launch and split-combine overheads show). ptxas: 158 registers at
-8 query heads per KV head, 210 at 16, no spills.
+8 query heads per KV head, 210 at 16, no spills. With page ids loaded a tile ahead
+(ebaad7df4cf1, another 2x H200 machine, so a cross-run comparison): 30B heads at batch 64 /
+128 and 512 tokens 26.8 / 49.9 us (was 33.5 / 53.0), at 4k 148 / 280 (156 / 315); 235B heads
+level at 512 (32.0 / 60.0 vs 31.9 / 59.7) and 3-4% slower at 4k (162 / 305 vs 157 / 293).
 """
 
 from __future__ import annotations
