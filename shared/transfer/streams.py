@@ -68,9 +68,9 @@ class EventWatcher:
     For events whose completion time is unknown, e.g. direct writes still queued behind the
     prefill's compute: the thread queries every pending event at its own cadence
     (``poll_s``) and sleeps in between, releasing the GIL. Its timer slack is set to 1 us
-    where Linux allows (``prctl``), so a 25 us sleep lasts ~30 us instead of the default
-    slack's ~80 us. Waits that end unresolved (their task cancelled, e.g. by a lease) drop
-    their entry.
+    where Linux allows (``prctl``), so sleeps of tens of microseconds are not stretched by
+    the default 50 us slack. Waits that end unresolved (their task cancelled, e.g. by a
+    lease) drop their entry.
     """
 
     def __init__(self) -> None:
@@ -112,7 +112,7 @@ class EventWatcher:
                     continue
                 try:
                     done, error = wait.event.query(), None
-                except RuntimeError as e:
+                except Exception as e:  # noqa: BLE001 - the waiter gets it; the thread serves the others on
                     done, error = True, e
                 if done:
                     with self._cond:
@@ -161,8 +161,10 @@ async def watch_event(event: torch.cuda.Event, *, poll_s: float) -> None:
 async def event_spun(event: torch.cuda.Event, *, until: float) -> bool:
     """Query ``event`` once per event-loop iteration (``asyncio.sleep(0)``: other tasks and I/O
     run between the queries) until it completed (True) or ``until`` (``time.perf_counter``)
-    passed (False). For an event due about now: seen within microseconds, where a thread's
-    hand-off to a loop that idled costs ~0.1 ms on 2x H200's host."""
+    passed (False). For an event due about now: the loop's thread stays busy, so what follows
+    the completion runs without a wake-up (on 2x H200 at 6k tokens, with the watcher thread
+    alone the decode rank held the pages later: from KV ready 0.84 of peer copy at
+    2d4d2820defc, 0.87-0.90 with this at a147946f51b4)."""
     while not event.query():
         if time.perf_counter() > until:
             return False
