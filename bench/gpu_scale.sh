@@ -10,7 +10,7 @@
 #     test_parallel_ep        tests/gpu/test_comm_parallel_cuda.py, tests/gpu/test_comm_ep_prefill.py at W
 #     bench_ep_prefill        (W >= 4) bench/ep_prefill_layer.py --world 4, TP = EP = 4      item 3, layer
 #     decode_step             (W = 8 only) bench/decode_step.py --ep 8, Qwen3-235B-A22B shapes, FP8
-#                             experts, 32/64/128 requests per rank, per-GPU HBM roofline     item 4
+#                             experts, 32/64/128 requests per rank, per-GPU HBM roofline, kernel profile at 128     item 4
 #   bench/gpu_scale.sh kv       ucxx bundle instead (ucxx and CuTeDSL together exceed the 64 MiB a call
 #                               may carry, so the KV handoff is a second call, issued at once after the
 #                               first on the same warm machine: the CUDA IPC path's copy kernel is
@@ -92,7 +92,7 @@ else
   fi
   # Last: the longest step (compiles, 94 layers); it records each row as measured, so a cut keeps them.
   if [ "$W" -eq 8 ]; then
-    run decode_step 240 python3 -m bench.decode_step --ep 8 --model qwen3-235b-a22b --weights fp8 --batches 32 64 128
+    run decode_step 240 python3 -m bench.decode_step --ep 8 --model qwen3-235b-a22b --weights fp8 --batches 32 64 128 --profile 5
   fi
 fi
 
