@@ -90,44 +90,29 @@ def test_contiguous(fp8, counts_name, row_weights):
     assert torch.isnan(out.cpu()[~owned].float()).all(), "rows owned by no expert were written"
 
 
-@pytest.mark.parametrize("tile_m", [64, 128])
-@pytest.mark.parametrize("tile_n", [128, 192])
-def test_fp8_tile_widths(tile_m, tile_n):
-    """FP8 block-scaled tiles forced to each width: a 192-wide tile straddles two 128-row weight-scale
-    blocks, split after 128 columns (even tiles) or 64 (odd tiles); N = 712 also ends mid-tile."""
+TILE_SHAPES = [(True, m, n) for m in (64, 128) for n in (128, 192)] + [(False, 128, n) for n in (128, 192, 256)]
+
+
+@pytest.mark.parametrize("fp8, tile_m, tile_n", TILE_SHAPES, ids=[f"{'fp8' if f else 'bf16'}-{m}x{n}" for f, m, n in TILE_SHAPES])
+def test_tile_widths(fp8, tile_m, tile_n):
+    """Tiles forced to each shape the buckets use (contiguous layout). N = 712 ends mid-tile, K = 400
+    mid-stage; an FP8 192-wide tile straddles two 128-row weight-scale blocks, split after 128
+    columns (even tiles) or 64 (odd tiles)."""
     from kernels.grouped_gemm_launch import launch
 
-    gen = torch.Generator(device=DEV).manual_seed(19 + tile_m + tile_n)
+    gen = torch.Generator(device=DEV).manual_seed(19 + tile_m + tile_n + 4 * (not fp8))
     counts = torch.tensor([0, 131, 5, 64, 0, 257])
     E, N, K = len(counts), 712, 400
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
     T = int(offsets[-1])
-    x, xs = _activations((T, K), True, gen)
-    w, ws = _random_weights(E, N, K, True, gen)
+    x, xs = _activations((T, K), fp8, gen)
+    w, ws = _random_weights(E, N, K, fp8, gen)
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
     launch(x, w, offsets.to(DEV), masked=False, x_scale=xs, w_scale=ws, row_weights=None, swiglu=False, out=out,
            tile_m=tile_m, tile_n=tile_n)
-    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=xs.cpu(), w_scale=ws.cpu())
-    _assert_close(out.cpu(), ref, f"fp8 tile {tile_m}x{tile_n}")
-
-
-@pytest.mark.parametrize("tile_n", [128, 192, 256])
-def test_bf16_tile_widths(tile_n):
-    """bf16 128-row tiles forced to each width the tile buckets use; N = 712 ends mid-tile, K = 400 mid-stage."""
-    from kernels.grouped_gemm_launch import launch
-
-    gen = torch.Generator(device=DEV).manual_seed(23 + tile_n)
-    counts = torch.tensor([0, 131, 5, 64, 0, 257])
-    E, N, K = len(counts), 712, 400
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
-    T = int(offsets[-1])
-    x, _ = _activations((T, K), False, gen)
-    w, _ = _random_weights(E, N, K, False, gen)
-    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-    launch(x, w, offsets.to(DEV), masked=False, x_scale=None, w_scale=None, row_weights=None, swiglu=False, out=out,
-           tile_m=128, tile_n=tile_n)
-    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False)
-    _assert_close(out.cpu(), ref, f"bf16 tile 128x{tile_n}")
+    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=None if xs is None else xs.cpu(),
+                                    w_scale=None if ws is None else ws.cpu())
+    _assert_close(out.cpu(), ref, f"{'fp8' if fp8 else 'bf16'} tile {tile_m}x{tile_n}")
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
