@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "request": ("services.client", "send one request to a running stack"),
     "status": ("services.status", "show the processes of a running stack, their load and totals"),
     "metrics": ("services.metrics", "serve a running stack's heartbeats as Prometheus metrics (GET /metrics)"),
+    "openai": ("services.openai.server", "serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)"),
     "gateway": ("services.gateway.__main__", "run a gateway"),
     "scheduler": ("services.scheduler.__main__", "run a scheduler"),
     "prefill": ("services.prefill.__main__", "run a prefill instance"),

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 import time
 from collections.abc import Iterator
 
 from schemas import subjects
 from schemas.internal import Heartbeat, LatencySummary, TransferStats
+from services import http
 from services.common import stop_event
 from shared.bus import Unreachable, connect, unpack
 
@@ -130,26 +130,21 @@ class Exporter:
         return render([hb for _, hb in sorted(self.latest.values(), key=lambda x: (x[1].role, x[1].instance, x[1].rank))], time.time())
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One HTTP/1.0-style exchange: GET /metrics gets the page, anything else 404/405."""
+        """One exchange: GET /metrics gets the page, anything else 404/405."""
         try:
-            request_line = (await asyncio.wait_for(reader.readline(), 10)).decode("latin-1").split()
-            while (await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
-                pass  # headers: nothing in them changes the answer
-            if len(request_line) < 2 or request_line[0] != "GET":
-                status, body, ctype = "405 Method Not Allowed", "only GET /metrics\n", "text/plain"
-            elif request_line[1].split("?")[0] != "/metrics":
-                status, body, ctype = "404 Not Found", "see /metrics\n", "text/plain"
-            else:
-                status, body, ctype = "200 OK", self.page(), CONTENT_TYPE
-            data = body.encode()
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass  # a client that went away or never finished its request
+            try:
+                req = await http.read_request(reader, max_body=0)
+                if req.method != "GET":
+                    raise http.HttpError(405, "only GET /metrics")
+                if req.path != "/metrics":
+                    raise http.HttpError(404, "see /metrics")
+                await http.respond(writer, 200, self.page().encode(), CONTENT_TYPE)
+            except http.HttpError as e:
+                await http.respond(writer, e.status, f"{e.message}\n".encode(), "text/plain")
+        except ConnectionError:
+            pass  # a client that went away
         finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            await http.close(writer)
 
 
 async def serve(url: str, host: str, port: int, expiry_s: float) -> None:

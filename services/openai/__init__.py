@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend (`moebus openai`): protocol translation and the server."""

@@ -1,0 +1,194 @@
+"""OpenAI's completions and chat-completions bodies, and their translation to moebus' API.
+
+Requests decode strictly (msgspec, unknown fields refused with their name); fields that
+OpenAI defines but moebus does not implement are accepted only at their no-op values
+(``n: 1``, penalties 0, no ``logit_bias``, no log-probabilities, no tools), anything else is
+an ``invalid_request`` naming the field, never silently ignored. ``user`` is accepted and
+unused. ``top_k`` and ``seed`` pass through (as in vLLM). Without ``max_tokens`` a request
+gets ``default_max_tokens`` (the server's ``--default-max-tokens``).
+
+Responses follow OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects, and
+for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
+(a usage-only chunk before it when ``stream_options.include_usage``). Errors carry
+OpenAI's ``{"error": {"message", "type", "code"}}`` with an HTTP status per moebus code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from schemas.api import ChatMessage, GenerateChunk, GenerateRequest, GenerateResponse, Usage
+
+# moebus error code -> (HTTP status, OpenAI error type)
+ERRORS: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "unknown_model": (404, "invalid_request_error"),
+    "overloaded": (503, "overloaded_error"),
+    "timeout": (504, "timeout_error"),
+    "cancelled": (409, "cancelled_error"),
+    "unavailable": (503, "unavailable_error"),
+    "internal": (500, "internal_error"),
+}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class InvalidRequest(ValueError):
+    """A body this frontend refuses (message names the field); answered as ``invalid_request``."""
+
+
+def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> CompletionRequest | ChatCompletionRequest:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"request body: {e}") from None
+
+
+def _check_unsupported(req: _Sampling, extra: dict[str, bool]) -> None:
+    unsupported = {
+        "n": req.n != 1,
+        "presence_penalty": req.presence_penalty != 0,
+        "frequency_penalty": req.frequency_penalty != 0,
+        "logit_bias": bool(req.logit_bias),
+        **extra,
+    }
+    bad = [name for name, used in unsupported.items() if used]
+    if bad:
+        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (n must be 1, penalties 0; no logit_bias, "
+                             "log-probabilities, echo, suffix, best_of > 1, tools or response formats)")
+
+
+def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[str, Any]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return {"model": req.model, "max_tokens": default_max_tokens if req.max_tokens is None else req.max_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
+            "stream": req.stream, "request_id": request_id}
+
+
+def completion_request(req: CompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
+    """The moebus request of a ``/v1/completions`` body (a token-id prompt as ``input_ids``)."""
+    _check_unsupported(req, {"logprobs": req.logprobs is not None, "echo": req.echo, "suffix": req.suffix is not None,
+                             "best_of": req.best_of not in (None, 1)})
+    prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"input_ids": req.prompt}
+    return GenerateRequest(**prompt, **_common(req, request_id, default_max_tokens))
+
+
+def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
+    """The moebus request of a ``/v1/chat/completions`` body: text parts of a message are joined;
+    ``developer`` messages are system messages (OpenAI's newer name)."""
+    _check_unsupported(req, {"logprobs": req.logprobs or req.top_logprobs is not None, "tools": bool(req.tools),
+                             "tool_choice": req.tool_choice not in (None, "none"),
+                             "response_format": (req.response_format or {}).get("type", "text") != "text"})
+    messages = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            if any(p.type != "text" or p.text is None for p in m.content):
+                raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
+            text = "".join(p.text or "" for p in m.content)
+        else:
+            text = m.content or ""
+        messages.append(ChatMessage("system" if m.role == "developer" else m.role, text))
+    fields = _common(req, request_id, default_max_tokens)
+    if req.max_completion_tokens is not None:
+        fields["max_tokens"] = req.max_completion_tokens
+    return GenerateRequest(messages=messages, **fields)
+
+
+def _usage(u: Usage) -> dict[str, int]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+class Shapes:
+    """The response objects of one request (``chat``: chat completions, else completions)."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, r: GenerateResponse) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None, "finish_reason": r.finish_reason}
+            body = self._object("chat.completion", [choice])
+        else:
+            body = self._object("text_completion", [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}])
+        body["model"] = r.model
+        return body | {"usage": _usage(r.usage)}
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role (completions have no such chunk)."""
+        if not self.chat:
+            return None
+        return self._object("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+
+    def chunk(self, c: GenerateChunk) -> dict[str, Any]:
+        if self.chat:
+            delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+            return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}])
+        return self._object("text_completion", [{"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}])
+
+    def usage_chunk(self, u: Usage) -> dict[str, Any]:
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(u)}
+
+
+def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI error object) of a moebus error code."""
+    status, kind = ERRORS.get(code, ERRORS["internal"])
+    return status, {"error": {"message": message, "type": kind, "code": code}}

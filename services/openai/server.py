@@ -1,0 +1,201 @@
+"""`moebus openai`: an OpenAI-compatible HTTP API in front of a running stack.
+
+`moebus openai --url nats://127.0.0.1:4222 --port 8000` serves
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` (unary, or server-sent
+  events with ``"stream": true``), translated to ``llm.generate`` by
+  `services.openai.protocol` and answered through `services.client.Client`;
+* ``GET /v1/models`` from ``llm.models``;
+* ``GET /health``: 200 when the stack answers ``llm.models``, else 503.
+
+The frontend is stateless (run as many as needed; each is one more NATS client): every
+request gets its own moebus request id, so a client that closes its connection before
+the answer ends cancels the request (``llm.cancel``) instead of leaving it to run. Errors
+are OpenAI error objects with an HTTP status per moebus error code; one that arrives
+after a stream started is sent as a last ``data:`` event, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import uuid
+from collections.abc import Awaitable
+
+from schemas.api import GenerateRequest
+from services import http
+from services.client import Client, GenerateError
+from services.common import stop_event
+from services.openai import protocol
+from shared.bus import Unreachable, connect
+from shared.logging import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET"}
+
+
+class OpenAIFrontend:
+    """Routes one HTTP request per connection to the stack through ``client``; ``served_model``
+    names the model in streamed chunks of requests that name none."""
+
+    def __init__(self, client: Client, default_max_tokens: int, served_model: str) -> None:
+        self.client = client
+        self.default_max_tokens = default_max_tokens
+        self.served_model = served_model
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request per connection (`services.http`)."""
+        try:
+            try:
+                req = await http.read_request(reader, MAX_BODY_BYTES)
+                method = ROUTES.get(req.path)
+                if method is None:
+                    raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")
+                if req.method != method:
+                    raise http.HttpError(405, f"{req.path} takes {method}")
+                if req.path == "/v1/models":
+                    await self._models(writer)
+                elif req.path == "/health":
+                    await self._health(writer)
+                else:
+                    await self._generate(reader, writer, req)
+            except http.HttpError as e:
+                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "code": None}})
+        except ConnectionError:
+            pass  # the client went away; a running generation was cancelled in _generate
+        finally:
+            await http.close(writer)
+
+    async def _models(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            models = await self.client.models()
+        except Exception as e:  # noqa: BLE001 - no model list (timeout, no responders): the stack is not answering
+            status, body = protocol.error_body("unavailable", f"llm.models did not answer: {e}")
+            await http.respond_json(writer, status, body)
+            return
+        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "moebus", "max_model_len": m.max_context} for m in models.models]
+        await http.respond_json(writer, 200, {"object": "list", "data": data})
+
+    async def _health(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self.client.models(timeout=2.0)
+        except Exception as e:  # noqa: BLE001 - any failure means not healthy
+            await http.respond(writer, 503, f"unavailable: {e}\n".encode(), "text/plain")
+            return
+        await http.respond(writer, 200, b"ok\n", "text/plain")
+
+    async def _generate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: http.Request) -> None:
+        chat = req.path == "/v1/chat/completions"
+        request_id = uuid.uuid4().hex
+        try:
+            body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+            make = protocol.chat_request if chat else protocol.completion_request
+            gen = make(body, request_id, self.default_max_tokens)  # type: ignore[arg-type]
+        except protocol.InvalidRequest as e:
+            status, err = protocol.error_body("invalid_request", str(e))
+            await http.respond_json(writer, status, err)
+            return
+        shapes = protocol.Shapes(chat, request_id, gen.model or self.served_model)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        answer = self._stream(writer, gen, shapes, include_usage) if gen.stream else self._unary(writer, gen, shapes)
+        if not await _unless_disconnected(reader, answer):
+            await self.client.cancel(request_id, "the HTTP client closed its connection")
+            log.info("openai_client_gone", request_id=request_id)
+
+    async def _unary(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes) -> None:
+        try:
+            resp = await self.client.generate(gen)
+        except GenerateError as e:
+            status, err = protocol.error_body(e.code, e.message)
+            await http.respond_json(writer, status, err)
+            return
+        await http.respond_json(writer, 200, shapes.response(resp))
+
+    async def _stream(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes, include_usage: bool) -> None:
+        started = False
+        try:
+            async for chunk in self.client.stream(gen):
+                if not started:
+                    await http.start_events(writer)
+                    started = True
+                    first = shapes.first_chunk()
+                    if first is not None:
+                        await http.send_event(writer, json.dumps(first))
+                await http.send_event(writer, json.dumps(shapes.chunk(chunk)))
+                if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
+                    await http.send_event(writer, json.dumps(shapes.usage_chunk(chunk.usage)))
+        except GenerateError as e:
+            status, err = protocol.error_body(e.code, e.message)
+            if not started:
+                await http.respond_json(writer, status, err)
+                return
+            await http.send_event(writer, json.dumps(err))
+        await http.send_event(writer, "[DONE]")
+
+
+async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[None]) -> bool:
+    """Run ``answer``; stop it if the client closes its connection first (False then). The
+    client sends nothing after its request, so any read returning means it is gone."""
+    answering = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(reader.read(1))
+    try:
+        await asyncio.wait({answering, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if answering.done():
+        answering.result()
+        return True
+    answering.cancel()
+    try:
+        await answering
+    except asyncio.CancelledError:
+        pass
+    return False
+
+
+async def serve(url: str, host: str, port: int, default_max_tokens: int) -> None:
+    stop = stop_event()
+    async with connect(url, "moebus-openai") as bus:
+        client = Client(bus)
+        try:
+            served = (await client.models(timeout=2.0)).models[0].id
+        except Exception:  # noqa: BLE001 - the stack may come up later; chunks then name the requested model or "moebus"
+            served = "moebus"
+        frontend = OpenAIFrontend(client, default_max_tokens, served)
+        server = await asyncio.start_server(frontend.handle, host, port)
+        async with server:
+            bound = server.sockets[0].getsockname()
+            print(f"moebus openai: serving http://{bound[0]}:{bound[1]}/v1 for the stack on {url}", flush=True)
+            await stop.wait()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moebus openai", description="serve an OpenAI-compatible HTTP API for a running stack")
+    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start)")
+    ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
+    a = ap.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port must be in [0, 65535], got {a.port}")
+    if a.default_max_tokens < 1:
+        ap.error(f"--default-max-tokens must be at least 1, got {a.default_max_tokens}")
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = _parse(argv)
+    configure_logging("openai", "info", False)
+    try:
+        asyncio.run(serve(a.url, a.host, a.port, a.default_max_tokens))
+    except Unreachable as e:
+        print(f"moebus openai: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the port is taken or not ours to bind
+        print(f"moebus openai: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
+        return 1
+    return 0

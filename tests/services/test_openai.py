@@ -1,0 +1,156 @@
+"""`moebus openai` against a real stack (compose/single-node.yml, tiny model, real nats-server):
+the OpenAI endpoints answer what `llm.generate` answers, streams are well-formed server-sent
+events, bad requests get OpenAI error objects with the right status, and a client that hangs
+up mid-stream cancels its request."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from schemas.api import ChatMessage, GenerateRequest
+from services_helpers import run, session, stack_fixture
+
+pytestmark = pytest.mark.slow
+
+stack = stack_fixture("single-node.yml")
+
+
+@pytest.fixture(scope="module")
+def frontend(stack) -> Iterator[tuple[str, int]]:
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"http://([\d.]+):(\d+)/v1", line)
+        assert match, f"no address printed: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        yield match.group(1), int(match.group(2))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+def call(addr: tuple[str, int], method: str, path: str, body: object | None = None) -> tuple[int, str, bytes]:
+    """(status, content type, body) of one request."""
+    conn = http.client.HTTPConnection(*addr, timeout=60)
+    try:
+        payload = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read()
+    finally:
+        conn.close()
+
+
+def events(raw: bytes) -> list[str]:
+    """The ``data:`` payloads of a server-sent-events body, in order."""
+    chunks = raw.decode().split("\n\n")
+    assert chunks[-1] == "", "the stream must end with a complete event"
+    assert all(c.startswith("data: ") for c in chunks[:-1]), chunks
+    return [c.removeprefix("data: ") for c in chunks[:-1]]
+
+
+def reference(stack, **fields) -> object:
+    async def go():
+        async with session(stack.url) as (client, _):
+            return await client.generate(GenerateRequest(**fields))
+
+    return run(go())
+
+
+def test_models_lists_the_served_model(frontend, tiny_model):
+    status, ctype, body = call(frontend, "GET", "/v1/models")
+    assert status == 200 and ctype == "application/json"
+    data = json.loads(body)
+    assert data["object"] == "list" and [m["id"] for m in data["data"]] == [tiny_model.name]
+    assert data["data"][0]["max_model_len"] == 4096
+    assert call(frontend, "GET", "/health")[:1] == (200,)
+
+
+def test_completion_matches_the_native_api(stack, frontend):
+    prompt = "The capital of France is"
+    status, _, body = call(frontend, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert status == 200, body
+    got = json.loads(body)
+    ref = reference(stack, prompt=prompt, max_tokens=12, temperature=0.0)
+    assert got["object"] == "text_completion" and got["id"].startswith("cmpl-")
+    assert got["choices"][0]["text"] == ref.text and got["choices"][0]["finish_reason"] == ref.finish_reason
+    assert got["usage"] == {"prompt_tokens": ref.usage.prompt_tokens, "completion_tokens": ref.usage.completion_tokens,
+                            "total_tokens": ref.usage.prompt_tokens + ref.usage.completion_tokens}
+    ids = [785, 6722, 315, 9625, 374]  # a token-id prompt goes through as input_ids
+    status, _, by_ids = call(frontend, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0})
+    assert status == 200, by_ids
+    assert json.loads(by_ids)["choices"][0]["text"] == reference(stack, input_ids=ids, max_tokens=12, temperature=0.0).text
+
+
+def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Say hi"}]}]
+    request = {"messages": messages, "max_tokens": 10, "temperature": 0}
+    status, _, body = call(frontend, "POST", "/v1/chat/completions", request)
+    assert status == 200, body
+    unary = json.loads(body)
+    ref = reference(stack, messages=[ChatMessage("system", "Be brief."), ChatMessage("user", "Say hi")], max_tokens=10, temperature=0.0)
+    assert unary["object"] == "chat.completion" and unary["choices"][0]["message"] == {"role": "assistant", "content": ref.text}
+
+    status, ctype, raw = call(frontend, "POST", "/v1/chat/completions", request | {"stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and ctype == "text/event-stream"
+    payloads = events(raw)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    pieces = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(p["delta"].get("content", "") for p in pieces) == ref.text
+    assert [p["finish_reason"] for p in pieces if p["finish_reason"]] == [ref.finish_reason]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == ref.usage.completion_tokens
+
+
+@pytest.mark.parametrize("path, body, status, code, says", [
+    ("/v1/completions", b"{not json", 400, "invalid_request", "request body"),
+    ("/v1/completions", {"prompt": "hi", "best_off": 2}, 400, "invalid_request", "best_off"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "invalid_request", "not supported by moebus: n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "invalid_request", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_request", "only text parts"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "unknown_model", "gpt-4"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "invalid_request", "max_tokens"),
+])
+def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says):
+    got, ctype, raw = call(frontend, "POST", path, body)
+    error = json.loads(raw)["error"]
+    assert (got, ctype, error["code"]) == (status, "application/json", code), raw
+    assert says in error["message"]
+
+
+def test_bad_http_gets_status_codes(frontend):
+    assert call(frontend, "GET", "/v1/completions")[0] == 405
+    assert call(frontend, "GET", "/v2/anything")[0] == 404
+    with socket.create_connection(frontend, timeout=10) as s:  # a body announced far above the limit is refused unread
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
+
+
+def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
+    async def cancelled_so_far() -> int:
+        async with session(stack.url) as (_, watch):
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 10, "the gateway")
+            return watch.live("gateway")[0].requests.outcomes.get("cancelled", 0)
+
+    before = run(cancelled_so_far())
+    body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert b"data: " in s.recv(65536)  # streaming has begun
+    deadline = time.monotonic() + 20
+    while run(cancelled_so_far()) == before:
+        assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
+        time.sleep(0.5)
