@@ -6,9 +6,12 @@ The compose file is the single description of a stack (DESIGN §7): the same fil
 `docker compose up` runs on GPU nodes is read here, and each service's `command`
 (`moebus <role> ...`), `environment` and `deploy.replicas` (or `--scale NAME=N`)
 become local processes. Container-only parts (image, volumes, device reservations,
-networks) are ignored; the service named `nats` is replaced by a local nats-server
+networks, ports) are ignored; the service named `nats` is replaced by a local nats-server
 bound to 127.0.0.1, and `MOEBUS_NATS_URL` / `MOEBUS_MODEL` point at it and at the
-local checkpoint. `${VAR}` / `${VAR:-default}` in the file are interpolated from the
+local checkpoint. Besides the services that heartbeat (`ROLES`), a stack may run the HTTP
+frontends (`moebus openai`, `moebus metrics`): they listen on 127.0.0.1 unless
+`MOEBUS_HTTP_HOST` is set, their addresses are printed once the stack is up, and one
+that cannot start (its port taken) is reported without stopping the stack. `${VAR}` / `${VAR:-default}` in the file are interpolated from the
 environment, as docker compose does.
 
 Without `--model` the stack serves the embedded tiny checkpoint, created on first
@@ -45,7 +48,8 @@ from shared.bus import connect, unpack
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
-ROLES = ("gateway", "scheduler", "prefill", "decode")
+ROLES = ("gateway", "scheduler", "prefill", "decode")  # services that heartbeat
+FRONTENDS = ("openai", "metrics")  # HTTP faces of the stack: NATS clients, no heartbeat
 BUS_SERVICE = "nats"
 
 
@@ -89,8 +93,8 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
         command = svc.get("command")
         if isinstance(command, str):
             command = shlex.split(command)
-        if not command or command[0] != "moebus" or len(command) < 2 or command[1] not in ROLES:
-            raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES)}> ...`, got {command!r}")
+        if not command or command[0] != "moebus" or len(command) < 2 or command[1] not in ROLES + FRONTENDS:
+            raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES + FRONTENDS)}> ...`, got {command!r}")
         raw_env = svc.get("environment") or {}
         if isinstance(raw_env, list):
             raw_env = dict(item.split("=", 1) for item in raw_env)
@@ -234,7 +238,20 @@ class LocalStack:
         return replica
 
     def expected(self) -> set[tuple[str, str]]:
-        return {(r.role, r.instance) for r in self.replicas if r.proc.poll() is None}
+        return {(r.role, r.instance) for r in self.replicas if r.proc.poll() is None and r.role in ROLES}
+
+    def frontend_urls(self, timeout: float = 10.0) -> dict[str, str]:
+        """The address each frontend replica printed at start (instance -> URL)."""
+        urls: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        for r in self.replicas:
+            while r.role in FRONTENDS and r.instance not in urls and r.proc.poll() is None and time.monotonic() < deadline:
+                found = re.search(r"http://\S+", r.log_path.read_text(errors="replace"))
+                if found:
+                    urls[r.instance] = found.group(0)
+                else:
+                    time.sleep(0.05)
+        return urls
 
     def wait_ready(self, timeout: float) -> None:
         """Until every running replica heartbeats and llm.models answers."""
@@ -253,7 +270,9 @@ class LocalStack:
             await bus.subscribe(subjects.HEARTBEAT_ALL, on_hb, concurrent=False)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                dead = [r for r in self.replicas if r.proc.poll() is not None]
+                # A frontend that cannot start (say, its port is taken) does not stop the stack;
+                # `moebus up` reports it.
+                dead = [r for r in self.replicas if r.proc.poll() is not None and r.role in ROLES]
                 if dead:
                     raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}; see {dead[0].log_path}")
                 if expected <= seen:
@@ -281,7 +300,7 @@ class LocalStack:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM every replica (gateways first, so clients get answers), then nats-server."""
-        order = {"gateway": 0, "scheduler": 1, "prefill": 2, "decode": 2}
+        order = {"openai": 0, "metrics": 0, "gateway": 1, "scheduler": 2, "prefill": 3, "decode": 3}
         for replica in sorted(self.replicas, key=lambda r: order[r.role]):
             if replica.proc.poll() is None:
                 replica.proc.send_signal(signal.SIGTERM)
@@ -350,7 +369,8 @@ def main(argv: list[str]) -> int:
         else:
             print(f"moebus up: using the embedded tiny model (cache: {cache})", flush=True)
             model = ensure_tiny_model(cache)
-        specs = load_compose(a.stack, {**os.environ, "MOEBUS_MODEL": str(model)}, scale)
+        # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0).
+        specs = load_compose(a.stack, {"MOEBUS_HTTP_HOST": "127.0.0.1", **os.environ, "MOEBUS_MODEL": str(model)}, scale)
     except StackError as e:
         print(f"moebus up: {e}", file=sys.stderr)
         return 2
@@ -370,6 +390,8 @@ def main(argv: list[str]) -> int:
         print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)
         stack.start(a.ready_timeout)
         print(f"moebus up: ready. NATS at {stack.url}  (model {model.name})", flush=True)
+        for instance, url in stack.frontend_urls().items():
+            print(f"  {instance}: {url}", flush=True)
         print(f"  try: moebus request --url {stack.url} --prompt 'hi' --stream", flush=True)
         if a.demo:
             asyncio.run(_demo_request(stack.url))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -161,7 +162,8 @@ async def serve(url: str, host: str, port: int, expiry_s: float) -> None:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus metrics", description="serve a running stack's heartbeats as Prometheus metrics")
-    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    ap.add_argument("--url", default=os.environ.get("MOEBUS_NATS_URL", "nats://127.0.0.1:4222"),
+                    help="NATS URL (printed by `moebus up`; default $MOEBUS_NATS_URL, else the local default)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=9464, help="TCP port (0: any free one, printed at start)")
     ap.add_argument("--expiry", type=float, default=5.0, help="seconds after its last heartbeat a process leaves the page")

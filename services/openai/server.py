@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import uuid
 from collections.abc import Awaitable
@@ -175,7 +176,8 @@ async def serve(url: str, host: str, port: int, default_max_tokens: int) -> None
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus openai", description="serve an OpenAI-compatible HTTP API for a running stack")
-    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    ap.add_argument("--url", default=os.environ.get("MOEBUS_NATS_URL", "nats://127.0.0.1:4222"),
+                    help="NATS URL (printed by `moebus up`; default $MOEBUS_NATS_URL, else the local default)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start)")
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")

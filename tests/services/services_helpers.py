@@ -27,8 +27,9 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def compose_specs(compose: str, model: Path, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
-    """The services of one of the repository's compose files."""
-    return load_compose(REPO_ROOT / "compose" / compose, {"MOEBUS_MODEL": str(model)}, scale)
+    """The services of one of the repository's compose files; HTTP frontends on free local ports."""
+    env = {"MOEBUS_MODEL": str(model), "MOEBUS_HTTP_HOST": "127.0.0.1", "MOEBUS_OPENAI_PORT": "0", "MOEBUS_METRICS_PORT": "0"}
+    return load_compose(REPO_ROOT / "compose" / compose, env, scale)
 
 
 def start_specs(specs: list[ServiceSpec], model: Path, log_dir: Path, env: dict[str, str] | None = None) -> LocalStack:

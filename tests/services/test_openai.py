@@ -8,12 +8,10 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,21 +20,22 @@ from services_helpers import run, session, stack_fixture
 
 pytestmark = pytest.mark.slow
 
-stack = stack_fixture("single-node.yml")
+stack = stack_fixture("single-node.yml")  # its `openai` service is what these tests call
 
 
 @pytest.fixture(scope="module")
-def frontend(stack) -> Iterator[tuple[str, int]]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"http://([\d.]+):(\d+)/v1", line)
-        assert match, f"no address printed: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
-        yield match.group(1), int(match.group(2))
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+def frontend(stack) -> tuple[str, int]:
+    """The compose file's `openai` service of the running stack (on a free port)."""
+    urls = stack.frontend_urls()
+    match = re.search(r"http://([\d.]+):(\d+)/v1", urls.get("openai-0", ""))
+    assert match, f"the openai frontend printed no address: {urls}"
+    return match.group(1), int(match.group(2))
+
+
+def test_frontend_on_a_taken_port_exits_with_a_clear_error(stack, frontend):
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", str(frontend[1])],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{frontend[1]}" in proc.stderr
 
 
 def call(addr: tuple[str, int], method: str, path: str, body: object | None = None) -> tuple[int, str, bytes]:
@@ -149,7 +148,11 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     with socket.create_connection(frontend, timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        assert b"data: " in s.recv(65536)  # streaming has begun
+        received = b""
+        while b"data: " not in received:  # until streaming has begun
+            data = s.recv(65536)
+            assert data, f"connection closed before any event: {received!r}"
+            received += data
     deadline = time.monotonic() + 20
     while run(cancelled_so_far()) == before:
         assert time.monotonic() < deadline, "the gateway never counted the request cancelled"

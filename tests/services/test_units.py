@@ -65,11 +65,14 @@ def test_settings_place_the_ranks_of_an_instance_on_listed_gpus():
 
 def test_compose_files_parse_into_local_services():
     specs = {s.name: s for s in load_compose(REPO_ROOT / "compose" / "split-nodes.yml", env={"DECODE_DP": "4"}, scale={"gateway": 3})}
-    assert set(specs) == {"gateway", "scheduler", "prefill", "decode"}  # the `nats` service is replaced locally
+    assert set(specs) == {"gateway", "scheduler", "prefill", "decode", "openai", "metrics"}  # the `nats` service is replaced locally
     assert specs["gateway"].replicas == 3 and specs["scheduler"].replicas == 2
     assert specs["decode"].env["MOEBUS_DECODE_DP"] == "4" and specs["prefill"].env["MOEBUS_PREFILL_TP"] == "2"
-    single = {s.name: s for s in load_compose(REPO_ROOT / "compose" / "single-node.yml", env={})}
-    assert [single[n].role for n in ("gateway", "scheduler", "prefill", "decode")] == ["gateway", "scheduler", "prefill", "decode"]
+    single = {s.name: s for s in load_compose(REPO_ROOT / "compose" / "single-node.yml", env={"MOEBUS_OPENAI_PORT": "8123"})}
+    roles = ("gateway", "scheduler", "prefill", "decode", "openai", "metrics")
+    assert [single[n].role for n in roles] == list(roles)
+    # The HTTP frontends' address comes from the environment, as docker compose reads it.
+    assert single["openai"].args == ["--host", "0.0.0.0", "--port", "8123"] and single["metrics"].args[-1] == "9464"
 
 
 def test_compose_errors_name_the_problem(tmp_path: Path):
