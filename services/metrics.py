@@ -158,6 +158,7 @@ async def serve(url: str, host: str, port: int, expiry_s: float) -> None:
             bound = server.sockets[0].getsockname()
             print(f"moebus metrics: serving http://{bound[0]}:{bound[1]}/metrics from the heartbeats on {url}", flush=True)
             await stop.wait()
+    print("moebus metrics: stopped", flush=True)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -40,13 +40,20 @@ ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models
 
 
 class OpenAIFrontend:
-    """Routes one HTTP request per connection to the stack through ``client``; ``served_model``
-    names the model in streamed chunks of requests that name none."""
+    """Routes one HTTP request per connection to the stack through ``client``."""
 
-    def __init__(self, client: Client, default_max_tokens: int, served_model: str) -> None:
+    def __init__(self, client: Client, default_max_tokens: int) -> None:
         self.client = client
         self.default_max_tokens = default_max_tokens
-        self.served_model = served_model
+        self._served_model: str | None = None  # from llm.models, once it answered
+
+    async def served_model(self) -> str:
+        """The served model's id, for streamed chunks of requests that name none (their
+        unary answers carry it from the gateway)."""
+        if self._served_model is None:
+            models = await self.client.models(timeout=2.0)
+            self._served_model = models.models[0].id
+        return self._served_model
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One request per connection (`services.http`)."""
@@ -100,7 +107,15 @@ class OpenAIFrontend:
             status, err = protocol.error_body("invalid_request", str(e))
             await http.respond_json(writer, status, err)
             return
-        shapes = protocol.Shapes(chat, request_id, gen.model or self.served_model)
+        model = gen.model
+        if model is None and gen.stream:
+            try:
+                model = await self.served_model()
+            except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
+                status, err = protocol.error_body("unavailable", f"llm.models did not answer: {e}")
+                await http.respond_json(writer, status, err)
+                return
+        shapes = protocol.Shapes(chat, request_id, model or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(writer, gen, shapes, include_usage) if gen.stream else self._unary(writer, gen, shapes)
         if not await _unless_disconnected(reader, answer):
@@ -161,17 +176,13 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[N
 async def serve(url: str, host: str, port: int, default_max_tokens: int) -> None:
     stop = stop_event()
     async with connect(url, "moebus-openai") as bus:
-        client = Client(bus)
-        try:
-            served = (await client.models(timeout=2.0)).models[0].id
-        except Exception:  # noqa: BLE001 - the stack may come up later; chunks then name the requested model or "moebus"
-            served = "moebus"
-        frontend = OpenAIFrontend(client, default_max_tokens, served)
+        frontend = OpenAIFrontend(Client(bus), default_max_tokens)
         server = await asyncio.start_server(frontend.handle, host, port)
         async with server:
             bound = server.sockets[0].getsockname()
             print(f"moebus openai: serving http://{bound[0]}:{bound[1]}/v1 for the stack on {url}", flush=True)
             await stop.wait()
+    print("moebus openai: stopped", flush=True)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

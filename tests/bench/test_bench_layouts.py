@@ -132,7 +132,7 @@ def test_gpu_scale_plan_follows_the_gpu_count():
     assert eight["bench_ep_prefill"][1][-2:] == ["--world", "4"] and "bench_ep_prefill" in four and "bench_ep_prefill" not in two
     assert "decode_step" in eight and "decode_step" not in four
     decode = eight["decode_step"][1]
-    assert decode[decode.index("--ep") + 1] == "8" and decode[decode.index("--batches") + 1:] == ["32", "64", "128"]
+    assert decode[decode.index("--ep") + 1] == "8" and decode[decode.index("--batches") + 1:decode.index("--profile")] == ["32", "64", "128"]
     kv = _plan(8, "kv")["bench_kv_transfer"][1]
     assert kv[kv.index("--prefill-ranks") + 1] == "1,2,4"
 

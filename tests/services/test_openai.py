@@ -91,7 +91,7 @@ def test_completion_matches_the_native_api(stack, frontend):
     assert json.loads(by_ids)["choices"][0]["text"] == reference(stack, input_ids=ids, max_tokens=12, temperature=0.0).text
 
 
-def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend):
+def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Say hi"}]}]
     request = {"messages": messages, "max_tokens": 10, "temperature": 0}
     status, _, body = call(frontend, "POST", "/v1/chat/completions", request)
@@ -105,7 +105,7 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend):
     payloads = events(raw)
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
-    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] and c["model"] == tiny_model.name for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     pieces = [c["choices"][0] for c in chunks if c["choices"]]
     assert "".join(p["delta"].get("content", "") for p in pieces) == ref.text
