@@ -41,8 +41,10 @@ class Request:
     body: bytes
 
 
-async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request:
-    """The next request on ``reader``; `HttpError` for a malformed, slow or oversize one."""
+async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_body: int) -> Request:
+    """The next request on ``reader``; `HttpError` for a malformed, slow or oversize one. A client
+    that waits for ``100 Continue`` before its body (``Expect: 100-continue``, curl for larger
+    bodies) gets it once the announced length is accepted."""
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
     except asyncio.LimitOverrunError:
@@ -76,6 +78,9 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request:
         length = int(length_text)
         if length > max_body:
             raise HttpError(413, f"request body of {length} bytes exceeds {max_body}")
+        if headers.get("expect", "").lower() == "100-continue":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
         try:
             body = await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT_S)
         except asyncio.IncompleteReadError:

@@ -134,7 +134,7 @@ class Exporter:
         """One exchange: GET /metrics gets the page, anything else 404/405."""
         try:
             try:
-                req = await http.read_request(reader, max_body=0)
+                req = await http.read_request(reader, writer, max_body=0)
                 if req.method != "GET":
                     raise http.HttpError(405, "only GET /metrics")
                 if req.path != "/metrics":

@@ -59,7 +59,7 @@ class OpenAIFrontend:
         """One request per connection (`services.http`)."""
         try:
             try:
-                req = await http.read_request(reader, MAX_BODY_BYTES)
+                req = await http.read_request(reader, writer, MAX_BODY_BYTES)
                 method = ROUTES.get(req.path)
                 if method is None:
                     raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")

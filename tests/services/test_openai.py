@@ -137,6 +137,18 @@ def test_bad_http_gets_status_codes(frontend):
         assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
 
 
+def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(frontend):
+    body = json.dumps({"prompt": "hi " * 600, "max_tokens": 2, "temperature": 0}).encode()
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        assert s.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        answer = b""
+        while data := s.recv(65536):
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 200 OK") and json.loads(answer.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] == 2
+
+
 def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     async def cancelled_so_far() -> int:
         async with session(stack.url) as (_, watch):
