@@ -1,6 +1,6 @@
 """Control-plane overhead of the moebus services, on CPU with the tiny model.
 
-Two measurements:
+Three measurements:
 
 1. **Time outside model compute** per request, through a real local stack
    (`compose/single-node.yml`: nats-server, gateway, scheduler, prefill, decode as
@@ -13,6 +13,10 @@ Two measurements:
    with ample capacity, grant every reservation at once and drop the prefill tasks),
    so the number is the scheduler's own rate: decode choice, the reservation round
    trip, the prefill task, the ack.
+3. **What the OpenAI-compatible frontend adds** (`moebus openai`, the stack's `openai`
+   service): the same unary completions, one at a time, sent alternately through the
+   native client on NATS and as ``POST /v1/completions`` over HTTP, each timed by its
+   client from send to answer; the peer is the native path in the same run.
 
     python -m bench.control_plane [--requests 64] [--placements 2000]
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import re
 import statistics
 import subprocess
 import sys
@@ -34,7 +40,7 @@ from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.client import Client
-from services.launch import DEFAULT_STACK, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, nats_server_binary
+from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, nats_server_binary
 from services.ranks import free_port
 from shared.bus import Bus, connect, pack, unpack
 
@@ -67,6 +73,42 @@ async def overhead(url: str, requests: int, concurrency: int, max_tokens: int) -
         "ttft_p50_ms": statistics.median(r.timing.ttft_ms for r in replies),
         "queue_p50_ms": statistics.median(r.timing.queue_ms for r in replies),
     }
+
+
+async def http_completion(host: str, port: int, body: bytes) -> dict:
+    """One ``POST /v1/completions`` on a fresh connection (the frontend answers one request per connection)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    answer = await reader.read()  # until the server closes
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200 "):
+        raise RuntimeError(f"frontend answered {answer[:300]!r}")
+    return json.loads(payload)
+
+
+async def frontend_overhead(url: str, frontend: str, requests: int, max_tokens: int) -> dict[str, float]:
+    """Client-side latency of the same completions via NATS and via the HTTP frontend, interleaved."""
+    host, port = re.match(r"http://([^:/]+):(\d+)", frontend).groups()  # type: ignore[union-attr]
+    native_ms, http_ms = [], []
+    async with connect(url, "bench") as bus:
+        client = Client(bus)
+        for i in range(requests + 1):  # the first pair warms both paths up
+            prompt = f"{i} {PROMPT}"
+            started = time.perf_counter()
+            native = await client.generate(GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0))
+            native_s = time.perf_counter() - started
+            started = time.perf_counter()
+            body = await http_completion(host, int(port), json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode())
+            http_s = time.perf_counter() - started
+            if body["choices"][0]["text"] != native.text:
+                raise RuntimeError(f"request {i}: the frontend answered {body['choices'][0]['text']!r}, the native API {native.text!r}")
+            if i:
+                native_ms.append(native_s * 1e3)
+                http_ms.append(http_s * 1e3)
+    return {"native_p50_ms": statistics.median(native_ms), "native_p99_ms": percentile(native_ms, 99),
+            "http_p50_ms": statistics.median(http_ms), "http_p99_ms": percentile(http_ms, 99),
+            "added_p50_ms": statistics.median(h - n for h, n in zip(http_ms, native_ms))}
 
 
 async def stand_in_members(bus: Bus, decode_ranks: int, model: str) -> None:
@@ -149,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     model = Path(a.model) if a.model else ensure_tiny_model(default_cache_dir())
-    stack = LocalStack(load_compose(DEFAULT_STACK, {"MOEBUS_MODEL": str(model)}), model, Path(tempfile.mkdtemp(prefix="bench-cp-")), extra_env={"MOEBUS_LOG_LEVEL": "warning"})
+    specs = load_compose(DEFAULT_STACK, {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS})
+    stack = LocalStack(specs, model, Path(tempfile.mkdtemp(prefix="bench-cp-")), extra_env={"MOEBUS_LOG_LEVEL": "warning"})
     stack.start()
     try:
         for concurrency in (1, 16):
@@ -157,9 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             metrics = asyncio.run(overhead(stack.url, a.requests, concurrency, a.max_tokens))
             record("control_plane", case, metrics)
             rows.append({**case, **metrics})
+        case = {"what": "openai_frontend", "stack": "single-node", "model": model.name, "concurrency": 1, "requests": a.requests, "max_tokens": a.max_tokens}
+        frontend = asyncio.run(frontend_overhead(stack.url, stack.frontend_urls()["openai-0"], a.requests, a.max_tokens))
+        record("control_plane", case, frontend, {"native_nats_client": {"latency_p50_ms": frontend["native_p50_ms"]}})
     finally:
         stack.stop()
     print_table(rows, ["concurrency", "outside_compute_p50_ms", "outside_compute_p99_ms", "outside_compute_per_token_p50_ms", "ttft_p50_ms", "total_p50_ms"])
+    print()
+    print_table([frontend], ["native_p50_ms", "native_p99_ms", "http_p50_ms", "http_p99_ms", "added_p50_ms"])
 
     sched_rows = []
     for concurrency in (1, 64):

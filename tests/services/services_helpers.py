@@ -16,7 +16,7 @@ from schemas import subjects
 from schemas.api import GenerateChunk, GenerateRequest
 from schemas.internal import Heartbeat
 from services.client import Client
-from services.launch import REPO_ROOT, LocalStack, ServiceSpec, load_compose
+from services.launch import EPHEMERAL_FRONTENDS, REPO_ROOT, LocalStack, ServiceSpec, load_compose
 from shared.bus import Bus, connect, unpack
 
 T = TypeVar("T")
@@ -28,8 +28,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 def compose_specs(compose: str, model: Path, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
     """The services of one of the repository's compose files; HTTP frontends on free local ports."""
-    env = {"MOEBUS_MODEL": str(model), "MOEBUS_HTTP_HOST": "127.0.0.1", "MOEBUS_OPENAI_PORT": "0", "MOEBUS_METRICS_PORT": "0"}
-    return load_compose(REPO_ROOT / "compose" / compose, env, scale)
+    return load_compose(REPO_ROOT / "compose" / compose, {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS}, scale)
 
 
 def start_specs(specs: list[ServiceSpec], model: Path, log_dir: Path, env: dict[str, str] | None = None) -> LocalStack:
