@@ -21,13 +21,15 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
-    """The checkout's commit, with ``+dirty`` when the tree has uncommitted changes."""
+    """The checkout's commit, with ``+dirty`` when the tree has uncommitted changes (the result
+    files themselves excluded: a benchmark's own first line must not mark its later ones)."""
     if os.environ.get("MOEBUS_COMMIT"):
         return os.environ["MOEBUS_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
