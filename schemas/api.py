@@ -42,6 +42,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None  # same seed + same request -> same tokens
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this times the token's count so far
+    repetition_penalty: float | None = None  # transformers'/vLLM's, > 0 (prompt and output tokens); None: the model's default
     stop: list[str] = []  # generation ends before the first occurrence of any of these strings
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token

@@ -22,6 +22,9 @@ class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     top_p: float
     top_k: int  # 0 = no top-k cut
     seed: int | None  # None: nondeterministic
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = none
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

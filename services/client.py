@@ -119,6 +119,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float)
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--logprobs", action="store_true")
     ap.add_argument("--timeout-ms", type=int)
@@ -138,6 +141,9 @@ async def _run(a: argparse.Namespace) -> int:
         top_p=a.top_p,
         top_k=a.top_k,
         seed=a.seed,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        repetition_penalty=a.repetition_penalty,
         stop=a.stop,
         logprobs=a.logprobs,
         timeout_ms=a.timeout_ms,

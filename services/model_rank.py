@@ -137,4 +137,7 @@ def sampling_params(job: Job) -> SamplingParams:
         logprobs=job.logprobs,
         max_tokens=job.max_tokens,
         stop_token_ids=tuple(job.stop_token_ids),
+        presence_penalty=job.sampling.presence_penalty,
+        frequency_penalty=job.sampling.frequency_penalty,
+        repetition_penalty=job.sampling.repetition_penalty,
     )

@@ -129,7 +129,12 @@ class Admission:
                 top_k=req.top_k if req.top_k is not None else gen.top_k,
                 seed=req.seed,
                 max_tokens=req.max_tokens,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else gen.repetition_penalty,
             )
         except InvalidSamplingParams as e:
             raise Rejected("invalid_request", str(e)) from e
-        return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k, seed=params.seed)
+        return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k, seed=params.seed,
+                            presence_penalty=float(params.presence_penalty), frequency_penalty=float(params.frequency_penalty),
+                            repetition_penalty=float(params.repetition_penalty))

@@ -2,10 +2,11 @@
 
 Requests decode strictly (msgspec, unknown fields refused with their name); fields that
 OpenAI defines but moebus does not implement are accepted only at their no-op values
-(``n: 1``, penalties 0, no ``logit_bias``, no log-probabilities, no tools), anything else is
-an ``invalid_request`` naming the field, never silently ignored. ``user`` is accepted and
-unused. ``top_k`` and ``seed`` pass through (as in vLLM). Without ``max_tokens`` a request
-gets ``default_max_tokens`` (the server's ``--default-max-tokens``).
+(``n: 1``, no ``logit_bias``, no log-probabilities, no tools), anything else is an
+``invalid_request`` naming the field, never silently ignored. ``user`` is accepted and
+unused. ``presence_penalty`` and ``frequency_penalty`` are OpenAI's; ``top_k``, ``seed`` and
+``repetition_penalty`` pass through as in vLLM. Without ``max_tokens`` a request gets
+``default_max_tokens`` (the server's ``--default-max-tokens``).
 
 Responses follow OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects, and
 for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
@@ -64,6 +65,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -100,14 +102,12 @@ def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionReque
 def _check_unsupported(req: _Sampling, extra: dict[str, bool]) -> None:
     unsupported = {
         "n": req.n != 1,
-        "presence_penalty": req.presence_penalty != 0,
-        "frequency_penalty": req.frequency_penalty != 0,
         "logit_bias": bool(req.logit_bias),
         **extra,
     }
     bad = [name for name, used in unsupported.items() if used]
     if bad:
-        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (n must be 1, penalties 0; no logit_bias, "
+        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (n must be 1; no logit_bias, "
                              "log-probabilities, echo, suffix, best_of > 1, tools or response formats)")
 
 
@@ -115,7 +115,8 @@ def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[st
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return {"model": req.model, "max_tokens": default_max_tokens if req.max_tokens is None else req.max_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
-            "stream": req.stream, "request_id": request_id}
+            "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty}
 
 
 def completion_request(req: CompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:

@@ -141,7 +141,10 @@ class ModelRunner:
             logits = self.model.forward(batch, self.cache, on_layer_done)
         if not seqs:
             return []
-        tokens, logprobs = self.sampler.sample(logits.float(), [s.params for s in seqs], [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        # Penalties look at each sequence's prompt and output so far (built only when asked for).
+        histories = [(s.token_ids[: s.prompt_len], s.output_ids) for s in seqs] if any(p.penalized for p in params) else None
+        tokens, logprobs = self.sampler.sample(logits.float(), params, [s.generator for s in seqs], histories)
         outputs = []
         for i, (s, token) in enumerate(zip(seqs, tokens.tolist())):
             s.num_cached = len(s.token_ids)

@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Next-token sampling: penalties, greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
 Reproducibility: a request with a seed owns a `torch.Generator`, and its row is
 drawn only from that generator, with a draw whose size does not depend on the
@@ -7,10 +7,14 @@ which picks token ``i`` with probability ``p_i``). The same seed therefore yield
 the same tokens whatever else shares the batch — on the same device type, since
 CPU and CUDA generators produce different streams.
 
-Order of the filters, as in transformers and vLLM: temperature, then top-k, then
-top-p over the distribution top-k left. Logprobs are those of the raw logits
-(``log_softmax`` before temperature and filtering), as vLLM and the OpenAI API
-report them.
+Order, as in vLLM: the penalties first (greedy rows included), then temperature,
+top-k, and top-p over the distribution top-k left. Penalties: ``repetition_penalty``
+(transformers' and vLLM's: a logit of a token seen in the prompt or the output is
+divided by it when positive, multiplied when negative), then OpenAI's
+``frequency_penalty`` and ``presence_penalty`` over the output so far (subtract
+``frequency * count + presence`` from the logit of every generated token). Logprobs
+are those of the raw logits (``log_softmax`` before penalties, temperature and
+filtering), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class SamplingParams:
     logprobs: report the log-probability of each chosen token.
     max_tokens: the most tokens to generate.
     stop_token_ids: ids that end generation (besides EOS, which the caller adds).
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]; 0 disables.
+    repetition_penalty: transformers' / vLLM's, > 0; 1 disables.
     """
 
     temperature: float = 1.0
@@ -53,6 +59,9 @@ class SamplingParams:
     logprobs: bool = False
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
@@ -72,6 +81,13 @@ class SamplingParams:
         stop = self.stop_token_ids
         if not isinstance(stop, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in stop):
             raise InvalidSamplingParams(f"stop_token_ids must be non-negative integers, got {stop!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not (math.isfinite(rp) and rp > 0):
+            raise InvalidSamplingParams(f"repetition_penalty must be a finite number > 0, got {rp!r}")
         # frozen: normalise a list to a tuple so the params stay hashable
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
@@ -79,9 +95,32 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The request's own generator (None without a seed)."""
         return None if self.seed is None else make_generator(self.seed, device)
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[tuple[Sequence[int], Sequence[int]]]) -> torch.Tensor:
+    """A copy of fp32 ``logits [B, V]`` with each row's penalties applied (module doc); rows
+    without penalties are unchanged."""
+    out = logits.clone()
+    device = logits.device
+    for i, p in enumerate(params):
+        if not p.penalized:
+            continue
+        prompt, output = histories[i]
+        if p.repetition_penalty != 1 and (prompt or output):
+            seen = torch.unique(torch.tensor([*prompt, *output], dtype=torch.long, device=device))
+            row = out[i, seen]
+            out[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and output:
+            ids, counts = torch.unique(torch.tensor(output, dtype=torch.long, device=device), return_counts=True)
+            out[i, ids] -= p.frequency_penalty * counts.to(out.dtype) + p.presence_penalty
+    return out
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -105,8 +144,12 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token ids ``[B]`` (int64) and, if any row asked, their logprobs ``[B]`` (fp32)."""
+        """Token ids ``[B]`` (int64) and, if any row asked, their logprobs ``[B]`` (fp32).
+
+        ``histories``: each row's (prompt ids, output ids so far), needed by rows with penalties.
+        """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch, _ = logits.shape
@@ -115,6 +158,11 @@ class Sampler:
                 f"{batch} logits rows but {len(params)} sampling params and {len(generators)} generators"
             )
         logits = logits.float()
+        raw = logits
+        if any(p.penalized for p in params):
+            if histories is None or len(histories) != batch:
+                raise ValueError("sampling with penalties needs every row's (prompt ids, output ids)")
+            logits = apply_penalties(logits, params, histories)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
@@ -124,7 +172,7 @@ class Sampler:
             tokens[rows] = (probs / noise).argmax(dim=-1)
         logprobs = None
         if any(p.logprobs for p in params):
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, logprobs
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Sampler: greedy, seeded reproducibility, top-k / top-p masks, logprobs, validation."""
+"""Sampler: greedy, seeded reproducibility, top-k / top-p masks, penalties, logprobs, validation."""
 
 from __future__ import annotations
 
@@ -142,6 +142,10 @@ def test_sampler_rejects_mismatched_batch() -> None:
         ("max_tokens", 0),
         ("logprobs", 1),
         ("stop_token_ids", (1, -2)),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", math.inf),
     ],
 )
 def test_invalid_params_raise_naming_the_field(field: str, value: object) -> None:
@@ -152,3 +156,42 @@ def test_invalid_params_raise_naming_the_field(field: str, value: object) -> Non
 def test_valid_edge_params_are_accepted() -> None:
     params = SamplingParams(temperature=0, top_p=1, top_k=0, seed=2**64 - 1, stop_token_ids=[1, 2])
     assert params.greedy and params.stop_token_ids == (1, 2)
+
+
+def test_penalties_follow_openai_and_transformers_definitions() -> None:
+    """Row 0: presence and frequency over the output (OpenAI: minus frequency * count + presence);
+    row 1: repetition over prompt and output (transformers: positive logits divided, negative
+    multiplied), then the others; row 2: none. Greedy picks from the penalised logits; logprobs
+    stay those of the raw logits."""
+    logits = _random_logits(3)
+    prompt, output = [3, 5, 5], [7, 7, 7, 9, 5]
+    params = [SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, logprobs=True),
+              SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.1),
+              SamplingParams(temperature=0)]
+    expect = logits.clone()
+    for token, count in ((7, 3), (9, 1), (5, 1)):
+        expect[0, token] -= 0.25 * count + 0.5
+    for token in (3, 5, 7, 9):
+        value = expect[1, token]
+        expect[1, token] = value / 1.7 if value > 0 else value * 1.7
+    for token, count in ((7, 3), (9, 1), (5, 1)):
+        expect[1, token] -= 0.1 * count
+    tokens, logprobs = Sampler().sample(logits, params, [None] * 3, [(prompt, output)] * 3)
+    assert torch.equal(tokens, expect.argmax(dim=-1))
+    assert torch.equal(logprobs, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1))
+
+
+def test_a_strong_presence_penalty_steers_greedy_off_every_generated_token() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :4] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    params = [SamplingParams(temperature=0, presence_penalty=2.0)]
+    picked = []
+    for _ in range(3):
+        tokens, _ = Sampler().sample(logits, params, [None], [([], picked)])
+        picked.append(int(tokens[0]))
+    assert picked == [0, 1, 0]  # then 4 - 2 = 2 < 3: token 1; then 0 and 2 tie at 2 (argmax: the lower id)
+
+
+def test_penalties_need_the_histories() -> None:
+    with pytest.raises(ValueError, match="prompt ids, output ids"):
+        Sampler().sample(_random_logits(1), [SamplingParams(repetition_penalty=1.2)], [None])

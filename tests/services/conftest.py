@@ -37,9 +37,10 @@ def hf_greedy(tiny_model: Path) -> Callable[[tuple[int, ...], int], list[int]]:
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
     @functools.cache
-    def generate(prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    def generate(prompt_ids: tuple[int, ...], max_new_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None, temperature=None)
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
+                                 temperature=None, repetition_penalty=repetition_penalty)
         return out[0, len(prompt_ids) :].tolist()
 
     return generate
