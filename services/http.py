@@ -4,16 +4,25 @@ One request per connection: the server reads a request line, headers and a body 
 ``Content-Length`` bytes, answers, and closes the connection (``Connection: close``), which
 every HTTP client handles. A streamed answer (server-sent events) has no length: it ends
 when the connection closes. Malformed or oversize requests raise `HttpError` with the
-status to answer; nothing here knows about routes.
+status to answer; nothing here knows about routes. The frontends' shared command line
+(``--url``, ``--host``, ``--port``) and life cycle (listen, print the address, serve until
+SIGTERM/SIGINT, say "stopped") are here too.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
+
+from services.common import stop_event
+from shared.bus import Unreachable
 
 MAX_HEADER_BYTES = 64 << 10
 HEADER_TIMEOUT_S = 10.0
@@ -118,3 +127,47 @@ async def close(writer: asyncio.StreamWriter) -> None:
     writer.close()
     with contextlib.suppress(ConnectionError):
         await writer.wait_closed()
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def frontend_arguments(ap: argparse.ArgumentParser, default_port: int) -> None:
+    """``--url``, ``--host`` and ``--port`` of a frontend (`parse_frontend` checks the port)."""
+    ap.add_argument("--url", default=os.environ.get("MOEBUS_NATS_URL", "nats://127.0.0.1:4222"),
+                    help="NATS URL (printed by `moebus up`; default $MOEBUS_NATS_URL, else the local default)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    ap.add_argument("--port", type=int, default=default_port, help="TCP port (0: any free one, printed at start)")
+
+
+def parse_frontend(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    a = ap.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port must be in [0, 65535], got {a.port}")
+    return a
+
+
+async def listen(name: str, handler: Handler, host: str, port: int, path: str, url: str) -> None:
+    """Serve ``handler`` on ``host:port`` until SIGTERM / SIGINT; print the address first
+    (`moebus up` and tests read it from there)."""
+    stop = stop_event()
+    server = await asyncio.start_server(handler, host, port)
+    async with server:
+        bound = server.sockets[0].getsockname()
+        print(f"moebus {name}: serving http://{bound[0]}:{bound[1]}{path} for the stack on {url}", flush=True)
+        await stop.wait()
+
+
+def run_frontend(name: str, serve: Coroutine[Any, Any, None], host: str, port: int) -> int:
+    """Run a frontend's ``serve`` to its end: 0 after a clean stop, 1 (with the reason on stderr)
+    when NATS does not answer or the port cannot be bound."""
+    try:
+        asyncio.run(serve)
+    except Unreachable as e:
+        print(f"moebus {name}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the port is taken or not ours to bind
+        print(f"moebus {name}: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    print(f"moebus {name}: stopped", flush=True)
+    return 0

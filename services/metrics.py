@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import sys
 import time
 from collections.abc import Iterator
 
 from schemas import subjects
 from schemas.internal import Heartbeat, LatencySummary, TransferStats
 from services import http
-from services.common import stop_event
-from shared.bus import Unreachable, connect, unpack
+from shared.bus import connect, unpack
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # (name, type, help) of every family, in page order.
@@ -150,27 +147,16 @@ class Exporter:
 
 async def serve(url: str, host: str, port: int, expiry_s: float) -> None:
     exporter = Exporter(expiry_s)
-    stop = stop_event()
     async with connect(url, "moebus-metrics") as bus:
         await bus.subscribe(subjects.HEARTBEAT_ALL, exporter.on_heartbeat, concurrent=False)
-        server = await asyncio.start_server(exporter.handle, host, port)
-        async with server:
-            bound = server.sockets[0].getsockname()
-            print(f"moebus metrics: serving http://{bound[0]}:{bound[1]}/metrics from the heartbeats on {url}", flush=True)
-            await stop.wait()
-    print("moebus metrics: stopped", flush=True)
+        await http.listen("metrics", exporter.handle, host, port, "/metrics", url)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus metrics", description="serve a running stack's heartbeats as Prometheus metrics")
-    ap.add_argument("--url", default=os.environ.get("MOEBUS_NATS_URL", "nats://127.0.0.1:4222"),
-                    help="NATS URL (printed by `moebus up`; default $MOEBUS_NATS_URL, else the local default)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    ap.add_argument("--port", type=int, default=9464, help="TCP port (0: any free one, printed at start)")
+    http.frontend_arguments(ap, default_port=9464)
     ap.add_argument("--expiry", type=float, default=5.0, help="seconds after its last heartbeat a process leaves the page")
-    a = ap.parse_args(argv)
-    if not 0 <= a.port <= 65535:
-        ap.error(f"--port must be in [0, 65535], got {a.port}")
+    a = http.parse_frontend(ap, argv)
     if a.expiry <= 0:
         ap.error(f"--expiry must be positive, got {a.expiry}")
     return a
@@ -178,12 +164,4 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = _parse(argv)
-    try:
-        asyncio.run(serve(a.url, a.host, a.port, a.expiry))
-    except Unreachable as e:
-        print(f"moebus metrics: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the port is taken or not ours to bind
-        print(f"moebus metrics: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return http.run_frontend("metrics", serve(a.url, a.host, a.port, a.expiry), a.host, a.port)

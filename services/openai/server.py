@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import sys
 import uuid
 from collections.abc import Awaitable
 
 from schemas.api import GenerateRequest
 from services import http
 from services.client import Client, GenerateError
-from services.common import stop_event
 from services.openai import protocol
-from shared.bus import Unreachable, connect
+from shared.bus import connect
 from shared.logging import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -174,27 +171,15 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[N
 
 
 async def serve(url: str, host: str, port: int, default_max_tokens: int) -> None:
-    stop = stop_event()
     async with connect(url, "moebus-openai") as bus:
-        frontend = OpenAIFrontend(Client(bus), default_max_tokens)
-        server = await asyncio.start_server(frontend.handle, host, port)
-        async with server:
-            bound = server.sockets[0].getsockname()
-            print(f"moebus openai: serving http://{bound[0]}:{bound[1]}/v1 for the stack on {url}", flush=True)
-            await stop.wait()
-    print("moebus openai: stopped", flush=True)
+        await http.listen("openai", OpenAIFrontend(Client(bus), default_max_tokens).handle, host, port, "/v1", url)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus openai", description="serve an OpenAI-compatible HTTP API for a running stack")
-    ap.add_argument("--url", default=os.environ.get("MOEBUS_NATS_URL", "nats://127.0.0.1:4222"),
-                    help="NATS URL (printed by `moebus up`; default $MOEBUS_NATS_URL, else the local default)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    ap.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start)")
+    http.frontend_arguments(ap, default_port=8000)
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
-    a = ap.parse_args(argv)
-    if not 0 <= a.port <= 65535:
-        ap.error(f"--port must be in [0, 65535], got {a.port}")
+    a = http.parse_frontend(ap, argv)
     if a.default_max_tokens < 1:
         ap.error(f"--default-max-tokens must be at least 1, got {a.default_max_tokens}")
     return a
@@ -203,12 +188,4 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     a = _parse(argv)
     configure_logging("openai", "info", False)
-    try:
-        asyncio.run(serve(a.url, a.host, a.port, a.default_max_tokens))
-    except Unreachable as e:
-        print(f"moebus openai: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # the port is taken or not ours to bind
-        print(f"moebus openai: cannot listen on {a.host}:{a.port}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens), a.host, a.port)
