@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import time
 import uuid
 from collections.abc import Awaitable
 
@@ -34,6 +36,7 @@ log = get_logger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET"}
+CLIENT_GONE = 499  # logged status of a request whose client closed the connection first (nginx's convention)
 
 
 class OpenAIFrontend:
@@ -53,82 +56,89 @@ class OpenAIFrontend:
         return self._served_model
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One request per connection (`services.http`)."""
+        """One request per connection (`services.http`), logged once answered (``http_request``:
+        path, status, request id, milliseconds; status 499 when the client left first)."""
+        started = time.perf_counter()
+        method = path = request_id = None
+        status = 0
         try:
             try:
                 req = await http.read_request(reader, writer, MAX_BODY_BYTES)
-                method = ROUTES.get(req.path)
-                if method is None:
+                method, path = req.method, req.path
+                allowed = ROUTES.get(req.path)
+                if allowed is None:
                     raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")
-                if req.method != method:
-                    raise http.HttpError(405, f"{req.path} takes {method}")
+                if req.method != allowed:
+                    raise http.HttpError(405, f"{req.path} takes {allowed}")
                 if req.path == "/v1/models":
-                    await self._models(writer)
+                    status = await self._models(writer)
                 elif req.path == "/health":
-                    await self._health(writer)
+                    status = await self._health(writer)
                 else:
-                    await self._generate(reader, writer, req)
+                    request_id = uuid.uuid4().hex
+                    status = await self._generate(reader, writer, req, request_id)
             except http.HttpError as e:
+                status = e.status
                 await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "code": None}})
         except ConnectionError:
-            pass  # the client went away; a running generation was cancelled in _generate
+            status = CLIENT_GONE  # a running generation was cancelled in _generate
         finally:
             await http.close(writer)
+            log.info("http_request", method=method, path=path, status=status, request_id=request_id,
+                     ms=round((time.perf_counter() - started) * 1e3, 2))
 
-    async def _models(self, writer: asyncio.StreamWriter) -> None:
+    async def _models(self, writer: asyncio.StreamWriter) -> int:
         try:
             models = await self.client.models()
         except Exception as e:  # noqa: BLE001 - no model list (timeout, no responders): the stack is not answering
-            status, body = protocol.error_body("unavailable", f"llm.models did not answer: {e}")
-            await http.respond_json(writer, status, body)
-            return
+            return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
         data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "moebus", "max_model_len": m.max_context} for m in models.models]
         await http.respond_json(writer, 200, {"object": "list", "data": data})
+        return 200
 
-    async def _health(self, writer: asyncio.StreamWriter) -> None:
+    async def _health(self, writer: asyncio.StreamWriter) -> int:
         try:
             await self.client.models(timeout=2.0)
         except Exception as e:  # noqa: BLE001 - any failure means not healthy
             await http.respond(writer, 503, f"unavailable: {e}\n".encode(), "text/plain")
-            return
+            return 503
         await http.respond(writer, 200, b"ok\n", "text/plain")
+        return 200
 
-    async def _generate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: http.Request) -> None:
+    async def _generate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: http.Request, request_id: str) -> int:
         chat = req.path == "/v1/chat/completions"
-        request_id = uuid.uuid4().hex
         try:
             body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
             make = protocol.chat_request if chat else protocol.completion_request
             gen = make(body, request_id, self.default_max_tokens)  # type: ignore[arg-type]
         except protocol.InvalidRequest as e:
-            status, err = protocol.error_body("invalid_request", str(e))
-            await http.respond_json(writer, status, err)
-            return
+            return await _error(writer, "invalid_request", str(e))
         model = gen.model
         if model is None and gen.stream:
             try:
                 model = await self.served_model()
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
-                status, err = protocol.error_body("unavailable", f"llm.models did not answer: {e}")
-                await http.respond_json(writer, status, err)
-                return
+                return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
         shapes = protocol.Shapes(chat, request_id, model or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(writer, gen, shapes, include_usage) if gen.stream else self._unary(writer, gen, shapes)
-        if not await _unless_disconnected(reader, answer):
+        status = await _unless_disconnected(reader, answer)
+        if status is None:
             await self.client.cancel(request_id, "the HTTP client closed its connection")
             log.info("openai_client_gone", request_id=request_id)
+            return CLIENT_GONE
+        return status
 
-    async def _unary(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes) -> None:
+    async def _unary(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes) -> int:
         try:
             resp = await self.client.generate(gen)
         except GenerateError as e:
-            status, err = protocol.error_body(e.code, e.message)
-            await http.respond_json(writer, status, err)
-            return
+            return await _error(writer, e.code, e.message)
         await http.respond_json(writer, 200, shapes.response(resp))
+        return 200
 
-    async def _stream(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes, include_usage: bool) -> None:
+    async def _stream(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes, include_usage: bool) -> int:
+        """200 once the stream began (a later error is its last event), else the error's status."""
         started = False
         try:
             async for chunk in self.client.stream(gen):
@@ -142,17 +152,23 @@ class OpenAIFrontend:
                 if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
                     await http.send_event(writer, json.dumps(shapes.usage_chunk(chunk.usage)))
         except GenerateError as e:
-            status, err = protocol.error_body(e.code, e.message)
             if not started:
-                await http.respond_json(writer, status, err)
-                return
-            await http.send_event(writer, json.dumps(err))
+                return await _error(writer, e.code, e.message)
+            await http.send_event(writer, json.dumps(protocol.error_body(e.code, e.message)[1]))
         await http.send_event(writer, "[DONE]")
+        return 200
 
 
-async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[None]) -> bool:
-    """Run ``answer``; stop it if the client closes its connection first (False then). The
-    client sends nothing after its request, so any read returning means it is gone."""
+async def _error(writer: asyncio.StreamWriter, code: str, message: str) -> int:
+    """Answer with the OpenAI error object of a moebus error code; its HTTP status."""
+    status, body = protocol.error_body(code, message)
+    await http.respond_json(writer, status, body)
+    return status
+
+
+async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[int]) -> int | None:
+    """Run ``answer`` (its status); stop it if the client closes its connection first (None
+    then). The client sends nothing after its request, so any read returning means it is gone."""
     answering = asyncio.ensure_future(answer)
     gone = asyncio.ensure_future(reader.read(1))
     try:
@@ -160,14 +176,13 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[N
     finally:
         gone.cancel()
     if answering.done():
-        answering.result()
-        return True
+        return answering.result()
     answering.cancel()
     try:
         await answering
     except asyncio.CancelledError:
         pass
-    return False
+    return None
 
 
 async def serve(url: str, host: str, port: int, default_max_tokens: int) -> None:
@@ -187,5 +202,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = _parse(argv)
-    configure_logging("openai", "info", False)
+    json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
+    configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
     return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens), a.host, a.port)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from schemas.api import ChatMessage, GenerateRequest
-from services_helpers import run, session, stack_fixture
+from services_helpers import log_events, run, session, stack_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -186,3 +186,8 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     while run(cancelled_so_far()) == before:
         assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
         time.sleep(0.5)
+    # The frontend's access log: every request once, this one as 499 (client gone) with its request id.
+    gone = [e for e in log_events(stack, "http_request") if e["status"] == 499]
+    assert len(gone) == 1 and gone[0]["path"] == "/v1/completions" and gone[0]["request_id"]
+    assert [e["request_id"] for e in log_events(stack, "openai_client_gone")] == [gone[0]["request_id"]]
+    assert {e["status"] for e in log_events(stack, "http_request")} >= {200, 400, 404, 405, 413, 499}
