@@ -19,7 +19,7 @@ import msgspec
 
 from schemas import subjects
 from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList
-from shared.bus import CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, Unreachable, connect, decode_public, encode_public
+from shared.bus import CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, PayloadTooLarge, Unreachable, connect, decode_public, encode_public
 
 
 class GenerateError(Exception):
@@ -94,6 +94,8 @@ class Client:
                     raise GenerateError(reply.error.code, reply.error.message, reply.request_id)
                 if not isinstance(reply, Keepalive):
                     yield reply
+        except PayloadTooLarge as e:  # the request itself is too big: nothing was sent
+            raise GenerateError("invalid_request", str(e), req.request_id) from e
         except BusError as e:
             raise GenerateError("unavailable", str(e), req.request_id) from e
 

@@ -22,7 +22,7 @@ import nats
 from nats.aio.client import Client as NATSClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NATSTimeoutError
 
 from shared.logging import get_logger
@@ -63,6 +63,10 @@ class Unreachable(BusError):
 
 class Reconnected(BusError):
     """The connection was re-established while replies were due: some may have been lost."""
+
+
+class PayloadTooLarge(BusError):
+    """A message above the NATS server's ``max_payload`` (1 MiB by default): not sent."""
 
 
 # How often a stream of replies checks whether the connection was re-established meanwhile.
@@ -203,13 +207,23 @@ class Bus:
         self._subs.append(sub)
         return sub
 
-    async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> None:
-        await self.nc.publish(subject, payload, headers=headers)
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
+        """Raises PayloadTooLarge for a message the server would refuse."""
+        try:
+            await self.nc.publish(subject, payload, reply=reply, headers=headers)
+        except MaxPayloadError as e:
+            raise self._too_large(subject, payload) from e
+
+    def _too_large(self, subject: str, payload: bytes) -> PayloadTooLarge:
+        return PayloadTooLarge(f"a message of {len(payload)} bytes on {subject} exceeds the NATS server's max_payload of {self.nc.max_payload} bytes")
 
     async def request(self, subject: str, obj: Any, reply_type: type[T] | Any, timeout: float) -> T:
-        """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout."""
+        """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout / size."""
+        payload = pack(obj)
         try:
-            msg = await self.nc.request(subject, pack(obj), timeout=timeout)
+            msg = await self.nc.request(subject, payload, timeout=timeout)
+        except MaxPayloadError as e:
+            raise self._too_large(subject, payload) from e
         except NoRespondersError as e:
             raise NoResponders(f"no responder on {subject}") from e
         except NATSTimeoutError as e:
@@ -227,8 +241,8 @@ class Bus:
     ) -> AsyncIterator[Msg]:
         """Send one request and yield every reply until `is_last(reply)` or the deadline.
 
-        Raises NoResponders when nobody listens on `subject`, RequestTimeout when the
-        deadline passes before the last reply, Silent when `silence_s` passes without
+        Raises PayloadTooLarge for a request the server would refuse, NoResponders when
+        nobody listens on `subject`, RequestTimeout when the deadline passes before the last reply, Silent when `silence_s` passes without
         any reply (for a responder that promised keepalives), and Reconnected when the
         connection was re-established meanwhile (NATS delivers at most once: replies sent
         while it was down are gone, and waiting on would last until the deadline).
@@ -237,7 +251,7 @@ class Bus:
         sub = await self.nc.subscribe(inbox)
         reconnects = self.reconnects
         try:
-            await self.nc.publish(subject, payload, reply=inbox, headers=headers)
+            await self.publish(subject, payload, headers, reply=inbox)
             last_reply = time.monotonic()
             while True:
                 if self.reconnects != reconnects:

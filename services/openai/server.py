@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -82,6 +83,11 @@ class OpenAIFrontend:
                 await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "code": None}})
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate
+        except Exception as e:  # noqa: BLE001 - a bug here: answer 500 and log it instead of dropping the connection
+            status = 500
+            log.exception("http_request_failed", path=path, request_id=request_id)
+            with contextlib.suppress(Exception):
+                await _error(writer, "internal", f"{type(e).__name__}: {e}")
         finally:
             await http.close(writer)
             log.info("http_request", method=method, path=path, status=status, request_id=request_id,

@@ -16,7 +16,7 @@ import pytest
 
 from services.launch import nats_server_binary
 from services.ranks import free_port
-from shared.bus import Deadline, Reconnected, connect
+from shared.bus import Deadline, PayloadTooLarge, Reconnected, connect
 
 
 def _start_server(port: int) -> subprocess.Popen[bytes]:
@@ -75,3 +75,29 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(server):
     assert reconnects == 1
     assert failed_after < 5.0  # the stream's deadline was 60 s
     assert echo == b"ping"
+
+
+def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_connection_stays(server):
+    """nats-server refuses messages above its max_payload (1 MiB by default); the bus says so
+    (PayloadTooLarge, a BusError) for streams, requests and publishes alike, and the
+    connection keeps working."""
+    port, _ = server
+    big = b"x" * (2 << 20)
+
+    async def scenario() -> list[str]:
+        async with connect(f"nats://127.0.0.1:{port}", "echo") as echo, connect(f"nats://127.0.0.1:{port}", "caller") as caller:
+            await echo.subscribe("echo", lambda msg: msg.respond(msg.data))
+            errors = []
+            with pytest.raises(PayloadTooLarge) as streamed:
+                async for _ in caller.stream("echo", big, lambda m: True, Deadline.after(5)):
+                    pass
+            errors.append(str(streamed.value))
+            with pytest.raises(PayloadTooLarge) as published:
+                await caller.publish("echo", big)
+            errors.append(str(published.value))
+            replies = [m.data async for m in caller.stream("echo", b"small", lambda m: True, Deadline.after(5))]
+            assert replies == [b"small"]
+            return errors
+
+    errors = asyncio.run(scenario())
+    assert all(f"{2 << 20} bytes on echo exceeds the NATS server's max_payload of {1 << 20} bytes" in e for e in errors), errors

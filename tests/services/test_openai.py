@@ -138,6 +138,7 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_request", "only text parts"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "unknown_model", "gpt-4"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "invalid_request", "max_tokens"),
+    ("/v1/completions", {"prompt": "x " * 1_500_000}, 400, "invalid_request", "exceeds the NATS server's max_payload"),
 ])
 def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says):
     got, ctype, raw = call(frontend, "POST", path, body)
