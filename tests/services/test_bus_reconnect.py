@@ -87,6 +87,7 @@ def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_conne
     async def scenario() -> list[str]:
         async with connect(f"nats://127.0.0.1:{port}", "echo") as echo, connect(f"nats://127.0.0.1:{port}", "caller") as caller:
             await echo.subscribe("echo", lambda msg: msg.respond(msg.data))
+            await echo.nc.flush()  # the server knows the subscription before the caller sends
             errors = []
             with pytest.raises(PayloadTooLarge) as streamed:
                 async for _ in caller.stream("echo", big, lambda m: True, Deadline.after(5)):
