@@ -217,6 +217,23 @@ class Bus:
     def _too_large(self, subject: str, payload: bytes) -> PayloadTooLarge:
         return PayloadTooLarge(f"a message of {len(payload)} bytes on {subject} exceeds the NATS server's max_payload of {self.nc.max_payload} bytes")
 
+    async def has_listener(self, subject: str, payload: bytes, headers: dict[str, str] | None = None, wait_s: float = 1.0) -> bool:
+        """Deliver `payload` on `subject` and tell whether anything subscribes to it.
+
+        The message goes out as a request: when nothing subscribes, the server answers at
+        once with "no responders" (False). A subscriber need not answer: a reply, or
+        none within `wait_s`, means the message reached one (True).
+        """
+        try:
+            await self.nc.request(subject, payload, timeout=wait_s, headers=headers)
+        except MaxPayloadError as e:
+            raise self._too_large(subject, payload) from e
+        except NoRespondersError:
+            return False
+        except NATSTimeoutError:
+            pass
+        return True
+
     async def request(self, subject: str, obj: Any, reply_type: type[T] | Any, timeout: float) -> T:
         """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout / size."""
         payload = pack(obj)

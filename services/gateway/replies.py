@@ -2,22 +2,31 @@
 
 Every reply goes out encoded in the content type the request asked for and is counted
 (`RequestCounters`: final replies by outcome). A client that asked for keepalives
-(`shared.bus.KEEPALIVE_HEADER`) also gets a `Keepalive` whenever the interval passed
-without another reply, e.g. while its request waits for capacity, runs its prefill or
-decodes a long unary completion: without them such a client could not tell that a
-gateway which died after accepting its request will never answer, and would wait out
-its whole deadline.
+(`shared.bus.KEEPALIVE_HEADER`) also gets a `Keepalive` once per interval, e.g. while
+its request waits for capacity, runs its prefill or decodes a long unary completion:
+without them such a client could not tell that a gateway which died after accepting
+its request will never answer, and would wait out its whole deadline.
+
+The keepalives also tell the gateway whether the client is still there. Each goes out
+as a NATS request, so when nothing subscribes to the reply subject any more (the
+client's process died, its connection dropped, or it stopped reading and unsubscribed)
+the server answers "no responders" at once; the gateway then cancels the request
+instead of decoding, for nobody, until `max_tokens` or the deadline. A client that
+asked for no keepalives gets no such probe (a plain NATS request takes the first
+message on its inbox as the answer), and its request runs to its end.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Callable
 from typing import Any
 
 from schemas.api import Keepalive
 from services.gateway.stats import RequestCounters
 from shared.bus import Bus, encode_public
+
+MAX_PROBE_WAIT_S = 1.0  # a "no responders" answer takes one round trip to the NATS server
 
 
 class Replies:
@@ -28,16 +37,18 @@ class Replies:
         self.subject = subject
         self.ctype = ctype
         self.counters = counters
-        self.last_sent = time.monotonic()
 
     async def send(self, obj: Any) -> None:
         self.counters.reply(obj)
-        self.last_sent = time.monotonic()
         await self.bus.publish(self.subject, encode_public(obj, self.ctype))
 
-    async def keep_alive(self, interval_s: float, request_id: str) -> None:
-        """Until cancelled: a `Keepalive` each time `interval_s` passed since the last reply."""
+    async def keep_alive(self, interval_s: float, request_id: str, client_gone: Callable[[], None]) -> None:
+        """Until cancelled: a `Keepalive` every `interval_s`; `client_gone()` (then return) once
+        nothing subscribes to the reply subject."""
+        probe_s = min(interval_s / 2, MAX_PROBE_WAIT_S)  # long enough for the server's "no responders"
         while True:
-            await asyncio.sleep(max(0.0, self.last_sent + interval_s - time.monotonic()))
-            if time.monotonic() - self.last_sent >= interval_s:
-                await self.send(Keepalive(request_id=request_id))
+            await asyncio.sleep(interval_s - probe_s)
+            keepalive = encode_public(Keepalive(request_id=request_id), self.ctype)
+            if not await self.bus.has_listener(self.subject, keepalive, wait_s=probe_s):
+                client_gone()
+                return

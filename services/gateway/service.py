@@ -188,7 +188,7 @@ class Gateway:
         flight = Flight(admitted)
         self.flights[request_id] = flight
         with bind_request(request_id=request_id):
-            pinger = asyncio.create_task(replies.keep_alive(keepalive_s, request_id)) if keepalive_s else None
+            pinger = asyncio.create_task(replies.keep_alive(keepalive_s, request_id, lambda: self._client_gone(flight))) if keepalive_s else None
             try:
                 await self._serve(flight, req.stream, send, arrival_mono)
             except Failed as e:
@@ -202,6 +202,13 @@ class Gateway:
                     pinger.cancel()
                 await self._cancel_late_placement(flight)
                 self.flights.pop(request_id, None)  # only now may a new request reuse the id here
+
+    def _client_gone(self, flight: Flight) -> None:
+        """Nothing subscribes to the request's reply subject any more (`Replies.keep_alive`)."""
+        request_id = flight.admitted.job.request_id
+        log.info("client_gone", request_id=request_id)
+        flight.abort(StageError(request_id=request_id, code="cancelled", stage=f"gateway:{self.id}",
+                                message="the client went away: nothing subscribes to its reply subject any more"))
 
     async def _serve(self, flight: Flight, stream: bool, send: Any, arrival: float) -> None:
         job = flight.admitted.job

@@ -5,6 +5,7 @@ cancellation; then failures and scaling (destructive tests last, in file order).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -390,6 +391,40 @@ def test_deadline_cancels_and_frees_kv(stack):
     err, elapsed = run(go())
     assert err.code == "timeout"
     assert 1.4 < elapsed < 3.0
+
+
+def test_a_client_that_went_away_has_its_request_cancelled_and_kv_freed(stack):
+    """Clients that asked for keepalives and then vanished: one process killed mid-stream (the
+    CLI, keepalives every 2 s by default), one that closed its stream after the first chunk
+    (which unsubscribes its inbox). The gateway's next keepalive probe finds nobody listening
+    and cancels each request, long before its 4000 tokens or its 60 s deadline."""
+    cli = subprocess.Popen([sys.executable, "-m", "services.cli", "request", "--url", stack.url, "--prompt", "killed client",
+                            "--max-tokens", "4000", "--temperature", "0", "--timeout-ms", "60000", "--stream"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def go():
+        async with session(stack.url) as (plain, watch):
+            try:
+                await watch.wait_for(lambda w: sum(hb.batch_size for hb in w.live("decode")) == 1, 30, "the CLI's request decoding")
+                client = Client(plain.bus, keepalive_s=0.3)
+                req = GenerateRequest(prompt="abandoned stream", max_tokens=4000, temperature=0, timeout_ms=60_000, request_id="abandoned-client")
+                async with contextlib.aclosing(client.stream(req)) as chunks:
+                    await chunks.__anext__()
+                    await watch.wait_for(lambda w: sum(hb.batch_size for hb in w.live("decode")) == 2, 10, "both decoding")
+            finally:
+                cli.kill()
+                cli.wait()
+            left_at = time.monotonic()
+            await watch.wait_for(all_kv_free, 10, "KV freed after the clients left")
+            return time.monotonic() - left_at
+
+    freed_after = run(go())
+    assert freed_after < 6.0  # one 2 s keepalive interval plus a loaded box's slack; 4000 tokens take far longer
+    gone = {e["request_id"] for e in log_events(stack, "client_gone")}
+    assert "abandoned-client" in gone and len(gone) == 2, gone
+    failed = {e["request_id"]: e["code"] for e in log_events(stack, "request_failed")}
+    completed = {e["request_id"] for e in log_events(stack, "completed")}
+    assert all(failed.get(rid) == "cancelled" for rid in gone) and not gone & completed
 
 
 def test_scheduler_restart_resumes_placement_within_2s(stack):
