@@ -40,10 +40,13 @@ SILENT_INTERVALS = 3
 class Client:
     """Talks to `llm.*` over an open bus. `timeout` bounds the wait when a request sets no deadline.
 
-    `keepalive_s`: the gateway is asked for a keepalive whenever that long passed without a
-    reply (`KEEPALIVE_HEADER`); after `SILENT_INTERVALS` of them without any reply the
+    `keepalive_s`: the gateway is asked for a keepalive every that many seconds
+    (`KEEPALIVE_HEADER`); after `SILENT_INTERVALS` of them without any reply the
     request fails with `unavailable` instead of waiting out its deadline (a gateway that
-    died after accepting it). None: ask for none, wait for the deadline.
+    died after accepting it). The gateway in turn cancels the request once a keepalive
+    finds nobody subscribed to its replies (this process died, or the stream was closed
+    early). None: ask for none, wait for the deadline; the request then runs to its end
+    even if nobody reads it.
     """
 
     def __init__(self, bus: Bus, content_type: str = JSON, timeout: float = 120.0, keepalive_s: float | None = 2.0) -> None:
