@@ -48,6 +48,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop: list[str] = []  # generation ends before the first occurrence of any of these strings
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token
+    top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0..20)
     timeout_ms: int | None = None  # client deadline, relative to arrival at the gateway
     request_id: str | None = None  # optional client-chosen id (letters, digits, '-', '_'), e.g. to cancel
 
@@ -55,6 +56,23 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Usage(msgspec.Struct, forbid_unknown_fields=True):
     prompt_tokens: int
     completion_tokens: int
+
+
+class TopLogprob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A token and its log-probability at one position of the completion (of the raw logits,
+    before penalties and temperature)."""
+
+    token_id: int
+    token: str  # the token decoded on its own; U+FFFD where its bytes are not whole UTF-8 characters alone
+    bytes: list[int]  # the token's raw bytes (a character split over tokens is whole in their concatenation)
+    logprob: float
+
+
+class TokenLogprob(TopLogprob, kw_only=True):
+    """A generated token with its log-probability and the `top_logprobs` most likely tokens
+    at its position (most likely first; the generated token is among them only if it ranks)."""
+
+    top_logprobs: list[TopLogprob] = []
 
 
 class Timing(msgspec.Struct, forbid_unknown_fields=True):
@@ -72,7 +90,8 @@ class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True, tag="response
     finish_reason: FinishReason
     usage: Usage
     timing: Timing
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # with logprobs: each generated token's log-probability
+    token_logprobs: list[TokenLogprob] | None = None  # with logprobs: the same per token, with its text, bytes and top alternatives
 
 
 class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag_field="type", kw_only=True):
@@ -83,6 +102,7 @@ class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = None
+    token_logprobs: list[TokenLogprob] | None = None  # as in GenerateResponse, for this chunk's tokens
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timing: Timing | None = None

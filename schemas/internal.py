@@ -38,6 +38,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int]  # EOS ids of the model; stop strings are the gateway's business
     logprobs: bool
     deadline: float  # Unix time after which nobody works on this request any more
+    top_logprobs: int = 0  # with logprobs: the most likely tokens to report at each position
 
 
 class SubmitJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -91,6 +92,13 @@ class StartDecode(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     generator_state: bytes | None  # the seeded sampler's state after the first token (reproducibility)
 
 
+class TopCandidates(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """The most likely tokens at one position, most likely first, with their log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class TokenBatch(msgspec.Struct, forbid_unknown_fields=True, tag="tokens", tag_field="type", kw_only=True):
     """Tokens `start .. start+len(token_ids)-1` of a request's completion."""
 
@@ -98,6 +106,7 @@ class TokenBatch(msgspec.Struct, forbid_unknown_fields=True, tag="tokens", tag_f
     start: int  # index of token_ids[0] in the completion (prefill sends 0, decode 1, 2, ...)
     token_ids: list[int]
     logprobs: list[float] | None = None
+    top_logprobs: list[TopCandidates] | None = None  # per token, when the job asks for top_logprobs
     finish_reason: FinishReason | None = None  # set on the last batch of the request
     compute_ms: float = 0.0  # model time spent producing these tokens (prefill pass / decode steps)
 

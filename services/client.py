@@ -2,7 +2,8 @@
 
 `moebus request --url nats://127.0.0.1:4222 --prompt "hi" [--stream] [--max-tokens N] ...`
 prints the completion (streamed as it arrives with --stream) and a usage/timing line
-on stderr; `--json` prints the raw replies instead. The exit status is 1 on an error
+on stderr (with --logprobs / --top-logprobs K also each token's logprob and its K most
+likely alternatives, one line per token); `--json` prints the raw replies instead. The exit status is 1 on an error
 reply, with its code and message on stderr.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 import msgspec
 
 from schemas import subjects
-from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList
+from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList, TokenLogprob
 from shared.bus import CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, PayloadTooLarge, Unreachable, connect, decode_public, encode_public
 
 
@@ -128,7 +129,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--logprobs", action="store_true")
+    ap.add_argument("--logprobs", action="store_true", help="show each generated token's log-probability")
+    ap.add_argument("--top-logprobs", type=int, default=0, metavar="K", help="also the K most likely tokens at each position (implies --logprobs)")
     ap.add_argument("--timeout-ms", type=int)
     ap.add_argument("--msgpack", action="store_true", help="send msgpack instead of JSON")
     ap.add_argument("--json", action="store_true", help="print the raw replies as JSON lines")
@@ -150,21 +152,25 @@ async def _run(a: argparse.Namespace) -> int:
         frequency_penalty=a.frequency_penalty,
         repetition_penalty=a.repetition_penalty,
         stop=a.stop,
-        logprobs=a.logprobs,
+        logprobs=a.logprobs or a.top_logprobs > 0,
+        top_logprobs=a.top_logprobs,
         timeout_ms=a.timeout_ms,
     )
     async with connect(a.url, "moebus-request") as bus:
         client = Client(bus, MSGPACK if a.msgpack else JSON)
         try:
             if a.stream:
+                token_logprobs: list[TokenLogprob] = []
                 async for chunk in client.stream(req):
                     if a.json:
                         print(msgspec.json.encode(chunk).decode(), flush=True)
                     else:
                         print(chunk.text, end="", flush=True)
+                    token_logprobs += chunk.token_logprobs or []
                     last = chunk
                 if not a.json:
                     print()
+                    _print_logprobs(token_logprobs)
                     _summary(last.finish_reason, last.usage, last.timing)
             else:
                 resp = await client.generate(req)
@@ -172,6 +178,7 @@ async def _run(a: argparse.Namespace) -> int:
                     print(msgspec.json.encode(resp).decode())
                 else:
                     print(resp.text)
+                    _print_logprobs(resp.token_logprobs or [])
                     _summary(resp.finish_reason, resp.usage, resp.timing)
         except GenerateError as e:
             if a.json:
@@ -179,6 +186,13 @@ async def _run(a: argparse.Namespace) -> int:
             print(f"moebus request: error {e.code}: {e.message}", file=sys.stderr)
             return 1
     return 0
+
+
+def _print_logprobs(entries: list[TokenLogprob]) -> None:
+    """One stderr line per generated token: the token, its logprob, then its alternatives."""
+    for e in entries:
+        alternatives = "  ".join(f"{t.token!r} {t.logprob:.4f}" for t in e.top_logprobs)
+        print(f"{e.token!r} {e.logprob:.4f}" + (f"  | {alternatives}" if alternatives else ""), file=sys.stderr)
 
 
 def _summary(finish_reason: Any, usage: Any, timing: Any) -> None:

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
-from schemas.internal import Job
+from schemas.internal import Job, TopCandidates
 from shared.logging import configure_logging, get_logger
-from shared.model.runner import ModelRunner
+from shared.model.runner import ModelRunner, StepOutput
 from shared.model.sampling import SamplingParams
 from shared.parallel import Topology, init_distributed
 from shared.settings import DecodeSettings, PrefillSettings
@@ -140,4 +140,11 @@ def sampling_params(job: Job) -> SamplingParams:
         presence_penalty=job.sampling.presence_penalty,
         frequency_penalty=job.sampling.frequency_penalty,
         repetition_penalty=job.sampling.repetition_penalty,
+        top_logprobs=job.top_logprobs,
     )
+
+
+def top_candidates(out: StepOutput) -> list[TopCandidates] | None:
+    """A step's top alternatives as a `TokenBatch` of one token carries them (None when not asked)."""
+    top = out.top_logprobs
+    return None if top is None else [TopCandidates(top.token_ids, top.logprobs)]

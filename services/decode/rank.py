@@ -33,7 +33,7 @@ from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, S
 from services.common import Heartbeater
 from services.decode.lockstep import GroupState, Lockstep
 from services.liveness import PeerLiveness, gateway_key
-from services.model_rank import sampling_params
+from services.model_rank import sampling_params, top_candidates
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
@@ -251,6 +251,7 @@ class DecodeRank:
                 start=len(entry.seq.output_ids) - 1,
                 token_ids=[out.token_id],
                 logprobs=[out.logprob] if out.logprob is not None else None,
+                top_logprobs=top_candidates(out),
                 finish_reason=out.finish_reason,  # type: ignore[arg-type]
                 compute_ms=compute_ms,
             )

@@ -77,6 +77,8 @@ class Admission:
             raise Rejected("invalid_request", f"timeout_ms must be in [1, {self.settings.max_timeout_ms}], got {req.timeout_ms}")
         if any(not s for s in req.stop):
             raise Rejected("invalid_request", "stop: strings must not be empty")
+        if req.top_logprobs and not req.logprobs:
+            raise Rejected("invalid_request", "top_logprobs needs logprobs: true")
 
         input_ids = self._input_ids(req)
         if len(input_ids) + req.max_tokens > self.model.max_context:
@@ -94,6 +96,7 @@ class Admission:
             sampling=sampling,
             stop_token_ids=list(self.model.generation.eos_token_ids),
             logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
             deadline=arrival + timeout_s,
         )
         return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s)
@@ -132,6 +135,7 @@ class Admission:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else gen.repetition_penalty,
+                top_logprobs=req.top_logprobs,  # checked here, carried on the Job
             )
         except InvalidSamplingParams as e:
             raise Rejected("invalid_request", str(e)) from e

@@ -4,14 +4,20 @@ Token batches come from two publishers (prefill sends token 0, the decode rank t
 rest), so they may arrive out of order; `Completion` releases them by index. Text is
 released only when it can no longer turn into a stop string: a tail that is a prefix
 of some stop string is held back until the next tokens decide it.
+
+With logprobs, each token also becomes a `TokenLogprob` (its text and bytes alone, its
+logprob, its position's top alternatives) as soon as it arrives in order, whether or not
+its text is released yet: a streamed chunk carries the tokens it took, not its text's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from schemas.api import FinishReason
-from schemas.internal import TokenBatch
+from schemas.api import FinishReason, TokenLogprob, TopLogprob
+from schemas.internal import TokenBatch, TopCandidates
 from shared.model.tokenizer import IncrementalDetokenizer
 
 
@@ -22,18 +28,25 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.text or self.token_ids)
 
 
+TokenPiece = Callable[[int], tuple[str, bytes]]  # a token id's text and bytes alone (`Tokenizer.token_piece`)
+
+
 class Completion:
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int, token_piece: TokenPiece | None = None) -> None:
+        """``token_piece``: names the tokens of `token_logprobs` (needed when batches carry logprobs)."""
         self.detokenizer = detokenizer
         self.stop = stop
         self.max_tokens = max_tokens
+        self.token_piece = token_piece
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.token_logprobs: list[TokenLogprob] = []
         self.text = ""  # everything decoded so far (may run past a stop string)
         self.released = 0  # characters of `text` handed to the client
         self.finish_reason: FinishReason | None = None
@@ -66,6 +79,10 @@ class Completion:
             lp = batch.logprobs[: len(ids)]
             self.logprobs += lp
             delta.logprobs += lp
+            if self.token_piece is not None:
+                entries = self._token_logprobs(self.token_piece, ids, lp, batch.top_logprobs)
+                self.token_logprobs += entries
+                delta.token_logprobs += entries
         self.text += self.detokenizer.add(ids)
         finish = batch.finish_reason or ("length" if len(self.token_ids) >= self.max_tokens else None)
         if finish is not None:
@@ -82,6 +99,19 @@ class Completion:
             delta.text += self.text[self.released : end]
             self.released = end
         self.finish_reason = finish
+
+    @staticmethod
+    def _token_logprobs(piece: TokenPiece, ids: list[int], logprobs: list[float], tops: list[TopCandidates] | None) -> list[TokenLogprob]:
+        def named(token_id: int, logprob: float) -> dict[str, Any]:
+            text, raw = piece(token_id)
+            return {"token_id": token_id, "token": text, "bytes": list(raw), "logprob": logprob}
+
+        entries = []
+        for i, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=True)):
+            top = tops[i] if tops is not None else TopCandidates([], [])
+            alternatives = [TopLogprob(**named(t, lp)) for t, lp in zip(top.token_ids, top.logprobs, strict=True)]
+            entries.append(TokenLogprob(**named(token_id, logprob), top_logprobs=alternatives))
+        return entries
 
     def _stop_at(self) -> int | None:
         """Index where the earliest stop string starts in the unreleased text, if any."""

@@ -217,7 +217,8 @@ class Gateway:
             flight.placement = await self._submit(flight, deadline)
             queue_ms = (time.monotonic() - arrival) * 1000
             log.info("placed", decode=f"{flight.placement.decode_instance}/{flight.placement.decode_rank}", prefill=flight.placement.prefill_instance)
-            completion = Completion(self.tokenizer.detokenizer(skip_special_tokens=True), flight.admitted.stop, job.max_tokens)
+            completion = Completion(self.tokenizer.detokenizer(skip_special_tokens=True), flight.admitted.stop, job.max_tokens,
+                                    self.tokenizer.token_piece)
             ttft_ms = None
             chunks = 0
             while not completion.finished:
@@ -244,6 +245,7 @@ class Gateway:
                     usage=Usage(len(job.input_ids), len(completion.token_ids)),
                     timing=self._timing(arrival, queue_ms, ttft_ms, completion),
                     logprobs=completion.logprobs if job.logprobs else None,
+                    token_logprobs=completion.token_logprobs if job.logprobs else None,
                 )
             )
 
@@ -255,6 +257,7 @@ class Gateway:
             text=delta.text,
             token_ids=delta.token_ids,
             logprobs=delta.logprobs if job.logprobs else None,
+            token_logprobs=delta.token_logprobs if job.logprobs else None,
             finish_reason=completion.finish_reason,
             usage=Usage(len(job.input_ids), len(completion.token_ids)) if last else None,
             timing=self._timing(arrival, queue_ms, ttft_ms, completion) if last else None,

@@ -2,15 +2,20 @@
 
 Requests decode strictly (msgspec, unknown fields refused with their name); fields that
 OpenAI defines but moebus does not implement are accepted only at their no-op values
-(``n: 1``, no ``logit_bias``, no log-probabilities, no tools), anything else is an
-``invalid_request`` naming the field, never silently ignored. ``user`` is accepted and
-unused. ``presence_penalty`` and ``frequency_penalty`` are OpenAI's; ``top_k``, ``seed`` and
-``repetition_penalty`` pass through as in vLLM. Without ``max_tokens`` a request gets
-``default_max_tokens`` (the server's ``--default-max-tokens``).
+(no ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, tools or response formats),
+anything else is an ``invalid_request`` naming the field, never silently ignored. ``user``
+is accepted and unused. ``presence_penalty`` and ``frequency_penalty`` are OpenAI's;
+``top_k``, ``seed`` and ``repetition_penalty`` pass through as in vLLM. Without
+``max_tokens`` a request gets ``default_max_tokens`` (the server's ``--default-max-tokens``).
+Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
+become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
+`services.openai.logprobs` shapes the answer. ``n`` choices (1 to the server's ``--max-n``)
+are ``n`` requests (`services.openai.choices`), merged here into one object.
 
 Responses follow OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects, and
 for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
-(a usage-only chunk before it when ``stream_options.include_usage``). Errors carry
+(a usage-only chunk before it when ``stream_options.include_usage``). Usage counts the
+prompt once and the completion tokens of every choice, as OpenAI and vLLM do. Errors carry
 OpenAI's ``{"error": {"message", "type", "code"}}`` with an HTTP status per moebus code.
 """
 
@@ -22,6 +27,7 @@ from typing import Any, Literal
 import msgspec
 
 from schemas.api import ChatMessage, GenerateChunk, GenerateRequest, GenerateResponse, Usage
+from services.openai.logprobs import CompletionLogprobs, chat_logprobs
 
 # moebus error code -> (HTTP status, OpenAI error type)
 ERRORS: dict[str, tuple[int, str]] = {
@@ -100,15 +106,18 @@ def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionReque
 
 
 def _check_unsupported(req: _Sampling, extra: dict[str, bool]) -> None:
-    unsupported = {
-        "n": req.n != 1,
-        "logit_bias": bool(req.logit_bias),
-        **extra,
-    }
+    unsupported = {"logit_bias": bool(req.logit_bias), **extra}
     bad = [name for name, used in unsupported.items() if used]
     if bad:
-        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (n must be 1; no logit_bias, "
-                             "log-probabilities, echo, suffix, best_of > 1, tools or response formats)")
+        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no logit_bias, echo, suffix, best_of > 1, "
+                             "tools or response formats)")
+
+
+def check_n(req: _Sampling, max_n: int) -> int:
+    """The number of choices asked for, within [1, max_n]."""
+    if not 1 <= req.n <= max_n:
+        raise InvalidRequest(f"n must be in [1, {max_n}] (this server's --max-n), got {req.n}")
+    return req.n
 
 
 def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[str, Any]:
@@ -120,18 +129,18 @@ def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[st
 
 
 def completion_request(req: CompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
-    """The moebus request of a ``/v1/completions`` body (a token-id prompt as ``input_ids``)."""
-    _check_unsupported(req, {"logprobs": req.logprobs is not None, "echo": req.echo, "suffix": req.suffix is not None,
-                             "best_of": req.best_of not in (None, 1)})
+    """The moebus request of a ``/v1/completions`` body (a token-id prompt as ``input_ids``;
+    ``logprobs: k`` asks for the k most likely tokens too)."""
+    _check_unsupported(req, {"echo": req.echo, "suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
     prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"input_ids": req.prompt}
-    return GenerateRequest(**prompt, **_common(req, request_id, default_max_tokens))
+    logprobs = {} if req.logprobs is None else {"logprobs": True, "top_logprobs": req.logprobs}
+    return GenerateRequest(**prompt, **logprobs, **_common(req, request_id, default_max_tokens))
 
 
 def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
     """The moebus request of a ``/v1/chat/completions`` body: text parts of a message are joined;
     ``developer`` messages are system messages (OpenAI's newer name)."""
-    _check_unsupported(req, {"logprobs": req.logprobs or req.top_logprobs is not None, "tools": bool(req.tools),
-                             "tool_choice": req.tool_choice not in (None, "none"),
+    _check_unsupported(req, {"tools": bool(req.tools), "tool_choice": req.tool_choice not in (None, "none"),
                              "response_format": (req.response_format or {}).get("type", "text") != "text"})
     messages = []
     for i, m in enumerate(req.messages):
@@ -145,7 +154,12 @@ def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens
     fields = _common(req, request_id, default_max_tokens)
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
-    return GenerateRequest(messages=messages, **fields)
+    return GenerateRequest(messages=messages, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **fields)
+
+
+def merged_usage(usages: list[Usage]) -> Usage:
+    """The usage of ``n`` choices of one prompt: the prompt once, every choice's completion."""
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
 
 
 def _usage(u: Usage) -> dict[str, int]:
@@ -153,37 +167,46 @@ def _usage(u: Usage) -> dict[str, int]:
 
 
 class Shapes:
-    """The response objects of one request (``chat``: chat completions, else completions)."""
+    """The response objects of one request of ``n`` choices (``chat``: chat completions, else completions)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, n: int = 1) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
+        self._completion_logprobs = [CompletionLogprobs() for _ in range(n)]  # per choice: a stream's text offsets go on
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, r: GenerateResponse) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None, "finish_reason": r.finish_reason}
-            body = self._object("chat.completion", [choice])
-        else:
-            body = self._object("text_completion", [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}])
-        body["model"] = r.model
-        return body | {"usage": _usage(r.usage)}
+    def _logprobs(self, index: int, r: GenerateResponse | GenerateChunk) -> dict[str, Any] | None:
+        return chat_logprobs(r.token_logprobs) if self.chat else self._completion_logprobs[index](r.token_logprobs)
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role (completions have no such chunk)."""
+    def response(self, responses: list[GenerateResponse]) -> dict[str, Any]:
+        """The answer of choices ``responses`` (in choice order)."""
+        choices = []
+        for i, r in enumerate(responses):
+            content = {"message": {"role": "assistant", "content": r.text}} if self.chat else {"text": r.text}
+            choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), "finish_reason": r.finish_reason})
+        body = self._object("chat.completion" if self.chat else "text_completion", choices)
+        body["model"] = responses[0].model
+        return body | {"usage": _usage(merged_usage([r.usage for r in responses]))}
+
+    def first_chunk(self, index: int) -> dict[str, Any] | None:
+        """Chat streams open each choice with the assistant's role (completions have no such chunk)."""
         if not self.chat:
             return None
-        return self._object("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        return self._object("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                                       "finish_reason": None}])
 
-    def chunk(self, c: GenerateChunk) -> dict[str, Any]:
+    def chunk(self, c: GenerateChunk, index: int) -> dict[str, Any]:
+        """Choice ``index``'s chunk ``c``, with the logprobs of the tokens it took."""
         if self.chat:
             delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-            return self._object("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}])
-        return self._object("text_completion", [{"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}])
+            return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": self._logprobs(index, c),
+                                                           "finish_reason": c.finish_reason}])
+        return self._object("text_completion", [{"index": index, "text": c.text, "logprobs": self._logprobs(index, c),
+                                                 "finish_reason": c.finish_reason}])
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(u)}

@@ -4,14 +4,15 @@
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` (unary, or server-sent
   events with ``"stream": true``), translated to ``llm.generate`` by
-  `services.openai.protocol` and answered through `services.client.Client`;
+  `services.openai.protocol` and answered through `services.client.Client`, ``n``
+  choices as ``n`` requests (`services.openai.choices`, up to ``--max-n``);
 * ``GET /v1/models`` from ``llm.models``;
 * ``GET /health``: 200 when the stack answers ``llm.models``, else 503.
 
 The frontend is stateless (run as many as needed; each is one more NATS client): every
-request gets its own moebus request id, so a client that closes its connection before
-the answer ends cancels the request (``llm.cancel``) instead of leaving it to run. Errors
-are OpenAI error objects with an HTTP status per moebus error code; one that arrives
+request gets its own moebus request id (one per choice), so a client that closes its
+connection before the answer ends cancels the request (``llm.cancel``, every choice)
+instead of leaving it to run. Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
 after a stream started is sent as a last ``data:`` event, as vLLM does.
 """
 
@@ -26,10 +27,11 @@ import time
 import uuid
 from collections.abc import Awaitable
 
-from schemas.api import GenerateRequest
+from schemas.api import Usage
 from services import http
 from services.client import Client, GenerateError
 from services.openai import protocol
+from services.openai.choices import Choices, choice_requests
 from shared.bus import connect
 from shared.logging import configure_logging, get_logger
 
@@ -43,9 +45,10 @@ CLIENT_GONE = 499  # logged status of a request whose client closed the connecti
 class OpenAIFrontend:
     """Routes one HTTP request per connection to the stack through ``client``."""
 
-    def __init__(self, client: Client, default_max_tokens: int) -> None:
+    def __init__(self, client: Client, default_max_tokens: int, max_n: int = 16) -> None:
         self.client = client
         self.default_max_tokens = default_max_tokens
+        self.max_n = max_n
         self._served_model: str | None = None  # from llm.models, once it answered
 
     async def served_model(self) -> str:
@@ -117,6 +120,7 @@ class OpenAIFrontend:
             body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
             make = protocol.chat_request if chat else protocol.completion_request
             gen = make(body, request_id, self.default_max_tokens)  # type: ignore[arg-type]
+            n = protocol.check_n(body, self.max_n)
         except protocol.InvalidRequest as e:
             return await _error(writer, "invalid_request", str(e))
         model = gen.model
@@ -125,38 +129,44 @@ class OpenAIFrontend:
                 model = await self.served_model()
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
                 return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
-        shapes = protocol.Shapes(chat, request_id, model or "")
+        shapes = protocol.Shapes(chat, request_id, model or "", n)
+        choices = Choices(self.client, choice_requests(gen, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        answer = self._stream(writer, gen, shapes, include_usage) if gen.stream else self._unary(writer, gen, shapes)
+        answer = self._stream(writer, choices, shapes, include_usage) if gen.stream else self._unary(writer, choices, shapes)
         status = await _unless_disconnected(reader, answer)
         if status is None:
-            await self.client.cancel(request_id, "the HTTP client closed its connection")
+            for choice_id in choices.ids:
+                await self.client.cancel(choice_id, "the HTTP client closed its connection")
             log.info("openai_client_gone", request_id=request_id)
             return CLIENT_GONE
         return status
 
-    async def _unary(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes) -> int:
+    async def _unary(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes) -> int:
         try:
-            resp = await self.client.generate(gen)
+            responses = await choices.responses()
         except GenerateError as e:
             return await _error(writer, e.code, e.message)
-        await http.respond_json(writer, 200, shapes.response(resp))
+        await http.respond_json(writer, 200, shapes.response(responses))
         return 200
 
-    async def _stream(self, writer: asyncio.StreamWriter, gen: GenerateRequest, shapes: protocol.Shapes, include_usage: bool) -> int:
-        """200 once the stream began (a later error is its last event), else the error's status."""
+    async def _stream(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes, include_usage: bool) -> int:
+        """200 once the stream began (a later error is its last event), else the error's status.
+        The choices' chunks interleave as they come, each naming its choice's index."""
         started = False
+        usages: dict[int, Usage] = {}
         try:
-            async for chunk in self.client.stream(gen):
+            async for index, chunk in choices.chunks():
                 if not started:
                     await http.start_events(writer)
                     started = True
-                    first = shapes.first_chunk()
-                    if first is not None:
-                        await http.send_event(writer, json.dumps(first))
-                await http.send_event(writer, json.dumps(shapes.chunk(chunk)))
-                if chunk.finish_reason is not None and include_usage and chunk.usage is not None:
-                    await http.send_event(writer, json.dumps(shapes.usage_chunk(chunk.usage)))
+                    for i in range(len(choices.ids)):
+                        if (first := shapes.first_chunk(i)) is not None:
+                            await http.send_event(writer, json.dumps(first))
+                await http.send_event(writer, json.dumps(shapes.chunk(chunk, index)))
+                if chunk.usage is not None:
+                    usages[index] = chunk.usage
+            if include_usage:
+                await http.send_event(writer, json.dumps(shapes.usage_chunk(protocol.merged_usage([usages[i] for i in sorted(usages)]))))
         except GenerateError as e:
             if not started:
                 return await _error(writer, e.code, e.message)
@@ -191,18 +201,21 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[i
     return None
 
 
-async def serve(url: str, host: str, port: int, default_max_tokens: int) -> None:
+async def serve(url: str, host: str, port: int, default_max_tokens: int, max_n: int) -> None:
     async with connect(url, "moebus-openai") as bus:
-        await http.listen("openai", OpenAIFrontend(Client(bus), default_max_tokens).handle, host, port, "/v1", url)
+        await http.listen("openai", OpenAIFrontend(Client(bus), default_max_tokens, max_n).handle, host, port, "/v1", url)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus openai", description="serve an OpenAI-compatible HTTP API for a running stack")
     http.frontend_arguments(ap, default_port=8000)
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
+    ap.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for; each is a request to the stack")
     a = http.parse_frontend(ap, argv)
     if a.default_max_tokens < 1:
         ap.error(f"--default-max-tokens must be at least 1, got {a.default_max_tokens}")
+    if not 1 <= a.max_n <= 128:
+        ap.error(f"--max-n must be in [1, 128] (OpenAI's bound), got {a.max_n}")
     return a
 
 
@@ -210,4 +223,4 @@ def main(argv: list[str]) -> int:
     a = _parse(argv)
     json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
     configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
-    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens), a.host, a.port)
+    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens, a.max_n), a.host, a.port)

@@ -32,7 +32,7 @@ from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
 from shared.model.config import GenerationConfig
 from shared.model.cuda_graphs import DecodeGraphs, EventLog
 from shared.model.model import ForwardBatch, LayerCallback, Qwen3Model, SequenceChunk
-from shared.model.sampling import Sampler, SamplingParams
+from shared.model.sampling import Sampler, SamplingParams, TopLogprobs, top_logprobs
 from shared.parallel import Collectives, Topology
 
 
@@ -63,6 +63,7 @@ class StepOutput:
     token_id: int
     logprob: float | None
     finish_reason: str | None
+    top_logprobs: TopLogprobs | None = None  # when the sequence asks for them
 
 
 class ModelRunner:
@@ -145,6 +146,8 @@ class ModelRunner:
         # Penalties look at each sequence's prompt and output so far (built only when asked for).
         histories = [(s.token_ids[: s.prompt_len], s.output_ids) for s in seqs] if any(p.penalized for p in params) else None
         tokens, logprobs = self.sampler.sample(logits.float(), params, [s.generator for s in seqs], histories)
+        # From the raw logits, and only when some sequence asks (no cost otherwise).
+        tops = top_logprobs(logits, params) if any(p.top_logprobs for p in params) else [None] * len(seqs)
         outputs = []
         for i, (s, token) in enumerate(zip(seqs, tokens.tolist())):
             s.num_cached = len(s.token_ids)
@@ -158,7 +161,7 @@ class ModelRunner:
                 s.finish_reason = "length"
             if s.finished and self.release_finished:
                 self.release(s)
-            outputs.append(StepOutput(s.seq_id, token, lp, s.finish_reason))
+            outputs.append(StepOutput(s.seq_id, token, lp, s.finish_reason, tops[i]))
         return outputs
 
     def release(self, seq: SequenceState) -> None:

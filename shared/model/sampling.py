@@ -1,4 +1,5 @@
-"""Next-token sampling: penalties, greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Next-token sampling: penalties, greedy, temperature, top-k, top-p, per-request seeds, logprobs
+and the most likely tokens at each position (``top_logprobs``).
 
 Reproducibility: a request with a seed owns a `torch.Generator`, and its row is
 drawn only from that generator, with a draw whose size does not depend on the
@@ -14,7 +15,8 @@ divided by it when positive, multiplied when negative), then OpenAI's
 ``frequency_penalty`` and ``presence_penalty`` over the output so far (subtract
 ``frequency * count + presence`` from the logit of every generated token). Logprobs
 are those of the raw logits (``log_softmax`` before penalties, temperature and
-filtering), as vLLM reports them by default.
+filtering), as vLLM reports them by default; so are a row's ``top_logprobs`` alternatives
+(`top_logprobs`), computed only for the rows that ask for them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 _MAX_SEED = 2**64 - 1
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives per position
 
 
 class InvalidSamplingParams(ValueError):
@@ -46,6 +49,7 @@ class SamplingParams:
         top_p; 1 disables.
     seed: makes the request's samples reproducible; None draws from a shared stream.
     logprobs: report the log-probability of each chosen token.
+    top_logprobs: also report this many most likely tokens per position (0 to MAX_TOP_LOGPROBS).
     max_tokens: the most tokens to generate.
     stop_token_ids: ids that end generation (besides EOS, which the caller adds).
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]; 0 disables.
@@ -62,6 +66,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
@@ -88,6 +93,8 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not (math.isfinite(rp) and rp > 0):
             raise InvalidSamplingParams(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingParams(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         # frozen: normalise a list to a tuple so the params stay hashable
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
@@ -120,6 +127,32 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
         if (p.presence_penalty or p.frequency_penalty) and output:
             ids, counts = torch.unique(torch.tensor(output, dtype=torch.long, device=device), return_counts=True)
             out[i, ids] -= p.frequency_penalty * counts.to(out.dtype) + p.presence_penalty
+    return out
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely tokens at one position, most likely first, and their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[TopLogprobs | None]:
+    """Each row's ``params[i].top_logprobs`` most likely tokens under ``log_softmax(logits)``
+    (None for a row that asks for none). Pass the raw logits: the alternatives are reported
+    before penalties and temperature, like the chosen token's logprob. Only the rows that
+    ask are computed, in one ``topk`` at the largest k asked (one transfer to the host)."""
+    rows = [i for i, p in enumerate(params) if p.top_logprobs > 0]
+    out: list[TopLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    k = min(max(params[i].top_logprobs for i in rows), logits.shape[-1])
+    index = torch.tensor(rows, device=logits.device)
+    values, ids = torch.log_softmax(logits[index].float(), dim=-1).topk(k, dim=-1)
+    for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+        n = params[row].top_logprobs
+        out[row] = TopLogprobs(row_ids[:n], row_values[:n])
     return out
 
 

@@ -79,6 +79,9 @@ class Tokenizer:
         self._compiled: dict[str, jinja2.Template] = {}
         self.special_tokens = special_tokens
         self.source = source
+        self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's answers, at most one per vocabulary entry
+        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
 
     # ------------------------------------------------------------------ loading
 
@@ -159,6 +162,24 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token on its own: (its text decoded alone, its raw bytes), as OpenAI's logprobs
+        report tokens. A byte-level token holding part of a UTF-8 character decodes to U+FFFD
+        (as vLLM reports it) while its bytes are the real ones, so the bytes of consecutive
+        tokens concatenate to the text. Special tokens read as their text; an id the tokenizer
+        does not know (the model's padded vocabulary) is ("", b"").
+        """
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            text = self._backend.decode([token_id], skip_special_tokens=False)
+            raw = self._backend.id_to_token(token_id)
+            if raw is not None and token_id not in self._added and self._byte_level:
+                raw_bytes = bytes(_BYTE_OF_CHAR[c] for c in raw)
+            else:  # added tokens are stored as text; other decoders: the text's bytes
+                raw_bytes = text.encode("utf-8")
+            piece = self._pieces[token_id] = (text, raw_bytes)
+        return piece
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
@@ -281,6 +302,20 @@ class IncrementalDetokenizer:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed (the byte each vocabulary character stands for):
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char_of = {b: b for b in printable}
+    for b in range(256):
+        if b not in char_of:
+            char_of[b] = 256 + len(char_of) - len(printable)
+    return {chr(c): b for b, c in char_of.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Sampler: greedy, seeded reproducibility, top-k / top-p masks, penalties, logprobs, validation."""
+"""Sampler: greedy, seeded reproducibility, top-k / top-p masks, penalties, logprobs, top logprobs, validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.model.sampling import InvalidSamplingParams, Sampler, SamplingParams, make_generator
+from shared.model.sampling import MAX_TOP_LOGPROBS, InvalidSamplingParams, Sampler, SamplingParams, make_generator, top_logprobs
 
 VOCAB = 97
 
@@ -146,6 +146,9 @@ def test_sampler_rejects_mismatched_batch() -> None:
         ("frequency_penalty", -2.1),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", math.inf),
+        ("top_logprobs", -1),
+        ("top_logprobs", MAX_TOP_LOGPROBS + 1),
+        ("top_logprobs", 2.0),
     ],
 )
 def test_invalid_params_raise_naming_the_field(field: str, value: object) -> None:
@@ -195,3 +198,29 @@ def test_a_strong_presence_penalty_steers_greedy_off_every_generated_token() -> 
 def test_penalties_need_the_histories() -> None:
     with pytest.raises(ValueError, match="prompt ids, output ids"):
         Sampler().sample(_random_logits(1), [SamplingParams(repetition_penalty=1.2)], [None])
+
+
+def test_top_logprobs_are_the_raw_log_softmax_topk_of_the_rows_that_ask() -> None:
+    """Rows with penalties and temperature sample from changed logits, but their alternatives
+    (like their chosen token's logprob) are the top-k of log_softmax of the raw logits; each row
+    gets its own k; rows that ask for none get None. A greedy row's chosen token is its top-1."""
+    logits = _random_logits(4, seed=11)
+    raw = logits.clone()
+    params = [SamplingParams(temperature=0.7, seed=1, presence_penalty=1.5, repetition_penalty=1.3, logprobs=True, top_logprobs=5),
+              SamplingParams(temperature=0, logprobs=True),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS),
+              SamplingParams(temperature=1.3, top_k=4, seed=2, logprobs=True, top_logprobs=1)]
+    histories = [([3, 4], [int(raw[0].argmax()), 9])] * 4
+    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params], histories)
+    assert torch.equal(logits, raw)  # sampling leaves the caller's raw logits alone
+    tops = top_logprobs(logits, params)
+    assert tops[1] is None
+    reference = torch.log_softmax(raw, dim=-1)
+    for row, k in ((0, 5), (2, MAX_TOP_LOGPROBS), (3, 1)):
+        values, ids = reference[row].topk(k)
+        assert tops[row].token_ids == ids.tolist() and len(tops[row].logprobs) == k
+        torch.testing.assert_close(torch.tensor(tops[row].logprobs), values, rtol=0, atol=1e-6)
+    # The penalised row's top-1 is the raw argmax, which its penalty steered the pick away from.
+    assert tops[0].token_ids[0] == int(raw[0].argmax()) != int(tokens[0])
+    assert tops[2].token_ids[0] == int(tokens[2]) and tops[2].logprobs[0] == float(logprobs[2])
+

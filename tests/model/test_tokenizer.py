@@ -266,3 +266,23 @@ def test_corrupt_files_raise_naming_the_file(tmp_path: Path) -> None:
     (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
     with pytest.raises(ChatTemplateError, match="does not compile"):
         Tokenizer.from_dir(root).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("text", ["😀 héllo 中文", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ✓", "plain ascii, tabs\tand\nlines"])
+def test_token_pieces_carry_the_raw_bytes_of_each_token(tok: Tokenizer, hf_tok, text: str) -> None:  # type: ignore[no-untyped-def]
+    """Logprob token names (OpenAI's token + bytes): the bytes of consecutive tokens
+    concatenate to the text's UTF-8, each token's text is transformers' decode of it alone
+    (U+FFFD for a piece of a character), and a piece's bytes are not U+FFFD's."""
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_piece(i) for i in ids]
+    assert b"".join(raw for _, raw in pieces) == text.encode("utf-8")
+    assert [t for t, _ in pieces] == [hf_tok.decode([i]) for i in ids]
+    partial = [(t, raw) for t, raw in pieces if "\ufffd" in t]
+    if "𝔘" in text:
+        assert partial and all("\ufffd".encode() not in raw for _, raw in partial)
+
+
+def test_token_pieces_of_special_and_unknown_ids(tok: Tokenizer) -> None:
+    im_end = tok.token_to_id("<|im_end|>")
+    assert tok.token_piece(im_end) == ("<|im_end|>", b"<|im_end|>")
+    assert tok.token_piece(tok.vocab_size + 5) == ("", b"")  # the model's vocabulary is padded past the tokenizer's

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from schemas.api import ChatMessage, GenerateRequest
 from services_helpers import log_events, run, session, stack_fixture
@@ -132,7 +133,13 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
 @pytest.mark.parametrize("path, body, status, code, says", [
     ("/v1/completions", b"{not json", 400, "invalid_request", "request body"),
     ("/v1/completions", {"prompt": "hi", "best_off": 2}, 400, "invalid_request", "best_off"),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "invalid_request", "not supported by moebus: n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "invalid_request", "n must be in [1, 16]"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "invalid_request", "not supported by moebus: best_of"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_request", "top_logprobs must be an integer in [0, 20], got 21"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "invalid_request",
+     "top_logprobs must be an integer in [0, 20], got 21"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "invalid_request",
+     "top_logprobs needs logprobs: true"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "invalid_request", "presence_penalty must be in [-2, 2]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "invalid_request", "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_request", "only text parts"),
@@ -192,3 +199,167 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     assert len(gone) == 1 and gone[0]["path"] == "/v1/completions" and gone[0]["request_id"]
     assert [e["request_id"] for e in log_events(stack, "openai_client_gone")] == [gone[0]["request_id"]]
     assert {e["status"] for e in log_events(stack, "http_request")} >= {200, 400, 404, 405, 413, 499}
+
+
+# ---------------------------------------------------------------- log-probabilities and n choices
+
+
+@pytest.fixture(scope="module")
+def hf_log_softmax(tiny_model):
+    """transformers' log_softmax over the vocabulary at each generated position (fp32, same
+    checkpoint): the independent reference for the reported logprobs and alternatives."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def positions(prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + generated])).logits[0]
+        return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+
+    return positions
+
+
+def test_completion_logprobs_are_the_models_most_likely_tokens(stack, frontend, hf_log_softmax, tokenizer):
+    """Completions' ``logprobs: 3`` (legacy format) and the native API's ``top_logprobs: 3``,
+    greedy: at every position the alternatives are transformers' top 3 with their logprobs,
+    the generated token is the first of them with the same logprob."""
+    ids = [785, 6722, 315, 9625, 374]
+    status, _, raw = call(frontend, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 3})
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    native = reference(stack, input_ids=ids, max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3)
+    generated = native.token_ids
+    want_logprobs, want_ids = hf_log_softmax(ids, generated).topk(3, dim=-1)
+    assert len(native.token_logprobs) == len(generated) == 6
+    for pos, entry in enumerate(native.token_logprobs):
+        assert [t.token_id for t in entry.top_logprobs] == want_ids[pos].tolist()
+        torch.testing.assert_close(torch.tensor([t.logprob for t in entry.top_logprobs]), want_logprobs[pos], rtol=0, atol=1e-4)
+        top1 = entry.top_logprobs[0]
+        assert (entry.token_id, entry.logprob) == (generated[pos], native.logprobs[pos]) == (top1.token_id, top1.logprob)
+    legacy = choice["logprobs"]
+    assert choice["text"] == native.text and legacy["tokens"] == [tokenizer.decode([t]) for t in generated]
+    assert legacy["token_logprobs"] == pytest.approx(native.logprobs, abs=1e-5)
+    assert [sorted(d) for d in legacy["top_logprobs"]] == [sorted(tokenizer.decode([t]) for t in row) for row in want_ids.tolist()]
+    assert legacy["text_offset"] == [len("".join(legacy["tokens"][:i])) for i in range(6)]
+
+
+def test_chat_logprobs_unary_and_streamed(frontend):
+    """Chat's ``logprobs`` + ``top_logprobs: 2``: one entry per completion token, OpenAI's
+    fields, greedy tokens first in their lists, the tokens' bytes spell the text; streamed
+    chunks carry the same entries, in order, for the tokens they took."""
+    body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    status, _, raw = call(frontend, "POST", "/v1/chat/completions", body)
+    assert status == 200, raw
+    unary = json.loads(raw)
+    choice = unary["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == unary["usage"]["completion_tokens"]
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"]
+        assert {k: entry[k] for k in ("token", "logprob", "bytes")} == top[0]
+    if choice["finish_reason"] == "length":  # no EOS token among them
+        assert bytes(b for entry in content for b in entry["bytes"]).decode() == choice["message"]["content"]
+
+    status, _, raw = call(frontend, "POST", "/v1/chat/completions", body | {"stream": True})
+    chunks = [json.loads(p) for p in events(raw)[:-1]]
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert streamed == content
+    assert all(ch["logprobs"] is None for c in chunks for ch in c["choices"] if "role" in ch["delta"])
+
+
+def test_n_choices_with_a_seed_are_reproducible(stack, frontend):
+    """``n: 3`` at temperature 1 with a seed: choices 0..2 are the requests with seeds
+    seed, seed+1, seed+2 (so the same body gives the same choices, and choice 0 is the n=1
+    answer); usage counts the prompt once and every choice's tokens."""
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 1234, "n": 3}
+    first, second = (json.loads(call(frontend, "POST", "/v1/completions", body)[2]) for _ in range(2))
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2]
+    assert first["choices"] == second["choices"]
+    natives = [reference(stack, prompt=body["prompt"], max_tokens=6, temperature=1.0, seed=1234 + i) for i in range(3)]
+    assert [c["text"] for c in first["choices"]] == [r.text for r in natives]
+    assert len({r.text for r in natives}) > 1  # the seeds differ
+    assert first["usage"]["prompt_tokens"] == natives[0].usage.prompt_tokens
+    assert first["usage"]["completion_tokens"] == sum(r.usage.completion_tokens for r in natives)
+
+
+def test_n_choices_streamed_interleave_every_index(frontend):
+    """A streamed chat of ``n: 3``: each choice opens with its role, its chunks name its index,
+    it finishes once, its text is the unary choice's; the usage chunk sums the choices."""
+    body = {"messages": [{"role": "user", "content": "Tell a story"}], "max_tokens": 6, "temperature": 1.0, "seed": 99, "n": 3}
+    unary = json.loads(call(frontend, "POST", "/v1/chat/completions", body)[2])
+    status, _, raw = call(frontend, "POST", "/v1/chat/completions", body | {"stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200
+    chunks = [json.loads(p) for p in events(raw)[:-1]]
+    pieces = [ch for c in chunks for ch in c["choices"]]
+    assert [p["index"] for p in pieces if p["delta"].get("role")] == [0, 1, 2]
+    for i, want in enumerate(unary["choices"]):
+        mine = [p for p in pieces if p["index"] == i]
+        assert "".join(p["delta"].get("content", "") for p in mine) == want["message"]["content"]
+        assert [p["finish_reason"] for p in mine if p["finish_reason"]] == [want["finish_reason"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == unary["usage"]
+
+
+def test_moebus_request_shows_top_logprobs(stack):
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "request", "--url", stack.url, "--input-ids", "785,6722,315",
+                           "--max-tokens", "3", "--temperature", "0", "--top-logprobs", "2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("[finish=")  # one line per token, then the summary
+    assert all(" | " in line for line in lines[:3]), lines  # the token and its logprob | its two alternatives
+
+
+def test_client_hanging_up_cancels_every_choice(stack, frontend):
+    """An ``n: 2`` stream whose client hangs up: the frontend cancels both choices (the gateway
+    fails each with the frontend's reason, not through its own dead-client probe)."""
+    body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 1.0, "n": 2, "stream": True}).encode()
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while b"data: " not in received:
+            data = s.recv(65536)
+            assert data, f"connection closed before any event: {received!r}"
+            received += data
+    deadline = time.monotonic() + 20
+    while True:
+        gone = [e["request_id"] for e in log_events(stack, "openai_client_gone")]
+        choice_ids = {f"{gone[-1]}-0", f"{gone[-1]}-1"} if gone else set()
+        failed = {e["request_id"]: e for e in log_events(stack, "request_failed") if e.get("request_id") in choice_ids}
+        if len(failed) == 2:
+            break
+        assert time.monotonic() < deadline, f"the gateway did not fail both choices: {gone}, {failed}"
+        time.sleep(0.5)
+    assert all(e["code"] == "cancelled" and "the HTTP client closed its connection" in e["reason"] for e in failed.values()), failed
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_failing_choice_fails_the_answer_and_cancels_the_others(stack, streamed):
+    """`Choices` against the stack: one choice refused (max_tokens out of range) while the other
+    runs long; the refusal is raised and the running choice is cancelled at the gateway."""
+    from services.client import GenerateError
+    from services.openai.choices import Choices
+
+    tag = "s" if streamed else "u"
+    running = GenerateRequest(prompt="Count slowly:", max_tokens=3000, temperature=1.0, request_id=f"fanout-{tag}-0")
+    refused = GenerateRequest(prompt="Count slowly:", max_tokens=10**6, request_id=f"fanout-{tag}-1")
+
+    async def go() -> GenerateError:
+        async with session(stack.url) as (client, _):
+            choices = Choices(client, [running, refused])
+            with pytest.raises(GenerateError) as e:
+                if streamed:
+                    async for _ in choices.chunks():
+                        pass
+                else:
+                    await choices.responses()
+            return e.value
+
+    error = run(go())
+    assert error.code == "invalid_request" and "max_tokens" in error.message
+    deadline = time.monotonic() + 20
+    while not (failed := [e for e in log_events(stack, "request_failed") if e.get("request_id") == running.request_id]):
+        assert time.monotonic() < deadline, "the running choice was never cancelled"
+        time.sleep(0.5)
+    assert failed[0]["code"] == "cancelled" and "another choice of the same request failed" in failed[0]["reason"]

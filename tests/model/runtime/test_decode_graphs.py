@@ -118,28 +118,42 @@ def test_an_empty_step_runs_the_smallest_bucket_and_returns_no_rows(tiny_checkpo
 
 def test_runner_with_padded_steps_samples_the_same_tokens_and_logprobs(tiny_checkpoint):
     """ModelRunner.decode through the padded path vs the plain one: seeded sampling at
-    temperature 0.8 gives the same tokens, logprobs agree to fp32 rounding; pages come back."""
+    temperature 0.8 gives the same tokens, logprobs and top-logprob alternatives (5 / none /
+    20 per sequence, one sequence penalised) agree to fp32 rounding; pages come back."""
     path = tiny_checkpoint(NAME)
     outputs = []
     for graphed in (True, False):
         runner = _runner(path, num_pages=20)
         graphs = runner.use_decode_graphs(max_batch=4, max_graphs=64, capture=False) if graphed else None
         free_at_start = runner.cache.allocator.num_free
-        params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=n, logprobs=True) for i, n in enumerate([9, 3, 6])]
+        params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=n, logprobs=True, top_logprobs=k, presence_penalty=penalty)
+                  for i, (n, k, penalty) in enumerate([(9, 5, 0.0), (3, 0, 0.0), (6, 20, 1.5)])]
         seqs = [runner.add(str(i), p, params[i]) for i, p in enumerate(random_prompts([6, 3, 8], seed=5))]
-        runner.prefill(seqs)
+        steps = [runner.prefill(seqs)]
         while running := [s for s in seqs if not s.finished]:
-            runner.decode(running)
+            steps.append(runner.decode(running))
             if graphs is not None:
                 assert all(graphs.scratch_page not in s.page_table for s in seqs)
         assert runner.cache.allocator.num_free == free_at_start
-        outputs.append(([s.output_ids for s in seqs], torch.tensor([lp for s in seqs for lp in s.logprobs])))
+        tops = {s.seq_id: [o.top_logprobs for step in steps for o in step if o.seq_id == s.seq_id] for s in seqs}
+        outputs.append(([s.output_ids for s in seqs], torch.tensor([lp for s in seqs for lp in s.logprobs]), tops))
         if graphs is not None:
             assert graphs.counts[ForwardPath.EAGER] == 0 and graphs.counts[ForwardPath.REPLAY] > 0, graphs.stats()
             assert runner.cache.allocator.num_free == runner.usable_pages == runner.cache.layout.num_pages - 1  # the scratch page stays taken
-    (ids, logprobs), (want_ids, want_logprobs) = outputs
+    (ids, logprobs, tops), (want_ids, want_logprobs, want_tops) = outputs
     assert ids == want_ids and [len(t) for t in ids] == [9, 3, 6]
     assert torch.allclose(logprobs, want_logprobs, rtol=0, atol=1e-5), (logprobs - want_logprobs).abs().max()
+    assert tops["1"] == want_tops["1"] == [None] * 3
+    for seq_id, k in (("0", 5), ("2", 20)):
+        assert [t.token_ids for t in tops[seq_id]] == [t.token_ids for t in want_tops[seq_id]]
+        got, want = (torch.tensor([t.logprobs for t in x[seq_id]]) for x in (tops, want_tops))
+        assert got.shape == (len(ids[int(seq_id)]), k) and torch.allclose(got, want, rtol=0, atol=1e-5)
+        assert torch.all(got[:, :-1] >= got[:, 1:])  # most likely first
+    # A chosen token that ranks among the alternatives has the same logprob there.
+    per_seq = torch.split(logprobs, [len(t) for t in ids])
+    ranked = [(lp, top.logprobs[top.token_ids.index(t)]) for s in range(3)
+              for t, lp, top in zip(ids[s], per_seq[s].tolist(), tops[str(s)], strict=True) if top and t in top.token_ids]
+    assert ranked and all(abs(a - b) < 1e-5 for a, b in ranked)
 
 
 def test_steps_beyond_the_buckets_or_the_graph_bound_run_eagerly(tiny_checkpoint):
