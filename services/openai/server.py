@@ -12,8 +12,9 @@
 The frontend is stateless (run as many as needed; each is one more NATS client): every
 request gets its own moebus request id (one per choice), so a client that closes its
 connection before the answer ends cancels the request (``llm.cancel``, every choice)
-instead of leaving it to run. Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
-after a stream started is sent as a last ``data:`` event, as vLLM does.
+instead of leaving it to run. Errors are OpenAI error objects with an HTTP status per
+moebus error code; one that arrives after a stream started is sent as a last ``data:``
+event, as vLLM does.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list
     """Each row's ``params[i].top_logprobs`` most likely tokens under ``log_softmax(logits)``
     (None for a row that asks for none). Pass the raw logits: the alternatives are reported
     before penalties and temperature, like the chosen token's logprob. Only the rows that
-    ask are computed, in one ``topk`` at the largest k asked (one transfer to the host)."""
+    ask are computed, in one ``topk`` at the largest k asked."""
     rows = [i for i, p in enumerate(params) if p.top_logprobs > 0]
     out: list[TopLogprobs | None] = [None] * len(params)
     if not rows:
