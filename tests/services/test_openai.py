@@ -242,6 +242,10 @@ def test_completion_logprobs_are_the_models_most_likely_tokens(stack, frontend, 
     assert legacy["token_logprobs"] == pytest.approx(native.logprobs, abs=1e-5)
     assert [sorted(d) for d in legacy["top_logprobs"]] == [sorted(tokenizer.decode([t]) for t in row) for row in want_ids.tolist()]
     assert legacy["text_offset"] == [len("".join(legacy["tokens"][:i])) for i in range(6)]
+    # Streamed, each chunk has its tokens' part; the text offsets run on across chunks.
+    status, _, raw = call(frontend, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 3, "stream": True})
+    parts = [c["choices"][0]["logprobs"] for c in map(json.loads, events(raw)[:-1])]
+    assert {key: [x for part in parts for x in part[key]] for key in legacy} == legacy
 
 
 def test_chat_logprobs_unary_and_streamed(frontend):
