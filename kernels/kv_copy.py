@@ -60,11 +60,16 @@ MAX_ITEMS = 2**31 - 1  # (layer, block, row) items of one launch, counted in int
 NO_DEADLINE = 2**63 - 1
 # The kernel's launch parameters, int64 each, in this order (addresses in bytes: the first
 # layer of each pool, the destination's at its first head; sizes, strides and ``tok``, one
-# token of one head, in vectors; strides of (page, K/V, head, layer); the deadline in ns of
-# the device clock and the address of the pinned word a skipped copy stores its clock into).
-LAUNCH_PARAMS = ("src", "dst", "src_table", "dst_table", "items_per_layer", "rows", "rows_per_kv", "row_len", "block",
-                 "src_ps", "dst_ps", "tok", "src_page", "src_kv", "src_head", "src_layer", "dst_page", "dst_kv", "dst_head", "dst_layer",
-                 "deadline", "skipped")
+# token of one head, in vectors; strides of (page, K/V, head, layer); then those of one
+# sequence's copy: its two page tables' addresses, its (layer, block, row) items per layer,
+# the deadline in ns of the device clock and the address of the pinned word a skipped copy
+# stores its clock into). The fixed ones depend only on the two pools and the row shape.
+LAUNCH_PARAMS = ("src", "dst", "rows", "rows_per_kv", "row_len", "block", "src_ps", "dst_ps", "tok",
+                 "src_page", "src_kv", "src_head", "src_layer", "dst_page", "dst_kv", "dst_head", "dst_layer",
+                 "src_table", "dst_table", "items_per_layer", "deadline", "skipped")
+_FIXED_PARAMS = LAUNCH_PARAMS.index("src_table")
+_FIXED_KEPT = 64  # fixed parameter sets kept (per pool pair and row shape; a process sees a handful)
+_fixed_params: dict[tuple, np.ndarray] = {}
 _CLOCK_MAX_AGE_S = 60.0  # the device clock is related to the host's again after this long (in a thread)
 _clock: dict[torch.device, tuple[float, int]] = {}  # device -> (monotonic time of the calibration, device ns - host ns)
 _clock_width: dict[torch.device, int] = {}  # device -> the access width its calibration runs (prepare_kv_copy's)
@@ -75,7 +80,7 @@ _recalibrating: set[torch.device] = set()
 # pending then (queued for longer than its deadline allows) could only make the newer copy read
 # a skip it did not have: its sender fails, never the other way round.
 _SKIP_WORDS = 4096
-_skip_words: dict[torch.device, tuple[torch.Tensor, np.ndarray, itertools.count]] = {}
+_skip_words: dict[int, tuple[torch.Tensor, np.ndarray, itertools.count]] = {}  # CUDA device index -> words
 _skip_words_lock = threading.Lock()
 
 
@@ -159,9 +164,21 @@ class KVCopy:
         from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
 
         self._stream = stream or torch.cuda.current_stream(src.device)
-        self._skip_word, skip_at = _take_skip_word(src.device)  # the kernel stores to it through its host address (UVA)
-        self._params = _upload_params(src, dst, plan, tables[0], tables[1], self.deadline_ns, skip_at, self._stream)
-        self._launcher = kv_copy_sm90.Launcher(src.device, self._stream, plan.vector_bytes, self._params.ptr)
+        index = src.get_device()
+        self._skip_word, skip_at = _take_skip_word(index)  # the kernel stores to it through its host address (UVA)
+        n_src, n_dst = len(tables[0]), len(tables[1])
+        host = np.empty(len(LAUNCH_PARAMS) + -(-(n_src + n_dst) // 2), dtype=np.int64)  # the parameters, then both tables (int32)
+        host[:_FIXED_PARAMS] = _fixed_launch_params(src, dst, plan)
+        ids = host[len(LAUNCH_PARAMS) :].view(np.int32)
+        ids[:n_src] = tables[0]
+        ids[n_src : n_src + n_dst] = tables[1]
+        ids[n_src + n_dst :] = 0
+        with torch.cuda.device(index):  # the allocation and the driver's copy in the device's primary context
+            self._params = _DeviceBlock(index, host.nbytes, self._stream)
+            tables_at = self._params.ptr + len(LAUNCH_PARAMS) * 8
+            host[_FIXED_PARAMS : len(LAUNCH_PARAMS)] = (tables_at, tables_at + n_src * 4, plan.blocks * plan.rows, self.deadline_ns, skip_at)
+            kv_copy_sm90.upload(self._params.ptr, host, self._stream)
+        self._launcher = kv_copy_sm90.Launcher(index, self._stream, plan.vector_bytes, self._params.ptr)
         self._grid_items = plan.blocks * plan.rows  # items of one layer
 
     @property
@@ -188,13 +205,15 @@ class KVCopy:
         self._launcher.launch(layers.start, len(layers), items)
 
 
-def _upload_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, src_table: np.ndarray, dst_table: np.ndarray,
-                   deadline_ns: int, skipped_at: int, stream: torch.cuda.Stream) -> _DeviceBlock:
-    """The launch parameters (``LAUNCH_PARAMS``) followed by both page tables (int32), as one
-    int64 block on ``src``'s device allocated for ``stream`` and filled from host memory by one
-    copy on it (pageable host memory: the driver stages it at once, no wait for the stream).
-    Straight through the caching allocator and the driver: a tensor, a stream context and
-    torch's copy cost ~0.2 ms of a transfer's set-up on 2x H200's host (~40 us this way)."""
+def _fixed_launch_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> np.ndarray:
+    """The launch parameters before ``src_table`` (``LAUNCH_PARAMS``): fixed by the two contiguous
+    pools (addresses, shapes, dtype) and the plan's row shape, so computed once per such set
+    and kept (a transfer's set-up runs cold on its host: every step it skips counts)."""
+    key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.dtype, plan.vector_bytes, plan.block, plan.rows, plan.rows_per_kv,
+           plan.heads_per_row, plan.head_start)
+    fixed = _fixed_params.get(key)
+    if fixed is not None:
+        return fixed
     vec, esz = plan.vector_bytes, src.element_size()
     src_at = src.data_ptr()
     dst_at = dst.data_ptr() + plan.head_start * dst.stride(3) * esz
@@ -202,34 +221,26 @@ def _upload_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, src_tabl
     if vec not in VECTOR_BYTES or any(x % vec for x in (src_at, dst_at, row_bytes)):
         raise KVCopyError(f"KV copy with {vec}-byte accesses: rows of {row_bytes} bytes at {src_at:#x} / {dst_at:#x} "
                           f"are not {vec}-byte aligned (kernel widths: {VECTOR_BYTES})")
-    n_params, n_src = len(LAUNCH_PARAMS), len(src_table)
-    host = np.empty(n_params + -(-(n_src + len(dst_table)) // 2), dtype=np.int64)
-    block = _DeviceBlock(src.device, host.nbytes, stream)
     tok = row_bytes // vec
     # Contiguous pools: every stride is a multiple of a row, so of the vector too.
     src_strides, dst_strides = (tuple(s * esz // vec for s in (t.stride(1), t.stride(2), t.stride(3), t.stride(0))) for t in (src, dst))
-    tables_at = block.ptr + n_params * 8
-    host[:n_params] = (src_at, dst_at, tables_at, tables_at + n_src * 4, plan.blocks * plan.rows, plan.rows, plan.rows_per_kv,
-                       plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok, *src_strides, *dst_strides,
-                       deadline_ns, skipped_at)
-    ids = host[n_params:].view(np.int32)
-    ids[:n_src] = src_table
-    ids[n_src : n_src + len(dst_table)] = dst_table
-    ids[n_src + len(dst_table) :] = 0
-    from kernels import kv_copy_sm90
-
-    with torch.cuda.device(src.device):  # the driver copies in the current context: the device's primary one
-        kv_copy_sm90.upload(block.ptr, host, stream)
-    return block
+    fixed = np.array((src_at, dst_at, plan.rows, plan.rows_per_kv, plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok,
+                      *src_strides, *dst_strides), dtype=np.int64)
+    if len(_fixed_params) >= _FIXED_KEPT:
+        _fixed_params.clear()
+    _fixed_params[key] = fixed
+    return fixed
 
 
 class _DeviceBlock:
     """Device memory from torch's caching allocator for work on one stream, given back when
     the block is collected: like a tensor's, its memory is reused only by work ordered after
-    everything already enqueued on that stream (the copies that read it)."""
+    everything already enqueued on that stream (the copies that read it). Straight through the
+    allocator and the driver's copy (``kv_copy_sm90.upload``): a tensor, a stream context and
+    torch's copy cost ~0.2 ms of a transfer's set-up on 2x H200's host (~40 us this way)."""
 
-    def __init__(self, device: torch.device, nbytes: int, stream: torch.cuda.Stream) -> None:
-        self.ptr = torch.cuda.caching_allocator_alloc(nbytes, device, stream)
+    def __init__(self, device_index: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+        self.ptr = torch.cuda.caching_allocator_alloc(nbytes, device_index, stream.cuda_stream)
         weakref.finalize(self, torch.cuda.caching_allocator_delete, self.ptr)
 
 
@@ -277,15 +288,16 @@ def _recalibrate(device: torch.device) -> None:
         _recalibrating.discard(device)
 
 
-def _take_skip_word(device: torch.device) -> tuple[np.ndarray, int]:
-    """The next skip word of ``device`` (module state above), zeroed: a 1-element view of it and its address."""
-    words = _skip_words.get(device)
+def _take_skip_word(device_index: int) -> tuple[np.ndarray, int]:
+    """The next skip word of CUDA device ``device_index`` (module state above), zeroed: a 1-element
+    view of it and its address."""
+    words = _skip_words.get(device_index)
     if words is None:
         with _skip_words_lock:
-            words = _skip_words.get(device)
+            words = _skip_words.get(device_index)
             if words is None:
                 pinned = torch.zeros(_SKIP_WORDS, dtype=torch.int64, pin_memory=True)
-                words = _skip_words[device] = (pinned, pinned.numpy(), itertools.count())
+                words = _skip_words[device_index] = (pinned, pinned.numpy(), itertools.count())
     pinned, view, counter = words
     i = next(counter) % _SKIP_WORDS  # itertools.count: one increment per call, whichever thread
     view[i] = 0

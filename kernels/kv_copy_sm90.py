@@ -155,8 +155,8 @@ def upload(dst: int, host: np.ndarray, stream: torch.cuda.Stream) -> None:
 
 
 @functools.cache
-def _max_ctas(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
+def _max_ctas(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count * CTAS_PER_SM
 
 
 class Launcher:
@@ -166,10 +166,10 @@ class Launcher:
     the DSL's adapters on each call; a launch that way cost ~23 us in a loop and ~140 us once
     per transfer on 2x H200, 488c9f91cf04). One thread at a time per launcher."""
 
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream, vector_bytes: int, params: int) -> None:
-        self._device = device
+    def __init__(self, device_index: int, stream: torch.cuda.Stream, vector_bytes: int, params: int) -> None:
+        self._device = device_index  # an index: the device context below then costs no parsing
         self._executor = _executor(vector_bytes)
-        self._max_ctas = _max_ctas(device)
+        self._max_ctas = _max_ctas(device_index)
         # The compiled host function takes a pointer to each argument's value (stream: its handle).
         self._slots = (ctypes.c_int64(params), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p(stream.cuda_stream))
         self._args = [ctypes.addressof(slot) for slot in self._slots]

@@ -55,10 +55,11 @@ The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followe
 
 from __future__ import annotations
 
+import array
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -84,7 +85,10 @@ def row_shape(src_page_size: int, dst_page_size: int, src_heads: int, dst_heads:
 def vector_bytes(row_bytes: int, *addresses: int) -> int | None:
     """The widest kernel access that divides a row of ``row_bytes`` (one token of one head) and
     every address; every other offset the kernel forms is a multiple of a row."""
-    return next((v for v in VECTOR_BYTES if all(x % v == 0 for x in (row_bytes, *addresses))), None)
+    for width in VECTOR_BYTES:
+        if row_bytes % width == 0 and all(x % width == 0 for x in addresses):
+            return width
+    return None
 
 
 def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int, num_tokens: int) -> RowPlan:
@@ -100,14 +104,32 @@ def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int, num_tokens:
     return RowPlan(vec, block, -(-num_tokens // block), rows, 1 if rows <= 2 else src_heads, heads_per_row, head_start, num_tokens)
 
 
+def page_id_array(ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    """Page ids as an array the checks and the kernel's int32 tables take: a list goes through
+    ``array.array`` (one C loop, about a third of ``np.array``'s time on a transfer's cold
+    set-up path), which refuses negative ids itself; arrays pass as they are."""
+    if isinstance(ids, np.ndarray):
+        return ids
+    try:
+        return np.frombuffer(array.array("I", ids), dtype=np.uint32)
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"{what} must be non-negative integer page ids ({type(e).__name__}: {e})") from None
+
+
 def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, num_pages: int) -> None:
-    """Raise ``ValueError`` unless ``table`` covers ``num_tokens`` with pages inside ``0..num_pages-1``
-    (a write elsewhere would land in another request's pages or kill the CUDA context)."""
+    """Raise ``ValueError`` unless ``table`` (integer array) covers ``num_tokens`` with pages inside
+    ``0..num_pages-1`` (a write elsewhere would land in another request's pages or kill the CUDA context)."""
     need = -(-num_tokens // page_size)
     if len(table) < need:
         raise ValueError(f"{side} page table has {len(table)} pages, {num_tokens} tokens at page size {page_size} need {need}")
-    if need and (int(table[:need].min()) < 0 or int(table[:need].max()) >= num_pages):
-        raise ValueError(f"{side} page table names pages outside 0..{num_pages - 1}")
+    if table.dtype.kind not in "iu":
+        raise ValueError(f"{side} page table must hold integer page ids, not {table.dtype}")
+    if need:
+        ids = table[:need]
+        if ids.dtype.kind == "i":  # negative ids read as unsigned are above any page count: one reduction checks both ends
+            ids = ids.view(f"u{ids.itemsize}")
+        if int(ids.max()) >= num_pages:
+            raise ValueError(f"{side} page table names pages outside 0..{num_pages - 1}")
 
 
 def prepare_direct_writes(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

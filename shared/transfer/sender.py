@@ -62,7 +62,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import structlog
 import torch
 
@@ -71,7 +70,7 @@ from shared.kvcache import PagedKVCache
 from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
-from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table
+from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table, page_id_array
 from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
 from shared.transfer.streams import event_done, side_stream, watch_event
@@ -127,14 +126,15 @@ class KVSender:
         self._cache = kvcache
         self._desc = descriptor
         self._heads = heads
-        self.metrics = metrics or TransferMetrics()
+        self._metrics = metrics
         _check_layouts(kvcache, descriptor, heads, len(page_table))
         layout = kvcache.layout
-        ids = _decode_page_ids(descriptor)
-        self._peer_storage = None if ids is None else _open_peer_storage(descriptor, kvcache.device)
+        self._peer_storage = None if descriptor.cuda_ipc is None else _open_peer_storage(descriptor, kvcache.device)
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
         self.staging: StagingPool | None = None
         if self._peer_storage is None:
+            if descriptor.cuda_ipc is not None:
+                _check_decode_page_ids(descriptor)  # an inconsistent descriptor is refused whichever path is taken
             layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
             self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
             limit = min(chunk_bytes, self.staging.slot_bytes, descriptor.max_chunk_bytes)  # chunks land in the decode rank's staging slots
@@ -149,8 +149,7 @@ class KVSender:
         self._issuer: WriteIssuer | None = None
         if self._peer_storage is not None:
             self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
-            assert ids is not None
-            writer = _direct_writer(kvcache, descriptor, page_table, ids, heads, self._peer_storage, self._side_stream,
+            writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, self._side_stream,
                                     descriptor.lease_deadline_unix + cuda_ipc.WRITE_GUARD_AFTER_LEASE_S)
             self._issuer = WriteIssuer(writer, self._side_stream, self._deadline)
         self._loop_thread = threading.get_ident()
@@ -172,6 +171,14 @@ class KVSender:
     @property
     def request_id(self) -> str:
         return self._desc.request_id
+
+    @property
+    def metrics(self) -> TransferMetrics:
+        """The metrics this transfer's outcome is recorded into: those given, else its own
+        (made on first use: nothing on the way to the first write needs them)."""
+        if self._metrics is None:
+            self._metrics = TransferMetrics()
+        return self._metrics
 
     @property
     def layer_groups(self) -> list[range]:
@@ -452,17 +459,13 @@ def _writes_done_hint(issuer: WriteIssuer, nbytes: int, link_share: float) -> fl
     return time.time() - (time.perf_counter() - issuer.first_issued_at) + nbytes * link_share / _PEAK_WRITE_BYTES_PER_S
 
 
-def _decode_page_ids(desc: KVTransferDescriptor) -> np.ndarray | None:
-    """The descriptor's page ids as an array when it offers CUDA IPC (else None), checked against
-    the exported storage: an inconsistent descriptor is refused whichever path is taken."""
-    if desc.cuda_ipc is None:
-        return None
+def _check_decode_page_ids(desc: KVTransferDescriptor) -> None:
+    """Refuse a descriptor whose page ids do not fit the storage it exports (``LayoutMismatch``)."""
+    assert desc.cuda_ipc is not None
     try:
-        ids = _int_array(desc.page_ids, "decode page ids")
-        check_table("decode", ids, desc.num_tokens, desc.layout.page_size, desc.cuda_ipc.num_pages)
+        check_table("decode", page_id_array(desc.page_ids, "decode page ids"), desc.num_tokens, desc.layout.page_size, desc.cuda_ipc.num_pages)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: decode page ids: {e}") from None
-    return ids
 
 
 def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torch.Tensor | None:
@@ -476,24 +479,20 @@ def _open_peer_storage(desc: KVTransferDescriptor, device: torch.device) -> torc
         return None
 
 
-def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, ids: np.ndarray, heads: KVHeadShard,
+def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: Sequence[int] | torch.Tensor, heads: KVHeadShard,
                    peer: torch.Tensor, stream: torch.cuda.Stream | None, deadline_unix: float) -> DirectWriter:
-    """The writer of this transfer's direct writes into the decode pages ``ids`` (its page tables
-    uploaded on ``stream``, where the writes run; none starts after ``deadline_unix``); it checks
-    both page tables against their storage (a bad one: ``LayoutMismatch``)."""
+    """The writer of this transfer's direct writes into the decode pages of ``desc`` (its page
+    tables uploaded on ``stream``, where the writes run; none starts after ``deadline_unix``); it
+    checks both page tables against their storage (a bad one: ``LayoutMismatch``)."""
     try:
-        table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else _int_array(page_table, "local page table")
+        table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else page_id_array(page_table, "local page table")
+        ids = page_id_array(desc.page_ids, "decode page ids")
+    except ValueError as e:
+        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
+    try:
         return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens, stream=stream, deadline_unix=deadline_unix)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
-
-
-def _int_array(ids: Sequence[int], what: str) -> np.ndarray:
-    """Page ids as int32, the kernel's table type (one conversion from the list)."""
-    try:
-        return np.array(ids, dtype=np.int32)
-    except OverflowError:
-        raise ValueError(f"{what} hold ids outside int32") from None
 
 
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:

@@ -135,6 +135,23 @@ def test_bad_calls_are_refused():
 # --------------------------------------------------------------------------- GPU
 
 
+def test_fixed_launch_parameters_follow_the_pools():
+    """The launch parameters fixed by a pool pair are kept per pair (addresses, shapes, dtype,
+    row shape): another destination pool (a decode rank's new export) gets its own address, a
+    pool of another shape at the same address its own strides, the same pair the kept ones."""
+    src = torch.zeros(2, 5, 2, 2, 16, 8, dtype=torch.bfloat16)
+    dst_a, dst_b = torch.zeros(2, 6, 2, 4, 16, 8, dtype=torch.bfloat16), torch.zeros(2, 6, 2, 4, 16, 8, dtype=torch.bfloat16)
+    plan = plan_rows(src, dst_a, 2, 20)
+    names = kc.LAUNCH_PARAMS
+    a, b = kc._fixed_launch_params(src, dst_a, plan), kc._fixed_launch_params(src, dst_b, plan)
+    head_bytes = 16 * 8 * 2  # one head of one K/V half of a page: page_size x head_dim bf16
+    assert a[names.index("dst")] == dst_a.data_ptr() + 2 * head_bytes and b[names.index("dst")] == dst_b.data_ptr() + 2 * head_bytes
+    assert kc._fixed_launch_params(src, dst_a, plan) is a
+    wide = dst_a.view(2, 3, 2, 8, 16, 8)  # same address, pages of 8 heads
+    page = kc._fixed_launch_params(src, wide, plan_rows(src, wide, 2, 20))[names.index("dst_page")]
+    assert page * plan.vector_bytes == 2 * 8 * head_bytes != a[names.index("dst_page")] * plan.vector_bytes
+
+
 GPU_CASES = [  # dtype, head_dim -> access width of plan_rows
     (torch.bfloat16, 64, 16),
     (torch.bfloat16, 80, 16),  # TP=1 rows of 1280 vectors: the unrolled loop and the tail in one row

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shared.kvcache import KVLayout, PagedKVCache
-from shared.transfer.direct_write import DirectWriter, WriteIssuer, row_shape
+from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table, page_id_array, row_shape
 from shared.transfer.shard import chunk_view, kv_head_shard, pack_layers, scatter_layers
 
 LAYERS, HEADS, DIM = 3, 4, 8
@@ -55,6 +55,22 @@ def test_bad_page_tables_are_refused_before_any_write():
     with pytest.raises(ValueError, match="float32"):
         DirectWriter(src, np.arange(3), dst.float(), np.arange(3), head_start=0, num_tokens=40)
     assert DirectWriter(src, np.arange(3), dst, np.array([9, 0, 4]), head_start=2, num_tokens=40).bytes_per_layer == 2 * 2 * 48 * DIM * 2
+
+
+def test_page_ids_from_lists_are_checked_at_both_ends():
+    """Lists (descriptors, allocators) become arrays the checks take; a negative id, an id past
+    the pool or a table of non-integers is refused with the side named."""
+    assert page_id_array([4, 0, 7], "decode page ids").tolist() == [4, 0, 7]
+    with pytest.raises(ValueError, match="decode page ids must be non-negative integer page ids"):
+        page_id_array([4, -1, 7], "decode page ids")
+    with pytest.raises(ValueError, match="local page table must be non-negative"):
+        page_id_array([0, 2**40], "local page table")
+    for table in (page_id_array([1, 2, 10], "x"), np.array([1, 2, 10], dtype=np.int64), np.array([1, -2, 3], dtype=np.int32)):
+        with pytest.raises(ValueError, match="source page table names pages outside 0..9"):
+            check_table("source", table, 40, 16, 10)
+    check_table("source", np.array([1, 2, 9, -5], dtype=np.int16), 40, 16, 10)  # past the pages the tokens need: not read
+    with pytest.raises(ValueError, match="integer page ids, not float64"):
+        check_table("decode", np.array([1.0, 2.0, 3.0]), 40, 16, 10)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -97,6 +113,41 @@ def test_writer_writes_what_pack_and_scatter_write(device, src_page, dst_page, h
         unused = torch.ones(60, dtype=torch.bool)
         unused[table] = False
         assert dst.storage[:, unused].isnan().all()  # other requests' pages untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_writers_follow_the_decode_storage_they_are_given(device):
+    """A sender process writes into one decode storage after another (a decode rank restarted
+    and exported new storage; the kernel's fixed launch parameters are kept per pool pair):
+    each writer lands in its own storage only, also in one allocated where a freed one was."""
+    tokens = 40
+    src = PagedKVCache(KVLayout(LAYERS, 8, HEADS, 16, DIM, torch.bfloat16), device)
+    src.storage.copy_(torch.randn(src.storage.shape, device=device))
+    src_table, dst_table = [5, 1, 3], [2, 6, 0]
+
+    def write_into(dst: PagedKVCache) -> None:
+        dst.storage.fill_(float("nan"))
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        DirectWriter(src.storage, np.array(src_table), dst.storage, np.array(dst_table), head_start=0, num_tokens=tokens, stream=stream).write(range(LAYERS))
+        if stream is not None:
+            stream.synchronize()
+
+    def holds_src(dst: PagedKVCache) -> bool:
+        return all(torch.equal(torch.stack(dst.read(layer, torch.tensor(dst_table, device=device), tokens)),
+                               torch.stack(src.read(layer, torch.tensor(src_table, device=device), tokens))) for layer in range(LAYERS))
+
+    first, second = (PagedKVCache(KVLayout(LAYERS, 8, HEADS, 16, DIM, torch.bfloat16), device) for _ in range(2))
+    write_into(first)
+    write_into(second)
+    assert holds_src(first) and holds_src(second)
+    second.storage.fill_(0.0)
+    write_into(first)
+    assert holds_src(first) and not second.storage.any(), "a write meant for the first storage reached the second"
+    del first
+    third = PagedKVCache(KVLayout(LAYERS, 8, HEADS, 16, DIM, torch.bfloat16), device)  # on CUDA: likely where the first was
+    second.storage.fill_(0.0)
+    write_into(third)
+    assert holds_src(third) and not second.storage.any()
 
 
 @pytest.mark.gpu
