@@ -91,11 +91,19 @@ class Client:
         if self.keepalive_s is not None:
             headers[KEEPALIVE_HEADER] = str(round(self.keepalive_s * 1000))
             silence_s = SILENT_INTERVALS * self.keepalive_s
+        next_chunk = 0
         try:
             async for msg in self.bus.stream(subjects.GENERATE, encode_public(req, self.ctype), is_last, self._deadline(req), headers, silence_s):
                 reply = decode_public(msg.data, GenerateReply, self.ctype)
                 if isinstance(reply, ErrorReply):
                     raise GenerateError(reply.error.code, reply.error.message, reply.request_id)
+                if isinstance(reply, GenerateChunk):
+                    # NATS delivers at most once (a slow consumer's messages are dropped): a gap
+                    # would silently cut text out of the completion.
+                    if reply.index != next_chunk:
+                        await self.cancel(reply.request_id, "the client lost a chunk of the stream")
+                        raise GenerateError("unavailable", f"stream chunk {next_chunk} was lost (chunk {reply.index} arrived next)", reply.request_id)
+                    next_chunk += 1
                 if not isinstance(reply, Keepalive):
                     yield reply
         except PayloadTooLarge as e:  # the request itself is too big: nothing was sent

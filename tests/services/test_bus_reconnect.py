@@ -6,43 +6,16 @@ disconnected are gone)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from services.launch import nats_server_binary
-from services.ranks import free_port
+from services_helpers import start_nats_server
 from shared.bus import Deadline, PayloadTooLarge, Reconnected, connect
 
 
-def _start_server(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"nats-server did not start on port {port}")
-
-
-@pytest.fixture
-def server() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
-    port = free_port()
-    procs = [_start_server(port)]
-    yield port, procs
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
-def test_a_stream_due_across_a_server_restart_fails_with_reconnected(server):
-    port, procs = server
+def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server):
+    port, procs = nats_server
     url = f"nats://127.0.0.1:{port}"
 
     async def scenario() -> tuple[list[bytes], float, int, bytes]:
@@ -58,7 +31,7 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(server):
             got.append((await stream.__anext__()).data)
             procs[0].kill()
             procs[0].wait()
-            procs.append(_start_server(port))
+            procs.append(start_nats_server(port))
             restarted = time.monotonic()
             with pytest.raises(Reconnected):
                 async for msg in stream:
@@ -77,11 +50,11 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(server):
     assert echo == b"ping"
 
 
-def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_connection_stays(server):
+def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_connection_stays(nats_server):
     """nats-server refuses messages above its max_payload (1 MiB by default); the bus says so
     (PayloadTooLarge, a BusError) for streams, requests and publishes alike, and the
     connection keeps working."""
-    port, _ = server
+    port, _ = nats_server
     big = b"x" * (2 << 20)
 
     async def scenario() -> list[str]:
