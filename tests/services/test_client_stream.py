@@ -6,6 +6,7 @@ instead of yielding a completion with text silently missing."""
 from __future__ import annotations
 
 import asyncio
+
 import pytest
 
 from schemas import subjects
