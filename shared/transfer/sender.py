@@ -198,18 +198,18 @@ class KVSender:
         if not 0 <= layer < self._num_layers:
             raise ValueError(f"layer {layer} outside 0..{self._num_layers - 1}")
         event = self._stream_position() if event is None else event
-        self._layer_events[layer] = event  # stored before the loop learns of the layer
         if self._issuer is not None:
             self._issuer.issue((layer,), event)
+        self._layer_events[layer] = event  # stored before the loop learns of the layer
         self._schedule(self._mark_ready, layer)
 
     def mark_all_layers_done(self, event: torch.cuda.Event | None = None) -> None:
         """Every layer's KV is written (or queued on the caller's current CUDA stream; ``event``
         as in ``on_layer_done``)."""
         event = self._stream_position() if event is None else event
-        self._layer_events[:] = [event] * self._num_layers
         if self._issuer is not None:
             self._issuer.issue(range(self._num_layers), event)
+        self._layer_events[:] = [event] * self._num_layers
         self._schedule(self._mark_ready, *range(self._num_layers))
 
     async def finish(self) -> TransferRecord:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shared.kvcache import KVLayout, PagedKVCache
+from shared.transfer import direct_write
 from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table, page_id_array, row_shape
 from shared.transfer.shard import chunk_view, kv_head_shard, pack_layers, scatter_layers
 
@@ -71,6 +72,24 @@ def test_page_ids_from_lists_are_checked_at_both_ends():
     check_table("source", np.array([1, 2, 9, -5], dtype=np.int16), 40, 16, 10)  # past the pages the tokens need: not read
     with pytest.raises(ValueError, match="integer page ids, not float64"):
         check_table("decode", np.array([1.0, 2.0, 3.0]), 40, 16, 10)
+
+
+def test_storage_checks_are_kept_per_storage_pair():
+    """A writer's storage checks and row shape are kept per (local storage, decode storage, head
+    start) tensors; another decode storage (a decode rank's new export) gets its own, from its
+    own shape, and a storage that died is never matched by the one that took its id."""
+    src = torch.zeros(LAYERS, 10, 2, 2, 16, DIM, dtype=torch.bfloat16)
+    dst = torch.zeros(LAYERS, 10, 2, HEADS, 16, DIM, dtype=torch.bfloat16)
+    route = direct_write._route(src, dst, 2)
+    assert direct_write._route(src, dst, 2) is route and direct_write._route(src, dst, 0) is not route
+    other = torch.zeros(LAYERS, 7, 2, HEADS, 32, DIM, dtype=torch.bfloat16)
+    assert (direct_write._route(src, other, 2).dst_pages, direct_write._route(src, other, 2).dst_page_size) == (7, 32)
+    del dst
+    for _ in range(20):  # new tensors, some of which may take the dead one's id
+        dst = torch.zeros(LAYERS, 5, 2, HEADS, 8, DIM, dtype=torch.bfloat16)
+        assert (direct_write._route(src, dst, 2).dst_pages, direct_write._route(src, dst, 2).dst_page_size) == (5, 8)
+    with pytest.raises(ValueError, match="direct write of 0 tokens"):
+        DirectWriter(src, np.arange(3), dst, np.arange(3), head_start=0, num_tokens=0)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
