@@ -106,15 +106,16 @@ def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int, num_tokens:
 
 
 def page_id_array(ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
-    """Page ids as an array the checks and the kernel's int32 tables take: a list goes through
-    ``array.array`` (one C loop, about a third of ``np.array``'s time on a transfer's cold
-    set-up path), which refuses negative ids itself; arrays pass as they are."""
+    """Page ids as an array the checks take, int32 as the kernel's tables are (copied into them
+    as they are): a list goes through ``array.array`` (one C loop, a third of ``np.array``'s
+    time on a transfer's cold set-up path); arrays pass as they are. ``check_table`` refuses
+    ids outside the pool, negative ones included."""
     if isinstance(ids, np.ndarray):
         return ids
     try:
-        return np.frombuffer(array.array("I", ids), dtype=np.uint32)
+        return np.frombuffer(array.array("i", ids), dtype=np.int32)
     except (OverflowError, TypeError) as e:
-        raise ValueError(f"{what} must be non-negative integer page ids ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{what} must be integer page ids below 2**31 ({type(e).__name__}: {e})") from None
 
 
 def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, num_pages: int) -> None:
