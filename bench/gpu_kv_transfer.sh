@@ -2,7 +2,8 @@
 # Issue 3 on 2x H200 (run kind "nvidia-h200-x2"), ONE device call:
 #   1. CUDA unit tests of the transfer (the CuTeDSL KV copy kernel vs its torch reference and vs
 #      pack/scatter, every access width; its deadline guard and the GPU clock; the write issuer
-#      behind unfinished compute; layer reports replayed to late senders; pack/scatter)
+#      behind unfinished compute; layer reports replayed to late senders; pack/scatter; the
+#      landing-event watcher)
 #   2. bench/kv_copy.py: the KV copy kernel alone GPU 0 -> GPU 1 against a torch peer copy, checked
 #      against the reference, and its host cost (set-up, launch) after idling
 #   3. tests/transfer/test_transfer_gpu.py: two processes on two GPUs over CUDA IPC + UCX
@@ -32,7 +33,8 @@ source bench/gpu_common.sh  # unpacks CuTeDSL into /tmp/gpu-site too
 STEPS=${KV_STEPS:-units,kernel,gpu_tests,bench}
 { nvidia-smi topo -m; python3 -c "import cuda.bindings, torch, cutlass, ucxx; print('cuda-bindings', cuda.bindings.__version__, 'torch', torch.__version__, 'cutlass-dsl', cutlass.__version__, 'ucxx', ucxx.__version__)"; } >> "$OUT/run.log" 2>&1
 
-[[ $STEPS == *units* ]] && step units 120 $PYTEST --timeout=60 -m gpu tests/kernels/test_kv_copy.py tests/transfer/test_direct_write.py tests/transfer/test_transfer_units.py tests/transfer/test_layer_reports.py
+[[ $STEPS == *units* ]] && step units 120 $PYTEST --timeout=60 -m gpu tests/kernels/test_kv_copy.py tests/transfer/test_direct_write.py tests/transfer/test_transfer_units.py tests/transfer/test_layer_reports.py \
+  tests/transfer/test_event_watch.py
 [[ $STEPS == *kernel* ]] && step kernel 150 python3 -m bench.kv_copy --tokens "${KV_KERNEL_TOKENS:-6144,32768}" --iters 10
 [[ $STEPS == *gpu_tests* ]] && step gpu_tests 150 $PYTEST --timeout=60 tests/transfer/test_transfer_gpu.py
 [[ $STEPS == *bench* ]] && step bench 300 python3 -m bench.kv_transfer --device cuda --tokens "${KV_TOKENS:-1024,6144,32768}" \
