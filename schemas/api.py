@@ -49,6 +49,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token
     top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0..20)
+    ignore_eos: bool = False  # keep generating past the model's end-of-sequence token (benchmarks: exactly max_tokens)
     timeout_ms: int | None = None  # client deadline, relative to arrival at the gateway
     request_id: str | None = None  # optional client-chosen id (letters, digits, '-', '_'), e.g. to cancel
 

@@ -39,6 +39,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: bool
     deadline: float  # Unix time after which nobody works on this request any more
     top_logprobs: int = 0  # with logprobs: the most likely tokens to report at each position
+    ignore_eos: bool = False  # the model's EOS ids end nothing (they are then not in stop_token_ids either)
 
 
 class SubmitJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

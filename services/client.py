@@ -136,6 +136,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float)
+    ap.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens whatever the model's end-of-sequence token")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--logprobs", action="store_true", help="show each generated token's log-probability")
     ap.add_argument("--top-logprobs", type=int, default=0, metavar="K", help="also the K most likely tokens at each position (implies --logprobs)")
@@ -159,6 +160,7 @@ async def _run(a: argparse.Namespace) -> int:
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
         repetition_penalty=a.repetition_penalty,
+        ignore_eos=a.ignore_eos,
         stop=a.stop,
         logprobs=a.logprobs or a.top_logprobs > 0,
         top_logprobs=a.top_logprobs,

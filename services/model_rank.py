@@ -141,6 +141,7 @@ def sampling_params(job: Job) -> SamplingParams:
         frequency_penalty=job.sampling.frequency_penalty,
         repetition_penalty=job.sampling.repetition_penalty,
         top_logprobs=job.top_logprobs,
+        ignore_eos=job.ignore_eos,
     )
 
 

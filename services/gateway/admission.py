@@ -94,9 +94,10 @@ class Admission:
             input_ids=input_ids,
             max_tokens=req.max_tokens,
             sampling=sampling,
-            stop_token_ids=list(self.model.generation.eos_token_ids),
+            stop_token_ids=[] if req.ignore_eos else list(self.model.generation.eos_token_ids),
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
+            ignore_eos=req.ignore_eos,
             deadline=arrival + timeout_s,
         )
         return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s)

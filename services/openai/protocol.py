@@ -5,7 +5,7 @@ OpenAI defines but moebus does not implement are accepted only at their no-op va
 (no ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, tools or response formats),
 anything else is an ``invalid_request`` naming the field, never silently ignored. ``user``
 is accepted and unused. ``presence_penalty`` and ``frequency_penalty`` are OpenAI's;
-``top_k``, ``seed`` and ``repetition_penalty`` pass through as in vLLM. Without
+``top_k``, ``seed``, ``repetition_penalty`` and ``ignore_eos`` pass through as in vLLM. Without
 ``max_tokens`` a request gets ``default_max_tokens`` (the server's ``--default-max-tokens``).
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
@@ -72,6 +72,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model's EOS
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -125,7 +126,8 @@ def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[st
     return {"model": req.model, "max_tokens": default_max_tokens if req.max_tokens is None else req.max_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty}
+            "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
+            "ignore_eos": req.ignore_eos}
 
 
 def completion_request(req: CompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:

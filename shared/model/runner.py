@@ -155,7 +155,7 @@ class ModelRunner:
             lp = float(logprobs[i]) if logprobs is not None and s.params.logprobs else None
             if lp is not None:
                 s.logprobs.append(lp)
-            if token in self.eos_token_ids or token in s.params.stop_token_ids:
+            if (token in self.eos_token_ids and not s.params.ignore_eos) or token in s.params.stop_token_ids:
                 s.finish_reason = "stop"
             elif len(s.output_ids) >= s.params.max_tokens:
                 s.finish_reason = "length"

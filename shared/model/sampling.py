@@ -52,6 +52,8 @@ class SamplingParams:
     top_logprobs: also report this many most likely tokens per position (0 to MAX_TOP_LOGPROBS).
     max_tokens: the most tokens to generate.
     stop_token_ids: ids that end generation (besides EOS, which the caller adds).
+    ignore_eos: do not stop at the model's EOS ids (benchmarks: exactly max_tokens tokens
+        unless a stop id or stop string ends the sequence).
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]; 0 disables.
     repetition_penalty: transformers' / vLLM's, > 0; 1 disables.
     """
@@ -67,6 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     top_logprobs: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):

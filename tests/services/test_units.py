@@ -1,4 +1,4 @@
-"""Fast tests of the services' pure parts: settings, compose parsing, completion assembly, placement."""
+"""Fast tests of the services' pure parts: settings, compose parsing, admission, completion assembly, placement."""
 
 from __future__ import annotations
 
@@ -7,11 +7,37 @@ from pathlib import Path
 
 import pytest
 
+from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, TokenBatch
+from services.gateway.admission import Admission, ModelInfo
 from services.gateway.completion import Completion
 from services.launch import REPO_ROOT, StackError, load_compose
+from services.model_rank import sampling_params
+from services.openai import protocol
 from services.scheduler.registry import Registry
+from shared.model.tokenizer import Tokenizer
 from shared.settings import DecodeSettings, GatewaySettings, PrefillSettings, SettingsError, load_settings
+
+
+# ---------------------------------------------------------------- admission
+
+
+def test_ignore_eos_reaches_the_ranks_sampling_params_and_drops_the_eos_stop_ids(tiny_model: Path):
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    model = ModelInfo.load(settings)
+    admission = Admission(settings, model, Tokenizer.from_dir(tiny_model))
+    assert model.generation.eos_token_ids  # the checkpoint has EOS ids to ignore
+    plain = admission.admit(GenerateRequest(input_ids=[5, 6, 7], max_tokens=4), "gw").job
+    ignoring = admission.admit(GenerateRequest(input_ids=[5, 6, 7], max_tokens=4, ignore_eos=True), "gw").job
+    assert plain.stop_token_ids == list(model.generation.eos_token_ids) and not sampling_params(plain).ignore_eos
+    assert ignoring.stop_token_ids == [] and sampling_params(ignoring).ignore_eos
+
+
+def test_openai_bodies_pass_vllms_ignore_eos_through():
+    completion = protocol.decode(b'{"prompt": "hi", "ignore_eos": true}', protocol.CompletionRequest)
+    chat = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
+    assert protocol.completion_request(completion, "r1", 16).ignore_eos
+    assert not protocol.chat_request(chat, "r2", 16).ignore_eos
 
 
 # ---------------------------------------------------------------- settings

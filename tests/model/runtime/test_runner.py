@@ -88,3 +88,28 @@ def test_bad_prompts_are_rejected(tiny_checkpoint, prompt, match):
     runner = ModelRunner.from_dir(tiny_checkpoint(NAME), num_pages=4, page_size=4)
     with pytest.raises(ValueError, match=match):
         runner.add("a", prompt, GREEDY)
+
+
+def _generate(runner: ModelRunner, prompt: list[int], params: SamplingParams) -> tuple[list[int], str | None]:
+    s = runner.add("s", prompt, params)
+    runner.prefill([s])
+    while not s.finished:
+        runner.decode([s])
+    return s.output_ids, s.finish_reason
+
+
+def test_ignore_eos_generates_past_the_models_eos_but_not_past_a_stop_id(tiny_checkpoint):
+    path = tiny_checkpoint(NAME)
+    prompt = random_prompts([5], seed=7)[0]
+    free, _ = _generate(ModelRunner.from_dir(path, num_pages=8, page_size=4), prompt, GREEDY)
+    base = ModelRunner.from_dir(path, num_pages=8, page_size=4)
+    eos_runner = ModelRunner(base.model, base.cache, eos_token_ids=[free[1]])  # EOS: a token this prompt produces greedily
+
+    def upto(token: int) -> list[int]:  # the free output up to that token's first appearance
+        return free[: free.index(token) + 1]
+
+    assert _generate(eos_runner, prompt, GREEDY) == (upto(free[1]), "stop")
+    ignoring = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert _generate(eos_runner, prompt, ignoring) == (free, "length")
+    stop_id = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=(free[3],))
+    assert _generate(eos_runner, prompt, stop_id) == (upto(free[3]), "stop")
