@@ -5,11 +5,12 @@ One persistent, warp-specialised kernel serves every variant:
 * operand types: bf16 x bf16, or FP8 E4M3 x E4M3 with DeepSeek-style block
   scales (1x128 per token for the activations, 128x128 for the weights; the
   partial product of every 128-wide K block is scaled in registers and added
-  to an fp32 accumulator, "scale promotion", hidden behind WGMMAs: 128-wide
+  to an fp32 accumulator, "scale promotion", scheduled behind WGMMAs: 128-wide
   tiles alternate two partials per warpgroup, 192-wide tiles keep one and
-  the two consumer warpgroups take turns to issue); or bf16 activations x
-  MXFP8 weights (E4M3 + E8M0 per 32 along K) dequantized to bf16 in shared
-  memory inside the kernel;
+  the two consumer warpgroups take turns to issue; what the promotion and
+  its scale loads still cost is in "Where the time goes" below); or bf16
+  activations x MXFP8 weights (E4M3 + E8M0 per 32 along K) dequantized to
+  bf16 in shared memory inside the kernel;
 * token layouts: *contiguous* (rows of all experts back to back, ``offsets``
   [E+1] int32 on the GPU) or *masked* (``[E, max_tokens, K]`` with ``counts``
   [E] int32 on the GPU).  Nothing is read back to the host.
@@ -62,32 +63,67 @@ call, prefill at 375 / 2048 tokens, sustained / burst: bf16 623-694 / 638-732 an
 in 6 of 8 shape-GPU pairs (623-645); FP8 reaches 1100 only in bursts (1111-1172: 235B
 gate_up at 375 and 2048, 235B down and 30B gate_up at 2048).
 
-Where the time goes (8d3ba77539c5, 2x H200, burst, variants of the same tree that skip
-one part, results wrong by design): FP8 without promotion and scales (plain
-accumulation like bf16), FP8 with the scale loads replaced by constants, and bf16 /
-FP8 without the hand-off to the store warps and without global stores each ran within
-1% of the full kernel on 30B down and 235B gate_up at 375 and 2048 tokens (FP8 235B
-gate_up at 2048, clock-capped even in bursts, +1..3% without promotion or scale loads,
-against 1% between two runs of the full kernel).  ncu's
-SASS-level stall samples (30B down, 375 tokens): bf16 consumer warps wait mostly on
-the stage-full mbarrier (41% of all warp samples: the operand tiles have not landed),
-FP8 consumers on their own WGMMAs (wait_group, 17%) with the data already in shared
-memory.  So neither the promotion nor the epilogue limits these shapes: the operand
-path does, L2 -> shared memory (TMA) and the WGMMAs' shared-memory operand reads; by
-count the two come to ~128 B/clk per SM at the tensor peak for bf16 128x256 and ~138
-for FP8 128x192, about the shared-memory bandwidth of an SM (128 B/clk).  Cutting the
-L2 bytes per FLOP by 22% (swapped 192x256 tiles, below) moved the 375-token cases by
-0-4% only.  A WGMMA reads its B tile from shared memory once per 64 rows of A, so the
-larger part of that traffic is fixed by the instruction; the open question is what
-else lowers it.  The same kernels on half the SMs (66 persistent CTAs instead of 132,
-a0f3c0311772, burst, 375 tokens, 128x192 tiles for both dtypes, scratch script): per SM
-bf16 ran 24% faster on 30B down and 22% on 235B gate_up (17% at equal clock), FP8 15% and
-13%, so part of the limit is shared (L2 and the path to the SMs) and bf16 feels it
-more; but FP8 on half the SMs still reached only ~60% of its per-SM tensor peak (9.8
-TFLOP/s per SM at 1980 MHz) where bf16 reached 75-84%, although a 64x192 WGMMA reads
-the same shared-memory bytes per cycle at a given fraction of peak in both dtypes: FP8
-is also held inside the SM, by something the ablations above did not isolate (not the
-promotion, the scales or the epilogue).
+Where the time goes, FP8 128x192 (fe9548763f2a kernel code, helper 36's calls 1, 3 and 4 on
+one 2x H200 machine, burst at 1980 MHz, 375 tokens per expert; scratch copies of the kernel
+with switches, results wrong by design; repeated variants agree within 0.5 points).
+Fraction of the FP8 tensor peak (8192 FLOP/clk/SM), Qwen3-235B gate_up / Qwen3-30B down:
+
+* full kernel 52.8 / 42.1%; plain accumulation (bf16's pipelined mainloop: no promotion, no
+  scale loads) 63.6 / 48.4%; plain plus 96 FFMAs per K block per thread on other registers,
+  independent of the WGMMAs (a promotion's arithmetic and nothing else) 54.2 / 42.4%;
+  the full kernel promoting only the last K block (loads, turns, wait_group(0) kept)
+  60.4 / 46.2%; constant scales instead of the scale loads 56.6 / 46.5%;
+* without TMA and pipeline waits (the WGMMAs read stale shared memory): full 70.9 / 50.8%,
+  plain 84.5 / 66.8%, plain + FFMAs 73.3 / 56.6%; bf16 128x192 and 128x256 86 / 76% of
+  the bf16 peak; plain FP8 with 64x128, 64x256 or two 64x96 WGMMAs per warpgroup within 1.5
+  points of 64x192 on 235B gate_up (on 30B down, K = 768, 64x128 and 2 x 64x96 lost 3-8).
+
+So (1) the FP8 WGMMA runs at the same fraction of its peak as bf16 (84.5 vs 86% without
+memory): the instruction is not the limit.  (2) On 235B gate_up with memory the full
+kernel's 10.8 points below plain split into the scale loads 3.8 (constant scales: 56.6%),
+the promotion FFMAs 3.8 (promoting only the last block, which also skips the other blocks'
+scale products: 60.4%) and the one-partial wait_group(0) / turn structure 3.2 (plain:
+63.6%); 30B down alike (4.4, -0.3, 2.2 of 6.3).  Without memory the scale loads dominate:
+constant scales +10.5 points on both shapes, promoting only the last block +9.2 (235B) and
++5.6 (30B).  What costs is the loads themselves, not their latency (call 4, same GPU, 375
+tokens, burst / sustained): constant scales +6.7..+10.9% on all four shapes (1120 -> 1195
+TFLOP/s 235B gate_up, 1020 -> 1101 235B down, 1037 -> 1126 30B gate_up, 904 -> 1002 30B
+down, burst); but loading a block's scales after its WGMMAs are issued and the turn passed
+(in HEAD the products are multiplied between the block's third and fourth WGMMA, so the
+fourth WGMMA and the pass wait for the loads) ran -1.3..-0.6% / -7.1..-0.3%, and loading the
+next block's a block ahead (91f4cc30e91f's way) -2.7..-1.3% / -6.6..-1.0%.  Per K block each
+consumer thread issues 5 scalar loads (2 activation scales, 8 rows per warp; 3 warp-uniform
+weight scales) and their address arithmetic; a plausible cost is their passage through L1,
+which shares its data path with shared memory (the TMA writes, the WGMMAs' operand reads).
+FFMAs beside WGMMAs are not free either: 96 per block on unrelated registers added to the plain mainloop (both
+warpgroups issuing at once) cost 9.4 points with memory and 11.2 without, although ptxas
+already alternates the yield and reuse bits of consecutive promotion FFMAs (their control
+words differ by 0x0800200000000000, the pattern DeepGEMM's SASS pass once set by hand; SASS
+as compiled here with CuTeDSL's CUDA 12 libraries, the device's CUDA 13 build was not
+disassembled), and their count per FLOP is fixed by the format (one per output element per
+128-wide K block, whatever the tile).  The "halves" schedule below, which keeps a WGMMA
+batch in flight through every promotion, gained nothing.  (3) The memory path costs
+20-25% in both dtypes: plain FP8 at 63.6% moves 9.1 TB/s of operand tiles from L2 to the
+SMs, bf16 128x192 9.5 and 128x256 8.6 TB/s (67.7-67.8% of the bf16 peak), and on half the
+SMs (66 CTAs) plain FP8 128x256 ran at 78.3%: a limit shared by the SMs (L2 and the path
+to them) near 9 TB/s.  An earlier ablation (8d3ba77539c5: "without promotion and scales,
+and with constant scales, within 1% of the full kernel") is not reproduced by these
+same-call figures.  ncu's SASS-level stall samples at 8d3ba77539c5 (30B down, 375 tokens):
+bf16 consumer warps wait mostly on the stage-full mbarrier (41% of all warp samples), FP8
+consumers on their own WGMMAs (wait_group, 17%) with the data already in shared memory.
+The same kernels on half the SMs (a0f3c0311772, burst, 375 tokens, 128x192 tiles for both
+dtypes): per SM bf16 ran 22-24% faster, FP8 13-15%; FP8 then reached ~60% of its per-SM
+peak, bf16 75-84%: the difference is (2).
+Leads, by predicted gain: fewer, wider scale loads, bounded by the constant-scale figures
+(+7..+11% at 375 tokens): a row's activation scales of consecutive K blocks are contiguous
+(K/128 per row), so one 16-byte load fetches 4 blocks' worth when K/128 is a multiple of 4
+(8 bytes and 2 blocks for K = 768; the pointer alignment the launch promises would have to
+grow from 4 bytes, and scale tensors that are views must keep it), the K loop then stepping
+4 blocks with the inner 4 unrolled; a tile's weight scales (3 per block, the same for every
+thread) loaded once per tile into shared memory by an idle producer-warpgroup warp.  Then
+the memory path (20-25%): fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried
+for other reasons, below; the tile cannot grow: acc + partial fill the registers at
+128x192).
 
 Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
 burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%
@@ -117,11 +153,17 @@ thread, over the 232 this kernel gives them; DeepGEMM's 256-row tiles (two 64-ro
 waves per warpgroup, one partial) move 10% fewer bytes per FLOP from L2 but compute
 512 rows for 375 tokens, and its promotion schedule is the plain one dropped below.
 The order of tiles already has the CTAs working at one time share each weight tile
-in L2 (DRAM moves about the bytes that must move, see the ncu figures); scale loads
-ahead of time were tried (below) and scale loads replaced by constants gave nothing
-(above).  What is left is the shared-memory/WGMMA path inside the SM (half-SM run
-above), which none of these touch.
-Tried and dropped: for FP8, one partial per warpgroup without turns (DeepGEMM's
+in L2 (DRAM moves about the bytes that must move, see the ncu figures).  What the
+promotion, the scale loads and the operand path cost is measured in "Where the time
+goes" above, with the leads that follow from it.
+Tried and dropped: FP8 192-wide tiles as two 96-column halves with a partial each (64x96
+WGMMAs, 96 + 48 + 48 registers; each warpgroup promotes one half while the other half's
+batch runs, no turns; K loop unrolled, C7514 otherwise), against this kernel on both GPUs
+of one call (fe9548763f2a+h36-halves; logs only, the result lines did not come back): burst
+-1.5..+0.8%, sustained -2.1..+4.8% (clock spread) on all 16 prefill cases; without memory
+51.4% on 30B down (one partial 50.8%) and 45.3% on 235B gate_up (70.9%: the unrolled
+32-block loop, ~5000 instructions, probably outgrows the instruction cache); compiles in 9-20 s
+instead of 1-2 s.  For FP8, one partial per warpgroup without turns (DeepGEMM's
 plain schedule; the warpgroups' promotions coincide, 6-17% slower than two
 partials, d2c25f900d65), scales loaded a block ahead (91f4cc30e91f); bf16
 128x192 tiles (4 stages instead of 3; 0-7% slower than 128x256) and 64x256

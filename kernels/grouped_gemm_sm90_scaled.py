@@ -251,7 +251,11 @@ class ScaledMainloops:
         nothing to overlap.  The K loop stays a run-time loop: nothing is in
         flight when the partial is read.  A block's scales are loaded as it
         starts; loading them a block ahead, during the previous block's
-        WGMMAs, was 1-4% slower on 7 of 8 shapes on an H200 (91f4cc30e91f).
+        WGMMAs, was 1-4% slower on 7 of 8 shapes on an H200 (91f4cc30e91f) and
+        again 1.3-2.7% in bursts at fe9548763f2a, loading them after the
+        block's WGMMAs are issued 0.6-1.3%; constant scales instead of the
+        loads ran 7-11% faster: the loads cost, not their latency (see the
+        measured section of ``kernels.grouped_gemm_sm90``).
         """
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
             scales = self._load_scales(where, k_tile)
