@@ -1,0 +1,278 @@
+"""Serving benchmark: latency and throughput of a moebus stack under a stream of requests.
+
+What a user compares engines by (vLLM's ``bench serve``, SGLang's ``bench_serving``):
+``--requests`` requests of random token ids (``--input-len`` each, spread by
+``--range-ratio``) asking for ``--output-len`` tokens (``ignore_eos``, so every request
+generates its full length), arriving as a Poisson process at ``--rate`` per second
+(``inf``: all at once), at most ``--max-concurrency`` in flight. Each is streamed through
+the native client and timed: TTFT (send -> first token), TPOT ((end - first token) /
+(tokens - 1)), ITL (the gaps between chunks), E2E; and the run's request and token
+throughput.
+
+The peer, in the same run on the same device: the same requests through one ModelRunner
+in this process with the decode rank's settings (device, dtype, page size, CUDA graphs,
+warm-up), batched continuously in one loop (admit what has arrived, prefill it, one decode
+step for everything running), with no services, bus or KV transfer: the throughput the
+model runtime alone gives, and what the disaggregated stack keeps of it
+(``throughput_ratio``). With ``--up`` the peer runs before the stack starts, so the two
+never share the device; with ``--url`` after the measurement, while that stack idles.
+
+    python -m bench.serving --up [--stack compose/single-node.yml] [--model DIR]
+    python -m bench.serving --url nats://127.0.0.1:4222 --model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.results import print_table, record
+from schemas.api import GenerateRequest
+from services.client import Client, GenerateError
+from services.decode.__main__ import use_cuda_graphs
+from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose
+from services.model_rank import resolve_device
+from services.warmup import warm_up_decode
+from shared.bus import connect
+from shared.model.config import ModelConfig
+from shared.model.runner import ModelRunner, SequenceState, StepOutput
+from shared.model.sampling import SamplingParams
+from shared.settings import DecodeSettings, load_settings
+
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests of one run: prompts, output lengths and arrival offsets (seconds)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float]
+
+    @classmethod
+    def random(cls, n: int, input_len: int, output_len: int, range_ratio: float, rate: float, vocab: int, seed: int) -> Workload:
+        rng = random.Random(seed)
+
+        def length(mean: int) -> int:
+            return max(1, rng.randint(math.floor(mean * (1 - range_ratio)), math.ceil(mean * (1 + range_ratio))))
+
+        # Ids from the lower part of the vocabulary: ordinary tokens, no special ones.
+        prompts = [[rng.randrange(1000, min(vocab, 100_000)) for _ in range(length(input_len))] for _ in range(n)]
+        output_lens = [length(output_len) for _ in range(n)]
+        arrivals, t = [], 0.0
+        for _ in range(n):
+            arrivals.append(t)
+            t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+        return cls(prompts, output_lens, arrivals)
+
+
+@dataclass
+class Timeline:
+    """One request as the client saw it: when it was sent, when tokens arrived (seconds)."""
+
+    sent: float
+    token_times: list[float] = field(default_factory=list)  # one entry per token, the arrival of its chunk
+    chunk_gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def add(self, now: float, tokens: int) -> None:
+        if self.token_times:
+            self.chunk_gaps.append(now - self.token_times[-1])
+        self.token_times += [now] * tokens
+
+
+def summarize(timelines: list[Timeline], input_tokens: int, elapsed_s: float) -> dict[str, float]:
+    """Throughput and latency percentiles (ms) of the completed requests; failures counted."""
+    done = [t for t in timelines if t.error is None and t.token_times]
+    samples: dict[str, list[float]] = {
+        "ttft": [t.token_times[0] - t.sent for t in done],
+        "tpot": [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in done if len(t.token_times) > 1],
+        "itl": [g for t in done for g in t.chunk_gaps],
+        "e2e": [t.token_times[-1] - t.sent for t in done],
+    }
+    output_tokens = sum(len(t.token_times) for t in done)
+    metrics = {"completed": len(done), "failed": len(timelines) - len(done), "output_tokens": output_tokens, "elapsed_s": elapsed_s,
+               "requests_per_s": len(done) / elapsed_s, "output_tokens_per_s": output_tokens / elapsed_s,
+               "total_tokens_per_s": (output_tokens + input_tokens) / elapsed_s}
+    for name in LATENCIES:
+        values = sorted(samples[name])
+        for q in (50, 90, 99):
+            metrics[f"{name}_p{q}_ms"] = 1000 * values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))] if values else float("nan")
+        metrics[f"{name}_mean_ms"] = 1000 * statistics.fmean(values) if values else float("nan")
+    return {k: v for k, v in metrics.items() if not math.isnan(v)}  # no samples: no figure
+
+
+# ---------------------------------------------------------------- the stack
+
+
+async def run_stack(url: str, work: Workload, max_concurrency: int, timeout_s: float) -> tuple[list[Timeline], float]:
+    """Every request of `work` through the stack at `url`, at its arrival time; (timelines, elapsed)."""
+    async with connect(url, "bench-serving") as bus:
+        client = Client(bus, timeout=timeout_s)
+        await client.generate(GenerateRequest(input_ids=work.prompts[0][:8], max_tokens=2, temperature=0))  # first-use costs out
+        slots = asyncio.Semaphore(max_concurrency)
+        start = time.perf_counter()
+
+        async def one(i: int) -> Timeline:
+            await asyncio.sleep(max(0.0, start + work.arrivals[i] - time.perf_counter()))
+            async with slots:
+                req = GenerateRequest(input_ids=work.prompts[i], max_tokens=work.output_lens[i], temperature=0, ignore_eos=True,
+                                      stream=True, timeout_ms=round(timeout_s * 1000))
+                timeline = Timeline(time.perf_counter())
+                try:
+                    async for chunk in client.stream(req):
+                        timeline.add(time.perf_counter(), len(chunk.token_ids))
+                except GenerateError as e:
+                    timeline.error = e.code
+                return timeline
+
+        timelines = await asyncio.gather(*(one(i) for i in range(len(work.prompts))))
+        return list(timelines), time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- the peer: one runner, this process
+
+
+def build_runner(model: Path, settings: DecodeSettings, work: Workload, max_concurrency: int) -> ModelRunner:
+    """A ModelRunner as a decode rank builds it (device, dtype, graphs, warm-up), with KV for
+    `max_concurrency` of the longest requests of `work`."""
+    device = resolve_device(settings.device, 0, settings.gpus)
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
+    pages = max(settings.kv_pages, max_concurrency * -(-longest // settings.page_size) + 2)
+    runner = ModelRunner.from_dir(model, num_pages=pages, page_size=settings.page_size, dtype=getattr(torch, settings.dtype), device=device)
+    use_cuda_graphs(runner, settings)
+    if settings.warmup:
+        warm_up_decode(runner, settings, 1)
+    return runner
+
+
+def run_in_process(runner: ModelRunner, work: Workload, max_concurrency: int) -> tuple[list[Timeline], float]:
+    """Continuous batching in one loop: admit the arrived requests (up to `max_concurrency`
+    running), prefill them together, then one decode step for every running sequence."""
+    sync: Callable[[], None] = torch.cuda.synchronize if runner.cache.device.type == "cuda" else (lambda: None)
+    waiting = list(range(len(work.prompts)))
+    live: list[SequenceState] = []
+    timelines: dict[str, Timeline] = {}
+    start = time.perf_counter()
+
+    def note(outputs: list[StepOutput]) -> None:
+        sync()  # the tokens exist once the step's work has finished
+        now = time.perf_counter()
+        for out in outputs:
+            timelines[out.seq_id].add(now, 1)
+
+    while waiting or live:
+        admitted = []
+        while waiting and work.arrivals[waiting[0]] <= time.perf_counter() - start and len(live) + len(admitted) < max_concurrency:
+            i = waiting.pop(0)
+            params = SamplingParams(temperature=0.0, max_tokens=work.output_lens[i], ignore_eos=True)
+            admitted.append(runner.add(f"r{i}", work.prompts[i], params))
+            timelines[f"r{i}"] = Timeline(time.perf_counter())  # as the stack's client: sent once a slot is free
+        if admitted:
+            note(runner.prefill(admitted))
+            live += [s for s in admitted if not s.finished]
+        if live:
+            note(runner.decode(live))
+            live = [s for s in live if not s.finished]
+        elif waiting:
+            time.sleep(max(0.0, start + work.arrivals[waiting[0]] - time.perf_counter()))
+    return [timelines[f"r{i}"] for i in range(len(work.prompts))], time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--up", action="store_true", help="start a local stack for the run (moebus up's code path)")
+    where.add_argument("--url", help="the NATS URL of a running stack")
+    ap.add_argument("--stack", default=str(DEFAULT_STACK), help="compose file of the stack --up starts")
+    ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny model); with --url, the stack's own")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (mean)")
+    ap.add_argument("--output-len", type=int, default=64, help="generated tokens per request (mean)")
+    ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
+    ap.add_argument("--rate", type=float, default=math.inf, help="requests per second (Poisson arrivals); inf: all at once")
+    ap.add_argument("--max-concurrency", type=int, default=16, help="requests in flight at most")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
+    ap.add_argument("--no-peer", action="store_true", help="skip the in-process runner")
+    a = ap.parse_args(argv)
+    for name in ("requests", "input_len", "output_len", "max_concurrency"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= a.range_ratio < 1:
+        ap.error("--range-ratio must be in [0, 1)")
+    if not a.rate > 0 or not a.timeout_s > 0:
+        ap.error("--rate and --timeout-s must be > 0")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    model = Path(a.model) if a.model else ensure_tiny_model(default_cache_dir())
+    work = Workload.random(a.requests, a.input_len, a.output_len, a.range_ratio, a.rate, ModelConfig.from_dir(model).vocab_size, a.seed)
+    input_tokens = sum(len(p) for p in work.prompts)
+    decode_env = dict(os.environ)
+    if a.up:
+        specs = load_compose(Path(a.stack), {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS})
+        decode_env |= next(s.env for s in specs if s.role == "decode")
+    settings = load_settings(DecodeSettings, "decode", overrides={"model": str(model)}, env=decode_env)
+
+    def peer() -> dict[str, float]:
+        runner = build_runner(model, settings, work, a.max_concurrency)
+        timelines, elapsed = run_in_process(runner, work, a.max_concurrency)
+        del runner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the stack's ranks get the device's memory back
+        return summarize(timelines, input_tokens, elapsed)
+
+    peer_metrics = None if a.no_peer or not a.up else peer()  # --up: before the stack exists
+    stack = None
+    if a.up:
+        stack = LocalStack(specs, model, Path(tempfile.mkdtemp(prefix="bench-serving-")), extra_env={"MOEBUS_LOG_LEVEL": "warning"})
+        stack.start()
+    try:
+        timelines, elapsed = asyncio.run(run_stack(stack.url if stack else a.url, work, a.max_concurrency, a.timeout_s))
+    finally:
+        if stack is not None:
+            stack.stop()
+    metrics = summarize(timelines, input_tokens, elapsed)
+    if peer_metrics is None and not a.no_peer:
+        peer_metrics = peer()  # --url: after the measurement, while that stack idles
+    if peer_metrics:
+        metrics["throughput_ratio"] = metrics["output_tokens_per_s"] / peer_metrics["output_tokens_per_s"]
+
+    errors = sorted({t.error for t in timelines if t.error})
+    case = {"stack": Path(a.stack).name if a.up else a.url, "model": model.name, "requests": a.requests, "input_len": a.input_len,
+            "output_len": a.output_len, "range_ratio": a.range_ratio, "rate": "inf" if math.isinf(a.rate) else a.rate,
+            "max_concurrency": a.max_concurrency, "seed": a.seed, "errors": errors,
+            "decode": {"device": settings.device, "dtype": settings.dtype, "dp": settings.dp, "max_batch": settings.max_batch,
+                       "page_size": settings.page_size, "cuda_graphs": settings.cuda_graphs}}
+    record("serving", case, metrics, {"in_process_runner": peer_metrics} if peer_metrics else None)
+    rows = [{"system": "moebus stack", **metrics}] + ([{"system": "in-process runner", **peer_metrics}] if peer_metrics else [])
+    print_table(rows, ["system", "completed", "failed", "requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+                       "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "e2e_p50_ms", "e2e_p99_ms"])
+    if peer_metrics:
+        print(f"throughput ratio (stack / in-process runner): {metrics['throughput_ratio']:.2f}")
+    if errors:
+        print(f"failed requests: {metrics['failed']} ({', '.join(errors)})")
+    return 1 if metrics["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

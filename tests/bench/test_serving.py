@@ -1,0 +1,55 @@
+"""bench/serving.py: its workload and statistics by hand, and one small run end to end against a
+real stack (nats-server and the services as processes, the tiny checkpoint) and its in-process peer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.serving import Timeline, Workload, main, summarize
+
+
+def test_workload_lengths_arrivals_and_seed():
+    work = Workload.random(200, 100, 40, 0.25, rate=50.0, vocab=151_936, seed=3)
+    assert all(75 <= len(p) <= 125 for p in work.prompts) and all(30 <= n <= 50 for n in work.output_lens)
+    assert all(1000 <= t < 100_000 for p in work.prompts for t in p)
+    gaps = [b - a for a, b in zip(work.arrivals, work.arrivals[1:])]
+    assert work.arrivals[0] == 0 and min(gaps) >= 0
+    assert 1 / 50 * 0.7 < sum(gaps) / len(gaps) < 1 / 50 * 1.3  # Poisson at 50/s: mean gap 20 ms
+    assert Workload.random(200, 100, 40, 0.25, 50.0, 151_936, seed=3) == work
+    assert Workload.random(5, 8, 4, 0.0, math.inf, 151_936, seed=1).arrivals == [0.0] * 5
+
+
+def test_summary_of_hand_made_timelines():
+    a = Timeline(sent=10.0)
+    for now, tokens in ((10.1, 1), (10.3, 2), (10.4, 1)):  # 4 tokens: first at +100 ms, last at +400 ms
+        a.add(now, tokens)
+    b = Timeline(sent=10.0)
+    b.add(10.2, 1)
+    b.add(10.5, 1)
+    failed = Timeline(sent=10.0, error="timeout")
+    m = summarize([a, b, failed], input_tokens=30, elapsed_s=2.0)
+    assert (m["completed"], m["failed"], m["output_tokens"]) == (2, 1, 6)
+    assert m["requests_per_s"] == 1.0 and m["output_tokens_per_s"] == 3.0 and m["total_tokens_per_s"] == 18.0
+    assert m["ttft_p50_ms"] == pytest.approx(100) and m["ttft_p99_ms"] == pytest.approx(200)
+    assert m["tpot_mean_ms"] == pytest.approx((100 + 300) / 2)  # a: 300 ms over 3 gaps; b: 300 ms over 1
+    assert sorted([m["itl_p50_ms"], m["itl_p99_ms"]]) == pytest.approx([200, 300])  # gaps 200, 100 (a) and 300 (b)
+    assert m["e2e_p99_ms"] == pytest.approx(500)
+
+
+@pytest.mark.slow
+def test_a_small_run_through_a_real_stack_and_the_in_process_peer(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEBUS_RESULTS_DIR", str(tmp_path))
+    requests, output_len = 12, 8
+    assert main(["--up", "--requests", str(requests), "--input-len", "24", "--output-len", str(output_len), "--max-concurrency", "4",
+                 "--rate", "40"]) == 0
+    line = json.loads((tmp_path / "serving.jsonl").read_text().splitlines()[-1])
+    stack, peer = line["metrics"], line["peers"]["in_process_runner"]
+    for m in (stack, peer):
+        assert m["completed"] == requests and m["failed"] == 0
+        assert m["output_tokens"] == requests * output_len  # ignore_eos: every request its full length
+        assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] <= m["e2e_p99_ms"]
+    assert stack["throughput_ratio"] == pytest.approx(stack["output_tokens_per_s"] / peer["output_tokens_per_s"])
+    assert line["case"]["rate"] == 40.0 and line["case"]["decode"]["device"] in ("auto", "cpu")
