@@ -11,8 +11,9 @@ throughput.
 
 The peer, in the same run on the same device: the same requests through one ModelRunner
 in this process with the decode rank's settings (device, dtype, page size, CUDA graphs,
-warm-up), batched continuously in one loop (admit what has arrived, prefill it, one decode
-step for everything running), with no services, bus or KV transfer: the throughput the
+warm-up), batched continuously in one loop (admit what has arrived, prefill it in batches
+of the prefill instance's ``max_batch_tokens``, one decode step for everything running),
+with no services, bus or KV transfer: the throughput the
 model runtime alone gives, and what the disaggregated stack keeps of it
 (``throughput_ratio``). With ``--up`` the peer runs before the stack starts, so the two
 never share the device; with ``--url`` after the measurement, while that stack idles.
@@ -49,7 +50,7 @@ from shared.bus import connect
 from shared.model.config import ModelConfig
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.model.sampling import SamplingParams
-from shared.settings import DecodeSettings, load_settings
+from shared.settings import DecodeSettings, PrefillSettings, S, load_settings
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
@@ -159,9 +160,10 @@ def build_runner(model: Path, settings: DecodeSettings, work: Workload, max_conc
     return runner
 
 
-def run_in_process(runner: ModelRunner, work: Workload, max_concurrency: int) -> tuple[list[Timeline], float]:
+def run_in_process(runner: ModelRunner, work: Workload, max_concurrency: int, prefill_tokens: int) -> tuple[list[Timeline], float]:
     """Continuous batching in one loop: admit the arrived requests (up to `max_concurrency`
-    running), prefill them together, then one decode step for every running sequence."""
+    running, prompts of at most `prefill_tokens` together, as a prefill instance batches
+    them), prefill them together, then one decode step for every running sequence."""
     sync: Callable[[], None] = torch.cuda.synchronize if runner.cache.device.type == "cuda" else (lambda: None)
     waiting = list(range(len(work.prompts)))
     live: list[SequenceState] = []
@@ -175,9 +177,11 @@ def run_in_process(runner: ModelRunner, work: Workload, max_concurrency: int) ->
             timelines[out.seq_id].add(now, 1)
 
     while waiting or live:
-        admitted = []
-        while waiting and work.arrivals[waiting[0]] <= time.perf_counter() - start and len(live) + len(admitted) < max_concurrency:
+        admitted, tokens = [], 0
+        while (waiting and work.arrivals[waiting[0]] <= time.perf_counter() - start and len(live) + len(admitted) < max_concurrency
+               and (not admitted or tokens + len(work.prompts[waiting[0]]) <= prefill_tokens)):
             i = waiting.pop(0)
+            tokens += len(work.prompts[i])
             params = SamplingParams(temperature=0.0, max_tokens=work.output_lens[i], ignore_eos=True)
             admitted.append(runner.add(f"r{i}", work.prompts[i], params))
             timelines[f"r{i}"] = Timeline(time.perf_counter())  # as the stack's client: sent once a slot is free
@@ -227,15 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(a.model) if a.model else ensure_tiny_model(default_cache_dir())
     work = Workload.random(a.requests, a.input_len, a.output_len, a.range_ratio, a.rate, ModelConfig.from_dir(model).vocab_size, a.seed)
     input_tokens = sum(len(p) for p in work.prompts)
-    decode_env = dict(os.environ)
-    if a.up:
-        specs = load_compose(Path(a.stack), {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS})
-        decode_env |= next(s.env for s in specs if s.role == "decode")
-    settings = load_settings(DecodeSettings, "decode", overrides={"model": str(model)}, env=decode_env)
+    # The stack --up starts: interpolated like `moebus up` does (e.g. DECODE_MAX_BATCH=64 in the environment).
+    specs = load_compose(Path(a.stack), {**os.environ, "MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS}) if a.up else []
+
+    def service_settings(cls: type[S], role: str) -> S:  # what that service of the stack runs with
+        env = dict(os.environ) | next((s.env for s in specs if s.role == role), {})
+        return load_settings(cls, role, overrides={"model": str(model)}, env=env)
+
+    settings = service_settings(DecodeSettings, "decode")
+    prefill_tokens = service_settings(PrefillSettings, "prefill").max_batch_tokens
 
     def peer() -> dict[str, float]:
         runner = build_runner(model, settings, work, a.max_concurrency)
-        timelines, elapsed = run_in_process(runner, work, a.max_concurrency)
+        timelines, elapsed = run_in_process(runner, work, a.max_concurrency, prefill_tokens)
         del runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the stack's ranks get the device's memory back
