@@ -52,8 +52,9 @@ tokens streamed 3.70 / 3.71 TB/s: machine-to-machine spread is 2-3%.  An ncu pro
 of single launches (d53287d0f526): bf16 30B down at 375 tokens keeps the tensor pipe
 74% busy with DRAM at 56% (2.68 TB/s, about the bytes that must move), 30B gate_up
 80%, 30B down at 2048 tokens 88%; FP8 54% (30B down) and 67% (235B gate_up).
-Re-measured at 8d3ba77539c5 (same kernel code, both GPUs of another 2x H200 machine,
-prefill, sustained / burst): bf16 375 tokens 613-713 / 637-764, 2048 623-692 / 702-795;
+Re-measured at 8d3ba77539c5 (lines so tagged; they ran the "+h30-epi2" working tree, see
+the PYTHONPATH pitfall below; both GPUs of another 2x H200 machine, prefill, sustained /
+burst): bf16 375 tokens 613-713 / 637-764, 2048 623-692 / 702-795;
 FP8 862-1061 / 864-1152; dense bf16 675-702 / 792-816, FP8 1247-1277 / 1450-1505.
 Re-measured at 95e3dc2333f4 with the third tile bucket (below), both GPUs of one 2x H200
 call, prefill at 375 / 2048 tokens, sustained / burst: bf16 623-694 / 638-732 and
@@ -107,8 +108,11 @@ batch in flight through every promotion, gained nothing.  (3) The memory path co
 SMs, bf16 128x192 9.5 and 128x256 8.6 TB/s (67.7-67.8% of the bf16 peak), and on half the
 SMs (66 CTAs) plain FP8 128x256 ran at 78.3%: a limit shared by the SMs (L2 and the path
 to them) near 9 TB/s.  An earlier ablation (8d3ba77539c5: "without promotion and scales,
-and with constant scales, within 1% of the full kernel") is not reproduced by these
-same-call figures.  ncu's SASS-level stall samples at 8d3ba77539c5 (30B down, 375 tokens):
+and with constant scales, within 1% of the full kernel") never ran its variants: its
+scratch copy was put first on PYTHONPATH and run with ``python3 -m``, which puts the
+working directory, the checkout, first on sys.path, so every arm ran the checkout's
+kernel (checked here: a scratch ``kernels`` package on PYTHONPATH is shadowed under
+``-m``; ``PYTHONSAFEPATH=1``, or a script path instead of ``-m``, avoids it).  ncu's SASS-level stall samples at 8d3ba77539c5 (30B down, 375 tokens):
 bf16 consumer warps wait mostly on the stage-full mbarrier (41% of all warp samples), FP8
 consumers on their own WGMMAs (wait_group, 17%) with the data already in shared memory.
 The same kernels on half the SMs (a0f3c0311772, burst, 375 tokens, 128x192 tiles for both
@@ -158,12 +162,14 @@ promotion, the scale loads and the operand path cost is measured in "Where the t
 goes" above, with the leads that follow from it.
 Tried and dropped: FP8 192-wide tiles as two 96-column halves with a partial each (64x96
 WGMMAs, 96 + 48 + 48 registers; each warpgroup promotes one half while the other half's
-batch runs, no turns; K loop unrolled, C7514 otherwise), against this kernel on both GPUs
-of one call (fe9548763f2a+h36-halves; logs only, the result lines did not come back): burst
--1.5..+0.8%, sustained -2.1..+4.8% (clock spread) on all 16 prefill cases; without memory
-51.4% on 30B down (one partial 50.8%) and 45.3% on 235B gate_up (70.9%: the unrolled
-32-block loop, ~5000 instructions, probably outgrows the instruction cache); compiles in 9-20 s
-instead of 1-2 s.  For FP8, one partial per warpgroup without turns (DeepGEMM's
+batch runs, no turns; K loop unrolled, C7514 otherwise; fe9548763f2a+h36-halves).  Through
+the scratch script on GPU 0 of helper 36's call 2, against this kernel through the same
+script on GPU 0 of calls 1, 3 and 4 (separate machine starts), burst, 375 tokens: 30B down
+912 against 900-908 TFLOP/s, 235B gate_up 1046 against 1120 (-7%); without memory 51.4%
+against 50.8% and 45.3% against 70.9% (the unrolled 32-block loop, ~5000 instructions,
+probably outgrows the instruction cache); compiles in 9-20 s instead of 1-2 s.  That
+call's bench A/B compared the halves with themselves (the PYTHONPATH pitfall above) and is
+void; its result lines did not come back.  For FP8, one partial per warpgroup without turns (DeepGEMM's
 plain schedule; the warpgroups' promotions coincide, 6-17% slower than two
 partials, d2c25f900d65), scales loaded a block ahead (91f4cc30e91f); bf16
 128x192 tiles (4 stages instead of 3; 0-7% slower than 128x256) and 64x256
@@ -181,8 +187,11 @@ buffer (bf16: the second half written during the next tile's first stage; store
 warps serving each warpgroup's rows on their own), against this kernel on both GPUs
 of one call (8d3ba77539c5, "+h30-epi2" in the results): burst within 1% on 14 of 16
 prefill cases per GPU (235B down 2048 bf16 +1.3 / +3.5%), sustained mostly within
-1.5% but 30B gate_up 375 bf16 -7 / -9%; so the stage count does not limit these
-shapes.  With the second half written at once instead, bf16 lost another 1-6%.
+1.5% but 30B gate_up 375 bf16 -7 / -9% -- but both arms of that A/B ran the "+h30-epi2"
+tree (its "old" arm was a scratch copy on PYTHONPATH under ``python3 -m``, the pitfall
+above; its 36 result lines tagged plain 8d3ba77539c5 measured "+h30-epi2" too), so these
+are the spread of one kernel and whether one more stage helps is open.  The comparison
+within that tree (a switch) stands: with the second half written at once, bf16 lost 1-6%.
 bf16 192x256 tiles computed as their transpose (weight rows on the MMA's M side, two
 64x192 WGMMAs per warpgroup, 22% fewer operand bytes per FLOP than 128x256, transposed
 stmatrix, the output in two halves; correct on GPU, 77c6be1bd7e5+h30-swap in the
