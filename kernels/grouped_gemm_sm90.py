@@ -96,8 +96,9 @@ next block's a block ahead (91f4cc30e91f's way) -2.7..-1.3% / -6.6..-1.0%.  Per 
 consumer thread issues 5 scalar loads (2 activation scales, 8 rows per warp; 3 warp-uniform
 weight scales) and their address arithmetic; a plausible cost is their passage through L1,
 which shares its data path with shared memory (the TMA writes, the WGMMAs' operand reads).
-FFMAs beside WGMMAs are not free either: 96 per block on unrelated registers added to the plain mainloop (both
-warpgroups issuing at once) cost 9.4 points with memory and 11.2 without, although ptxas
+FFMAs beside WGMMAs are not free either: 96 per block on unrelated registers added to the
+plain mainloop (both warpgroups issuing at once) cost 9.4 points with memory and 11.2
+without, although ptxas
 already alternates the yield and reuse bits of consecutive promotion FFMAs (their control
 words differ by 0x0800200000000000, the pattern DeepGEMM's SASS pass once set by hand; SASS
 as compiled here with CuTeDSL's CUDA 12 libraries, the device's CUDA 13 build was not
@@ -112,9 +113,10 @@ and with constant scales, within 1% of the full kernel") never ran its variants:
 scratch copy was put first on PYTHONPATH and run with ``python3 -m``, which puts the
 working directory, the checkout, first on sys.path, so every arm ran the checkout's
 kernel (checked here: a scratch ``kernels`` package on PYTHONPATH is shadowed under
-``-m``; ``PYTHONSAFEPATH=1``, or a script path instead of ``-m``, avoids it).  ncu's SASS-level stall samples at 8d3ba77539c5 (30B down, 375 tokens):
-bf16 consumer warps wait mostly on the stage-full mbarrier (41% of all warp samples), FP8
-consumers on their own WGMMAs (wait_group, 17%) with the data already in shared memory.
+``-m``; ``PYTHONSAFEPATH=1``, or a script path instead of ``-m``, avoids it).  ncu's
+SASS-level stall samples at 8d3ba77539c5 (30B down, 375 tokens): bf16 consumer warps wait
+mostly on the stage-full mbarrier (41% of all warp samples), FP8 consumers on their own
+WGMMAs (wait_group, 17%) with the data already in shared memory.
 The same kernels on half the SMs (a0f3c0311772, burst, 375 tokens, 128x192 tiles for both
 dtypes): per SM bf16 ran 22-24% faster, FP8 13-15%; FP8 then reached ~60% of its per-SM
 peak, bf16 75-84%: the difference is (2).
@@ -169,8 +171,8 @@ script on GPU 0 of calls 1, 3 and 4 (separate machine starts), burst, 375 tokens
 against 50.8% and 45.3% against 70.9% (the unrolled 32-block loop, ~5000 instructions,
 probably outgrows the instruction cache); compiles in 9-20 s instead of 1-2 s.  That
 call's bench A/B compared the halves with themselves (the PYTHONPATH pitfall above) and is
-void; its result lines did not come back.  For FP8, one partial per warpgroup without turns (DeepGEMM's
-plain schedule; the warpgroups' promotions coincide, 6-17% slower than two
+void; its result lines did not come back.  For FP8, one partial per warpgroup without
+turns (DeepGEMM's plain schedule; the warpgroups' promotions coincide, 6-17% slower than two
 partials, d2c25f900d65), scales loaded a block ahead (91f4cc30e91f); bf16
 128x192 tiles (4 stages instead of 3; 0-7% slower than 128x256) and 64x256
 decode tiles (within 1%), d2c25f900d65.  CTA pairs sharing one operand tile by
