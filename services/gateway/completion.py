@@ -1,7 +1,11 @@
 """Assembling a completion from token batches: order, detokenization, stop strings.
 
 Token batches come from two publishers (prefill sends token 0, the decode rank the
-rest), so they may arrive out of order; `Completion` releases them by index. Text is
+rest), so they may arrive out of order; `Completion` releases them by index. The decode
+rank publishes its batches in order on one connection, which NATS delivers in order but
+at most once: once token 0 is in, a batch that still cannot be taken means one before it
+was lost, and the completion fails (`TokensLost`) instead of waiting for it until the
+deadline. Text is
 released only when it can no longer turn into a stop string: a tail that is a prefix
 of some stop string is held back until the next tokens decide it.
 
@@ -34,6 +38,10 @@ class Delta:
         return bool(self.text or self.token_ids)
 
 
+class TokensLost(Exception):
+    """A token batch of the completion never arrived."""
+
+
 TokenPiece = Callable[[int], tuple[str, bytes]]  # a token id's text and bytes alone (`Tokenizer.token_piece`)
 
 
@@ -62,12 +70,15 @@ class Completion:
         return self.text[: self.released]
 
     def add(self, batch: TokenBatch) -> Delta:
-        """Take a batch (in any order); returns what is now final."""
+        """Take a batch (token 0 and the rest in either order); returns what is now final.
+        Raises TokensLost when a batch before this one was lost (module doc)."""
         self.compute_ms += batch.compute_ms
         self._early[batch.start] = batch
         delta = Delta()
         while not self.finished and (nxt := self._early.pop(len(self.token_ids), None)) is not None:
             self._take(nxt, delta)
+        if self._early and self.token_ids and not self.finished:
+            raise TokensLost(f"tokens {len(self.token_ids)}..{min(self._early) - 1} of the completion never arrived")
         return delta
 
     def _take(self, batch: TokenBatch, delta: Delta) -> None:

@@ -40,7 +40,7 @@ from schemas.api import (
 from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitAck, SubmitJob, TokenBatch, TokenMessage
 from services.common import Heartbeater
 from services.gateway.admission import Admission, Admitted, Rejected
-from services.gateway.completion import Completion, Delta
+from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
 from services.gateway.stats import RequestCounters
 from services.liveness import MemberKey, PeerLiveness
@@ -222,7 +222,10 @@ class Gateway:
             ttft_ms = None
             chunks = 0
             while not completion.finished:
-                delta = completion.add(await self._next_batch(flight, deadline, first=not completion.token_ids))
+                try:
+                    delta = completion.add(await self._next_batch(flight, deadline, first=not completion.token_ids))
+                except TokensLost as e:
+                    raise Failed("unavailable", f"{e} (lost on the way from the decode rank)") from e
                 if ttft_ms is None and completion.token_ids:
                     ttft_ms = (time.monotonic() - arrival) * 1000
                 if stream and (delta or completion.finished):

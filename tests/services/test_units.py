@@ -10,7 +10,7 @@ import pytest
 from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, TokenBatch
 from services.gateway.admission import Admission, ModelInfo
-from services.gateway.completion import Completion
+from services.gateway.completion import Completion, TokensLost
 from services.launch import REPO_ROOT, StackError, load_compose
 from services.model_rank import sampling_params
 from services.openai import protocol
@@ -146,6 +146,19 @@ def test_completion_reorders_batches_and_enforces_max_tokens():
     assert c.add(batch(0, "a")).text == "abc"
     assert c.add(batch(3, "de")).text == "d"
     assert c.finish_reason == "length" and c.token_ids == [ord(x) for x in "abcd"]
+
+
+def test_completion_fails_once_a_batch_after_token_0_is_missing():
+    c = Completion(CharTokens(), stop=[], max_tokens=100)  # type: ignore[arg-type]
+    assert not c.add(batch(1, "b"))  # the decode rank's batches may overtake the prefill's token 0
+    assert not c.add(batch(3, "d"))  # ... so nothing is known lost yet
+    with pytest.raises(TokensLost, match="tokens 2..2 of the completion never arrived"):
+        c.add(batch(0, "a"))
+    c = Completion(CharTokens(), stop=[], max_tokens=100)  # type: ignore[arg-type]
+    c.add(batch(0, "a"))
+    c.add(batch(1, "b"))
+    with pytest.raises(TokensLost, match="tokens 2..3"):
+        c.add(batch(4, "e"))
 
 
 def test_completion_releases_everything_at_the_end():
