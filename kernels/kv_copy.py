@@ -28,7 +28,8 @@ implementation by device:
 The kernel is compiled once per process and access width (``prepare_kv_copy`` compiles
 and loads it ahead of the first copy). Every size, stride and address of a sequence's copy
 is a launch parameter in device memory (``LAUNCH_PARAMS``, int64), uploaded with both page
-tables in one small host-to-device copy when the ``KVCopy`` is built; a launch passes only
+tables in one small host-to-device copy when the ``KVCopy`` is built (those the two pools
+fix are computed once per pool pair and kept); a launch passes only
 that block's address and its layer range. One binary serves every layout and request, and
 a launch costs a few host microseconds instead of converting some twenty scalars through
 the DSL's argument marshalling (~85 us on this project's CPU box); the three that vary

@@ -47,7 +47,13 @@ pieces on that host, each sequence 20 ms after the last (6k tokens, 2d4d2820defc
 allocation 44, ``torch.from_numpy`` 18, ``copy_`` 81) against 19 + 21 us for a caching-
 allocator block and a driver copy, which ``KVCopy`` has used since; the sender's whole
 set-up then measured 300-381 us at 6k TP=1 (383-559 before), enqueueing 72-102 us
-(a147946f51b4, bench/results/kv_transfer.jsonl).
+(a147946f51b4, bench/results/kv_transfer.jsonl). With the launch parameters a pool pair
+fixes kept per pair, the storage checks and row shape kept per storage pair (``_route``)
+and page lists converted through ``array.array``, it measured 264-373 us, enqueueing
+65-89 us (f4e4232480e1; cross-call); a scratch profile in that call, constructions 20 ms
+apart, put a sender's set-up at 500 us median against 626 for da02852, spread over many
+small steps (the driver copy 69 us, the allocator block 38, the two page lists 26, the
+two table checks 20).
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.
@@ -194,8 +200,8 @@ class _Route:
     ``dst`` shares, whatever the request: the two storages checked against each other and the
     row shape of their copies (``plan_rows`` of one token). Kept per (src, dst, head_start)
     while both storages live (``_route``): a transfer's set-up runs cold on its host, where
-    these checks and the plan cost ~50 us of the ~470 a sender's set-up took (2x H200, set-ups
-    20 ms apart, fe9548763f2a)."""
+    planning the rows alone took 24 us (2x H200, set-ups 20 ms apart, fe9548763f2a) and
+    looking the kept route up 5 us (f4e4232480e1)."""
 
     __slots__ = ("src", "dst", "device", "num_layers", "src_pages", "src_page_size", "dst_pages", "dst_page_size", "rows")
 
