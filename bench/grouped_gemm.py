@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, timers: list[Timer]) -> int:
     t0 = time.perf_counter()
+    # Which kernels ran: a scratch package put first on PYTHONPATH is shadowed by the checkout's under
+    # `python3 -m` (the working directory goes first on sys.path) unless PYTHONSAFEPATH=1.
+    print(f"kernels from {os.path.dirname(gg.__file__)}", flush=True)
     torch.manual_seed(0)
     x = torch.randn(EXPERTS * 375, 4096, device="cuda").bfloat16()
     q_bytes = x.numel() * 3 + x.numel() // 128 * 4
