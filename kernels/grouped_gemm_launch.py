@@ -23,7 +23,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 from kernels._cute_runtime import launch_stream
 from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_WEIGHT_ELEMENTS,
                                   SMALL_TILE_MAX_TOKENS_PER_EXPERT)
-from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90
+from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90, scale_vector
 
 _CACHE: dict[GroupedGemmConfig, object] = {}
 _LOCK = threading.Lock()
@@ -73,6 +73,11 @@ def _out_align(cfg: GroupedGemmConfig) -> int:
     return 2 * math.gcd(8, cfg.out_n)
 
 
+def _scale_align(cfg: GroupedGemmConfig) -> int:
+    """Byte alignment promised for the FP8 scale pointers (the width of the kernel's scale loads)."""
+    return _ALIGN_WORD * scale_vector(cfg)
+
+
 def _operand_types(cfg: GroupedGemmConfig) -> tuple:
     """(A, B, weight-scale) element types of ``cfg``'s kernel arguments."""
     a = cutlass.Float8E4M3FN if cfg.fp8 else cutlass.BFloat16
@@ -87,8 +92,8 @@ def _compile_args(cfg: GroupedGemmConfig) -> list:
         make_ptr(b, 0, _GMEM, assumed_align=_ALIGN_AB),
         make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=_out_align(cfg)),
         make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=_ALIGN_WORD),
-        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
-        make_ptr(sb, 0, _GMEM, assumed_align=1 if cfg.mxfp8 else _ALIGN_WORD),
+        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_scale_align(cfg)),
+        make_ptr(sb, 0, _GMEM, assumed_align=1 if cfg.mxfp8 else _scale_align(cfg)),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         cutlass.Int32(0),
         make_fake_stream(),
@@ -160,8 +165,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
             _ptr(w, b, _ALIGN_AB),
             _ptr(out, cutlass.BFloat16, _out_align(cfg)),
             _ptr(groups, cutlass.Int32, _ALIGN_WORD),
-            _ptr(x_scale, cutlass.Float32, _ALIGN_WORD) if fp8 else unused,
-            _ptr(w_scale, sb, _ALIGN_WORD) if fp8 else (_ptr(w_scale_e8m0, sb, 1) if mxfp8 else unused),
+            _ptr(x_scale, cutlass.Float32, _scale_align(cfg)) if fp8 else unused,
+            _ptr(w_scale, sb, _scale_align(cfg)) if fp8 else (_ptr(w_scale_e8m0, sb, 1) if mxfp8 else unused),
             _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
             cutlass.Int32(rows),
             stream,

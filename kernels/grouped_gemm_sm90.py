@@ -120,12 +120,17 @@ WGMMAs (wait_group, 17%) with the data already in shared memory.
 The same kernels on half the SMs (a0f3c0311772, burst, 375 tokens, 128x192 tiles for both
 dtypes): per SM bf16 ran 22-24% faster, FP8 13-15%; FP8 then reached ~60% of its per-SM
 peak, bf16 75-84%: the difference is (2).
-Leads, by predicted gain: fewer, wider scale loads, bounded by the constant-scale figures
-(+7..+11% at 375 tokens): a row's activation scales of consecutive K blocks are contiguous
-(K/128 per row), so one 16-byte load fetches 4 blocks' worth when K/128 is a multiple of 4
-(8 bytes and 2 blocks for K = 768; the pointer alignment the launch promises would have to
-grow from 4 bytes, and scale tensors that are views must keep it), the K loop then stepping
-4 blocks with the inner 4 unrolled; a tile's weight scales (3 per block, the same for every
+Adopted since (vector scale loads, ``scale_vector``): a row's activation and weight scales of
+consecutive K blocks are contiguous, so when K/128 is a multiple of 4 one 16-byte load
+fetches 4 blocks' worth (the launch promises the scale pointers that alignment) and the K
+loop steps 4 blocks with the inner 4 unrolled.  Against the single loads, same call, both
+GPUs in opposite orders (c2296fb6431c+vec4, burst): 235B gate_up +3.4/+4.0% at 375 tokens
+(1183/1196 TFLOP/s), +7.5/+5.2% at 2048 (1216/1207); 235B down +1.1/+1.3%, +2.4/+2.8%; 30B
+gate_up +2.1/+1.7%, +3.2/+4.6% (1210/1225 at 2048); sustained mostly alike but for
+power-capped swings of +-10% in both directions.  8-byte loads of 2 blocks (30B down, K = 768:
+6 blocks) had run 4% slower than single loads (helper 36's call, c2296fb6431c+h36-vec), so
+such K keeps the single loads (30B down level: 915/923 against 914/921).  So about half the
+constant-scale bound.  Leads left, by predicted gain: a tile's weight scales (3 per block, the same for every
 thread) loaded once per tile into shared memory by an idle producer-warpgroup warp.  Then
 the memory path (20-25%): fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried
 for other reasons, below; the tile cannot grow: acc + partial fill the registers at
@@ -262,6 +267,20 @@ class GroupedGemmConfig:
         return self.n // 2 if self.swiglu else self.n
 
 
+def scale_vector(cfg: GroupedGemmConfig) -> int:
+    """How many consecutive K blocks' scales one load fetches (``_fp8_one_partial``, FP8 192-wide tiles).
+
+    A row of the activation scales and of the weight scales holds its K blocks
+    contiguously, so 4 of them are one 16-byte load when the number of K blocks
+    is a multiple of 4: the scale pointers are then promised that alignment.
+    Other configurations load one block's scales at a time: 8-byte loads of 2
+    blocks (Qwen3-30B down, K = 768: 6 blocks) ran 4% slower than single ones.
+    """
+    if not cfg.fp8 or cfg.tile_n != 192:
+        return 1
+    return 4 if math.ceil(cfg.k / SCALE_BLOCK) % 4 == 0 else 1
+
+
 class GroupedGemmSm90(ScaledMainloops, Epilogue):
     """CuTeDSL kernel object for one :class:`GroupedGemmConfig`.
 
@@ -288,6 +307,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.k_tiles = math.ceil(cfg.k / self.tile_k)
         self.n_tiles = math.ceil(cfg.n / cfg.tile_n)
         self.scale_k_blocks = math.ceil(cfg.k / SCALE_BLOCK)
+        self.scale_vec = scale_vector(cfg)
         # Weight-scale rows: 128-row blocks of N, or with SwiGLU (interleaved 64-row
         # gate/up halves) one per half tile; see interleave_gate_up.
         self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
@@ -348,7 +368,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         mGroups = cute.make_tensor(groups_ptr, cute.make_layout(n_groups))
         # Activation scales (rows, K/128, batch); weight scales (N/128, K/128, E).
         skb = self.scale_k_blocks
-        mSFA = cute.make_tensor(sfa_ptr, cute.make_layout((rows, skb, batches), stride=(skb, 1, rows64 * skb)))
+        sfa_batch_stride = cute.assume(rows64 * skb, divby=self.scale_vec)
+        mSFA = cute.make_tensor(sfa_ptr, cute.make_layout((rows, skb, batches), stride=(skb, 1, sfa_batch_stride)))
         if cutlass.const_expr(cfg.mxfp8):
             # E8M0 weight scales (N, K/32, E), one byte each.
             mxk = math.ceil(K / MX_BLOCK)
