@@ -161,11 +161,13 @@ def build_runner(model: Path, settings: DecodeSettings, work: Workload, max_conc
 
 
 def run_in_process(runner: ModelRunner, work: Workload, max_concurrency: int, prefill_tokens: int) -> tuple[list[Timeline], float]:
-    """Continuous batching in one loop: admit the arrived requests (up to `max_concurrency`
-    running, prompts of at most `prefill_tokens` together, as a prefill instance batches
-    them), prefill them together, then one decode step for every running sequence."""
+    """Continuous batching in one loop: the arrived requests are sent (timed from then on, as
+    the stack's client times them) while fewer than `max_concurrency` are in flight; each
+    iteration prefills the sent ones together, prompts of at most `prefill_tokens` (as a
+    prefill instance batches them), then runs one decode step for every running sequence."""
     sync: Callable[[], None] = torch.cuda.synchronize if runner.cache.device.type == "cuda" else (lambda: None)
     waiting = list(range(len(work.prompts)))
+    sent: list[int] = []  # in flight, not yet prefilled
     live: list[SequenceState] = []
     timelines: dict[str, Timeline] = {}
     start = time.perf_counter()
@@ -176,22 +178,23 @@ def run_in_process(runner: ModelRunner, work: Workload, max_concurrency: int, pr
         for out in outputs:
             timelines[out.seq_id].add(now, 1)
 
-    while waiting or live:
-        admitted, tokens = [], 0
-        while (waiting and work.arrivals[waiting[0]] <= time.perf_counter() - start and len(live) + len(admitted) < max_concurrency
-               and (not admitted or tokens + len(work.prompts[waiting[0]]) <= prefill_tokens)):
+    while waiting or sent or live:
+        while waiting and work.arrivals[waiting[0]] <= time.perf_counter() - start and len(live) + len(sent) < max_concurrency:
             i = waiting.pop(0)
+            sent.append(i)
+            timelines[f"r{i}"] = Timeline(time.perf_counter())
+        admitted, tokens = [], 0
+        while sent and (not admitted or tokens + len(work.prompts[sent[0]]) <= prefill_tokens):
+            i = sent.pop(0)
             tokens += len(work.prompts[i])
-            params = SamplingParams(temperature=0.0, max_tokens=work.output_lens[i], ignore_eos=True)
-            admitted.append(runner.add(f"r{i}", work.prompts[i], params))
-            timelines[f"r{i}"] = Timeline(time.perf_counter())  # as the stack's client: sent once a slot is free
+            admitted.append(runner.add(f"r{i}", work.prompts[i], SamplingParams(temperature=0.0, max_tokens=work.output_lens[i], ignore_eos=True)))
         if admitted:
             note(runner.prefill(admitted))
             live += [s for s in admitted if not s.finished]
         if live:
             note(runner.decode(live))
             live = [s for s in live if not s.finished]
-        elif waiting:
+        elif waiting and not sent:
             time.sleep(max(0.0, start + work.arrivals[waiting[0]] - time.perf_counter()))
     return [timelines[f"r{i}"] for i in range(len(work.prompts))], time.perf_counter() - start
 

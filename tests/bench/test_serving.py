@@ -8,7 +8,9 @@ import math
 
 import pytest
 
-from bench.serving import Timeline, Workload, main, summarize
+from bench.serving import Timeline, Workload, main, run_in_process, summarize
+from services.launch import ensure_tiny_model
+from shared.model.runner import ModelRunner
 
 
 def test_workload_lengths_arrivals_and_seed():
@@ -37,6 +39,18 @@ def test_summary_of_hand_made_timelines():
     assert m["tpot_mean_ms"] == pytest.approx((100 + 300) / 2)  # a: 300 ms over 3 gaps; b: 300 ms over 1
     assert sorted([m["itl_p50_ms"], m["itl_p99_ms"]]) == pytest.approx([200, 300])  # gaps 200, 100 (a) and 300 (b)
     assert m["e2e_p99_ms"] == pytest.approx(500)
+
+
+def test_the_peer_times_requests_from_when_they_are_sent_not_from_their_prefill(tmp_path):
+    """All four arrive at once and are in flight (concurrency 4), but the prefill budget takes one
+    prompt per iteration: a later one's TTFT includes the iterations it waited, as in the stack."""
+    runner = ModelRunner.from_dir(ensure_tiny_model(tmp_path), num_pages=64, page_size=16)
+    work = Workload.random(4, 12, 3, 0.0, math.inf, runner.model.config.vocab_size, seed=2)
+    timelines, _ = run_in_process(runner, work, max_concurrency=4, prefill_tokens=12)
+    ttft = [t.token_times[0] - t.sent for t in timelines]
+    assert all(len(t.token_times) == 3 for t in timelines)
+    assert ttft == sorted(ttft) and ttft[3] > ttft[0]
+    assert max(t.sent for t in timelines) - min(t.sent for t in timelines) < ttft[1]  # sent together, served in turn
 
 
 @pytest.mark.slow
