@@ -1,10 +1,11 @@
-"""OpenAI's ``n``: the choices of one HTTP request as ``n`` moebus requests, run at once.
+"""OpenAI's ``n`` and batched prompts: the choices of one HTTP request as moebus requests, run at once.
 
-The engine serves one sequence per request, so the frontend fans out: choice ``i`` is a
-request of its own with request id ``<id>-<i>`` (just ``<id>`` when ``n`` is 1) and, when
-the body gives a ``seed``, the seed ``seed + i`` (mod 2**64): the same body gives the same
-choices again, and choice 0 is what the body with ``n: 1`` gives. Without a seed each
-choice draws on its own. The first choice that fails fails the whole answer with its
+The engine serves one sequence per request, so the frontend fans out: choice ``i`` of
+prompt ``p`` (completions take a list of prompts) is a request of its own with request id
+``<id>-<p * n + i>`` (just ``<id>`` for one prompt and ``n`` 1) and, when the body gives a
+``seed``, the seed ``seed + i`` (mod 2**64): the same body gives the same choices again,
+and choice 0 is what the body with ``n: 1`` gives. Without a seed each choice draws on its
+own. The first choice that fails fails the whole answer with its
 error, and the others are cancelled (``llm.cancel``); so are all of them when the HTTP
 client hangs up (the server cancels `ids`).
 """
@@ -23,12 +24,13 @@ from services.client import Client
 _SEEDS = 2**64
 
 
-def choice_requests(gen: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """The ``n`` moebus requests of one OpenAI request (``gen`` carries its id and seed)."""
-    if n == 1:
-        return [gen]
-    return [msgspec.structs.replace(gen, request_id=f"{gen.request_id}-{i}", seed=None if gen.seed is None else (gen.seed + i) % _SEEDS)
-            for i in range(n)]
+def choice_requests(gens: list[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """The moebus requests of one OpenAI request: ``n`` per prompt (``gens``, one per prompt,
+    carry the request's id and seed), choice ``p * n + i`` the ``i``-th of prompt ``p``."""
+    if len(gens) == 1 and n == 1:
+        return gens
+    return [msgspec.structs.replace(gen, request_id=f"{gen.request_id}-{p * n + i}", seed=None if gen.seed is None else (gen.seed + i) % _SEEDS)
+            for p, gen in enumerate(gens) for i in range(n)]
 
 
 class Choices:

@@ -10,11 +10,13 @@ is accepted and unused. ``presence_penalty`` and ``frequency_penalty`` are OpenA
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
 `services.openai.logprobs` shapes the answer. ``n`` choices (1 to the server's ``--max-n``)
-are ``n`` requests (`services.openai.choices`), merged here into one object.
+of each prompt (completions take a batch: a list of texts or of token-id lists, up to
+``--max-prompts``) are requests of their own (`services.openai.choices`), merged here into
+one object, choice ``p * n + i`` the ``i``-th of prompt ``p`` as in vLLM.
 
 Responses follow OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects, and
 for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
-(a usage-only chunk before it when ``stream_options.include_usage``). Usage counts the
+(a usage-only chunk before it when ``stream_options.include_usage``). Usage counts each
 prompt once and the completion tokens of every choice, as OpenAI and vLLM do. Errors carry
 OpenAI's ``{"error": {"message", "type", "code"}}`` with an HTTP status per moebus code.
 """
@@ -78,7 +80,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[int]
+    prompt: str | list[Any]  # text, token ids, or a batch of either (checked by `completion_prompts`)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -130,13 +132,34 @@ def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[st
             "ignore_eos": req.ignore_eos}
 
 
-def completion_request(req: CompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
-    """The moebus request of a ``/v1/completions`` body (a token-id prompt as ``input_ids``;
-    ``logprobs: k`` asks for the k most likely tokens too)."""
+def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[str, Any]]:
+    """The prompts of a ``/v1/completions`` body as moebus prompt fields (``prompt`` text or
+    ``input_ids``): OpenAI's text, token ids, or a batch (list) of texts or of token-id lists."""
+    def token_ids(ids: list[Any]) -> bool:
+        return bool(ids) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if token_ids(prompt):
+        return [{"input_ids": prompt}]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        batch = [{"prompt": p} for p in prompt]
+    elif prompt and all(isinstance(p, list) and token_ids(p) for p in prompt):
+        batch = [{"input_ids": p} for p in prompt]
+    else:
+        raise InvalidRequest("prompt: a string, a list of token ids, or a non-empty list of either (strings, or lists of token ids)")
+    if len(batch) > max_prompts:
+        raise InvalidRequest(f"prompt: at most {max_prompts} prompts per request (this server's --max-prompts), got {len(batch)}")
+    return batch
+
+
+def completion_requests(req: CompletionRequest, request_id: str, default_max_tokens: int, max_prompts: int) -> list[GenerateRequest]:
+    """The moebus requests of a ``/v1/completions`` body, one per prompt (a token-id prompt as
+    ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too)."""
     _check_unsupported(req, {"echo": req.echo, "suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
-    prompt = {"prompt": req.prompt} if isinstance(req.prompt, str) else {"input_ids": req.prompt}
     logprobs = {} if req.logprobs is None else {"logprobs": True, "top_logprobs": req.logprobs}
-    return GenerateRequest(**prompt, **logprobs, **_common(req, request_id, default_max_tokens))
+    common = _common(req, request_id, default_max_tokens)
+    return [GenerateRequest(**prompt, **logprobs, **common) for prompt in completion_prompts(req.prompt, max_prompts)]
 
 
 def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
@@ -159,9 +182,10 @@ def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens
     return GenerateRequest(messages=messages, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **fields)
 
 
-def merged_usage(usages: list[Usage]) -> Usage:
-    """The usage of ``n`` choices of one prompt: the prompt once, every choice's completion."""
-    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
+def merged_usage(usages: list[Usage], n: int) -> Usage:
+    """The usage of the choices of one request, ``n`` per prompt in prompt order: each prompt
+    once, every choice's completion."""
+    return Usage(sum(u.prompt_tokens for u in usages[::n]), sum(u.completion_tokens for u in usages))
 
 
 def _usage(u: Usage) -> dict[str, int]:
@@ -169,14 +193,16 @@ def _usage(u: Usage) -> dict[str, int]:
 
 
 class Shapes:
-    """The response objects of one request of ``n`` choices (``chat``: chat completions, else completions)."""
+    """The response objects of one request of ``prompts`` x ``n`` choices, choice ``p * n + i`` the
+    ``i``-th of prompt ``p`` (``chat``: chat completions, one prompt; else completions)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, n: int = 1) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
+        self.n = n
         self.created = int(time.time())
-        self._completion_logprobs = [CompletionLogprobs() for _ in range(n)]  # per choice: a stream's text offsets go on
+        self._completion_logprobs = [CompletionLogprobs() for _ in range(n * prompts)]  # per choice: a stream's text offsets go on
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -192,7 +218,7 @@ class Shapes:
             choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), "finish_reason": r.finish_reason})
         body = self._object("chat.completion" if self.chat else "text_completion", choices)
         body["model"] = responses[0].model
-        return body | {"usage": _usage(merged_usage([r.usage for r in responses]))}
+        return body | {"usage": _usage(merged_usage([r.usage for r in responses], self.n))}
 
     def first_chunk(self, index: int) -> dict[str, Any] | None:
         """Chat streams open each choice with the assistant's role (completions have no such chunk)."""

@@ -5,7 +5,8 @@
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` (unary, or server-sent
   events with ``"stream": true``), translated to ``llm.generate`` by
   `services.openai.protocol` and answered through `services.client.Client`, ``n``
-  choices as ``n`` requests (`services.openai.choices`, up to ``--max-n``);
+  choices of each prompt (completions take a batch of up to ``--max-prompts``) as requests
+  of their own (`services.openai.choices`, ``n`` up to ``--max-n``);
 * ``GET /v1/models`` from ``llm.models``;
 * ``GET /health``: 200 when the stack answers ``llm.models``, else 503.
 
@@ -46,10 +47,11 @@ CLIENT_GONE = 499  # logged status of a request whose client closed the connecti
 class OpenAIFrontend:
     """Routes one HTTP request per connection to the stack through ``client``."""
 
-    def __init__(self, client: Client, default_max_tokens: int, max_n: int = 16) -> None:
+    def __init__(self, client: Client, default_max_tokens: int, max_n: int = 16, max_prompts: int = 64) -> None:
         self.client = client
         self.default_max_tokens = default_max_tokens
         self.max_n = max_n
+        self.max_prompts = max_prompts
         self._served_model: str | None = None  # from llm.models, once it answered
 
     async def served_model(self) -> str:
@@ -119,19 +121,22 @@ class OpenAIFrontend:
         chat = req.path == "/v1/chat/completions"
         try:
             body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
-            make = protocol.chat_request if chat else protocol.completion_request
-            gen = make(body, request_id, self.default_max_tokens)  # type: ignore[arg-type]
+            if chat:
+                gens = [protocol.chat_request(body, request_id, self.default_max_tokens)]  # type: ignore[arg-type]
+            else:
+                gens = protocol.completion_requests(body, request_id, self.default_max_tokens, self.max_prompts)  # type: ignore[arg-type]
             n = protocol.check_n(body, self.max_n)
         except protocol.InvalidRequest as e:
             return await _error(writer, "invalid_request", str(e))
+        gen = gens[0]
         model = gen.model
         if model is None and gen.stream:
             try:
                 model = await self.served_model()
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
                 return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
-        shapes = protocol.Shapes(chat, request_id, model or "", n)
-        choices = Choices(self.client, choice_requests(gen, n))
+        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens))
+        choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(writer, choices, shapes, include_usage) if gen.stream else self._unary(writer, choices, shapes)
         status = await _unless_disconnected(reader, answer)
@@ -167,7 +172,7 @@ class OpenAIFrontend:
                 if chunk.usage is not None:
                     usages[index] = chunk.usage
             if include_usage:
-                await http.send_event(writer, json.dumps(shapes.usage_chunk(protocol.merged_usage([usages[i] for i in sorted(usages)]))))
+                await http.send_event(writer, json.dumps(shapes.usage_chunk(protocol.merged_usage([usages[i] for i in sorted(usages)], shapes.n))))
         except GenerateError as e:
             if not started:
                 return await _error(writer, e.code, e.message)
@@ -202,9 +207,10 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[i
     return None
 
 
-async def serve(url: str, host: str, port: int, default_max_tokens: int, max_n: int) -> None:
+async def serve(url: str, host: str, port: int, default_max_tokens: int, max_n: int, max_prompts: int) -> None:
     async with connect(url, "moebus-openai") as bus:
-        await http.listen("openai", OpenAIFrontend(Client(bus), default_max_tokens, max_n).handle, host, port, "/v1", url)
+        frontend = OpenAIFrontend(Client(bus), default_max_tokens, max_n, max_prompts)
+        await http.listen("openai", frontend.handle, host, port, "/v1", url)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -212,11 +218,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     http.frontend_arguments(ap, default_port=8000)
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
     ap.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for; each is a request to the stack")
+    ap.add_argument("--max-prompts", type=int, default=64, help="the most prompts one /v1/completions request may batch")
     a = http.parse_frontend(ap, argv)
     if a.default_max_tokens < 1:
         ap.error(f"--default-max-tokens must be at least 1, got {a.default_max_tokens}")
     if not 1 <= a.max_n <= 128:
         ap.error(f"--max-n must be in [1, 128] (OpenAI's bound), got {a.max_n}")
+    if a.max_prompts < 1:
+        ap.error(f"--max-prompts must be at least 1, got {a.max_prompts}")
     return a
 
 
@@ -224,4 +233,4 @@ def main(argv: list[str]) -> int:
     a = _parse(argv)
     json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
     configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
-    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens, a.max_n), a.host, a.port)
+    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens, a.max_n, a.max_prompts), a.host, a.port)

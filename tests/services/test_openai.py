@@ -305,6 +305,34 @@ def test_n_choices_streamed_interleave_every_index(frontend):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == unary["usage"]
 
 
+def test_batched_completion_prompts_give_n_choices_each_in_prompt_order(stack, frontend):
+    """``prompt`` as a list (texts, or token-id lists) with ``n: 2``: choice ``p * 2 + i`` is the
+    ``i``-th of prompt ``p``, each equal to the native request with seed ``seed + i``; usage
+    counts every prompt once; the stream carries every index and the same usage."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    body = {"prompt": prompts, "max_tokens": 5, "temperature": 1.0, "seed": 7, "n": 2}
+    status, _, raw = call(frontend, "POST", "/v1/completions", body)
+    assert status == 200, raw
+    got = json.loads(raw)
+    natives = [reference(stack, prompt=p, max_tokens=5, temperature=1.0, seed=7 + i) for p in prompts for i in range(2)]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in got["choices"]] == [r.text for r in natives]
+    assert got["usage"]["prompt_tokens"] == natives[0].usage.prompt_tokens + natives[2].usage.prompt_tokens
+    assert got["usage"]["completion_tokens"] == sum(r.usage.completion_tokens for r in natives)
+    ids = [[785, 6722, 315], [9625, 374]]
+    by_ids = json.loads(call(frontend, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0})[2])
+    assert [c["text"] for c in by_ids["choices"]] == [reference(stack, input_ids=i, max_tokens=4, temperature=0.0).text for i in ids]
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(p) for p in events(raw)[:-1]]
+    pieces = [ch for c in chunks for ch in c["choices"]]
+    for i, want in enumerate(got["choices"]):
+        assert "".join(p["text"] for p in pieces if p["index"] == i) == want["text"]
+    assert chunks[-1]["usage"] == got["usage"]
+    for bad in ([], [1, "a"], [["x"]], [[]], ["a"] * 65):
+        status, _, raw = call(frontend, "POST", "/v1/completions", {"prompt": bad, "max_tokens": 2})
+        assert status == 400 and "prompt" in json.loads(raw)["error"]["message"], (bad, raw)
+
+
 def test_moebus_request_shows_top_logprobs(stack):
     proc = subprocess.run([sys.executable, "-m", "services.cli", "request", "--url", stack.url, "--input-ids", "785,6722,315",
                            "--max-tokens", "3", "--temperature", "0", "--top-logprobs", "2"], capture_output=True, text=True, timeout=60)

@@ -36,7 +36,7 @@ def test_ignore_eos_reaches_the_ranks_sampling_params_and_drops_the_eos_stop_ids
 def test_openai_bodies_pass_vllms_ignore_eos_through():
     completion = protocol.decode(b'{"prompt": "hi", "ignore_eos": true}', protocol.CompletionRequest)
     chat = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
-    assert protocol.completion_request(completion, "r1", 16).ignore_eos
+    assert protocol.completion_requests(completion, "r1", 16, 4)[0].ignore_eos
     assert not protocol.chat_request(chat, "r2", 16).ignore_eos
 
 
