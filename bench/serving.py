@@ -4,8 +4,7 @@ What a user compares engines by (vLLM's ``bench serve``, SGLang's ``bench_servin
 ``--requests`` requests of random token ids (``--input-len`` each, spread by
 ``--range-ratio``) asking for ``--output-len`` tokens (``ignore_eos``, so every request
 generates its full length), arriving as a Poisson process at ``--rate`` per second
-(``inf``: all at once), at most ``--max-concurrency`` in flight. Each is streamed through
-the native client and timed: TTFT (send -> first token), TPOT ((end - first token) /
+(``inf``: all at once), at most ``--max-concurrency`` in flight. Each is streamed and timed: TTFT (send -> first token), TPOT ((end - first token) /
 (tokens - 1)), ITL (the gaps between chunks), E2E; and the run's request and token
 throughput.
 
@@ -16,16 +15,24 @@ of the prefill instance's ``max_batch_tokens``, one decode step for everything r
 with no services, bus or KV transfer: the throughput the
 model runtime alone gives, and what the disaggregated stack keeps of it
 (``throughput_ratio``). With ``--up`` the peer runs before the stack starts, so the two
-never share the device; with ``--url`` after the measurement, while that stack idles.
+never share the device; against a running server after the measurement, while it idles.
 
-    python -m bench.serving --up [--stack compose/single-node.yml] [--model DIR]
-    python -m bench.serving --url nats://127.0.0.1:4222 --model DIR
+The client is the native one (``llm.generate`` on NATS) or, with ``--api openai`` or
+``--openai-url``, streamed ``/v1/completions`` over HTTP (token counts from the usage
+chunk): the same client then measures ``moebus openai`` and any other OpenAI-compatible
+server (vLLM, SGLang) with the same workload, e.g. another engine on the same GPU.
+
+    python -m bench.serving --up [--api openai] [--stack compose/single-node.yml] [--model DIR]
+    python -m bench.serving --url nats://127.0.0.1:4222 [--model DIR]
+    python -m bench.serving --openai-url http://127.0.0.1:8000/v1 [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import json
 import math
 import os
 import random
@@ -33,7 +40,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import urllib.parse
+import urllib.request
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,29 +92,38 @@ class Workload:
 
 @dataclass
 class Timeline:
-    """One request as the client saw it: when it was sent, when tokens arrived (seconds)."""
+    """One request as the client saw it (seconds): sent, first and last chunk with tokens, the
+    gaps between chunks, how many tokens came."""
 
     sent: float
-    token_times: list[float] = field(default_factory=list)  # one entry per token, the arrival of its chunk
+    first: float = 0.0  # meaningful once tokens > 0
+    last: float = 0.0
+    tokens: int = 0
     chunk_gaps: list[float] = field(default_factory=list)
     error: str | None = None
 
     def add(self, now: float, tokens: int) -> None:
-        if self.token_times:
-            self.chunk_gaps.append(now - self.token_times[-1])
-        self.token_times += [now] * tokens
+        """A chunk of `tokens` tokens arrived at `now`."""
+        if tokens <= 0:
+            return
+        if self.tokens:
+            self.chunk_gaps.append(now - self.last)
+        else:
+            self.first = now
+        self.last = now
+        self.tokens += tokens
 
 
 def summarize(timelines: list[Timeline], input_tokens: int, elapsed_s: float) -> dict[str, float]:
     """Throughput and latency percentiles (ms) of the completed requests; failures counted."""
-    done = [t for t in timelines if t.error is None and t.token_times]
+    done = [t for t in timelines if t.error is None and t.tokens]
     samples: dict[str, list[float]] = {
-        "ttft": [t.token_times[0] - t.sent for t in done],
-        "tpot": [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in done if len(t.token_times) > 1],
+        "ttft": [t.first - t.sent for t in done],
+        "tpot": [(t.last - t.first) / (t.tokens - 1) for t in done if t.tokens > 1],
         "itl": [g for t in done for g in t.chunk_gaps],
-        "e2e": [t.token_times[-1] - t.sent for t in done],
+        "e2e": [t.last - t.sent for t in done],
     }
-    output_tokens = sum(len(t.token_times) for t in done)
+    output_tokens = sum(t.tokens for t in done)
     metrics = {"completed": len(done), "failed": len(timelines) - len(done), "output_tokens": output_tokens, "elapsed_s": elapsed_s,
                "requests_per_s": len(done) / elapsed_s, "output_tokens_per_s": output_tokens / elapsed_s,
                "total_tokens_per_s": (output_tokens + input_tokens) / elapsed_s}
@@ -116,32 +135,98 @@ def summarize(timelines: list[Timeline], input_tokens: int, elapsed_s: float) ->
     return {k: v for k, v in metrics.items() if not math.isnan(v)}  # no samples: no figure
 
 
-# ---------------------------------------------------------------- the stack
+# ---------------------------------------------------------------- the clients
 
 
-async def run_stack(url: str, work: Workload, max_concurrency: int, timeout_s: float) -> tuple[list[Timeline], float]:
-    """Every request of `work` through the stack at `url`, at its arrival time; (timelines, elapsed)."""
+Send = Callable[[int, Timeline], Awaitable[None]]  # send request i of the workload, timing it into the timeline
+
+
+async def drive(work: Workload, max_concurrency: int, send: Send) -> tuple[list[Timeline], float]:
+    """Every request of `work` at its arrival time, at most `max_concurrency` in flight, each
+    timed from when it is sent; (timelines, elapsed seconds)."""
+    slots = asyncio.Semaphore(max_concurrency)
+    start = time.perf_counter()
+
+    async def one(i: int) -> Timeline:
+        await asyncio.sleep(max(0.0, start + work.arrivals[i] - time.perf_counter()))
+        async with slots:
+            timeline = Timeline(time.perf_counter())
+            await send(i, timeline)
+            return timeline
+
+    timelines = await asyncio.gather(*(one(i) for i in range(len(work.prompts))))
+    return list(timelines), time.perf_counter() - start
+
+
+async def run_native(url: str, work: Workload, max_concurrency: int, timeout_s: float) -> tuple[list[Timeline], float]:
+    """The workload through a moebus stack's native API (`llm.generate` on NATS at `url`)."""
     async with connect(url, "bench-serving") as bus:
         client = Client(bus, timeout=timeout_s)
         await client.generate(GenerateRequest(input_ids=work.prompts[0][:8], max_tokens=2, temperature=0))  # first-use costs out
-        slots = asyncio.Semaphore(max_concurrency)
-        start = time.perf_counter()
 
-        async def one(i: int) -> Timeline:
-            await asyncio.sleep(max(0.0, start + work.arrivals[i] - time.perf_counter()))
-            async with slots:
-                req = GenerateRequest(input_ids=work.prompts[i], max_tokens=work.output_lens[i], temperature=0, ignore_eos=True,
-                                      stream=True, timeout_ms=round(timeout_s * 1000))
-                timeline = Timeline(time.perf_counter())
-                try:
-                    async for chunk in client.stream(req):
-                        timeline.add(time.perf_counter(), len(chunk.token_ids))
-                except GenerateError as e:
-                    timeline.error = e.code
-                return timeline
+        async def send(i: int, timeline: Timeline) -> None:
+            req = GenerateRequest(input_ids=work.prompts[i], max_tokens=work.output_lens[i], temperature=0, ignore_eos=True,
+                                  stream=True, timeout_ms=round(timeout_s * 1000))
+            try:
+                async for chunk in client.stream(req):
+                    timeline.add(time.perf_counter(), len(chunk.token_ids))
+            except GenerateError as e:
+                timeline.error = e.code
 
-        timelines = await asyncio.gather(*(one(i) for i in range(len(work.prompts))))
-        return list(timelines), time.perf_counter() - start
+        return await drive(work, max_concurrency, send)
+
+
+async def run_openai(base_url: str, work: Workload, max_concurrency: int, timeout_s: float) -> tuple[list[Timeline], float]:
+    """The workload as streamed ``/v1/completions`` requests to an OpenAI-compatible server at
+    `base_url` (``moebus openai``, or another engine's, e.g. vLLM's or SGLang's: the same
+    client measures both), the model named as its ``/v1/models`` lists first."""
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="bench-http") as pool:
+        model = await loop.run_in_executor(pool, served_model, base_url, timeout_s)
+        await loop.run_in_executor(pool, openai_stream, base_url, model, work.prompts[0][:8], 2, timeout_s, Timeline(0.0))
+
+        async def send(i: int, timeline: Timeline) -> None:
+            await loop.run_in_executor(pool, openai_stream, base_url, model, work.prompts[i], work.output_lens[i], timeout_s, timeline)
+
+        return await drive(work, max_concurrency, send)
+
+
+def served_model(base_url: str, timeout_s: float) -> str:
+    with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=timeout_s) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def openai_stream(base_url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float, timeline: Timeline) -> None:
+    """One streamed completion (blocking: run in a thread), its chunks timed into `timeline`; the
+    token count is the usage chunk's (a chunk's text may hold several tokens)."""
+    url = urllib.parse.urlsplit(base_url)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=timeout_s)
+    try:
+        conn.request("POST", url.path.rstrip("/") + "/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            timeline.error = f"http_{resp.status}"
+            return
+        usage = None
+        for line in resp:  # server-sent events, one "data: ..." line each
+            data = line.removeprefix(b"data: ").strip()
+            if not line.startswith(b"data: ") or data == b"[DONE]":
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                timeline.error = str(event["error"].get("code") or "error")
+                return
+            if any(choice.get("text") for choice in event.get("choices", [])):
+                timeline.add(time.perf_counter(), 1)
+            usage = (event.get("usage") or {}).get("completion_tokens", usage)
+        if usage is not None and timeline.tokens:
+            timeline.tokens = usage
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        timeline.error = type(e).__name__
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------- the peer: one runner, this process
@@ -206,9 +291,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--up", action="store_true", help="start a local stack for the run (moebus up's code path)")
-    where.add_argument("--url", help="the NATS URL of a running stack")
+    where.add_argument("--url", help="the NATS URL of a running moebus stack (native API)")
+    where.add_argument("--openai-url", help="the base URL (.../v1) of any OpenAI-compatible server")
+    ap.add_argument("--api", choices=("native", "openai"), default="native", help="with --up: the stack's native API or its `openai` frontend")
     ap.add_argument("--stack", default=str(DEFAULT_STACK), help="compose file of the stack --up starts")
-    ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny model); with --url, the stack's own")
+    ap.add_argument("--model", help="checkpoint directory: the model --up serves (default: the embedded tiny one), and the peer's "
+                                     "(without it, --url and --openai-url runs have no peer and draw token ids below 32000)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (mean)")
     ap.add_argument("--output-len", type=int, default=64, help="generated tokens per request (mean)")
@@ -226,13 +314,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--range-ratio must be in [0, 1)")
     if not a.rate > 0 or not a.timeout_s > 0:
         ap.error("--rate and --timeout-s must be > 0")
+    if a.api == "openai" and not a.up:
+        ap.error("--api openai goes with --up (for a running server give --openai-url)")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
-    model = Path(a.model) if a.model else ensure_tiny_model(default_cache_dir())
-    work = Workload.random(a.requests, a.input_len, a.output_len, a.range_ratio, a.rate, ModelConfig.from_dir(model).vocab_size, a.seed)
+    model = Path(a.model) if a.model else (ensure_tiny_model(default_cache_dir()) if a.up else None)
+    vocab = ModelConfig.from_dir(model).vocab_size if model else 32_000
+    work = Workload.random(a.requests, a.input_len, a.output_len, a.range_ratio, a.rate, vocab, a.seed)
     input_tokens = sum(len(p) for p in work.prompts)
     # The stack --up starts: interpolated like `moebus up` does (e.g. DECODE_MAX_BATCH=64 in the environment).
     specs = load_compose(Path(a.stack), {**os.environ, "MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS}) if a.up else []
@@ -242,44 +333,52 @@ def main(argv: list[str] | None = None) -> int:
         return load_settings(cls, role, overrides={"model": str(model)}, env=env)
 
     settings = service_settings(DecodeSettings, "decode")
-    prefill_tokens = service_settings(PrefillSettings, "prefill").max_batch_tokens
+    with_peer = model is not None and not a.no_peer
 
     def peer() -> dict[str, float]:
+        assert model is not None
         runner = build_runner(model, settings, work, a.max_concurrency)
-        timelines, elapsed = run_in_process(runner, work, a.max_concurrency, prefill_tokens)
+        timelines, elapsed = run_in_process(runner, work, a.max_concurrency, service_settings(PrefillSettings, "prefill").max_batch_tokens)
         del runner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the stack's ranks get the device's memory back
         return summarize(timelines, input_tokens, elapsed)
 
-    peer_metrics = None if a.no_peer or not a.up else peer()  # --up: before the stack exists
+    peer_metrics = peer() if with_peer and a.up else None  # --up: before the stack exists
     stack = None
     if a.up:
         stack = LocalStack(specs, model, Path(tempfile.mkdtemp(prefix="bench-serving-")), extra_env={"MOEBUS_LOG_LEVEL": "warning"})
         stack.start()
+    api = "openai" if a.openai_url or a.api == "openai" else "native"
     try:
-        timelines, elapsed = asyncio.run(run_stack(stack.url if stack else a.url, work, a.max_concurrency, a.timeout_s))
+        if stack is not None:
+            server = stack.frontend_urls()["openai-0"] if api == "openai" else stack.url
+        else:
+            server = a.openai_url or a.url
+        run = run_openai if api == "openai" else run_native
+        timelines, elapsed = asyncio.run(run(server, work, a.max_concurrency, a.timeout_s))
     finally:
         if stack is not None:
             stack.stop()
     metrics = summarize(timelines, input_tokens, elapsed)
-    if peer_metrics is None and not a.no_peer:
-        peer_metrics = peer()  # --url: after the measurement, while that stack idles
+    if with_peer and peer_metrics is None:
+        peer_metrics = peer()  # a running server: after the measurement, while it idles
     if peer_metrics:
         metrics["throughput_ratio"] = metrics["output_tokens_per_s"] / peer_metrics["output_tokens_per_s"]
 
     errors = sorted({t.error for t in timelines if t.error})
-    case = {"stack": Path(a.stack).name if a.up else a.url, "model": model.name, "requests": a.requests, "input_len": a.input_len,
-            "output_len": a.output_len, "range_ratio": a.range_ratio, "rate": "inf" if math.isinf(a.rate) else a.rate,
-            "max_concurrency": a.max_concurrency, "seed": a.seed, "errors": errors,
-            "decode": {"device": settings.device, "dtype": settings.dtype, "dp": settings.dp, "max_batch": settings.max_batch,
-                       "page_size": settings.page_size, "cuda_graphs": settings.cuda_graphs}}
+    case = {"server": Path(a.stack).name if a.up else server, "api": api, "model": model.name if model else None, "requests": a.requests,
+            "input_len": a.input_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
+            "rate": "inf" if math.isinf(a.rate) else a.rate, "max_concurrency": a.max_concurrency, "seed": a.seed, "errors": errors}
+    if with_peer:
+        case["decode"] = {"device": settings.device, "dtype": settings.dtype, "dp": settings.dp, "max_batch": settings.max_batch,
+                          "page_size": settings.page_size, "cuda_graphs": settings.cuda_graphs}
     record("serving", case, metrics, {"in_process_runner": peer_metrics} if peer_metrics else None)
-    rows = [{"system": "moebus stack", **metrics}] + ([{"system": "in-process runner", **peer_metrics}] if peer_metrics else [])
+    rows = [{"system": f"server ({api} API)", **metrics}] + ([{"system": "in-process runner", **peer_metrics}] if peer_metrics else [])
     print_table(rows, ["system", "completed", "failed", "requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
                        "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "e2e_p50_ms", "e2e_p99_ms"])
     if peer_metrics:
-        print(f"throughput ratio (stack / in-process runner): {metrics['throughput_ratio']:.2f}")
+        print(f"throughput ratio (server / in-process runner): {metrics['throughput_ratio']:.2f}")
     if errors:
         print(f"failed requests: {metrics['failed']} ({', '.join(errors)})")
     return 1 if metrics["failed"] else 0

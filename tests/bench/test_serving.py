@@ -47,23 +47,30 @@ def test_the_peer_times_requests_from_when_they_are_sent_not_from_their_prefill(
     runner = ModelRunner.from_dir(ensure_tiny_model(tmp_path), num_pages=64, page_size=16)
     work = Workload.random(4, 12, 3, 0.0, math.inf, runner.model.config.vocab_size, seed=2)
     timelines, _ = run_in_process(runner, work, max_concurrency=4, prefill_tokens=12)
-    ttft = [t.token_times[0] - t.sent for t in timelines]
-    assert all(len(t.token_times) == 3 for t in timelines)
+    ttft = [t.first - t.sent for t in timelines]
+    assert all(t.tokens == 3 for t in timelines)
     assert ttft == sorted(ttft) and ttft[3] > ttft[0]
     assert max(t.sent for t in timelines) - min(t.sent for t in timelines) < ttft[1]  # sent together, served in turn
 
 
 @pytest.mark.slow
-def test_a_small_run_through_a_real_stack_and_the_in_process_peer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("api", ["native", "openai"])
+def test_a_small_run_through_a_real_stack_and_the_in_process_peer(api, tmp_path, monkeypatch):
+    """The stack's native API with the peer; its `openai` frontend over HTTP (the client any
+    OpenAI-compatible server gets) without it."""
     monkeypatch.setenv("MOEBUS_RESULTS_DIR", str(tmp_path))
     requests, output_len = 12, 8
-    assert main(["--up", "--requests", str(requests), "--input-len", "24", "--output-len", str(output_len), "--max-concurrency", "4",
-                 "--rate", "40"]) == 0
+    args = ["--up", "--api", api, "--requests", str(requests), "--input-len", "24", "--output-len", str(output_len),
+            "--max-concurrency", "4", "--rate", "40"]
+    assert main(args + (["--no-peer"] if api == "openai" else [])) == 0
     line = json.loads((tmp_path / "serving.jsonl").read_text().splitlines()[-1])
-    stack, peer = line["metrics"], line["peers"]["in_process_runner"]
-    for m in (stack, peer):
+    server = line["metrics"]
+    measured = [server] + ([line["peers"]["in_process_runner"]] if api == "native" else [])
+    for m in measured:
         assert m["completed"] == requests and m["failed"] == 0
         assert m["output_tokens"] == requests * output_len  # ignore_eos: every request its full length
         assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] <= m["e2e_p99_ms"]
-    assert stack["throughput_ratio"] == pytest.approx(stack["output_tokens_per_s"] / peer["output_tokens_per_s"])
-    assert line["case"]["rate"] == 40.0 and line["case"]["decode"]["device"] in ("auto", "cpu")
+    if api == "native":
+        assert server["throughput_ratio"] == pytest.approx(server["output_tokens_per_s"] / measured[1]["output_tokens_per_s"])
+        assert line["case"]["decode"]["device"] in ("auto", "cpu")
+    assert line["case"]["api"] == api and line["case"]["rate"] == 40.0
