@@ -50,6 +50,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: bool = False  # include the log-probability of each generated token
     top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0..20)
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence token (benchmarks: exactly max_tokens)
+    prompt_logprobs: int | None = None  # 0..20: each prompt token's log-probability given the ones before it, and this many alternatives
     timeout_ms: int | None = None  # client deadline, relative to arrival at the gateway
     request_id: str | None = None  # optional client-chosen id (letters, digits, '-', '_'), e.g. to cancel
 
@@ -59,13 +60,18 @@ class Usage(msgspec.Struct, forbid_unknown_fields=True):
     completion_tokens: int
 
 
-class TopLogprob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A token and its log-probability at one position of the completion (of the raw logits,
-    before penalties and temperature)."""
+class Token(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A token of the prompt or the completion, named."""
 
     token_id: int
     token: str  # the token decoded on its own; U+FFFD where its bytes are not whole UTF-8 characters alone
     bytes: list[int]  # the token's raw bytes (a character split over tokens is whole in their concatenation)
+
+
+class TopLogprob(Token, kw_only=True):
+    """A token and its log-probability at one position (of the raw logits, before penalties
+    and temperature)."""
+
     logprob: float
 
 
@@ -73,6 +79,14 @@ class TokenLogprob(TopLogprob, kw_only=True):
     """A generated token with its log-probability and the `top_logprobs` most likely tokens
     at its position (most likely first; the generated token is among them only if it ranks)."""
 
+    top_logprobs: list[TopLogprob] = []
+
+
+class PromptLogprob(Token, kw_only=True):
+    """A prompt token with its log-probability given the prompt tokens before it (None for the
+    first) and the `prompt_logprobs` most likely tokens at its position."""
+
+    logprob: float | None
     top_logprobs: list[TopLogprob] = []
 
 
@@ -93,6 +107,7 @@ class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True, tag="response
     timing: Timing
     logprobs: list[float] | None = None  # with logprobs: each generated token's log-probability
     token_logprobs: list[TokenLogprob] | None = None  # with logprobs: the same per token, with its text, bytes and top alternatives
+    prompt_logprobs: list[PromptLogprob] | None = None  # with prompt_logprobs: one per prompt token
 
 
 class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag_field="type", kw_only=True):
@@ -104,6 +119,7 @@ class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag
     token_ids: list[int]
     logprobs: list[float] | None = None
     token_logprobs: list[TokenLogprob] | None = None  # as in GenerateResponse, for this chunk's tokens
+    prompt_logprobs: list[PromptLogprob] | None = None  # as in GenerateResponse, on the first chunk
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timing: Timing | None = None
@@ -123,7 +139,7 @@ class ErrorReply(msgspec.Struct, forbid_unknown_fields=True, tag="error", tag_fi
 
 class Keepalive(msgspec.Struct, forbid_unknown_fields=True, tag="keepalive", tag_field="type", kw_only=True):
     """Not a result: the gateway still serves the request. Sent only to a client that asked for
-    it (header ``Moebus-Keepalive-Ms``), whenever that long passed without another reply."""
+    it (header ``Moebus-Keepalive-Ms``), once per that interval."""
 
     request_id: str
 

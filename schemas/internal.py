@@ -40,6 +40,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     deadline: float  # Unix time after which nobody works on this request any more
     top_logprobs: int = 0  # with logprobs: the most likely tokens to report at each position
     ignore_eos: bool = False  # the model's EOS ids end nothing (they are then not in stop_token_ids either)
+    prompt_logprobs: int = -1  # -1: none; else the prompt tokens' logprobs with this many alternatives
 
 
 class SubmitJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -108,6 +109,8 @@ class TokenBatch(msgspec.Struct, forbid_unknown_fields=True, tag="tokens", tag_f
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[TopCandidates] | None = None  # per token, when the job asks for top_logprobs
+    prompt_logprobs: list[float] | None = None  # prefill's batch, when the job asks: prompt tokens 1.. given the ones before
+    prompt_top_logprobs: list[TopCandidates] | None = None  # and their alternatives (prompt_logprobs > 0)
     finish_reason: FinishReason | None = None  # set on the last batch of the request
     compute_ms: float = 0.0  # model time spent producing these tokens (prefill pass / decode steps)
 

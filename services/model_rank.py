@@ -142,7 +142,16 @@ def sampling_params(job: Job) -> SamplingParams:
         repetition_penalty=job.sampling.repetition_penalty,
         top_logprobs=job.top_logprobs,
         ignore_eos=job.ignore_eos,
+        prompt_logprobs=job.prompt_logprobs,
     )
+
+
+def prompt_candidates(out: StepOutput) -> tuple[list[float] | None, list[TopCandidates] | None]:
+    """A prefill step's prompt logprobs and alternatives as its `TokenBatch` carries them."""
+    prompt = out.prompt_logprobs
+    if prompt is None:
+        return None, None
+    return prompt.logprobs, None if prompt.top is None else [TopCandidates(t.token_ids, t.logprobs) for t in prompt.top]
 
 
 def top_candidates(out: StepOutput) -> list[TopCandidates] | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from schemas.api import ErrorCode, GenerateRequest
 from schemas.internal import Job, SamplingSpec
 from shared.model.config import GenerationConfig, ModelConfig
-from shared.model.sampling import InvalidSamplingParams, SamplingParams
+from shared.model.sampling import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
 from shared.model.tokenizer import InvalidPromptError, Tokenizer
 from shared.settings import GatewaySettings
 
@@ -79,6 +79,8 @@ class Admission:
             raise Rejected("invalid_request", "stop: strings must not be empty")
         if req.top_logprobs and not req.logprobs:
             raise Rejected("invalid_request", "top_logprobs needs logprobs: true")
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise Rejected("invalid_request", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}")
 
         input_ids = self._input_ids(req)
         if len(input_ids) + req.max_tokens > self.model.max_context:
@@ -98,6 +100,7 @@ class Admission:
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
             ignore_eos=req.ignore_eos,
+            prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
             deadline=arrival + timeout_s,
         )
         return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s)

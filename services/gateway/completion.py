@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.api import FinishReason, TokenLogprob, TopLogprob
+from schemas.api import FinishReason, PromptLogprob, TokenLogprob, TopLogprob
 from schemas.internal import TokenBatch, TopCandidates
 from shared.model.tokenizer import IncrementalDetokenizer
 
@@ -33,9 +33,21 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None  # with the first token, when asked for
 
     def __bool__(self) -> bool:
         return bool(self.text or self.token_ids)
+
+
+def _named(piece: TokenPiece, token_id: int) -> dict[str, Any]:
+    text, raw = piece(token_id)
+    return {"token_id": token_id, "token": text, "bytes": list(raw)}
+
+
+def _alternatives(piece: TokenPiece, tops: list[TopCandidates] | None, i: int) -> list[TopLogprob]:
+    """Position ``i``'s most likely tokens, named (none when the batch carries no alternatives)."""
+    top = tops[i] if tops is not None else TopCandidates([], [])
+    return [TopLogprob(**_named(piece, t), logprob=lp) for t, lp in zip(top.token_ids, top.logprobs, strict=True)]
 
 
 class TokensLost(Exception):
@@ -46,15 +58,19 @@ TokenPiece = Callable[[int], tuple[str, bytes]]  # a token id's text and bytes a
 
 
 class Completion:
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int, token_piece: TokenPiece | None = None) -> None:
-        """``token_piece``: names the tokens of `token_logprobs` (needed when batches carry logprobs)."""
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int, token_piece: TokenPiece | None = None,
+                 prompt_ids: list[int] | None = None) -> None:
+        """``token_piece``: names the tokens of `token_logprobs` and `prompt_logprobs` (needed when
+        batches carry logprobs); ``prompt_ids``: the prompt, when the request asks for its logprobs."""
         self.detokenizer = detokenizer
         self.stop = stop
         self.max_tokens = max_tokens
         self.token_piece = token_piece
+        self.prompt_ids = prompt_ids
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.token_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[PromptLogprob] | None = None
         self.text = ""  # everything decoded so far (may run past a stop string)
         self.released = 0  # characters of `text` handed to the client
         self.finish_reason: FinishReason | None = None
@@ -82,6 +98,8 @@ class Completion:
         return delta
 
     def _take(self, batch: TokenBatch, delta: Delta) -> None:
+        if batch.prompt_logprobs is not None and self.prompt_ids and self.token_piece is not None:
+            self.prompt_logprobs = delta.prompt_logprobs = self._prompt_logprobs(self.token_piece, self.prompt_ids, batch)
         room = self.max_tokens - len(self.token_ids)
         ids = batch.token_ids[:room]
         self.token_ids += ids
@@ -113,16 +131,16 @@ class Completion:
 
     @staticmethod
     def _token_logprobs(piece: TokenPiece, ids: list[int], logprobs: list[float], tops: list[TopCandidates] | None) -> list[TokenLogprob]:
-        def named(token_id: int, logprob: float) -> dict[str, Any]:
-            text, raw = piece(token_id)
-            return {"token_id": token_id, "token": text, "bytes": list(raw), "logprob": logprob}
+        return [TokenLogprob(**_named(piece, token_id), logprob=logprob, top_logprobs=_alternatives(piece, tops, i))
+                for i, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=True))]
 
-        entries = []
-        for i, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=True)):
-            top = tops[i] if tops is not None else TopCandidates([], [])
-            alternatives = [TopLogprob(**named(t, lp)) for t, lp in zip(top.token_ids, top.logprobs, strict=True)]
-            entries.append(TokenLogprob(**named(token_id, logprob), top_logprobs=alternatives))
-        return entries
+    @staticmethod
+    def _prompt_logprobs(piece: TokenPiece, prompt: list[int], batch: TokenBatch) -> list[PromptLogprob]:
+        """One entry per prompt token: the first has no logprob; token j's is the batch's j - 1th."""
+        logprobs = batch.prompt_logprobs or []
+        return [PromptLogprob(**_named(piece, prompt[0]), logprob=None)] + [
+            PromptLogprob(**_named(piece, token_id), logprob=logprob, top_logprobs=_alternatives(piece, batch.prompt_top_logprobs, i))
+            for i, (token_id, logprob) in enumerate(zip(prompt[1:], logprobs, strict=True))]
 
     def _stop_at(self) -> int | None:
         """Index where the earliest stop string starts in the unreleased text, if any."""

@@ -218,7 +218,7 @@ class Gateway:
             queue_ms = (time.monotonic() - arrival) * 1000
             log.info("placed", decode=f"{flight.placement.decode_instance}/{flight.placement.decode_rank}", prefill=flight.placement.prefill_instance)
             completion = Completion(self.tokenizer.detokenizer(skip_special_tokens=True), flight.admitted.stop, job.max_tokens,
-                                    self.tokenizer.token_piece)
+                                    self.tokenizer.token_piece, job.input_ids if job.prompt_logprobs >= 0 else None)
             ttft_ms = None
             chunks = 0
             while not completion.finished:
@@ -249,6 +249,7 @@ class Gateway:
                     timing=self._timing(arrival, queue_ms, ttft_ms, completion),
                     logprobs=completion.logprobs if job.logprobs else None,
                     token_logprobs=completion.token_logprobs if job.logprobs else None,
+                    prompt_logprobs=completion.prompt_logprobs,
                 )
             )
 
@@ -261,6 +262,7 @@ class Gateway:
             token_ids=delta.token_ids,
             logprobs=delta.logprobs if job.logprobs else None,
             token_logprobs=delta.token_logprobs if job.logprobs else None,
+            prompt_logprobs=delta.prompt_logprobs,
             finish_reason=completion.finish_reason,
             usage=Usage(len(job.input_ids), len(completion.token_ids)) if last else None,
             timing=self._timing(arrival, queue_ms, ttft_ms, completion) if last else None,

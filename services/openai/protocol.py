@@ -2,7 +2,7 @@
 
 Requests decode strictly (msgspec, unknown fields refused with their name); fields that
 OpenAI defines but moebus does not implement are accepted only at their no-op values
-(no ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, tools or response formats),
+(no ``logit_bias``, ``suffix``, ``best_of`` > 1, tools or response formats),
 anything else is an ``invalid_request`` naming the field, never silently ignored. ``user``
 is accepted and unused. ``presence_penalty`` and ``frequency_penalty`` are OpenAI's;
 ``top_k``, ``seed``, ``repetition_penalty`` and ``ignore_eos`` pass through as in vLLM. Without
@@ -112,7 +112,7 @@ def _check_unsupported(req: _Sampling, extra: dict[str, bool]) -> None:
     unsupported = {"logit_bias": bool(req.logit_bias), **extra}
     bad = [name for name, used in unsupported.items() if used]
     if bad:
-        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no logit_bias, echo, suffix, best_of > 1, "
+        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no logit_bias, suffix, best_of > 1, "
                              "tools or response formats)")
 
 
@@ -155,9 +155,12 @@ def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[s
 
 def completion_requests(req: CompletionRequest, request_id: str, default_max_tokens: int, max_prompts: int) -> list[GenerateRequest]:
     """The moebus requests of a ``/v1/completions`` body, one per prompt (a token-id prompt as
-    ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too)."""
-    _check_unsupported(req, {"echo": req.echo, "suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
+    ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too; ``echo`` for the
+    prompt's tokens and, with ``logprobs``, their logprobs: ``prompt_logprobs``)."""
+    _check_unsupported(req, {"suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
     logprobs = {} if req.logprobs is None else {"logprobs": True, "top_logprobs": req.logprobs}
+    if req.echo:
+        logprobs["prompt_logprobs"] = req.logprobs or 0
     common = _common(req, request_id, default_max_tokens)
     return [GenerateRequest(**prompt, **logprobs, **common) for prompt in completion_prompts(req.prompt, max_prompts)]
 
@@ -196,11 +199,14 @@ class Shapes:
     """The response objects of one request of ``prompts`` x ``n`` choices, choice ``p * n + i`` the
     ``i``-th of prompt ``p`` (``chat``: chat completions, one prompt; else completions)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None) -> None:
+        """``echo`` (completions): per prompt, its text as given (None for a token-id prompt,
+        spelled from its tokens' bytes), put before each of its choices' text."""
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.n = n
+        self.echo = echo
         self.created = int(time.time())
         self._completion_logprobs = [CompletionLogprobs() for _ in range(n * prompts)]  # per choice: a stream's text offsets go on
 
@@ -208,13 +214,23 @@ class Shapes:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     def _logprobs(self, index: int, r: GenerateResponse | GenerateChunk) -> dict[str, Any] | None:
-        return chat_logprobs(r.token_logprobs) if self.chat else self._completion_logprobs[index](r.token_logprobs)
+        if self.chat:
+            return chat_logprobs(r.token_logprobs)
+        return self._completion_logprobs[index](r.token_logprobs, r.prompt_logprobs if self.echo else None)
+
+    def _text(self, index: int, r: GenerateResponse | GenerateChunk) -> str:
+        """A completions choice's text (or chunk's), after the echoed prompt where it comes."""
+        if self.echo is None or r.prompt_logprobs is None:
+            return r.text
+        given = self.echo[index // self.n]
+        prompt = given if given is not None else bytes(b for e in r.prompt_logprobs for b in e.bytes).decode("utf-8", errors="replace")
+        return prompt + r.text
 
     def response(self, responses: list[GenerateResponse]) -> dict[str, Any]:
         """The answer of choices ``responses`` (in choice order)."""
         choices = []
         for i, r in enumerate(responses):
-            content = {"message": {"role": "assistant", "content": r.text}} if self.chat else {"text": r.text}
+            content = {"message": {"role": "assistant", "content": r.text}} if self.chat else {"text": self._text(i, r)}
             choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), "finish_reason": r.finish_reason})
         body = self._object("chat.completion" if self.chat else "text_completion", choices)
         body["model"] = responses[0].model
@@ -233,7 +249,7 @@ class Shapes:
             delta = {"content": c.text} if c.text or c.finish_reason is None else {}
             return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": self._logprobs(index, c),
                                                            "finish_reason": c.finish_reason}])
-        return self._object("text_completion", [{"index": index, "text": c.text, "logprobs": self._logprobs(index, c),
+        return self._object("text_completion", [{"index": index, "text": self._text(index, c), "logprobs": self._logprobs(index, c),
                                                  "finish_reason": c.finish_reason}])
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:

@@ -135,7 +135,8 @@ class OpenAIFrontend:
                 model = await self.served_model()
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
                 return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
-        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens))
+        echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
+        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo)
         choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(writer, choices, shapes, include_usage) if gen.stream else self._unary(writer, choices, shapes)

@@ -33,7 +33,7 @@ from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
 from services.common import Heartbeater
 from services.liveness import PeerLiveness, gateway_key
-from services.model_rank import sampling_params, top_candidates
+from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
@@ -291,12 +291,15 @@ class PrefillGroup:
                     await self._fail(o.task, "unavailable", o.error or "prefill failed")
                     continue
                 out = o.output
+                prompt_logprobs, prompt_tops = prompt_candidates(out)
                 first = TokenBatch(
                     request_id=job.request_id,
                     start=0,
                     token_ids=[out.token_id],
                     logprobs=[out.logprob] if out.logprob is not None else None,
                     top_logprobs=top_candidates(out),
+                    prompt_logprobs=prompt_logprobs,
+                    prompt_top_logprobs=prompt_tops,
                     finish_reason=out.finish_reason,  # type: ignore[arg-type]
                     compute_ms=o.compute_ms,
                 )

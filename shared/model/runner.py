@@ -32,7 +32,7 @@ from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
 from shared.model.config import GenerationConfig
 from shared.model.cuda_graphs import DecodeGraphs, EventLog
 from shared.model.model import ForwardBatch, LayerCallback, Qwen3Model, SequenceChunk
-from shared.model.sampling import Sampler, SamplingParams, TopLogprobs, top_logprobs
+from shared.model.sampling import PromptLogprobs, Sampler, SamplingParams, TopLogprobs, prompt_logprobs, top_logprobs
 from shared.parallel import Collectives, Topology
 
 
@@ -64,6 +64,7 @@ class StepOutput:
     logprob: float | None
     finish_reason: str | None
     top_logprobs: TopLogprobs | None = None  # when the sequence asks for them
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt tokens this step covered, when asked
 
 
 class ModelRunner:
@@ -135,11 +136,17 @@ class ModelRunner:
             return []
         self._allocate(seqs)
         chunks = [SequenceChunk(s.token_ids[s.num_cached :], s.num_cached, s.page_table) for s in seqs]
+        # Sequences asking for prompt logprobs whose prompt tokens this step runs: the logits of every row.
+        wants_prompt = any(s.params.prompt_logprobs >= 0 and s.num_cached < s.prompt_len - 1 for s in seqs)
+        prompts: list[PromptLogprobs | None] = [None] * len(seqs)
         if self.decode_graphs is not None and on_layer_done is None and all(len(c.token_ids) == 1 for c in chunks):
             logits = self.decode_graphs.forward(chunks)
         else:
             batch = ForwardBatch.build(chunks, self.cache.layout.page_size, self.cache.device)
-            logits = self.model.forward(batch, self.cache, on_layer_done)
+            logits = self.model.forward(batch, self.cache, on_layer_done, all_logits=wants_prompt)
+            if wants_prompt:
+                prompts = self._prompt_logprobs(seqs, logits)
+                logits = logits[batch.last_token]
         if not seqs:
             return []
         params = [s.params for s in seqs]
@@ -161,8 +168,26 @@ class ModelRunner:
                 s.finish_reason = "length"
             if s.finished and self.release_finished:
                 self.release(s)
-            outputs.append(StepOutput(s.seq_id, token, lp, s.finish_reason, tops[i]))
+            outputs.append(StepOutput(s.seq_id, token, lp, s.finish_reason, tops[i], prompts[i]))
         return outputs
+
+    @staticmethod
+    def _prompt_logprobs(seqs: Sequence[SequenceState], logits: torch.Tensor) -> list[PromptLogprobs | None]:
+        """From ``logits`` of every row of the step: each asking sequence's prompt tokens that
+        its rows predict (row j of a chunk from position c predicts token c + j + 1)."""
+        out: list[PromptLogprobs | None] = []
+        row = 0
+        for s in seqs:
+            length = len(s.token_ids) - s.num_cached
+            covered = min(length, s.prompt_len - 1 - s.num_cached)  # rows that predict a prompt token
+            if s.params.prompt_logprobs >= 0 and covered > 0:
+                first = s.num_cached + 1
+                chosen, top = prompt_logprobs(logits[row : row + covered], s.token_ids[first : first + covered], s.params.prompt_logprobs)
+                out.append(PromptLogprobs(first, chosen, top))
+            else:
+                out.append(None)
+            row += length
+        return out
 
     def release(self, seq: SequenceState) -> None:
         """Give the sequence's pages back (idempotent)."""

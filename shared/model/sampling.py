@@ -50,6 +50,9 @@ class SamplingParams:
     seed: makes the request's samples reproducible; None draws from a shared stream.
     logprobs: report the log-probability of each chosen token.
     top_logprobs: also report this many most likely tokens per position (0 to MAX_TOP_LOGPROBS).
+    prompt_logprobs: -1 for none; else report each prompt token's log-probability given the
+        tokens before it (the first has none) and this many most likely tokens at its position
+        (0 to MAX_TOP_LOGPROBS), from the prefill's logits (`prompt_logprobs`).
     max_tokens: the most tokens to generate.
     stop_token_ids: ids that end generation (besides EOS, which the caller adds).
     ignore_eos: do not stop at the model's EOS ids (benchmarks: exactly max_tokens tokens
@@ -70,6 +73,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     top_logprobs: int = 0
     ignore_eos: bool = False
+    prompt_logprobs: int = -1
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
@@ -98,6 +102,8 @@ class SamplingParams:
             raise InvalidSamplingParams(f"repetition_penalty must be a finite number > 0, got {rp!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidSamplingParams(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if not _is_int(self.prompt_logprobs) or not -1 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidSamplingParams(f"prompt_logprobs must be -1 (none) or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         # frozen: normalise a list to a tuple so the params stay hashable
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
@@ -157,6 +163,35 @@ def top_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list
         n = params[row].top_logprobs
         out[row] = TopLogprobs(row_ids[:n], row_values[:n])
     return out
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt tokens ``first, first + 1, ...``: each one's log-probability given the tokens
+    before it and, when asked, the most likely tokens at its position."""
+
+    first: int  # the prompt index of the first token covered (1 for a prompt run from its start)
+    logprobs: list[float]
+    top: list[TopLogprobs] | None
+
+
+PROMPT_ROWS_PER_PASS = 512  # a long prompt's [T, vocab] fp32 log-softmax at once would take gigabytes
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> tuple[list[float], list[TopLogprobs] | None]:
+    """For each row of raw ``logits [T, V]``: the log-probability of ``next_ids[row]`` (the
+    prompt token that row predicts) under ``log_softmax``, and with ``k`` > 0 the ``k`` most
+    likely tokens; computed ``PROMPT_ROWS_PER_PASS`` rows at a time."""
+    ids = torch.tensor(list(next_ids), dtype=torch.long, device=logits.device)
+    chosen: list[float] = []
+    top: list[TopLogprobs] | None = [] if k > 0 else None
+    for start in range(0, len(ids), PROMPT_ROWS_PER_PASS):
+        rows = torch.log_softmax(logits[start : start + PROMPT_ROWS_PER_PASS].float(), dim=-1)
+        chosen += rows.gather(1, ids[start : start + PROMPT_ROWS_PER_PASS, None])[:, 0].tolist()
+        if top is not None:
+            values, alt = rows.topk(min(k, rows.shape[-1]), dim=-1)
+            top += [TopLogprobs(i, v) for i, v in zip(alt.tolist(), values.tolist(), strict=True)]
+    return chosen, top
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

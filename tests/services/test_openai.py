@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from schemas.api import ChatMessage, GenerateRequest
+from services.client import GenerateError
 from services_helpers import log_events, run, session, stack_fixture
 
 pytestmark = pytest.mark.slow
@@ -246,6 +247,43 @@ def test_completion_logprobs_are_the_models_most_likely_tokens(stack, frontend, 
     status, _, raw = call(frontend, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 3, "stream": True})
     parts = [c["choices"][0]["logprobs"] for c in map(json.loads, events(raw)[:-1])]
     assert {key: [x for part in parts for x in part[key]] for key in legacy} == legacy
+
+
+def test_echo_with_logprobs_gives_each_prompt_tokens_logprob_as_lm_eval_reads_it(stack, frontend, hf_log_softmax, tokenizer):
+    """What lm-evaluation-harness sends for loglikelihoods (a batch of token-id prompts, echo,
+    logprobs 1, max_tokens 1, greedy): each choice lists its prompt's tokens and then the
+    generated one; the first prompt token has no logprob, every other one transformers'
+    log_softmax given the tokens before it (teacher forcing); the text echoes the prompt; the
+    native API's prompt_logprobs agree; the stream carries the same."""
+    prompts = [[785, 6722, 315, 9625, 374], [9707, 11, 1879]]
+    body = {"prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    status, _, raw = call(frontend, "POST", "/v1/completions", body)
+    assert status == 200, raw
+    choices = json.loads(raw)["choices"]
+    for ids, choice in zip(prompts, choices, strict=True):
+        native = reference(stack, input_ids=ids, max_tokens=1, temperature=0.0, logprobs=True, prompt_logprobs=1)
+        teacher = hf_log_softmax(ids[:1], ids[1:])  # row j: the distribution after ids[: j + 1]
+        expected = teacher[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [tokenizer.decode([t]) for t in ids + native.token_ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1 : len(ids)]), expected, rtol=0, atol=1e-4)
+        assert lp["token_logprobs"][-1] == pytest.approx(native.logprobs[0], abs=1e-4)  # batched differently: float noise
+        assert choice["text"] == tokenizer.decode(ids) + native.text
+        assert [e.token_id for e in native.prompt_logprobs] == ids and native.prompt_logprobs[0].logprob is None
+        assert [e.top_logprobs[0].token_id for e in native.prompt_logprobs[1:]] == teacher.argmax(dim=-1).tolist()
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"stream": True})
+    pieces = [ch for c in map(json.loads, events(raw)[:-1]) for ch in c["choices"]]
+    for i, choice in enumerate(choices):
+        mine = [p for p in pieces if p["index"] == i]
+        assert "".join(p["text"] for p in mine) == choice["text"]
+        streamed = [x for p in mine for x in p["logprobs"]["token_logprobs"]]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    plain = json.loads(call(frontend, "POST", "/v1/completions", {"prompt": "The capital", "max_tokens": 2, "temperature": 0, "echo": True})[2])
+    assert plain["choices"][0]["text"] == "The capital" + reference(stack, prompt="The capital", max_tokens=2, temperature=0.0).text
+    assert plain["choices"][0]["logprobs"] is None
+    with pytest.raises(GenerateError, match="prompt_logprobs must be an integer in \\[0, 20\\], got 21"):
+        reference(stack, input_ids=prompts[0], max_tokens=1, prompt_logprobs=21)
 
 
 def test_chat_logprobs_unary_and_streamed(frontend):

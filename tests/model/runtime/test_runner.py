@@ -113,3 +113,25 @@ def test_ignore_eos_generates_past_the_models_eos_but_not_past_a_stop_id(tiny_ch
     assert _generate(eos_runner, prompt, ignoring) == (free, "length")
     stop_id = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=(free[3],))
     assert _generate(eos_runner, prompt, stop_id) == (upto(free[3]), "stop")
+
+
+def test_prompt_logprobs_are_each_positions_log_softmax_and_leave_the_batch_alone(tiny_checkpoint):
+    path = tiny_checkpoint(NAME)
+    prompt, other_prompt = random_prompts([9, 5], seed=5)
+    ref = ModelRunner.from_dir(path, num_pages=16, page_size=4)
+    teacher = ref.model.forward(ForwardBatch.build([SequenceChunk(prompt, 0, [0, 1, 2])], 4, ref.cache.device), ref.cache, all_logits=True)
+    expected = torch.log_softmax(teacher.float(), dim=-1)[:-1]  # row j predicts prompt token j + 1
+    alone = ModelRunner.from_dir(path, num_pages=16, page_size=4)
+    plain_outs = alone.prefill([alone.add("b", other_prompt, GREEDY), alone.add("a", prompt, GREEDY)])
+
+    runner = ModelRunner.from_dir(path, num_pages=16, page_size=4)
+    asking = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3)
+    outs = runner.prefill([runner.add("b", other_prompt, GREEDY), runner.add("a", prompt, asking)])
+    got = outs[1].prompt_logprobs
+    assert outs[0].prompt_logprobs is None and got is not None and got.first == 1
+    assert torch.allclose(torch.tensor(got.logprobs), expected[torch.arange(8), torch.tensor(prompt[1:])], atol=1e-5)
+    assert got.top is not None and [t.token_ids for t in got.top] == expected.topk(3, dim=-1).indices.tolist()
+    assert [o.token_id for o in outs] == [o.token_id for o in plain_outs]  # sampling saw the same last-token logits
+    s = runner.add("c", prompt, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0))
+    none_top = runner.prefill([s])[0].prompt_logprobs
+    assert none_top is not None and none_top.top is None and len(none_top.logprobs) == 8
