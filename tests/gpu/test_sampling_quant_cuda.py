@@ -16,7 +16,7 @@ from shared.model.quant_formats import (
     quantize_block_fp8,
     quantize_mxfp8,
 )
-from shared.model.sampling import Sampler, SamplingParams, make_generator
+from shared.model.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -83,3 +83,14 @@ def test_quantization_on_cuda_is_bit_identical_to_cpu(shape: tuple[int, int]) ->
     cpu_act, gpu_act = quantize_act_per_token_group(w), quantize_act_per_token_group(w.to(DEV))
     assert torch.equal(gpu_act[0].view(torch.uint8).cpu(), cpu_act[0].view(torch.uint8))
     assert torch.equal(gpu_act[1].cpu(), cpu_act[1])
+
+
+def test_prompt_logprobs_on_cuda_match_the_cpu() -> None:
+    """A 1100-token prompt's logprobs and top-5 at the full vocabulary (three passes on CUDA)."""
+    logits = _logits(1100, 3)
+    next_ids = torch.randint(0, VOCAB, (1100,), generator=torch.Generator().manual_seed(4)).tolist()
+    chosen, top = prompt_logprobs(logits, next_ids, 5)
+    want = torch.log_softmax(logits.cpu().float(), dim=-1)
+    torch.testing.assert_close(torch.tensor(chosen), want[torch.arange(1100), torch.tensor(next_ids)], rtol=0, atol=1e-4)
+    assert top is not None
+    torch.testing.assert_close(torch.tensor([t.logprobs for t in top]), want.topk(5, dim=-1).values, rtol=0, atol=1e-4)

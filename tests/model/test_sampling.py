@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from shared.model.sampling import MAX_TOP_LOGPROBS, InvalidSamplingParams, Sampler, SamplingParams, make_generator, top_logprobs
+from shared.model.sampling import (MAX_TOP_LOGPROBS, PROMPT_ROWS_PER_PASS, InvalidSamplingParams, Sampler, SamplingParams, make_generator,
+                                    prompt_logprobs, top_logprobs)
 
 VOCAB = 97
 
@@ -224,3 +225,17 @@ def test_top_logprobs_are_the_raw_log_softmax_topk_of_the_rows_that_ask() -> Non
     assert tops[0].token_ids[0] == int(raw[0].argmax()) != int(tokens[0])
     assert tops[2].token_ids[0] == int(tokens[2]) and tops[2].logprobs[0] == float(logprobs[2])
 
+
+
+def test_prompt_logprobs_across_passes_match_log_softmax():
+    """More rows than one pass takes (PROMPT_ROWS_PER_PASS): every row's chosen logprob and top-k."""
+    g = torch.Generator().manual_seed(11)
+    rows = PROMPT_ROWS_PER_PASS * 2 + 37
+    logits = torch.randn(rows, 300, generator=g) * 3
+    next_ids = torch.randint(0, 300, (rows,), generator=g).tolist()
+    chosen, top = prompt_logprobs(logits.to(torch.bfloat16), next_ids, 4)
+    want = torch.log_softmax(logits.to(torch.bfloat16).float(), dim=-1)
+    assert torch.allclose(torch.tensor(chosen), want[torch.arange(rows), torch.tensor(next_ids)], atol=1e-6)
+    assert top is not None and len(top) == rows
+    assert [t.token_ids for t in top] == want.topk(4, dim=-1).indices.tolist()
+    assert prompt_logprobs(logits[:3], next_ids[:3], 0)[1] is None

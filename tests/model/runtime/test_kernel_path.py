@@ -266,3 +266,19 @@ def test_kernel_model_fuses_qkv_into_one_weight_without_copies(checkpoints, fmt)
             assert part.data_ptr() == a.qkv_proj[start].data_ptr()  # a view, not a copy
         plain = [w if isinstance(w, torch.Tensor) else w.dequantize(torch.bfloat16) for w in (r.q_proj, r.k_proj, r.v_proj)]
         assert torch.equal(a.qkv_proj, torch.cat(plain))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_logprobs_on_the_kernel_path_are_the_prefill_logits_log_softmax(checkpoints, device):
+    """bf16 kernels: a prefill batch of two prompts, the second asking for prompt logprobs (top 3),
+    against log_softmax of the same batch's logits from the model's own forward."""
+    kern = Qwen3Model.load(checkpoints["bf16"], dtype=torch.bfloat16, device=device, kernels=True)
+    other, prompt = random_prompts(SIZES[device][0][:2], seed=9)
+    want = torch.log_softmax(_prefill_logits(kern, [other, prompt])[len(other) : len(other) + len(prompt) - 1], dim=-1)
+    c = kern.config
+    runner = ModelRunner(kern, PagedKVCache(KVLayout(c.num_layers, 64, kern.local_kv_heads, PAGE, c.head_dim, kern.dtype), kern.device))
+    asking = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    got = runner.prefill([runner.add("o", other, SamplingParams(temperature=0.0, max_tokens=2)), runner.add("p", prompt, asking)])[1].prompt_logprobs
+    assert got is not None and got.first == 1 and got.top is not None
+    torch.testing.assert_close(torch.tensor(got.logprobs), want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], rtol=0, atol=2e-3)
+    torch.testing.assert_close(torch.tensor([t.logprobs for t in got.top]), want.topk(3, dim=-1).values, rtol=0, atol=2e-3)
