@@ -222,7 +222,8 @@ class Bus:
 
         The message goes out as a request: when nothing subscribes, the server answers at
         once with "no responders" (False). A subscriber need not answer: a reply, or
-        none within `wait_s`, means the message reached one (True).
+        none within `wait_s`, means the message reached one (True). So does any other
+        failure (this connection down or reconnecting): unknown is not "gone".
         """
         try:
             await self.nc.request(subject, payload, timeout=wait_s, headers=headers)
@@ -230,7 +231,7 @@ class Bus:
             raise self._too_large(subject, payload) from e
         except NoRespondersError:
             return False
-        except NATSTimeoutError:
+        except nats.errors.Error:  # a timeout (delivered, no answer), or no connection to tell
             pass
         return True
 

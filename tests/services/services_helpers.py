@@ -41,6 +41,16 @@ def start_nats_server(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"nats-server did not start on port {port}")
 
 
+async def until_listened(bus: Bus, subject: str, timeout: float = 10.0) -> None:
+    """Until the server routes `subject` to a subscriber, as seen from `bus`'s connection: a
+    flush on the subscriber's side does not suffice (a request right after it met "no
+    responders" about one run in four here)."""
+    deadline = time.monotonic() + timeout
+    while not await bus.has_listener(subject, b"", wait_s=0.2):
+        assert time.monotonic() < deadline, f"nothing subscribes to {subject}"
+        await asyncio.sleep(0.01)
+
+
 def compose_specs(compose: str, model: Path, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
     """The services of one of the repository's compose files; HTTP frontends on free local ports."""
     return load_compose(REPO_ROOT / "compose" / compose, {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS}, scale)

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
-from services_helpers import start_nats_server
+from services_helpers import start_nats_server, until_listened
 from shared.bus import Deadline, PayloadTooLarge, Reconnected, connect
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.01)
 
 
 def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server):
@@ -25,7 +33,7 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server
                 await msg.respond(b"first")  # then nothing: the rest would have been lost
 
             await responder.subscribe("svc.work", answer_once)
-            await responder.nc.flush()  # the server knows the subscription before the request
+            await until_listened(caller, "svc.work")  # the server routes the request to it
             got: list[bytes] = []
             stream = caller.stream("svc.work", b"go", lambda m: m.data == b"last", Deadline.after(60.0))
             got.append((await stream.__anext__()).data)
@@ -37,9 +45,11 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server
                 async for msg in stream:
                     got.append(msg.data)
             failed_after = time.monotonic() - restarted
-            # The connection itself is back: a plain request round trip works again.
+            # The connection itself is back: a plain request round trip works again (once the
+            # responder, which may reconnect after the caller, is back as well).
+            await until(lambda: responder.reconnects == 1, "the responder reconnected")
             await responder.subscribe("svc.echo", lambda m: m.respond(m.data))
-            await responder.nc.flush()
+            await until_listened(caller, "svc.echo")
             echo = (await caller.nc.request("svc.echo", b"ping", timeout=5.0)).data
             return got, failed_after, caller.reconnects, echo
 
@@ -60,7 +70,7 @@ def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_conne
     async def scenario() -> list[str]:
         async with connect(f"nats://127.0.0.1:{port}", "echo") as echo, connect(f"nats://127.0.0.1:{port}", "caller") as caller:
             await echo.subscribe("echo", lambda msg: msg.respond(msg.data))
-            await echo.nc.flush()  # the server knows the subscription before the caller sends
+            await until_listened(caller, "echo")
             errors = []
             with pytest.raises(PayloadTooLarge) as streamed:
                 async for _ in caller.stream("echo", big, lambda m: True, Deadline.after(5)):

@@ -12,6 +12,7 @@ import pytest
 from schemas import subjects
 from schemas.api import CancelRequest, GenerateChunk, GenerateRequest, Usage
 from services.client import Client, GenerateError
+from services_helpers import until_listened
 from shared.bus import connect, decode_public, encode_public
 
 
@@ -35,9 +36,9 @@ def test_a_lost_chunk_fails_the_stream_and_cancels_the_request(nats_server):
             async def on_cancel(msg) -> None:  # type: ignore[no-untyped-def]
                 cancels.put_nowait(decode_public(msg.data, CancelRequest))
 
-            await gateway.subscribe(subjects.GENERATE, serve)
             await gateway.subscribe(subjects.CANCEL, on_cancel)
-            await gateway.nc.flush()
+            await gateway.subscribe(subjects.GENERATE, serve)
+            await until_listened(bus, subjects.GENERATE)  # (the cancel subscription went first on the same connection)
             client = Client(bus, keepalive_s=None)
             whole = [c.text async for c in client.stream(GenerateRequest(prompt="x", request_id="whole"))]
             got: list[str] = []

@@ -61,6 +61,11 @@ def test_the_stack_serves_again_after_its_nats_server_restarts(stack, tokenizer,
     # Its 400 tokens take seconds on the tiny CPU model, so it is mid-way when the gateway
     # reconnects: the gateway fails it then, whether or not a batch was actually lost.
     assert outcome == "unavailable", outcome if isinstance(outcome, str) else f"completed with {len(outcome)} tokens"
+    # The client's own connection may come back first and end the stream (`Reconnected`) before
+    # the gateway's does; the gateway's event follows once it reconnects.
+    logged_by = time.monotonic() + RECONNECT_S
+    while not log_events(stack, "in_flight_failed_on_reconnect") and time.monotonic() < logged_by:
+        time.sleep(0.1)
     assert log_events(stack, "in_flight_failed_on_reconnect")
     # The gateway fails its in-flight requests when its connection comes back (tokens sent to it
     # meanwhile are lost); before that rule a lost token batch left this request waiting out its
