@@ -98,7 +98,7 @@ class Completion:
         return delta
 
     def _take(self, batch: TokenBatch, delta: Delta) -> None:
-        if batch.prompt_logprobs is not None and self.prompt_ids and self.token_piece is not None:
+        if batch.start == 0 and self.prompt_ids and self.token_piece is not None:
             self.prompt_logprobs = delta.prompt_logprobs = self._prompt_logprobs(self.token_piece, self.prompt_ids, batch)
         room = self.max_tokens - len(self.token_ids)
         ids = batch.token_ids[:room]
@@ -136,7 +136,8 @@ class Completion:
 
     @staticmethod
     def _prompt_logprobs(piece: TokenPiece, prompt: list[int], batch: TokenBatch) -> list[PromptLogprob]:
-        """One entry per prompt token: the first has no logprob; token j's is the batch's j - 1th."""
+        """One entry per prompt token: the first has no logprob; token j's is the batch's j - 1th
+        (a one-token prompt has only the first, and prefill sends no logprobs for it)."""
         logprobs = batch.prompt_logprobs or []
         return [PromptLogprob(**_named(piece, prompt[0]), logprob=None)] + [
             PromptLogprob(**_named(piece, token_id), logprob=logprob, top_logprobs=_alternatives(piece, batch.prompt_top_logprobs, i))

@@ -161,6 +161,19 @@ def test_completion_fails_once_a_batch_after_token_0_is_missing():
         c.add(batch(4, "e"))
 
 
+def test_completion_names_every_prompt_token_when_prompt_logprobs_are_asked_for():
+    def piece(t: int) -> tuple[str, bytes]:
+        return chr(t), chr(t).encode()
+
+    c = Completion(CharTokens(), stop=[], max_tokens=5, token_piece=piece, prompt_ids=[ord("x"), ord("y")])  # type: ignore[arg-type]
+    first = TokenBatch(request_id="r", start=0, token_ids=[ord("a")], prompt_logprobs=[-1.5])
+    delta = c.add(first)
+    assert [(e.token, e.logprob) for e in delta.prompt_logprobs or []] == [("x", None), ("y", -1.5)]
+    one = Completion(CharTokens(), stop=[], max_tokens=5, token_piece=piece, prompt_ids=[ord("x")])  # type: ignore[arg-type]
+    assert [(e.token, e.logprob) for e in one.add(TokenBatch(request_id="r", start=0, token_ids=[ord("a")])).prompt_logprobs or []] == [("x", None)]
+    assert c.add(TokenBatch(request_id="r", start=1, token_ids=[ord("b")])).prompt_logprobs is None  # only with token 0
+
+
 def test_completion_releases_everything_at_the_end():
     c = Completion(CharTokens(), stop=["STOP"], max_tokens=100)  # type: ignore[arg-type]
     assert c.add(batch(0, "xST")).text == "x"
