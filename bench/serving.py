@@ -80,8 +80,9 @@ class Workload:
         def length(mean: int) -> int:
             return max(1, rng.randint(math.floor(mean * (1 - range_ratio)), math.ceil(mean * (1 + range_ratio))))
 
-        # Ids from the lower part of the vocabulary: ordinary tokens, no special ones.
-        prompts = [[rng.randrange(1000, min(vocab, 100_000)) for _ in range(length(input_len))] for _ in range(n)]
+        # Ordinary tokens: past the first ids (bytes) and below the special ones at the top.
+        low, high = (1000, min(vocab, 100_000)) if vocab > 2000 else (0, vocab)
+        prompts = [[rng.randrange(low, high) for _ in range(length(input_len))] for _ in range(n)]
         output_lens = [length(output_len) for _ in range(n)]
         arrivals, t = [], 0.0
         for _ in range(n):

@@ -22,6 +22,7 @@ def test_workload_lengths_arrivals_and_seed():
     assert 1 / 50 * 0.7 < sum(gaps) / len(gaps) < 1 / 50 * 1.3  # Poisson at 50/s: mean gap 20 ms
     assert Workload.random(200, 100, 40, 0.25, 50.0, 151_936, seed=3) == work
     assert Workload.random(5, 8, 4, 0.0, math.inf, 151_936, seed=1).arrivals == [0.0] * 5
+    assert all(0 <= t < 97 for p in Workload.random(5, 8, 4, 0.0, math.inf, 97, seed=1).prompts for t in p)  # a tiny vocabulary
 
 
 def test_summary_of_hand_made_timelines():
