@@ -203,7 +203,8 @@ def openai_stream(base_url: str, model: str, prompt: list[int], max_tokens: int,
     url = urllib.parse.urlsplit(base_url)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=timeout_s)
+    connection = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    conn = connection(url.hostname or "127.0.0.1", url.port, timeout=timeout_s)
     try:
         conn.request("POST", url.path.rstrip("/") + "/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
