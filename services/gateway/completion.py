@@ -39,6 +39,9 @@ class Delta:
         return bool(self.text or self.token_ids)
 
 
+TokenPiece = Callable[[int], tuple[str, bytes]]  # a token id's text and bytes alone (`Tokenizer.token_piece`)
+
+
 def _named(piece: TokenPiece, token_id: int) -> dict[str, Any]:
     text, raw = piece(token_id)
     return {"token_id": token_id, "token": text, "bytes": list(raw)}
@@ -52,9 +55,6 @@ def _alternatives(piece: TokenPiece, tops: list[TopCandidates] | None, i: int) -
 
 class TokensLost(Exception):
     """A token batch of the completion never arrived."""
-
-
-TokenPiece = Callable[[int], tuple[str, bytes]]  # a token id's text and bytes alone (`Tokenizer.token_piece`)
 
 
 class Completion:
