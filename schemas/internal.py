@@ -113,6 +113,7 @@ class TokenBatch(msgspec.Struct, forbid_unknown_fields=True, tag="tokens", tag_f
     prompt_top_logprobs: list[TopCandidates] | None = None  # and their alternatives (prompt_logprobs > 0)
     finish_reason: FinishReason | None = None  # set on the last batch of the request
     compute_ms: float = 0.0  # model time spent producing these tokens (prefill pass / decode steps)
+    cached_tokens: int = 0  # prefill's batch: prompt tokens whose KV came from the prefix cache (not computed)
 
 
 class StageError(msgspec.Struct, forbid_unknown_fields=True, tag="error", tag_field="type", kw_only=True):
@@ -137,6 +138,18 @@ class TransferStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bytes_total: int = 0
     seconds_total: float = 0.0  # summed wall time of the completed transfers
     failures: dict[str, int] = {}  # by cause: peer_failed, lease_expired, timeout, cancelled, ...
+
+
+class PrefixCacheStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A prefill instance's prefix cache since start (its leader's; every rank decides alike)."""
+
+    lookups: int = 0  # requests that looked for cached pages (not those asking for prompt logprobs)
+    hits: int = 0  # of them, requests that reused at least one page
+    lookup_tokens: int = 0  # prompt tokens of the looked-up requests
+    hit_tokens: int = 0  # of them, tokens whose KV came from the cache
+    evictions: int = 0  # cached pages evicted to make room
+    cached_pages: int = 0  # pages holding a cached prefix now (held by requests or evictable)
+    evictable_pages: int = 0  # of them, pages no request holds
 
 
 class LatencySummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -181,6 +194,7 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # prefill instances
     queued_tokens: int = 0  # input tokens queued or running
     queued_requests: int = 0
+    prefix_cache: PrefixCacheStats | None = None
     # gateways
     in_flight: int = 0
     requests: RequestStats | None = None
