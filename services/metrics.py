@@ -3,8 +3,8 @@
 `moebus metrics --url nats://127.0.0.1:4222 --port 9464` listens on `ctl.heartbeat.>`
 and serves `GET /metrics` in Prometheus' text format (version 0.0.4), one series per
 process and field of its latest heartbeat: the same figures `moebus status` prints
-(load, KV pages, decode steps by path, KV transfer totals, a gateway's requests by
-outcome, tokens and latency quantiles). Every series carries `role`, `instance` and
+(load, KV pages, decode steps by path, KV transfer totals, a prefill instance's prefix cache
+lookups, hits and evictions, a gateway's requests by outcome, tokens and latency quantiles). Every series carries `role`, `instance` and
 `rank`; a process silent for `--expiry` seconds is dropped from the page, so a dead
 replica's series end instead of freezing. Counters are the processes' own totals since
 they started (a restart starts them again, which Prometheus' `rate()` handles).
@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 
 from schemas import subjects
-from schemas.internal import Heartbeat, LatencySummary, TransferStats
+from schemas.internal import Heartbeat, LatencySummary, PrefixCacheStats, TransferStats
 from services import http
 from shared.bus import connect, unpack
 
@@ -36,6 +36,13 @@ FAMILIES = [
     ("moebus_gateway_tpot_seconds", "gauge", "time per output token after the first over the latest finished requests, by quantile"),
     ("moebus_prefill_queued_requests", "gauge", "requests queued at a prefill instance"),
     ("moebus_prefill_queued_tokens", "gauge", "input tokens queued or running at a prefill instance"),
+    ("moebus_prefill_prefix_cache_lookups_total", "counter", "requests that looked for cached prefix pages"),
+    ("moebus_prefill_prefix_cache_hits_total", "counter", "requests that reused at least one cached prefix page"),
+    ("moebus_prefill_prefix_cache_lookup_tokens_total", "counter", "prompt tokens of the requests that looked up the prefix cache"),
+    ("moebus_prefill_prefix_cache_hit_tokens_total", "counter", "prompt tokens whose KV came from the prefix cache"),
+    ("moebus_prefill_prefix_cache_evictions_total", "counter", "cached prefix pages evicted to make room"),
+    ("moebus_prefill_prefix_cache_pages", "gauge", "KV pages holding a cached prefix (held by requests or evictable)"),
+    ("moebus_prefill_prefix_cache_evictable_pages", "gauge", "cached prefix pages no request holds"),
     ("moebus_decode_batch_size", "gauge", "running and reserved requests of a decode rank"),
     ("moebus_decode_max_batch", "gauge", "most requests a decode rank takes"),
     ("moebus_decode_kv_pages", "gauge", "KV pages of a decode rank"),
@@ -69,6 +76,18 @@ def _transfers(labels: dict[str, str], t: TransferStats | None) -> Iterator[Samp
         yield "moebus_kv_transfer_failures_total", labels | {"cause": cause}, n
 
 
+def _prefix_cache(labels: dict[str, str], p: PrefixCacheStats | None) -> Iterator[Sample]:
+    if p is None:
+        return
+    yield "moebus_prefill_prefix_cache_lookups_total", labels, p.lookups
+    yield "moebus_prefill_prefix_cache_hits_total", labels, p.hits
+    yield "moebus_prefill_prefix_cache_lookup_tokens_total", labels, p.lookup_tokens
+    yield "moebus_prefill_prefix_cache_hit_tokens_total", labels, p.hit_tokens
+    yield "moebus_prefill_prefix_cache_evictions_total", labels, p.evictions
+    yield "moebus_prefill_prefix_cache_pages", labels, p.cached_pages
+    yield "moebus_prefill_prefix_cache_evictable_pages", labels, p.evictable_pages
+
+
 def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
     """Every series of one process's heartbeat (`now`: wall clock, for the uptime)."""
     who = {"role": hb.role, "instance": hb.instance, "rank": str(hb.rank)}
@@ -87,6 +106,7 @@ def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
     elif hb.role == "prefill":
         yield "moebus_prefill_queued_requests", who, hb.queued_requests
         yield "moebus_prefill_queued_tokens", who, hb.queued_tokens
+        yield from _prefix_cache(who, hb.prefix_cache)
     elif hb.role == "decode":
         yield "moebus_decode_batch_size", who, hb.batch_size
         yield "moebus_decode_max_batch", who, hb.max_batch

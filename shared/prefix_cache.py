@@ -119,13 +119,15 @@ class PrefixCache:
 
     def acquire(self, pages: Sequence[int], prompt_tokens: int) -> None:
         """Hold ``pages`` (a `match` of a prompt of ``prompt_tokens`` tokens) for one request:
-        they cannot be evicted until its `release`. Counted as one lookup in the stats."""
+        they cannot be evicted until its `release`. Counted as one lookup in the stats (when enabled)."""
         unknown = [p for p in pages if p not in self._key_of]
         if unknown:
             raise InvalidPages(f"acquiring pages that are not cached: {unknown}")
         for page in pages:
             self._refs[page] += 1
             self._evictable.pop(page, None)
+        if not self.enabled:
+            return
         self._lookups += 1
         self._lookup_tokens += prompt_tokens
         if pages:

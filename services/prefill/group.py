@@ -9,6 +9,20 @@ transfers succeeded (one all-reduce), and the leader publishes the first tokens
 and tells the decode ranks to start. A batch's senders are built while its forward
 runs (``LayerReports``), not before it: their set-up is off the requests' path.
 
+Prefix caching (`shared.prefix_cache`, setting ``prefix_caching``): every rank keeps the
+full KV pages of its finished prompts, and a prompt whose leading full pages are cached
+reuses them and runs only the rest. Each rank holds its own heads of the same pages, so the
+ranks must make identical cache decisions: the leader decides how many pages each task
+reuses when it forms the batch (`Planned.cached_pages`, broadcast with it), and every rank
+(the leader included) checks that its own index finds exactly that many before it runs the
+batch; a rank that disagrees raises `PrefixCacheMismatch`, which stops the group (loudly)
+rather than running a forward the ranks do not agree on. A task asking for prompt logprobs
+reuses nothing (every prompt row's logits are needed) but still leaves its pages cached. The
+batch is sized by the tokens it computes (not the cached ones) and by the pages an allocation
+can get (free plus evictable, less the cached pages the batch reuses). Whether a batch's pages
+enter the cache depends on whether the forward succeeded on every rank (one agreed flag), so
+the ranks' indexes stay alike.
+
 The leader watches the gateways' heartbeats (`PeerLiveness`, as the decode ranks do):
 a queued task whose gateway has been silent for `gateway_expiry_s` of time the leader
 was listening, or restarted, is dropped (`prefill_orphaned`) instead of run: nobody is
@@ -37,6 +51,7 @@ from services.model_rank import prompt_candidates, sampling_params, top_candidat
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
+from shared.prefix_cache import PrefixCache, PrefixCacheMismatch
 from shared.settings import PrefillSettings
 from shared.transfer import KVSender, LayerReports, LayoutMismatch, TransferError, TransferMetrics, TransferWorker, kv_head_shard
 
@@ -51,9 +66,19 @@ class Queued:
     gateway_started_at: float  # the gateway's start time when the task arrived (0.0: not heard yet)
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A task of a batch and how many of its leading KV pages it reuses from the prefix cache
+    (the leader's decision, which every rank follows)."""
+
+    task: PrefillTask
+    cached_pages: int
+
+
 @dataclass
 class Outcome:
     task: PrefillTask
+    cached_tokens: int
     output: StepOutput | None
     error: str | None  # None: KV delivered by every rank
     generator_state: bytes | None  # the seeded sampler after the first token
@@ -69,6 +94,7 @@ class PrefillGroup:
         self.world = world
         self.bus = bus  # the leader's; None on peers
         self.shard = kv_head_shard(rank, world, runner.model.config.num_kv_heads)
+        self.prefix = PrefixCache(runner.cache.allocator, runner.cache.layout.page_size, enabled=settings.prefix_caching)
         self.queue: deque[Queued] = deque()
         self.gateways = PeerLiveness(("prefill", settings.instance, rank), settings.heartbeat_interval_s, settings.gateway_expiry_s,
                                      time.monotonic(), roles=("gateway",))
@@ -96,6 +122,7 @@ class PrefillGroup:
             "queued_tokens": self.in_flight_tokens + sum(len(q.task.job.input_ids) for q in self.queue),
             "queued_requests": len(self.queue),
             "transfer": self.group_transfers if self.world > 1 else self.transfer_metrics.stats(),
+            "prefix_cache": self.prefix.stats(),
         }
 
     async def _on_task(self, msg: Msg) -> None:
@@ -128,7 +155,7 @@ class PrefillGroup:
         if self.heartbeater is not None:
             await self.heartbeater.stop()
 
-    async def _take_batch(self, drain_deadline: Deadline | None) -> list[PrefillTask] | None:
+    async def _take_batch(self, drain_deadline: Deadline | None) -> list[Planned] | None:
         """The next batch ([] on an idle tick), or None when drained."""
         if not self.queue:
             if self.draining:
@@ -146,26 +173,36 @@ class PrefillGroup:
             while self.queue:
                 await self._fail(self.queue.popleft().task, "unavailable", "prefill instance shut down before the request ran")
             return None
-        batch: list[PrefillTask] = []
-        tokens = pages = 0
-        layout, free = self.runner.cache.layout, self.runner.cache.allocator.num_free
+        batch: list[Planned] = []
+        tokens = new_pages = 0  # tokens the batch computes, pages it allocates
+        reused: set[int] = set()  # cached pages the batch reuses: its own allocations must not evict them
+        layout = self.runner.cache.layout
         while self.queue:
             task = self.queue[0].task
             n = len(task.job.input_ids)
-            if batch and (tokens + n > self.settings.max_batch_tokens or pages + layout.pages_for(n) > free):
+            hits = self._cached_pages(task)
+            computed, needed = n - len(hits) * layout.page_size, layout.pages_for(n) - len(hits)
+            fits = new_pages + needed <= self.prefix.available(reused.union(hits))
+            if batch and (tokens + computed > self.settings.max_batch_tokens or not fits):
                 break
             self.queue.popleft()
             if Deadline(task.job.deadline).expired:
                 await self._fail(task, "timeout", "deadline passed while queued for prefill")
                 continue
-            if layout.pages_for(n) > free:
+            if not fits:
                 await self._fail(task, "invalid_request", f"prompt of {n} tokens exceeds this prefill instance's KV capacity")
                 continue
-            batch.append(task)
-            tokens += n
-            pages += layout.pages_for(n)
-        self.in_flight_tokens = tokens
+            batch.append(Planned(task, len(hits)))
+            tokens += computed
+            new_pages += needed
+            reused.update(hits)
+        self.in_flight_tokens = sum(len(p.task.job.input_ids) for p in batch)
         return batch
+
+    def _cached_pages(self, task: PrefillTask) -> list[int]:
+        """The cached pages this rank's index finds for the task (none for a task asking for
+        prompt logprobs: it needs every prompt row's logits)."""
+        return [] if task.job.prompt_logprobs >= 0 else self.prefix.match(task.job.input_ids)
 
     # ------------------------------------------------------------ every rank
 
@@ -173,7 +210,7 @@ class PrefillGroup:
         """Serve until the leader has drained (peers follow its broadcasts)."""
         drain_deadline: Deadline | None = None
         while True:
-            batch: list[PrefillTask] | None = None
+            batch: list[Planned] | None = None
             if self.rank == 0:
                 if self.draining and drain_deadline is None:
                     drain_deadline = Deadline.after(self.settings.drain_timeout_s)
@@ -188,22 +225,36 @@ class PrefillGroup:
                     await self._report(outcomes)
                 self.in_flight_tokens = 0
 
-    def _broadcast(self, batch: list[PrefillTask] | None) -> list[PrefillTask] | None:
-        box: list[object] = [None if batch is None else [pack(t) for t in batch]]
+    def _broadcast(self, batch: list[Planned] | None) -> list[Planned] | None:
+        box: list[object] = [None if batch is None else [(pack(p.task), p.cached_pages) for p in batch]]
         dist.broadcast_object_list(box, src=0)
         payload = box[0]
-        return None if payload is None else [unpack(b, PrefillTask) for b in payload]  # type: ignore[union-attr]
+        return None if payload is None else [Planned(unpack(b, PrefillTask), n) for b, n in payload]  # type: ignore[union-attr]
 
-    async def _prefill(self, batch: list[PrefillTask]) -> list[Outcome]:
+    def _take_pages(self, planned: list[Planned]) -> list[list[int]]:
+        """Every task's page table: the cached pages the leader planned, then new ones.
+
+        All tasks' cached pages are held before any allocation, so that one task's allocation
+        cannot evict pages a later task of the batch reuses (the leader sized the batch so)."""
+        hits = [self._cached_pages(p.task) for p in planned]
+        for p, found in zip(planned, hits, strict=True):
+            if len(found) != p.cached_pages:
+                raise PrefixCacheMismatch(f"rank {self.rank}: request {p.task.job.request_id}: the leader reuses {p.cached_pages} cached KV pages, "
+                                          f"this rank's prefix cache has {len(found)}: the TP ranks' caches diverged")
+        for p, found in zip(planned, hits, strict=True):
+            if p.task.job.prompt_logprobs < 0:
+                self.prefix.acquire(found, len(p.task.job.input_ids))
+        layout = self.runner.cache.layout
+        return [found + self.prefix.alloc(layout.pages_for(len(p.task.job.input_ids)) - len(found)) for p, found in zip(planned, hits, strict=True)]
+
+    async def _prefill(self, planned: list[Planned]) -> list[Outcome]:
+        batch = [p.task for p in planned]
+        page_size = self.runner.cache.layout.page_size
+        page_tables = self._take_pages(planned)
         seqs: list[SequenceState] = []
-        page_tables: list[list[int]] = []
-        allocator, layout = self.runner.cache.allocator, self.runner.cache.layout
-        for task in batch:
-            job = task.job
-            params = sampling_params(job)
-            pages = allocator.alloc(layout.pages_for(len(job.input_ids)))  # the batch was sized to fit
-            seqs.append(self.runner.add(job.request_id, job.input_ids, params, page_table=pages))
-            page_tables.append(pages)
+        for p, pages in zip(planned, page_tables, strict=True):
+            job = p.task.job
+            seqs.append(self.runner.add(job.request_id, job.input_ids, sampling_params(job), page_table=pages, num_cached=p.cached_pages * page_size))
 
         # The senders are built while the forward runs (their set-up overlaps its first layers,
         # LayerReports): each gets the layers reported before it existed, then the rest.
@@ -230,9 +281,11 @@ class PrefillGroup:
                     sender.cancel()
             await asyncio.wait([forward])  # the forward's thread uses the batch's state: let it end first
             raise
+        forward_ok = True
         try:
             outputs: Sequence[StepOutput | None] = await forward
         except Exception as e:
+            forward_ok = False
             log.exception("prefill_failed")
             outputs = [None] * len(seqs)
             errors = [f"prefill forward failed: {type(e).__name__}: {e}"] * len(seqs)
@@ -246,24 +299,27 @@ class PrefillGroup:
                     await sender.finish()
                 except TransferError as e:
                     errors[i] = errors[i] or f"KV transfer failed: {e}"
-        for seq in seqs:
-            self.runner.release(seq)
-        delivered = await asyncio.to_thread(self._agree, [e is None for e in errors])
+        *delivered, computed = await asyncio.to_thread(self._agree, [e is None for e in errors] + [forward_ok])
+        for p, seq, pages in zip(planned, seqs, page_tables, strict=True):
+            self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed)
+            seq.page_table = []
         if self.world > 1:
             self.group_transfers = await asyncio.to_thread(self._sum_transfer_stats)
         return [
             Outcome(
-                task,
+                p.task,
+                p.cached_pages * page_size,
                 out,
                 None if ok else (err or "KV transfer failed on another rank of the TP group"),
                 None if seq.generator is None else seq.generator.get_state().numpy().tobytes(),
                 compute_ms,
             )
-            for task, seq, out, ok, err in zip(batch, seqs, outputs, delivered, errors, strict=True)
+            for p, seq, out, ok, err in zip(planned, seqs, outputs, delivered, errors, strict=True)
         ]
 
     def _agree(self, ok: list[bool]) -> list[bool]:
-        """A request is delivered only if every rank delivered its heads (MIN over the group)."""
+        """Flags true on every rank (MIN over the group): a request is delivered only if every
+        rank delivered its heads; a batch's pages are cached only if every rank computed them."""
         if self.world == 1:
             return ok
         flags = torch.tensor([int(x) for x in ok], dtype=torch.int64, device=self.runner.cache.device)
@@ -302,6 +358,7 @@ class PrefillGroup:
                     prompt_top_logprobs=prompt_tops,
                     finish_reason=out.finish_reason,  # type: ignore[arg-type]
                     compute_ms=o.compute_ms,
+                    cached_tokens=o.cached_tokens,
                 )
                 await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(first))
                 if out.finish_reason is not None:
@@ -311,7 +368,7 @@ class PrefillGroup:
                 start = StartDecode(job=job, first_token=out.token_id, first_logprob=out.logprob, generator_state=o.generator_state)
                 place = o.task.placement
                 await self.bus.publish(subjects.decode_start(place.decode_instance, place.decode_rank), pack(start))
-                log.info("prefilled", prompt_tokens=len(job.input_ids), compute_ms=round(o.compute_ms, 2))
+                log.info("prefilled", prompt_tokens=len(job.input_ids), cached_tokens=o.cached_tokens, compute_ms=round(o.compute_ms, 2))
 
     async def _fail(self, task: PrefillTask, code: ErrorCode, message: str) -> None:
         assert self.bus is not None

@@ -1,0 +1,164 @@
+"""Prefix caching through real stacks (compose/single-node.yml, tiny model, real nats-server and
+processes): a prefill instance of TP=2 ranks (gloo) with the cache on, and one with it off.
+
+Expected cached tokens follow the rule, not the code: the shared leading *full* pages (16
+tokens each, the stack's page size), leaving at least one prompt token to compute."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from schemas.api import ChatMessage, GenerateRequest, Usage
+from schemas.internal import Heartbeat, PrefixCacheStats
+from services.metrics import render
+from services.openai.protocol import merged_usage
+from services_helpers import log_events, run, session, start_stack, stack_fixture, stream_all
+
+pytestmark = pytest.mark.slow
+
+PAGE = 16  # PrefillSettings.page_size's default, which the stacks keep
+SYSTEM = ("You are a careful assistant for a mixture-of-experts inference engine. Answer in one short sentence, "
+          "name the component you mean, and never invent configuration keys that do not exist in the documentation.")
+
+stack = stack_fixture("single-node.yml", env={"MOEBUS_PREFILL_TP": "2"})
+
+
+def chat(question: str) -> list[ChatMessage]:
+    return [ChatMessage("system", SYSTEM), ChatMessage("user", question)]
+
+
+def chat_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages]), add_special_tokens=False)
+
+
+def reusable(cached_ids: list[int], ids: list[int]) -> int:
+    """Tokens a prompt ``ids`` can take from the cached pages of ``cached_ids`` (module doc)."""
+    common = next((i for i, (a, b) in enumerate(zip(cached_ids, ids)) if a != b), min(len(cached_ids), len(ids)))
+    return min(common // PAGE, (len(ids) - 1) // PAGE) * PAGE
+
+
+def prefill_stats(watch) -> PrefixCacheStats:
+    (hb,) = watch.live("prefill")
+    assert hb.prefix_cache is not None
+    return hb.prefix_cache
+
+
+def test_a_repeated_prompt_reuses_its_prefix_and_answers_the_same(stack, tokenizer, hf_greedy):
+    """The same chat twice, then a follow-up question under the same system prompt: the
+    repeats report the cached tokens, and every answer is transformers' greedy one (the decode
+    rank got both TP ranks' KV heads of every page, cached ones included)."""
+    first_q, other_q = chat("What does the prefill service do?"), chat("Which service samples the first token?")
+    ids, other_ids = chat_ids(tokenizer, first_q), chat_ids(tokenizer, other_q)
+    assert reusable(ids, ids) >= 2 * PAGE and reusable(ids, other_ids) >= PAGE
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("prefill")) == 1, 10, "the prefill leader's heartbeat")
+            before = prefill_stats(watch)
+            cold = await client.generate(GenerateRequest(messages=first_q, max_tokens=12, temperature=0))
+            warm = await client.generate(GenerateRequest(messages=first_q, max_tokens=12, temperature=0))
+            streamed = await stream_all(client, GenerateRequest(messages=first_q, max_tokens=12, temperature=0, stream=True))
+            other = await client.generate(GenerateRequest(messages=other_q, max_tokens=12, temperature=0))
+            await watch.wait_for(lambda w: len(w.live("prefill")) == 1 and prefill_stats(w).hits >= before.hits + 3, 10, "prefix cache hits")
+            return cold, warm, streamed, other, before, prefill_stats(watch)
+
+    cold, warm, streamed, other, before, after = run(go())
+    expected = hf_greedy(tuple(ids), 12)
+    assert cold.usage.cached_tokens == 0 and cold.token_ids == expected
+    assert warm.usage == Usage(len(ids), 12, reusable(ids, ids)) and warm.token_ids == expected and warm.text == cold.text
+    assert streamed[-1].usage == warm.usage and [t for c in streamed for t in c.token_ids] == expected
+    assert other.usage.cached_tokens == reusable(ids, other_ids) and other.token_ids == hf_greedy(tuple(other_ids), 12)
+    assert after.hit_tokens - before.hit_tokens == 2 * reusable(ids, ids) + reusable(ids, other_ids)
+    assert after.lookups - before.lookups == 4 and after.cached_pages > 0
+    logged = {e["request_id"]: e["cached_tokens"] for e in log_events(stack, "prefilled")}
+    assert logged[cold.request_id] == 0 and logged[warm.request_id] == reusable(ids, ids)
+
+
+def test_prompt_logprobs_are_right_when_the_prefix_is_cached(stack, tokenizer, tiny_model):
+    """A prompt whose pages are cached, asked again with prompt_logprobs: it reuses nothing (every
+    prompt row's logits are needed), and its logprobs are transformers' teacher-forced ones."""
+    messages = chat("List the services of the stack.")
+    ids = chat_ids(tokenizer, messages)
+
+    async def go():
+        async with session(stack.url) as (client, _):
+            await client.generate(GenerateRequest(messages=messages, max_tokens=1, temperature=0))  # caches its pages
+            asked = await client.generate(GenerateRequest(input_ids=ids, max_tokens=1, temperature=0, prompt_logprobs=0))
+            again = await client.generate(GenerateRequest(input_ids=ids, max_tokens=1, temperature=0))
+            return asked, again
+
+    asked, again = run(go())
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        teacher = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], dim=-1)
+    expected = teacher[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert asked.usage.cached_tokens == 0 and again.usage.cached_tokens == reusable(ids, ids) > 0
+    assert [e.token_id for e in asked.prompt_logprobs] == ids and asked.prompt_logprobs[0].logprob is None
+    torch.testing.assert_close(torch.tensor([e.logprob for e in asked.prompt_logprobs[1:]]), expected, rtol=0, atol=1e-4)
+    assert asked.token_ids == again.token_ids
+
+
+def test_openai_usage_and_metrics_report_cached_tokens(stack):
+    """``usage.prompt_tokens_details.cached_tokens`` on /v1/completions, and the prefill leader's
+    counters on `moebus metrics` (the stack's own exporter)."""
+    urls = stack.frontend_urls()
+    openai = re.search(r"(http://[\d.]+:\d+/v1)", urls.get("openai-0", "")).group(1)
+    metrics = re.search(r"(http://\S+/metrics)", urls.get("metrics-0", "")).group(1)
+    prompt = " ".join(["the experts of every layer route tokens to the gate"] * 4)
+
+    def complete() -> dict:
+        body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{openai}/completions", body, {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+    first, second = complete(), complete()
+    n = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // PAGE * PAGE} and (n - 1) // PAGE > 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    page = urllib.request.urlopen(metrics, timeout=10).read().decode()
+    hits = re.search(r'^moebus_prefill_prefix_cache_hits_total\{[^}]*role="prefill"[^}]*\} (\S+)$', page, re.M)
+    assert hits and float(hits.group(1)) >= 1, page
+
+
+def test_with_prefix_caching_off_nothing_is_reused(tiny_model, tokenizer, hf_greedy, tmp_path: Path):
+    off = start_stack(tiny_model, tmp_path, "single-node.yml", scale={"openai": 0, "metrics": 0}, env={"MOEBUS_PREFILL_PREFIX_CACHING": "false"})
+    messages = chat("What does the prefill service do?")
+    try:
+        async def go():
+            async with session(off.url) as (client, watch):
+                answers = [await client.generate(GenerateRequest(messages=messages, max_tokens=8, temperature=0)) for _ in range(2)]
+                await watch.wait_for(lambda w: len(w.live("prefill")) == 1, 10, "the prefill heartbeat")
+                return answers, prefill_stats(watch)
+
+        (cold, again), stats = run(go())
+    finally:
+        off.stop()
+    ids = chat_ids(tokenizer, messages)
+    assert cold.usage.cached_tokens == again.usage.cached_tokens == 0
+    assert cold.token_ids == again.token_ids == hf_greedy(tuple(ids), 8)
+    assert stats == PrefixCacheStats()
+
+
+# ------------------------------------------------------------ units: the figures' shapes
+
+def test_merged_openai_usage_counts_each_prompts_cached_tokens_once():
+    usages = [Usage(40, 3, 32), Usage(40, 5, 32), Usage(20, 2, 0), Usage(20, 4, 16)]  # 2 prompts x n=2
+    assert merged_usage(usages, 2) == Usage(60, 14, 32)
+
+
+def test_metrics_render_the_prefix_cache_counters():
+    stats = PrefixCacheStats(lookups=9, hits=4, lookup_tokens=900, hit_tokens=320, evictions=2, cached_pages=30, evictable_pages=25)
+    hb = Heartbeat(role="prefill", instance="p0", rank=0, model="tiny", version="0.1", started_at=0.0, prefix_cache=stats)
+    page = render([hb], now=1.0)
+    for name, value in [("lookups_total", 9), ("hits_total", 4), ("lookup_tokens_total", 900), ("hit_tokens_total", 320),
+                        ("evictions_total", 2), ("pages", 30), ("evictable_pages", 25)]:
+        assert f'moebus_prefill_prefix_cache_{name}{{role="prefill",instance="p0",rank="0"}} {value}\n' in page
