@@ -45,6 +45,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this from the logit of every token generated so far
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this times the token's count so far
     repetition_penalty: float | None = None  # transformers'/vLLM's, > 0 (prompt and output tokens); None: the model's default
+    min_p: float | None = None  # vLLM's, in [0, 1]: drop tokens less likely than min_p x the most likely; None: the model's default
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit (OpenAI's; at most 300 tokens)
+    min_tokens: int = 0  # vLLM's: EOS, stop ids and stop strings cannot end generation within the first this-many tokens
     stop: list[str] = []  # generation ends before the first occurrence of any of these strings
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token

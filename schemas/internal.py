@@ -25,6 +25,9 @@ class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = none
+    min_p: float = 0.0  # 0 = none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
+    min_tokens: int = 0  # the ending tokens are banned until this many tokens were generated
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

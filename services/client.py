@@ -119,6 +119,14 @@ class Client:
         return decode_public(msg.data, ModelList, self.ctype)
 
 
+def _bias_entry(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 1234=-100), got {text!r}") from None
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus request", description="send one request to a running moebus stack")
     ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
@@ -136,6 +144,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float)
+    ap.add_argument("--min-p", type=float)
+    ap.add_argument("--min-tokens", type=int, default=0, help="EOS and stop strings cannot end generation before this many tokens")
+    ap.add_argument("--logit-bias", action="append", default=[], type=_bias_entry, metavar="ID=BIAS",
+                    help="add BIAS (-100..100) to token ID's logit (repeatable)")
     ap.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens whatever the model's end-of-sequence token")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--logprobs", action="store_true", help="show each generated token's log-probability")
@@ -160,6 +172,9 @@ async def _run(a: argparse.Namespace) -> int:
         presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
         repetition_penalty=a.repetition_penalty,
+        min_p=a.min_p,
+        min_tokens=a.min_tokens,
+        logit_bias=dict(a.logit_bias) or None,
         ignore_eos=a.ignore_eos,
         stop=a.stop,
         logprobs=a.logprobs or a.top_logprobs > 0,

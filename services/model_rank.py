@@ -143,6 +143,9 @@ def sampling_params(job: Job) -> SamplingParams:
         top_logprobs=job.top_logprobs,
         ignore_eos=job.ignore_eos,
         prompt_logprobs=job.prompt_logprobs,
+        min_p=job.sampling.min_p,
+        logit_bias=job.sampling.logit_bias,
+        min_tokens=job.sampling.min_tokens,
     )
 
 

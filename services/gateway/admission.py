@@ -140,9 +140,16 @@ class Admission:
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else gen.repetition_penalty,
                 top_logprobs=req.top_logprobs,  # checked here, carried on the Job
+                min_p=req.min_p if req.min_p is not None else gen.min_p,
+                logit_bias=req.logit_bias or (),
+                min_tokens=req.min_tokens,
             )
         except InvalidSamplingParams as e:
             raise Rejected("invalid_request", str(e)) from e
+        outside = [t for t, _ in params.logit_bias if t >= self.model.vocab_size]
+        if outside:
+            raise Rejected("invalid_request", f"logit_bias: tokens {outside[:5]} outside the vocabulary [0, {self.model.vocab_size})")
         return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k, seed=params.seed,
                             presence_penalty=float(params.presence_penalty), frequency_penalty=float(params.frequency_penalty),
-                            repetition_penalty=float(params.repetition_penalty))
+                            repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p), logit_bias=params.logit_bias,
+                            min_tokens=params.min_tokens)

@@ -7,7 +7,9 @@ at most once: once token 0 is in, a batch that still cannot be taken means one b
 was lost, and the completion fails (`TokensLost`) instead of waiting for it until the
 deadline. Text is
 released only when it can no longer turn into a stop string: a tail that is a prefix
-of some stop string is held back until the next tokens decide it.
+of some stop string is held back until the next tokens decide it. With ``min_tokens``
+(vLLM's), a stop string ends the completion only where it ends after the text of the first
+``min_tokens`` tokens, as vLLM checks stop strings only from the next token on.
 
 With logprobs, each token also becomes a `TokenLogprob` (its text and bytes alone, its
 logprob, its position's top alternatives) as soon as it arrives in order, whether or not
@@ -59,12 +61,14 @@ class TokensLost(Exception):
 
 class Completion:
     def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int, token_piece: TokenPiece | None = None,
-                 prompt_ids: list[int] | None = None) -> None:
+                 prompt_ids: list[int] | None = None, min_tokens: int = 0) -> None:
         """``token_piece``: names the tokens of `token_logprobs` and `prompt_logprobs` (needed when
-        batches carry logprobs); ``prompt_ids``: the prompt, when the request asks for its logprobs."""
+        batches carry logprobs); ``prompt_ids``: the prompt, when the request asks for its logprobs;
+        ``min_tokens``: no stop string ends the completion before this many tokens (module doc)."""
         self.detokenizer = detokenizer
         self.stop = stop
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
         self.token_piece = token_piece
         self.prompt_ids = prompt_ids
         self.token_ids: list[int] = []
@@ -73,6 +77,7 @@ class Completion:
         self.prompt_logprobs: list[PromptLogprob] | None = None
         self.text = ""  # everything decoded so far (may run past a stop string)
         self.released = 0  # characters of `text` handed to the client
+        self.stop_floor: int | None = 0 if min_tokens == 0 else None  # a stop string must end past this (None: min_tokens not reached)
         self.finish_reason: FinishReason | None = None
         self.compute_ms = 0.0
         self.cached_tokens = 0  # prompt tokens prefill took from its prefix cache (token 0's batch says)
@@ -115,6 +120,11 @@ class Completion:
                 entries = self._token_logprobs(self.token_piece, ids, lp, batch.top_logprobs)
                 self.token_logprobs += entries
                 delta.token_logprobs += entries
+        short = self.min_tokens - (len(self.token_ids) - len(ids))  # tokens still below min_tokens before this batch
+        if self.stop_floor is None and len(ids) >= short:
+            self.text += self.detokenizer.add(ids[:short])
+            self.stop_floor = len(self.text)
+            ids = ids[short:]
         self.text += self.detokenizer.add(ids)
         finish = batch.finish_reason or ("length" if len(self.token_ids) >= self.max_tokens else None)
         if finish is not None:
@@ -147,12 +157,13 @@ class Completion:
             for i, (token_id, logprob) in enumerate(zip(prompt[1:], logprobs, strict=True))]
 
     def _stop_at(self) -> int | None:
-        """Index where the earliest stop string starts in the unreleased text, if any."""
-        if not self.stop:
+        """Index where the earliest stop string that ends past the release point (and past
+        `stop_floor`) starts, if any."""
+        if not self.stop or self.stop_floor is None:
             return None
-        # A stop string may straddle the release point by at most len(stop) - 1 characters.
-        start = max(0, self.released - max(map(len, self.stop)) + 1)
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1 and i + len(s) > self.released]
+        floor = max(self.released, self.stop_floor)
+        # Found from floor - len(s) + 1 on, a hit ends past the floor (it may straddle it).
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, floor - len(s) + 1))) != -1]
         return min(hits) if hits else None
 
     def _held_back(self) -> int:

@@ -2,10 +2,11 @@
 
 Requests decode strictly (msgspec, unknown fields refused with their name); fields that
 OpenAI defines but moebus does not implement are accepted only at their no-op values
-(no ``logit_bias``, ``suffix``, ``best_of`` > 1, tools or response formats),
+(no ``suffix``, ``best_of`` > 1, tools or response formats),
 anything else is an ``invalid_request`` naming the field, never silently ignored. ``user``
-is accepted and unused. ``presence_penalty`` and ``frequency_penalty`` are OpenAI's;
-``top_k``, ``seed``, ``repetition_penalty`` and ``ignore_eos`` pass through as in vLLM. Without
+is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token
+ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
+``seed``, ``repetition_penalty`` and ``ignore_eos`` pass through as in vLLM. Without
 ``max_tokens`` a request gets ``default_max_tokens`` (the server's ``--default-max-tokens``).
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
@@ -76,6 +77,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model's EOS
+    min_p: float | None = None  # vLLM's extension
+    min_tokens: int = 0  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -109,12 +112,23 @@ def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionReque
         raise InvalidRequest(f"request body: {e}") from None
 
 
-def _check_unsupported(req: _Sampling, extra: dict[str, bool]) -> None:
-    unsupported = {"logit_bias": bool(req.logit_bias), **extra}
+def _check_unsupported(unsupported: dict[str, bool]) -> None:
     bad = [name for name, used in unsupported.items() if used]
     if bad:
-        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no logit_bias, suffix, best_of > 1, "
-                             "tools or response formats)")
+        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no suffix, best_of > 1, tools or response formats)")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer ids; the gateway
+    checks the ids against the vocabulary and the values' range."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidRequest(f"logit_bias: keys must be token ids (decimal strings), got {key!r}")
+        out[int(key)] = value
+    return out
 
 
 def check_n(req: _Sampling, max_n: int) -> int:
@@ -130,7 +144,7 @@ def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[st
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
-            "ignore_eos": req.ignore_eos}
+            "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": _logit_bias(req.logit_bias)}
 
 
 def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[str, Any]]:
@@ -158,7 +172,7 @@ def completion_requests(req: CompletionRequest, request_id: str, default_max_tok
     """The moebus requests of a ``/v1/completions`` body, one per prompt (a token-id prompt as
     ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too; ``echo`` for the
     prompt's tokens and, with ``logprobs``, their logprobs: ``prompt_logprobs``)."""
-    _check_unsupported(req, {"suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
+    _check_unsupported({"suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
     logprobs = {} if req.logprobs is None else {"logprobs": True, "top_logprobs": req.logprobs}
     if req.echo:
         logprobs["prompt_logprobs"] = req.logprobs or 0
@@ -169,7 +183,7 @@ def completion_requests(req: CompletionRequest, request_id: str, default_max_tok
 def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
     """The moebus request of a ``/v1/chat/completions`` body: text parts of a message are joined;
     ``developer`` messages are system messages (OpenAI's newer name)."""
-    _check_unsupported(req, {"tools": bool(req.tools), "tool_choice": req.tool_choice not in (None, "none"),
+    _check_unsupported({"tools": bool(req.tools), "tool_choice": req.tool_choice not in (None, "none"),
                              "response_format": (req.response_format or {}).get("type", "text") != "text"})
     messages = []
     for i, m in enumerate(req.messages):

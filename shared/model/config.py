@@ -142,6 +142,7 @@ class GenerationConfig:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, model_config_eos: Any = None) -> GenerationConfig:
@@ -164,6 +165,7 @@ class GenerationConfig:
             top_k=int(raw.get("top_k", 0) or 0),
             top_p=float(raw.get("top_p", 1.0)),
             repetition_penalty=float(raw.get("repetition_penalty", 1.0)),
+            min_p=float(raw.get("min_p", 0.0) or 0.0),
         )
 
 

@@ -107,6 +107,8 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"sequence {seq_id}: prompt token id outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"sequence {seq_id}: logit_bias names a token outside the vocabulary [0, {vocab})")
         return SequenceState(
             seq_id=seq_id,
             prompt_len=len(prompt_ids),
@@ -152,7 +154,8 @@ class ModelRunner:
         params = [s.params for s in seqs]
         # Penalties look at each sequence's prompt and output so far (built only when asked for).
         histories = [(s.token_ids[: s.prompt_len], s.output_ids) for s in seqs] if any(p.penalized for p in params) else None
-        tokens, logprobs = self.sampler.sample(logits.float(), params, [s.generator for s in seqs], histories)
+        banned = [self._ending_ids(s) if len(s.output_ids) < s.params.min_tokens else () for s in seqs]
+        tokens, logprobs = self.sampler.sample(logits.float(), params, [s.generator for s in seqs], histories, banned)
         # From the raw logits, and only when some sequence asks (no cost otherwise).
         tops = top_logprobs(logits, params) if any(p.top_logprobs for p in params) else [None] * len(seqs)
         outputs = []
@@ -170,6 +173,11 @@ class ModelRunner:
                 self.release(s)
             outputs.append(StepOutput(s.seq_id, token, lp, s.finish_reason, tops[i], prompts[i]))
         return outputs
+
+    def _ending_ids(self, seq: SequenceState) -> tuple[int, ...]:
+        """The tokens that would end ``seq`` now: what ``min_tokens`` bans until it is reached."""
+        eos = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
+        return (*eos, *seq.params.stop_token_ids)
 
     @staticmethod
     def _prompt_logprobs(seqs: Sequence[SequenceState], logits: torch.Tensor) -> list[PromptLogprobs | None]:

@@ -8,8 +8,11 @@ which picks token ``i`` with probability ``p_i``). The same seed therefore yield
 the same tokens whatever else shares the batch — on the same device type, since
 CPU and CUDA generators produce different streams.
 
-Order, as in vLLM: the penalties first (greedy rows included), then temperature,
-top-k, and top-p over the distribution top-k left. Penalties: ``repetition_penalty``
+Order, as in vLLM: the logit adjustments first (greedy rows included): ``logit_bias`` added
+to its tokens' logits, ``min_tokens``' ban of the ending tokens (`Sampler.sample`'s ``banned``
+rows) while a row has fewer outputs than that, and the penalties; then temperature, ``min_p``
+(drop tokens less likely than ``min_p`` times the most likely one), top-k, and top-p over the
+distribution top-k left. Penalties: ``repetition_penalty``
 (transformers' and vLLM's: a logit of a token seen in the prompt or the output is
 divided by it when positive, multiplied when negative), then OpenAI's
 ``frequency_penalty`` and ``presence_penalty`` over the output so far (subtract
@@ -29,6 +32,8 @@ import torch
 
 _MAX_SEED = 2**64 - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives per position
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's): +-100 forces or bans a token
 
 
 class InvalidSamplingParams(ValueError):
@@ -59,6 +64,12 @@ class SamplingParams:
         unless a stop id or stop string ends the sequence).
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]; 0 disables.
     repetition_penalty: transformers' / vLLM's, > 0; 1 disables.
+    min_p: vLLM's, in [0, 1]: after temperature, drop the tokens whose probability is below
+        min_p times the most likely token's; 0 disables.
+    logit_bias: (token id, bias) pairs, OpenAI's: the bias (in [-100, 100]) is added to the
+        token's logit before sampling, greedy rows included (a dict is accepted too).
+    min_tokens: vLLM's: the ending tokens (EOS, stop ids) cannot be picked before this many
+        tokens were generated (the runner passes them as `Sampler.sample`'s ``banned``).
     """
 
     temperature: float = 1.0
@@ -74,6 +85,9 @@ class SamplingParams:
     top_logprobs: int = 0
     ignore_eos: bool = False
     prompt_logprobs: int = -1
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
@@ -104,8 +118,13 @@ class SamplingParams:
             raise InvalidSamplingParams(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if not _is_int(self.prompt_logprobs) or not -1 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidSamplingParams(f"prompt_logprobs must be -1 (none) or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
-        # frozen: normalise a list to a tuple so the params stay hashable
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
+            raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidSamplingParams(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
+        # frozen: normalise lists (and the bias dict) to tuples so the params stay hashable
         object.__setattr__(self, "stop_token_ids", tuple(stop))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -120,11 +139,51 @@ class SamplingParams:
         return None if self.seed is None else make_generator(self.seed, device)
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[tuple[Sequence[int], Sequence[int]]]) -> torch.Tensor:
-    """A copy of fp32 ``logits [B, V]`` with each row's penalties applied (module doc); rows
-    without penalties are unchanged."""
+def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, float bias) pairs, checked (`SamplingParams`)."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+        raise InvalidSamplingParams(f"logit_bias must map token ids to numbers, got {bias!r}")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidSamplingParams(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    out: dict[int, float] = {}
+    for token, value in pairs:
+        if not _is_int(token) or token < 0:
+            raise InvalidSamplingParams(f"logit_bias: token ids must be integers >= 0, got {token!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise InvalidSamplingParams(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value!r}")
+        if token in out:
+            raise InvalidSamplingParams(f"logit_bias: token {token} given twice")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+                  banned: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """fp32 ``logits [B, V]`` after each row's logit bias, banned tokens and penalties (module
+    doc): the tensor itself when no row has any, else a copy."""
+    rows_bias = [i for i, p in enumerate(params) if p.logit_bias]
+    rows_banned = [i for i, ids in enumerate(banned or ()) if ids]
+    if not rows_bias and not rows_banned and not any(p.penalized for p in params):
+        return logits
     out = logits.clone()
     device = logits.device
+    for i in rows_bias:
+        ids, values = zip(*params[i].logit_bias, strict=True)
+        out[i, torch.tensor(ids, device=device)] += torch.tensor(values, device=device)
+    for i in rows_banned:
+        out[i, torch.tensor(list(banned[i]), dtype=torch.long, device=device)] = -math.inf  # type: ignore[index]
+    if any(p.penalized for p in params):
+        if histories is None or len(histories) != len(params):
+            raise ValueError("sampling with penalties needs every row's (prompt ids, output ids)")
+        _apply_penalties_(out, params, histories)
+    return out
+
+
+def _apply_penalties_(out: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+    """Each row's penalties applied to fp32 ``out [B, V]`` in place (module doc); rows without
+    penalties are unchanged."""
+    device = out.device
     for i, p in enumerate(params):
         if not p.penalized:
             continue
@@ -136,7 +195,6 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
         if (p.presence_penalty or p.frequency_penalty) and output:
             ids, counts = torch.unique(torch.tensor(output, dtype=torch.long, device=device), return_counts=True)
             out[i, ids] -= p.frequency_penalty * counts.to(out.dtype) + p.presence_penalty
-    return out
 
 
 @dataclass(frozen=True)
@@ -216,10 +274,12 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token ids ``[B]`` (int64) and, if any row asked, their logprobs ``[B]`` (fp32).
 
         ``histories``: each row's (prompt ids, output ids so far), needed by rows with penalties.
+        ``banned``: per row, token ids it must not pick now (``min_tokens``' ending tokens).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -228,12 +288,10 @@ class Sampler:
             raise ValueError(
                 f"{batch} logits rows but {len(params)} sampling params and {len(generators)} generators"
             )
-        logits = logits.float()
-        raw = logits
-        if any(p.penalized for p in params):
-            if histories is None or len(histories) != batch:
-                raise ValueError("sampling with penalties needs every row's (prompt ids, output ids)")
-            logits = apply_penalties(logits, params, histories)
+        if banned is not None and len(banned) != batch:
+            raise ValueError(f"{batch} logits rows but {len(banned)} rows of banned tokens")
+        raw = logits.float()
+        logits = adjust_logits(raw, params, histories, banned)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
@@ -248,10 +306,14 @@ class Sampler:
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Probabilities after temperature, top-k and top-p (masked tokens get 0)."""
+        """Probabilities after temperature, min-p, top-k and top-p (masked tokens get 0)."""
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
         scaled = logits / temperature[:, None]
+        if any(p.min_p > 0 for p in params):
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); min_p 0 gives -inf (keeps all)
+            floor = scaled.amax(dim=-1) + torch.tensor([p.min_p for p in params], device=device).log()
+            scaled = scaled.masked_fill(scaled < floor[:, None], -math.inf)
         if all(p.top_k == 0 and p.top_p == 1 for p in params):
             return torch.softmax(scaled, dim=-1)
         vocab = scaled.shape[-1]

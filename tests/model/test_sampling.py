@@ -1,4 +1,5 @@
-"""Sampler: greedy, seeded reproducibility, top-k / top-p masks, penalties, logprobs, top logprobs, validation."""
+"""Sampler: greedy, seeded reproducibility, top-k / top-p / min-p masks, logit bias, banned tokens,
+penalties, logprobs, top logprobs, validation."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shared.model.sampling import (MAX_TOP_LOGPROBS, PROMPT_ROWS_PER_PASS, InvalidSamplingParams, Sampler, SamplingParams, make_generator,
+from shared.model.sampling import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PROMPT_ROWS_PER_PASS, InvalidSamplingParams, Sampler, SamplingParams, make_generator,
                                     prompt_logprobs, top_logprobs)
 
 VOCAB = 97
@@ -106,6 +107,52 @@ def test_top_p_applies_to_the_distribution_left_by_top_k() -> None:
     _assert_matches(freq, torch.tensor([0.0, 0.40, 0.0, 0.30, 0.0]) / 0.70, DRAWS)
 
 
+def test_min_p_drops_tokens_below_min_p_times_the_most_likely() -> None:
+    # p_max 0.40: min_p 0.3 keeps p >= 0.12 -> {0.40, 0.30, 0.15}; after temperature 1
+    freq = _frequencies(PROBS.log(), SamplingParams(min_p=0.3), DRAWS)
+    _assert_matches(freq, torch.tensor([0.0, 0.40, 0.0, 0.30, 0.15]) / 0.85, DRAWS)
+    # on the tempered distribution: temperature 0.5 squares the probabilities (0.16, 0.09, 0.0225, ...)
+    # so min_p 0.3 keeps p^2 >= 0.048: {0.40, 0.30} only
+    freq = _frequencies(PROBS.log(), SamplingParams(temperature=0.5, min_p=0.3), DRAWS)
+    _assert_matches(freq, torch.tensor([0.0, 0.16, 0.0, 0.09, 0.0]) / 0.25, DRAWS)
+
+
+def test_logit_bias_shifts_logits_for_greedy_and_sampled_rows_and_not_the_logprobs() -> None:
+    logits = _random_logits(3)
+    low = int(logits[0].argmin())
+    params = [SamplingParams(temperature=0.0, logprobs=True, logit_bias={low: 100}),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=4, logit_bias={int(logits[2].argmax()): -100})]
+    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params])
+    assert int(tokens[0]) == low  # +100 lifts the least likely token over every other
+    assert int(tokens[1]) == int(logits[1].argmax())  # a row without a bias is untouched
+    assert logprobs is not None  # the chosen token's logprob is of the raw logits (module doc)
+    torch.testing.assert_close(logprobs[0], torch.log_softmax(logits[0], dim=-1)[low])
+    # -100 makes the most likely token (p ~ e^-100 relative) practically never drawn
+    freq = _frequencies(logits[2], params[2], 2000)
+    assert freq[int(logits[2].argmax())] == 0
+    # an exact bias is added: +2 on token 1 of PROBS multiplies its odds by e^2
+    biased = PROBS * torch.tensor([1, math.e**2, 1, 1, 1])
+    _assert_matches(_frequencies(PROBS.log(), SamplingParams(logit_bias={1: 2.0}), DRAWS), biased / biased.sum(), DRAWS)
+
+
+def test_banned_tokens_are_never_picked_by_their_rows_only() -> None:
+    logits = _random_logits(2)
+    top = [int(i) for i in logits.argmax(dim=-1)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    tokens, _ = Sampler().sample(logits, params, [None, None], banned=[(top[0],), ()])
+    assert int(tokens[0]) != top[0] and int(tokens[0]) == int(logits[0].topk(2).indices[1])
+    assert int(tokens[1]) == top[1]
+    with pytest.raises(ValueError, match="banned"):
+        Sampler().sample(logits, params, [None, None], banned=[()])
+
+
+def test_logit_bias_dict_is_normalised_to_sorted_pairs() -> None:
+    params = SamplingParams(logit_bias={7: -1, 2: 3.5})
+    assert params.logit_bias == ((2, 3.5), (7, -1.0))
+    assert hash(params) == hash(SamplingParams(logit_bias=[(7, -1.0), (2, 3.5)]))
+
+
 def test_logprobs_are_log_softmax_of_raw_logits() -> None:
     logits = _random_logits(5)
     params = [
@@ -150,6 +197,16 @@ def test_sampler_rejects_mismatched_batch() -> None:
         ("top_logprobs", -1),
         ("top_logprobs", MAX_TOP_LOGPROBS + 1),
         ("top_logprobs", 2.0),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # above max_tokens (16)
+        ("logit_bias", {3: 100.5}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {2.0: 1.0}),
+        ("logit_bias", ((1, 1.0), (1, 2.0))),
+        ("logit_bias", {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
+        ("logit_bias", [1, 2]),
     ],
 )
 def test_invalid_params_raise_naming_the_field(field: str, value: object) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, TokenBatch
-from services.gateway.admission import Admission, ModelInfo
+from services.gateway.admission import Admission, ModelInfo, Rejected
 from services.gateway.completion import Completion, TokensLost
 from services.launch import REPO_ROOT, StackError, load_compose
 from services.model_rank import sampling_params
@@ -31,6 +31,29 @@ def test_ignore_eos_reaches_the_ranks_sampling_params_and_drops_the_eos_stop_ids
     ignoring = admission.admit(GenerateRequest(input_ids=[5, 6, 7], max_tokens=4, ignore_eos=True), "gw").job
     assert plain.stop_token_ids == list(model.generation.eos_token_ids) and not sampling_params(plain).ignore_eos
     assert ignoring.stop_token_ids == [] and sampling_params(ignoring).ignore_eos
+
+
+def test_admission_carries_logit_bias_min_p_min_tokens_to_the_ranks_and_refuses_bad_ones(tiny_model: Path):
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    model = ModelInfo.load(settings)
+    admission = Admission(settings, model, Tokenizer.from_dir(tiny_model))
+    job = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, logit_bias={9: -100, 4: 2.5}, min_p=0.1, min_tokens=2), "gw").job
+    params = sampling_params(job)
+    assert (params.logit_bias, params.min_p, params.min_tokens) == (((4, 2.5), (9, -100.0)), 0.1, 2)
+    for bad, match in [({"logit_bias": {model.vocab_size: 1.0}}, "outside the vocabulary"), ({"logit_bias": {3: 101}}, r"\[-100, 100\]"),
+                       ({"min_tokens": 5}, "min_tokens"), ({"min_p": 2.0}, "min_p")]:
+        with pytest.raises(Rejected, match=match) as e:
+            admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, **bad), "gw")
+        assert e.value.code == "invalid_request"
+
+
+def test_openai_logit_bias_keys_are_token_id_strings_and_vllms_min_fields_pass_through():
+    body = b'{"prompt": "hi", "logit_bias": {"50256": -100, "7": 3}, "min_p": 0.05, "min_tokens": 3}'
+    req = protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 16, 4)[0]
+    assert (req.logit_bias, req.min_p, req.min_tokens) == ({50256: -100.0, 7: 3.0}, 0.05, 3)
+    bad = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 1}}', protocol.ChatCompletionRequest)
+    with pytest.raises(protocol.InvalidRequest, match="logit_bias: keys must be token ids"):
+        protocol.chat_request(bad, "r2", 16)
 
 
 def test_openai_bodies_pass_vllms_ignore_eos_through():
@@ -138,6 +161,16 @@ def test_completion_holds_back_a_possible_stop_string_and_cuts_at_it():
     assert c.add(batch(5, "yEN")).text == "y"
     assert c.add(batch(8, "Dzz")).text == ""
     assert c.finish_reason == "stop" and c.final_text == "abcExy"
+
+
+def test_completion_ignores_stop_strings_ending_before_min_tokens():
+    c = Completion(CharTokens(), stop=["END", "b"], max_tokens=100, min_tokens=5)  # type: ignore[arg-type]
+    assert c.add(batch(0, "abE")).text == "ab"  # "b" is within the first 5 tokens; "E" may still start "END"
+    # "END" ends with token 5: not a stop (vLLM checks from token 6 on); the "b" of token 7 is
+    assert c.add(batch(3, "NDxb")).text == "ENDx"
+    assert c.finish_reason == "stop" and c.final_text == "abENDx"
+    straddling = Completion(CharTokens(), stop=["ab"], max_tokens=100, min_tokens=2)  # type: ignore[arg-type]
+    assert straddling.add(batch(0, "xabc")).text == "x"  # "ab" ends with token 3, past the first 2: it stops
 
 
 def test_completion_reorders_batches_and_enforces_max_tokens():

@@ -115,6 +115,23 @@ def test_ignore_eos_generates_past_the_models_eos_but_not_past_a_stop_id(tiny_ch
     assert _generate(eos_runner, prompt, stop_id) == (upto(free[3]), "stop")
 
 
+def test_min_tokens_bans_eos_and_stop_ids_until_reached_and_logit_bias_forces_tokens(tiny_checkpoint):
+    path = tiny_checkpoint(NAME)
+    prompt = random_prompts([5], seed=7)[0]
+    base = ModelRunner.from_dir(path, num_pages=8, page_size=4)
+    eos, stop_id = 3, 11
+    runner = ModelRunner(base.model, base.cache, eos_token_ids=[eos])
+    forced_eos = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100})
+    assert _generate(runner, prompt, forced_eos) == ([eos], "stop")  # +100 makes EOS the first token
+    out, reason = _generate(runner, prompt, SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100}, min_tokens=3))
+    assert reason == "stop" and len(out) == 4 and out[-1] == eos and eos not in out[:3]
+    # a stop id is banned the same way, and a forced ordinary token is generated every step
+    both = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={stop_id: 100, 20: 50}, stop_token_ids=(stop_id,), min_tokens=2)
+    assert _generate(runner, prompt, both) == ([20, 20, stop_id], "stop")
+    with pytest.raises(ValueError, match="logit_bias"):
+        runner.add("x", prompt, SamplingParams(logit_bias={base.model.config.vocab_size: 1.0}))
+
+
 def test_prompt_logprobs_are_each_positions_log_softmax_and_leave_the_batch_alone(tiny_checkpoint):
     path = tiny_checkpoint(NAME)
     prompt, other_prompt = random_prompts([9, 5], seed=5)
