@@ -16,7 +16,7 @@ from shared.model.quant_formats import (
     quantize_block_fp8,
     quantize_mxfp8,
 )
-from shared.model.sampling import Sampler, SamplingParams, make_generator, prompt_logprobs
+from shared.model.sampling import Sampler, SamplingParams, adjust_logits, make_generator, prompt_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -44,6 +44,20 @@ def test_seeded_rows_reproduce_regardless_of_batch_on_cuda() -> None:
         batch_rows += [i, (i + 1) % 8]
     tokens, _ = Sampler().sample(logits[batch_rows], batch_params, [p.generator(DEV) for p in batch_params])
     assert [int(tokens[2 * k]) for k in range(8)] == [alone[i] for i in order]
+
+
+def test_logit_bias_bans_and_min_p_on_cuda_match_the_cpu() -> None:
+    logits = _logits(4, 3).float()
+    top = logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 100, top[0]: -3.5}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, min_p=0.5, seed=1), SamplingParams(temperature=0.0, logit_bias={top[3]: -100})]
+    banned = [(), (top[1], 5), (), ()]
+    on_gpu = adjust_logits(logits, params, None, banned)
+    torch.testing.assert_close(on_gpu.cpu(), adjust_logits(logits.cpu(), params, None, banned), rtol=0, atol=0)
+    tokens, _ = Sampler().sample(logits, params, [p.generator(DEV) for p in params], banned=banned)
+    assert int(tokens[0]) == 7 and int(tokens[1]) != top[1] and int(tokens[3]) != top[3]
+    # min_p 0.5 at temperature 1: only tokens within log(2) of the row's best logit survive
+    assert logits[2, int(tokens[2])] >= logits[2].max() - torch.log(torch.tensor(2.0, device=DEV))
 
 
 def test_masks_greedy_and_logprobs_on_cuda() -> None:
