@@ -64,7 +64,7 @@ def test_queued_tasks_of_a_stopped_or_restarted_gateway_are_dropped(tiny_model):
             await asyncio.sleep(INTERVAL)
         batch = await group._take_batch(None)
         assert batch is not None
-        return kept_at_once, [t.job.request_id for t in batch], len(group.queue)
+        return kept_at_once, [p.task.job.request_id for p in batch], len(group.queue)
 
     kept_at_once, ran, left = asyncio.run(scenario())
     assert kept_at_once == 5

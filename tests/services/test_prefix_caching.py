@@ -6,18 +6,29 @@ tokens each, the stack's page size), leaving at least one prompt token to comput
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from nats.aio.msg import Msg
 
 from schemas.api import ChatMessage, GenerateRequest, Usage
-from schemas.internal import Heartbeat, PrefixCacheStats
+from schemas.internal import Heartbeat, Job, Placement, PrefillTask, PrefixCacheStats, SamplingSpec
+from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.metrics import render
 from services.openai.protocol import merged_usage
+from services.prefill.group import Planned, PrefillGroup
+from shared.bus import pack, unpack
+from shared.kvcache import KVLayout, PagedKVCache
+from shared.model.model import Qwen3Model
+from shared.model.runner import ModelRunner
+from shared.prefix_cache import PrefixCacheMismatch
+from shared.settings import PrefillSettings
 from services_helpers import log_events, run, session, start_stack, stack_fixture, stream_all
 
 pytestmark = pytest.mark.slow
@@ -146,6 +157,79 @@ def test_with_prefix_caching_off_nothing_is_reused(tiny_model, tokenizer, hf_gre
     assert cold.usage.cached_tokens == again.usage.cached_tokens == 0
     assert cold.token_ids == again.token_ids == hf_greedy(tuple(ids), 8)
     assert stats == PrefixCacheStats()
+
+
+# ------------------------------------------------------------ the leader's plan (a real PrefillGroup, no bus)
+
+def group_on(tiny_model: Path, num_pages: int, **settings) -> PrefillGroup:
+    model = Qwen3Model.load(tiny_model)
+    c = model.config
+    runner = ModelRunner(model, PagedKVCache(KVLayout(c.num_layers, num_pages, model.local_kv_heads, PAGE, c.head_dim, torch.float32)),
+                         release_finished=False)
+    return PrefillGroup(PrefillSettings(instance="p", **settings), runner, None, 0, 1, None)  # type: ignore[arg-type]  # planning needs no transfer worker
+
+
+def task(request_id: str, ids: list[int], prompt_logprobs: int = -1) -> Msg:
+    job = Job(request_id=request_id, gateway="g", input_ids=ids, max_tokens=4, sampling=SamplingSpec(0.0, 1.0, 0, None), stop_token_ids=[],
+              logprobs=False, deadline=time.time() + 60, prompt_logprobs=prompt_logprobs)
+    layout = KVTransferLayout(num_layers=2, page_size=PAGE, kv_heads=2, head_dim=32, dtype="float32")
+    descriptor = KVTransferDescriptor(worker_address=b"", request_id=request_id, transfer_id=1, page_ids=[0], num_tokens=len(ids), layout=layout,
+                                      lease_deadline_unix=time.time() + 60, max_chunk_bytes=1 << 20)
+    msg = PrefillTask(job=job, placement=Placement(decode_instance="d", decode_rank=0, prefill_instance="p"), descriptor=descriptor)
+    return Msg(_client=None, subject="test", data=pack(msg))  # type: ignore[arg-type]
+
+
+def cache_prompt(group: PrefillGroup, ids: list[int]) -> None:
+    """As if a request had run ``ids``: its full pages cached, nobody holding them."""
+    table = group.prefix.alloc(-(-len(ids) // PAGE))
+    group.prefix.release(ids, table, 0, computed=True)
+
+
+def plan(group: PrefillGroup, tasks: list[Msg]) -> list[tuple[str, int]]:
+    async def go():
+        for t in tasks:
+            await group._on_task(t)
+        return await group._take_batch(None)
+
+    return [(p.task.job.request_id, p.cached_pages) for p in asyncio.run(go())]
+
+
+def test_the_leader_counts_cached_pages_as_allocated_and_evictable_ones_as_free(tiny_model):
+    """8 pages of 16 tokens, 3 of them a cached prefix nobody holds (5 free)."""
+    shared = list(range(100, 148))  # 3 full pages
+    group = group_on(tiny_model, 8)
+    cache_prompt(group, shared + [1])
+    follow_up, fresh = shared + list(range(200, 240)), list(range(300, 364))  # 6 pages (3 cached), 4 pages
+    # 3 new pages for the follow-up fit the 5 free; the fresh prompt's 4 more do not (the cached 3 are in use by then): it waits.
+    assert plan(group, [task("b", follow_up), task("c", fresh)]) == [("b", 3)]
+    assert plan(group, []) == [("c", 0)]
+    # A task's own cached pages are not evictable for it: 2 fresh pages, then 4 new ones behind
+    # the 3 cached would need 6 of the 5 free pages (8 counting the cached ones): it waits.
+    group = group_on(tiny_model, 8)
+    cache_prompt(group, shared + [1])
+    assert plan(group, [task("f", list(range(600, 632))), task("g", shared + list(range(700, 764)))]) == [("f", 0)]
+    # A prompt of 7 pages, sharing nothing: the 3 evictable pages count as available.
+    group = group_on(tiny_model, 8)
+    cache_prompt(group, shared + [1])
+    assert plan(group, [task("d", list(range(400, 512)))]) == [("d", 0)]
+    # The batch's token budget counts computed tokens: the follow-up computes 40 of its 88.
+    group = group_on(tiny_model, 16, max_batch_tokens=60)
+    cache_prompt(group, shared + [1])
+    assert plan(group, [task("b", follow_up), task("e", list(range(500, 520)))]) == [("b", 3), ("e", 0)]
+
+
+def test_prompt_logprob_tasks_reuse_nothing_and_a_divergent_plan_is_refused(tiny_model):
+    shared = list(range(100, 148))
+    group = group_on(tiny_model, 16)
+    cache_prompt(group, shared + [1])
+    assert plan(group, [task("lp", shared + [2], prompt_logprobs=0), task("plain", shared + [2])]) == [("lp", 0), ("plain", 3)]
+    # A peer whose index disagrees with the leader's plan refuses the batch before touching a page.
+    group = group_on(tiny_model, 16)
+    cache_prompt(group, shared + [1])
+    planned = [Planned(unpack(task("x", shared + [2]).data, PrefillTask), 2)]
+    with pytest.raises(PrefixCacheMismatch, match="the leader reuses 2 cached KV pages, this rank's prefix cache has 3"):
+        group._take_pages(planned)
+    assert group.prefix.evictable_pages == 3 and group.prefix.stats().lookups == 0
 
 
 # ------------------------------------------------------------ units: the figures' shapes
