@@ -26,9 +26,11 @@ counts).  Tiles are numbered expert by expert, N-tile-major and M-tile-minor
 inside an expert so that CTAs working at the same time share a weight tile in
 L2; CTA ``c`` of ``G`` takes tiles ``c, c+G, ...``.  Warp 0 issues TMA loads
 for A (the tokens) and B (the weights) into a multi-stage mbarrier pipeline;
-one or two consumer warpgroups run WGMMA and hand each finished tile to two
-store warps through shared memory, so its global stores drain while the
-consumers run the next tile's mainloop.
+with FP8 192-wide tiles warp 1 copies each tile's block scales into shared
+memory through a second, two-stage pipeline (``ScaleStaging``); one or two
+consumer warpgroups run WGMMA and hand each finished tile to two store warps
+through shared memory, so its global stores drain while the consumers run the
+next tile's mainloop.
 
 Code: this module holds the configuration, the host side, the schedule, the
 TMA producer and the bf16 mainloop; ``grouped_gemm_sm90_scaled`` the FP8
@@ -130,11 +132,29 @@ gate_up +2.1/+1.7%, +3.2/+4.6% (1210/1225 at 2048); sustained mostly alike but f
 power-capped swings of +-10% in both directions.  8-byte loads of 2 blocks (30B down, K = 768:
 6 blocks) had run 4% slower than single loads (helper 36's call, c2296fb6431c+h36-vec), so
 such K keeps the single loads (30B down level: 915/923 against 914/921).  So about half the
-constant-scale bound.  Leads left, by predicted gain: a tile's weight scales (3 per block, the same for every
-thread) loaded once per tile into shared memory by an idle producer-warpgroup warp.  Then
-the memory path (20-25%): fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried
-for other reasons, below; the tile cannot grow: acc + partial fill the registers at
-128x192).
+constant-scale bound.
+Adopted since (scales staged in shared memory, ``ScaleStaging``, helper 38): warp 1 of the
+producer warpgroup, idle before, copies each tile's scales into shared memory by ``cp.async``
+(the tile's 128 activation-scale rows and its 3 weight-scale rows, a chunk of up to 12 K blocks
+per stage, 2 stages; 16-byte copies of 4 blocks when K/128 is a multiple of 4, else 4-byte
+ones), each lane's ``cp.async.mbarrier.arrive.noinc`` completing the stage; the consumers read
+them with ``ld.shared`` (per 4 blocks, or per block, 2 activation rows + 3 weight rows; a row
+padded so a warp's 8 rows fall in distinct banks).  The global loads (each activation scale
+fetched by 4 lanes, each weight scale by all 256 consumer threads) become one copy per scale
+row and chunk, off the consumer warps.  Against the 16-byte global loads,
+same call on both GPUs of one 2x H200, opposite orders, each arm run from its own tree
+(677a70d6fb78+h38-smemscales against 677a70d6fb78), burst / sustained, GPU 0 / GPU 1, 375
+tokens per expert: 235B gate_up +0.8 / +1.2%, +1.5 / +2.5% (1188, 1221 TFLOP/s burst); 235B
+down +5.5 / +16.4% (the old arm's sustained ran at 1825 MHz), +5.6 / +8.2% (1117, 1145);
+30B gate_up +3.4 / +2.7%, +3.6 / +3.5% (1124, 1153; sustained 1112, 1147); 30B down +5.3 /
++5.6%, +5.9 / +6.2% (961, 984; both arms at 1968-1980 MHz); at 2048 tokens 235B gate_up -1.6
+/ -0.1%, -2.4 / 0.0% (power-capped bursts at 1632-1752 MHz), 235B down +3.0 / +3.4%, +4.7 /
++2.3%, 30B gate_up +0.2 / +1.6%, +0.4 / +0.3%, 30B down +2.9 / +1.7%, +2.9 / -1.8%.  GPU
+tests of the new tree 44 + 19 passed (1 skipped).  Leads left: the memory path (20-25%):
+fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried for other reasons, below;
+the tile cannot grow: acc + partial fill the registers at 128x192).  For 30B down (K = 768,
+6 blocks a tile) per-tile fixed costs (accumulator zeroing, epilogue hand-off) weigh 5x
+more than at K = 4096 (not measured apart).
 
 Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
 burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%
@@ -225,6 +245,7 @@ from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, SCALE_BLOCK
 
 SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
+SCALE_WARP = 1  # the producer warpgroup's warp that stages FP8 scales (0 issues TMA, STORE_WARPS store)
 
 
 @dataclass(frozen=True)
@@ -268,17 +289,65 @@ class GroupedGemmConfig:
 
 
 def scale_vector(cfg: GroupedGemmConfig) -> int:
-    """How many consecutive K blocks' scales one load fetches (``_fp8_one_partial``, FP8 192-wide tiles).
+    """How many consecutive K blocks' scales one copy moves (FP8 192-wide tiles, see ``ScaleStaging``).
 
     A row of the activation scales and of the weight scales holds its K blocks
-    contiguously, so 4 of them are one 16-byte load when the number of K blocks
+    contiguously, so 4 of them are one 16-byte copy when the number of K blocks
     is a multiple of 4: the scale pointers are then promised that alignment.
-    Other configurations load one block's scales at a time: 8-byte loads of 2
-    blocks (Qwen3-30B down, K = 768: 6 blocks) ran 4% slower than single ones.
+    Other configurations move one block's scales at a time.
     """
     if not cfg.fp8 or cfg.tile_n != 192:
         return 1
     return 4 if math.ceil(cfg.k / SCALE_BLOCK) % 4 == 0 else 1
+
+
+@dataclass(frozen=True)
+class ScaleStaging:
+    """Shared-memory staging of an FP8 192-wide tile's scales (``_stage_scales``, ``_fp8_one_partial``).
+
+    Each stage holds ``chunk`` consecutive K blocks' scales of one output tile:
+    ``[tile_m rows][row_stride]`` activation scales (row-major like the
+    tensor, a row padded so that the 8 rows one warp reads fall in distinct
+    banks) and ``[quarters][chunk]`` weight scales (one row per 64-column
+    quarter of the tile).  ``chunk`` divides the K blocks (at most
+    ``MAX_CHUNK``, a multiple of the copy width ``vec``), so a tile has whole
+    chunks only.
+    """
+
+    vec: int  # K blocks per copy and per shared-memory read (scale_vector)
+    chunk: int  # K blocks per stage
+    row_stride: int  # floats between activation-scale rows of a stage
+    rows: int  # tile_m
+    quarters: int  # tile_n // 64
+
+    STAGES = 2
+    MAX_CHUNK = 12
+
+    @staticmethod
+    def of(cfg: GroupedGemmConfig) -> ScaleStaging | None:
+        """The staging of ``cfg``'s kernel, or None where the consumers load their scales from global memory."""
+        if not cfg.fp8 or cfg.tile_n != 192:
+            return None
+        vec, blocks = scale_vector(cfg), math.ceil(cfg.k / SCALE_BLOCK)
+        chunk = max(c for c in range(vec, ScaleStaging.MAX_CHUNK + 1, vec) if blocks % c == 0)
+        # A warp reads 8 rows at once, `vec` floats each: rows whose words (vec 1) or
+        # 16-byte groups (vec 4) are an odd number apart never share a bank.
+        unit = chunk // vec
+        row_stride = chunk + (vec if unit % 2 == 0 else 0)
+        return ScaleStaging(vec=vec, chunk=chunk, row_stride=row_stride, rows=cfg.tile_m, quarters=cfg.tile_n // 64)
+
+    @property
+    def a_floats(self) -> int:
+        return self.STAGES * self.rows * self.row_stride
+
+    @property
+    def b_floats(self) -> int:
+        return self.STAGES * self.quarters * self.chunk
+
+    @property
+    def smem_bytes(self) -> int:
+        """Both buffers, each 16-byte aligned."""
+        return 4 * (self.a_floats + self.b_floats) + 32
 
 
 class GroupedGemmSm90(ScaledMainloops, Epilogue):
@@ -312,13 +381,16 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         # gate/up halves) one per half tile; see interleave_gate_up.
         self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
         stage_bytes = (cfg.tile_m * self.ab_dtype.width + cfg.tile_n * self.b_load_dtype.width) * self.tile_k // 8
-        # mbarriers (at most 8 stages) + schedule, padded to the 1024-byte alignment of the tiles
-        reserved = -(-(16 * 8 + 12 * (cfg.num_experts + 1)) // 1024) * 1024
+        # FP8 192-wide tiles: the scales come through shared memory (see ScaleStaging)
+        self.staging = ScaleStaging.of(cfg)
+        scale_bytes = self.staging.smem_bytes if self.staging else 0
+        # mbarriers (at most 8 stages + the scale stages) + schedule, padded to the 1024-byte alignment of the tiles
+        reserved = -(-(16 * (8 + ScaleStaging.STAGES) + 12 * (cfg.num_experts + 1)) // 1024) * 1024
         self.out_cols = cfg.tile_n // 2 if cfg.swiglu else cfg.tile_n  # output columns per tile
         self.out_chunks = self.out_cols // EPI_N
         epi_bytes = cfg.tile_m * self.out_cols * 2  # one bf16 output tile, drained by the store warps
         mx_bytes = MX_B_BUFFERS * cfg.tile_n * self.tile_k * 2 if cfg.mxfp8 else 0
-        self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes - mx_bytes) // stage_bytes)
+        self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes - mx_bytes - scale_bytes) // stage_bytes)
         # Output elements per 16-byte global store in the epilogue (fewer when rows are not 16-byte aligned).
         self.store_vec = math.gcd(8, cfg.out_n)
         # FP8 192-wide tiles: one partial, the two consumer warpgroups take turns (see _fp8_one_partial).
@@ -380,6 +452,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         mRowW = cute.make_tensor(row_w_ptr, cute.make_layout((rows, batches), stride=(1, rows64)))
 
         self.tiled_mma = self._make_tiled_mma()
+        staging = self.staging
         tile_mnk = (cfg.tile_m, cfg.tile_n, self.tile_k)
         self.a_smem_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, self.stages)
         self.b_smem_layout = sm90_utils.make_smem_layout_b(
@@ -421,6 +494,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_mma_smem_layout)], 1024]
                 if cfg.mxfp8 else cute.struct.MemRange[self.ab_dtype, 1]
             )
+            # FP8 192-wide tiles: the staged scales (see ScaleStaging; otherwise one float each)
+            scale_mbar: cute.struct.MemRange[cutlass.Int64, ScaleStaging.STAGES * 2]
+            sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, staging.a_floats if staging else 1], 16]
+            sSB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, staging.b_floats if staging else 1], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -484,17 +561,31 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
-        # CTA barrier with release/acquire: publishes the mbarrier inits and the
-        # schedule written above to every thread.
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=False)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sEpi = storage.sEpi.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
         sBmma = sB
         if cutlass.const_expr(cfg.mxfp8):
             sBmma = storage.sBmx.get_tensor(b_mma_smem_layout.outer, swizzle=b_mma_smem_layout.inner)
+        # FP8 192-wide tiles: warp 1 stages each tile's scales in shared memory, a chunk of K blocks per stage.
+        scales, sSA, sSB = None, None, None
+        st = self.staging
+        if cutlass.const_expr(st is not None):
+            scales = pipeline.PipelineCpAsync.create(
+                barrier_storage=storage.scale_mbar.data_ptr(),
+                num_stages=st.STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),  # every lane's copies
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumer_wg),  # a lane per warp
+                defer_sync=True,
+            )
+            sSA = storage.sSA.get_tensor(cute.make_layout((st.rows, st.row_stride, st.STAGES),
+                                                          stride=(st.row_stride, 1, st.rows * st.row_stride)))
+            sSB = storage.sSB.get_tensor(cute.make_layout((st.quarters, st.chunk, st.STAGES),
+                                                          stride=(st.chunk, 1, st.quarters * st.chunk)))
+        # CTA barrier with release/acquire: publishes the mbarrier inits and the
+        # schedule written above to every thread.
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=False)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         total_tiles = s_tile_begin[E]
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
 
@@ -505,14 +596,18 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                     tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, bidx, total_tiles,
                     s_tile_begin, s_row_start, s_row_count,
                 )
+            elif warp_idx == SCALE_WARP:
+                if cutlass.const_expr(st is not None):
+                    self._stage_scales(mSFA, mSFB, sSA, sSB, scales, rows, bidx, total_tiles, s_tile_begin,
+                                       s_row_start, s_row_count)
             elif warp_idx >= STORE_WARPS[0]:
                 self._store_tiles(sEpi, mC, rows, tidx - 32 * STORE_WARPS[0], bidx, total_tiles, s_tile_begin,
                                   s_row_start, s_row_count)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, tidx - 128, bidx,
-                total_tiles, s_tile_begin, s_row_start, s_row_count,
+                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, scales, mRowW, rows, mainloop, tidx - 128,
+                bidx, total_tiles, s_tile_begin, s_row_start, s_row_count,
             )
 
     @cute.jit
@@ -615,8 +710,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             tile = tile + cfg.num_sms
 
     @cute.jit
-    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, mRowW, rows, mainloop, mma_tidx, first_tile,
-                 total_tiles, s_tile_begin, s_row_start, s_row_count):
+    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, scales, mRowW, rows, mainloop, mma_tidx,
+                 first_tile, total_tiles, s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
         wg = cute.arch.make_warp_uniform(mma_tidx // 128)  # consumer warpgroup index
@@ -635,6 +730,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         epi = self._epilogue_setup(tiled_mma, sEpi, acc, mma_tidx)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        scale_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ScaleStaging.STAGES)
 
         if cutlass.const_expr(self.turns):
             if wg == 1:
@@ -646,9 +742,9 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             # The pipeline states are assigned here, not only mutated in the callee,
             # so that the DSL carries them across iterations of this tile loop.
             if cutlass.const_expr(cfg.fp8):
-                read_state, release_state = self._mainloop_block_scaled(
-                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB, rows, row0, batch,
-                    expert, n_tile, wg, mainloop, read_state, release_state,
+                read_state, release_state, scale_state = self._mainloop_block_scaled(
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB, sSA, sSB, rows, row0,
+                    batch, expert, n_tile, wg, mainloop, read_state, release_state, scales, scale_state,
                 )
             elif cutlass.const_expr(cfg.mxfp8):
                 read_state, release_state = self._mainloop_mx(

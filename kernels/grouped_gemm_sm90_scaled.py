@@ -133,27 +133,33 @@ class ScaledMainloops:
     # ------------------------------------------------- FP8 block-scaled mainloops
     @cute.jit
     def _mainloop_block_scaled(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, tCcC, mSFA, mSFB,
-                               rows, row0, batch, expert, n_tile, wg, mainloop, read_state, release_state):
+                               sSA, sSB, rows, row0, batch, expert, n_tile, wg, mainloop, read_state, release_state,
+                               scales, scale_state):
         """FP8: per 128-wide K block, WGMMA into a fresh partial, then ``acc += part * sa[row] * sb[column block]``.
 
         The promotion must not leave the tensor cores idle.  128-wide tiles have
         the registers for two partials per thread (3 x 64), so each warpgroup
-        hides its own promotions; 192-wide tiles (96 + 96) have one, and the two
-        warpgroups take turns instead (see the two loops).
+        hides its own promotions, loading its scales from global memory;
+        192-wide tiles (96 + 96) have one, and the two warpgroups take turns
+        instead, reading the scales that warp 1 staged in shared memory (see
+        the two loops).
         """
         acc.fill(0.0)
-        r_lo = row0 + tCcC[0][0]
-        r_hi = row0 + tCcC[2][0]
-        r_lo = r_lo if r_lo < rows else rows - 1  # rows past the tensor hold no scale
-        r_hi = r_hi if r_hi < rows else rows - 1
-        where = (mSFA, mSFB, r_lo, r_hi, self._weight_scale_rows(n_tile), batch, expert)
         if cutlass.const_expr(self.cfg.tile_n == 128):
+            r_lo = row0 + tCcC[0][0]
+            r_hi = row0 + tCcC[2][0]
+            r_lo = r_lo if r_lo < rows else rows - 1  # rows past the tensor hold no scale
+            r_hi = r_hi if r_hi < rows else rows - 1
+            where = (mSFA, mSFB, r_lo, r_hi, self._weight_scale_rows(n_tile), batch, expert)
             read_state, release_state = self._fp8_two_partials(
                 tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, part1, where, mainloop, read_state, release_state)
         else:
-            read_state, release_state = self._fp8_one_partial(
-                tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, where, wg, mainloop, read_state, release_state)
-        return read_state, release_state
+            # This thread's rows inside the tile: the staged scales are the tile's own.
+            staged = (sSA, sSB, tCcC[0][0], tCcC[2][0])
+            read_state, release_state, scale_state = self._fp8_one_partial(
+                tiled_mma, tCrA, tCrB, num_k_blocks, acc, part0, staged, wg, mainloop, read_state, release_state,
+                scales, scale_state)
+        return read_state, release_state, scale_state
 
     @cute.jit
     def _weight_scale_rows(self, n_tile):
@@ -236,8 +242,8 @@ class ScaledMainloops:
         return read_state, release_state
 
     @cute.jit
-    def _fp8_one_partial(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, where, wg, mainloop, read_state,
-                         release_state):
+    def _fp8_one_partial(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, part, staged, wg, mainloop, read_state,
+                         release_state, scales, scale_state):
         """One partial, waited for (``wait_group(0)``) and promoted at once; the two warpgroups take turns.
 
         While one warpgroup promotes, the other's WGMMAs must be running.  Both
@@ -249,51 +255,96 @@ class ScaledMainloops:
         runs under warpgroup 1's, and so on.  The turns run on across tiles
         (see ``_consume``).  With one consumer warpgroup (64-row tiles) there is
         nothing to overlap.  The K loop stays a run-time loop: nothing is in
-        flight when the partial is read.  A block's scales are loaded as it
-        starts; loading them a block ahead, during the previous block's
-        WGMMAs, was 1-4% slower on 7 of 8 shapes on an H200 (91f4cc30e91f) and
-        again 1.3-2.7% in bursts at fe9548763f2a, loading them after the
-        block's WGMMAs are issued 0.6-1.3%; constant scales instead of the
-        loads ran 7-11% faster: the loads cost, not their latency (see the
-        measured section of ``kernels.grouped_gemm_sm90``).  Hence, when K has
-        a multiple of 4 scale blocks, one 16-byte load per scale row fetches 4
-        blocks' scales (``_load_scale_group``; 1-7% faster).
+        flight when the partial is read.
+
+        The scales come from shared memory, a stage of ``ScaleStaging.chunk`` K
+        blocks at a time (``_stage_scales``, warp 1); each group of ``vec``
+        blocks' scales is one read per scale row.  Loading them from global
+        memory in every consumer thread (5 loads per block, 2 of them 8 rows
+        per warp) cost 7-11% against constant scales, and 16-byte loads of 4
+        blocks recovered about half (see the measured section of
+        ``kernels.grouped_gemm_sm90``).
         """
-        blocks = self.scale_vec  # K blocks per scale load (see grouped_gemm_sm90.scale_vector)
-        for group in cutlass.range(self.k_tiles // blocks, unroll=1):
-            if cutlass.const_expr(blocks == 1):
-                scales = self._load_scales(where, group)
-            else:
-                vectors = self._load_scale_group(where, group)
-            for j in cutlass.range_constexpr(blocks):
-                mainloop.consumer_wait(read_state)
-                if cutlass.const_expr(self.fp8_turns):
-                    self._take_turn(wg)
-                self._mma_stage(tiled_mma, part, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index,
-                                fresh=True)
-                if cutlass.const_expr(self.fp8_turns):
-                    self._pass_turn(wg)
-                read_state.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                if cutlass.const_expr(blocks > 1):
-                    scales = [v[j] for v in vectors]
-                release_state = self._promote(acc, part, scales, mainloop, release_state)
-        return read_state, release_state
+        st = self.staging
+        sSA, sSB, r_lo, r_hi = staged
+        lane = cute.arch.lane_idx()
+        for chunk in cutlass.range(self.k_tiles // st.chunk, unroll=1):
+            scales.consumer_wait(scale_state)
+            for group in cutlass.range(st.chunk // st.vec, unroll=1):
+                vectors = self._read_scale_group(sSA, sSB, r_lo, r_hi, scale_state.index, group)
+                for j in cutlass.range_constexpr(st.vec):
+                    mainloop.consumer_wait(read_state)
+                    if cutlass.const_expr(self.fp8_turns):
+                        self._take_turn(wg)
+                    self._mma_stage(tiled_mma, part, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index,
+                                    fresh=True)
+                    if cutlass.const_expr(self.fp8_turns):
+                        self._pass_turn(wg)
+                    read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    release_state = self._promote(acc, part, [v[j] for v in vectors], mainloop, release_state)
+            # The chunk's scales are in registers (used by the promotions above): free the stage, one lane per warp.
+            if lane == 0:
+                scales.consumer_release(scale_state)
+            scale_state.advance()
+        return read_state, release_state, scale_state
 
     @cute.jit
-    def _load_scale_group(self, where, group):
-        """``_load_scales`` of K blocks ``group * V .. group * V + V - 1`` (V = ``scale_vec``), one vector load each.
+    def _read_scale_group(self, sSA, sSB, r_lo, r_hi, stage, group):
+        """Staged scales of K blocks ``group * vec ..`` of the stage's chunk, one shared-memory read per row.
 
-        Returns ``[sa[r], sa[r + 8], sb[quarter 0], ...]`` as V-element register tensors.
+        Returns ``[sa[r_lo], sa[r_hi], sb[quarter 0], ...]`` as ``vec``-element register tensors.
         """
-        mSFA, mSFB, r_lo, r_hi, sb_rows, batch, expert = where
-        rows = [mSFA[(r_lo, None, batch)], mSFA[(r_hi, None, batch)]] + [mSFB[(r, None, expert)] for r in sb_rows]
+        st = self.staging
+        rows = [sSA[(r_lo, None, stage)], sSA[(r_hi, None, stage)]] + [
+            sSB[(q, None, stage)] for q in range(st.quarters)]
         out = []
         for row in rows:
-            dst = cute.make_rmem_tensor((self.scale_vec,), cutlass.Float32)
-            cute.autovec_copy(cute.local_tile(row, (self.scale_vec,), (group,)), dst)
+            dst = cute.make_rmem_tensor((st.vec,), cutlass.Float32)
+            cute.autovec_copy(cute.local_tile(row, (st.vec,), (group,)), dst)
             out.append(dst)
         return out
+
+    @cute.jit
+    def _stage_scales(self, mSFA, mSFB, sSA, sSB, scales, rows, first_tile, total_tiles, s_tile_begin, s_row_start,
+                      s_row_count):
+        """Warp 1 (FP8 192-wide tiles): every tile's scales into shared memory, ``ScaleStaging.chunk`` K blocks a stage.
+
+        A stage gets the tile's ``tile_m`` activation-scale rows (rows past
+        the tensor are left alone: their outputs are never stored) and its
+        weight-scale row of each 64-column quarter, by ``cp.async`` copies of
+        ``vec`` blocks; each lane's ``cp.async.mbarrier.arrive`` completes the
+        stage once its copies have landed.  The tiles come in the consumers'
+        order; two stages let the next chunk arrive while one is read.
+        """
+        cfg, st = self.cfg, self.staging
+        lane = cute.arch.lane_idx()
+        copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * st.vec)
+        per_row = st.chunk // st.vec  # copies per scale row and chunk
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, st.STAGES)
+        tile = first_tile
+        expert = cutlass.Int32(0)
+        while tile < total_tiles:
+            expert, n_tile, batch, row0, _ = self._locate(tile, expert, s_tile_begin, s_row_start, s_row_count)
+            sb_rows = self._weight_scale_rows(n_tile)
+            for chunk in cutlass.range(self.k_tiles // st.chunk, unroll=1):
+                scales.producer_acquire(state)
+                first = chunk * per_row
+                for it in cutlass.range(st.rows * per_row // 32, unroll=1):
+                    i = it * 32 + lane
+                    r = i // per_row
+                    piece = i - r * per_row
+                    if row0 + r < rows:
+                        cute.copy(copy, cute.local_tile(mSFA[(row0 + r, None, batch)], (st.vec,), (first + piece,)),
+                                  cute.local_tile(sSA[(r, None, state.index)], (st.vec,), (piece,)))
+                if lane < per_row:
+                    for q in cutlass.range_constexpr(st.quarters):
+                        cute.copy(copy, cute.local_tile(mSFB[(sb_rows[q], None, expert)], (st.vec,), (first + lane,)),
+                                  cute.local_tile(sSB[(q, None, state.index)], (st.vec,), (lane,)))
+                scales.producer_commit(state)
+                state.advance()
+            tile = tile + cfg.num_sms
+        scales.producer_tail(state)
 
     def _turn(self, wg_id):
         """The named barrier on which consumer warpgroup ``wg_id`` waits for its turn to issue WGMMAs."""

@@ -115,6 +115,27 @@ def test_tile_widths(fp8, tile_m, tile_n):
     _assert_close(out.cpu(), ref, f"{'fp8' if fp8 else 'bf16'} tile {tile_m}x{tile_n}")
 
 
+@pytest.mark.parametrize("k", [768, 1664, 2048], ids=["6blocks", "13blocks", "16blocks"])
+def test_fp8_192_wide_tiles_stage_scales_in_chunks(k):
+    """FP8 128x192 tiles read their scales from shared memory, staged by warp 1 a chunk of K blocks at a time
+    (``ScaleStaging``): 6 blocks one chunk of single copies (Qwen3-30B down), 13 blocks 13 one-block chunks,
+    16 blocks two chunks of 16-byte copies; several tiles per CTA so the two scale stages wrap, and the last
+    expert's last tile runs past the tensor (its rows there have no scales)."""
+    from kernels.grouped_gemm_launch import launch
+
+    gen = torch.Generator(device=DEV).manual_seed(23 + k)
+    counts = torch.tensor([300, 280, 0, 513, 300, 1, 300, 299])
+    E, N = len(counts), 712
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    x, xs = _activations((int(offsets[-1]), k), True, gen)
+    w, ws = _random_weights(E, N, k, True, gen)
+    out = torch.full((int(offsets[-1]), N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    launch(x, w, offsets.to(DEV), masked=False, x_scale=xs, w_scale=ws, row_weights=None, swiglu=False, out=out,
+           tile_m=128, tile_n=192)
+    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=xs.cpu(), w_scale=ws.cpu())
+    _assert_close(out.cpu(), ref, f"fp8 128x192 K={k}")
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("max_tokens", [40, 136], ids=["decode_tile64", "tile128"])
 def test_masked(fp8, max_tokens):
