@@ -51,7 +51,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -69,8 +69,10 @@ LAUNCH_PARAMS = ("src", "dst", "rows", "rows_per_kv", "row_len", "block", "src_p
                  "src_page", "src_kv", "src_head", "src_layer", "dst_page", "dst_kv", "dst_head", "dst_layer",
                  "src_table", "dst_table", "items_per_layer", "deadline", "skipped")
 _FIXED_PARAMS = LAUNCH_PARAMS.index("src_table")
-_FIXED_KEPT = 64  # fixed parameter sets kept (per pool pair and row shape; a process sees a handful)
-_fixed_params: dict[tuple, np.ndarray] = {}
+_REQUEST_PARAMS = slice(LAUNCH_PARAMS.index("items_per_layer"), len(LAUNCH_PARAMS))  # set per copy; the tables' addresses are a slot's
+_ROUTES_KEPT = 64  # copy routes kept (per pool pair, row shape and stream; a process sees a handful)
+_routes: dict[tuple, _CopyRoute] = {}
+_SLOT_MIN_IDS = 1024  # page ids per side of the smallest parameter slot (slots come in powers of two)
 _CLOCK_MAX_AGE_S = 60.0  # the device clock is related to the host's again after this long (in a thread)
 _clock: dict[torch.device, tuple[float, int]] = {}  # device -> (monotonic time of the calibration, device ns - host ns)
 _clock_width: dict[torch.device, int] = {}  # device -> the access width its calibration runs (prepare_kv_copy's)
@@ -89,15 +91,15 @@ class KVCopyError(ValueError):
     """A copy the kernel cannot do (pools, tables, alignment, width, size); the message says which."""
 
 
-@dataclass(frozen=True)
-class RowPlan:
+class RowPlan(NamedTuple):
     """How one sequence's KV bytes split into rows (planned by ``shared.transfer.direct_write``).
 
     ``block`` tokens per block (it divides both page sizes); ``blocks`` blocks cover
     ``num_tokens``. Each block is ``rows`` rows, contiguous on both sides and moved with
     ``vector_bytes``-wide accesses: ``heads_per_row`` consecutive heads of one K/V half
     (``rows_per_kv`` rows per half), or with ``rows == 1`` both halves of a whole page
-    (``rows_per_kv == 1``). Destination heads start at ``head_start``.
+    (``rows_per_kv == 1``). Destination heads start at ``head_start``. A named tuple: one is
+    made per transfer, on its set-up's path.
     """
 
     vector_bytes: int
@@ -129,12 +131,14 @@ class KVCopy:
 
     ``src_table`` / ``dst_table``: the sequence's page ids on each side (host sequences,
     arrays or tensors), which the caller has checked against its pools (the kernel trusts
-    them). On CUDA they travel with the launch parameters in one host-to-device copy on
-    ``stream``, here. ``plan`` must describe rows contiguous on both sides
-    (``shared.transfer.direct_write.plan_rows``). ``deadline_ns`` (device clock,
-    ``device_time_ns``; None: none): a copy starting later writes nothing and sets
-    ``skipped_at_ns``. Raises ``KVCopyError`` on pools, tables or alignment the copy
-    cannot take. One thread at a time calls ``copy``.
+    them). On CUDA they go, with the copy's launch parameters, into a parameter slot of the
+    copy's route (``_CopyRoute``: what the pool pair, row shape and ``stream`` fix, kept) and
+    from its pinned memory to the GPU in one asynchronous copy on ``stream``, here; the
+    slot is the copy's until ``release()`` (or until the copy is collected). ``plan`` must
+    describe rows contiguous on both sides (``shared.transfer.direct_write.plan_rows``).
+    ``deadline_ns`` (device clock, ``device_time_ns``; None: none): a copy starting later
+    writes nothing and sets ``skipped_at_ns``. Raises ``KVCopyError`` on pools, tables or
+    alignment the copy cannot take. One thread at a time calls ``copy``.
     """
 
     def __init__(self, src: torch.Tensor, src_table: Sequence[int] | np.ndarray | torch.Tensor, dst: torch.Tensor,
@@ -162,25 +166,19 @@ class KVCopy:
             return
         if not dst.is_cuda or not src.is_contiguous() or not dst.is_contiguous():
             raise KVCopyError(f"the KV copy kernel needs two contiguous CUDA pools, got {src.device} and {dst.device}")
-        from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
-
         self._stream = stream or torch.cuda.current_stream(src.device)
         index = src.get_device()
         self._skip_word, skip_at = _take_skip_word(index)  # the kernel stores to it through its host address (UVA)
-        n_src, n_dst = len(tables[0]), len(tables[1])
-        host = np.empty(len(LAUNCH_PARAMS) + -(-(n_src + n_dst) // 2), dtype=np.int64)  # the parameters, then both tables (int32)
-        host[:_FIXED_PARAMS] = _fixed_launch_params(src, dst, plan)
-        ids = host[len(LAUNCH_PARAMS) :].view(np.int32)
-        ids[:n_src] = tables[0]
-        ids[n_src : n_src + n_dst] = tables[1]
-        ids[n_src + n_dst :] = 0
-        with torch.cuda.device(index):  # the allocation and the driver's copy in the device's primary context
-            self._params = _DeviceBlock(index, host.nbytes, self._stream)
-            tables_at = self._params.ptr + len(LAUNCH_PARAMS) * 8
-            host[_FIXED_PARAMS : len(LAUNCH_PARAMS)] = (tables_at, tables_at + n_src * 4, plan.blocks * plan.rows, self.deadline_ns, skip_at)
-            kv_copy_sm90.upload(self._params.ptr, host, self._stream)
-        self._launcher = kv_copy_sm90.Launcher(index, self._stream, plan.vector_bytes, self._params.ptr)
         self._grid_items = plan.blocks * plan.rows  # items of one layer
+        route = _copy_route(src, dst, plan, self._stream.cuda_stream)
+        slot = route.take(max(len(tables[0]), len(tables[1])), self._stream)
+        slot.params[_REQUEST_PARAMS] = (self._grid_items, self.deadline_ns, skip_at)
+        slot.src_ids[: len(tables[0])] = tables[0]
+        slot.dst_ids[: len(tables[1])] = tables[1]
+        slot.upload(len(tables[1]), self._stream)
+        self._launcher = slot.launcher
+        self._release = weakref.finalize(self, route.give_back, slot, self._stream)
+        self._release.atexit = False  # at exit nothing waits for the slot
 
     @property
     def skipped_at_ns(self) -> int | None:
@@ -200,21 +198,24 @@ class KVCopy:
             else:
                 kv_copy_reference(self.src, self._tables[0], self.dst, self._tables[1], layers, self.plan.head_start, self.plan.num_tokens)
             return
+        if not self._release.alive:
+            raise KVCopyError("KV copy released: its parameter slot may belong to another copy now")
         items = self._grid_items * len(layers)
         if items > MAX_ITEMS:
             raise KVCopyError(f"KV copy of {items} (layer, block, row) items, above the kernel's {MAX_ITEMS}")
         self._launcher.launch(layers.start, len(layers), items)
 
+    def release(self) -> None:
+        """No more ``copy`` calls: the copy's parameter slot goes back to its route, for a copy
+        set up once the ones enqueued so far ran (an event recorded behind them says when).
+        ``skipped_at_ns`` stays readable. Nothing on CPU; a second call does nothing."""
+        if self._stream is not None:
+            self._release()
+
 
 def _fixed_launch_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> np.ndarray:
     """The launch parameters before ``src_table`` (``LAUNCH_PARAMS``): fixed by the two contiguous
-    pools (addresses, shapes, dtype) and the plan's row shape, so computed once per such set
-    and kept (a transfer's set-up runs cold on its host: every step it skips counts)."""
-    key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.dtype, plan.vector_bytes, plan.block, plan.rows, plan.rows_per_kv,
-           plan.heads_per_row, plan.head_start)
-    fixed = _fixed_params.get(key)
-    if fixed is not None:
-        return fixed
+    pools (addresses, shapes, dtype) and the plan's row shape (kept with a ``_CopyRoute``)."""
     vec, esz = plan.vector_bytes, src.element_size()
     src_at = src.data_ptr()
     dst_at = dst.data_ptr() + plan.head_start * dst.stride(3) * esz
@@ -225,20 +226,98 @@ def _fixed_launch_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) ->
     tok = row_bytes // vec
     # Contiguous pools: every stride is a multiple of a row, so of the vector too.
     src_strides, dst_strides = (tuple(s * esz // vec for s in (t.stride(1), t.stride(2), t.stride(3), t.stride(0))) for t in (src, dst))
-    fixed = np.array((src_at, dst_at, plan.rows, plan.rows_per_kv, plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok,
-                      *src_strides, *dst_strides), dtype=np.int64)
-    if len(_fixed_params) >= _FIXED_KEPT:
-        _fixed_params.clear()
-    _fixed_params[key] = fixed
-    return fixed
+    return np.array((src_at, dst_at, plan.rows, plan.rows_per_kv, plan.heads_per_row * plan.block * tok, plan.block, src.shape[4], dst.shape[4], tok,
+                     *src_strides, *dst_strides), dtype=np.int64)
+
+
+def _copy_route(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, stream: int) -> _CopyRoute:
+    """The kept route of copies from pool ``src`` into pool ``dst`` with ``plan``'s row shape
+    on the CUDA stream of handle ``stream``. Keyed by what the launch parameters depend on
+    (addresses, shapes, dtype, row shape): a pool that died and another of the same shape at
+    its address share every parameter, so sharing the route is right."""
+    key = (src.data_ptr(), dst.data_ptr(), src.shape, dst.shape, src.dtype, plan.vector_bytes, plan.block, plan.rows, plan.rows_per_kv,
+           plan.heads_per_row, plan.head_start, stream)
+    route = _routes.get(key)
+    if route is None:
+        route = _CopyRoute(src, dst, plan)
+        if len(_routes) >= _ROUTES_KEPT:
+            _routes.clear()  # slots taken from a dropped route stay their copies' until released
+        _routes[key] = route
+    return route
+
+
+class _CopyRoute:
+    """What every copy from one pool into another with one row shape on one CUDA stream
+    shares, made once: the fixed launch parameters and the parameter slots (``_ParamSlot``)
+    copies take in turn, per capacity (page ids per side, a power of two). A transfer's
+    set-up runs cold on its host (2x H200, 20 ms idle before each: ~0.5 ms for a 6k-token
+    sender at 06be092c0e76), where making a launch's parameters afresh (an allocation, a
+    pageable host-to-device copy, a launcher) cost ~0.15 ms of it; a kept slot is filled and
+    copied from pinned memory. A slot given back is taken again only once an event recorded
+    behind its copy's work has completed: the pinned words are no longer read and the
+    device words no longer used (every use of them is on the route's one stream)."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> None:
+        self.fixed = _fixed_launch_params(src, dst, plan)
+        self.device_index = src.get_device()
+        self.vector_bytes = plan.vector_bytes
+        self._lock = threading.Lock()  # copies are set up on one thread and released on another
+        self._free: dict[int, list[_ParamSlot]] = {}  # capacity -> slots given back, oldest first
+
+    def take(self, ids: int, stream: torch.cuda.Stream) -> _ParamSlot:
+        """A slot for tables of up to ``ids`` page ids per side: the oldest given back whose
+        work ran, else a new one."""
+        capacity = max(_SLOT_MIN_IDS, 1 << (ids - 1).bit_length())
+        with self._lock:
+            free = self._free.get(capacity, ())
+            for i, slot in enumerate(free):
+                if slot.idle.query():
+                    return free.pop(i)
+        return _ParamSlot(self, capacity, stream)
+
+    def give_back(self, slot: _ParamSlot, stream: torch.cuda.Stream) -> None:
+        slot.idle.record(stream)  # behind every launch of the copy that held it
+        with self._lock:
+            self._free.setdefault(slot.capacity, []).append(slot)
+
+
+class _ParamSlot:
+    """A copy's launch parameters and page tables: pinned host words (the parameters, then
+    ``capacity`` int32 page ids per side) that the set-up fills and one asynchronous copy
+    moves into the slot's device words, which the kernel reads; the launcher bound to those
+    (``kv_copy_sm90.Launcher``); ``idle``, recorded behind the last work of the copy that held
+    the slot. The tables' addresses and the pools' parameters are written once, here."""
+
+    def __init__(self, route: _CopyRoute, capacity: int, stream: torch.cuda.Stream) -> None:
+        from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
+
+        self.capacity = capacity
+        words = len(LAUNCH_PARAMS) + capacity  # 2 * capacity int32 ids in `capacity` int64 words
+        self._pinned = torch.empty(words, dtype=torch.int64, pin_memory=True)
+        host = self._pinned.numpy()
+        self._device = _DeviceBlock(route.device_index, 8 * words, stream)
+        tables_at = self._device.ptr + 8 * len(LAUNCH_PARAMS)
+        host[:_FIXED_PARAMS] = route.fixed
+        host[_FIXED_PARAMS:_REQUEST_PARAMS.start] = (tables_at, tables_at + 4 * capacity)
+        self.params = host[: len(LAUNCH_PARAMS)]
+        ids = host[len(LAUNCH_PARAMS) :].view(np.int32)
+        self.src_ids, self.dst_ids = ids[:capacity], ids[capacity:]
+        self.idle = torch.cuda.Event()
+        self.launcher = kv_copy_sm90.Launcher(route.device_index, stream, route.vector_bytes, self._device.ptr)
+        self._device_index = route.device_index
+        self._upload = kv_copy_sm90.upload
+
+    def upload(self, dst_ids: int, stream: torch.cuda.Stream) -> None:
+        """Copy the parameters, the source table and the first ``dst_ids`` destination ids to
+        the device on ``stream`` (asynchronous: the host words are pinned)."""
+        with torch.cuda.device(self._device_index):  # the driver's copy in the device's primary context
+            self._upload(self._device.ptr, self._pinned.data_ptr(), 8 * len(LAUNCH_PARAMS) + 4 * (self.capacity + dst_ids), stream)
 
 
 class _DeviceBlock:
     """Device memory from torch's caching allocator for work on one stream, given back when
     the block is collected: like a tensor's, its memory is reused only by work ordered after
-    everything already enqueued on that stream (the copies that read it). Straight through the
-    allocator and the driver's copy (``kv_copy_sm90.upload``): a tensor, a stream context and
-    torch's copy cost ~0.2 ms of a transfer's set-up on 2x H200's host (~40 us this way)."""
+    everything already enqueued on that stream (the copies that read it)."""
 
     def __init__(self, device_index: int, nbytes: int, stream: torch.cuda.Stream) -> None:
         self.ptr = torch.cuda.caching_allocator_alloc(nbytes, device_index, stream.cuda_stream)

@@ -26,7 +26,6 @@ import functools
 import cuda.bindings.driver as cuda_driver
 import cutlass
 import cutlass.cute as cute
-import numpy as np
 import torch
 from cutlass import Int16, Int32, Int64
 
@@ -146,12 +145,12 @@ def _executor(vector_bytes: int):
     return compile_kv_copy(vector_bytes).to()
 
 
-def upload(dst: int, host: np.ndarray, stream: torch.cuda.Stream) -> None:
-    """Copy ``host`` (pageable: staged by the driver before this returns) to device address
-    ``dst`` on ``stream``, in the calling thread's current CUDA context."""
-    (err,) = cuda_driver.cuMemcpyHtoDAsync(dst, host.ctypes.data, host.nbytes, stream.cuda_stream)
+def upload(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+    """Copy ``nbytes`` from host address ``src`` (pinned: the copy runs asynchronously, in stream
+    order) to device address ``dst`` on ``stream``, in the calling thread's current CUDA context."""
+    (err,) = cuda_driver.cuMemcpyHtoDAsync(dst, src, nbytes, stream.cuda_stream)
     if err != cuda_driver.CUresult.CUDA_SUCCESS:
-        raise KVCopyError(f"uploading the KV copy's launch parameters ({host.nbytes} bytes) failed: {err}")
+        raise KVCopyError(f"uploading the KV copy's launch parameters ({nbytes} bytes) failed: {err}")
 
 
 @functools.cache

@@ -73,6 +73,7 @@ import torch
 
 from kernels.kv_copy import VECTOR_BYTES, KVCopy, RowPlan, device_time_ns, prepare_kv_copy
 from shared.transfer import cuda_ipc
+from shared.transfer.streams import give_back_event, prepare_events, take_event
 
 
 class DirectWriteError(ValueError):
@@ -124,6 +125,9 @@ def page_id_array(ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
         raise ValueError(f"{what} must be integer page ids below 2**31 ({type(e).__name__}: {e})") from None
 
 
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # by item size
+
+
 def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, num_pages: int) -> None:
     """Raise ``ValueError`` unless ``table`` (integer array) covers ``num_tokens`` with pages inside
     ``0..num_pages-1`` (a write elsewhere would land in another request's pages or kill the CUDA context)."""
@@ -135,21 +139,23 @@ def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, n
     if need:
         ids = table[:need]
         if ids.dtype.kind == "i":  # negative ids read as unsigned are above any page count: one reduction checks both ends
-            ids = ids.view(f"u{ids.itemsize}")
+            ids = ids.view(_UNSIGNED[ids.itemsize])
         if int(ids.max()) >= num_pages:
             raise ValueError(f"{side} page table names pages outside 0..{num_pages - 1}")
 
 
 def prepare_direct_writes(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
     """Compile, load and run once the copy kernel for KV rows of ``head_dim`` x ``dtype`` on a
-    CUDA ``device`` and make the device's landing events (``cuda_ipc.prepare_landing_events``),
-    so a sender's first direct write pays none of it (nothing on CPU: no direct writes
+    CUDA ``device`` and make the device's landing events (``cuda_ipc.prepare_landing_events``)
+    and spare events (``streams.prepare_events``), so a sender's first direct write pays none
+    of it (nothing on CPU: no direct writes
     there). KV storages are allocations aligned far beyond 16 bytes, so the row alone
     decides the access width."""
     vec = vector_bytes(head_dim * dtype.itemsize)
     if device.type == "cuda" and vec is not None:
         prepare_kv_copy(device, vec)
         cuda_ipc.prepare_landing_events(device)
+        prepare_events(device)
 
 
 class DirectWriter:
@@ -193,6 +199,11 @@ class DirectWriter:
     def write(self, layers: range) -> None:
         """Enqueue the writes of ``layers`` on the writer's stream (one kernel launch; on CPU, a copy now)."""
         self._copy.copy(layers)
+
+    def release(self) -> None:
+        """No more writes: the kernel's parameter slot goes back for later transfers
+        (``kernels.kv_copy.KVCopy.release``); ``skipped`` stays readable."""
+        self._copy.release()
 
 
 class _Route:
@@ -239,14 +250,17 @@ class WriteIssuer:
 
     ``issue(layers, event)``: the layers not enqueued yet are written by one launch per run of
     consecutive layers on ``stream`` behind ``event`` (the report's CUDA event on the compute
-    stream, ``Stream.wait_event``): the GPU starts the copy as soon as that compute is done and
-    no host thread waits for it. An event recorded after every launch (``writes_done``) tells
+    stream, ``Stream.wait_event``; None: the reporting thread's current stream as it is now,
+    marked with the issuer's own event, recorded under the issuer's lock so that concurrent
+    reports never wait for each other's marks): the GPU starts the copy as soon as that compute
+    is done and no host thread waits for it. An event recorded after every launch (``writes_done``) tells
     when everything enqueued so far ran; the report that completes the layers also records the
     transfer's interprocess landing event (``landing``, ``cuda_ipc.landing_event``), after the
     last write. Nothing is enqueued after ``close()`` or once the host clock passed
     ``deadline`` (``time.monotonic``); the writer's own deadline guard covers writes enqueued
     in time whose compute ends too late. An error while enqueueing is kept in ``error`` for
-    the sender, never raised into the reporting thread (the model's forward).
+    the sender, never raised into the reporting thread (the model's forward). ``close()``
+    ends it: the writer's parameter slot and the issuer's event go back for later transfers.
     """
 
     def __init__(self, writer: DirectWriter, stream: torch.cuda.Stream, deadline: float) -> None:
@@ -263,6 +277,9 @@ class WriteIssuer:
         self.error: BaseException | None = None
         self.first_issued_at: float | None = None  # perf_counter
         self.issue_s = 0.0  # host time spent enqueueing
+        # Marks the reporting thread's stream for reports without an event: an event made ahead
+        # (``streams.take_event``; making one cost ~40 us of a cold transfer's path on 2x H200).
+        self._mark: torch.cuda.Event | None = take_event(writer.device) if writer.device.type == "cuda" else None
 
     @property
     def complete(self) -> bool:
@@ -281,6 +298,9 @@ class WriteIssuer:
             if self.first_issued_at is None:
                 self.first_issued_at = started
             try:
+                if event is None and self._mark is not None:
+                    event = self._mark
+                    event.record(torch.cuda.current_stream(self.writer.device))
                 self._enqueue(runs, event)
             except Exception as e:  # noqa: BLE001 - surfaced by the sender as a typed error
                 self.error = e
@@ -314,9 +334,15 @@ class WriteIssuer:
             self.landing[0].record(self._stream)
 
     def close(self) -> torch.cuda.Event | None:
-        """Enqueue nothing more; the event recorded after the last enqueued write (None: none)."""
+        """Enqueue nothing more; the event recorded after the last enqueued write (None: none).
+        The writer's slot and the issuer's event go back (a stream wait already enqueued keeps
+        the mark it was given, whatever the event records later)."""
         with self._lock:
-            self._closed = True
+            if not self._closed:
+                self._closed = True
+                self.writer.release()
+                if self._mark is not None:
+                    give_back_event(self.writer.device, self._mark)
             return self.writes_done
 
 

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from schemas.transfer import KVTransferDescriptor, ShardHeader
-from shared.kvcache import PagedKVCache
+from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
+from shared.kvcache import KVLayout, PagedKVCache
 from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
@@ -197,19 +197,19 @@ class KVSender:
         recorded now on the caller's current stream), for reports made after the fact."""
         if not 0 <= layer < self._num_layers:
             raise ValueError(f"layer {layer} outside 0..{self._num_layers - 1}")
-        event = self._stream_position() if event is None else event
         if self._issuer is not None:
-            self._issuer.issue((layer,), event)
-        self._layer_events[layer] = event  # stored before the loop learns of the layer
+            self._issuer.issue((layer,), event)  # None: the issuer marks the current stream itself
+        else:
+            self._layer_events[layer] = self._stream_position() if event is None else event  # before the loop learns of the layer
         self._schedule(self._mark_ready, layer)
 
     def mark_all_layers_done(self, event: torch.cuda.Event | None = None) -> None:
         """Every layer's KV is written (or queued on the caller's current CUDA stream; ``event``
         as in ``on_layer_done``)."""
-        event = self._stream_position() if event is None else event
         if self._issuer is not None:
             self._issuer.issue(range(self._num_layers), event)
-        self._layer_events[:] = [event] * self._num_layers
+        else:
+            self._layer_events[:] = [self._stream_position() if event is None else event] * self._num_layers
         self._schedule(self._mark_ready, *range(self._num_layers))
 
     async def finish(self) -> TransferRecord:
@@ -322,6 +322,7 @@ class KVSender:
         self._phases.add("write", time.perf_counter() - issuer.first_issued_at)
         if issuer.writer.skipped:
             raise TransferTimeout(self.request_id, "direct writes reached the GPU after the lease deadline and wrote nothing")
+        issuer.close()  # its slot and event go back for later transfers
         self._sent_groups = list(issuer.groups)
         self._nbytes = nbytes
 
@@ -495,8 +496,19 @@ def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: 
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
 
 
+_LAYOUTS_KEPT = 64
+_layouts_fit: set[tuple[KVLayout, KVTransferLayout, KVHeadShard]] = set()  # (local, decode, heads) found to fit
+
+
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:
+    """Refuse (``LayoutMismatch``) a shard or local layout that does not map onto the decode's, or
+    a page table too short for the request. The layouts' verdict is kept per (local layout,
+    decode layout, heads), all values: a transfer's set-up runs cold (module doc of
+    ``direct_write``)."""
     mine, theirs = cache.layout, desc.layout
+    key = (mine, theirs, heads)
+    if key in _layouts_fit and table_len >= mine.pages_for(desc.num_tokens):
+        return
     dtype = str(mine.dtype).removeprefix("torch.")
     problems = []
     if not heads.sends:
@@ -511,6 +523,9 @@ def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHea
         problems.append(f"page table of {table_len} pages cannot hold {desc.num_tokens} tokens at page size {mine.page_size}")
     if problems:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: " + "; ".join(problems))
+    if len(_layouts_fit) >= _LAYOUTS_KEPT:
+        _layouts_fit.clear()
+    _layouts_fit.add(key)
 
 
 def _layers_per_chunk(layer_bytes: int, chunk_bytes: int, request_id: str) -> int:

@@ -28,6 +28,8 @@ HIGH_PRIORITY = -1
 
 
 _streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_spare_events: dict[torch.device, list[torch.cuda.Event]] = {}
+_SPARE_EVENTS_MADE = 8  # made ahead per device (``prepare_events``): a process's transfers at once
 
 
 def side_stream(device: torch.device, purpose: str = "copy") -> torch.cuda.Stream | None:
@@ -42,6 +44,35 @@ def side_stream(device: torch.device, purpose: str = "copy") -> torch.cuda.Strea
     if stream is None:
         stream = _streams[device, purpose] = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
     return stream
+
+
+def take_event(device: torch.device) -> torch.cuda.Event:
+    """A CUDA event of ``device`` that exists already (torch makes one at its first record, which
+    cost ~40 us on a cold transfer path on 2x H200): a spare one (``give_back_event``,
+    ``prepare_events``), else a new one."""
+    spare = _spare_events.get(device)
+    if spare:
+        with contextlib.suppress(IndexError):  # another thread took the last one
+            return spare.pop()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def give_back_event(device: torch.device, event: torch.cuda.Event) -> None:
+    """Keep ``event`` (from ``take_event``) for a later ``take_event``. The giver records it no
+    more; stream waits already enqueued on it are unaffected by later records (CUDA waits for
+    the record made before the wait was enqueued)."""
+    _spare_events.setdefault(device, []).append(event)
+
+
+def prepare_events(device: torch.device) -> None:
+    """Make ``device``'s spare events now (a CUDA prefill rank's start), off every transfer's path."""
+    spare = _spare_events.setdefault(device, [])
+    while len(spare) < _SPARE_EVENTS_MADE:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        spare.append(event)
 
 
 async def event_done(event: torch.cuda.Event, *, short: bool) -> None:

@@ -135,21 +135,24 @@ def test_bad_calls_are_refused():
 # --------------------------------------------------------------------------- GPU
 
 
-def test_fixed_launch_parameters_follow_the_pools():
-    """The launch parameters fixed by a pool pair are kept per pair (addresses, shapes, dtype,
-    row shape): another destination pool (a decode rank's new export) gets its own address, a
-    pool of another shape at the same address its own strides, the same pair the kept ones."""
+def test_copy_routes_follow_the_pools_and_the_stream():
+    """The launch parameters fixed by a pool pair are kept with its copy route (per addresses,
+    shapes, dtype, row shape and stream): another destination pool (a decode rank's new export)
+    gets its own address, a pool of another shape at the same address its own strides, another
+    stream its own route (its parameter slots are reused in that stream's order), the same
+    pair on the same stream the kept route."""
     src = torch.zeros(2, 5, 2, 2, 16, 8, dtype=torch.bfloat16)
     dst_a, dst_b = torch.zeros(2, 6, 2, 4, 16, 8, dtype=torch.bfloat16), torch.zeros(2, 6, 2, 4, 16, 8, dtype=torch.bfloat16)
     plan = plan_rows(src, dst_a, 2, 20)
     names = kc.LAUNCH_PARAMS
-    a, b = kc._fixed_launch_params(src, dst_a, plan), kc._fixed_launch_params(src, dst_b, plan)
+    a, b = kc._copy_route(src, dst_a, plan, 0), kc._copy_route(src, dst_b, plan, 0)
     head_bytes = 16 * 8 * 2  # one head of one K/V half of a page: page_size x head_dim bf16
-    assert a[names.index("dst")] == dst_a.data_ptr() + 2 * head_bytes and b[names.index("dst")] == dst_b.data_ptr() + 2 * head_bytes
-    assert kc._fixed_launch_params(src, dst_a, plan) is a
+    assert a.fixed[names.index("dst")] == dst_a.data_ptr() + 2 * head_bytes and b.fixed[names.index("dst")] == dst_b.data_ptr() + 2 * head_bytes
+    assert kc._copy_route(src, dst_a, plan, 0) is a and kc._copy_route(src, dst_a, plan, 7) is not a
+    assert kc._copy_route(src, dst_a, plan_rows(src, dst_a, 2, 300), 0) is a  # another length, same row shape
     wide = dst_a.view(2, 3, 2, 8, 16, 8)  # same address, pages of 8 heads
-    page = kc._fixed_launch_params(src, wide, plan_rows(src, wide, 2, 20))[names.index("dst_page")]
-    assert page * plan.vector_bytes == 2 * 8 * head_bytes != a[names.index("dst_page")] * plan.vector_bytes
+    page = kc._copy_route(src, wide, plan_rows(src, wide, 2, 20), 0).fixed[names.index("dst_page")]
+    assert page * plan.vector_bytes == 2 * 8 * head_bytes != a.fixed[names.index("dst_page")] * plan.vector_bytes
 
 
 GPU_CASES = [  # dtype, head_dim -> access width of plan_rows
@@ -210,3 +213,35 @@ def test_kernel_past_its_deadline_writes_nothing_and_the_clocks_agree():
     torch.cuda.synchronize()
     assert copy.skipped_at_ns is None and not torch.equal(in_time.view(torch.uint8), dst.view(torch.uint8))
     assert torch.equal(in_time[:, :, :, :2].view(torch.uint8), dst[:, :, :, :2].view(torch.uint8))  # only heads [2, 4) written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_parameter_slots_are_reused_only_once_their_copy_ran():
+    """Copies of one route take parameter slots in turn: a slot released while its copy still
+    waits on the GPU (behind a sleep) is not handed to the next copy, whose tables would
+    otherwise overwrite the waiting copy's before its upload ran; once the work ran the slot
+    comes back. Every copy lands its own pages, and a released copy cannot launch again."""
+    src, dst = _pools(torch.bfloat16, 3, 40, 30, 4, 4, 16, 16, 64, device="cuda", seed=5)
+    plan = plan_rows(src, dst, 0, 304)  # whole pages: the kernel and the reference write the same bytes
+    stream = torch.cuda.Stream()
+    tables = [_tables(40, 30, 16, 16, 304, seed=s) for s in (6, 7, 8)]
+    expected = dst.clone()
+    for src_table, dst_table in tables[:2]:
+        kc.kv_copy_reference(src, src_table.cuda(), expected, dst_table.cuda(), range(3), 0, 304)
+    got = dst.clone()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s: the first copy's upload and launch wait behind it
+    first = kc.KVCopy(src, tables[0][0], got, tables[0][1], plan, stream)
+    first.copy(range(3))
+    first.release()
+    with pytest.raises(kc.KVCopyError, match="released"):
+        first.copy(range(3))
+    second = kc.KVCopy(src, tables[1][0], got, tables[1][1], plan, stream)
+    assert second._launcher is not first._launcher, "a slot whose copy had not run was taken again"
+    second.copy(range(3))
+    second.release()
+    stream.synchronize()
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    third = kc.KVCopy(src, tables[2][0], got, tables[2][1], plan, stream)
+    assert third._launcher in (first._launcher, second._launcher), "a slot whose copy ran was not reused"

@@ -198,3 +198,37 @@ def test_issuer_enqueues_writes_behind_compute_without_waiting_for_it():
     for layer in range(layers):
         assert torch.equal(torch.stack(dst.read(layer, table[1], tokens)), torch.stack(src.read(layer, table[0], tokens))), layer
     assert issuer.close() is issuer.writes_done
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reports_without_an_event_wait_for_the_reporting_stream():
+    """A report without a CUDA event marks the reporting thread's current stream with the
+    issuer's own event: the writes wait for the KV enqueued there before the report (here
+    behind ~0.3 s of GPU sleep) and copy it, not what the pages held before; closing the
+    issuer gives its event back for the next transfer."""
+    from shared.transfer import streams
+
+    tokens, layers = 304, 4
+    src = PagedKVCache(KVLayout(layers, 30, HEADS, 16, DIM, torch.bfloat16), "cuda")
+    dst = PagedKVCache(KVLayout(layers, 30, HEADS, 16, DIM, torch.bfloat16), "cuda")
+    dst.storage.fill_(float("nan"))
+    src_table, dst_table = random.Random(5).sample(range(30), 19), random.Random(6).sample(range(30), 19)
+    stream = torch.cuda.Stream()
+    writer = DirectWriter(src.storage, np.array(src_table), dst.storage, np.array(dst_table), head_start=0, num_tokens=tokens, stream=stream)
+    issuer = WriteIssuer(writer, stream, time.monotonic() + 60)
+    kv = torch.randn(src.storage.shape, device="cuda").to(torch.bfloat16)
+    torch.cuda._sleep(int(0.3 * 2e9))  # the forward, then its KV, on the current stream
+    src.storage.copy_(kv)
+    started = time.perf_counter()
+    issuer.issue(range(layers), None)
+    assert time.perf_counter() - started < 0.2, "the issuer waited for the compute"
+    assert issuer.error is None and issuer.complete and not issuer.writes_done.query()
+    issuer.landing[0].synchronize()
+    table = torch.tensor(src_table, device="cuda"), torch.tensor(dst_table, device="cuda")
+    for layer in range(layers):
+        assert torch.equal(torch.stack(dst.read(layer, table[1], tokens)), torch.stack(src.read(layer, table[0], tokens))), layer
+    mark = issuer._mark
+    issuer.close()
+    assert streams._spare_events[writer.device][-1] is mark
+    assert streams.take_event(writer.device) is mark
