@@ -168,7 +168,19 @@ class Qwen3Model:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, on_layer_done: LayerCallback | None = None, all_logits: bool = False) -> torch.Tensor:
-        """Logits ``[B, V]`` at each sequence's last new token (``[T, V]`` with ``all_logits``).
+        """Logits ``[B, V]`` at each sequence's last new token (``[T, V]`` with ``all_logits``);
+        ``on_layer_done`` as in `hidden_states`."""
+        x = self.hidden_states(batch, cache, on_layer_done)
+        return self.logits(x if all_logits else x[batch.last_token])
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """lm_head over final hidden states ``[N, H]``."""
+        return F.linear(x, self.weights.lm_head)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, cache: PagedKVCache, on_layer_done: LayerCallback | None = None) -> torch.Tensor:
+        """Every row's final (normed) hidden state ``[T, H]``: what lm_head reads.
 
         ``on_layer_done(i)`` is called once layer ``i`` (its K/V write included) has been
         issued. On CUDA that means enqueued on the current stream, not finished: a KV
@@ -185,9 +197,7 @@ class Qwen3Model:
             h, x = self._add_norm(h, self._mlp(layer, x), layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm)
             if on_layer_done is not None:
                 on_layer_done(i)
-        if not all_logits:
-            x = x[batch.last_token]
-        return F.linear(x, self.weights.lm_head)
+        return x
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(h, delta, weight, self.config.rms_norm_eps, use_kernel=self.kernels)

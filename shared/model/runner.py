@@ -138,17 +138,19 @@ class ModelRunner:
             return []
         self._allocate(seqs)
         chunks = [SequenceChunk(s.token_ids[s.num_cached :], s.num_cached, s.page_table) for s in seqs]
-        # Sequences asking for prompt logprobs whose prompt tokens this step runs: the logits of every row.
+        # Sequences asking for prompt logprobs whose prompt tokens this step runs: every row's hidden state.
         wants_prompt = any(s.params.prompt_logprobs >= 0 and s.num_cached < s.prompt_len - 1 for s in seqs)
         prompts: list[PromptLogprobs | None] = [None] * len(seqs)
         if self.decode_graphs is not None and on_layer_done is None and all(len(c.token_ids) == 1 for c in chunks):
             logits = self.decode_graphs.forward(chunks)
         else:
             batch = ForwardBatch.build(chunks, self.cache.layout.page_size, self.cache.device)
-            logits = self.model.forward(batch, self.cache, on_layer_done, all_logits=wants_prompt)
             if wants_prompt:
-                prompts = self._prompt_logprobs(seqs, logits)
-                logits = logits[batch.last_token]
+                hidden = self.model.hidden_states(batch, self.cache, on_layer_done)
+                prompts = self._prompt_logprobs(seqs, hidden)
+                logits = self.model.logits(hidden[batch.last_token])
+            else:
+                logits = self.model.forward(batch, self.cache, on_layer_done)
         if not seqs:
             return []
         params = [s.params for s in seqs]
@@ -179,10 +181,10 @@ class ModelRunner:
         eos = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
         return (*eos, *seq.params.stop_token_ids)
 
-    @staticmethod
-    def _prompt_logprobs(seqs: Sequence[SequenceState], logits: torch.Tensor) -> list[PromptLogprobs | None]:
-        """From ``logits`` of every row of the step: each asking sequence's prompt tokens that
-        its rows predict (row j of a chunk from position c predicts token c + j + 1)."""
+    def _prompt_logprobs(self, seqs: Sequence[SequenceState], hidden: torch.Tensor) -> list[PromptLogprobs | None]:
+        """From the final hidden states of every row of the step: each asking sequence's prompt
+        tokens that its rows predict (row j of a chunk from position c predicts token c + j + 1).
+        lm_head runs over those rows only, a pass at a time (`prompt_logprobs`)."""
         out: list[PromptLogprobs | None] = []
         row = 0
         for s in seqs:
@@ -190,7 +192,10 @@ class ModelRunner:
             covered = min(length, s.prompt_len - 1 - s.num_cached)  # rows that predict a prompt token
             if s.params.prompt_logprobs >= 0 and covered > 0:
                 first = s.num_cached + 1
-                chosen, top = prompt_logprobs(logits[row : row + covered], s.token_ids[first : first + covered], s.params.prompt_logprobs)
+                def logits_of(a: int, b: int, start: int = row) -> torch.Tensor:
+                    return self.model.logits(hidden[start + a : start + b])
+
+                chosen, top = prompt_logprobs(logits_of, s.token_ids[first : first + covered], s.params.prompt_logprobs)
                 out.append(PromptLogprobs(first, chosen, top))
             else:
                 out.append(None)

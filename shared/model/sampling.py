@@ -25,7 +25,7 @@ filtering), as vLLM reports them by default; so are a row's ``top_logprobs`` alt
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -233,19 +233,22 @@ class PromptLogprobs:
     top: list[TopLogprobs] | None
 
 
-PROMPT_ROWS_PER_PASS = 512  # a long prompt's [T, vocab] fp32 log-softmax at once would take gigabytes
+PROMPT_ROWS_PER_PASS = 512  # a long prompt's [T, vocab] logits at once would take gigabytes
 
 
-def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> tuple[list[float], list[TopLogprobs] | None]:
-    """For each row of raw ``logits [T, V]``: the log-probability of ``next_ids[row]`` (the
-    prompt token that row predicts) under ``log_softmax``, and with ``k`` > 0 the ``k`` most
-    likely tokens; computed ``PROMPT_ROWS_PER_PASS`` rows at a time."""
-    ids = torch.tensor(list(next_ids), dtype=torch.long, device=logits.device)
+def prompt_logprobs(logits_of: Callable[[int, int], torch.Tensor], next_ids: Sequence[int], k: int) -> tuple[list[float], list[TopLogprobs] | None]:
+    """For each prompt row ``r`` (``len(next_ids)`` of them): the log-probability of
+    ``next_ids[r]`` (the prompt token that row predicts) under ``log_softmax`` of its raw
+    logits, and with ``k`` > 0 the ``k`` most likely tokens. ``logits_of(a, b)`` gives rows
+    ``a..b-1``'s logits; it is called for ``PROMPT_ROWS_PER_PASS`` rows at a time, so the
+    logits of a long prompt never exist at once."""
     chosen: list[float] = []
     top: list[TopLogprobs] | None = [] if k > 0 else None
-    for start in range(0, len(ids), PROMPT_ROWS_PER_PASS):
-        rows = torch.log_softmax(logits[start : start + PROMPT_ROWS_PER_PASS].float(), dim=-1)
-        chosen += rows.gather(1, ids[start : start + PROMPT_ROWS_PER_PASS, None])[:, 0].tolist()
+    for start in range(0, len(next_ids), PROMPT_ROWS_PER_PASS):
+        end = min(start + PROMPT_ROWS_PER_PASS, len(next_ids))
+        rows = torch.log_softmax(logits_of(start, end).float(), dim=-1)
+        ids = torch.tensor(list(next_ids[start:end]), dtype=torch.long, device=rows.device)
+        chosen += rows.gather(1, ids[:, None])[:, 0].tolist()
         if top is not None:
             values, alt = rows.topk(min(k, rows.shape[-1]), dim=-1)
             top += [TopLogprobs(i, v) for i, v in zip(alt.tolist(), values.tolist(), strict=True)]

@@ -103,7 +103,7 @@ def test_prompt_logprobs_on_cuda_match_the_cpu() -> None:
     """A 1100-token prompt's logprobs and top-5 at the full vocabulary (three passes on CUDA)."""
     logits = _logits(1100, 3)
     next_ids = torch.randint(0, VOCAB, (1100,), generator=torch.Generator().manual_seed(4)).tolist()
-    chosen, top = prompt_logprobs(logits, next_ids, 5)
+    chosen, top = prompt_logprobs(lambda a, b: logits[a:b], next_ids, 5)
     want = torch.log_softmax(logits.cpu().float(), dim=-1)
     torch.testing.assert_close(torch.tensor(chosen), want[torch.arange(1100), torch.tensor(next_ids)], rtol=0, atol=1e-4)
     assert top is not None

@@ -290,9 +290,16 @@ def test_prompt_logprobs_across_passes_match_log_softmax():
     rows = PROMPT_ROWS_PER_PASS * 2 + 37
     logits = torch.randn(rows, 300, generator=g) * 3
     next_ids = torch.randint(0, 300, (rows,), generator=g).tolist()
-    chosen, top = prompt_logprobs(logits.to(torch.bfloat16), next_ids, 4)
+    passes = []
+
+    def logits_of(a: int, b: int) -> torch.Tensor:
+        passes.append(b - a)
+        return logits[a:b].to(torch.bfloat16)
+
+    chosen, top = prompt_logprobs(logits_of, next_ids, 4)
+    assert passes == [PROMPT_ROWS_PER_PASS, PROMPT_ROWS_PER_PASS, 37]  # never all rows at once
     want = torch.log_softmax(logits.to(torch.bfloat16).float(), dim=-1)
     assert torch.allclose(torch.tensor(chosen), want[torch.arange(rows), torch.tensor(next_ids)], atol=1e-6)
     assert top is not None and len(top) == rows
     assert [t.token_ids for t in top] == want.topk(4, dim=-1).indices.tolist()
-    assert prompt_logprobs(logits[:3], next_ids[:3], 0)[1] is None
+    assert prompt_logprobs(lambda a, b: logits[a:b], next_ids[:3], 0)[1] is None

@@ -142,8 +142,12 @@ def test_prompt_logprobs_are_each_positions_log_softmax_and_leave_the_batch_alon
     plain_outs = alone.prefill([alone.add("b", other_prompt, GREEDY), alone.add("a", prompt, GREEDY)])
 
     runner = ModelRunner.from_dir(path, num_pages=16, page_size=4)
+    lm_head_rows: list[int] = []
+    logits = runner.model.logits
+    runner.model.logits = lambda x: (lm_head_rows.append(x.shape[0]), logits(x))[1]  # type: ignore[method-assign]
     asking = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3)
     outs = runner.prefill([runner.add("b", other_prompt, GREEDY), runner.add("a", prompt, asking)])
+    assert sorted(lm_head_rows) == [2, 8]  # the asking prompt's 8 rows and the 2 last tokens: not the other prompt's rows
     got = outs[1].prompt_logprobs
     assert outs[0].prompt_logprobs is None and got is not None and got.first == 1
     assert torch.allclose(torch.tensor(got.logprobs), expected[torch.arange(8), torch.tensor(prompt[1:])], atol=1e-5)
