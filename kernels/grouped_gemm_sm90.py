@@ -58,6 +58,10 @@ Re-measured at 8d3ba77539c5 (lines so tagged; they ran the "+h30-epi2" working t
 the PYTHONPATH pitfall below; both GPUs of another 2x H200 machine, prefill, sustained /
 burst): bf16 375 tokens 613-713 / 637-764, 2048 623-692 / 702-795;
 FP8 862-1061 / 864-1152; dense bf16 675-702 / 792-816, FP8 1247-1277 / 1450-1505.
+Latest figures (677a70d6fb78+h38-smemscales, scales staged in shared memory, both GPUs of one
+2x H200 call, sustained / burst): FP8 at 375 tokens 956-1147 / 961-1221, at 2048 896-1095 /
+1040-1238 (>= 1100 in bursts on 6 of 8 shape/token cases, not 30B down); bf16 at 375 638-673 /
+638-734 (see "Adopted since" below).
 Re-measured at 95e3dc2333f4 with the third tile bucket (below), both GPUs of one 2x H200
 call, prefill at 375 / 2048 tokens, sustained / burst: bf16 623-694 / 638-732 and
 641-701 / 726-792 (1.06-1.75x torch._grouped_mm); FP8 910-1072 / 915-1140 and
@@ -154,7 +158,13 @@ tests of the new tree 44 + 19 passed (1 skipped).  Leads left: the memory path (
 fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried for other reasons, below;
 the tile cannot grow: acc + partial fill the registers at 128x192).  For 30B down (K = 768,
 6 blocks a tile) per-tile fixed costs (accumulator zeroing, epilogue hand-off) weigh 5x
-more than at K = 4096 (not measured apart).
+more than at K = 4096 (not measured apart).  30B down at 375 tokens is no longer bounded by
+the scales: plain accumulation (no promotion, no scales) measured 48.4% of the peak above,
+about 1036 TFLOP/s at 1980 MHz, and 1100 TFLOP/s would move its 434 MB (weights 201, bf16
+output 196, activations 37) at 3.2 TB/s, 75% of the measured copy ceiling, while the tensor
+pipe runs.  DeepGEMM's way of bringing the activation scales (TMA per pipeline stage, which
+needs them MN-major, a new act-quant layout and API) is not needed for the loads: the idle
+warp already stages them without changing the layout.
 
 Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
 burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%
