@@ -85,9 +85,14 @@ class SchedulerSettings(ServiceSettings, kw_only=True):
     max_queued: int = 256  # requests waiting for capacity; beyond -> `overloaded` at once
     reserve_timeout_ms: int = 500  # a decode rank must answer a reservation within this
     lease_s: float = 30.0  # reserved KV pages are freed if prefill has not started decode by then
+    # A prompt goes to the prefill instance its first KV page hashes to (whose prefix cache may hold
+    # it) unless that one has this many more queued tokens than the least loaded; 0: always the least loaded.
+    prefix_affinity_tokens: int = 4096
 
     def __post_init__(self) -> None:
         _check_expiry(self.heartbeat_expiry_s, self.heartbeat_interval_s, "heartbeat_expiry_s")
+        if self.prefix_affinity_tokens < 0:
+            raise ValueError(f"prefix_affinity_tokens must be >= 0, got {self.prefix_affinity_tokens}")
 
 
 def _check_gpus(gpus: list[int], ranks: int, field: str) -> None:

@@ -123,6 +123,7 @@ class PrefillGroup:
             "queued_requests": len(self.queue),
             "transfer": self.group_transfers if self.world > 1 else self.transfer_metrics.stats(),
             "prefix_cache": self.prefix.stats(),
+            "page_size": self.runner.cache.layout.page_size,  # the scheduler's prefix affinity hashes the first page
         }
 
     async def _on_task(self, msg: Msg) -> None:

@@ -5,15 +5,25 @@ Between heartbeats the scheduler adds what it has itself placed there (`pending_
 so that a burst of requests does not all land on the member that looked emptiest
 half a second ago. The next heartbeat replaces the estimate with the member's own
 numbers; the decode rank's reservation stays the source of truth (it may refuse).
+
+Prefix affinity (`prefill_for`): a prefill instance's prefix cache only helps prompts that
+land on it, so prompts whose first KV page is the same go to the same instance while its
+queue is not much longer than the least loaded one's. The instance is picked by rendezvous
+hashing of the first page's key over the live instances (`affinity_score`): every scheduler
+replica picks the same one, and an instance joining or leaving moves only its share of
+prefixes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schemas.internal import Heartbeat
 from services.liveness import Hearing, MemberKey
+from shared.prefix_cache import page_keys
 
 
 @dataclass
@@ -88,3 +98,24 @@ class Registry:
         now = time.monotonic()
         live = [m for m in self.of_role("prefill") if m.suspect_until <= now]
         return min(live, key=lambda m: (m.queued_tokens, m.hb.instance), default=None)
+
+    def prefill_for(self, input_ids: Sequence[int], slack_tokens: int) -> Member | None:
+        """The prefill instance for a prompt: the one its first KV page hashes to (module doc) if
+        that one's queue is at most ``slack_tokens`` longer than the least loaded one's, else the
+        least loaded. A prompt with no full page before its last token (nothing any cache could
+        reuse), instances that report no page size, or ``slack_tokens`` 0: the least loaded."""
+        least = self.least_loaded_prefill()
+        if least is None or slack_tokens <= 0:
+            return least
+        now = time.monotonic()
+        candidates = [m for m in self.of_role("prefill") if m.suspect_until <= now and 0 < m.hb.page_size < len(input_ids)]
+        if not candidates:
+            return least
+        preferred = max(candidates, key=lambda m: (affinity_score(m.hb.instance, input_ids[: m.hb.page_size]), m.hb.instance))
+        return preferred if preferred.queued_tokens <= least.queued_tokens + slack_tokens else least
+
+
+def affinity_score(instance: str, first_page: Sequence[int]) -> bytes:
+    """Rendezvous score of a prefill instance for a prompt's first KV page: the highest wins."""
+    (key,) = page_keys(first_page, len(first_page))
+    return hashlib.blake2b(key + instance.encode(), digest_size=8).digest()

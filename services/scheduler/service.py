@@ -141,7 +141,7 @@ class Scheduler:
             raise Refused("invalid_request", f"prompt + max_tokens = {num_tokens} tokens; the largest decode rank holds {largest} tokens of KV")
 
     async def _try_place(self, job: Job) -> Placement | None:
-        prefill = self.registry.least_loaded_prefill()
+        prefill = self.registry.prefill_for(job.input_ids, self.settings.prefix_affinity_tokens)
         if prefill is None:
             return None
         num_tokens = len(job.input_ids) + job.max_tokens

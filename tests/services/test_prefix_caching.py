@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.metrics import render
 from services.openai.protocol import merged_usage
 from services.prefill.group import Planned, PrefillGroup
+from services.scheduler.registry import Registry
 from shared.bus import pack, unpack
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import Qwen3Model
@@ -230,6 +232,35 @@ def test_prompt_logprob_tasks_reuse_nothing_and_a_divergent_plan_is_refused(tiny
     with pytest.raises(PrefixCacheMismatch, match="the leader reuses 2 cached KV pages, this rank's prefix cache has 3"):
         group._take_pages(planned)
     assert group.prefix.evictable_pages == 3 and group.prefix.stats().lookups == 0
+
+
+# ------------------------------------------------------------ the scheduler's prefix affinity
+
+def prefill_registry(queued: dict[str, int], page_size: int = PAGE) -> Registry:
+    reg = Registry(expiry_s=10)
+    for name, tokens in queued.items():
+        reg.update(Heartbeat(role="prefill", instance=name, rank=0, model="m", version="v", started_at=1.0, queued_tokens=tokens, page_size=page_size))
+    return reg
+
+
+def test_prompts_with_the_same_first_page_go_to_the_same_prefill_instance_while_the_load_allows():
+    reg = prefill_registry({"p0": 0, "p1": 0, "p2": 0})
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1000) for _ in range(40)] for _ in range(60)]
+    chosen = [reg.prefill_for(p, 4096).hb.instance for p in prompts]
+    assert set(chosen) == {"p0", "p1", "p2"}  # different first pages spread over the instances
+    for p, instance in zip(prompts, chosen):  # a follow-up (same first page, any tail) goes where its start went
+        assert reg.prefill_for(p[:PAGE] + [7] * 30, 4096).hb.instance == instance
+    # Another scheduler replica (its own registry) picks the same instances.
+    assert [prefill_registry({"p2": 0, "p0": 0, "p1": 0}).prefill_for(p, 4096).hb.instance for p in prompts] == chosen
+
+    preferred = chosen[0]
+    busy = prefill_registry({name: (5000 if name == preferred else 1000) for name in ("p0", "p1", "p2")})
+    assert busy.prefill_for(prompts[0], 4096).hb.instance == preferred  # 4000 more queued: within the slack
+    assert busy.prefill_for(prompts[0], 3999).hb.instance != preferred  # beyond it: the least loaded
+    assert busy.prefill_for(prompts[0], 0).hb.instance != preferred  # affinity off
+    assert busy.prefill_for(prompts[0][: PAGE], 4096).hb.instance != preferred  # no page to reuse: the least loaded
+    assert prefill_registry({"p0": 0, "p1": 9}, page_size=0).prefill_for(prompts[0], 4096).hb.instance == "p0"  # no page size reported
 
 
 # ------------------------------------------------------------ units: the figures' shapes
