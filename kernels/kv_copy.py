@@ -47,6 +47,7 @@ drift).
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -73,6 +74,7 @@ _REQUEST_PARAMS = slice(LAUNCH_PARAMS.index("items_per_layer"), len(LAUNCH_PARAM
 _ROUTES_KEPT = 64  # copy routes kept (per pool pair, row shape and stream; a process sees a handful)
 _routes: dict[tuple, _CopyRoute] = {}
 _SLOT_MIN_IDS = 1024  # page ids per side of the smallest parameter slot (slots come in powers of two)
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # by item size
 _CLOCK_MAX_AGE_S = 60.0  # the device clock is related to the host's again after this long (in a thread)
 _clock: dict[torch.device, tuple[float, int]] = {}  # device -> (monotonic time of the calibration, device ns - host ns)
 _clock_width: dict[torch.device, int] = {}  # device -> the access width its calibration runs (prepare_kv_copy's)
@@ -83,7 +85,7 @@ _recalibrating: set[torch.device] = set()
 # pending then (queued for longer than its deadline allows) could only make the newer copy read
 # a skip it did not have: its sender fails, never the other way round.
 _SKIP_WORDS = 4096
-_skip_words: dict[int, tuple[torch.Tensor, np.ndarray, itertools.count]] = {}  # CUDA device index -> words
+_skip_words: dict[int, tuple[torch.Tensor, np.ndarray, itertools.count, int]] = {}  # CUDA device index -> words, their address
 _skip_words_lock = threading.Lock()
 
 
@@ -130,8 +132,8 @@ class KVCopy:
     ``stream``, default the current one at construction), the torch reference elsewhere.
 
     ``src_table`` / ``dst_table``: the sequence's page ids on each side (host sequences,
-    arrays or tensors), which the caller has checked against its pools (the kernel trusts
-    them). On CUDA they go, with the copy's launch parameters, into a parameter slot of the
+    arrays or tensors), checked here against the pools (``KVCopyError`` on an id outside its
+    pool, negative ones included: the kernel trusts them). On CUDA they go, with the copy's launch parameters, into a parameter slot of the
     copy's route (``_CopyRoute``: what the pool pair, row shape and ``stream`` fix, kept) and
     from its pinned memory to the GPU in one asynchronous copy on ``stream``, here; the
     slot is the copy's until ``release()`` (or until the copy is collected). ``plan`` must
@@ -151,12 +153,16 @@ class KVCopy:
         self.num_layers = src.shape[0]
         self.deadline_ns = NO_DEADLINE if deadline_ns is None else deadline_ns
         tables = []
-        for name, table, page_size in (("source", src_table, src.shape[4]), ("destination", dst_table, dst.shape[4])):
-            need = -(-plan.num_tokens // page_size)
+        for name, table, pool in (("source", src_table, src), ("destination", dst_table, dst)):
+            need = -(-plan.num_tokens // pool.shape[4])
             ids = np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table)
             if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) < need:
                 raise KVCopyError(f"{name} page table must list at least {need} integer page ids, got {ids.dtype} {ids.shape}")
-            tables.append(ids[:need])
+            ids = ids[:need]
+            # Negative ids read as unsigned are above any page count: one reduction checks both ends.
+            if need and int((ids.view(_UNSIGNED[ids.itemsize]) if ids.dtype.kind == "i" else ids).max()) >= pool.shape[1]:
+                raise KVCopyError(f"{name} page table names pages outside 0..{pool.shape[1] - 1}")
+            tables.append(ids)
         if not src.is_cuda:
             if dst.device != src.device:
                 raise KVCopyError(f"KV copy from {src.device} into {dst.device}: the reference copies within one device")
@@ -177,8 +183,7 @@ class KVCopy:
         slot.dst_ids[: len(tables[1])] = tables[1]
         slot.upload(len(tables[1]), self._stream)
         self._launcher = slot.launcher
-        self._release = weakref.finalize(self, route.give_back, slot, self._stream)
-        self._release.atexit = False  # at exit nothing waits for the slot
+        self._route, self._slot = route, slot
 
     @property
     def skipped_at_ns(self) -> int | None:
@@ -198,7 +203,7 @@ class KVCopy:
             else:
                 kv_copy_reference(self.src, self._tables[0], self.dst, self._tables[1], layers, self.plan.head_start, self.plan.num_tokens)
             return
-        if not self._release.alive:
+        if self._slot is None:
             raise KVCopyError("KV copy released: its parameter slot may belong to another copy now")
         items = self._grid_items * len(layers)
         if items > MAX_ITEMS:
@@ -209,8 +214,13 @@ class KVCopy:
         """No more ``copy`` calls: the copy's parameter slot goes back to its route, for a copy
         set up once the ones enqueued so far ran (an event recorded behind them says when).
         ``skipped_at_ns`` stays readable. Nothing on CPU; a second call does nothing."""
-        if self._stream is not None:
-            self._release()
+        slot, self._slot = getattr(self, "_slot", None), None
+        if slot is not None:
+            self._route.give_back(slot, self._stream)
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():  # at exit nothing waits for the slot
+            self.release()
 
 
 def _fixed_launch_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> np.ndarray:
@@ -377,11 +387,11 @@ def _take_skip_word(device_index: int) -> tuple[np.ndarray, int]:
             words = _skip_words.get(device_index)
             if words is None:
                 pinned = torch.zeros(_SKIP_WORDS, dtype=torch.int64, pin_memory=True)
-                words = _skip_words[device_index] = (pinned, pinned.numpy(), itertools.count())
-    pinned, view, counter = words
+                words = _skip_words[device_index] = (pinned, pinned.numpy(), itertools.count(), pinned.data_ptr())
+    _, view, counter, address = words
     i = next(counter) % _SKIP_WORDS  # itertools.count: one increment per call, whichever thread
     view[i] = 0
-    return view[i : i + 1], pinned.data_ptr() + 8 * i
+    return view[i : i + 1], address + 8 * i
 
 
 def _scratch(device: torch.device, vector_bytes: int) -> tuple[torch.Tensor, RowPlan]:

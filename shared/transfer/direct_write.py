@@ -176,14 +176,12 @@ class DirectWriter:
         route = _route(src, dst, head_start)
         if num_tokens <= 0:
             raise ValueError(f"direct write of {num_tokens} tokens: nothing to write")
-        check_table("source", src_table, num_tokens, route.src_page_size, route.src_pages)
-        check_table("decode", dst_table, num_tokens, route.dst_page_size, route.dst_pages)
         self.device = route.device
         self.num_layers = route.num_layers
         rows = route.rows
         self.plan = RowPlan(rows.vector_bytes, rows.block, -(-num_tokens // rows.block), rows.rows, rows.rows_per_kv, rows.heads_per_row, head_start, num_tokens)
         deadline_ns = None if deadline_unix is None else device_time_ns(route.device, deadline_unix)
-        self._copy = KVCopy(src, src_table, dst, dst_table, self.plan, stream, deadline_ns)
+        self._copy = KVCopy(src, src_table, dst, dst_table, self.plan, stream, deadline_ns)  # checks both tables against their pools
 
     @property
     def bytes_per_layer(self) -> int:
@@ -214,17 +212,16 @@ class _Route:
     planning the rows alone took 24 us (2x H200, set-ups 20 ms apart, fe9548763f2a) and
     looking the kept route up 5 us (f4e4232480e1)."""
 
-    __slots__ = ("src", "dst", "device", "num_layers", "src_pages", "src_page_size", "dst_pages", "dst_page_size", "rows")
+    __slots__ = ("src", "dst", "device", "num_layers", "rows")
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, head_start: int) -> None:
-        layers, src_pages, _, src_heads, src_ps, head_dim = src.shape
-        dst_layers, dst_pages, _, dst_heads, dst_ps, dst_dim = dst.shape
+        layers, _, _, src_heads, _, head_dim = src.shape
+        dst_layers, _, _, dst_heads, _, dst_dim = dst.shape
         if (layers, head_dim, src.dtype) != (dst_layers, dst_dim, dst.dtype) or not 0 <= head_start <= dst_heads - src_heads:
             raise ValueError(f"direct write from {tuple(src.shape)} {src.dtype} into heads [{head_start}, {head_start + src_heads}) of {tuple(dst.shape)} {dst.dtype}")
         self.src, self.dst = weakref.ref(src), weakref.ref(dst)
         self.device = src.device
         self.num_layers = layers
-        self.src_pages, self.src_page_size, self.dst_pages, self.dst_page_size = src_pages, src_ps, dst_pages, dst_ps
         self.rows = plan_rows(src, dst, head_start, 1)
 
 
@@ -300,7 +297,7 @@ class WriteIssuer:
             try:
                 if event is None and self._mark is not None:
                     event = self._mark
-                    event.record(torch.cuda.current_stream(self.writer.device))
+                    event.record(torch.cuda.current_stream(self.writer.device.index))
                 self._enqueue(runs, event)
             except Exception as e:  # noqa: BLE001 - surfaced by the sender as a typed error
                 self.error = e

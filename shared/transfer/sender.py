@@ -128,27 +128,27 @@ class KVSender:
         self._heads = heads
         self._metrics = metrics
         _check_layouts(kvcache, descriptor, heads, len(page_table))
-        layout = kvcache.layout
-        self._peer_storage = None if descriptor.cuda_ipc is None else _open_peer_storage(descriptor, kvcache.device)
+        layout, device = kvcache.layout, kvcache.device
+        self._peer_storage = None if descriptor.cuda_ipc is None else _open_peer_storage(descriptor, device)
         self.path = "ucx" if self._peer_storage is None else "cuda_ipc"
         self.staging: StagingPool | None = None
         if self._peer_storage is None:
             if descriptor.cuda_ipc is not None:
                 _check_decode_page_ids(descriptor)  # an inconsistent descriptor is refused whichever path is taken
             layer_bytes = chunk_nbytes(1, heads.num_heads, descriptor.num_tokens, layout.head_dim, layout.dtype)
-            self.staging = staging or worker.staging_pool(kvcache.device, layer_bytes)
+            self.staging = staging or worker.staging_pool(device, layer_bytes)
             limit = min(chunk_bytes, self.staging.slot_bytes, descriptor.max_chunk_bytes)  # chunks land in the decode rank's staging slots
             self._max_layers = _layers_per_chunk(layer_bytes, limit, descriptor.request_id)
-            self._side_stream = side_stream(kvcache.device)  # packs
+            self._side_stream = side_stream(device)  # packs
             with torch.cuda.stream(self._side_stream) if self._side_stream is not None else contextlib.nullcontext():
                 # Uploaded on the pack stream, which is where it is read: no wait behind the compute stream.
-                self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(kvcache.device, non_blocking=True)
+                self._page_table = torch.as_tensor(page_table, dtype=torch.long).to(device, non_blocking=True)
         self._loop = asyncio.get_running_loop()
         lease_left = descriptor.lease_deadline_unix - time.time()
         self._deadline = self._loop.time() + min(timeout_s, lease_left)  # the loop's clock is time.monotonic
         self._issuer: WriteIssuer | None = None
         if self._peer_storage is not None:
-            self._side_stream = side_stream(kvcache.device, "peer_write")  # the writes (CUDA only)
+            self._side_stream = side_stream(device, "peer_write")  # the writes (CUDA only)
             writer = _direct_writer(kvcache, descriptor, page_table, heads, self._peer_storage, self._side_stream,
                                     descriptor.lease_deadline_unix + cuda_ipc.WRITE_GUARD_AFTER_LEASE_S)
             self._issuer = WriteIssuer(writer, self._side_stream, self._deadline)

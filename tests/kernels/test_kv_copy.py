@@ -17,6 +17,7 @@ import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,14 @@ def test_bad_calls_are_refused():
         kc.KVCopy(src, table.float(), dst, table, plan)
     with pytest.raises(kc.KVCopyError, match="the pools hold layers 0..1"):
         kc.KVCopy(src, table, dst, table, plan).copy(range(1, 3))
+    # Ids outside a pool, negative ones and int64 ids that would wrap into range as int32 included:
+    # refused before anything is copied (on CUDA before a parameter slot is filled).
+    for bad in (torch.tensor([0, 4]), np.array([-1, 0], dtype=np.int32), np.array([0, 2**32 + 1], dtype=np.int64), [3, -2]):
+        with pytest.raises(kc.KVCopyError, match="destination page table names pages outside 0..3"):
+            kc.KVCopy(src, table, dst, bad, plan)
+        with pytest.raises(kc.KVCopyError, match="source page table names pages outside 0..3"):
+            kc.KVCopy(src, bad, dst, table, plan)
+    kc.KVCopy(src, np.array([3, 0, -7]), dst, table, plan)  # past the pages the tokens need: not read
 
 
 # --------------------------------------------------------------------------- GPU

@@ -47,7 +47,7 @@ def test_rows_are_contiguous_on_both_sides_and_cover_every_head_once(src_page, d
 def test_bad_page_tables_are_refused_before_any_write():
     src = torch.zeros(LAYERS, 10, 2, 2, 16, DIM, dtype=torch.bfloat16)
     dst = torch.zeros(LAYERS, 10, 2, HEADS, 16, DIM, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="decode page table has 2 pages, 40 tokens at page size 16 need 3"):
+    with pytest.raises(ValueError, match="destination page table must list at least 3 integer page ids"):
         DirectWriter(src, np.arange(3), dst, np.arange(2), head_start=0, num_tokens=40)
     with pytest.raises(ValueError, match="source page table names pages outside 0..9"):
         DirectWriter(src, np.array([0, 1, 10]), dst, np.arange(3), head_start=0, num_tokens=40)
@@ -82,12 +82,13 @@ def test_storage_checks_are_kept_per_storage_pair():
     dst = torch.zeros(LAYERS, 10, 2, HEADS, 16, DIM, dtype=torch.bfloat16)
     route = direct_write._route(src, dst, 2)
     assert direct_write._route(src, dst, 2) is route and direct_write._route(src, dst, 0) is not route
+    assert route.rows.block == 16
     other = torch.zeros(LAYERS, 7, 2, HEADS, 32, DIM, dtype=torch.bfloat16)
-    assert (direct_write._route(src, other, 2).dst_pages, direct_write._route(src, other, 2).dst_page_size) == (7, 32)
+    assert direct_write._route(src, other, 2).rows.block == 16 and direct_write._route(src, other, 2).rows.rows == 2 * 2  # one head per row
     del dst
     for _ in range(20):  # new tensors, some of which may take the dead one's id
         dst = torch.zeros(LAYERS, 5, 2, HEADS, 8, DIM, dtype=torch.bfloat16)
-        assert (direct_write._route(src, dst, 2).dst_pages, direct_write._route(src, dst, 2).dst_page_size) == (5, 8)
+        assert direct_write._route(src, dst, 2).rows.block == 8
     with pytest.raises(ValueError, match="direct write of 0 tokens"):
         DirectWriter(src, np.arange(3), dst, np.arange(3), head_start=0, num_tokens=0)
 
