@@ -315,13 +315,14 @@ class _ParamSlot:
         self.idle = torch.cuda.Event()
         self.launcher = kv_copy_sm90.Launcher(route.device_index, stream, route.vector_bytes, self._device.ptr)
         self._device_index = route.device_index
+        self._host_at = self._pinned.data_ptr()
         self._upload = kv_copy_sm90.upload
 
     def upload(self, dst_ids: int, stream: torch.cuda.Stream) -> None:
         """Copy the parameters, the source table and the first ``dst_ids`` destination ids to
         the device on ``stream`` (asynchronous: the host words are pinned)."""
         with torch.cuda.device(self._device_index):  # the driver's copy in the device's primary context
-            self._upload(self._device.ptr, self._pinned.data_ptr(), 8 * len(LAUNCH_PARAMS) + 4 * (self.capacity + dst_ids), stream)
+            self._upload(self._device.ptr, self._host_at, 8 * len(LAUNCH_PARAMS) + 4 * (self.capacity + dst_ids), stream)
 
 
 class _DeviceBlock:
