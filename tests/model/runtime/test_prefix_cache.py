@@ -9,7 +9,7 @@ import torch
 from runtime_helpers import GPU, random_prompts
 
 from shared.kvcache import InvalidPages, OutOfPages, PageAllocator
-from shared.model.runner import ModelRunner
+from shared.model.runner import ModelRunner, StepOutput
 from shared.model.sampling import SamplingParams
 from shared.prefix_cache import PrefixCache, page_keys
 
@@ -148,20 +148,26 @@ def test_duplicates_failed_forwards_and_a_disabled_cache_cache_nothing_extra():
 
 # ------------------------------------------------------------ the runner on cached pages
 
-NAME = "gqa2_top2_nonorm_sharded"
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, logprobs=True, top_logprobs=5)
-CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=GPU)]
+# CPU: fp32 reference ops, pages of 4. CUDA: bf16 on the kernel path (the shapes the kernels take:
+# head_dim 64, pages of 16, as in test_kernel_path), where rounding differs between the runs.
+CASES = [
+    pytest.param("cpu", torch.float32, "gqa2_top2_nonorm_sharded", {}, 4, id="cpu-fp32"),
+    pytest.param("cuda", torch.bfloat16, "kernel_shapes", dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2,
+                                                              moe_intermediate=128), 16, id="cuda-bf16-kernels", marks=GPU),
+]
 
 
-def generate(runner: ModelRunner, cache: PrefixCache | None, seq_id: str, prompt: list[int]):
+def generate(runner: ModelRunner, cache: PrefixCache | None, seq_id: str, prompt: list[int]) -> tuple[list[StepOutput], int]:
     """Prefill (reusing cached pages when ``cache`` is given), then greedy decode to the end.
-    Returns the first step's output, the tokens, and how many prompt tokens came from the cache."""
+    Returns every step's output and how many prompt tokens came from the cache."""
+    ps = runner.cache.layout.page_size
     hits = cache.match(prompt) if cache is not None else []
     if cache is not None:
         cache.acquire(hits, len(prompt))
-    new = (cache.alloc if cache is not None else runner.cache.allocator.alloc)(-(-len(prompt) // PS) - len(hits))
-    seq = runner.add(seq_id, prompt, PARAMS, page_table=hits + new, num_cached=len(hits) * PS)
-    first = runner.prefill([seq])[0]
+    new = (cache.alloc if cache is not None else runner.cache.allocator.alloc)(-(-len(prompt) // ps) - len(hits))
+    seq = runner.add(seq_id, prompt, PARAMS, page_table=hits + new, num_cached=len(hits) * ps)
+    outputs = runner.prefill([seq])
     if cache is not None:  # as the prefill rank: the prompt's pages go back to the cache, the decode goes on in copies
         table = list(seq.page_table)
         decode_pages = runner.cache.allocator.alloc(len(table))
@@ -170,30 +176,36 @@ def generate(runner: ModelRunner, cache: PrefixCache | None, seq_id: str, prompt
         cache.release(prompt, table, len(hits), computed=True)
         seq.page_table = decode_pages
     while not seq.finished:
-        runner.decode([seq])
+        outputs += runner.decode([seq])
     runner.release(seq)
-    return first, seq.output_ids, len(hits) * PS
+    return outputs, len(hits) * ps
 
 
-@pytest.mark.parametrize(("device", "dtype"), CASES)
-def test_a_prompt_reusing_another_prompts_pages_matches_its_cold_prefill(tiny_checkpoint, device, dtype):
-    path = tiny_checkpoint(NAME)
-    a_prompt, b_tail = random_prompts([14, 7], seed=11)
-    b_prompt = a_prompt[:8] + b_tail  # shares 2 full pages (of 4 tokens) with a
-    warm = ModelRunner.from_dir(path, num_pages=32, page_size=PS, dtype=dtype, device=device, release_finished=False)
-    cache = PrefixCache(warm.cache.allocator, PS)
-    _, _, cached_a = generate(warm, cache, "a", a_prompt)
-    first, tokens, cached_b = generate(warm, cache, "b", b_prompt)
-    assert (cached_a, cached_b) == (0, 8)
+@pytest.mark.parametrize(("device", "dtype", "name", "shape", "page"), CASES)
+def test_a_prompt_reusing_another_prompts_pages_matches_its_cold_prefill(tiny_checkpoint, device, dtype, name, shape, page):
+    path = tiny_checkpoint(name, **shape)
+    a_prompt, b_tail = random_prompts([3 * page + 2, 2 * page - 1], seed=11)
+    b_prompt = a_prompt[: 2 * page] + b_tail  # shares 2 full pages with a
+    warm = ModelRunner.from_dir(path, num_pages=32, page_size=page, dtype=dtype, device=device, release_finished=False)
+    cache = PrefixCache(warm.cache.allocator, page)
+    _, cached_a = generate(warm, cache, "a", a_prompt)
+    steps, cached_b = generate(warm, cache, "b", b_prompt)
+    assert (cached_a, cached_b) == (0, 2 * page)
 
-    cold = ModelRunner.from_dir(path, num_pages=32, page_size=PS, dtype=dtype, device=device, release_finished=False)
-    cold_first, cold_tokens, _ = generate(cold, None, "b", b_prompt)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    assert first.token_id == cold_first.token_id and tokens == cold_tokens
-    assert first.top_logprobs.token_ids == cold_first.top_logprobs.token_ids
-    torch.testing.assert_close(torch.tensor(first.top_logprobs.logprobs), torch.tensor(cold_first.top_logprobs.logprobs), rtol=tol, atol=tol)
-    assert abs(first.logprob - cold_first.logprob) <= tol
+    cold = ModelRunner.from_dir(path, num_pages=32, page_size=page, dtype=dtype, device=device, release_finished=False)
+    cold_steps, _ = generate(cold, None, "b", b_prompt)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: the runs round differently (other batch shapes)
+    # The first token's top 5 and their logprobs (bf16: a near tie may swap one in or out).
+    mine, theirs = (dict(zip(s.top_logprobs.token_ids, s.top_logprobs.logprobs)) for s in (steps[0], cold_steps[0]))
+    both = sorted(set(mine) & set(theirs))
+    assert len(both) >= (5 if dtype == torch.float32 else 4)
+    torch.testing.assert_close(torch.tensor([mine[t] for t in both]), torch.tensor([theirs[t] for t in both]), rtol=tol, atol=tol)
+    for i, (mine, theirs) in enumerate(zip(steps, cold_steps, strict=True)):
+        if mine.token_id != theirs.token_id:  # greedy may part only where the cold run's top two are a near tie
+            margin = theirs.top_logprobs.logprobs[0] - theirs.top_logprobs.logprobs[1]
+            assert dtype != torch.float32 and margin <= 2 * tol, f"greedy parts at step {i} with a margin of {margin:.3g}"
+            break
 
     # The cache is what made the difference: a prompt sharing no page gets nothing.
-    _, _, cached_c = generate(warm, cache, "c", random_prompts([10], seed=12)[0])
+    _, cached_c = generate(warm, cache, "c", random_prompts([10], seed=12)[0])
     assert cached_c == 0
