@@ -7,7 +7,7 @@ client decodes one union and never guesses.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -25,9 +25,41 @@ ErrorCode = Literal[
 ]
 
 
+class ToolCallFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: dict[str, Any] | str  # an object, or JSON text the chat template renders verbatim (as transformers does)
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A function call an assistant message made (OpenAI's shape)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    content: str
+    """One message of a chat; the fields past `content` reach the chat template when given."""
+
+    role: str  # "system", "user", "assistant", "tool", or whatever else the model's template knows
+    content: str = ""
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its reasoning (Qwen3's template renders it in <think>)
+
+
+class ToolFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A function the model may call (OpenAI's shape); the chat template lists it in the prompt."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -36,6 +68,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None  # optional while one model is served
     prompt: str | None = None  # raw text, tokenized as is
     messages: list[ChatMessage] | None = None  # chat; the model's chat template is applied
+    tools: list[Tool] | None = None  # with messages: functions the chat template offers the model
     input_ids: list[int] | None = None  # pre-tokenized prompt
     max_tokens: int = 64
     temperature: float | None = None  # None: the model's generation_config default; 0 = greedy

@@ -11,8 +11,9 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from schemas.api import ErrorCode, GenerateRequest
+from schemas.api import ChatMessage, ErrorCode, GenerateRequest, Tool
 from schemas.internal import Job, SamplingSpec
 from shared.model.config import GenerationConfig, ModelConfig
 from shared.model.sampling import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
@@ -109,11 +110,14 @@ class Admission:
         given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
         if len(given) != 1:
             raise Rejected("invalid_request", f"give exactly one of prompt, messages, input_ids (got {given or 'none'})")
+        if req.tools is not None and req.messages is None:
+            raise Rejected("invalid_request", "tools: only with messages (the chat template puts them in the prompt)")
         try:
             if req.prompt is not None:
                 ids = self.tokenizer.encode(req.prompt)
             elif req.messages is not None:
-                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
+                tools = None if req.tools is None else [_template_tool(t) for t in req.tools]
+                text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], tools=tools)
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
             else:
                 ids = list(req.input_ids or [])
@@ -153,3 +157,31 @@ class Admission:
                             presence_penalty=float(params.presence_penalty), frequency_penalty=float(params.frequency_penalty),
                             repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p), logit_bias=params.logit_bias,
                             min_tokens=params.min_tokens)
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as transformers hands it to a chat template: OpenAI's keys, the absent ones left
+    out (a template tests ``message.tool_calls is defined``), tool calls with ``id``, ``type``
+    and ``function`` (arguments an object, or text the template renders verbatim)."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls is not None:
+        message["tool_calls"] = [{**({"id": c.id} if c.id is not None else {}), "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        message["reasoning_content"] = m.reasoning_content
+    return message
+
+
+def _template_tool(t: Tool) -> dict[str, Any]:
+    """A tool in OpenAI's key order (``type``, then ``function``: ``name``, ``description``,
+    ``parameters``), absent keys left out: templates render it with ``tojson``."""
+    function: dict[str, Any] = {"name": t.function.name}
+    if t.function.description is not None:
+        function["description"] = t.function.description
+    if t.function.parameters is not None:
+        function["parameters"] = t.function.parameters
+    return {"type": t.type, "function": function}

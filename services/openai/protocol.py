@@ -2,8 +2,14 @@
 
 Requests decode strictly (msgspec, unknown fields refused with their name); fields that
 OpenAI defines but moebus does not implement are accepted only at their no-op values
-(no ``suffix``, ``best_of`` > 1, tools or response formats),
-anything else is an ``invalid_request`` naming the field, never silently ignored. ``user``
+(no ``suffix``, ``best_of`` > 1, response formats, ``tool_choice`` "required" or a named
+function, ``parallel_tool_calls: false``, strict tools),
+anything else is an ``invalid_request`` naming the field, never silently ignored. Chat
+``tools`` reach the chat template (with the messages' tool calls, tool answers and reasoning,
+call arguments parsed to objects as vLLM hands them over); with ``tool_choice`` "auto" (the
+default with tools) only on a server started with tool-call parsing, whose answers are then
+split into content and ``tool_calls`` (`services.openai.tool_parsing`), as is reasoning into
+``reasoning_content`` on a server started with a reasoning parser. ``user``
 is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token
 ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
 ``seed``, ``repetition_penalty`` and ``ignore_eos`` pass through as in vLLM. Without
@@ -25,13 +31,15 @@ OpenAI's ``{"error": {"message", "type", "code"}}`` with an HTTP status per moeb
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 import msgspec
 
-from schemas.api import ChatMessage, GenerateChunk, GenerateRequest, GenerateResponse, Usage
+from schemas.api import ChatMessage, GenerateChunk, GenerateRequest, GenerateResponse, Tool, ToolCall, ToolCallFunction, ToolFunction, Usage
 from services.openai.logprobs import CompletionLogprobs, chat_logprobs
+from services.openai.tool_parsing import ChatOutputParser, parse_answer
 
 # moebus error code -> (HTTP status, OpenAI error type)
 ERRORS: dict[str, tuple[int, str]] = {
@@ -54,10 +62,36 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # OpenAI sends JSON text
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionCallIn
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant (vLLM's field)
+
+
+class FunctionIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionIn
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -96,8 +130,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none" (OpenAI's default)
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -115,7 +150,7 @@ def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionReque
 def _check_unsupported(unsupported: dict[str, bool]) -> None:
     bad = [name for name, used in unsupported.items() if used]
     if bad:
-        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no suffix, best_of > 1, tools or response formats)")
+        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no suffix, best_of > 1 or response formats)")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -180,24 +215,86 @@ def completion_requests(req: CompletionRequest, request_id: str, default_max_tok
     return [GenerateRequest(**prompt, **logprobs, **common) for prompt in completion_prompts(req.prompt, max_prompts)]
 
 
-def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> GenerateRequest:
-    """The moebus request of a ``/v1/chat/completions`` body: text parts of a message are joined;
-    ``developer`` messages are system messages (OpenAI's newer name)."""
-    _check_unsupported({"tools": bool(req.tools), "tool_choice": req.tool_choice not in (None, "none"),
-                             "response_format": (req.response_format or {}).get("type", "text") != "text"})
-    messages = []
-    for i, m in enumerate(req.messages):
-        if isinstance(m.content, list):
-            if any(p.type != "text" or p.text is None for p in m.content):
-                raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
-            text = "".join(p.text or "" for p in m.content)
-        else:
-            text = m.content or ""
-        messages.append(ChatMessage("system" if m.role == "developer" else m.role, text))
+def calls_tools(req: ChatCompletionRequest) -> bool:
+    """Whether the answer is parsed for tool calls: tools given and ``tool_choice`` "auto"
+    (explicit or by default); with "none" the tools are still in the prompt, as in vLLM."""
+    return bool(req.tools) and req.tool_choice in (None, "auto")
+
+
+def _check_tool_choice(req: ChatCompletionRequest, auto_tools: bool) -> None:
+    """``tool_choice`` "none" or "auto" ("auto" with tools only where this frontend parses tool
+    calls); "required" and a named function would need decoding constrained to a call, which
+    moebus does not have, so they are refused rather than hoped for."""
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        raise InvalidRequest(f"tool_choice: a named function ({name!r}) is not supported by moebus: it cannot force the model to call it "
+                             "(no guided decoding); use \"auto\" or \"none\"")
+    if choice == "required":
+        raise InvalidRequest("tool_choice: \"required\" is not supported by moebus: it cannot force the model to call a tool "
+                             "(no guided decoding); use \"auto\" or \"none\"")
+    if choice not in (None, "none", "auto"):
+        raise InvalidRequest(f"tool_choice: \"none\" or \"auto\", got {choice!r}")
+    if calls_tools(req) and not auto_tools:
+        raise InvalidRequest("tools with tool_choice \"auto\" need tool-call parsing, off on this server (start moebus openai with "
+                             "--enable-auto-tool-choice --tool-call-parser hermes, as vLLM); tool_choice \"none\" sends the tools unparsed")
+    if req.parallel_tool_calls is False:
+        raise InvalidRequest("parallel_tool_calls: false is not supported by moebus (it cannot stop the model calling several tools)")
+    strict = [t.function.name for t in req.tools or [] if t.function.strict]
+    if strict:
+        raise InvalidRequest(f"tools: strict function schemas ({', '.join(strict)}) are not supported by moebus (no guided decoding)")
+
+
+def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    if isinstance(content, list):
+        if any(p.type != "text" or p.text is None for p in content):
+            raise InvalidRequest(f"{where}: only text parts are supported")
+        return "".join(p.text or "" for p in content)
+    return content or ""
+
+
+def _arguments(arguments: str | dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """A call's arguments as an object, as vLLM hands them to the chat template (OpenAI sends
+    JSON text; none is {})."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    try:
+        parsed = json.loads(arguments)
+    except ValueError as e:
+        raise InvalidRequest(f"{where}: not JSON ({e})") from None
+    if not isinstance(parsed, dict):
+        raise InvalidRequest(f"{where}: must be a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
+def _message(m: ChatMessageIn, i: int) -> ChatMessage:
+    """A message for the chat template: text parts joined, ``developer`` a system message
+    (OpenAI's newer name); tool calls, the answered call's id and reasoning only where they belong."""
+    where = f"messages[{i}]"
+    misplaced = [name for name, role in (("tool_calls", "assistant"), ("reasoning_content", "assistant"), ("tool_call_id", "tool"))
+                 if getattr(m, name) is not None and m.role != role]
+    if misplaced:
+        raise InvalidRequest(f"{where}.{misplaced[0]}: not allowed on a {m.role} message")
+    calls = None if m.tool_calls is None else [
+        ToolCall(id=c.id, function=ToolCallFunction(c.function.name, _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")))
+        for j, c in enumerate(m.tool_calls)]
+    return ChatMessage("system" if m.role == "developer" else m.role, _text(m.content, f"{where}.content"), name=m.name, tool_calls=calls,
+                       tool_call_id=m.tool_call_id, reasoning_content=m.reasoning_content)
+
+
+def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens: int, auto_tools: bool = False) -> GenerateRequest:
+    """The moebus request of a ``/v1/chat/completions`` body (``auto_tools``: this frontend parses
+    tool calls, so ``tool_choice`` "auto" is served)."""
+    _check_unsupported({"response_format": (req.response_format or {}).get("type", "text") != "text"})
+    _check_tool_choice(req, auto_tools)
+    tools = [Tool(function=ToolFunction(t.function.name, t.function.description, t.function.parameters)) for t in req.tools] if req.tools else None
     fields = _common(req, request_id, default_max_tokens)
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
-    return GenerateRequest(messages=messages, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **fields)
+    return GenerateRequest(messages=[_message(m, i) for i, m in enumerate(req.messages)], tools=tools, logprobs=req.logprobs,
+                           top_logprobs=req.top_logprobs or 0, **fields)
 
 
 def merged_usage(usages: list[Usage], n: int) -> Usage:
@@ -216,10 +313,16 @@ class Shapes:
     """The response objects of one request of ``prompts`` x ``n`` choices, choice ``p * n + i`` the
     ``i``-th of prompt ``p`` (``chat``: chat completions, one prompt; else completions)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None,
+                 reasoning: bool = False, tool_calls: bool = False) -> None:
         """``echo`` (completions): per prompt, its text as given (None for a token-id prompt,
-        spelled from its tokens' bytes), put before each of its choices' text."""
+        spelled from its tokens' bytes), put before each of its choices' text. ``reasoning`` and
+        ``tool_calls`` (chat): each choice's text is split into reasoning, content and tool calls
+        (`services.openai.tool_parsing`)."""
         self.chat = chat
+        self.reasoning = reasoning
+        self.tool_calls = tool_calls
+        self._parsers = [ChatOutputParser(reasoning, tool_calls) for _ in range(n)] if chat and (reasoning or tool_calls) else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.n = n
@@ -247,8 +350,21 @@ class Shapes:
         """The answer of choices ``responses`` (in choice order)."""
         choices = []
         for i, r in enumerate(responses):
-            content = {"message": {"role": "assistant", "content": r.text}} if self.chat else {"text": self._text(i, r)}
-            choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), "finish_reason": r.finish_reason})
+            finish_reason: str = r.finish_reason
+            if not self.chat:
+                content: dict[str, Any] = {"text": self._text(i, r)}
+            elif self._parsers is None:
+                content = {"message": {"role": "assistant", "content": r.text}}
+            else:
+                parsed = parse_answer(r.text, self.reasoning, self.tool_calls)
+                message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+                if self.reasoning:
+                    message["reasoning_content"] = parsed.reasoning or None
+                if parsed.tool_calls:
+                    message["tool_calls"] = [call.openai() for call in parsed.tool_calls]
+                    finish_reason = "tool_calls"  # whatever ended the text, as vLLM reports it
+                content = {"message": message}
+            choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), "finish_reason": finish_reason})
         body = self._object("chat.completion" if self.chat else "text_completion", choices)
         body["model"] = responses[0].model
         return body | {"usage": _usage(merged_usage([r.usage for r in responses], self.n))}
@@ -260,14 +376,39 @@ class Shapes:
         return self._object("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                                        "finish_reason": None}])
 
-    def chunk(self, c: GenerateChunk, index: int) -> dict[str, Any]:
-        """Choice ``index``'s chunk ``c``, with the logprobs of the tokens it took."""
+    def chunk(self, c: GenerateChunk, index: int) -> dict[str, Any] | None:
+        """Choice ``index``'s chunk ``c``, with the logprobs of the tokens it took; None when a
+        parsed chat choice has nothing to send yet (its text held back, no logprobs asked for)."""
+        if self._parsers is not None:
+            return self._parsed_chunk(c, index)
         if self.chat:
             delta = {"content": c.text} if c.text or c.finish_reason is None else {}
             return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": self._logprobs(index, c),
                                                            "finish_reason": c.finish_reason}])
         return self._object("text_completion", [{"index": index, "text": self._text(index, c), "logprobs": self._logprobs(index, c),
                                                  "finish_reason": c.finish_reason}])
+
+    def _parsed_chunk(self, c: GenerateChunk, index: int) -> dict[str, Any] | None:
+        """A chat chunk of a parsed choice: ``delta`` holds the reasoning, content and whole tool
+        calls (each with its index in the choice) that ``c``'s text completes; the last chunk
+        also what was held back, and finish reason "tool_calls" once a call was made."""
+        parser = self._parsers[index]  # type: ignore[index]
+        parsed = parser.feed(c.text)
+        if c.finish_reason is not None:
+            parsed.extend(parser.finish())
+        delta: dict[str, Any] = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            first = parser.tool_calls - len(parsed.tool_calls)
+            delta["tool_calls"] = [{"index": first + k, **call.openai()} for k, call in enumerate(parsed.tool_calls)]
+        finish_reason = "tool_calls" if c.finish_reason is not None and parser.tool_calls else c.finish_reason
+        logprobs = self._logprobs(index, c)
+        if not delta and finish_reason is None and logprobs is None:
+            return None
+        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(u)}

@@ -7,6 +7,9 @@
   `services.openai.protocol` and answered through `services.client.Client`, ``n``
   choices of each prompt (completions take a batch of up to ``--max-prompts``) as requests
   of their own (`services.openai.choices`, ``n`` up to ``--max-n``);
+* with ``--enable-auto-tool-choice --tool-call-parser hermes`` and ``--reasoning-parser qwen3``
+  (vLLM's flags), chat answers split into ``tool_calls``, ``reasoning_content`` and content
+  (`services.openai.tool_parsing`); without them ``tools`` need ``tool_choice`` "none";
 * ``GET /v1/models`` from ``llm.models``;
 * ``GET /health``: 200 when the stack answers ``llm.models``, else 503.
 
@@ -34,6 +37,7 @@ from services import http
 from services.client import Client, GenerateError
 from services.openai import protocol
 from services.openai.choices import Choices, choice_requests
+from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
 from shared.bus import connect
 from shared.logging import configure_logging, get_logger
 
@@ -47,8 +51,13 @@ CLIENT_GONE = 499  # logged status of a request whose client closed the connecti
 class OpenAIFrontend:
     """Routes one HTTP request per connection to the stack through ``client``."""
 
-    def __init__(self, client: Client, default_max_tokens: int, max_n: int = 16, max_prompts: int = 64) -> None:
+    def __init__(self, client: Client, default_max_tokens: int, max_n: int = 16, max_prompts: int = 64, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
+        """``tool_call_parser`` ("hermes") / ``reasoning_parser`` ("qwen3"): chat answers are parsed
+        for tool calls (requests may then use ``tools`` with ``tool_choice`` "auto") / reasoning."""
         self.client = client
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.default_max_tokens = default_max_tokens
         self.max_n = max_n
         self.max_prompts = max_prompts
@@ -122,7 +131,7 @@ class OpenAIFrontend:
         try:
             body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
             if chat:
-                gens = [protocol.chat_request(body, request_id, self.default_max_tokens)]  # type: ignore[arg-type]
+                gens = [protocol.chat_request(body, request_id, self.default_max_tokens, self.tool_call_parser is not None)]  # type: ignore[arg-type]
             else:
                 gens = protocol.completion_requests(body, request_id, self.default_max_tokens, self.max_prompts)  # type: ignore[arg-type]
             n = protocol.check_n(body, self.max_n)
@@ -136,7 +145,9 @@ class OpenAIFrontend:
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
                 return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
         echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
-        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo)
+        parse_tools = chat and self.tool_call_parser is not None and protocol.calls_tools(body)  # type: ignore[arg-type]
+        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=chat and self.reasoning_parser is not None,
+                                 tool_calls=parse_tools)
         choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(writer, choices, shapes, include_usage) if gen.stream else self._unary(writer, choices, shapes)
@@ -169,7 +180,8 @@ class OpenAIFrontend:
                     for i in range(len(choices.ids)):
                         if (first := shapes.first_chunk(i)) is not None:
                             await http.send_event(writer, json.dumps(first))
-                await http.send_event(writer, json.dumps(shapes.chunk(chunk, index)))
+                if (event := shapes.chunk(chunk, index)) is not None:
+                    await http.send_event(writer, json.dumps(event))
                 if chunk.usage is not None:
                     usages[index] = chunk.usage
             if include_usage:
@@ -208,9 +220,10 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[i
     return None
 
 
-async def serve(url: str, host: str, port: int, default_max_tokens: int, max_n: int, max_prompts: int) -> None:
+async def serve(url: str, host: str, port: int, default_max_tokens: int, max_n: int, max_prompts: int, tool_call_parser: str | None = None,
+                reasoning_parser: str | None = None) -> None:
     async with connect(url, "moebus-openai") as bus:
-        frontend = OpenAIFrontend(Client(bus), default_max_tokens, max_n, max_prompts)
+        frontend = OpenAIFrontend(Client(bus), default_max_tokens, max_n, max_prompts, tool_call_parser, reasoning_parser)
         await http.listen("openai", frontend.handle, host, port, "/v1", url)
 
 
@@ -220,7 +233,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
     ap.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for; each is a request to the stack")
     ap.add_argument("--max-prompts", type=int, default=64, help="the most prompts one /v1/completions request may batch")
+    # vLLM's flags and names, so a vLLM command line for Qwen3 carries over
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="parse chat answers for tool calls, so requests may give tools (tool_choice \"auto\"); needs --tool-call-parser")
+    ap.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the model's tool-call format (hermes: Qwen3's <tool_call> JSON blocks)")
+    ap.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                    help="give the model's reasoning as reasoning_content (qwen3: text up to </think>); default off")
     a = http.parse_frontend(ap, argv)
+    if a.enable_auto_tool_choice != (a.tool_call_parser is not None):
+        ap.error("--enable-auto-tool-choice and --tool-call-parser go together (e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
     if a.default_max_tokens < 1:
         ap.error(f"--default-max-tokens must be at least 1, got {a.default_max_tokens}")
     if not 1 <= a.max_n <= 128:
@@ -234,4 +255,5 @@ def main(argv: list[str]) -> int:
     a = _parse(argv)
     json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
     configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
-    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens, a.max_n, a.max_prompts), a.host, a.port)
+    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens, a.max_n, a.max_prompts, a.tool_call_parser, a.reasoning_parser),
+                             a.host, a.port)
