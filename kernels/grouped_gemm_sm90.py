@@ -154,7 +154,21 @@ down +5.5 / +16.4% (the old arm's sustained ran at 1825 MHz), +5.6 / +8.2% (1117
 +5.6%, +5.9 / +6.2% (961, 984; both arms at 1968-1980 MHz); at 2048 tokens 235B gate_up -1.6
 / -0.1%, -2.4 / 0.0% (power-capped bursts at 1632-1752 MHz), 235B down +3.0 / +3.4%, +4.7 /
 +2.3%, 30B gate_up +0.2 / +1.6%, +0.4 / +0.3%, 30B down +2.9 / +1.7%, +2.9 / -1.8%.  GPU
-tests of the new tree 44 + 19 passed (1 skipped).  Leads left: the memory path (20-25%):
+tests of the new tree 44 + 19 passed (1 skipped).  What is left of the scales (helper 38's
+call 2, scratch switches on 25e4e52, same call, burst, 375 tokens, GPU 0 / GPU 1): made-up
+scales with the staging kept (no shared-memory reads) +1.6 / +1.2% on 30B down, +0.9% on 235B
+gate_up (GPU 0), +2.1% on 30B gate_up (GPU 1); made-up scales without any staging (warp 1
+idle, no chunk waits: the constant-scale bound) +5.5 / +5.2%, +7.3%, +6.3% (992 / 1026, 1236,
+1208 TFLOP/s against 941 / 975, 1152, 1137).  So the reads cost 1-2% and the staging itself
+4-6%: warp 1's copy loop (~20 instructions per copy, on the scheduler it shares with one
+warp of each consumer warpgroup, whose WGMMAs wait for it) or the consumers' chunk waits; not
+measured apart.  Tried and dropped: skipping the accumulator's zeroing (the tile's first
+promotion writes ``acc = part * s``, a run-time branch between two promotion copies): -12%
+on 30B down (826 / 857 against 941 / 975 burst, alike sustained), -0.4..-1.5% elsewhere
+(its GPU tests passed).  Leads left: a leaner staging (a TMA or bulk copy per chunk instead
+of the per-row ``cp.async`` loop; rows 16-byte aligned only when K/128 is a multiple of 4, so
+30B down needs the act-quant scale rows padded to 4 blocks, an API change; more scale
+stages).  Then the memory path (20-25%):
 fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried for other reasons, below;
 the tile cannot grow: acc + partial fill the registers at 128x192).  For 30B down (K = 768,
 6 blocks a tile) per-tile fixed costs (accumulator zeroing, epilogue hand-off) weigh 5x
