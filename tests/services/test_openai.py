@@ -434,3 +434,111 @@ def test_a_failing_choice_fails_the_answer_and_cancels_the_others(stack, streame
         assert time.monotonic() < deadline, "the running choice was never cancelled"
         time.sleep(0.5)
     assert failed[0]["code"] == "cancelled" and "another choice of the same request failed" in failed[0]["reason"]
+
+
+# ---------------------------------------------------------------- tools and reasoning (vLLM's Qwen3 flags)
+# The tiny random model never writes a tool call itself: here the tools must reach the prompt,
+# tool conversations must be accepted, the server's switches must hold, and a parsing frontend's
+# answers must be the native text split as the qwen3 reasoning parser says (no </think> in an
+# answer: all of it is reasoning). Parsing itself: tests/services/test_tool_calling.py.
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear", "temperature": 21}'},
+]
+
+
+@pytest.fixture(scope="module")
+def tool_prompt_tokens(tiny_model) -> int:
+    """transformers' prompt of TOOL_CHAT with TOOLS (call arguments as objects, as vLLM hands them over)."""
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    messages = json.loads(json.dumps(TOOL_CHAT))
+    messages[1]["content"] = ""
+    messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    text = hf_tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tools>" in text and "<tool_response>" in text
+    return len(hf_tok(text, add_special_tokens=False)["input_ids"])
+
+
+def native_tool_chat(stack, max_tokens: int):  # type: ignore[no-untyped-def]
+    from schemas.api import Tool, ToolCall, ToolCallFunction, ToolFunction
+
+    messages = [ChatMessage("user", "Weather in Paris?"),
+                ChatMessage("assistant", "", tool_calls=[ToolCall(id="call_1", function=ToolCallFunction("get_weather", {"city": "Paris"}))]),
+                ChatMessage("tool", '{"sky": "clear", "temperature": 21}', tool_call_id="call_1")]
+    tool = TOOLS[0]["function"]
+    tools = [Tool(function=ToolFunction(tool["name"], tool["description"], tool["parameters"]))]
+    return reference(stack, messages=messages, tools=tools, max_tokens=max_tokens, temperature=0.0)
+
+
+def test_tools_need_tool_parsing_unless_tool_choice_is_none(stack, frontend, tool_prompt_tokens):
+    """The compose file's frontend runs without tool parsing: tools are a 400 naming the flags,
+    except with tool_choice "none" (as in vLLM), where they still reach the prompt."""
+    body = {"messages": TOOL_CHAT, "tools": TOOLS, "max_tokens": 6, "temperature": 0}
+    status, _, raw = call(frontend, "POST", "/v1/chat/completions", body)
+    assert status == 400 and "--enable-auto-tool-choice --tool-call-parser hermes" in json.loads(raw)["error"]["message"], raw
+    status, _, raw = call(frontend, "POST", "/v1/chat/completions", body | {"tool_choice": "none"})
+    assert status == 200, raw
+    answer = json.loads(raw)
+    ref = native_tool_chat(stack, 6)
+    assert answer["usage"]["prompt_tokens"] == ref.usage.prompt_tokens == tool_prompt_tokens
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": ref.text}  # no parser: the text as generated
+
+
+@pytest.fixture(scope="module")
+def tools_frontend(stack):  # type: ignore[no-untyped-def]
+    """A second frontend on the stack with vLLM's Qwen3 switches on (an OS port of its choosing)."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", "0", "--enable-auto-tool-choice",
+                             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        match = re.search(r"http://([\d.]+):(\d+)/v1", line)
+        assert match, f"the frontend printed no address: {line!r} (exit {proc.poll()})"
+        yield match.group(1), int(match.group(2))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_parsing_frontend_serves_tool_conversations_with_reasoning(stack, tools_frontend, tool_prompt_tokens):
+    """Tools with tool_choice "auto": the prompt is transformers' rendering with the tools; the
+    answer is the native text as reasoning (it has no </think>), unary, streamed and with n = 2,
+    with usage and logprobs as without parsing."""
+    ref = native_tool_chat(stack, 8)
+    assert not any(tag in ref.text for tag in ("<think>", "</think>", "<tool_call>"))  # the expectation below holds for tag-free text
+    body = {"messages": TOOL_CHAT, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 8, "temperature": 0}
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", body)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["usage"]["prompt_tokens"] == tool_prompt_tokens
+    assert answer["usage"]["completion_tokens"] == ref.usage.completion_tokens
+    (choice,) = answer["choices"]
+    assert choice["message"] == {"role": "assistant", "content": None, "reasoning_content": ref.text.strip() or None}
+    assert choice["finish_reason"] == ref.finish_reason
+
+    stream = body | {"stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", stream)
+    assert status == 200, raw
+    chunks = [json.loads(p) for p in events(raw)[:-1]]
+    pieces = [c["choices"][0] for c in chunks if c["choices"]]
+    assert pieces[0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(p["delta"].get("reasoning_content", "") for p in pieces) == ref.text.strip()
+    assert not any(p["delta"].get("content") or p["delta"].get("tool_calls") for p in pieces)
+    assert [p["finish_reason"] for p in pieces if p["finish_reason"]] == [ref.finish_reason]
+    assert len([e for p in pieces if p["logprobs"] for e in p["logprobs"]["content"]]) == ref.usage.completion_tokens
+    assert chunks[-1]["usage"]["prompt_tokens"] == tool_prompt_tokens
+
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", body | {"n": 2, "temperature": 1.0, "seed": 7})
+    assert status == 200, raw
+    two = json.loads(raw)
+    assert [c["index"] for c in two["choices"]] == [0, 1] and two["usage"]["prompt_tokens"] == tool_prompt_tokens
+    assert all(c["message"]["content"] is None and c["message"]["reasoning_content"] for c in two["choices"])
+
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", body | {"tool_choice": "required"})
+    assert status == 400 and '"required" is not supported' in json.loads(raw)["error"]["message"], raw
