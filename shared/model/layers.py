@@ -18,7 +18,10 @@ path `linear` dequantizes it on every call.
 
 Decode batches (one query per sequence) take the paged decode attention kernel of
 `kernels.paged_attention` inside `paged_attention_sdpa`: K/V read straight from the pool
-(``MOEBUS_DECODE_ATTENTION=sdpa`` turns it off); other batches gather their pages for SDPA.
+(``MOEBUS_DECODE_ATTENTION=sdpa`` turns it off; they then gather their pages for SDPA with
+a mask). Prefill batches (several queries per sequence) run one sequence at a time: its
+pages gathered, SDPA with a bottom-right causal mask that flash attention takes without
+a mask tensor, so a long prompt costs no [queries x keys] memory (`_prefill_attention`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import grouped_moe
 from kernels.paged_attention import kernel_supports, paged_decode_attention, prepare_paged_decode_attention
@@ -65,6 +69,7 @@ class AttentionMetadata:
     token_seq: torch.Tensor  # [T] sequence of each flat token
     token_idx: torch.Tensor  # [T] index of each flat token inside its sequence's queries
     max_q: int
+    host_lens: tuple[tuple[int, int], ...] | None = None  # (query_len, context_len) per sequence, when built on the host
 
     @property
     def num_seqs(self) -> int:
@@ -120,10 +125,8 @@ def paged_attention_sdpa(q: torch.Tensor, cache: PagedKVCache, layer: int, meta:
     """`paged_attention` through fused kernels, in q's dtype (the GPU path).
 
     A decode batch (one query per sequence, flat tokens in sequence order) runs the paged
-    decode attention kernel where `decode_attention_kernel` says so. Otherwise the batch's
-    pages are gathered and the query heads sharing a KV head are folded into the query
-    rows (``[B, Hkv, g * Qmax, D]``), so it is plain multi-head attention with a mask,
-    which SDPA's memory-efficient kernel takes (no K/V copy per query head).
+    decode attention kernel where `decode_attention_kernel` says so, else `folded_attention`;
+    a batch with several queries per sequence (prefill) runs `_prefill_attention`.
     """
     t, hq, d = q.shape
     if meta.num_seqs == 0:
@@ -131,6 +134,18 @@ def paged_attention_sdpa(q: torch.Tensor, cache: PagedKVCache, layer: int, meta:
     pool = cache.pools[layer]
     if meta.max_q == 1 and t == meta.num_seqs and decode_attention_kernel(hq, pool.shape[2], d, pool.shape[3], q.dtype, q.device):
         return paged_decode_attention(q, pool, meta.page_tables, meta.context_lens, scale)
+    if meta.max_q > 1:
+        return _prefill_attention(q, cache, layer, meta, scale)
+    return folded_attention(q, cache, layer, meta, scale)
+
+
+def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Gather + SDPA of a whole batch at once: the query heads sharing a KV head are folded
+    into the query rows (``[B, Hkv, g * Qmax, D]``), so it is plain multi-head attention with a
+    ``[B, g * Qmax, Lmax]`` mask, which SDPA's memory-efficient kernel takes (no K/V copy per
+    query head). `paged_attention_sdpa`'s path for decode batches the kernel does not take;
+    on prefill batches the mask grows with queries x keys (``bench.prefill_attention`` times it)."""
+    t, hq, d = q.shape
     k, v = cache.gather(layer, meta.page_tables)  # [B, Hkv, Lmax, D]
     b, hkv, lmax, _ = k.shape
     group, max_q = hq // hkv, meta.max_q
@@ -139,6 +154,28 @@ def paged_attention_sdpa(q: torch.Tensor, cache: PagedKVCache, layer: int, meta:
     out = F.scaled_dot_product_attention(qp, k, v, attn_mask=visible, scale=scale)  # [B, Hkv, g * Qmax, D]
     out = out.view(b, hkv, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(b, max_q, hq, d)
     return out[meta.token_seq, meta.token_idx]
+
+
+def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`paged_attention_sdpa` of a batch with several queries per sequence, a sequence at a time.
+
+    A sequence's ``n`` queries follow ``L - n`` cached tokens: query ``i`` sees keys ``0 .. L - n + i``,
+    the causal mask aligned to the bottom right (`causal_lower_right`). SDPA runs that on flash
+    attention with no mask tensor and with the query heads of a KV head sharing it (GQA);
+    `folded_attention` would build a ``[g * n, L]`` mask, gigabytes for a long prompt.
+    """
+    spans = meta.host_lens if meta.host_lens is not None else tuple(zip(meta.query_lens.tolist(), meta.context_lens.tolist(), strict=True))
+    page_size = cache.pools[layer].shape[3]
+    out = torch.empty_like(q)
+    start = 0
+    for b, (n, length) in enumerate(spans):
+        k, v = cache.gather(layer, meta.page_tables[b : b + 1, : -(-length // page_size)])  # [1, Hkv, pages * ps, D]
+        queries = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        mask = causal_lower_right(n, length)
+        o = F.scaled_dot_product_attention(queries, k[:, :, :length], v[:, :, :length], attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + n] = o[0].transpose(0, 1)
+        start += n
+    return out
 
 
 def _padded_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -103,6 +103,7 @@ class ForwardBatch:
                 token_seq=t(seq_of),
                 token_idx=t(idx_in_seq),
                 max_q=max(query_lens, default=0),
+                host_lens=tuple((len(c.token_ids), c.start + len(c.token_ids)) for c in chunks),
             ),
         )
 

@@ -137,3 +137,40 @@ def test_model_routes_decode_batches_through_the_kernel(monkeypatch):
     sdpa = layers.paged_attention_sdpa(q, cache, 1, meta, 128**-0.5)
     assert calls == [1]
     torch.testing.assert_close(got.float(), sdpa.float(), rtol=2.0**-6, atol=2.0**-6)
+
+
+def test_prefill_attention_after_a_cached_prefix_matches_the_reference_and_needs_no_mask_memory():
+    """`paged_attention_sdpa` on prefill chunks (one after 600 cached tokens, one fresh prompt, one
+    decode row in the same batch) at Qwen3-235B's per-KV-head grouping (8 query heads per KV head
+    here, 16 in the model), against the fp32 reference; then a 16k-token prompt whose attention
+    takes a few copies of its queries and its K/V gather, not a [g * n, L] mask (2 GiB as bools)."""
+    from shared.kvcache import KVLayout, PagedKVCache
+    from shared.model import layers
+    from shared.model.model import ForwardBatch, SequenceChunk
+
+    gen = torch.Generator().manual_seed(15)
+    dev = torch.device("cuda")
+    page, hq, hkv, d = 16, 32, 4, 128
+    cache = PagedKVCache(KVLayout(1, 200, hkv, page, d, torch.bfloat16), dev)
+    cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
+    ids = torch.randperm(200, generator=gen).tolist()
+    chunks = [SequenceChunk([1] * 900, 600, ids[:94]), SequenceChunk([2] * 700, 0, ids[94:138]), SequenceChunk([3], 50, ids[138:142])]
+    meta = ForwardBatch.build(chunks, page, dev).attn
+    q = torch.randn((1601, hq, d), generator=gen).to(dev, torch.bfloat16)
+    got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
+    want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
+
+    n = 16384
+    big = PagedKVCache(KVLayout(1, n // page, hkv, page, d, torch.bfloat16), dev)
+    meta = ForwardBatch.build([SequenceChunk([0] * n, 0, list(range(n // page)))], page, dev).attn
+    q = torch.randn((n, hq, d), device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = layers.paged_attention_sdpa(q, big, 0, meta, d**-0.5)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    kv_gather = 2 * hkv * n * d * 2
+    assert torch.isfinite(out.float()).all()
+    assert extra < 4 * out.numel() * 2 + 4 * kv_gather, f"prefill attention took {extra / 2**20:.0f} MiB beyond its inputs"
