@@ -3,7 +3,7 @@
 `moebus status --url nats://127.0.0.1:4222` listens on `ctl.heartbeat.>` for `--wait`
 seconds (every service beats every `heartbeat_interval_s`, 0.5 s by default) and prints
 one line per process: role, instance, rank, model, uptime, whether it drains, and its
-load (gateway: requests in flight; prefill: queued requests and tokens; decode: batch
+load (gateway: requests in flight; prefill: queued requests and tokens, prefix cache hits; decode: batch
 and KV pages in use), its KV transfer totals and a decode rank's steps by path. Below
 come the totals over all gateways (requests by outcome, tokens, time to first token and
 time per output token, percentiles over each gateway's recent requests; with several
@@ -69,6 +69,16 @@ def _transfers(role: str, t: TransferStats | None) -> str:
     return f"kv_{'sent' if role == 'prefill' else 'received'}={t.completed} ({_bytes(t.bytes_total)}{rate}){failed}"
 
 
+def _prefix_cache(hb: Heartbeat) -> str:
+    """A prefill leader's prefix cache: requests that reused pages, the share of looked-up prompt
+    tokens that came from the cache, the pages it holds (evictable ones in brackets)."""
+    p = hb.prefix_cache
+    if p is None:
+        return ""
+    share = f" {100 * p.hit_tokens / p.lookup_tokens:.0f}% tok" if p.lookup_tokens else ""
+    return f"prefix_hits={p.hits}/{p.lookups}{share} cached_pages={p.cached_pages} ({p.evictable_pages} evictable) evicted={p.evictions}"
+
+
 def _load(hb: Heartbeat) -> str:
     if hb.role == "gateway":
         return f"in_flight={hb.in_flight}"
@@ -85,7 +95,7 @@ def member_line(hb: Heartbeat, now: float) -> str:
     state = "draining" if hb.draining else "serving"
     steps = f"steps[{_counts(hb.decode_steps)}]" if hb.decode_steps else ""
     parts = [f"{hb.role:<9}", f"{hb.instance:<14}", f"{hb.rank:>2}", f"{hb.model:<16}", f"{_duration(now - hb.started_at):>7}", f"{state:<8}",
-             _load(hb), _transfers(hb.role, hb.transfer), steps]
+             _load(hb), _prefix_cache(hb), _transfers(hb.role, hb.transfer), steps]
     return "  ".join(p for p in parts if p).rstrip()
 
 

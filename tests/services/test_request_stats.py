@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from schemas.api import ErrorInfo, ErrorReply, GenerateChunk, GenerateResponse, Timing, Usage
-from schemas.internal import Heartbeat, TransferStats
+from schemas.internal import Heartbeat, PrefixCacheStats, TransferStats
 from services.gateway.stats import RequestCounters, summarize
 from services.status import member_line, summary_lines
 
@@ -62,8 +62,11 @@ def test_status_lines_show_each_process_and_the_totals():
         Heartbeat(role="decode", instance="d0", rank=1, model="tiny", version="1", started_at=now - 3700, kv_total_pages=100, kv_free_pages=60,
                   batch_size=3, max_batch=32, decode_steps={"graph_replay": 9, "eager": 1},
                   transfer=TransferStats(completed=4, bytes_total=2_000_000_000, seconds_total=0.01, failures={"timeout": 1})),
+        Heartbeat(role="prefill", instance="p0", rank=0, model="tiny", version="1", started_at=now - 5, queued_requests=1, queued_tokens=30,
+                  prefix_cache=PrefixCacheStats(lookups=4, hits=3, lookup_tokens=400, hit_tokens=300, evictions=2, cached_pages=12, evictable_pages=9)),
     ]
-    gateway, decode = (member_line(hb, now) for hb in members)
+    gateway, decode, prefill = (member_line(hb, now) for hb in members)
+    assert "queued=1 (30 tok)  prefix_hits=3/4 75% tok cached_pages=12 (9 evictable) evicted=2" in prefill
     assert gateway.split()[:5] == ["gateway", "gw", "0", "tiny", "1m15s"] and "in_flight=2" in gateway
     assert decode.split()[:6] == ["decode", "d0", "1", "tiny", "1h01m", "serving"]
     assert "batch=3/32 kv_pages=40/100" in decode and "kv_received=4 (2.0GB 200.0GB/s) failed[timeout=1]" in decode
