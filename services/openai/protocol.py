@@ -221,13 +221,15 @@ def calls_tools(req: ChatCompletionRequest) -> bool:
     return bool(req.tools) and req.tool_choice in (None, "auto")
 
 
-def _check_tool_choice(req: ChatCompletionRequest, auto_tools: bool) -> None:
+def _check_tools(req: ChatCompletionRequest, auto_tools: bool) -> None:
     """``tool_choice`` "none" or "auto" ("auto" with tools only where this frontend parses tool
-    calls); "required" and a named function would need decoding constrained to a call, which
-    moebus does not have, so they are refused rather than hoped for."""
+    calls). "required", a named function, ``parallel_tool_calls: false`` and strict schemas
+    would need decoding constrained to a call or a schema, which moebus does not have, so they
+    are refused rather than hoped for."""
     choice = req.tool_choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         raise InvalidRequest(f"tool_choice: a named function ({name!r}) is not supported by moebus: it cannot force the model to call it "
                              "(no guided decoding); use \"auto\" or \"none\"")
     if choice == "required":
@@ -288,7 +290,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens
     """The moebus request of a ``/v1/chat/completions`` body (``auto_tools``: this frontend parses
     tool calls, so ``tool_choice`` "auto" is served)."""
     _check_unsupported({"response_format": (req.response_format or {}).get("type", "text") != "text"})
-    _check_tool_choice(req, auto_tools)
+    _check_tools(req, auto_tools)
     tools = [Tool(function=ToolFunction(t.function.name, t.function.description, t.function.parameters)) for t in req.tools] if req.tools else None
     fields = _common(req, request_id, default_max_tokens)
     if req.max_completion_tokens is not None:

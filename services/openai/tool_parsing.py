@@ -128,52 +128,63 @@ class ChatOutputParser:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> Delta:
+        """Give out what the pending text settles, state after state, until it must wait."""
         delta = Delta()
-        while True:
-            if self._state == "reasoning":
-                if self._leading_think:
-                    start = self._pending.lstrip()
-                    if start.startswith(THINK_START):
-                        self._pending, self._leading_think = start[len(THINK_START) :], False
-                    elif THINK_START.startswith(start) and not final:
-                        return delta  # only whitespace or a piece of <think> so far
-                    else:
-                        self._leading_think = False
-                end = self._pending.find(THINK_END)
-                if end < 0:
-                    delta.reasoning += self._reasoning.add(self._release(THINK_END, final))
-                    return delta
-                delta.reasoning += self._reasoning.add(self._pending[:end])
-                self._pending, self._state = self._pending[end + len(THINK_END) :], "content"
-            elif self._state == "content":
-                start = self._pending.find(CALL_START) if self._tools else -1
-                if start < 0:
-                    delta.content += self._content.add(self._release(CALL_START, final) if self._tools else self._take_all())
-                    return delta
-                delta.content += self._content.add(self._pending[:start])
-                self._pending, self._state = self._pending[start + len(CALL_START) :], "call"
+        step = {"reasoning": self._in_reasoning, "content": self._in_content, "call": self._in_call}
+        while step[self._state](delta, final):
+            pass
+        return delta
+
+    # Each state's step adds to ``delta`` and answers whether the state changed (step again).
+
+    def _in_reasoning(self, delta: Delta, final: bool) -> bool:
+        if self._leading_think:
+            start = self._pending.lstrip()
+            if start.startswith(THINK_START):
+                self._pending, self._leading_think = start[len(THINK_START) :], False
+            elif THINK_START.startswith(start) and not final:
+                return False  # only whitespace or a piece of <think> so far
             else:
-                end = self._pending.find(CALL_END)
-                if end < 0 and not final:
-                    return delta
-                closed = end >= 0
-                block = self._pending[:end] if closed else self._pending
-                self._pending, self._state = self._pending[end + len(CALL_END) :] if closed else "", "content"
-                call = tool_call(block)
-                if call is not None:
-                    delta.tool_calls.append(call)
-                    self.tool_calls += 1
-                else:
-                    delta.content += self._content.add(CALL_START + block + (CALL_END if closed else ""))
+                self._leading_think = False
+        end = self._pending.find(THINK_END)
+        if end < 0:
+            delta.reasoning += self._reasoning.add(self._release(THINK_END, final))
+            return False
+        delta.reasoning += self._reasoning.add(self._pending[:end])
+        self._pending, self._state = self._pending[end + len(THINK_END) :], "content"
+        return True
 
-    def _release(self, tag: str, final: bool) -> str:
-        """The pending text except an end that may still become ``tag`` (all of it at the end)."""
-        keep = 0 if final else _tag_prefix_len(self._pending, tag)
+    def _in_content(self, delta: Delta, final: bool) -> bool:
+        if not self._tools:
+            delta.content += self._content.add(self._release(None, final))
+            return False
+        start = self._pending.find(CALL_START)
+        if start < 0:
+            delta.content += self._content.add(self._release(CALL_START, final))
+            return False
+        delta.content += self._content.add(self._pending[:start])
+        self._pending, self._state = self._pending[start + len(CALL_START) :], "call"
+        return True
+
+    def _in_call(self, delta: Delta, final: bool) -> bool:
+        end = self._pending.find(CALL_END)
+        if end < 0 and not final:
+            return False  # the block is still open
+        closed = end >= 0
+        block = self._pending[:end] if closed else self._pending
+        self._pending, self._state = self._pending[end + len(CALL_END) :] if closed else "", "content"
+        call = tool_call(block)
+        if call is not None:
+            delta.tool_calls.append(call)
+            self.tool_calls += 1
+        else:
+            delta.content += self._content.add(CALL_START + block + (CALL_END if closed else ""))
+        return True
+
+    def _release(self, tag: str | None, final: bool) -> str:
+        """The pending text except an end that may still become ``tag`` (all of it at the end, or without a tag to watch for)."""
+        keep = 0 if final or tag is None else _tag_prefix_len(self._pending, tag)
         out, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
-        return out
-
-    def _take_all(self) -> str:
-        out, self._pending = self._pending, ""
         return out
 
 
