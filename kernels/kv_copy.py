@@ -210,13 +210,14 @@ class KVCopy:
             raise KVCopyError(f"KV copy of {items} (layer, block, row) items, above the kernel's {MAX_ITEMS}")
         self._launcher.launch(layers.start, len(layers), items)
 
-    def release(self) -> None:
+    def release(self, ran: bool = False) -> None:
         """No more ``copy`` calls: the copy's parameter slot goes back to its route, for a copy
-        set up once the ones enqueued so far ran (an event recorded behind them says when).
+        set up once the ones enqueued so far ran: ``ran`` says the caller saw them complete
+        (an event recorded after them), else an event recorded behind them here tells later.
         ``skipped_at_ns`` stays readable. Nothing on CPU; a second call does nothing."""
         slot, self._slot = getattr(self, "_slot", None), None
         if slot is not None:
-            self._route.give_back(slot, self._stream)
+            self._route.give_back(slot, self._stream, ran)
 
     def __del__(self) -> None:
         if not sys.is_finalizing():  # at exit nothing waits for the slot
@@ -264,8 +265,10 @@ class _CopyRoute:
     sender at 06be092c0e76), where making a launch's parameters afresh (an allocation, a
     pageable host-to-device copy, a launcher) cost ~0.15 ms of it; a kept slot is filled and
     copied from pinned memory. A slot given back is taken again only once an event recorded
-    behind its copy's work has completed: the pinned words are no longer read and the
-    device words no longer used (every use of them is on the route's one stream)."""
+    behind its copy's work has completed (or at once when its copy is known to have run: a
+    transfer that saw its landing event complete, which spares the cold path that driver
+    call): the pinned words are no longer read and the device words no longer used (every
+    use of them is on the route's one stream)."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> None:
         self.fixed = _fixed_launch_params(src, dst, plan)
@@ -281,12 +284,15 @@ class _CopyRoute:
         with self._lock:
             free = self._free.get(capacity, ())
             for i, slot in enumerate(free):
-                if slot.idle.query():
+                if not slot.pending or slot.idle.query():
                     return free.pop(i)
         return _ParamSlot(self, capacity, stream)
 
-    def give_back(self, slot: _ParamSlot, stream: torch.cuda.Stream) -> None:
-        slot.idle.record(stream)  # behind every launch of the copy that held it
+    def give_back(self, slot: _ParamSlot, stream: torch.cuda.Stream, ran: bool) -> None:
+        """Keep ``slot`` for later copies; ``ran``: its copy's work is known to have completed."""
+        slot.pending = not ran
+        if slot.pending:
+            slot.idle.record(stream)  # behind every launch of the copy that held it
         with self._lock:
             self._free.setdefault(slot.capacity, []).append(slot)
 
@@ -296,7 +302,8 @@ class _ParamSlot:
     ``capacity`` int32 page ids per side) that the set-up fills and one asynchronous copy
     moves into the slot's device words, which the kernel reads; the launcher bound to those
     (``kv_copy_sm90.Launcher``); ``idle``, recorded behind the last work of the copy that held
-    the slot. The tables' addresses and the pools' parameters are written once, here."""
+    the slot when that work may still be ``pending``. The tables' addresses and the pools'
+    parameters are written once, here."""
 
     def __init__(self, route: _CopyRoute, capacity: int, stream: torch.cuda.Stream) -> None:
         from kernels import kv_copy_sm90  # CuTeDSL is imported only on the GPU path
@@ -313,6 +320,7 @@ class _ParamSlot:
         ids = host[len(LAUNCH_PARAMS) :].view(np.int32)
         self.src_ids, self.dst_ids = ids[:capacity], ids[capacity:]
         self.idle = torch.cuda.Event()
+        self.pending = False
         self.launcher = kv_copy_sm90.Launcher(route.device_index, stream, route.vector_bytes, self._device.ptr)
         self._device_index = route.device_index
         self._host_at = self._pinned.data_ptr()

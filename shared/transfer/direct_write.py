@@ -198,10 +198,11 @@ class DirectWriter:
         """Enqueue the writes of ``layers`` on the writer's stream (one kernel launch; on CPU, a copy now)."""
         self._copy.copy(layers)
 
-    def release(self) -> None:
+    def release(self, ran: bool = False) -> None:
         """No more writes: the kernel's parameter slot goes back for later transfers
-        (``kernels.kv_copy.KVCopy.release``); ``skipped`` stays readable."""
-        self._copy.release()
+        (``kernels.kv_copy.KVCopy.release``; ``ran``: the writes were seen complete);
+        ``skipped`` stays readable."""
+        self._copy.release(ran)
 
 
 class _Route:
@@ -330,14 +331,15 @@ class WriteIssuer:
             self.landing = cuda_ipc.landing_event(self.writer.device)
             self.landing[0].record(self._stream)
 
-    def close(self) -> torch.cuda.Event | None:
+    def close(self, ran: bool = False) -> torch.cuda.Event | None:
         """Enqueue nothing more; the event recorded after the last enqueued write (None: none).
         The writer's slot and the issuer's event go back (a stream wait already enqueued keeps
-        the mark it was given, whatever the event records later)."""
+        the mark it was given, whatever the event records later); ``ran``: every enqueued write
+        was seen complete (the landing event), so the slot is free at once."""
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.writer.release()
+                self.writer.release(ran)
                 if self._mark is not None:
                     give_back_event(self.writer.device, self._mark)
             return self.writes_done

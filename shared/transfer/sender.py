@@ -322,7 +322,7 @@ class KVSender:
         self._phases.add("write", time.perf_counter() - issuer.first_issued_at)
         if issuer.writer.skipped:
             raise TransferTimeout(self.request_id, "direct writes reached the GPU after the lease deadline and wrote nothing")
-        issuer.close()  # its slot and event go back for later transfers
+        issuer.close(ran=True)  # the landing event completed: its slot and event go back, free at once
         self._sent_groups = list(issuer.groups)
         self._nbytes = nbytes
 
@@ -497,17 +497,19 @@ def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: 
 
 
 _LAYOUTS_KEPT = 64
-_layouts_fit: set[tuple[KVLayout, KVTransferLayout, KVHeadShard]] = set()  # (local, decode, heads) found to fit
+# (local layout's id, heads' id, decode layout) -> (local layout, heads) found to fit: the entry holds
+# both objects, so their ids name them while it lives (hashing them by value cost more, cold).
+_layouts_fit: dict[tuple[int, int, KVTransferLayout], tuple[KVLayout, KVHeadShard]] = {}
 
 
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:
     """Refuse (``LayoutMismatch``) a shard or local layout that does not map onto the decode's, or
     a page table too short for the request. The layouts' verdict is kept per (local layout,
-    decode layout, heads), all values: a transfer's set-up runs cold (module doc of
-    ``direct_write``)."""
+    decode layout, heads): a transfer's set-up runs cold (module doc of ``direct_write``)."""
     mine, theirs = cache.layout, desc.layout
-    key = (mine, theirs, heads)
-    if key in _layouts_fit and table_len >= mine.pages_for(desc.num_tokens):
+    key = (id(mine), id(heads), theirs)
+    fit = _layouts_fit.get(key)
+    if fit is not None and fit[0] is mine and fit[1] is heads and table_len >= mine.pages_for(desc.num_tokens):
         return
     dtype = str(mine.dtype).removeprefix("torch.")
     problems = []
@@ -525,7 +527,7 @@ def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHea
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: " + "; ".join(problems))
     if len(_layouts_fit) >= _LAYOUTS_KEPT:
         _layouts_fit.clear()
-    _layouts_fit.add(key)
+    _layouts_fit[key] = (mine, heads)
 
 
 def _layers_per_chunk(layer_bytes: int, chunk_bytes: int, request_id: str) -> int:

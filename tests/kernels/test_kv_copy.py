@@ -230,7 +230,8 @@ def test_parameter_slots_are_reused_only_once_their_copy_ran():
     """Copies of one route take parameter slots in turn: a slot released while its copy still
     waits on the GPU (behind a sleep) is not handed to the next copy, whose tables would
     otherwise overwrite the waiting copy's before its upload ran; once the work ran the slot
-    comes back. Every copy lands its own pages, and a released copy cannot launch again."""
+    comes back, and at once when released as having run. Every copy lands its own pages, and
+    a released copy cannot launch again."""
     src, dst = _pools(torch.bfloat16, 3, 40, 30, 4, 4, 16, 16, 64, device="cuda", seed=5)
     plan = plan_rows(src, dst, 0, 304)  # whole pages: the kernel and the reference write the same bytes
     stream = torch.cuda.Stream()
@@ -254,3 +255,13 @@ def test_parameter_slots_are_reused_only_once_their_copy_ran():
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     third = kc.KVCopy(src, tables[2][0], got, tables[2][1], plan, stream)
     assert third._launcher in (first._launcher, second._launcher), "a slot whose copy ran was not reused"
+    third.copy(range(3))
+    fourth = kc.KVCopy(src, tables[0][0], got, tables[0][1], plan, stream)  # the other idle slot: none left free
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(0.3 * 2e9))
+    fourth.release()  # its slot waits behind the sleep
+    third.release(ran=True)  # the caller saw its work complete: free at once, no event asked
+    fifth = kc.KVCopy(src, tables[1][0], got, tables[1][1], plan, stream)
+    assert fifth._launcher is third._launcher and fifth._launcher is not fourth._launcher
+    stream.synchronize()
