@@ -69,6 +69,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt: str | None = None  # raw text, tokenized as is
     messages: list[ChatMessage] | None = None  # chat; the model's chat template is applied
     tools: list[Tool] | None = None  # with messages: functions the chat template offers the model
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages: template variables, e.g. {"enable_thinking": false} (vLLM's)
     input_ids: list[int] | None = None  # pre-tokenized prompt
     max_tokens: int = 64
     temperature: float | None = None  # None: the model's generation_config default; 0 = greedy

@@ -21,6 +21,7 @@ from shared.model.tokenizer import InvalidPromptError, Tokenizer
 from shared.settings import GatewaySettings
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # what admission passes itself
 
 
 class Rejected(Exception):
@@ -112,12 +113,17 @@ class Admission:
             raise Rejected("invalid_request", f"give exactly one of prompt, messages, input_ids (got {given or 'none'})")
         if req.tools is not None and req.messages is None:
             raise Rejected("invalid_request", "tools: only with messages (the chat template puts them in the prompt)")
+        if req.chat_template_kwargs is not None and req.messages is None:
+            raise Rejected("invalid_request", "chat_template_kwargs: only with messages")
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(req.chat_template_kwargs or {}))
+        if reserved:
+            raise Rejected("invalid_request", f"chat_template_kwargs: {', '.join(reserved)} are set by moebus, not by the request")
         try:
             if req.prompt is not None:
                 ids = self.tokenizer.encode(req.prompt)
             elif req.messages is not None:
                 tools = None if req.tools is None else [_template_tool(t) for t in req.tools]
-                text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], tools=tools)
+                text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], tools=tools, **(req.chat_template_kwargs or {}))
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
             else:
                 ids = list(req.input_ids or [])

@@ -12,7 +12,8 @@ split into content and ``tool_calls`` (`services.openai.tool_parsing`), as is re
 ``reasoning_content`` on a server started with a reasoning parser. ``user``
 is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token
 ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
-``seed``, ``repetition_penalty`` and ``ignore_eos`` pass through as in vLLM. Without
+``seed``, ``repetition_penalty``, ``ignore_eos`` and chat's ``chat_template_kwargs`` (e.g.
+``{"enable_thinking": false}`` for Qwen3) pass through as in vLLM. Without
 ``max_tokens`` a request gets ``default_max_tokens`` (the server's ``--default-max-tokens``).
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
@@ -134,6 +135,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none" (OpenAI's default)
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
 
 
 class InvalidRequest(ValueError):
@@ -296,7 +298,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
     return GenerateRequest(messages=[_message(m, i) for i, m in enumerate(req.messages)], tools=tools, logprobs=req.logprobs,
-                           top_logprobs=req.top_logprobs or 0, **fields)
+                           top_logprobs=req.top_logprobs or 0, chat_template_kwargs=req.chat_template_kwargs, **fields)
 
 
 def merged_usage(usages: list[Usage], n: int) -> Usage:

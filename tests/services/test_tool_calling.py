@@ -291,3 +291,18 @@ def test_tool_choice_none_sends_the_tools_unparsed_and_auto_parses():
     assert protocol.calls_tools(body()) and protocol.calls_tools(body(tool_choice="auto"))
     assert gen.messages[2].tool_calls[1].function.arguments == {"timezone": "Europe/Paris"}
     assert gen.messages[3] == ChatMessage("tool", '{"temperature": 21, "sky": "clear"}', tool_call_id="call_1")
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_takes_them(admission, hf_tok):
+    """vLLM's ``chat_template_kwargs``: Qwen3's ``enable_thinking: false`` renders the empty think
+    block transformers renders; variables moebus sets itself are refused."""
+    chat = [{"role": "user", "content": "Answer briefly: 2 + 2?"}]
+    req = protocol.decode(json.dumps({"messages": chat, "chat_template_kwargs": {"enable_thinking": False}}).encode(), protocol.ChatCompletionRequest)
+    ids = admission.admit(protocol.chat_request(req, "rid", 16), "gw").job.input_ids
+    want = hf_tok(hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False), add_special_tokens=False)["input_ids"]
+    assert ids == want and ids != hf_prompt(hf_tok, chat, None)  # the switch changes the prompt
+    for kwargs, says in [({"add_generation_prompt": False}, "add_generation_prompt are set by moebus"), ({"tools": []}, "tools are set by moebus")]:
+        with pytest.raises(Rejected, match=says):
+            admission.admit(GenerateRequest(messages=[ChatMessage("user", "hi")], chat_template_kwargs=kwargs), "gw")
+    with pytest.raises(Rejected, match="chat_template_kwargs: only with messages"):
+        admission.admit(GenerateRequest(prompt="hi", chat_template_kwargs={"enable_thinking": False}), "gw")
