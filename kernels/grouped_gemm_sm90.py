@@ -61,7 +61,8 @@ FP8 862-1061 / 864-1152; dense bf16 675-702 / 792-816, FP8 1247-1277 / 1450-1505
 Latest figures (677a70d6fb78+h38-smemscales, scales staged in shared memory, both GPUs of one
 2x H200 call, sustained / burst): FP8 at 375 tokens 956-1147 / 961-1221, at 2048 896-1095 /
 1040-1238 (>= 1100 in bursts on 6 of 8 shape/token cases, not 30B down); bf16 at 375 638-673 /
-638-734 (see "Adopted since" below).
+638-734; the leaner staging loop adopted after that call moved 30B down at 375 to 960 / 997
+burst (see "Adopted since" below).
 Re-measured at 95e3dc2333f4 with the third tile bucket (below), both GPUs of one 2x H200
 call, prefill at 375 / 2048 tokens, sustained / burst: bf16 623-694 / 638-732 and
 641-701 / 726-792 (1.06-1.75x torch._grouped_mm); FP8 910-1072 / 915-1140 and
@@ -160,15 +161,21 @@ scales with the staging kept (no shared-memory reads) +1.6 / +1.2% on 30B down, 
 gate_up (GPU 0), +2.1% on 30B gate_up (GPU 1); made-up scales without any staging (warp 1
 idle, no chunk waits: the constant-scale bound) +5.5 / +5.2%, +7.3%, +6.3% (992 / 1026, 1236,
 1208 TFLOP/s against 941 / 975, 1152, 1137).  So the reads cost 1-2% and the staging itself
-4-6%: warp 1's copy loop (~20 instructions per copy, on the scheduler it shares with one
+4-6%: warp 1's copy loop (~24 SASS instructions per copy, on the scheduler it shares with one
 warp of each consumer warpgroup, whose WGMMAs wait for it) or the consumers' chunk waits; not
-measured apart.  Tried and dropped: skipping the accumulator's zeroing (the tile's first
+measured apart.  Adopted since (helper 38's call 3, c9ae80d + switch, same call, both GPUs in
+opposite orders, burst, 375 tokens, each variant twice within 0.2%): the copy loop with a
+fixed (row, piece) slot per lane and its passes unrolled, ~8 SASS instructions per copy
+instead of ~24: 30B down +2.0 / +2.5% (960 / 997 TFLOP/s), 30B gate_up +0.6% (1144, GPU 1),
+235B gate_up -0.2% (1150, GPU 0); GPU tests (FP8) with it 25 passed; not measured sustained,
+at 2048 tokens or on 235B down.  The no-staging bound in that call: 993 / 1027, 1207, 1237.
+Tried and dropped: skipping the accumulator's zeroing (the tile's first
 promotion writes ``acc = part * s``, a run-time branch between two promotion copies): -12%
 on 30B down (826 / 857 against 941 / 975 burst, alike sustained), -0.4..-1.5% elsewhere
-(its GPU tests passed).  Leads left: a leaner staging (a TMA or bulk copy per chunk instead
-of the per-row ``cp.async`` loop; rows 16-byte aligned only when K/128 is a multiple of 4, so
-30B down needs the act-quant scale rows padded to 4 blocks, an API change; more scale
-stages).  Then the memory path (20-25%):
+(its GPU tests passed).  Leads left: a leaner staging still (a TMA or bulk copy per chunk
+instead of warp 1's ``cp.async`` copies; rows 16-byte aligned only when K/128 is a multiple of
+4, so 30B down needs the act-quant scale rows padded to 4 blocks, an API change; more scale
+stages), for the 3-5% left between the staged kernel and the no-staging bound.  Then the memory path (20-25%):
 fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried for other reasons, below;
 the tile cannot grow: acc + partial fill the registers at 128x192).  For 30B down (K = 768,
 6 blocks a tile) per-tile fixed costs (accumulator zeroing, epilogue hand-off) weigh 5x

@@ -316,25 +316,34 @@ class ScaledMainloops:
         ``vec`` blocks; each lane's ``cp.async.mbarrier.arrive`` completes the
         stage once its copies have landed.  The tiles come in the consumers'
         order; two stages let the next chunk arrive while one is read.
+
+        Each lane keeps one (row, piece) slot and the passes over the rows are
+        unrolled, so a copy costs ~8 instructions: a run-time loop over
+        (row, piece) items took ~24 and ran 2.0 / 2.5% slower on Qwen3-30B down
+        (warp 1 shares its scheduler with one warp of each consumer warpgroup).
         """
         cfg, st = self.cfg, self.staging
         lane = cute.arch.lane_idx()
         copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * st.vec)
         per_row = st.chunk // st.vec  # copies per scale row and chunk
+        # Lanes past the last whole row of a pass (per_row not a power of two) repeat copies of the
+        # next pass: the same bytes to the same place.
+        rows_per_pass = 32 // per_row
+        lane_row = lane // per_row
+        piece = lane - lane_row * per_row
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, st.STAGES)
         tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
             expert, n_tile, batch, row0, _ = self._locate(tile, expert, s_tile_begin, s_row_start, s_row_count)
             sb_rows = self._weight_scale_rows(n_tile)
+            limit = cutlass.min(rows - row0, st.rows)  # the tile's rows that the tensor holds
             for chunk in cutlass.range(self.k_tiles // st.chunk, unroll=1):
                 scales.producer_acquire(state)
                 first = chunk * per_row
-                for it in cutlass.range(st.rows * per_row // 32, unroll=1):
-                    i = it * 32 + lane
-                    r = i // per_row
-                    piece = i - r * per_row
-                    if row0 + r < rows:
+                for p in cutlass.range_constexpr(-(-st.rows // rows_per_pass)):
+                    r = p * rows_per_pass + lane_row
+                    if r < limit:
                         cute.copy(copy, cute.local_tile(mSFA[(row0 + r, None, batch)], (st.vec,), (first + piece,)),
                                   cute.local_tile(sSA[(r, None, state.index)], (st.vec,), (piece,)))
                 if lane < per_row:
