@@ -171,15 +171,15 @@ instead of ~24: 30B down +2.0 / +2.5% (960 / 997 TFLOP/s), 30B gate_up +0.6% (11
 at 2048 tokens or on 235B down.  The no-staging bound in that call: 993 / 1027, 1207, 1237.
 Tried and dropped: skipping the accumulator's zeroing (the tile's first
 promotion writes ``acc = part * s``, a run-time branch between two promotion copies): -12%
-on 30B down (826 / 857 against 941 / 975 burst, alike sustained), -0.4..-1.5% elsewhere
+on 30B down (826 / 857 against 941 / 975 burst, alike sustained), -0.6..-1.9% elsewhere
 (its GPU tests passed).  Leads left: a leaner staging still (a TMA or bulk copy per chunk
 instead of warp 1's ``cp.async`` copies; rows 16-byte aligned only when K/128 is a multiple of
 4, so 30B down needs the act-quant scale rows padded to 4 blocks, an API change; more scale
-stages), for the 3-5% left between the staged kernel and the no-staging bound.  Then the memory path (20-25%):
-fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried for other reasons, below;
+stages), for the 3-5% left between the staged kernel and the no-staging bound.  Then the
+memory path (20-25%): fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried for other reasons, below;
 the tile cannot grow: acc + partial fill the registers at 128x192).  For 30B down (K = 768,
-6 blocks a tile) per-tile fixed costs (accumulator zeroing, epilogue hand-off) weigh 5x
-more than at K = 4096 (not measured apart).  30B down at 375 tokens is no longer bounded by
+6 blocks a tile) per-tile fixed costs (the epilogue hand-off, the turns' tile switch) weigh
+5x more than at K = 4096 (not measured apart).  30B down at 375 tokens is no longer bounded by
 the scales: plain accumulation (no promotion, no scales) measured 48.4% of the peak above,
 about 1036 TFLOP/s at 1980 MHz, and 1100 TFLOP/s would move its 434 MB (weights 201, bf16
 output 196, activations 37) at 3.2 TB/s, 75% of the measured copy ceiling, while the tensor
