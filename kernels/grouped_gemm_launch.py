@@ -74,7 +74,7 @@ def _out_align(cfg: GroupedGemmConfig) -> int:
 
 
 def _scale_align(cfg: GroupedGemmConfig) -> int:
-    """Byte alignment promised for the FP8 scale pointers (the width of the kernel's scale loads)."""
+    """Byte alignment promised for the FP8 scale pointers (the width of the kernel's scale loads or staging copies)."""
     return _ALIGN_WORD * scale_vector(cfg)
 
 

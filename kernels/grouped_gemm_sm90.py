@@ -7,8 +7,9 @@ One persistent, warp-specialised kernel serves every variant:
   partial product of every 128-wide K block is scaled in registers and added
   to an fp32 accumulator, "scale promotion", scheduled behind WGMMAs: 128-wide
   tiles alternate two partials per warpgroup, 192-wide tiles keep one and
-  the two consumer warpgroups take turns to issue; what the promotion and
-  its scale loads still cost is in "Where the time goes" below); or bf16
+  the two consumer warpgroups take turns to issue, reading the scales that
+  warp 1 staged in shared memory; what the promotion and its scales still
+  cost is in "Where the time goes" below); or bf16
   activations x MXFP8 weights (E4M3 + E8M0 per 32 along K) dequantized to
   bf16 in shared memory inside the kernel;
 * token layouts: *contiguous* (rows of all experts back to back, ``offsets``
