@@ -2,7 +2,9 @@
 
 What a user compares engines by (vLLM's ``bench serve``, SGLang's ``bench_serving``):
 ``--requests`` requests of random token ids (``--input-len`` each, spread by
-``--range-ratio``) asking for ``--output-len`` tokens (``ignore_eos``, so every request
+``--range-ratio``, after a ``--prefix-len`` prefix all requests share, as vLLM's random
+dataset's ``--random-prefix-len``: a system prompt the prefill's prefix cache serves, whose
+hits the stack reports as ``cached_share`` of the prompt tokens) asking for ``--output-len`` tokens (``ignore_eos``, so every request
 generates its full length), arriving as a Poisson process at ``--rate`` per second
 (``inf``: all at once), at most ``--max-concurrency`` in flight. Each is streamed and timed: TTFT (send -> first token), TPOT ((end - first token) /
 (tokens - 1)), ITL (the gaps between chunks), E2E; and the run's request and token
@@ -74,7 +76,7 @@ class Workload:
     arrivals: list[float]
 
     @classmethod
-    def random(cls, n: int, input_len: int, output_len: int, range_ratio: float, rate: float, vocab: int, seed: int) -> Workload:
+    def random(cls, n: int, input_len: int, output_len: int, range_ratio: float, rate: float, vocab: int, seed: int, prefix_len: int = 0) -> Workload:
         rng = random.Random(seed)
 
         def length(mean: int) -> int:
@@ -82,7 +84,8 @@ class Workload:
 
         # Ordinary tokens: past the first ids (bytes) and below the special ones at the top.
         low, high = (1000, min(vocab, 100_000)) if vocab > 2000 else (0, vocab)
-        prompts = [[rng.randrange(low, high) for _ in range(length(input_len))] for _ in range(n)]
+        prefix = [rng.randrange(low, high) for _ in range(prefix_len)]
+        prompts = [prefix + [rng.randrange(low, high) for _ in range(length(input_len))] for _ in range(n)]
         output_lens = [length(output_len) for _ in range(n)]
         arrivals, t = [], 0.0
         for _ in range(n):
@@ -102,6 +105,7 @@ class Timeline:
     tokens: int = 0
     chunk_gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache served (its usage)
 
     def add(self, now: float, tokens: int) -> None:
         """A chunk of `tokens` tokens arrived at `now`."""
@@ -126,6 +130,7 @@ def summarize(timelines: list[Timeline], input_tokens: int, elapsed_s: float) ->
     }
     output_tokens = sum(t.tokens for t in done)
     metrics = {"completed": len(done), "failed": len(timelines) - len(done), "output_tokens": output_tokens, "elapsed_s": elapsed_s,
+               "cached_share": sum(t.cached_tokens for t in done) / input_tokens if input_tokens else 0.0,
                "requests_per_s": len(done) / elapsed_s, "output_tokens_per_s": output_tokens / elapsed_s,
                "total_tokens_per_s": (output_tokens + input_tokens) / elapsed_s}
     for name in LATENCIES:
@@ -171,6 +176,8 @@ async def run_native(url: str, work: Workload, max_concurrency: int, timeout_s: 
             try:
                 async for chunk in client.stream(req):
                     timeline.add(time.perf_counter(), len(chunk.token_ids))
+                    if chunk.usage is not None:
+                        timeline.cached_tokens = chunk.usage.cached_tokens
             except GenerateError as e:
                 timeline.error = e.code
 
@@ -223,6 +230,7 @@ def openai_stream(base_url: str, model: str, prompt: list[int], max_tokens: int,
             if any(choice.get("text") for choice in event.get("choices", [])):
                 timeline.add(time.perf_counter(), 1)
             usage = (event.get("usage") or {}).get("completion_tokens", usage)
+            timeline.cached_tokens = ((event.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", timeline.cached_tokens)
         if usage is not None and timeline.tokens:
             timeline.tokens = usage
     except (OSError, http.client.HTTPException, ValueError) as e:
@@ -300,7 +308,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="checkpoint directory: the model --up serves (default: the embedded tiny one), and the peer's "
                                      "(without it, --url and --openai-url runs have no peer and draw token ids below 32000)")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (mean)")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (mean), after the shared prefix")
+    ap.add_argument("--prefix-len", type=int, default=0, help="tokens of a prefix every prompt starts with (a shared system prompt)")
     ap.add_argument("--output-len", type=int, default=64, help="generated tokens per request (mean)")
     ap.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
     ap.add_argument("--rate", type=float, default=math.inf, help="requests per second (Poisson arrivals); inf: all at once")
@@ -312,6 +321,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("requests", "input_len", "output_len", "max_concurrency"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.prefix_len < 0:
+        ap.error("--prefix-len must be >= 0")
     if not 0 <= a.range_ratio < 1:
         ap.error("--range-ratio must be in [0, 1)")
     if not a.rate > 0 or not a.timeout_s > 0:
@@ -325,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
     model = Path(a.model) if a.model else (ensure_tiny_model(default_cache_dir()) if a.up else None)
     vocab = ModelConfig.from_dir(model).vocab_size if model else 32_000
-    work = Workload.random(a.requests, a.input_len, a.output_len, a.range_ratio, a.rate, vocab, a.seed)
+    work = Workload.random(a.requests, a.input_len, a.output_len, a.range_ratio, a.rate, vocab, a.seed, a.prefix_len)
     input_tokens = sum(len(p) for p in work.prompts)
     # The stack --up starts: interpolated like `moebus up` does (e.g. DECODE_MAX_BATCH=64 in the environment).
     specs = load_compose(Path(a.stack), {**os.environ, "MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS}) if a.up else []
@@ -370,14 +381,14 @@ def main(argv: list[str] | None = None) -> int:
 
     errors = sorted({t.error for t in timelines if t.error})
     case = {"server": Path(a.stack).name if a.up else server, "api": api, "model": model.name if model else None, "requests": a.requests,
-            "input_len": a.input_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
+            "input_len": a.input_len, "prefix_len": a.prefix_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
             "rate": "inf" if math.isinf(a.rate) else a.rate, "max_concurrency": a.max_concurrency, "seed": a.seed, "errors": errors}
     if with_peer:
         case["decode"] = {"device": settings.device, "dtype": settings.dtype, "dp": settings.dp, "max_batch": settings.max_batch,
                           "page_size": settings.page_size, "cuda_graphs": settings.cuda_graphs}
     record("serving", case, metrics, {"in_process_runner": peer_metrics} if peer_metrics else None)
     rows = [{"system": f"server ({api} API)", **metrics}] + ([{"system": "in-process runner", **peer_metrics}] if peer_metrics else [])
-    print_table(rows, ["system", "completed", "failed", "requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
+    print_table(rows, ["system", "completed", "failed", "requests_per_s", "output_tokens_per_s", "cached_share", "ttft_p50_ms", "ttft_p99_ms",
                        "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "e2e_p50_ms", "e2e_p99_ms"])
     if peer_metrics:
         print(f"throughput ratio (server / in-process runner): {metrics['throughput_ratio']:.2f}")

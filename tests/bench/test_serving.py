@@ -23,6 +23,8 @@ def test_workload_lengths_arrivals_and_seed():
     assert Workload.random(200, 100, 40, 0.25, 50.0, 151_936, seed=3) == work
     assert Workload.random(5, 8, 4, 0.0, math.inf, 151_936, seed=1).arrivals == [0.0] * 5
     assert all(0 <= t < 97 for p in Workload.random(5, 8, 4, 0.0, math.inf, 97, seed=1).prompts for t in p)  # a tiny vocabulary
+    shared = Workload.random(6, 10, 4, 0.0, math.inf, 151_936, seed=1, prefix_len=20).prompts
+    assert all(len(p) == 30 and p[:20] == shared[0][:20] for p in shared) and len({tuple(p[20:]) for p in shared}) == 6
 
 
 def test_summary_of_hand_made_timelines():
@@ -61,7 +63,7 @@ def test_a_small_run_through_a_real_stack_and_the_in_process_peer(api, tmp_path,
     OpenAI-compatible server gets) without it."""
     monkeypatch.setenv("MOEBUS_RESULTS_DIR", str(tmp_path))
     requests, output_len = 12, 8
-    args = ["--up", "--api", api, "--requests", str(requests), "--input-len", "24", "--output-len", str(output_len),
+    args = ["--up", "--api", api, "--requests", str(requests), "--input-len", "24", "--prefix-len", "32", "--output-len", str(output_len),
             "--max-concurrency", "4", "--rate", "40"]
     assert main(args + (["--no-peer"] if api == "openai" else [])) == 0
     line = json.loads((tmp_path / "serving.jsonl").read_text().splitlines()[-1])
@@ -71,7 +73,10 @@ def test_a_small_run_through_a_real_stack_and_the_in_process_peer(api, tmp_path,
         assert m["completed"] == requests and m["failed"] == 0
         assert m["output_tokens"] == requests * output_len  # ignore_eos: every request its full length
         assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] <= m["e2e_p99_ms"]
+    # the shared 32-token prefix is two KV pages: the prefill's prefix cache serves them once cached
+    assert 0 < server["cached_share"] <= 32 / 56
     if api == "native":
+        assert measured[1]["cached_share"] == 0  # the in-process runner caches nothing
         assert server["throughput_ratio"] == pytest.approx(server["output_tokens_per_s"] / measured[1]["output_tokens_per_s"])
         assert line["case"]["decode"]["device"] in ("auto", "cpu")
     assert line["case"]["api"] == api and line["case"]["rate"] == 40.0
