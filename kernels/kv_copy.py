@@ -47,6 +47,7 @@ drift).
 from __future__ import annotations
 
 import itertools
+import struct
 import sys
 import threading
 import time
@@ -152,36 +153,30 @@ class KVCopy:
         self.src, self.dst, self.plan = src, dst, plan  # kept alive while copies may run
         self.num_layers = src.shape[0]
         self.deadline_ns = NO_DEADLINE if deadline_ns is None else deadline_ns
-        tables = []
-        for name, table, pool in (("source", src_table, src), ("destination", dst_table, dst)):
-            need = -(-plan.num_tokens // pool.shape[4])
-            ids = np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table)
-            if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) < need:
-                raise KVCopyError(f"{name} page table must list at least {need} integer page ids, got {ids.dtype} {ids.shape}")
-            ids = ids[:need]
-            # Negative ids read as unsigned are above any page count: one reduction checks both ends.
-            if need and int((ids.view(_UNSIGNED[ids.itemsize]) if ids.dtype.kind == "i" else ids).max()) >= pool.shape[1]:
-                raise KVCopyError(f"{name} page table names pages outside 0..{pool.shape[1] - 1}")
-            tables.append(ids)
+        src_need, dst_need = -(-plan.num_tokens // src.shape[4]), -(-plan.num_tokens // dst.shape[4])  # pages the tokens cover
         if not src.is_cuda:
             if dst.device != src.device:
                 raise KVCopyError(f"KV copy from {src.device} into {dst.device}: the reference copies within one device")
-            self._tables = tuple(torch.from_numpy(t.astype(np.int64)) for t in tables)
+            self._tables = (torch.from_numpy(page_ids("source", src_table, src_need, src.shape[1]).astype(np.int64)),
+                            torch.from_numpy(page_ids("destination", dst_table, dst_need, dst.shape[1]).astype(np.int64)))
             self._stream = None
             self._skipped_at = 0
             return
         if not dst.is_cuda or not src.is_contiguous() or not dst.is_contiguous():
             raise KVCopyError(f"the KV copy kernel needs two contiguous CUDA pools, got {src.device} and {dst.device}")
         self._stream = stream or torch.cuda.current_stream(src.device)
-        index = src.get_device()
-        self._skip_word, skip_at = _take_skip_word(index)  # the kernel stores to it through its host address (UVA)
-        self._grid_items = plan.blocks * plan.rows  # items of one layer
         route = _copy_route(src, dst, plan, self._stream.cuda_stream)
-        slot = route.take(max(len(tables[0]), len(tables[1])), self._stream)
+        slot = route.take(max(src_need, dst_need), self._stream)
+        try:
+            _fill_page_ids("source", src_table, src_need, src.shape[1], slot.src_ids)
+            _fill_page_ids("destination", dst_table, dst_need, dst.shape[1], slot.dst_ids)
+        except KVCopyError:
+            route.give_back(slot, self._stream, ran=True)  # nothing of it was enqueued
+            raise
+        self._skip_word, skip_at = _take_skip_word(src.get_device())  # the kernel stores to it through its host address (UVA)
+        self._grid_items = plan.blocks * plan.rows  # items of one layer
         slot.params[_REQUEST_PARAMS] = (self._grid_items, self.deadline_ns, skip_at)
-        slot.src_ids[: len(tables[0])] = tables[0]
-        slot.dst_ids[: len(tables[1])] = tables[1]
-        slot.upload(len(tables[1]), self._stream)
+        slot.upload(dst_need, self._stream)
         self._launcher = slot.launcher
         self._route, self._slot = route, slot
 
@@ -222,6 +217,41 @@ class KVCopy:
     def __del__(self) -> None:
         if not sys.is_finalizing():  # at exit nothing waits for the slot
             self.release()
+
+
+def page_ids(name: str, table: Sequence[int] | np.ndarray | torch.Tensor, need: int, pages: int) -> np.ndarray:
+    """The first ``need`` ids of ``table`` (``name`` it in errors) as an integer array, each checked
+    to name one of a pool's ``pages`` pages (``KVCopyError``: a write elsewhere would land in
+    another request's pages or kill the CUDA context)."""
+    ids = np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) < need:
+        raise KVCopyError(f"{name} page table must list at least {need} integer page ids, got {ids.dtype} {ids.shape}")
+    ids = ids[:need]
+    _check_page_ids(name, ids, pages)
+    return ids
+
+
+def _check_page_ids(name: str, ids: np.ndarray, pages: int) -> None:
+    # Negative ids read as unsigned are above any page count: one reduction checks both ends.
+    if len(ids) and int((ids.view(_UNSIGNED[ids.itemsize]) if ids.dtype.kind == "i" else ids).max()) >= pages:
+        raise KVCopyError(f"{name} page table names pages outside 0..{pages - 1}")
+
+
+def _fill_page_ids(name: str, table: Sequence[int] | np.ndarray | torch.Tensor, need: int, pages: int, out: np.ndarray) -> None:
+    """Write the first ``need`` ids of ``table`` into ``out`` (a slot's int32 words) and check them
+    as ``page_ids`` does. A list (the allocator's tables, a descriptor's ids) is packed straight
+    in (``struct.pack_into`` converts and range-checks each id): building an array from it first
+    cost more than the rest of the check on a transfer's cold set-up path."""
+    if not isinstance(table, list):
+        out[:need] = page_ids(name, table, need, pages)
+        return
+    if len(table) < need:
+        raise KVCopyError(f"{name} page table must list at least {need} integer page ids, got {len(table)}")
+    try:
+        struct.pack_into(f"{need}i", out, 0, *table[:need])
+    except struct.error as e:
+        raise KVCopyError(f"{name} page table must hold integer page ids below 2**31 ({e})") from None
+    _check_page_ids(name, out[:need], pages)
 
 
 def _fixed_launch_params(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan) -> np.ndarray:

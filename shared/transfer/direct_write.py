@@ -61,7 +61,6 @@ The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followe
 
 from __future__ import annotations
 
-import array
 import math
 import threading
 import time
@@ -112,38 +111,6 @@ def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int, num_tokens:
     return RowPlan(vec, block, -(-num_tokens // block), rows, 1 if rows <= 2 else src_heads, heads_per_row, head_start, num_tokens)
 
 
-def page_id_array(ids: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
-    """Page ids as an array the checks take, int32 as the kernel's tables are (copied into them
-    as they are): a list goes through ``array.array`` (one C loop, a third of ``np.array``'s
-    time on a transfer's cold set-up path); arrays pass as they are. ``check_table`` refuses
-    ids outside the pool, negative ones included."""
-    if isinstance(ids, np.ndarray):
-        return ids
-    try:
-        return np.frombuffer(array.array("i", ids), dtype=np.int32)
-    except (OverflowError, TypeError) as e:
-        raise ValueError(f"{what} must be integer page ids below 2**31 ({type(e).__name__}: {e})") from None
-
-
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # by item size
-
-
-def check_table(side: str, table: np.ndarray, num_tokens: int, page_size: int, num_pages: int) -> None:
-    """Raise ``ValueError`` unless ``table`` (integer array) covers ``num_tokens`` with pages inside
-    ``0..num_pages-1`` (a write elsewhere would land in another request's pages or kill the CUDA context)."""
-    need = -(-num_tokens // page_size)
-    if len(table) < need:
-        raise ValueError(f"{side} page table has {len(table)} pages, {num_tokens} tokens at page size {page_size} need {need}")
-    if table.dtype.kind not in "iu":
-        raise ValueError(f"{side} page table must hold integer page ids, not {table.dtype}")
-    if need:
-        ids = table[:need]
-        if ids.dtype.kind == "i":  # negative ids read as unsigned are above any page count: one reduction checks both ends
-            ids = ids.view(_UNSIGNED[ids.itemsize])
-        if int(ids.max()) >= num_pages:
-            raise ValueError(f"{side} page table names pages outside 0..{num_pages - 1}")
-
-
 def prepare_direct_writes(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
     """Compile, load and run once the copy kernel for KV rows of ``head_dim`` x ``dtype`` on a
     CUDA ``device`` and make the device's landing events (``cuda_ipc.prepare_landing_events``)
@@ -171,7 +138,7 @@ class DirectWriter:
     Raises ``ValueError`` on a page table that does not fit its storage, ``DirectWriteError``
     (a ``ValueError``) on storages no kernel can copy."""
 
-    def __init__(self, src: torch.Tensor, src_table: np.ndarray, dst: torch.Tensor, dst_table: np.ndarray, *, head_start: int, num_tokens: int,
+    def __init__(self, src: torch.Tensor, src_table: Sequence[int] | np.ndarray, dst: torch.Tensor, dst_table: Sequence[int] | np.ndarray, *, head_start: int, num_tokens: int,
                  stream: torch.cuda.Stream | None = None, deadline_unix: float | None = None) -> None:
         route = _route(src, dst, head_start)
         if num_tokens <= 0:

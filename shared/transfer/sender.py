@@ -70,7 +70,8 @@ from shared.kvcache import KVLayout, PagedKVCache
 from shared.transfer import cuda_ipc
 from shared.transfer.errors import Cancelled, LayoutMismatch, PeerFailed, TransferError, TransferTimeout
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
-from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table, page_id_array
+from kernels.kv_copy import page_ids
+from shared.transfer.direct_write import DirectWriter, WriteIssuer
 from shared.transfer.shard import KVHeadShard, chunk_nbytes, chunk_view, pack_layers
 from shared.transfer.staging import StagingPool
 from shared.transfer.streams import event_done, side_stream, watch_event
@@ -464,7 +465,7 @@ def _check_decode_page_ids(desc: KVTransferDescriptor) -> None:
     """Refuse a descriptor whose page ids do not fit the storage it exports (``LayoutMismatch``)."""
     assert desc.cuda_ipc is not None
     try:
-        check_table("decode", page_id_array(desc.page_ids, "decode page ids"), desc.num_tokens, desc.layout.page_size, desc.cuda_ipc.num_pages)
+        page_ids("decode", desc.page_ids, -(-desc.num_tokens // desc.layout.page_size), desc.cuda_ipc.num_pages)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: decode page ids: {e}") from None
 
@@ -484,14 +485,11 @@ def _direct_writer(cache: PagedKVCache, desc: KVTransferDescriptor, page_table: 
                    peer: torch.Tensor, stream: torch.cuda.Stream | None, deadline_unix: float) -> DirectWriter:
     """The writer of this transfer's direct writes into the decode pages of ``desc`` (its page
     tables uploaded on ``stream``, where the writes run; none starts after ``deadline_unix``); it
-    checks both page tables against their storage (a bad one: ``LayoutMismatch``)."""
+    checks both page tables against their storage (a bad one: ``LayoutMismatch``; the copy
+    names the local table "source" and the decode's "destination")."""
+    table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else page_table
     try:
-        table = page_table.cpu().numpy() if isinstance(page_table, torch.Tensor) else page_id_array(page_table, "local page table")
-        ids = page_id_array(desc.page_ids, "decode page ids")
-    except ValueError as e:
-        raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
-    try:
-        return DirectWriter(cache.storage, table, peer, ids, head_start=heads.start, num_tokens=desc.num_tokens, stream=stream, deadline_unix=deadline_unix)
+        return DirectWriter(cache.storage, table, peer, desc.page_ids, head_start=heads.start, num_tokens=desc.num_tokens, stream=stream, deadline_unix=deadline_unix)
     except ValueError as e:
         raise LayoutMismatch(f"KV transfer {desc.request_id!r}: {e}") from None
 

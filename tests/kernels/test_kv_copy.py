@@ -141,6 +141,29 @@ def test_bad_calls_are_refused():
     kc.KVCopy(src, np.array([3, 0, -7]), dst, table, plan)  # past the pages the tokens need: not read
 
 
+def test_page_ids_are_checked_at_both_ends_whatever_their_form():
+    """Page ids from lists (descriptors, allocators: packed straight into a slot's words), arrays
+    or tensors: the side is named, a short table, a non-integer, a negative id, an id past the
+    pool or one past int32 is refused, and ids past the ones the tokens need are not read."""
+    out = np.full(8, -1, dtype=np.int32)
+    kc._fill_page_ids("destination", [4, 0, 7, 99], 3, 10, out)
+    assert out[:4].tolist() == [4, 0, 7, -1]
+    for table in ([1, 2], np.array([1, 2]), torch.tensor([1, 2])):
+        with pytest.raises(kc.KVCopyError, match="source page table must list at least 3 integer page ids"):
+            kc._fill_page_ids("source", table, 3, 10, out)
+    for bad in ([1, 10, 3], [1, -1, 3], np.array([1, 2, 10], dtype=np.int64), np.array([1, -2, 3], dtype=np.int32), torch.tensor([10, 0, 0])):
+        with pytest.raises(kc.KVCopyError, match="source page table names pages outside 0..9"):
+            kc._fill_page_ids("source", bad, 3, 10, out)
+    with pytest.raises(kc.KVCopyError, match="decode page table must hold integer page ids below 2"):
+        kc._fill_page_ids("decode", [0, 2**40, 1], 3, 10, out)
+    with pytest.raises(kc.KVCopyError, match="decode page table must hold integer page ids below 2"):
+        kc._fill_page_ids("decode", [0, 1.5, 1], 3, 10, out)
+    for bad in (np.array([1.0, 2.0, 3.0]), [0.5], [2**64]):
+        with pytest.raises(kc.KVCopyError, match="integer page ids"):
+            kc.page_ids("decode", bad, 1, 10)
+    assert kc.page_ids("decode", np.array([1, 2, 9, -5], dtype=np.int16), 3, 10).tolist() == [1, 2, 9]
+
+
 # --------------------------------------------------------------------------- GPU
 
 

@@ -17,7 +17,7 @@ import torch
 
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.transfer import direct_write
-from shared.transfer.direct_write import DirectWriter, WriteIssuer, check_table, page_id_array, row_shape
+from shared.transfer.direct_write import DirectWriter, WriteIssuer, row_shape
 from shared.transfer.shard import chunk_view, kv_head_shard, pack_layers, scatter_layers
 
 LAYERS, HEADS, DIM = 3, 4, 8
@@ -56,22 +56,6 @@ def test_bad_page_tables_are_refused_before_any_write():
     with pytest.raises(ValueError, match="float32"):
         DirectWriter(src, np.arange(3), dst.float(), np.arange(3), head_start=0, num_tokens=40)
     assert DirectWriter(src, np.arange(3), dst, np.array([9, 0, 4]), head_start=2, num_tokens=40).bytes_per_layer == 2 * 2 * 48 * DIM * 2
-
-
-def test_page_ids_from_lists_are_checked_at_both_ends():
-    """Lists (descriptors, allocators) become arrays the checks take; a negative id, an id past
-    the pool or a table of non-integers is refused with the side named."""
-    assert page_id_array([4, 0, 7], "decode page ids").tolist() == [4, 0, 7]
-    with pytest.raises(ValueError, match="local page table must be integer page ids below 2"):
-        page_id_array([0, 2**40], "local page table")
-    with pytest.raises(ValueError, match="decode page ids must be integer page ids"):
-        page_id_array([0, 1.5], "decode page ids")
-    for table in (page_id_array([1, 2, 10], "x"), page_id_array([1, -1, 3], "x"), np.array([1, 2, 10], dtype=np.int64), np.array([1, -2, 3], dtype=np.int32)):
-        with pytest.raises(ValueError, match="source page table names pages outside 0..9"):
-            check_table("source", table, 40, 16, 10)
-    check_table("source", np.array([1, 2, 9, -5], dtype=np.int16), 40, 16, 10)  # past the pages the tokens need: not read
-    with pytest.raises(ValueError, match="integer page ids, not float64"):
-        check_table("decode", np.array([1.0, 2.0, 3.0]), 40, 16, 10)
 
 
 def test_storage_checks_are_kept_per_storage_pair():
