@@ -225,7 +225,8 @@ class WriteIssuer:
     ``deadline`` (``time.monotonic``); the writer's own deadline guard covers writes enqueued
     in time whose compute ends too late. An error while enqueueing is kept in ``error`` for
     the sender, never raised into the reporting thread (the model's forward). ``close()``
-    ends it: the writer's parameter slot and the issuer's event go back for later transfers.
+    ends it: the writer's parameter slot and the issuer's events (made ahead,
+    ``streams.take_event``) go back for later transfers.
     """
 
     def __init__(self, writer: DirectWriter, stream: torch.cuda.Stream, deadline: float) -> None:
@@ -243,7 +244,7 @@ class WriteIssuer:
         self.first_issued_at: float | None = None  # perf_counter
         self.issue_s = 0.0  # host time spent enqueueing
         # Marks the reporting thread's stream for reports without an event: an event made ahead
-        # (``streams.take_event``; making one cost ~40 us of a cold transfer's path on 2x H200).
+        # (making one cost ~40 us of a cold transfer's path on 2x H200, 06be092c0e76).
         self._mark: torch.cuda.Event | None = take_event(writer.device) if writer.device.type == "cuda" else None
 
     @property
@@ -290,7 +291,7 @@ class WriteIssuer:
             else:
                 self._pending.difference_update(run)
             if self.writes_done is None:
-                self.writes_done = torch.cuda.Event()
+                self.writes_done = take_event(self.writer.device)
             self.writes_done.record(self._stream)  # after every launch: a failure waits for all of them
         if event is not None and all(e is not event for e in self.compute_events):
             self.compute_events.append(event)
@@ -309,6 +310,8 @@ class WriteIssuer:
                 self.writer.release(ran)
                 if self._mark is not None:
                     give_back_event(self.writer.device, self._mark)
+                if ran and self.writes_done is not None:  # else the caller may still wait on it
+                    give_back_event(self.writer.device, self.writes_done)
             return self.writes_done
 
 

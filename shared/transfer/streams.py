@@ -29,7 +29,7 @@ HIGH_PRIORITY = -1
 
 _streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 _spare_events: dict[torch.device, list[torch.cuda.Event]] = {}
-_SPARE_EVENTS_MADE = 8  # made ahead per device (``prepare_events``): a process's transfers at once
+_SPARE_EVENTS_MADE = 32  # made ahead per device (``prepare_events``): a direct write takes two, a batch has a few transfers
 
 
 def side_stream(device: torch.device, purpose: str = "copy") -> torch.cuda.Stream | None:
