@@ -31,6 +31,16 @@ For each prompt length it measures, in the same run:
   Each row also carries the median per-phase times both sides record
   (``TransferRecord.phases_s``), ``start_us`` (sender built -> first header at the decode
   rank) and ``notify_us`` (request complete -> ``wait_complete`` returned).
+* clocks     - strict starts in the prefill process right before ``KVSender(...)``: it counts
+  the whole set-up (layout checks, the peer mapping and route lookups, both page tables
+  written into a kept parameter slot, checked and uploaded), the report that enqueues the
+  writes (marking the stream, the launch), the kernel, the decode side seeing the landing
+  event complete, and ``wait_complete`` returning. What it does not count is made once per
+  process, as a serving prefill rank makes it: the compiled kernel, landing and spare events
+  (``prepare_direct_writes`` at start), and per (local storage, decode storage, head shard,
+  stream) the kept route with its parameter slots, built by the first transfer of each
+  row (verified, then dropped). From KV ready starts right before
+  ``mark_all_layers_done``.
 * placement  - the decode rank sits on the GPU after the prefill ranks of the largest layout
   (``--prefill-ranks 4`` on 8 GPUs: prefill ranks on GPUs 0-3, decode on GPU 4), or on the
   last GPU when there is none after them, the prefill ranks then sharing GPUs 0..last-1

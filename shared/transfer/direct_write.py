@@ -53,7 +53,21 @@ and page lists converted through ``array.array``, it measured 264-373 us, enqueu
 65-89 us (f4e4232480e1; cross-call); a scratch profile in that call, constructions 20 ms
 apart, put a sender's set-up at 500 us median against 626 for da02852, spread over many
 small steps (the driver copy 69 us, the allocator block 38, the two page lists 26, the
-two table checks 20).
+two table checks 20). A step-by-step profile at 06be092c0e76 (same host, 20 ms idle before
+each, medians of 30; 490 us from construction to the first write's last event, 192 back to
+back): ``KVCopy`` 167 us (pageable upload 70, its allocator block 35, the parameter array
+24, launcher 9, skip word 10, device context 11), the event the first report made and
+recorded 50 (torch creates a CUDA event at its first record), the launch 63, the stream wait
+11, the two page lists 50, the two table checks 41, the cached peer mapping 23, the layout
+checks 16, ``RowPlan`` (then a frozen dataclass) 10; a lone first driver call or numpy op
+after idling took 40-120 us. Since 64ddcd5..fab3772 a sender's set-up reuses a kept
+parameter slot (``kernels.kv_copy._CopyRoute``: pinned words, device words, launcher; the
+page-id lists packed straight into it and checked there, one asynchronous upload) and events
+made ahead (the issuer's mark for reports without an event, its writes-done event), and a
+transfer that saw its landing event gives the slot back free at once (no event query on the
+next set-up). At 0651591c0496 (before the last three of those) the benchmark measured the
+set-up at 233-361 us at 6k TP=1 (264-373 at f4e4232480e1) and 435-455 at 32k (608-617),
+and the report's event no longer delays the first write (52-82 us before).
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.
