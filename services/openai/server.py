@@ -146,8 +146,8 @@ class OpenAIFrontend:
                 return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
         echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
         parse_tools = chat and self.tool_call_parser is not None and protocol.calls_tools(body)  # type: ignore[arg-type]
-        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=chat and self.reasoning_parser is not None,
-                                 tool_calls=parse_tools)
+        reasoning = chat and self.reasoning_parser is not None and protocol.thinks(body)  # type: ignore[arg-type]
+        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools)
         choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(writer, choices, shapes, include_usage) if gen.stream else self._unary(writer, choices, shapes)

@@ -542,3 +542,11 @@ def test_a_parsing_frontend_serves_tool_conversations_with_reasoning(stack, tool
 
     status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", body | {"tool_choice": "required"})
     assert status == 400 and '"required" is not supported' in json.loads(raw)["error"]["message"], raw
+
+    # thinking off (vLLM's chat_template_kwargs): the empty think block is in the prompt, the answer is content
+    no_think = body | {"chat_template_kwargs": {"enable_thinking": False}}
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", no_think)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["usage"]["prompt_tokens"] > tool_prompt_tokens  # "<think>\n\n</think>\n\n" added to the prompt
+    assert answer["choices"][0]["message"].get("reasoning_content") is None and answer["choices"][0]["message"]["content"]
