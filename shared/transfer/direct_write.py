@@ -67,7 +67,8 @@ made ahead (the issuer's mark for reports without an event, its writes-done even
 transfer that saw its landing event gives the slot back free at once (no event query on the
 next set-up). At 0651591c0496 (before the last three of those) the benchmark measured the
 set-up at 233-361 us at 6k TP=1 (264-373 at f4e4232480e1) and 435-455 at 32k (608-617),
-and the report's event no longer delays the first write (52-82 us before).
+and the report's event no longer delays the first write (52-82 us before); at fab377215964
+187-204 us at 6k, enqueueing 83-126 us (bench/results/kv_transfer.jsonl).
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.

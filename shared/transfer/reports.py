@@ -2,7 +2,7 @@
 
 A batch's senders cost ~0.2-0.4 ms each to build on a cold path (2x H200, bench/results/
 kv_transfer.jsonl: opening the peer's storage, planning and uploading the page tables;
-300-381 us at 6k tokens at a147946f51b4, 264-373 at f4e4232480e1, 233-361 at 0651591c0496).
+300-381 us at 6k tokens at a147946f51b4, 264-373 at f4e4232480e1, 233-361 at 0651591c0496, 187-204 at fab377215964).
 Built before the forward, that time precedes the batch's compute on every request's
 path; built after the forward started, it overlaps the first layers' compute.
 ``LayerReports`` makes the second order possible: the forward reports each layer to it
