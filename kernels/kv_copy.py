@@ -139,10 +139,11 @@ class KVCopy:
 
     ``src_table`` / ``dst_table``: the sequence's page ids on each side (host sequences,
     arrays or tensors), checked here against the pools (``KVCopyError`` on an id outside its
-    pool, negative ones included: the kernel trusts them). On CUDA they go, with the copy's launch parameters, into a parameter slot of the
-    copy's route (``_CopyRoute``: what the pool pair, row shape and ``stream`` fix, kept) and
-    from its pinned memory to the GPU in one asynchronous copy on ``stream``, here; the
-    slot is the copy's until ``release()`` (or until the copy is collected). ``plan`` must
+    pool, negative ones included: the kernel trusts them). On CUDA they go, with the copy's
+    launch parameters, into a parameter slot of the copy's route (``_CopyRoute``: what the
+    pool pair, row shape and ``stream`` fix, kept) and from its pinned memory to the GPU in
+    one asynchronous copy on ``stream``, here; the slot is the copy's until ``release()``
+    (or until the copy is collected). ``plan`` must
     describe rows contiguous on both sides (``shared.transfer.direct_write.plan_rows``).
     ``deadline_ns`` (device clock, ``device_time_ns``; None: none): a copy starting later
     writes nothing and sets ``skipped_at_ns``. Raises ``KVCopyError`` on pools, tables or
