@@ -16,7 +16,8 @@ captures the batch buckets (`decode_graph.captured`), and each request's `decode
 counts its steps by path: replays (and the steps that captured a new bucket), no eager one.
 
 Nine concurrent requests (streamed and unary) fill the three decode ranks (max_batch 3
-each) and must all go through the prefill GPU -> decode GPU KV handoff over CUDA IPC
+each; on one GPU there is one decode rank, and the scheduler's queue wait is raised so the
+others wait for its capacity) and must all go through the prefill GPU -> decode GPU KV handoff over CUDA IPC
 (each request's `kv.received` event says `path: cuda_ipc`); afterwards every decode
 rank's heartbeat shows all KV pages back in its pool.
 
@@ -94,6 +95,8 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         "MOEBUS_PREFILL_DEVICE": "cuda:0",
         "MOEBUS_DECODE_MAX_BATCH": str(MAX_BATCH),
         "MOEBUS_SCHEDULER_LEASE_S": "120",  # the first prefill compiles its kernels inside the lease
+        # One GPU: one decode rank of max_batch 3 for nine requests, which wait for its capacity.
+        "MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "1000" if TWO_GPUS else "60000",
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     }
