@@ -62,6 +62,7 @@ def test_a_small_run_through_a_real_stack_and_the_in_process_peer(api, tmp_path,
     """The stack's native API with the peer; its `openai` frontend over HTTP (the client any
     OpenAI-compatible server gets) without it."""
     monkeypatch.setenv("MOEBUS_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEBUS_PREFILL_PREFIX_CACHING", "true")  # the stack's prefill serves the shared prefix from its cache
     requests, output_len = 12, 8
     args = ["--up", "--api", api, "--requests", str(requests), "--input-len", "24", "--prefix-len", "32", "--output-len", str(output_len),
             "--max-concurrency", "4", "--rate", "40"]

@@ -139,9 +139,9 @@ def test_model_routes_decode_batches_through_the_kernel(monkeypatch):
     torch.testing.assert_close(got.float(), sdpa.float(), rtol=2.0**-6, atol=2.0**-6)
 
 
-def test_prefill_attention_after_a_cached_prefix_matches_the_reference_and_needs_no_mask_memory(monkeypatch):
+def test_prefill_attention_after_a_cached_prefix_matches_the_reference_and_needs_no_mask_memory():
     """`paged_attention_sdpa` on prefill chunks (one after 600 cached tokens, one fresh prompt, one
-    decode row in the same batch), by both of its prefill paths, at Qwen3-235B's per-KV-head grouping (8 query heads per KV head
+    decode row in the same batch) at Qwen3-235B's per-KV-head grouping (8 query heads per KV head
     here, 16 in the model), against the fp32 reference; then a 16k-token prompt whose attention
     takes a few copies of its queries and its K/V gather, not a [g * n, L] mask (2 GiB as bools)."""
     from shared.kvcache import KVLayout, PagedKVCache
@@ -157,12 +157,9 @@ def test_prefill_attention_after_a_cached_prefix_matches_the_reference_and_needs
     chunks = [SequenceChunk([1] * 900, 600, ids[:94]), SequenceChunk([2] * 700, 0, ids[94:138]), SequenceChunk([3], 50, ids[138:142])]
     meta = ForwardBatch.build(chunks, page, dev).attn
     q = torch.randn((1601, hq, d), generator=gen).to(dev, torch.bfloat16)
+    got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
     want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
-    for limit in (layers.FOLDED_MASK_LIMIT, 0):  # this batch's mask is small: folded; then a sequence at a time
-        monkeypatch.setattr(layers, "FOLDED_MASK_LIMIT", limit)
-        got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
-        torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
-    monkeypatch.undo()
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
 
     n = 16384
     big = PagedKVCache(KVLayout(1, n // page, hkv, page, d, torch.bfloat16), dev)

@@ -39,7 +39,7 @@ PAGE = 16  # PrefillSettings.page_size's default, which the stacks keep
 SYSTEM = ("You are a careful assistant for a mixture-of-experts inference engine. Answer in one short sentence, "
           "name the component you mean, and never invent configuration keys that do not exist in the documentation.")
 
-stack = stack_fixture("single-node.yml", env={"MOEBUS_PREFILL_TP": "2"})
+stack = stack_fixture("single-node.yml", env={"MOEBUS_PREFILL_TP": "2", "MOEBUS_PREFILL_PREFIX_CACHING": "true"})
 
 
 def chat(question: str) -> list[ChatMessage]:
@@ -168,7 +168,7 @@ def group_on(tiny_model: Path, num_pages: int, **settings) -> PrefillGroup:
     c = model.config
     runner = ModelRunner(model, PagedKVCache(KVLayout(c.num_layers, num_pages, model.local_kv_heads, PAGE, c.head_dim, torch.float32)),
                          release_finished=False)
-    return PrefillGroup(PrefillSettings(instance="p", **settings), runner, None, 0, 1, None)  # type: ignore[arg-type]  # planning needs no transfer worker
+    return PrefillGroup(PrefillSettings(instance="p", **({"prefix_caching": True} | settings)), runner, None, 0, 1, None)  # type: ignore[arg-type]  # planning needs no transfer worker
 
 
 def task(request_id: str, ids: list[int], prompt_logprobs: int = -1) -> Msg:

@@ -152,7 +152,7 @@ def test_greedy_decode_kernels_vs_reference(checkpoints, fmt, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sdpa_attention_matches_reference(device, monkeypatch):
+def test_sdpa_attention_matches_reference(device):
     """Mixed batch: a prefill chunk after a cached prefix, a decode step, a fresh prompt."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     gen = torch.Generator().manual_seed(6)
@@ -163,11 +163,9 @@ def test_sdpa_attention_matches_reference(device, monkeypatch):
     meta = ForwardBatch.build(chunks, page, torch.device(device)).attn
     q = torch.randn(11, hq, d, generator=gen).to(device=device, dtype=dtype)
     expect = ops.paged_attention(q, cache, 0, meta, d**-0.5).float()
+    got = ops.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
     tol = 1e-5 if dtype == torch.float32 else 2.0**-7  # bf16 output rounding, probabilities in bf16 inside SDPA
-    for limit in (ops.FOLDED_MASK_LIMIT, 0):  # the whole batch under one mask; a sequence at a time
-        monkeypatch.setattr(ops, "FOLDED_MASK_LIMIT", limit)
-        got = ops.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
-        torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, expect, rtol=tol, atol=tol)
 
 
 def test_prepare_for_kernels_converts_in_place_or_says_why(tiny_checkpoint, checkpoints):
