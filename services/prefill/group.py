@@ -122,7 +122,7 @@ class PrefillGroup:
             "queued_tokens": self.in_flight_tokens + sum(len(q.task.job.input_ids) for q in self.queue),
             "queued_requests": len(self.queue),
             "transfer": self.group_transfers if self.world > 1 else self.transfer_metrics.stats(),
-            "prefix_cache": self.prefix.stats(),
+            "prefix_cache": self.prefix.stats() if self.prefix.enabled else None,  # None: the scheduler's affinity skips this instance
             "page_size": self.runner.cache.layout.page_size,  # the scheduler's prefix affinity hashes the first page
         }
 

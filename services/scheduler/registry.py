@@ -9,9 +9,10 @@ numbers; the decode rank's reservation stays the source of truth (it may refuse)
 Prefix affinity (`prefill_for`): a prefill instance's prefix cache only helps prompts that
 land on it, so prompts whose first KV page is the same go to the same instance while its
 queue is not much longer than the least loaded one's. The instance is picked by rendezvous
-hashing of the first page's key over the live instances (`affinity_score`): every scheduler
-replica picks the same one, and an instance joining or leaving moves only its share of
-prefixes.
+hashing of the first page's key over the live instances with a prefix cache (those whose
+heartbeat carries ``prefix_cache``; with caching off there is nothing to be near, and the
+least loaded instance serves): every scheduler replica picks the same one, and an instance
+joining or leaving moves only its share of prefixes.
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ class Registry:
         """The prefill instance for a prompt: the one its first KV page hashes to (module doc) if
         that one's queue is at most ``slack_tokens`` longer than the least loaded one's, else the
         least loaded. A prompt with no full page before its last token (nothing any cache could
-        reuse), instances that report no page size, or ``slack_tokens`` 0: the least loaded."""
+        reuse), instances that report no page size or no prefix cache, or ``slack_tokens`` 0: the
+        least loaded."""
         least = self.least_loaded_prefill()
         if least is None or slack_tokens <= 0:
             return least
         now = time.monotonic()
-        candidates = [m for m in self.of_role("prefill") if m.suspect_until <= now and 0 < m.hb.page_size < len(input_ids)]
+        candidates = [m for m in self.of_role("prefill")
+                      if m.suspect_until <= now and m.hb.prefix_cache is not None and 0 < m.hb.page_size < len(input_ids)]
         if not candidates:
             return least
         preferred = max(candidates, key=lambda m: (affinity_score(m.hb.instance, input_ids[: m.hb.page_size]), m.hb.instance))

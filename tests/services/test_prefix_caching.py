@@ -150,7 +150,7 @@ def test_with_prefix_caching_off_nothing_is_reused(tiny_model, tokenizer, hf_gre
             async with session(off.url) as (client, watch):
                 answers = [await client.generate(GenerateRequest(messages=messages, max_tokens=8, temperature=0)) for _ in range(2)]
                 await watch.wait_for(lambda w: len(w.live("prefill")) == 1, 10, "the prefill heartbeat")
-                return answers, prefill_stats(watch)
+                return answers, watch.live("prefill")[0].prefix_cache
 
         (cold, again), stats = run(go())
     finally:
@@ -158,7 +158,7 @@ def test_with_prefix_caching_off_nothing_is_reused(tiny_model, tokenizer, hf_gre
     ids = chat_ids(tokenizer, messages)
     assert cold.usage.cached_tokens == again.usage.cached_tokens == 0
     assert cold.token_ids == again.token_ids == hf_greedy(tuple(ids), 8)
-    assert stats == PrefixCacheStats()
+    assert stats is None  # no cache to report (and none for the scheduler's affinity to aim at)
 
 
 # ------------------------------------------------------------ the leader's plan (a real PrefillGroup, no bus)
@@ -236,10 +236,11 @@ def test_prompt_logprob_tasks_reuse_nothing_and_a_divergent_plan_is_refused(tiny
 
 # ------------------------------------------------------------ the scheduler's prefix affinity
 
-def prefill_registry(queued: dict[str, int], page_size: int = PAGE) -> Registry:
+def prefill_registry(queued: dict[str, int], page_size: int = PAGE, caching: bool = True) -> Registry:
     reg = Registry(expiry_s=10)
     for name, tokens in queued.items():
-        reg.update(Heartbeat(role="prefill", instance=name, rank=0, model="m", version="v", started_at=1.0, queued_tokens=tokens, page_size=page_size))
+        reg.update(Heartbeat(role="prefill", instance=name, rank=0, model="m", version="v", started_at=1.0, queued_tokens=tokens, page_size=page_size,
+                             prefix_cache=PrefixCacheStats() if caching else None))
     return reg
 
 
@@ -261,6 +262,8 @@ def test_prompts_with_the_same_first_page_go_to_the_same_prefill_instance_while_
     assert busy.prefill_for(prompts[0], 0).hb.instance != preferred  # affinity off
     assert busy.prefill_for(prompts[0][: PAGE], 4096).hb.instance != preferred  # no page to reuse: the least loaded
     assert prefill_registry({"p0": 0, "p1": 9}, page_size=0).prefill_for(prompts[0], 4096).hb.instance == "p0"  # no page size reported
+    uncached = prefill_registry({name: (1 if name == preferred else 0) for name in ("p0", "p1", "p2")}, caching=False)
+    assert uncached.prefill_for(prompts[0], 4096).hb.instance != preferred  # caching off: the least loaded
 
 
 # ------------------------------------------------------------ units: the figures' shapes
