@@ -170,7 +170,9 @@ def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: A
     6222 (two calls of the same script minutes apart, not one A/B). One varlen flash call for the
     whole batch would drop the loop's per-sequence launches; not built.
     """
-    spans = meta.host_lens if meta.host_lens is not None else tuple(zip(meta.query_lens.tolist(), meta.context_lens.tolist(), strict=True))
+    spans = meta.host_lens
+    if spans is None:
+        raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
     page_size = cache.pools[layer].shape[3]
     out = torch.empty_like(q)
     start = 0

@@ -151,7 +151,7 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
         if not _is_int(token) or token < 0:
             raise InvalidSamplingParams(f"logit_bias: token ids must be integers >= 0, got {token!r}")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
-            raise InvalidSamplingParams(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value!r}")
+            raise InvalidSamplingParams(f"logit_bias: the bias of token {token} must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value!r}")
         if token in out:
             raise InvalidSamplingParams(f"logit_bias: token {token} given twice")
         out[token] = float(value)
