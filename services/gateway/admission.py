@@ -17,11 +17,10 @@ from schemas.api import ChatMessage, ErrorCode, GenerateRequest, Tool
 from schemas.internal import Job, SamplingSpec
 from shared.model.config import GenerationConfig, ModelConfig
 from shared.model.sampling import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
-from shared.model.tokenizer import InvalidPromptError, Tokenizer
+from shared.model.tokenizer import RESERVED_TEMPLATE_VARIABLES, InvalidPromptError, Tokenizer
 from shared.settings import GatewaySettings
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # what admission passes itself
 
 
 class Rejected(Exception):

@@ -183,6 +183,10 @@ class Gateway:
         except Rejected as e:
             await send(ErrorReply(error=ErrorInfo(e.code, str(e)), request_id=req.request_id))
             return
+        except Exception as e:  # noqa: BLE001 - a bug in admission: the client still gets an answer
+            log.exception("admission_failed", request_id=req.request_id)
+            await send(ErrorReply(error=ErrorInfo("internal", f"admission failed: {type(e).__name__}: {e}"), request_id=req.request_id))
+            return
 
         request_id = admitted.job.request_id
         flight = Flight(admitted)

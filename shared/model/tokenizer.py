@@ -31,6 +31,9 @@ from tokenizers import Tokenizer as HfTokenizer
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Arguments apply_chat_template passes to the template itself (and jinja's render takes "self"):
+# extra template variables may not use them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"self", "messages", "tools", "documents", "add_generation_prompt"})
 
 # The named special tokens transformers hands to a chat template (SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -189,6 +192,7 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -202,6 +206,9 @@ class Tokenizer:
         """
         if not messages:
             raise EmptyPromptError("messages is empty")
+        clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs))
+        if clash:
+            raise ChatTemplateError(f"template variables {', '.join(clash)} are set by apply_chat_template itself")
         template = self._template(tools)
         chat = []
         for index, message in enumerate(messages):
@@ -221,7 +228,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. a variable shadowing a template function
             raise ChatTemplateError(f"chat template of {self.source} rejected the messages: {exc}") from exc
 
     def _template(self, tools: Sequence[Mapping[str, Any]] | None) -> jinja2.Template:

@@ -304,5 +304,12 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_takes_them(admi
     for kwargs, says in [({"add_generation_prompt": False}, "add_generation_prompt are set by moebus"), ({"tools": []}, "tools are set by moebus")]:
         with pytest.raises(Rejected, match=says):
             admission.admit(GenerateRequest(messages=[ChatMessage("user", "hi")], chat_template_kwargs=kwargs), "gw")
+    # a variable shadowing a function the template calls (Qwen3's uses namespace()) is a typed refusal, not a crash
+    with pytest.raises(Rejected, match="chat template .* rejected the messages") as e:
+        admission.admit(GenerateRequest(messages=[ChatMessage("user", "hi")], chat_template_kwargs={"namespace": "x"}), "gw")
+    assert e.value.code == "invalid_request"
+    with pytest.raises(Rejected, match="self are set by moebus"):
+        admission.admit(GenerateRequest(messages=[ChatMessage("user", "hi")], chat_template_kwargs={"self": 1}), "gw")
+    assert admission.admit(GenerateRequest(messages=[ChatMessage("user", "hi")], chat_template_kwargs={"messages_note": 2}), "gw").job.input_ids
     with pytest.raises(Rejected, match="chat_template_kwargs: only with messages"):
         admission.admit(GenerateRequest(prompt="hi", chat_template_kwargs={"enable_thinking": False}), "gw")
