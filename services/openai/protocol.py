@@ -114,7 +114,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model's EOS
     min_p: float | None = None  # vLLM's extension
     min_tokens: int = 0  # vLLM's extension
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys: msgspec reads them as ints
     user: str | None = None
 
 
@@ -155,19 +155,6 @@ def _check_unsupported(unsupported: dict[str, bool]) -> None:
         raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no suffix, best_of > 1 or response formats)")
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer ids; the gateway
-    checks the ids against the vocabulary and the values' range."""
-    if bias is None:
-        return None
-    out = {}
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise InvalidRequest(f"logit_bias: keys must be token ids (decimal strings), got {key!r}")
-        out[int(key)] = value
-    return out
-
-
 def check_n(req: _Sampling, max_n: int) -> int:
     """The number of choices asked for, within [1, max_n]."""
     if not 1 <= req.n <= max_n:
@@ -181,7 +168,7 @@ def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[st
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
-            "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": _logit_bias(req.logit_bias)}
+            "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias}
 
 
 def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[str, Any]]:

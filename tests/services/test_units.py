@@ -51,9 +51,8 @@ def test_openai_logit_bias_keys_are_token_id_strings_and_vllms_min_fields_pass_t
     body = b'{"prompt": "hi", "logit_bias": {"50256": -100, "7": 3}, "min_p": 0.05, "min_tokens": 3}'
     req = protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 16, 4)[0]
     assert (req.logit_bias, req.min_p, req.min_tokens) == ({50256: -100.0, 7: 3.0}, 0.05, 3)
-    bad = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 1}}', protocol.ChatCompletionRequest)
-    with pytest.raises(protocol.InvalidRequest, match="logit_bias: keys must be token ids"):
-        protocol.chat_request(bad, "r2", 16)
+    with pytest.raises(protocol.InvalidRequest, match=r"Expected `int`.*key.*\$\.logit_bias"):
+        protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 1}}', protocol.ChatCompletionRequest)
 
 
 def test_openai_bodies_pass_vllms_ignore_eos_through():
