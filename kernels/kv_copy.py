@@ -84,6 +84,7 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # by item s
 _CLOCK_MAX_AGE_S = 60.0  # the device clock is related to the host's again after this long (in a thread)
 _clock: dict[torch.device, tuple[float, int]] = {}  # device -> (monotonic time of the calibration, device ns - host ns)
 _clock_width: dict[torch.device, int] = {}  # device -> the access width its calibration runs (prepare_kv_copy's)
+_probes: dict[tuple[torch.device, int], tuple[torch.cuda.Stream, torch.Tensor, RowPlan]] = {}  # (device, width) -> calibration stream, pool, plan
 _recalibrating: set[torch.device] = set()
 # Skip words: the pinned host words copies store their skip time into, one per copy, taken in
 # turn from one array per device (allocated once: a pinned allocation per copy cost the copy's
@@ -288,7 +289,7 @@ def _copy_route(src: torch.Tensor, dst: torch.Tensor, plan: RowPlan, stream: int
     if route is None:
         route = _CopyRoute(src, dst, plan)
         if len(_routes) >= _ROUTES_KEPT:
-            _routes.clear()  # slots taken from a dropped route stay their copies' until released
+            _routes.pop(next(iter(_routes)))  # the oldest; slots taken from it stay their copies' until released
         _routes[key] = route
     return route
 
@@ -450,9 +451,14 @@ def _calibrate(device: torch.device) -> int:
     """Device clock minus host clock (ns): a copy with a deadline in the past stores
     ``%globaltimer`` as it starts, between two host clock readings (on a stream of its
     own, never queued behind transfer writes that wait for compute)."""
-    stream = torch.cuda.Stream(device)
+    width = _clock_width.get(device, VECTOR_BYTES[0])
+    kept = _probes.get((device, width))
+    if kept is None:  # one stream and scratch pool per device, so every calibration reuses one copy route
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            kept = _probes[(device, width)] = (stream, *_scratch(device, width))
+    stream, pool, plan = kept
     with torch.cuda.stream(stream):
-        pool, plan = _scratch(device, _clock_width.get(device, VECTOR_BYTES[0]))
         probe = KVCopy(pool, [0], pool, [1], plan, stream, deadline_ns=0)
         done = torch.cuda.Event()
         before = time.time_ns()

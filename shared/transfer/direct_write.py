@@ -134,6 +134,8 @@ def prepare_direct_writes(device: torch.device, dtype: torch.dtype, head_dim: in
     there). KV storages are allocations aligned far beyond 16 bytes, so the row alone
     decides the access width."""
     vec = vector_bytes(head_dim * dtype.itemsize)
+    if device.type == "cuda" and device.index is None:  # senders look their events up by an indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda" and vec is not None:
         prepare_kv_copy(device, vec)
         cuda_ipc.prepare_landing_events(device)
@@ -315,18 +317,21 @@ class WriteIssuer:
             self.landing[0].record(self._stream)
 
     def close(self, ran: bool = False) -> torch.cuda.Event | None:
-        """Enqueue nothing more; the event recorded after the last enqueued write (None: none).
-        The writer's slot and the issuer's event go back (a stream wait already enqueued keeps
-        the mark it was given, whatever the event records later); ``ran``: every enqueued write
-        was seen complete (the landing event), so the slot is free at once."""
+        """Enqueue nothing more; the event recorded after the last enqueued write (None: none,
+        or given back). The writer's slot and the issuer's mark go back (a stream wait already
+        enqueued keeps the mark it was given, whatever the event records later); ``ran``: every
+        enqueued write was seen complete (the landing event), so the slot is free at once and
+        the writes-done event goes back too (it may record another transfer's writes next)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self.writer.release(ran)
                 if self._mark is not None:
                     give_back_event(self.writer.device, self._mark)
+                    self._mark = None
                 if ran and self.writes_done is not None:  # else the caller may still wait on it
                     give_back_event(self.writer.device, self.writes_done)
+                    self.writes_done = None
             return self.writes_done
 
 

@@ -182,7 +182,10 @@ def test_issuer_enqueues_writes_behind_compute_without_waiting_for_it():
     table = torch.tensor(src_table, device="cuda"), torch.tensor(dst_table, device="cuda")
     for layer in range(layers):
         assert torch.equal(torch.stack(dst.read(layer, table[1], tokens)), torch.stack(src.read(layer, table[0], tokens))), layer
-    assert issuer.close() is issuer.writes_done
+    done = issuer.writes_done
+    assert issuer.close(ran=True) is None and issuer.close() is None  # seen complete: the event went back, never handed out again
+    from shared.transfer import streams
+    assert streams._spare_events[writer.device][-1] is done
 
 
 @pytest.mark.gpu
