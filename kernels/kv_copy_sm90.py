@@ -159,7 +159,8 @@ def _max_ctas(device_index: int) -> int:
 
 
 class Launcher:
-    """Launches of one copy (``kernels.kv_copy.KVCopy``): the kernel's five arguments live in
+    """Launches from one parameter slot (``kernels.kv_copy._ParamSlot``, used by one copy at a
+    time, then by the next): the kernel's five arguments live in
     ctypes slots marshalled once, here, so a launch only sets three integers and calls the
     compiled host function (calling the compiled function converts every argument through
     the DSL's adapters on each call; a launch that way cost ~23 us in a loop and ~140 us once
