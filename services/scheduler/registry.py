@@ -94,11 +94,14 @@ class Registry:
         ]
         return sorted(fits, key=lambda m: (-m.free_pages, m.batch, m.hb.instance, m.hb.rank))
 
+    def live_prefill(self) -> list[Member]:
+        """Prefill instances that are not draining and not suspect."""
+        now = time.monotonic()
+        return [m for m in self.of_role("prefill") if m.suspect_until <= now]
+
     def least_loaded_prefill(self) -> Member | None:
         """The prefill instance with the fewest queued input tokens."""
-        now = time.monotonic()
-        live = [m for m in self.of_role("prefill") if m.suspect_until <= now]
-        return min(live, key=lambda m: (m.queued_tokens, m.hb.instance), default=None)
+        return _least_loaded(self.live_prefill())
 
     def prefill_for(self, input_ids: Sequence[int], slack_tokens: int) -> Member | None:
         """The prefill instance for a prompt: the one its first KV page hashes to (module doc) if
@@ -106,19 +109,26 @@ class Registry:
         least loaded. A prompt with no full page before its last token (nothing any cache could
         reuse), instances that report no page size or no prefix cache, or ``slack_tokens`` 0: the
         least loaded."""
-        least = self.least_loaded_prefill()
+        live = self.live_prefill()
+        least = _least_loaded(live)
         if least is None or slack_tokens <= 0:
             return least
-        now = time.monotonic()
-        candidates = [m for m in self.of_role("prefill")
-                      if m.suspect_until <= now and m.hb.prefix_cache is not None and 0 < m.hb.page_size < len(input_ids)]
+        candidates = [m for m in live if m.hb.prefix_cache is not None and 0 < m.hb.page_size < len(input_ids)]
         if not candidates:
             return least
-        preferred = max(candidates, key=lambda m: (affinity_score(m.hb.instance, input_ids[: m.hb.page_size]), m.hb.instance))
+        first_page_keys: dict[int, bytes] = {}  # by page size: instances may differ, the key is hashed once per size
+        for m in candidates:
+            if m.hb.page_size not in first_page_keys:
+                (first_page_keys[m.hb.page_size],) = page_keys(input_ids[: m.hb.page_size], m.hb.page_size)
+        preferred = max(candidates, key=lambda m: (affinity_score(m.hb.instance, first_page_keys[m.hb.page_size]), m.hb.instance))
         return preferred if preferred.queued_tokens <= least.queued_tokens + slack_tokens else least
 
 
-def affinity_score(instance: str, first_page: Sequence[int]) -> bytes:
-    """Rendezvous score of a prefill instance for a prompt's first KV page: the highest wins."""
-    (key,) = page_keys(first_page, len(first_page))
-    return hashlib.blake2b(key + instance.encode(), digest_size=8).digest()
+def _least_loaded(prefill: list[Member]) -> Member | None:
+    return min(prefill, key=lambda m: (m.queued_tokens, m.hb.instance), default=None)
+
+
+def affinity_score(instance: str, first_page_key: bytes) -> bytes:
+    """Rendezvous score of a prefill instance for a prompt whose first KV page has key
+    ``first_page_key`` (``shared.prefix_cache.page_keys``): the highest wins."""
+    return hashlib.blake2b(first_page_key + instance.encode(), digest_size=8).digest()
