@@ -204,13 +204,6 @@ def completion_requests(req: CompletionRequest, request_id: str, default_max_tok
     return [GenerateRequest(**prompt, **logprobs, **common) for prompt in completion_prompts(req.prompt, max_prompts)]
 
 
-def thinks(req: ChatCompletionRequest) -> bool:
-    """Whether the answer may open with reasoning: not when ``chat_template_kwargs`` turns
-    Qwen3's thinking off (the template then puts the empty think block in the prompt, so the
-    answer is all content; a reasoning parser would otherwise take it all as reasoning)."""
-    return (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-
-
 def calls_tools(req: ChatCompletionRequest) -> bool:
     """Whether the answer is parsed for tool calls: tools given and ``tool_choice`` "auto"
     (explicit or by default); with "none" the tools are still in the prompt, as in vLLM."""

@@ -37,7 +37,7 @@ from services import http
 from services.client import Client, GenerateError
 from services.openai import protocol
 from services.openai.choices import Choices, choice_requests
-from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
+from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
 from shared.bus import connect
 from shared.logging import configure_logging, get_logger
 
@@ -146,7 +146,7 @@ class OpenAIFrontend:
                 return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
         echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
         parse_tools = chat and self.tool_call_parser is not None and protocol.calls_tools(body)  # type: ignore[arg-type]
-        reasoning = chat and self.reasoning_parser is not None and protocol.thinks(body)  # type: ignore[arg-type]
+        reasoning = chat and self.reasoning_parser is not None and reasoning_on(body.chat_template_kwargs)  # type: ignore[union-attr]
         shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools)
         choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -38,6 +38,13 @@ REASONING_PARSERS = ("qwen3",)
 TOOL_CALL_PARSERS = ("hermes",)
 
 
+def reasoning_on(chat_template_kwargs: dict[str, Any] | None) -> bool:
+    """Whether a ``qwen3`` answer may open with reasoning: not when ``chat_template_kwargs``
+    turns Qwen3's thinking off (the template then puts the empty think block in the prompt, so
+    the answer is all content; the parser would otherwise take it all as reasoning)."""
+    return (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str  # "call_" and 24 hex digits, new for every parsed call
