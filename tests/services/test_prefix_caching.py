@@ -137,8 +137,13 @@ def test_openai_usage_and_metrics_report_cached_tokens(stack):
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // PAGE * PAGE} and (n - 1) // PAGE > 0
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
-    page = urllib.request.urlopen(metrics, timeout=10).read().decode()
-    hits = re.search(r'^moebus_prefill_prefix_cache_hits_total\{[^}]*role="prefill"[^}]*\} (\S+)$', page, re.M)
+    deadline = time.monotonic() + 10  # the counters travel in the prefill leader's next heartbeat
+    while True:
+        page = urllib.request.urlopen(metrics, timeout=10).read().decode()
+        hits = re.search(r'^moebus_prefill_prefix_cache_hits_total\{[^}]*role="prefill"[^}]*\} (\S+)$', page, re.M)
+        if (hits and float(hits.group(1)) >= 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert hits and float(hits.group(1)) >= 1, page
 
 
