@@ -19,6 +19,12 @@ model runtime alone gives, and what the disaggregated stack keeps of it
 (``throughput_ratio``). With ``--up`` the peer runs before the stack starts, so the two
 never share the device; against a running server after the measurement, while it idles.
 
+With ``--up`` and the prefill service logging at info (``MOEBUS_PREFILL_LOG_LEVEL=info``; the
+stack's services log warnings only otherwise), the run also reports its prefill batches from
+the leader's ``prefill_batch`` events: how many, their mean requests and computed tokens, and
+the mean milliseconds per batch of each phase (``services.prefill.group.BatchTimes``: plan,
+pages, senders, forward, transfer, settle, report), as ``prefill_*`` metrics.
+
 The client is the native one (``llm.generate`` on NATS) or, with ``--api openai`` or
 ``--openai-url``, streamed ``/v1/completions`` over HTTP (token counts from the usage
 chunk): the same client then measures ``moebus openai`` and any other OpenAI-compatible
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import http.client
 import json
 import math
@@ -139,6 +146,28 @@ def summarize(timelines: list[Timeline], input_tokens: int, elapsed_s: float) ->
             metrics[f"{name}_p{q}_ms"] = 1000 * values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))] if values else float("nan")
         metrics[f"{name}_mean_ms"] = 1000 * statistics.fmean(values) if values else float("nan")
     return {k: v for k, v in metrics.items() if not math.isnan(v)}  # no samples: no figure
+
+
+def prefill_batches(log_paths: list[Path], since_unix: float) -> dict[str, float]:
+    """The ``prefill_batch`` events the prefill leaders logged (JSON lines) at or after
+    ``since_unix`` (the measured run's start: the client's first-use request comes before),
+    summarized (module doc); empty when there are none."""
+    events = []
+    for path in log_paths:
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.startswith("{") or '"prefill_batch"' not in line:
+                continue
+            event = json.loads(line)
+            if event.get("event") == "prefill_batch" and datetime.datetime.fromisoformat(event["timestamp"]).timestamp() >= since_unix:
+                events.append(event)
+    if not events:
+        return {}
+    summary = {"prefill_batches": len(events)}
+    for name in ("requests", "computed_tokens", "cached_tokens"):
+        summary[f"prefill_batch_{name}_mean"] = statistics.fmean(e[name] for e in events)
+    for name in sorted({k for e in events for k in e if k.endswith("_ms")}):
+        summary[f"prefill_{name}_mean"] = statistics.fmean(e.get(name, 0.0) for e in events)
+    return summary
 
 
 # ---------------------------------------------------------------- the clients
@@ -370,10 +399,13 @@ def main(argv: list[str] | None = None) -> int:
             server = a.openai_url or a.url
         run = run_openai if api == "openai" else run_native
         timelines, elapsed = asyncio.run(run(server, work, a.max_concurrency, a.timeout_s))
+        measured_since = time.time() - elapsed
     finally:
         if stack is not None:
             stack.stop()
     metrics = summarize(timelines, input_tokens, elapsed)
+    batches = prefill_batches([r.log_path for r in stack.replicas if r.role == "prefill"], measured_since) if stack is not None else {}
+    metrics.update(batches)
     if with_peer and peer_metrics is None:
         peer_metrics = peer()  # a running server: after the measurement, while it idles
     if peer_metrics:
@@ -390,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"system": f"server ({api} API)", **metrics}] + ([{"system": "in-process runner", **peer_metrics}] if peer_metrics else [])
     print_table(rows, ["system", "completed", "failed", "requests_per_s", "output_tokens_per_s", "cached_share", "ttft_p50_ms", "ttft_p99_ms",
                        "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "e2e_p50_ms", "e2e_p99_ms"])
+    if batches:
+        print_table([{k.removeprefix("prefill_"): v for k, v in batches.items()}], [k.removeprefix("prefill_") for k in batches])
     if peer_metrics:
         print(f"throughput ratio (server / in-process runner): {metrics['throughput_ratio']:.2f}")
     if errors:

@@ -76,6 +76,20 @@ class Planned:
 
 
 @dataclass
+class BatchTimes:
+    """Where one batch's time went on this rank (milliseconds); the leader logs them with the
+    batch's sizes as the ``prefill_batch`` event."""
+
+    plan_ms: float = 0.0  # the leader forming the batch: prefix lookups and fit checks
+    pages_ms: float = 0.0  # holding the cached pages, allocating the others, adding the sequences
+    senders_ms: float = 0.0  # building the KV senders, on the event loop while the forward runs
+    forward_ms: float = 0.0  # the forward with its first-token sampling, in its thread
+    transfer_ms: float = 0.0  # forward done and senders built -> every sender finished
+    settle_ms: float = 0.0  # agreeing on the outcomes, caching or freeing the pages, summing transfer stats
+    report_ms: float = 0.0  # the leader publishing the first tokens and the decode starts
+
+
+@dataclass
 class Outcome:
     task: PrefillTask
     cached_tokens: int
@@ -99,6 +113,7 @@ class PrefillGroup:
         self.gateways = PeerLiveness(("prefill", settings.instance, rank), settings.heartbeat_interval_s, settings.gateway_expiry_s,
                                      time.monotonic(), roles=("gateway",))
         self.in_flight_tokens = 0
+        self.plan_ms = 0.0  # the leader's time forming the last batch (BatchTimes.plan_ms)
         self.arrived = asyncio.Event()
         self.draining = False
         self.name = f"prefill:{settings.instance}"
@@ -174,6 +189,7 @@ class PrefillGroup:
             while self.queue:
                 await self._fail(self.queue.popleft().task, "unavailable", "prefill instance shut down before the request ran")
             return None
+        planning = time.perf_counter()
         batch: list[Planned] = []
         tokens = new_pages = 0  # tokens the batch computes, pages it allocates
         reused: set[int] = set()  # cached pages the batch reuses: its own allocations must not evict them
@@ -198,6 +214,7 @@ class PrefillGroup:
             new_pages += needed
             reused.update(hits)
         self.in_flight_tokens = sum(len(p.task.job.input_ids) for p in batch)
+        self.plan_ms = (time.perf_counter() - planning) * 1000
         return batch
 
     def _cached_pages(self, task: PrefillTask) -> list[int]:
@@ -221,9 +238,12 @@ class PrefillGroup:
             if batch is None:
                 return
             if batch:
-                outcomes = await self._prefill(batch)
+                outcomes, times = await self._prefill(batch)
                 if self.rank == 0:
+                    reporting = time.perf_counter()
                     await self._report(outcomes)
+                    times.plan_ms, times.report_ms = self.plan_ms, (time.perf_counter() - reporting) * 1000
+                    self._log_batch(outcomes, times)
                 self.in_flight_tokens = 0
 
     def _broadcast(self, batch: list[Planned] | None) -> list[Planned] | None:
@@ -248,20 +268,30 @@ class PrefillGroup:
         layout = self.runner.cache.layout
         return [found + self.prefix.alloc(layout.pages_for(len(p.task.job.input_ids)) - len(found)) for p, found in zip(planned, hits, strict=True)]
 
-    async def _prefill(self, planned: list[Planned]) -> list[Outcome]:
+    async def _prefill(self, planned: list[Planned]) -> tuple[list[Outcome], BatchTimes]:
         batch = [p.task for p in planned]
         page_size = self.runner.cache.layout.page_size
+        times = BatchTimes()
+        taking = time.perf_counter()
         page_tables = self._take_pages(planned)
         seqs: list[SequenceState] = []
         for p, pages in zip(planned, page_tables, strict=True):
             job = p.task.job
             seqs.append(self.runner.add(job.request_id, job.input_ids, sampling_params(job), page_table=pages, num_cached=p.cached_pages * page_size))
+        times.pages_ms = (time.perf_counter() - taking) * 1000
+
+        def run_forward() -> Sequence[StepOutput]:
+            began = time.perf_counter()
+            try:
+                return self.runner.prefill(seqs, reports.on_layer_done)
+            finally:
+                times.forward_ms = (time.perf_counter() - began) * 1000
 
         # The senders are built while the forward runs (their set-up overlaps its first layers,
         # LayerReports): each gets the layers reported before it existed, then the rest.
         reports = LayerReports(self.runner.cache.device)
         started = time.perf_counter()
-        forward = asyncio.ensure_future(asyncio.to_thread(self.runner.prefill, seqs, reports.on_layer_done))
+        forward = asyncio.ensure_future(asyncio.to_thread(run_forward))
         senders: list[KVSender | None] = []
         errors: list[str | None] = []
         try:
@@ -276,6 +306,7 @@ class PrefillGroup:
                         error = str(e)
                 senders.append(sender)
                 errors.append(error)
+            times.senders_ms = (time.perf_counter() - started) * 1000
         except BaseException:
             for sender in senders:
                 if sender is not None:
@@ -300,12 +331,15 @@ class PrefillGroup:
                     await sender.finish()
                 except TransferError as e:
                     errors[i] = errors[i] or f"KV transfer failed: {e}"
+        settling = time.perf_counter()
+        times.transfer_ms = (settling - started) * 1000 - compute_ms
         *delivered, computed = await asyncio.to_thread(self._agree, [e is None for e in errors] + [forward_ok])
         for p, seq, pages in zip(planned, seqs, page_tables, strict=True):
             self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed)
             seq.page_table = []
         if self.world > 1:
             self.group_transfers = await asyncio.to_thread(self._sum_transfer_stats)
+        times.settle_ms = (time.perf_counter() - settling) * 1000
         return [
             Outcome(
                 p.task,
@@ -316,7 +350,7 @@ class PrefillGroup:
                 compute_ms,
             )
             for p, seq, out, ok, err in zip(planned, seqs, outputs, delivered, errors, strict=True)
-        ]
+        ], times
 
     def _agree(self, ok: list[bool]) -> list[bool]:
         """Flags true on every rank (MIN over the group): a request is delivered only if every
@@ -338,6 +372,14 @@ class PrefillGroup:
                              seconds_total=sum(t.seconds_total for t in gathered), failures=dict(failures))
 
     # ------------------------------------------------------------ leader: results
+
+    def _log_batch(self, outcomes: list[Outcome], times: BatchTimes) -> None:
+        """One ``prefill_batch`` event per batch: its sizes and where its time went (`BatchTimes`)."""
+        prompt_tokens = sum(len(o.task.job.input_ids) for o in outcomes)
+        cached_tokens = sum(o.cached_tokens for o in outcomes)
+        log.info("prefill_batch", requests=len(outcomes), failed=sum(o.error is not None for o in outcomes), prompt_tokens=prompt_tokens,
+                 cached_tokens=cached_tokens, computed_tokens=prompt_tokens - cached_tokens,
+                 **{name: round(ms, 2) for name, ms in vars(times).items()})
 
     async def _report(self, outcomes: list[Outcome]) -> None:
         assert self.bus is not None

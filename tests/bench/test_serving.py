@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from bench.serving import Timeline, Workload, main, run_in_process, summarize
+from bench.serving import Timeline, Workload, main, prefill_batches, run_in_process, summarize
 from services.launch import ensure_tiny_model
 from shared.model.runner import ModelRunner
 
@@ -44,6 +44,26 @@ def test_summary_of_hand_made_timelines():
     assert m["e2e_p99_ms"] == pytest.approx(500)
 
 
+def test_prefill_batch_summary_counts_the_measured_batches_only(tmp_path):
+    def event(ts: str, requests: int, computed: int, forward_ms: float) -> str:
+        return json.dumps({"event": "prefill_batch", "timestamp": ts, "requests": requests, "computed_tokens": computed, "cached_tokens": 0,
+                           "forward_ms": forward_ms, "plan_ms": 1.0})
+
+    log = tmp_path / "prefill-0.log"
+    log.write_text("\n".join([
+        event("2026-01-01T00:00:00.000000Z", 1, 8, 99.0),  # the client's first-use request, before the run
+        "moebus prefill: not a JSON line",
+        json.dumps({"event": "prefilled", "timestamp": "2026-01-01T00:00:05Z", "prompt_tokens": 3}),
+        event("2026-01-01T00:00:02.500000Z", 3, 300, 10.0),
+        event("2026-01-01T00:00:03.000000Z", 5, 100, 20.0),
+    ]))
+    since = 1767225601.0  # 2026-01-01T00:00:01Z
+    got = prefill_batches([log], since)
+    assert got["prefill_batches"] == 2 and got["prefill_batch_requests_mean"] == 4 and got["prefill_batch_computed_tokens_mean"] == 200
+    assert got["prefill_forward_ms_mean"] == 15 and got["prefill_plan_ms_mean"] == 1
+    assert prefill_batches([log], since + 10) == {}
+
+
 def test_the_peer_times_requests_from_when_they_are_sent_not_from_their_prefill(tmp_path):
     """All four arrive at once and are in flight (concurrency 4), but the prefill budget takes one
     prompt per iteration: a later one's TTFT includes the iterations it waited, as in the stack."""
@@ -63,6 +83,7 @@ def test_a_small_run_through_a_real_stack_and_the_in_process_peer(api, tmp_path,
     OpenAI-compatible server gets) without it."""
     monkeypatch.setenv("MOEBUS_RESULTS_DIR", str(tmp_path))
     monkeypatch.setenv("MOEBUS_PREFILL_PREFIX_CACHING", "true")  # the stack's prefill serves the shared prefix from its cache
+    monkeypatch.setenv("MOEBUS_PREFILL_LOG_LEVEL", "info")  # its prefill_batch events: the run's batch summary
     requests, output_len = 12, 8
     args = ["--up", "--api", api, "--requests", str(requests), "--input-len", "24", "--prefix-len", "32", "--output-len", str(output_len),
             "--max-concurrency", "4", "--rate", "40"]
@@ -81,3 +102,6 @@ def test_a_small_run_through_a_real_stack_and_the_in_process_peer(api, tmp_path,
         assert server["throughput_ratio"] == pytest.approx(server["output_tokens_per_s"] / measured[1]["output_tokens_per_s"])
         assert line["case"]["decode"]["device"] in ("auto", "cpu")
     assert line["case"]["api"] == api and line["case"]["rate"] == 40.0
+    # Every measured request ran in one of the summarized prefill batches, the client's first-use one in none.
+    assert server["prefill_batches"] * server["prefill_batch_requests_mean"] == pytest.approx(requests)
+    assert server["prefill_forward_ms_mean"] > 0
