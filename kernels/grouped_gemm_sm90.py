@@ -173,20 +173,52 @@ at 2048 tokens or on 235B down.  The no-staging bound in that call: 993 / 1027, 
 Tried and dropped: skipping the accumulator's zeroing (the tile's first
 promotion writes ``acc = part * s``, a run-time branch between two promotion copies): -12%
 on 30B down (826 / 857 against 941 / 975 burst, alike sustained), -0.6..-1.9% elsewhere
-(its GPU tests passed).  Leads left: a leaner staging still (a TMA or bulk copy per chunk
+(its GPU tests passed).
+Tried and dropped (helper 45, 9c102318f73b+h45-overlap, kernel as 17199ce's): the next tile's
+first K block issued before the epilogue, each block being wait -> promote -> issue the next,
+so that the epilogue hand-off, the tile switch and the next chunk's scale wait run under
+WGMMAs (predicted +2..+6% on 30B down from a modelled idle of 100-250 cycles per tile
+boundary, less at larger K).  Same call on both GPUs of one 2x H200, opposite orders, each arm
+from its own tree, each FP8 case twice per arm (repeats within 0.5% burst), GPU 0 / GPU 1,
+burst: 30B down at 375 tokens -3.3 / -3.1% (952 / 940 against 984 / 970 TFLOP/s), at 2048
++0.3 / +0.7% (1060 / 1047); 30B gate_up -7.1 / -6.8% (375), -6.3 / -6.0% (2048); 235B down
+-3.6 / -3.3%, -4.4 / -4.2%; 235B gate_up -6.0 / -5.3%, -8.1 / -6.5%; sustained -8..+2%
+(power-capped).  bf16 (PTX identical in both arms) moved -0.9..+0.4% burst but for one
+clock-shifted case (+3.5% at 1704 against 1857 MHz) and -5.7..+8.8% sustained: the spread
+of one kernel.  GPU tests of that tree 44 + 19 passed (1 skipped).  The SASS shows why it lost at every K
+rather than gained at tile boundaries: (1) with 4-block scale vectors (K/128 a multiple of 4)
+the partial, live through the epilogue, made ptxas spill 36-60 bytes, with STL / LDL inside
+the K loop; (2) on 30B down (no spills) ptxas put the scale products' FMULs after the WGMMA
+wait and the stage release after 13 of the 96 promotion FFMAs, where 17199ce's SASS has the FMULs
+between the block's WGMMAs and the release first.  Each warpgroup has one batch in flight, so
+the wait -> promote -> issue chain of every block sets the pace and tens of cycles on it cost
+percent; any tile-boundary gain is smaller than that.  Two reworks compiled without spills
+(scalar scale reads per block; the next block's scales read before its issue) but ptxas still
+placed the release after 13-50 FFMAs; not measured.
+Bounds of 30B down measured after (helper 45's call 2, burst at 1980 MHz, GPU 0 / GPU 1;
+scratch kernels: helper 38's ``full`` with the lean loop = 17199ce's kernel and ``nostage`` =
+made-up scales without staging, helper 36's ``plain`` = no promotion and no scales, bf16's
+mainloop): at 375 tokens full 978 / 1001, nostage 1011 / 1033, plain 1042 / 1060 TFLOP/s; at
+2048 full 1053 / 1077, nostage 1114 / 1140, plain 1184 / 1216.  So at 375 tokens 1100 is out
+of reach of this tile structure and memory path even with no scale work at all (plain 4-6%
+short): 1100 TFLOP/s would move the 434 MB that must move (weights 201, bf16 output 196,
+activations 37) at 3.17 TB/s, 75% of the 4.24 TB/s copy measured in the same machine's call,
+while the SMs also pull 1.04 GB of operand tiles from L2 (245 KB per 128x192 tile, 4224
+tiles: 7.6 TB/s at 1100, near the ~9 TB/s L2-to-SM limit found above).  At 2048 tokens the
+scales' staging and reads cost 5.8% on both GPUs (nostage against full) and 1100 is 2.1-4.5% above the
+full kernel: within what a cheaper scale path could recover, not excluded by these bounds.
+Leads left: a leaner staging still (a TMA or bulk copy per chunk
 instead of warp 1's ``cp.async`` copies; rows 16-byte aligned only when K/128 is a multiple of
 4, so 30B down needs the act-quant scale rows padded to 4 blocks, an API change; more scale
-stages), for the 3-5% left between the staged kernel and the no-staging bound.  Then the
+stages), for the 3-6% left between the staged kernel and the no-staging bound; keeping the
+per-block chain short in the SASS (release first, products under the WGMMAs).  For 30B down
+(K = 768, 6 blocks a tile) per-tile fixed costs (the epilogue hand-off, the tile switch) weigh 5x
+more than at K = 4096; still not measured apart (the A/B above moved the chain too).  Then the
 memory path (20-25%): fewer L2 bytes per FLOP, i.e. TMA multicast in CTA pairs (tried for other reasons, below;
-the tile cannot grow: acc + partial fill the registers at 128x192).  For 30B down (K = 768,
-6 blocks a tile) per-tile fixed costs (the epilogue hand-off, the turns' tile switch) weigh
-5x more than at K = 4096 (not measured apart).  30B down at 375 tokens is no longer bounded by
-the scales: plain accumulation (no promotion, no scales) measured 48.4% of the peak above,
-about 1036 TFLOP/s at 1980 MHz, and 1100 TFLOP/s would move its 434 MB (weights 201, bf16
-output 196, activations 37) at 3.2 TB/s, 75% of the measured copy ceiling, while the tensor
-pipe runs.  DeepGEMM's way of bringing the activation scales (TMA per pipeline stage, which
-needs them MN-major, a new act-quant layout and API) is not needed for the loads: the idle
-warp already stages them without changing the layout.
+the tile cannot grow: acc + partial fill the registers at 128x192).  DeepGEMM's way of bringing
+the activation scales (TMA per pipeline stage, which needs them MN-major, a new act-quant
+layout and API) is not needed for the loads: the idle warp already stages them without
+changing the layout.
 
 Tried and not adopted as defaults, same GPU, same call (d53287d0f526, sustained /
 burst against 128x256): at 375 tokens per expert 128x192 bf16 tiles were +2.3 / +0.9%

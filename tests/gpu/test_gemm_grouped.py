@@ -119,13 +119,14 @@ def test_tile_widths(fp8, tile_m, tile_n):
 def test_fp8_192_wide_tiles_stage_scales_in_chunks(k):
     """FP8 128x192 tiles read their scales from shared memory, staged by warp 1 a chunk of K blocks at a time
     (``ScaleStaging``): 6 blocks one chunk of single copies (Qwen3-30B down), 13 blocks 13 one-block chunks,
-    16 blocks two chunks of 16-byte copies; several tiles per CTA so the two scale stages wrap, and the last
-    expert's last tile runs past the tensor (its rows there have no scales)."""
+    16 blocks two chunks of 16-byte copies; the last expert's last tile runs past the tensor (its rows there
+    have no scales).  21 M tiles x 16 N tiles: 2-3 tiles per CTA on 132 SMs, so the two scale stages wrap and the
+    turns of the two consumer warpgroups run on across tiles."""
     from kernels.grouped_gemm_launch import launch
 
     gen = torch.Generator(device=DEV).manual_seed(23 + k)
     counts = torch.tensor([300, 280, 0, 513, 300, 1, 300, 299])
-    E, N = len(counts), 712
+    E, N = len(counts), 2968
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
     x, xs = _activations((int(offsets[-1]), k), True, gen)
     w, ws = _random_weights(E, N, k, True, gen)
