@@ -1,23 +1,30 @@
-"""Prefill attention of one long prompt: the model's path vs the folded mask path vs plain flash SDPA.
+"""Prefill attention of a batch of prompts: the model's path vs the per-sequence loop vs plain flash.
 
-One sequence of ``--prompts`` new tokens after ``--cached`` tokens already in its pages (a
-prefix-cache hit or a later chunk), page size 16, head_dim 128, bf16, the head shapes of one
-rank of Qwen3-30B-A3B (32 query / 4 KV heads) and Qwen3-235B-A22B (64 / 4). Three
-implementations in the same run on the same queries and K/V:
+``--seqs`` sequences of ``--prompts`` new tokens each, every one after the same ``--cached``
+tokens already in the pages (one long prompt with ``--seqs 1``; many short prompts after a
+prefix-cache hit: ``--seqs 64 --prompts 128 --cached 1024``, the pages of the prefix shared by
+all of them as the prefix cache shares them), page size 16, head_dim 128, bf16, the head shapes
+of one rank of Qwen3-30B-A3B (32 query / 4 KV heads) and Qwen3-235B-A22B (64 / 4). Implementations
+in the same run on the same queries and K/V:
 
-* ``ours``: ``shared.model.layers.paged_attention_sdpa`` (what the model runs: the sequence's
-  pages gathered, SDPA with a bottom-right causal mask, GQA on flash attention);
-* ``folded``: ``shared.model.layers.folded_attention``, the path prefill took before (query
-  heads folded into rows under a ``[g * n, L]`` boolean mask), where it fits in memory;
-* ``flash_peer``: torch SDPA (``is_causal`` / bottom-right, ``enable_gqa``) on K/V already
-  contiguous: no paging, the ceiling.
+* ``ours``: ``shared.model.layers.paged_attention_sdpa`` (what the model runs: every sequence's
+  keys gathered from the pages in one row gather, one variable-length flash attention call),
+  timed with the batch's key plan already built, as every layer after the first finds it;
+  ``plan_us`` is what building that plan (`layers.PrefillKeys.build`) adds to the first layer;
+* ``loop``: the path before it, a sequence at a time (its pages gathered, SDPA with a
+  bottom-right causal mask on flash attention): a few launches per sequence and layer;
+* ``folded``: ``shared.model.layers.folded_attention`` (query heads folded into rows under a
+  ``[B, g * n, L]`` boolean mask), where it fits in memory;
+* ``flash_peer``: flash attention on K/V already contiguous, no paging, the ceiling (SDPA for
+  one sequence, the varlen kernel for several).
 
 Each is timed eagerly (CUDA events, median of ``--reps`` after a warm-up call), with its peak
 memory beyond the inputs (``torch.cuda.max_memory_allocated``). ``tflops`` counts the causal
-attention FLOPs (4 * n * visible keys * head_dim per query head). A path that runs out of
+attention FLOPs (4 * visible keys * head_dim per query and query head). A path that runs out of
 memory is reported as such.
 
-    python -m bench.prefill_attention [--models 30b 235b] [--prompts 2048 8192 32768] [--cached 0 4096]
+    python -m bench.prefill_attention [--models 30b 235b] [--seqs 1] [--prompts 2048 8192 32768] [--cached 0 4096]
+    python -m bench.prefill_attention --models 30b --seqs 64 7 --prompts 128 1152 --cached 1024 0
 """
 
 from __future__ import annotations
@@ -57,56 +64,90 @@ def _measure(fn: Callable[[], torch.Tensor], reps: int) -> tuple[float, float, t
     return us, peak, out
 
 
+def loop_attention(q: torch.Tensor, cache: PagedKVCache, meta: layers.AttentionMetadata, scale: float) -> torch.Tensor:
+    """The prefill attention the model ran before the varlen call: a sequence at a time, its pages
+    gathered, SDPA with a bottom-right causal mask (flash attention, GQA)."""
+    assert meta.host_lens is not None
+    out = torch.empty_like(q)
+    start = 0
+    for b, (n, length) in enumerate(meta.host_lens):
+        k, v = cache.gather(0, meta.page_tables[b : b + 1, : -(-length // PAGE)])
+        o = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1)[None], k[:, :, :length], v[:, :, :length],
+                                           attn_mask=causal_lower_right(n, length), scale=scale, enable_gqa=True)
+        out[start : start + n] = o[0].transpose(0, 1)
+        start += n
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", choices=list(HEADS), default=list(HEADS))
-    ap.add_argument("--prompts", type=int, nargs="+", default=[2048, 8192, 32768])
-    ap.add_argument("--cached", type=int, nargs="+", default=[0, 4096])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1], help="sequences per batch")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[2048, 8192, 32768], help="new tokens per sequence")
+    ap.add_argument("--cached", type=int, nargs="+", default=[0, 4096], help="tokens before them (shared pages when several sequences)")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_attention needs a CUDA GPU")
+    if any(c % PAGE for c in a.cached):
+        raise SystemExit(f"--cached must be whole pages ({PAGE} tokens): a cached prefix is")
     dev, scale = torch.device("cuda"), HEAD_DIM**-0.5
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for model in a.models:
         hq, hkv = HEADS[model]
-        for n in a.prompts:
-            for cached in a.cached:
-                length = cached + n
-                pages = -(-length // PAGE)
-                cache = PagedKVCache(KVLayout(1, pages, hkv, PAGE, HEAD_DIM, torch.bfloat16), dev)
-                cache.pools[0].normal_(generator=gen)
-                table = torch.randperm(pages, generator=gen, device=dev).tolist()  # pages at random ids
-                meta = ForwardBatch.build([SequenceChunk([0] * n, cached, table)], PAGE, dev).attn
-                q = torch.randn((n, hq, HEAD_DIM), generator=gen, device=dev, dtype=torch.bfloat16)
-                k, v = cache.gather(0, meta.page_tables)
-                k, v = k[:, :, :length].contiguous(), v[:, :, :length].contiguous()
-                qh = q.transpose(0, 1)[None].contiguous()
-                flops = 4 * hq * HEAD_DIM * sum(cached + i + 1 for i in range(n))
-                arms = {
-                    "ours": lambda: layers.paged_attention_sdpa(q, cache, 0, meta, scale),
-                    "folded": lambda: layers.folded_attention(q, cache, 0, meta, scale),
-                    "flash_peer": lambda: F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(n, length), scale=scale, enable_gqa=True),
-                }
-                results = {name: _measure(fn, a.reps) for name, fn in arms.items()}
-                ours, folded, peer = results["ours"], results["folded"], results["flash_peer"]
-                assert ours is not None and peer is not None, "the model's path and the flash peer must fit"
-                rel_err = ((ours[2].float() - peer[2][0].transpose(0, 1).float()).norm() / peer[2].float().norm()).item()
-                case = {"model": f"qwen3-{model}-heads", "q_heads": hq, "kv_heads": hkv, "head_dim": HEAD_DIM, "page_size": PAGE,
-                        "new_tokens": n, "cached_tokens": cached, "dtype": "bfloat16"}
-                metrics = {"latency_us": ours[0], "tflops": flops / ours[0] / 1e6, "peak_extra_mib": ours[1], "rel_err_vs_peer": rel_err,
-                           "ratio_to_flash_peer": peer[0] / ours[0]}
-                peers = {"flash_peer": {"latency_us": peer[0], "tflops": flops / peer[0] / 1e6, "peak_extra_mib": peer[1]}}
-                if folded is not None:
-                    peers["folded"] = {"latency_us": folded[0], "tflops": flops / folded[0] / 1e6, "peak_extra_mib": folded[1]}
-                record(BENCH, case, metrics, peers)
-                rows.append({"model": model, "new": n, "cached": cached, "ours_us": ours[0], "ours_TFLOPs": metrics["tflops"],
-                             "ours_MiB": ours[1], "peer_us": peer[0], "ours/peer": metrics["ratio_to_flash_peer"],
-                             "folded_us": folded[0] if folded else "OOM", "folded_MiB": folded[1] if folded else "OOM", "rel_err": rel_err})
-                del cache, meta, q, k, v, qh, results, ours, folded, peer
-                torch.cuda.empty_cache()
-    print_table(rows, ["model", "new", "cached", "ours_us", "ours_TFLOPs", "ours_MiB", "peer_us", "ours/peer", "folded_us", "folded_MiB", "rel_err"])
+        for seqs in a.seqs:
+            for n in a.prompts:
+                for cached in a.cached:
+                    length, own = cached + n, -(-n // PAGE)
+                    pages = cached // PAGE + seqs * own
+                    cache = PagedKVCache(KVLayout(1, pages, hkv, PAGE, HEAD_DIM, torch.bfloat16), dev)
+                    cache.pools[0].normal_(generator=gen)
+                    ids = torch.randperm(pages, generator=gen, device=dev).tolist()  # pages at random ids
+                    prefix, rest = ids[: cached // PAGE], ids[cached // PAGE :]
+                    chunks = [SequenceChunk([0] * n, cached, prefix + rest[s * own : (s + 1) * own]) for s in range(seqs)]
+                    meta = ForwardBatch.build(chunks, PAGE, dev).attn
+                    q = torch.randn((seqs * n, hq, HEAD_DIM), generator=gen, device=dev, dtype=torch.bfloat16)
+                    plan_us = statistics.median(event_time_us(lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)) for _ in range(a.reps))
+                    k, v = cache.gather(0, meta.page_tables)
+                    k, v = k[:, :, :length], v[:, :, :length]
+                    if seqs == 1:
+                        qh, k1, v1 = q.transpose(0, 1)[None].contiguous(), k.contiguous(), v.contiguous()
+                        peer_fn = lambda: F.scaled_dot_product_attention(qh, k1, v1, attn_mask=causal_lower_right(n, length), scale=scale,  # noqa: E731
+                                                                         enable_gqa=True)[0].transpose(0, 1)
+                    else:
+                        kf, vf = (t.transpose(1, 2).reshape(seqs * length, hkv, HEAD_DIM).contiguous() for t in (k, v))
+                        cu_q = torch.arange(0, seqs * n + 1, n, dtype=torch.int32, device=dev)
+                        cu_k = torch.arange(0, seqs * length + 1, length, dtype=torch.int32, device=dev)
+                        peer_fn = lambda: torch.ops.aten._flash_attention_forward(q, kf, vf, cu_q, cu_k, n, length, 0.0, True, False,  # noqa: E731
+                                                                                  scale=scale)[0]
+                    flops = 4 * hq * HEAD_DIM * seqs * sum(cached + i + 1 for i in range(n))
+                    arms = {
+                        "ours": lambda: layers.paged_attention_sdpa(q, cache, 0, meta, scale),
+                        "loop": lambda: loop_attention(q, cache, meta, scale),
+                        "folded": lambda: layers.folded_attention(q, cache, 0, meta, scale),
+                        "flash_peer": peer_fn,
+                    }
+                    results = {name: _measure(fn, a.reps) for name, fn in arms.items()}
+                    ours, peer = results["ours"], results["flash_peer"]
+                    assert ours is not None and peer is not None, "the model's path and the flash peer must fit"
+                    rel_err = ((ours[2].float() - peer[2].float()).norm() / peer[2].float().norm()).item()
+                    case = {"model": f"qwen3-{model}-heads", "q_heads": hq, "kv_heads": hkv, "head_dim": HEAD_DIM, "page_size": PAGE,
+                            "seqs": seqs, "new_tokens": n, "cached_tokens": cached, "dtype": "bfloat16"}
+                    metrics = {"latency_us": ours[0], "plan_us": plan_us, "tflops": flops / ours[0] / 1e6, "peak_extra_mib": ours[1],
+                               "rel_err_vs_peer": rel_err, "ratio_to_flash_peer": peer[0] / ours[0]}
+                    peers = {name: {"latency_us": r[0], "tflops": flops / r[0] / 1e6, "peak_extra_mib": r[1]}
+                             for name, r in results.items() if name != "ours" and r is not None}
+                    record(BENCH, case, metrics, peers)
+                    loop, folded = results["loop"], results["folded"]
+                    rows.append({"model": model, "seqs": seqs, "new": n, "cached": cached, "ours_us": ours[0], "plan_us": plan_us,
+                                 "ours_TFLOPs": metrics["tflops"], "ours_MiB": ours[1], "loop_us": loop[0] if loop else "OOM",
+                                 "peer_us": peer[0], "ours/peer": metrics["ratio_to_flash_peer"], "folded_us": folded[0] if folded else "OOM",
+                                 "rel_err": rel_err})
+                    del cache, meta, q, k, v, results, ours, peer, loop, folded, peer_fn
+                    torch.cuda.empty_cache()
+    print_table(rows, ["model", "seqs", "new", "cached", "ours_us", "plan_us", "ours_TFLOPs", "ours_MiB", "loop_us", "peer_us", "ours/peer",
+                       "folded_us", "rel_err"])
     return 0
 
 

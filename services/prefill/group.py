@@ -19,7 +19,8 @@ batch; a rank that disagrees raises `PrefixCacheMismatch`, which stops the group
 rather than running a forward the ranks do not agree on. A task asking for prompt logprobs
 reuses nothing (every prompt row's logits are needed) but still leaves its pages cached. The
 batch is sized by the tokens it computes (not the cached ones) and by the pages an allocation
-can get (free plus evictable, less the cached pages the batch reuses). Whether a batch's pages
+can get (free plus evictable, less the cached pages the batch reuses). Each rank hashes a
+prompt's page keys once (`Planned.keys`) for its lookup, its check and its release. Whether a batch's pages
 enter the cache depends on whether the forward succeeded on every rank (one agreed flag), so
 the ranks' indexes stay alike.
 
@@ -51,7 +52,7 @@ from services.model_rank import prompt_candidates, sampling_params, top_candidat
 from shared.bus import Bus, Deadline, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
-from shared.prefix_cache import PrefixCache, PrefixCacheMismatch
+from shared.prefix_cache import PrefixCache, PrefixCacheMismatch, page_keys
 from shared.settings import PrefillSettings
 from shared.transfer import KVSender, LayerReports, LayoutMismatch, TransferError, TransferMetrics, TransferWorker, kv_head_shard
 
@@ -64,6 +65,7 @@ IDLE_TICK_S = 1.0  # the leader broadcasts an empty batch this often so peers ne
 class Queued:
     task: PrefillTask
     gateway_started_at: float  # the gateway's start time when the task arrived (0.0: not heard yet)
+    keys: list[bytes] | None = None  # the prompt's page keys, once hashed (a task may head the queue for several plans)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Planned:
 
     task: PrefillTask
     cached_pages: int
+    keys: list[bytes] | None = None  # this rank's page keys of the prompt (`PrefillGroup._page_keys`; None: hashed where needed)
 
 
 @dataclass
@@ -195,9 +198,12 @@ class PrefillGroup:
         reused: set[int] = set()  # cached pages the batch reuses: its own allocations must not evict them
         layout = self.runner.cache.layout
         while self.queue:
-            task = self.queue[0].task
+            head = self.queue[0]
+            task = head.task
+            if head.keys is None:
+                head.keys = self._page_keys(task)
             n = len(task.job.input_ids)
-            hits = self._cached_pages(task)
+            hits = self._cached_pages(task, head.keys)
             computed, needed = n - len(hits) * layout.page_size, layout.pages_for(n) - len(hits)
             fits = new_pages + needed <= self.prefix.available(reused.union(hits))
             if batch and (tokens + computed > self.settings.max_batch_tokens or not fits):
@@ -209,7 +215,7 @@ class PrefillGroup:
             if not fits:
                 await self._fail(task, "invalid_request", f"prompt of {n} tokens exceeds this prefill instance's KV capacity")
                 continue
-            batch.append(Planned(task, len(hits)))
+            batch.append(Planned(task, len(hits), head.keys))
             tokens += computed
             new_pages += needed
             reused.update(hits)
@@ -217,10 +223,14 @@ class PrefillGroup:
         self.plan_ms = (time.perf_counter() - planning) * 1000
         return batch
 
-    def _cached_pages(self, task: PrefillTask) -> list[int]:
+    def _page_keys(self, task: PrefillTask) -> list[bytes] | None:
+        """The prompt's page keys (None with caching off: nothing looks them up)."""
+        return page_keys(task.job.input_ids, self.prefix.page_size) if self.prefix.enabled else None
+
+    def _cached_pages(self, task: PrefillTask, keys: list[bytes] | None) -> list[int]:
         """The cached pages this rank's index finds for the task (none for a task asking for
         prompt logprobs: it needs every prompt row's logits)."""
-        return [] if task.job.prompt_logprobs >= 0 else self.prefix.match(task.job.input_ids)
+        return [] if task.job.prompt_logprobs >= 0 else self.prefix.match(task.job.input_ids, keys)
 
     # ------------------------------------------------------------ every rank
 
@@ -250,14 +260,17 @@ class PrefillGroup:
         box: list[object] = [None if batch is None else [(pack(p.task), p.cached_pages) for p in batch]]
         dist.broadcast_object_list(box, src=0)
         payload = box[0]
-        return None if payload is None else [Planned(unpack(b, PrefillTask), n) for b, n in payload]  # type: ignore[union-attr]
+        if self.rank == 0 or payload is None:
+            return batch
+        tasks = [(unpack(b, PrefillTask), n) for b, n in payload]  # type: ignore[union-attr]
+        return [Planned(task, n, self._page_keys(task)) for task, n in tasks]
 
     def _take_pages(self, planned: list[Planned]) -> list[list[int]]:
         """Every task's page table: the cached pages the leader planned, then new ones.
 
         All tasks' cached pages are held before any allocation, so that one task's allocation
         cannot evict pages a later task of the batch reuses (the leader sized the batch so)."""
-        hits = [self._cached_pages(p.task) for p in planned]
+        hits = [self._cached_pages(p.task, p.keys) for p in planned]
         for p, found in zip(planned, hits, strict=True):
             if len(found) != p.cached_pages:
                 raise PrefixCacheMismatch(f"rank {self.rank}: request {p.task.job.request_id}: the leader reuses {p.cached_pages} cached KV pages, "
@@ -335,7 +348,7 @@ class PrefillGroup:
         times.transfer_ms = (settling - started) * 1000 - compute_ms
         *delivered, computed = await asyncio.to_thread(self._agree, [e is None for e in errors] + [forward_ok])
         for p, seq, pages in zip(planned, seqs, page_tables, strict=True):
-            self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed)
+            self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed, p.keys)
             seq.page_table = []
         if self.world > 1:
             self.group_transfers = await asyncio.to_thread(self._sum_transfer_stats)

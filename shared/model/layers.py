@@ -19,15 +19,17 @@ path `linear` dequantizes it on every call.
 Decode batches (one query per sequence) take the paged decode attention kernel of
 `kernels.paged_attention` inside `paged_attention_sdpa`: K/V read straight from the pool
 (``MOEBUS_DECODE_ATTENTION=sdpa`` turns it off; they then gather their pages for SDPA with
-a mask). Prefill batches (several queries per sequence) run one sequence at a time: its
-pages gathered, SDPA with a bottom-right causal mask that flash attention takes without
-a mask tensor, so a long prompt costs no [queries x keys] memory (`_prefill_attention`).
+a mask). Prefill batches (several queries per sequence) gather every sequence's keys from
+the pages at once and run one variable-length flash attention call, causal to the bottom
+right (each sequence's queries after its cached tokens), so neither many short prompts nor
+one long prompt cost a launch per sequence or any [queries x keys] memory (`_prefill_attention`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,34 @@ def linear(x: torch.Tensor, w: Linear) -> torch.Tensor:
     return F.linear(x, w)
 
 
+@dataclass(frozen=True)
+class PrefillKeys:
+    """Where a prefill batch's keys are, for `_prefill_attention`: every sequence's visible tokens
+    in order, sequence after sequence, as rows of a layer's pool viewed as
+    ``[pages * 2 * kv_heads * page_size, head_dim]`` (one row: one head's K or V of one token)."""
+
+    rows: torch.Tensor  # [2, K, kv_heads]: K then V, key, head
+    cu_q: torch.Tensor  # [B + 1] int32: where each sequence's queries start in the batch's T rows
+    cu_k: torch.Tensor  # [B + 1] int32: where each sequence's keys start in the K gathered ones
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, pool_shape: torch.Size) -> PrefillKeys:
+        if meta.host_lens is None:
+            raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
+        _, two, kv_heads, page_size, _ = pool_shape
+        q_lens, k_lens = [n for n, _ in meta.host_lens], [length for _, length in meta.host_lens]
+        device = meta.page_tables.device
+        cu = torch.tensor([[0, *accumulate(q_lens)], [0, *accumulate(k_lens)]], dtype=torch.int32, device=device)
+        keys = sum(k_lens)
+        seq = torch.repeat_interleave(torch.arange(len(k_lens), device=device), cu[1].diff().long(), output_size=keys)
+        pos = torch.arange(keys, device=device) - cu[1, :-1][seq]  # each key's position in its sequence
+        first_row = meta.page_tables[seq, pos // page_size] * (two * kv_heads * page_size) + pos % page_size  # K, head 0
+        head_rows = (torch.arange(two, device=device)[:, None] * kv_heads + torch.arange(kv_heads, device=device)) * page_size
+        return cls(first_row[None, :, None] + head_rows[:, None, :], cu[0], cu[1], max(q_lens), max(k_lens))
+
+
 @dataclass
 class AttentionMetadata:
     """Where a batch's tokens sit: per-sequence query spans, cache lengths and page tables.
@@ -70,6 +100,7 @@ class AttentionMetadata:
     token_idx: torch.Tensor  # [T] index of each flat token inside its sequence's queries
     max_q: int
     host_lens: tuple[tuple[int, int], ...] | None = None  # (query_len, context_len) per sequence, when built on the host
+    prefill_keys: PrefillKeys | None = None  # built by the batch's first prefill attention layer, reused by the others
 
     @property
     def num_seqs(self) -> int:
@@ -157,32 +188,34 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 
 
 def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """`paged_attention_sdpa` of a batch with several queries per sequence, a sequence at a time.
+    """`paged_attention_sdpa` of a batch with several queries per sequence: one gather, one call.
 
     A sequence's ``n`` queries follow ``L - n`` cached tokens: query ``i`` sees keys ``0 .. L - n + i``,
-    the causal mask aligned to the bottom right (`causal_lower_right`). SDPA runs that on flash
-    attention with no mask tensor and with the query heads of a KV head sharing it (GQA);
-    `folded_attention` would build a ``[g * n, L]`` mask, gigabytes for a long prompt. Short
-    batches too: sending prefill batches whose folded mask stayed under 2**27 elements to
-    `folded_attention` (85b9db8) served less on one H200 than this loop for every batch (52ed2f3),
-    bench.serving, 4-layer 30B-shaped model, 256 requests of a shared 1024-token prefix + 128
-    tokens, 64 at once: 3727 / 4750 output tokens/s with the prefix cache on / off against 4933 /
-    6222 (two calls of the same script minutes apart, not one A/B). One varlen flash call for the
-    whole batch would drop the loop's per-sequence launches; not built.
+    the causal mask aligned to the bottom right. Every sequence's ``L`` keys are gathered from the
+    pages into one ``[K, kv_heads, D]`` K and V (one row gather, `PrefillKeys`), then on CUDA one
+    variable-length flash attention call (FlashAttention-2's varlen kernel, whose causal mask is
+    bottom-right, GQA native) runs the whole batch: no mask tensor, no K/V copy per query head, and
+    no launch per sequence. The loop it replaces (page gather + SDPA per sequence) made a batch of
+    many short prompts after a cached prefix cost a few launches per prompt and layer. Elsewhere
+    (CPU) SDPA runs per sequence on the same gathered keys.
     """
-    spans = meta.host_lens
-    if spans is None:
-        raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
-    page_size = cache.pools[layer].shape[3]
+    pool = cache.pools[layer]
+    if meta.prefill_keys is None:
+        meta.prefill_keys = PrefillKeys.build(meta, pool.shape)
+    keys = meta.prefill_keys
+    k, v = pool.view(-1, pool.shape[-1])[keys.rows]  # [K, kv_heads, D] each, contiguous
+    if q.is_cuda:
+        return torch.ops.aten._flash_attention_forward(q.contiguous(), k, v, keys.cu_q, keys.cu_k, keys.max_q, keys.max_k, 0.0, True, False,
+                                                       scale=scale)[0]
+    assert meta.host_lens is not None  # PrefillKeys.build checked
     out = torch.empty_like(q)
-    start = 0
-    for b, (n, length) in enumerate(spans):
-        k, v = cache.gather(layer, meta.page_tables[b : b + 1, : -(-length // page_size)])  # [1, Hkv, pages * ps, D]
-        queries = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
-        mask = causal_lower_right(n, length)
-        o = F.scaled_dot_product_attention(queries, k[:, :, :length], v[:, :, :length], attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + n] = o[0].transpose(0, 1)
-        start += n
+    q_start = k_start = 0
+    for n, length in meta.host_lens:
+        queries = q[q_start : q_start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        k_seq, v_seq = (t[k_start : k_start + length].transpose(0, 1)[None] for t in (k, v))
+        o = F.scaled_dot_product_attention(queries, k_seq, v_seq, attn_mask=causal_lower_right(n, length), scale=scale, enable_gqa=True)
+        out[q_start : q_start + n] = o[0].transpose(0, 1)
+        q_start, k_start = q_start + n, k_start + length
     return out
 
 

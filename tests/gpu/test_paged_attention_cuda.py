@@ -174,3 +174,31 @@ def test_prefill_attention_after_a_cached_prefix_matches_the_reference_and_needs
     kv_gather = 2 * hkv * n * d * 2
     assert torch.isfinite(out.float()).all()
     assert extra < 4 * out.numel() * 2 + 4 * kv_gather, f"prefill attention took {extra / 2**20:.0f} MiB beyond its inputs"
+
+
+def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
+    """The batch a prefix-cache hit makes: 24 prompts of 1 to 40 new tokens after the same 96
+    cached tokens (their 6 pages shared by all), next to a fresh 50-token prompt, at Qwen3-30B's
+    per-rank heads: one variable-length call against the fp32 reference of every sequence."""
+    from shared.kvcache import KVLayout, PagedKVCache
+    from shared.model import layers
+    from shared.model.model import ForwardBatch, SequenceChunk
+
+    gen = torch.Generator().manual_seed(16)
+    dev = torch.device("cuda")
+    page, hq, hkv, d, cached = 16, 32, 4, 128, 96
+    cache = PagedKVCache(KVLayout(1, 120, hkv, page, d, torch.bfloat16), dev)
+    cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
+    ids = torch.randperm(120, generator=gen).tolist()
+    prefix, free = ids[: cached // page], ids[cached // page :]
+    chunks = []
+    for n in [1 + (7 * i) % 40 for i in range(24)]:
+        own = -(-(cached + n) // page) - len(prefix)
+        chunks.append(SequenceChunk([1] * n, cached, prefix + free[:own]))
+        free = free[own:]
+    chunks.append(SequenceChunk([2] * 50, 0, free[:4]))
+    meta = ForwardBatch.build(chunks, page, dev).attn
+    q = torch.randn((sum(len(c.token_ids) for c in chunks), hq, d), generator=gen).to(dev, torch.bfloat16)
+    got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
+    want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)

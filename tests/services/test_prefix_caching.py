@@ -23,7 +23,7 @@ from schemas.internal import Heartbeat, Job, Placement, PrefillTask, PrefixCache
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.metrics import render
 from services.openai.protocol import merged_usage
-from services.prefill.group import Planned, PrefillGroup
+from services.prefill.group import Outcome, Planned, PrefillGroup
 from services.scheduler.registry import Registry
 from shared.bus import pack, unpack
 from shared.kvcache import KVLayout, PagedKVCache
@@ -176,10 +176,10 @@ def group_on(tiny_model: Path, num_pages: int, **settings) -> PrefillGroup:
     return PrefillGroup(PrefillSettings(instance="p", **({"prefix_caching": True} | settings)), runner, None, 0, 1, None)  # type: ignore[arg-type]  # planning needs no transfer worker
 
 
-def task(request_id: str, ids: list[int], prompt_logprobs: int = -1) -> Msg:
+def task(request_id: str, ids: list[int], prompt_logprobs: int = -1, kv_dtype: str = "float32") -> Msg:
     job = Job(request_id=request_id, gateway="g", input_ids=ids, max_tokens=4, sampling=SamplingSpec(0.0, 1.0, 0, None), stop_token_ids=[],
               logprobs=False, deadline=time.time() + 60, prompt_logprobs=prompt_logprobs)
-    layout = KVTransferLayout(num_layers=2, page_size=PAGE, kv_heads=2, head_dim=32, dtype="float32")
+    layout = KVTransferLayout(num_layers=2, page_size=PAGE, kv_heads=2, head_dim=32, dtype=kv_dtype)
     descriptor = KVTransferDescriptor(worker_address=b"", request_id=request_id, transfer_id=1, page_ids=[0], num_tokens=len(ids), layout=layout,
                                       lease_deadline_unix=time.time() + 60, max_chunk_bytes=1 << 20)
     msg = PrefillTask(job=job, placement=Placement(decode_instance="d", decode_rank=0, prefill_instance="p"), descriptor=descriptor)
@@ -237,6 +237,31 @@ def test_prompt_logprob_tasks_reuse_nothing_and_a_divergent_plan_is_refused(tiny
     with pytest.raises(PrefixCacheMismatch, match="the leader reuses 2 cached KV pages, this rank's prefix cache has 3"):
         group._take_pages(planned)
     assert group.prefix.evictable_pages == 3 and group.prefix.stats().lookups == 0
+
+
+def test_a_failed_forward_caches_nothing_and_a_computed_batch_caches_its_full_pages(tiny_model):
+    """The group's batch path (`_prefill`, one rank): whether a batch's pages enter the cache
+    follows its forward alone. The decode layout here is refused (another dtype: LayoutMismatch),
+    so no KV leaves either batch."""
+    group = group_on(tiny_model, 16)
+    prompt = list(range(100, 148)) + [1, 2]  # 3 full pages and 2 tokens
+
+    def prefill(request_id: str) -> Outcome:
+        planned = [Planned(unpack(task(request_id, prompt, kv_dtype="bfloat16").data, PrefillTask), 0)]
+        ((outcome,), _) = asyncio.run(group._prefill(planned))
+        return outcome
+
+    attn = group.runner.model.weights.layers[1].attn
+    o_proj = attn.o_proj
+    attn.o_proj = o_proj[:, :-1]  # layer 1's output projection one input column short: the forward raises
+    failed = prefill("bad")
+    assert failed.output is None and failed.error is not None and failed.error.startswith("prefill forward failed: RuntimeError")
+    assert group.prefix.cached_pages == 0 and group.prefix.allocator.num_free == 16 and group.prefix.match(prompt) == []
+    attn.o_proj = o_proj
+    computed = prefill("good")
+    assert computed.output is not None and computed.error is not None and "dtype" in computed.error  # computed, not sent
+    assert group.prefix.cached_pages == group.prefix.evictable_pages == 3 and group.prefix.allocator.num_free == 13
+    assert len(group.prefix.match(prompt)) == 3
 
 
 # ------------------------------------------------------------ the scheduler's prefix affinity

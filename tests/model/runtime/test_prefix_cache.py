@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 
 import pytest
 import torch
@@ -42,6 +44,29 @@ def test_page_keys_chain_the_whole_prefix():
     assert page_keys(a + x + [1, 2], PS) == ax  # the partial tail page has no key
     assert page_keys(a + x, PS) == ax and page_keys(a, PS) == ax[:1]
     assert page_keys([1, 2, 3], PS) == []
+    # The format every process (TP peers, scheduler replicas) must agree on: blake2b-128 over the
+    # parent key and the page's token ids as little-endian int64.
+    first = hashlib.blake2b(struct.pack("<4q", *a), digest_size=16).digest()
+    assert ax == [first, hashlib.blake2b(first + struct.pack("<4q", *x), digest_size=16).digest()]
+
+
+def test_keys_hashed_once_by_the_caller_match_and_release_as_the_token_ids_do():
+    a, x = [1, 2, 3, 4], [9, 9, 9, 9]
+    by_ids, by_keys = cache_of(16), cache_of(16)
+    for prompt in (a + x + [3], a + x + [5, 6, 7, 8, 1], a + [2]):
+        keys = page_keys(prompt, PS)
+        hits = by_keys.match(prompt, keys)
+        assert hits == by_ids.match(prompt)
+        by_keys.acquire(hits, len(prompt))
+        table = hits + by_keys.alloc(-(-len(prompt) // PS) - len(hits))
+        by_keys.release(prompt, table, len(hits), True, keys)
+        run_request(by_ids, prompt)
+    assert by_keys.stats() == by_ids.stats() and by_keys.stats().cached_pages == 3
+    with pytest.raises(InvalidPages, match="1 page keys for a prompt of 2 full pages"):
+        by_keys.match(a + x + [3], page_keys(a, PS))
+    table, hits = hold(by_keys, a + x + [3])
+    with pytest.raises(InvalidPages, match="1 page keys for a prompt of 2 full pages"):
+        by_keys.release(a + x + [3], table, hits, True, page_keys(a, PS))
 
 
 def test_match_finds_only_the_cached_prefix_and_leaves_a_token_to_run():
