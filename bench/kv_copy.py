@@ -14,7 +14,8 @@ Each layout's copy is checked byte for byte against the torch reference at the f
 prompt length (destination poisoned first), then timed: median wall time of ``--iters``
 copies, both GPUs synchronized before and after each, the kernel and the peer copy taking
 turns. Host cost, as a transfer meets it (once per request, after the process idled):
-``setup_us`` (building the ``KVCopy``: launch parameters and page tables uploaded) and
+``setup_us`` (building the ``KVCopy`` along the layout's kept ``CopyRoute``: launch
+parameters and page tables uploaded) and
 ``launch_us`` (one ``copy`` call of every layer), each the median over ``--iters`` calls
 made 20 ms after the previous one.
 
@@ -37,7 +38,7 @@ import time
 import torch
 
 from bench.results import print_table, record
-from kernels.kv_copy import KVCopy, kv_copy_reference, prepare_kv_copy
+from kernels.kv_copy import CopyRoute, KVCopy, kv_copy_reference, prepare_kv_copy
 from shared.transfer.direct_write import plan_rows
 
 BENCH = "kv_copy"
@@ -106,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator().manual_seed(tokens)
             src_table = torch.randperm(src_pages + 4, generator=g)[:src_pages]
             dst_table = torch.randperm(2 * dst_pages + 4, generator=g)[:dst_pages]
-            plan = plan_rows(src, dst, head_start, tokens)
+            rows_of = plan_rows(src, dst, head_start)
+            route = CopyRoute(src, dst, rows_of)  # kept per pool pair, as a sender keeps it per storage pair
             moved = tokens * args.layers * 2 * src_heads * args.head_dim * DTYPE.itemsize
-            copy = KVCopy(src, src_table, dst, dst_table, plan)
+            copy = KVCopy(route, src_table, dst_table, tokens)
             runs = {"register": lambda: copy.copy(range(args.layers))}  # the kernel's one path (module doc)
             checked: dict[str, bool | str] = {name: "" for name in runs}
             if n == 0:  # byte for byte against the reference, the destination poisoned before each copy
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not checked[name]:
                         raise SystemExit(f"{layout} {name} at {tokens} tokens: the copy differs from the reference")
                 del expected
-            setup_s, launch_s = _host_costs(lambda: KVCopy(src, src_table, dst, dst_table, plan), args.layers, args.iters)
+            setup_s, launch_s = _host_costs(lambda: KVCopy(route, src_table, dst_table, tokens), args.layers, args.iters)
             times: dict[str, list[float]] = {name: [] for name in [*runs, "peer copy"]}
             for _ in range(args.iters):  # the kernel and the peer copy take turns, so a drift of clocks or link hits both alike
                 for name, run in runs.items():
@@ -135,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = statistics.median(times[name])
                 metrics = {"gbps": moved / seconds / 1e9, "latency_us": seconds * 1e6, "ratio_to_peer_copy": (moved / seconds) / (nbytes / peer_s),
                            "setup_us": setup_s * 1e6, "launch_us": launch_s * 1e6}
-                case = {"tokens": tokens, "layout": layout, "path": name, "row_bytes": plan.heads_per_row * plan.block * args.head_dim * DTYPE.itemsize, "bytes": moved, "layers": args.layers}
+                case = {"tokens": tokens, "layout": layout, "path": name, "row_bytes": rows_of.heads_per_row * rows_of.block * args.head_dim * DTYPE.itemsize, "bytes": moved, "layers": args.layers}
                 record(BENCH, case, metrics, {"peer_copy": {"gbps": nbytes / peer_s / 1e9, "latency_us": peer_s * 1e6}})
                 rows.append({"tokens": tokens, "layout": layout, "row_B": case["row_bytes"], "path": name, "GBps": metrics["gbps"],
                              "peer_GBps": nbytes / peer_s / 1e9, "ratio": metrics["ratio_to_peer_copy"], "setup_us": setup_s * 1e6, "launch_us": launch_s * 1e6,
                              "checked": checked[name]})
-            del src, dst, runs, copy
+            del src, dst, runs, copy, route
             torch.cuda.empty_cache()
         del flat_src, flat_dst
     print_table(rows, ["tokens", "layout", "row_B", "path", "GBps", "peer_GBps", "ratio", "setup_us", "launch_us", "checked"])

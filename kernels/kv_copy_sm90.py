@@ -1,6 +1,6 @@
 """CuTeDSL kernel of :func:`kernels.kv_copy.kv_copy` (CUDA tensors only).
 
-CTAs take (layer, block, row) items of a ``RowPlan`` (grid-stride), read the block's two
+CTAs take (layer, block, row) items of a ``RowShape`` (grid-stride), read the block's two
 page ids from the int32 tables in device memory, and move the row with
 ``vector_bytes``-wide accesses: every thread issues ``UNROLL`` loads before their stores
 (several requests in flight per thread: the stores may cross NVLink into a peer's memory,

@@ -72,6 +72,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from schemas.transfer import CudaIpcExport, KVTransferLayout
+from shared.transfer.streams import made_event
 
 ENV_SWITCH = "MOEBUS_KV_CUDA_IPC"
 # A direct write whose kernel starts later than this after the lease deadline writes nothing
@@ -217,8 +218,7 @@ def prepare_landing_events(device: torch.device) -> None:
 
 
 def _new_landing_event(device: torch.device, pool: list[tuple[torch.cuda.Event, bytes]]) -> None:
-    event = torch.cuda.Event(interprocess=True)
-    event.record(torch.cuda.current_stream(device))  # torch creates an event at its first record: on ``device``
+    event = made_event(device, interprocess=True)  # its handle exists once the driver's event does
     handle = bytes(event.ipc_handle())
     _own_events[handle] = event
     pool.append((event, handle))

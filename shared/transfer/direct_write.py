@@ -59,16 +59,20 @@ back): ``KVCopy`` 167 us (pageable upload 70, its allocator block 35, the parame
 24, launcher 9, skip word 10, device context 11), the event the first report made and
 recorded 50 (torch creates a CUDA event at its first record), the launch 63, the stream wait
 11, the two page lists 50, the two table checks 41, the cached peer mapping 23, the layout
-checks 16, ``RowPlan`` (then a frozen dataclass) 10; a lone first driver call or numpy op
+checks 16, the row plan (then a frozen dataclass) 10; a lone first driver call or numpy op
 after idling took 40-120 us. Since 64ddcd5..fab3772 a sender's set-up reuses a kept
-parameter slot (``kernels.kv_copy._CopyRoute``: pinned words, device words, launcher; the
+parameter slot (``kernels.kv_copy.CopyRoute``: pinned words, device words, launcher; the
 page-id lists packed straight into it and checked there, one asynchronous upload) and events
 made ahead (the issuer's mark for reports without an event, its writes-done event), and a
 transfer that saw its landing event gives the slot back free at once (no event query on the
 next set-up). At 0651591c0496 (before the last three of those) the benchmark measured the
 set-up at 233-361 us at 6k TP=1 (264-373 at f4e4232480e1) and 435-455 at 32k (608-617),
 and the report's event no longer delays the first write (52-82 us before); at fab377215964
-187-204 us at 6k, enqueueing 83-126 us (bench/results/kv_transfer.jsonl).
+187-204 us at 6k, enqueueing 83-126 us (bench/results/kv_transfer.jsonl). Since then the
+storages' checks, row shape, fixed launch parameters and slots are one ``CopyRoute`` kept
+here per (storage pair, head start, stream) and found by the tensors' identity (before, a
+route of this module and one of ``kernels.kv_copy``, keyed by addresses, shapes and row
+shape, were looked up in turn, and the pools checked again per copy).
 
 The GPU tests compare the copy with the UCX path's ``shard.pack_layers`` followed by
 ``shard.scatter_layers``.
@@ -79,13 +83,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from kernels.kv_copy import VECTOR_BYTES, KVCopy, RowPlan, device_time_ns, prepare_kv_copy
+from kernels.kv_copy import VECTOR_BYTES, CopyRoute, KVCopy, RowShape, device_time_ns, prepare_kv_copy
 from shared.transfer import cuda_ipc
 from shared.transfer.streams import give_back_event, prepare_events, take_event
 
@@ -113,9 +116,9 @@ def vector_bytes(row_bytes: int, *addresses: int) -> int | None:
     return None
 
 
-def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int, num_tokens: int) -> RowPlan:
-    """The rows of a write of tokens ``[0, num_tokens)`` of all of ``src``'s heads into heads
-    from ``head_start`` of ``dst`` (both ``[layers, pages, 2, heads, page_size, head_dim]``)."""
+def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int) -> RowShape:
+    """The rows of writes of all of ``src``'s heads into heads from ``head_start`` of ``dst``
+    (both ``[layers, pages, 2, heads, page_size, head_dim]``), whatever the token count."""
     _, _, _, src_heads, src_ps, head_dim = src.shape
     dst_heads, dst_ps = dst.shape[3], dst.shape[4]
     row = head_dim * src.element_size()
@@ -123,7 +126,7 @@ def plan_rows(src: torch.Tensor, dst: torch.Tensor, head_start: int, num_tokens:
     if vec is None:
         raise DirectWriteError(f"KV rows of {row} bytes (or the storages) are not 2-byte aligned: no direct-write kernel for them")
     block, rows, heads_per_row = row_shape(src_ps, dst_ps, src_heads, dst_heads)
-    return RowPlan(vec, block, -(-num_tokens // block), rows, 1 if rows <= 2 else src_heads, heads_per_row, head_start, num_tokens)
+    return RowShape(vec, block, rows, 1 if rows <= 2 else src_heads, heads_per_row, head_start)
 
 
 def prepare_direct_writes(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
@@ -157,20 +160,19 @@ class DirectWriter:
 
     def __init__(self, src: torch.Tensor, src_table: Sequence[int] | np.ndarray, dst: torch.Tensor, dst_table: Sequence[int] | np.ndarray, *, head_start: int, num_tokens: int,
                  stream: torch.cuda.Stream | None = None, deadline_unix: float | None = None) -> None:
-        route = _route(src, dst, head_start)
         if num_tokens <= 0:
             raise ValueError(f"direct write of {num_tokens} tokens: nothing to write")
+        route = _route(src, dst, head_start, stream)
         self.device = route.device
         self.num_layers = route.num_layers
-        rows = route.rows
-        self.plan = RowPlan(rows.vector_bytes, rows.block, -(-num_tokens // rows.block), rows.rows, rows.rows_per_kv, rows.heads_per_row, head_start, num_tokens)
+        self.rows = route.rows
         deadline_ns = None if deadline_unix is None else device_time_ns(route.device, deadline_unix)
-        self._copy = KVCopy(src, src_table, dst, dst_table, self.plan, stream, deadline_ns)  # checks both tables against their pools
+        self._copy = KVCopy(route, src_table, dst_table, num_tokens, deadline_ns)  # checks both tables against their pools
 
     @property
     def bytes_per_layer(self) -> int:
-        plan, src = self.plan, self._copy.src
-        return plan.blocks * plan.rows * plan.heads_per_row * plan.block * src.shape[5] * src.element_size()
+        rows, src = self.rows, self._copy.src
+        return self._copy.blocks * rows.rows * rows.heads_per_row * rows.block * src.shape[5] * src.element_size()
 
     @property
     def skipped(self) -> bool:
@@ -189,41 +191,35 @@ class DirectWriter:
         self._copy.release(ran)
 
 
-class _Route:
-    """What every direct write from storage ``src`` into heads from ``head_start`` of storage
-    ``dst`` shares, whatever the request: the two storages checked against each other and the
-    row shape of their copies (``plan_rows`` of one token). Kept per (src, dst, head_start)
-    while both storages live (``_route``): a transfer's set-up runs cold on its host, where
-    planning the rows alone took 24 us (2x H200, set-ups 20 ms apart, fe9548763f2a) and
-    looking the kept route up 5 us (f4e4232480e1)."""
-
-    __slots__ = ("src", "dst", "device", "num_layers", "rows")
-
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, head_start: int) -> None:
-        layers, _, _, src_heads, _, head_dim = src.shape
-        dst_layers, _, _, dst_heads, _, dst_dim = dst.shape
-        if (layers, head_dim, src.dtype) != (dst_layers, dst_dim, dst.dtype) or not 0 <= head_start <= dst_heads - src_heads:
-            raise ValueError(f"direct write from {tuple(src.shape)} {src.dtype} into heads [{head_start}, {head_start + src_heads}) of {tuple(dst.shape)} {dst.dtype}")
-        self.src, self.dst = weakref.ref(src), weakref.ref(dst)
-        self.device = src.device
-        self.num_layers = layers
-        self.rows = plan_rows(src, dst, head_start, 1)
+_ROUTES_KEPT = 16  # (local storage, decode storage, head start, stream) routes kept per process
+# The one cache of per-pair state on the direct-write path: each route holds the storages'
+# checks, the row shape, the kernel's fixed launch parameters and its parameter slots.
+_routes: dict[tuple[int, int, int, int], CopyRoute] = {}
 
 
-_ROUTES_KEPT = 16  # (local storage, decode storage, head start) triples kept per process
-_routes: dict[tuple[int, int, int], _Route] = {}
-
-
-def _route(src: torch.Tensor, dst: torch.Tensor, head_start: int) -> _Route:
-    """The kept ``_Route`` of these very storage tensors (a storage that died and another that
-    took its id, e.g. a decode rank's new export, get a new one)."""
-    key = (id(src), id(dst), head_start)
+def _route(src: torch.Tensor, dst: torch.Tensor, head_start: int, stream: torch.cuda.Stream | None) -> CopyRoute:
+    """The kept copy route (``kernels.kv_copy.CopyRoute``) of writes from these very storage
+    tensors into heads from ``head_start`` on ``stream`` (CUDA; None: the current stream). A
+    storage that died and another that took its id (a decode rank's new export) get a new one:
+    the route refers to its storages weakly. Made on the first write of a pair: the storages
+    checked against each other (``ValueError``), the rows planned (``plan_rows``), the launch
+    parameters fixed; a transfer's set-up runs cold on its host, where planning the rows
+    alone took 24 us (2x H200, set-ups 20 ms apart, fe9548763f2a)."""
+    if src.is_cuda and stream is None:
+        stream = torch.cuda.current_stream(src.device)
+    key = (id(src), id(dst), head_start, 0 if stream is None else stream.cuda_stream)
     route = _routes.get(key)
-    if route is None or route.src() is not src or route.dst() is not dst:
-        route = _Route(src, dst, head_start)
-        if len(_routes) >= _ROUTES_KEPT:
-            _routes.clear()
-        _routes[key] = route
+    if route is not None and route.src() is src and route.dst() is dst:
+        return route
+    layers, _, _, src_heads, _, head_dim = src.shape
+    dst_layers, _, _, dst_heads, _, dst_dim = dst.shape
+    if (layers, head_dim, src.dtype) != (dst_layers, dst_dim, dst.dtype) or not 0 <= head_start <= dst_heads - src_heads:
+        raise ValueError(f"direct write from {tuple(src.shape)} {src.dtype} into heads [{head_start}, {head_start + src_heads}) of {tuple(dst.shape)} {dst.dtype}")
+    route = CopyRoute(src, dst, plan_rows(src, dst, head_start), stream)
+    _routes.pop(key, None)  # a dead pair's route under a reused id
+    if len(_routes) >= _ROUTES_KEPT:
+        _routes.pop(next(iter(_routes)))  # the oldest; copies set up along it keep it while they need it
+    _routes[key] = route
     return route
 
 
@@ -243,15 +239,18 @@ class WriteIssuer:
     in time whose compute ends too late. An error while enqueueing is kept in ``error`` for
     the sender, never raised into the reporting thread (the model's forward). ``close()``
     ends it: the writer's parameter slot and the issuer's events (made ahead,
-    ``streams.take_event``) go back for later transfers.
+    ``streams.take_event``) go back for later transfers. On CPU (the writer's torch
+    reference) each write runs as it is issued: no stream, no events.
     """
 
-    def __init__(self, writer: DirectWriter, stream: torch.cuda.Stream, deadline: float) -> None:
+    def __init__(self, writer: DirectWriter, stream: torch.cuda.Stream | None, deadline: float) -> None:
         self.writer = writer
         self._stream = stream
         self._deadline = deadline
         self._lock = threading.Lock()
-        self._pending: set[int] | None = None  # the layers not enqueued yet; None: all (a set made only if reports split them)
+        self._cuda = writer.device.type == "cuda"
+        self._enqueued = bytearray(writer.num_layers)  # 1 for each layer whose write is enqueued
+        self._left = writer.num_layers  # layers not enqueued yet
         self._closed = False
         self.groups: list[range] = []  # one per launch, in launch order
         self.compute_events: list[torch.cuda.Event] = []  # the distinct events the writes wait for
@@ -262,12 +261,12 @@ class WriteIssuer:
         self.issue_s = 0.0  # host time spent enqueueing
         # Marks the reporting thread's stream for reports without an event: an event made ahead
         # (making one cost ~40 us of a cold transfer's path on 2x H200, 06be092c0e76).
-        self._mark: torch.cuda.Event | None = take_event(writer.device) if writer.device.type == "cuda" else None
+        self._mark: torch.cuda.Event | None = take_event(writer.device) if self._cuda else None
 
     @property
     def complete(self) -> bool:
         """Every layer's write is enqueued."""
-        return self._pending is not None and not self._pending
+        return self._left == 0
 
     def issue(self, layers: Iterable[int], event: torch.cuda.Event | None) -> None:
         """Enqueue the writes of ``layers`` (those not enqueued yet) behind ``event``."""
@@ -291,11 +290,10 @@ class WriteIssuer:
 
     def _runs_to_enqueue(self, layers: Iterable[int]) -> list[range]:
         """The layers of ``layers`` not enqueued yet, as runs of consecutive layers."""
-        if self._pending is None:
-            if layers == range(self.writer.num_layers):
-                return [layers]  # every layer in one report, none enqueued before (``mark_all_layers_done``)
-            self._pending = set(range(self.writer.num_layers))
-        return _runs(sorted(set(layers) & self._pending))
+        num_layers = self.writer.num_layers
+        if self._left == num_layers and layers == range(num_layers):
+            return [layers]  # every layer in one report, none enqueued before (``mark_all_layers_done``)
+        return _runs(sorted({layer for layer in layers if 0 <= layer < num_layers and not self._enqueued[layer]}))
 
     def _enqueue(self, runs: list[range], event: torch.cuda.Event | None) -> None:
         if event is not None:
@@ -303,16 +301,15 @@ class WriteIssuer:
         for run in runs:
             self.writer.write(run)  # the GPU may start from here: the bookkeeping below overlaps it
             self.groups.append(run)
-            if self._pending is None:  # the one run of every layer
-                self._pending = set()
-            else:
-                self._pending.difference_update(run)
-            if self.writes_done is None:
-                self.writes_done = take_event(self.writer.device)
-            self.writes_done.record(self._stream)  # after every launch: a failure waits for all of them
+            self._enqueued[run.start : run.stop] = b"\x01" * len(run)
+            self._left -= len(run)
+            if self._cuda:
+                if self.writes_done is None:
+                    self.writes_done = take_event(self.writer.device)
+                self.writes_done.record(self._stream)  # after every launch: a failure waits for all of them
         if event is not None and all(e is not event for e in self.compute_events):
             self.compute_events.append(event)
-        if not self._pending:
+        if self._left == 0 and self._cuda:
             self.landing = cuda_ipc.landing_event(self.writer.device)
             self.landing[0].record(self._stream)
 

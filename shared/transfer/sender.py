@@ -503,11 +503,11 @@ _layouts_fit: dict[tuple[int, int, KVTransferLayout], tuple[KVLayout, KVHeadShar
 def _check_layouts(cache: PagedKVCache, desc: KVTransferDescriptor, heads: KVHeadShard, table_len: int) -> None:
     """Refuse (``LayoutMismatch``) a shard or local layout that does not map onto the decode's, or
     a page table too short for the request. The layouts' verdict is kept per (local layout,
-    decode layout, heads): a transfer's set-up runs cold (module doc of ``direct_write``)."""
+    decode layout, heads): a transfer's set-up runs cold (module doc of ``direct_write``); the
+    page table is checked every time."""
     mine, theirs = cache.layout, desc.layout
     key = (id(mine), id(heads), theirs)
-    fit = _layouts_fit.get(key)
-    if fit is not None and fit[0] is mine and fit[1] is heads and table_len >= mine.pages_for(desc.num_tokens):
+    if key in _layouts_fit and table_len >= mine.pages_for(desc.num_tokens):
         return
     dtype = str(mine.dtype).removeprefix("torch.")
     problems = []

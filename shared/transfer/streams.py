@@ -46,17 +46,23 @@ def side_stream(device: torch.device, purpose: str = "copy") -> torch.cuda.Strea
     return stream
 
 
+def made_event(device: torch.device, *, interprocess: bool = False) -> torch.cuda.Event:
+    """A new CUDA event of ``device`` that exists in the driver already: torch creates an event
+    at its first record (~40 us on a cold transfer path on 2x H200), so it is recorded once
+    here, on the device's current stream."""
+    event = torch.cuda.Event(interprocess=interprocess)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def take_event(device: torch.device) -> torch.cuda.Event:
-    """A CUDA event of ``device`` that exists already (torch makes one at its first record, which
-    cost ~40 us on a cold transfer path on 2x H200): a spare one (``give_back_event``,
-    ``prepare_events``), else a new one."""
+    """A CUDA event of ``device`` that exists already: a spare one (``give_back_event``,
+    ``prepare_events``), else a new one (``made_event``)."""
     spare = _spare_events.get(device)
     if spare:
         with contextlib.suppress(IndexError):  # another thread took the last one
             return spare.pop()
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+    return made_event(device)
 
 
 def give_back_event(device: torch.device, event: torch.cuda.Event) -> None:
@@ -70,9 +76,7 @@ def prepare_events(device: torch.device) -> None:
     """Make ``device``'s spare events now (a CUDA prefill rank's start), off every transfer's path."""
     spare = _spare_events.setdefault(device, [])
     while len(spare) < _SPARE_EVENTS_MADE:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        spare.append(event)
+        spare.append(made_event(device))
 
 
 async def event_done(event: torch.cuda.Event, *, short: bool) -> None:

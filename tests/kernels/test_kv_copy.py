@@ -99,46 +99,50 @@ def test_reference_and_cpu_kv_copy_equal_a_token_loop(dtype, src_ps, dst_ps, src
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     assert not torch.equal(got.view(torch.uint8), dst.view(torch.uint8))  # the copy wrote something
     routed = dst.clone()
-    kc.KVCopy(src, src_table.numpy(), routed, dst_table.tolist(), plan_rows(src, dst, head_start, tokens)).copy(layers)
+    kc.KVCopy(kc.CopyRoute(src, routed, plan_rows(src, dst, head_start)), src_table.numpy(), dst_table.tolist(), tokens).copy(layers)
     assert torch.equal(routed.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_copy_past_its_deadline_writes_nothing_and_says_so():
     src, dst = _pools(torch.bfloat16, 2, 4, 4, 2, 4, 16, 16, 8)
     table = torch.arange(2)
-    plan = plan_rows(src, dst, 2, 20)
+    rows = plan_rows(src, dst, 2)
     now_ns = kc.device_time_ns(src.device, time.time())
     assert abs(now_ns - time.time_ns()) < 10**8  # the CPU's "device" clock is the host's
     late = dst.clone()
-    copy = kc.KVCopy(src, table, late, table, plan, deadline_ns=now_ns - 1)
+    copy = kc.KVCopy(kc.CopyRoute(src, late, rows), table, table, 20, deadline_ns=now_ns - 1)
     copy.copy(range(2))
     assert torch.equal(late.view(torch.uint8), dst.view(torch.uint8)) and copy.skipped_at_ns >= now_ns
     in_time = dst.clone()
-    copy = kc.KVCopy(src, table, in_time, table, plan, deadline_ns=now_ns + 60 * 10**9)
+    copy = kc.KVCopy(kc.CopyRoute(src, in_time, rows), table, table, 20, deadline_ns=now_ns + 60 * 10**9)
     copy.copy(range(2))
     assert not torch.equal(in_time.view(torch.uint8), dst.view(torch.uint8)) and copy.skipped_at_ns is None
 
 
 def test_bad_calls_are_refused():
     src, dst = _pools(torch.bfloat16, 2, 4, 4, 2, 4, 16, 16, 8)
-    plan = plan_rows(src, dst, 0, 20)
+    rows = plan_rows(src, dst, 0)
+    route = kc.CopyRoute(src, dst, rows)
     table = torch.arange(2)
     with pytest.raises(kc.KVCopyError, match="one dtype"):
-        kc.KVCopy(src, table, dst.float(), table, plan)
+        kc.CopyRoute(src, dst.float(), rows)
     with pytest.raises(kc.KVCopyError, match="destination page table must list at least 2 integer page ids"):
-        kc.KVCopy(src, table, dst, table[:1], plan)
+        kc.KVCopy(route, table, table[:1], 20)
     with pytest.raises(kc.KVCopyError, match="source page table must list at least 2 integer page ids"):
-        kc.KVCopy(src, table.float(), dst, table, plan)
+        kc.KVCopy(route, table.float(), table, 20)
     with pytest.raises(kc.KVCopyError, match="the pools hold layers 0..1"):
-        kc.KVCopy(src, table, dst, table, plan).copy(range(1, 3))
+        kc.KVCopy(route, table, table, 20).copy(range(1, 3))
     # Ids outside a pool, negative ones and int64 ids that would wrap into range as int32 included:
     # refused before anything is copied (on CUDA before a parameter slot is filled).
     for bad in (torch.tensor([0, 4]), np.array([-1, 0], dtype=np.int32), np.array([0, 2**32 + 1], dtype=np.int64), [3, -2]):
         with pytest.raises(kc.KVCopyError, match="destination page table names pages outside 0..3"):
-            kc.KVCopy(src, table, dst, bad, plan)
+            kc.KVCopy(route, table, bad, 20)
         with pytest.raises(kc.KVCopyError, match="source page table names pages outside 0..3"):
-            kc.KVCopy(src, bad, dst, table, plan)
-    kc.KVCopy(src, np.array([3, 0, -7]), dst, table, plan)  # past the pages the tokens need: not read
+            kc.KVCopy(route, bad, table, 20)
+    kc.KVCopy(route, np.array([3, 0, -7]), table, 20)  # past the pages the tokens need: not read
+    del src, dst
+    with pytest.raises(kc.KVCopyError, match="pools were freed"):  # a route refers to its pools weakly
+        kc.KVCopy(route, table, table, 20)
 
 
 def test_page_ids_are_checked_at_both_ends_whatever_their_form():
@@ -167,24 +171,20 @@ def test_page_ids_are_checked_at_both_ends_whatever_their_form():
 # --------------------------------------------------------------------------- GPU
 
 
-def test_copy_routes_follow_the_pools_and_the_stream():
-    """The launch parameters fixed by a pool pair are kept with its copy route (per addresses,
-    shapes, dtype, row shape and stream): another destination pool (a decode rank's new export)
-    gets its own address, a pool of another shape at the same address its own strides, another
-    stream its own route (its parameter slots are reused in that stream's order), the same
-    pair on the same stream the kept route."""
+def test_fixed_launch_parameters_follow_the_pools():
+    """The launch parameters a pool pair fixes (kept with its ``CopyRoute``): another destination
+    pool (a decode rank's new export) gets its own address, a pool of another shape at the same
+    address its own strides."""
     src = torch.zeros(2, 5, 2, 2, 16, 8, dtype=torch.bfloat16)
     dst_a, dst_b = torch.zeros(2, 6, 2, 4, 16, 8, dtype=torch.bfloat16), torch.zeros(2, 6, 2, 4, 16, 8, dtype=torch.bfloat16)
-    plan = plan_rows(src, dst_a, 2, 20)
+    rows = plan_rows(src, dst_a, 2)
     names = kc.LAUNCH_PARAMS
-    a, b = kc._copy_route(src, dst_a, plan, 0), kc._copy_route(src, dst_b, plan, 0)
+    a, b = kc._fixed_launch_params(src, dst_a, rows), kc._fixed_launch_params(src, dst_b, rows)
     head_bytes = 16 * 8 * 2  # one head of one K/V half of a page: page_size x head_dim bf16
-    assert a.fixed[names.index("dst")] == dst_a.data_ptr() + 2 * head_bytes and b.fixed[names.index("dst")] == dst_b.data_ptr() + 2 * head_bytes
-    assert kc._copy_route(src, dst_a, plan, 0) is a and kc._copy_route(src, dst_a, plan, 7) is not a
-    assert kc._copy_route(src, dst_a, plan_rows(src, dst_a, 2, 300), 0) is a  # another length, same row shape
+    assert a[names.index("dst")] == dst_a.data_ptr() + 2 * head_bytes and b[names.index("dst")] == dst_b.data_ptr() + 2 * head_bytes
     wide = dst_a.view(2, 3, 2, 8, 16, 8)  # same address, pages of 8 heads
-    page = kc._copy_route(src, wide, plan_rows(src, wide, 2, 20), 0).fixed[names.index("dst_page")]
-    assert page * plan.vector_bytes == 2 * 8 * head_bytes != a.fixed[names.index("dst_page")] * plan.vector_bytes
+    page = kc._fixed_launch_params(src, wide, plan_rows(src, wide, 2))[names.index("dst_page")]
+    assert page * rows.vector_bytes == 2 * 8 * head_bytes != a[names.index("dst_page")] * rows.vector_bytes
 
 
 GPU_CASES = [  # dtype, head_dim -> access width of plan_rows
@@ -205,12 +205,12 @@ def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_
     dst_heads, head_start, tokens = 4, 4 - src_heads, 301
     src, dst = _pools(dtype, 3, 40, 30, src_heads, dst_heads, src_ps, dst_ps, dim, device="cuda", seed=dim)
     src_table, dst_table = _tables(40, 30, src_ps, dst_ps, tokens, seed=src_ps)
-    plan = plan_rows(src, dst, head_start, tokens)
-    assert plan.vector_bytes == width
+    rows = plan_rows(src, dst, head_start)
+    assert rows.vector_bytes == width
     expected = dst.clone()
     kc.kv_copy_reference(src, src_table.cuda(), expected, dst_table.cuda(), range(1, 3), head_start, tokens)
     got = dst.clone()
-    copy = kc.KVCopy(src, src_table, got, dst_table.numpy(), plan)
+    copy = kc.KVCopy(kc.CopyRoute(src, got, rows), src_table, dst_table.numpy(), tokens)
     copy.copy(range(2, 3))  # two launches of one set-up, the later layer first
     copy.copy(range(1, 2))
     torch.cuda.synchronize()
@@ -228,19 +228,19 @@ def test_kernel_writes_what_the_reference_writes(dtype, dim, width, src_ps, dst_
 def test_kernel_past_its_deadline_writes_nothing_and_the_clocks_agree():
     src, dst = _pools(torch.bfloat16, 3, 40, 30, 2, 4, 16, 16, 64, device="cuda", seed=3)
     src_table, dst_table = _tables(40, 30, 16, 16, 301, seed=4)
-    plan = plan_rows(src, dst, 2, 301)
-    kc.prepare_kv_copy(src.device, plan.vector_bytes)  # relates the GPU clock to the host's
+    rows = plan_rows(src, dst, 2)
+    kc.prepare_kv_copy(src.device, rows.vector_bytes)  # relates the GPU clock to the host's
     before = time.time()
     now_ns = kc.device_time_ns(src.device, before)
     late = dst.clone()
-    copy = kc.KVCopy(src, src_table, late, dst_table, plan, deadline_ns=now_ns)
+    copy = kc.KVCopy(kc.CopyRoute(src, late, rows), src_table, dst_table, 301, deadline_ns=now_ns)
     copy.copy(range(3))
     torch.cuda.synchronize()
     after_ns = kc.device_time_ns(src.device, time.time())
     assert torch.equal(late.view(torch.uint8), dst.view(torch.uint8)), "a copy past its deadline wrote"
     assert copy.skipped_at_ns is not None and now_ns - 10**6 < copy.skipped_at_ns < after_ns + 10**6, (now_ns, copy.skipped_at_ns, after_ns)
     in_time = dst.clone()
-    copy = kc.KVCopy(src, src_table, in_time, dst_table, plan, deadline_ns=kc.device_time_ns(src.device, time.time() + 60))
+    copy = kc.KVCopy(kc.CopyRoute(src, in_time, rows), src_table, dst_table, 301, deadline_ns=kc.device_time_ns(src.device, time.time() + 60))
     copy.copy(range(3))
     torch.cuda.synchronize()
     assert copy.skipped_at_ns is None and not torch.equal(in_time.view(torch.uint8), dst.view(torch.uint8))
@@ -256,35 +256,35 @@ def test_parameter_slots_are_reused_only_once_their_copy_ran():
     comes back, and at once when released as having run. Every copy lands its own pages, and
     a released copy cannot launch again."""
     src, dst = _pools(torch.bfloat16, 3, 40, 30, 4, 4, 16, 16, 64, device="cuda", seed=5)
-    plan = plan_rows(src, dst, 0, 304)  # whole pages: the kernel and the reference write the same bytes
     stream = torch.cuda.Stream()
     tables = [_tables(40, 30, 16, 16, 304, seed=s) for s in (6, 7, 8)]
     expected = dst.clone()
     for src_table, dst_table in tables[:2]:
         kc.kv_copy_reference(src, src_table.cuda(), expected, dst_table.cuda(), range(3), 0, 304)
     got = dst.clone()
+    route = kc.CopyRoute(src, got, plan_rows(src, dst, 0), stream)  # whole pages: the kernel and the reference write the same bytes
     with torch.cuda.stream(stream):
         torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s: the first copy's upload and launch wait behind it
-    first = kc.KVCopy(src, tables[0][0], got, tables[0][1], plan, stream)
+    first = kc.KVCopy(route, tables[0][0], tables[0][1], 304)
     first.copy(range(3))
     first.release()
     with pytest.raises(kc.KVCopyError, match="released"):
         first.copy(range(3))
-    second = kc.KVCopy(src, tables[1][0], got, tables[1][1], plan, stream)
+    second = kc.KVCopy(route, tables[1][0], tables[1][1], 304)
     assert second._launcher is not first._launcher, "a slot whose copy had not run was taken again"
     second.copy(range(3))
     second.release()
     stream.synchronize()
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-    third = kc.KVCopy(src, tables[2][0], got, tables[2][1], plan, stream)
+    third = kc.KVCopy(route, tables[2][0], tables[2][1], 304)
     assert third._launcher in (first._launcher, second._launcher), "a slot whose copy ran was not reused"
     third.copy(range(3))
-    fourth = kc.KVCopy(src, tables[0][0], got, tables[0][1], plan, stream)  # the other idle slot: none left free
+    fourth = kc.KVCopy(route, tables[0][0], tables[0][1], 304)  # the other idle slot: none left free
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(int(0.3 * 2e9))
     fourth.release()  # its slot waits behind the sleep
     third.release(ran=True)  # the caller saw its work complete: free at once, no event asked
-    fifth = kc.KVCopy(src, tables[1][0], got, tables[1][1], plan, stream)
+    fifth = kc.KVCopy(route, tables[1][0], tables[1][1], 304)
     assert fifth._launcher is third._launcher and fifth._launcher is not fourth._launcher
     stream.synchronize()

@@ -64,17 +64,73 @@ def test_storage_checks_are_kept_per_storage_pair():
     own shape, and a storage that died is never matched by the one that took its id."""
     src = torch.zeros(LAYERS, 10, 2, 2, 16, DIM, dtype=torch.bfloat16)
     dst = torch.zeros(LAYERS, 10, 2, HEADS, 16, DIM, dtype=torch.bfloat16)
-    route = direct_write._route(src, dst, 2)
-    assert direct_write._route(src, dst, 2) is route and direct_write._route(src, dst, 0) is not route
-    assert route.rows.block == 16
+    route = direct_write._route(src, dst, 2, None)
+    assert direct_write._route(src, dst, 2, None) is route and direct_write._route(src, dst, 0, None) is not route
+    assert route.rows.block == 16 and route.src() is src and route.dst() is dst
     other = torch.zeros(LAYERS, 7, 2, HEADS, 32, DIM, dtype=torch.bfloat16)
-    assert direct_write._route(src, other, 2).rows.block == 16 and direct_write._route(src, other, 2).rows.rows == 2 * 2  # one head per row
+    assert direct_write._route(src, other, 2, None).rows.block == 16 and direct_write._route(src, other, 2, None).rows.rows == 2 * 2  # one head per row
     del dst
     for _ in range(20):  # new tensors, some of which may take the dead one's id
         dst = torch.zeros(LAYERS, 5, 2, HEADS, 8, DIM, dtype=torch.bfloat16)
-        assert direct_write._route(src, dst, 2).rows.block == 8
+        assert direct_write._route(src, dst, 2, None).rows.block == 8
     with pytest.raises(ValueError, match="direct write of 0 tokens"):
         DirectWriter(src, np.arange(3), dst, np.arange(3), head_start=0, num_tokens=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_routes_are_kept_per_write_stream():
+    """A route's parameter slots are reused in its stream's order: writes on another stream get
+    their own route, the same stream (the current one when none is given) the kept one."""
+    src = torch.zeros(LAYERS, 10, 2, 2, 16, DIM, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros(LAYERS, 10, 2, HEADS, 16, DIM, dtype=torch.bfloat16, device="cuda")
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    route = direct_write._route(src, dst, 2, first)
+    assert route.stream is first and direct_write._route(src, dst, 2, first) is route
+    assert direct_write._route(src, dst, 2, second) is not route and direct_write._route(src, dst, 2, second).stream is second
+    with torch.cuda.stream(first):
+        assert direct_write._route(src, dst, 2, None) is route
+
+
+def test_issuer_enqueues_a_report_of_every_layer_in_one_write_and_nothing_twice():
+    """``mark_all_layers_done``'s report (every layer, none enqueued before) is one write of all
+    layers; later reports of any layer enqueue nothing. Reports that split the layers write each
+    layer once, in runs of consecutive layers, and complete the transfer only with the last
+    missing layer. On CPU the writer's reference copies at once: the data is there on return."""
+    layers, tokens = 5, 40
+    src = PagedKVCache(KVLayout(layers, 8, HEADS, 16, DIM, torch.bfloat16), "cpu")
+    src.storage.copy_(torch.randn(src.storage.shape))
+    src_table, dst_table = [5, 1, 3], [2, 6, 0]
+
+    def issuer_into(dst: PagedKVCache) -> WriteIssuer:
+        dst.storage.fill_(float("nan"))
+        writer = DirectWriter(src.storage, src_table, dst.storage, dst_table, head_start=0, num_tokens=tokens)
+        return WriteIssuer(writer, None, time.monotonic() + 60)
+
+    def landed(dst: PagedKVCache, layer: int) -> bool:
+        return torch.equal(torch.stack(dst.read(layer, torch.tensor(dst_table), tokens)), torch.stack(src.read(layer, torch.tensor(src_table), tokens)))
+
+    dst = PagedKVCache(KVLayout(layers, 8, HEADS, 16, DIM, torch.bfloat16), "cpu")
+    issuer = issuer_into(dst)
+    issuer.issue(range(layers), None)
+    assert issuer.error is None and issuer.complete and issuer.groups == [range(layers)]
+    assert all(landed(dst, layer) for layer in range(layers))
+    dst.storage.fill_(float("nan"))
+    issuer.issue((2,), None)
+    issuer.issue(range(layers), None)
+    assert issuer.groups == [range(layers)] and dst.storage.isnan().all(), "a layer was written twice"
+
+    split = issuer_into(dst)
+    split.issue((1,), None)
+    split.issue([4, 3, 1], None)
+    assert not split.complete and split.groups == [range(1, 2), range(3, 5)]
+    assert landed(dst, 3) and not landed(dst, 0) and not landed(dst, 2)
+    split.issue(range(layers), None)  # every layer reported: only the missing ones are written
+    assert split.complete and split.groups == [range(1, 2), range(3, 5), range(0, 1), range(2, 3)]
+    assert all(landed(dst, layer) for layer in range(layers))
+    split.close()
+    split.issue(range(layers), None)
+    assert len(split.groups) == 4
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -102,7 +158,7 @@ def test_writer_writes_what_pack_and_scatter_write(device, src_page, dst_page, h
         stream = torch.cuda.Stream() if device == "cuda" else None
         writer = DirectWriter(src.storage, np.array(src_table), dst.storage, np.array(dst_table), head_start=shard.start, num_tokens=tokens, stream=stream)
         if stream is not None:
-            assert writer.plan.vector_bytes == 16  # DIM 8 bf16: one 16-byte vector per token of a head
+            assert writer.rows.vector_bytes == 16  # DIM 8 bf16: one 16-byte vector per token of a head
         writer.write(range(1, LAYERS))  # two groups, the later layers first
         writer.write(range(0, 1))
         if stream is not None:

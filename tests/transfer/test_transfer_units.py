@@ -220,6 +220,30 @@ def test_sender_rejects_layouts_that_cannot_map():
     asyncio.run(main())
 
 
+def test_layout_verdicts_are_kept_per_objects_and_the_page_table_checked_every_time():
+    """A sender's layout verdict is kept per (local layout, shard, decode layout), the first two by
+    identity: checking the same objects again is served by the kept verdict (no new entry) and
+    still refuses a page table too short for its request; a shard of equal value but another
+    object is checked afresh; a shard that does not fit is refused and never kept."""
+    from shared.transfer import sender
+
+    cache = _cache(heads=2)
+    desc = KVTransferDescriptor(b"addr", "r", 1, [0, 1], 20, KVTransferLayout(2, 16, 4, 8, "bfloat16"), time.time() + 5, 1 << 20)
+    shard = kv_head_shard(0, 2, 4)
+    sender._layouts_fit.clear()
+    sender._check_layouts(cache, desc, shard, 2)
+    assert list(sender._layouts_fit.values()) == [(cache.layout, shard)]
+    sender._check_layouts(cache, desc, shard, 2)
+    assert len(sender._layouts_fit) == 1
+    with pytest.raises(LayoutMismatch, match="page table of 1 pages cannot hold 20 tokens"):
+        sender._check_layouts(cache, desc, shard, 1)
+    sender._check_layouts(cache, desc, KVHeadShard(shard.start, shard.end, shard.sends), 2)
+    assert len(sender._layouts_fit) == 2
+    with pytest.raises(LayoutMismatch, match="replica"):
+        sender._check_layouts(cache, desc, KVHeadShard(shard.start, shard.end, False), 2)
+    assert len(sender._layouts_fit) == 2
+
+
 def test_overlapping_shards_fail_the_request_with_protocol_error():
     """Two senders claiming the same heads: the receiver fails the request and frees its pages."""
 
