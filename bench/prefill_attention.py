@@ -8,7 +8,8 @@ of one rank of Qwen3-30B-A3B (32 query / 4 KV heads) and Qwen3-235B-A22B (64 / 4
 in the same run on the same queries and K/V:
 
 * ``ours``: ``shared.model.layers.paged_attention_sdpa`` (what the model runs: every sequence's
-  keys gathered from the pages in one row gather, one variable-length flash attention call),
+  keys gathered from the pages in one row gather, one variable-length flash attention call;
+  one fresh prompt alone: SDPA's causal path on its gathered pages, as ``loop`` runs it),
   timed with the batch's key plan already built, as every layer after the first finds it;
   ``plan_us`` is what building that plan (`layers.PrefillKeys.build`) adds to the first layer;
 * ``loop``: the path before it, a sequence at a time (its pages gathered, SDPA with a

@@ -114,7 +114,7 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     transfer_timeout_s: float = 30.0
     warmup: bool = True  # run dummy prompts through every rank (compiling its kernels) before it reports ready
     gateway_expiry_s: float = 5.0  # a gateway silent this long (while the leader listens) has its queued tasks dropped
-    prefix_caching: bool = False  # reuse the KV pages of prompt prefixes this instance computed before (shared.prefix_cache; README says why off)
+    prefix_caching: bool = True  # reuse the KV pages of prompt prefixes this instance computed before (shared.prefix_cache)
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.tp, "tp")

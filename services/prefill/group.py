@@ -20,9 +20,9 @@ rather than running a forward the ranks do not agree on. A task asking for promp
 reuses nothing (every prompt row's logits are needed) but still leaves its pages cached. The
 batch is sized by the tokens it computes (not the cached ones) and by the pages an allocation
 can get (free plus evictable, less the cached pages the batch reuses). Each rank hashes a
-prompt's page keys once (`Planned.keys`) for its lookup, its check and its release. Whether a batch's pages
-enter the cache depends on whether the forward succeeded on every rank (one agreed flag), so
-the ranks' indexes stay alike.
+prompt's page keys once (`Planned.keys`) for its lookup, its check and its release. Whether a
+batch's pages enter the cache depends on whether the forward succeeded on every rank (one
+agreed flag), so the ranks' indexes stay alike.
 
 The leader watches the gateways' heartbeats (`PeerLiveness`, as the decode ranks do):
 a queued task whose gateway has been silent for `gateway_expiry_s` of time the leader
@@ -261,7 +261,7 @@ class PrefillGroup:
         dist.broadcast_object_list(box, src=0)
         payload = box[0]
         if self.rank == 0 or payload is None:
-            return batch
+            return batch  # the leader keeps its own plan (keys hashed while planning)
         tasks = [(unpack(b, PrefillTask), n) for b, n in payload]  # type: ignore[union-attr]
         return [Planned(task, n, self._page_keys(task)) for task, n in tasks]
 

@@ -179,7 +179,8 @@ def test_prefill_attention_after_a_cached_prefix_matches_the_reference_and_needs
 def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
     """The batch a prefix-cache hit makes: 24 prompts of 1 to 40 new tokens after the same 96
     cached tokens (their 6 pages shared by all), next to a fresh 50-token prompt, at Qwen3-30B's
-    per-rank heads: one variable-length call against the fp32 reference of every sequence."""
+    per-rank heads: one variable-length call against the fp32 reference of every sequence; then
+    a fresh prompt alone (SDPA's causal path)."""
     from shared.kvcache import KVLayout, PagedKVCache
     from shared.model import layers
     from shared.model.model import ForwardBatch, SequenceChunk
@@ -199,6 +200,13 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
     chunks.append(SequenceChunk([2] * 50, 0, free[:4]))
     meta = ForwardBatch.build(chunks, page, dev).attn
     q = torch.randn((sum(len(c.token_ids) for c in chunks), hq, d), generator=gen).to(dev, torch.bfloat16)
+    got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
+    want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
+
+    # One fresh prompt alone: SDPA's causal path instead of the varlen call, the same attention.
+    meta = ForwardBatch.build([SequenceChunk([3] * 300, 0, free[4:23])], page, dev).attn
+    q = torch.randn((300, hq, d), generator=gen).to(dev, torch.bfloat16)
     got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
     want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
