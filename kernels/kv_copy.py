@@ -318,12 +318,16 @@ def _fill_page_ids(name: str, table: Sequence[int] | np.ndarray | torch.Tensor, 
         return
     if len(table) < need:
         raise KVCopyError(f"{name} page table must list at least {need} integer page ids, got {len(table)}")
-    ids = table[:need]
+    ids = table if len(table) == need else table[:need]
     try:
-        struct.pack_into(f"{need}i", out, 0, *ids)
+        # Packed as unsigned, struct refuses negative ids, so one pass (max) checks the rest: the
+        # two tables' packing and checks took 64-74 us of a 6k-token set-up on 2x H200 (dc753919bd30).
+        struct.pack_into(f"{need}I", out, 0, *ids)
     except struct.error as e:
+        if all(isinstance(i, int) for i in ids) and min(ids) < 0:
+            raise KVCopyError(f"{name} page table names pages outside 0..{pages - 1}") from None
         raise KVCopyError(f"{name} page table must hold integer page ids below 2**31 ({e})") from None
-    if ids and (min(ids) < 0 or max(ids) >= pages):  # builtins over the packed ints: no numpy on the set-up path
+    if ids and max(ids) >= pages:  # a builtin over the packed ints: no numpy on the set-up path
         raise KVCopyError(f"{name} page table names pages outside 0..{pages - 1}")
 
 
@@ -369,7 +373,7 @@ class _ParamSlot:
         self.idle = torch.cuda.Event()
         self.pending = False
         self.launcher = kv_copy_sm90.Launcher(route.device_index, route.stream, route.rows.vector_bytes, self._device.ptr)
-        self._stream = route.stream
+        self._stream_handle = route.stream.cuda_stream  # passed to the driver as it is
         self._device_index = route.device_index
         self._host_at = self._pinned.data_ptr()
         self._upload = kv_copy_sm90.upload
@@ -377,8 +381,12 @@ class _ParamSlot:
     def upload(self, dst_ids: int) -> None:
         """Copy the parameters, the source table and the first ``dst_ids`` destination ids to
         the device on the route's stream (asynchronous: the host words are pinned)."""
+        nbytes = 8 * len(LAUNCH_PARAMS) + 4 * (self.capacity + dst_ids)
+        if torch.cuda.current_device() == self._device_index:  # the usual case: no device switch to pay for
+            self._upload(self._device.ptr, self._host_at, nbytes, self._stream_handle)
+            return
         with torch.cuda.device(self._device_index):  # the driver's copy in the device's primary context
-            self._upload(self._device.ptr, self._host_at, 8 * len(LAUNCH_PARAMS) + 4 * (self.capacity + dst_ids), self._stream)
+            self._upload(self._device.ptr, self._host_at, nbytes, self._stream_handle)
 
 
 class _DeviceBlock:

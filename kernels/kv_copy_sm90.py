@@ -145,12 +145,24 @@ def _executor(vector_bytes: int):
     return compile_kv_copy(vector_bytes).to()
 
 
-def upload(dst: int, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+def upload(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Copy ``nbytes`` from host address ``src`` (pinned: the copy runs asynchronously, in stream
-    order) to device address ``dst`` on ``stream``, in the calling thread's current CUDA context."""
-    (err,) = cuda_driver.cuMemcpyHtoDAsync(dst, src, nbytes, stream.cuda_stream)
-    if err != cuda_driver.CUresult.CUDA_SUCCESS:
-        raise KVCopyError(f"uploading the KV copy's launch parameters ({nbytes} bytes) failed: {err}")
+    order) to device address ``dst`` on the CUDA stream whose handle is ``stream``, in the calling
+    thread's current CUDA context."""
+    err = _memcpy_htod_async()(dst, src, nbytes, stream)
+    if err:
+        raise KVCopyError(f"uploading the KV copy's launch parameters ({nbytes} bytes) failed: CUresult {err}")
+
+
+@functools.cache
+def _memcpy_htod_async() -> ctypes._CFuncPtr:
+    """The driver's ``cuMemcpyHtoDAsync`` through ctypes, its argument types declared once: a copy
+    is on every transfer's set-up path, which runs cold, and cuda-python's wrapper builds a
+    ``CUdeviceptr``, a ``CUstream`` and a pointer helper on each call."""
+    function = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
+    function.argtypes = (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    function.restype = ctypes.c_int
+    return function
 
 
 @functools.cache
@@ -172,12 +184,16 @@ class Launcher:
         self._max_ctas = _max_ctas(device_index)
         # The compiled host function takes a pointer to each argument's value (stream: its handle).
         self._slots = (ctypes.c_int64(params), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p(stream.cuda_stream))
-        self._args = [ctypes.addressof(slot) for slot in self._slots]
+        # As c_void_p objects: the executor packs those as they are, plain ints through a conversion each.
+        self._args = [ctypes.c_void_p(ctypes.addressof(slot)) for slot in self._slots]
 
     def launch(self, first_layer: int, num_layers: int, items: int) -> None:
         """One launch of layers ``[first_layer, first_layer + num_layers)``, ``items`` (layer, block,
         row) items (``kernels.kv_copy.KVCopy`` checks everything)."""
         _, first, count, grid, _ = self._slots
         first.value, count.value, grid.value = first_layer, num_layers, min(items, self._max_ctas)
+        if torch.cuda.current_device() == self._device:  # the usual case: no device switch to pay for
+            self._executor.run_compiled_program(self._args)
+            return
         with torch.cuda.device(self._device):  # the launch runs in the pools' device's primary context
             self._executor.run_compiled_program(self._args)

@@ -90,7 +90,7 @@ import torch
 
 from kernels.kv_copy import VECTOR_BYTES, CopyRoute, KVCopy, RowShape, device_time_ns, prepare_kv_copy
 from shared.transfer import cuda_ipc
-from shared.transfer.streams import give_back_event, prepare_events, take_event
+from shared.transfer.streams import current_stream, give_back_event, prepare_events, take_event
 
 
 class DirectWriteError(ValueError):
@@ -282,7 +282,7 @@ class WriteIssuer:
             try:
                 if event is None and self._mark is not None:
                     event = self._mark
-                    event.record(torch.cuda.current_stream(self.writer.device.index))
+                    event.record(current_stream(self.writer.device.index))
                 self._enqueue(runs, event)
             except Exception as e:  # noqa: BLE001 - surfaced by the sender as a typed error
                 self.error = e
