@@ -246,11 +246,13 @@ def test_issuer_enqueues_writes_behind_compute_without_waiting_for_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_reports_without_an_event_wait_for_the_reporting_stream():
-    """A report without a CUDA event marks the reporting thread's current stream with the
-    issuer's own event: the writes wait for the KV enqueued there before the report (here
-    behind ~0.3 s of GPU sleep) and copy it, not what the pages held before; closing the
-    issuer gives its event back for the next transfer."""
+@pytest.mark.parametrize("reporting_stream", ["default", "another"])
+def test_reports_without_an_event_wait_for_the_reporting_stream(reporting_stream):
+    """A report without a CUDA event marks the reporting thread's current stream (the default
+    one, or another entered with ``torch.cuda.stream``: ``streams.current_stream`` keeps one
+    object per stream handle) with the issuer's own event: the writes wait for the KV enqueued
+    there before the report (here behind ~0.3 s of GPU sleep) and copy it, not what the pages
+    held before; closing the issuer gives its event back for the next transfer."""
     from shared.transfer import streams
 
     tokens, layers = 304, 4
@@ -262,11 +264,16 @@ def test_reports_without_an_event_wait_for_the_reporting_stream():
     writer = DirectWriter(src.storage, np.array(src_table), dst.storage, np.array(dst_table), head_start=0, num_tokens=tokens, stream=stream)
     issuer = WriteIssuer(writer, stream, time.monotonic() + 60)
     kv = torch.randn(src.storage.shape, device="cuda").to(torch.bfloat16)
-    torch.cuda._sleep(int(0.3 * 2e9))  # the forward, then its KV, on the current stream
-    src.storage.copy_(kv)
-    started = time.perf_counter()
-    issuer.issue(range(layers), None)
-    assert time.perf_counter() - started < 0.2, "the issuer waited for the compute"
+    reporting = torch.cuda.current_stream() if reporting_stream == "default" else torch.cuda.Stream()
+    reporting.wait_stream(torch.cuda.current_stream())  # kv is made
+    with torch.cuda.stream(reporting):
+        assert streams.current_stream(0).cuda_stream == reporting.cuda_stream
+        torch.cuda._sleep(int(0.3 * 2e9))  # the forward, then its KV, on the current stream
+        src.storage.copy_(kv)
+        started = time.perf_counter()
+        issuer.issue(range(layers), None)
+        assert time.perf_counter() - started < 0.2, "the issuer waited for the compute"
+    assert streams.current_stream(0).cuda_stream == torch.cuda.current_stream(0).cuda_stream
     assert issuer.error is None and issuer.complete and not issuer.writes_done.query()
     issuer.landing[0].synchronize()
     table = torch.tensor(src_table, device="cuda"), torch.tensor(dst_table, device="cuda")
