@@ -159,7 +159,7 @@ def _memcpy_htod_async() -> ctypes._CFuncPtr:
     """The driver's ``cuMemcpyHtoDAsync`` through ctypes, its argument types declared once, rather
     than through cuda-python's wrapper, which converts every argument into its own types per call:
     the copy is on every transfer's set-up path (the upload took 33-65 us of a 6k-token set-up on
-    2x H200 at dc753919bd30, a device switch included)."""
+    2x H200 at dc753919bd30, its device switch included)."""
     function = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
     function.argtypes = (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     function.restype = ctypes.c_int

@@ -75,8 +75,9 @@ route of this module and one of ``kernels.kv_copy``, keyed by addresses, shapes 
 shape, were looked up in turn, and the pools checked again per copy). A profile of a 6k-token
 TP=1 sender in the bench's prefill process at dc753919bd30 (2x H200, section timers, 20 ms idle
 before each / back to back) put its set-up at 253 / 166 us and the issue at 136 / 81: the two
-page lists 74 / 64 us, the parameter upload 65 / 33 (its device switch 16 / 8), the launch 60 /
-36, ``torch.cuda.current_stream`` for the stream mark 19 / 11, three event records 24 / 14. Since
+page lists 74 / 64 us, the parameter upload 65 / 33, the launch 60 / 36 (the device switches of
+the two 16 / 8), ``torch.cuda.current_stream`` for the stream mark 19 / 11, three event records
+24 / 14. Since
 22378a4ff918 the lists are packed unsigned with one ``max()`` check, the upload calls the driver
 through ctypes, upload and launch switch device only when another one is current and the mark's
 stream object is kept per handle (``streams.current_stream``): an A/B against dc753919bd30 in one
