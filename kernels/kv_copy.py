@@ -32,7 +32,7 @@ that block's address and its layer range. One binary serves every layout and req
 a launch costs a few host microseconds instead of converting some twenty scalars through
 the DSL's argument marshalling (~85 us on this project's CPU box). What a pool pair, a row
 shape and a stream fix is one ``CopyRoute``, checked and made once by its user and kept
-(``shared.transfer.direct_write`` keeps one per storage pair; nothing here caches routes):
+(``shared.transfer.direct_write`` keeps one per storage pair; here only the clock calibration keeps its scratch routes):
 the pools checked against each other, the fixed parameters and the parameter slots, each
 pinned host words + device words + a launcher bound to them (``kv_copy_sm90.Launcher``,
 its arguments marshalled once). A ``KVCopy`` takes a slot, writes its three per-copy
@@ -164,6 +164,7 @@ class CopyRoute:
             raise KVCopyError(f"KV copy from {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}: "
                               "needs two [layers, pages, 2, heads, page_size, head_dim] pools of one dtype and layer count")
         self.src, self.dst = weakref.ref(src), weakref.ref(dst)
+        self.addresses = (src.data_ptr(), dst.data_ptr())  # what the launch parameters were made for
         self.device = src.device
         self.rows = rows
         self.num_layers = src.shape[0]
@@ -181,6 +182,7 @@ class CopyRoute:
         self.device_index = src.get_device()
         self._lock = threading.Lock()  # copies are set up on one thread and released on another
         self._free: dict[int, deque[_ParamSlot]] = {}  # capacity -> slots given back: known free first, then pending oldest first
+        weakref.finalize(self, _retire, self._free).atexit = False
 
     def take(self, ids: int) -> _ParamSlot:
         """A slot for tables of up to ``ids`` page ids per side: the first given back, if free
@@ -203,6 +205,22 @@ class CopyRoute:
                 free.appendleft(slot)
             else:
                 free.append(slot)
+
+
+_retiring: set[_ParamSlot] = set()  # pending slots of collected routes, kept until their work ran
+
+
+def _retire(free: dict[int, deque[_ParamSlot]]) -> None:
+    """A collected route's slots: those whose work may still be queued stay alive until their
+    ``idle`` event completed. Dropped at once, a slot's pinned words would go back to torch's
+    host allocator, which hands a block out again at once unless a stream use was recorded on
+    it (the driver's upload records none): the next slot could rewrite them before the queued
+    upload read them. Set operations only (atomic under the GIL), as a finalizer may run
+    within another."""
+    _retiring.update(slot for slots in free.values() for slot in slots if slot.pending)
+    for slot in list(_retiring):
+        if slot.idle.query():
+            _retiring.discard(slot)
 
 
 class KVCopy:

@@ -211,7 +211,8 @@ def _route(src: torch.Tensor, dst: torch.Tensor, head_start: int, stream: torch.
     """The kept copy route (``kernels.kv_copy.CopyRoute``) of writes from these very storage
     tensors into heads from ``head_start`` on ``stream`` (CUDA; None: the current stream). A
     storage that died and another that took its id (a decode rank's new export) get a new one:
-    the route refers to its storages weakly. Made on the first write of a pair: the storages
+    the route refers to its storages weakly; so does a storage whose memory moved (``set_``),
+    whose launch parameters would name the old addresses. Made on the first write of a pair: the storages
     checked against each other (``ValueError``), the rows planned (``plan_rows``), the launch
     parameters fixed; a transfer's set-up runs cold on its host, where planning the rows
     alone took 24 us (2x H200, set-ups 20 ms apart, fe9548763f2a)."""
@@ -219,7 +220,7 @@ def _route(src: torch.Tensor, dst: torch.Tensor, head_start: int, stream: torch.
         stream = torch.cuda.current_stream(src.device)
     key = (id(src), id(dst), head_start, 0 if stream is None else stream.cuda_stream)
     route = _routes.get(key)
-    if route is not None and route.src() is src and route.dst() is dst:
+    if route is not None and route.src() is src and route.dst() is dst and route.addresses == (src.data_ptr(), dst.data_ptr()):
         return route
     layers, _, _, src_heads, _, head_dim = src.shape
     dst_layers, _, _, dst_heads, _, dst_dim = dst.shape
@@ -228,7 +229,7 @@ def _route(src: torch.Tensor, dst: torch.Tensor, head_start: int, stream: torch.
     route = CopyRoute(src, dst, plan_rows(src, dst, head_start), stream)
     _routes.pop(key, None)  # a dead pair's route under a reused id
     if len(_routes) >= _ROUTES_KEPT:
-        _routes.pop(next(iter(_routes)))  # the oldest; copies set up along it keep it while they need it
+        _routes.pop(next(iter(_routes)))  # the oldest: live copies keep it, a collected one retires its pending slots
     _routes[key] = route
     return route
 

@@ -133,7 +133,7 @@ def test_bad_calls_are_refused():
     with pytest.raises(kc.KVCopyError, match="the pools hold layers 0..1"):
         kc.KVCopy(route, table, table, 20).copy(range(1, 3))
     # Ids outside a pool, negative ones and int64 ids that would wrap into range as int32 included:
-    # refused before anything is copied (on CUDA before a parameter slot is filled).
+    # refused before anything is copied (on CUDA the slot they were packed into goes back unused).
     for bad in (torch.tensor([0, 4]), np.array([-1, 0], dtype=np.int32), np.array([0, 2**32 + 1], dtype=np.int64), [3, -2]):
         with pytest.raises(kc.KVCopyError, match="destination page table names pages outside 0..3"):
             kc.KVCopy(route, table, bad, 20)
@@ -290,3 +290,29 @@ def test_parameter_slots_are_reused_only_once_their_copy_ran():
     fifth = kc.KVCopy(route, tables[1][0], tables[1][1], 304)
     assert fifth._launcher is third._launcher and fifth._launcher is not fourth._launcher
     stream.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_collected_routes_pending_slots_live_until_their_work_ran():
+    """A route dropped while a released copy's upload still waits on its stream (behind a sleep)
+    keeps that slot alive (its pinned words must not go back to the host allocator before the
+    upload read them) until the work ran; then the next retirement lets it go."""
+    import gc
+
+    src, dst = _pools(torch.bfloat16, 2, 8, 8, 4, 4, 16, 16, 64, device="cuda", seed=9)
+    stream = torch.cuda.Stream()
+    route = kc.CopyRoute(src, dst, plan_rows(src, dst, 0), stream)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(0.3 * 2e9))
+    copy = kc.KVCopy(route, [0, 1], [2, 3], 20)
+    copy.copy(range(2))
+    copy.release()
+    (slot,) = (s for slots in route._free.values() for s in slots)
+    assert slot.pending
+    del copy, route
+    gc.collect()
+    assert slot in kc._retiring, "a pending slot of a collected route was dropped"
+    stream.synchronize()
+    kc._retire({})
+    assert slot not in kc._retiring

@@ -233,8 +233,9 @@ def test_layout_verdicts_are_kept_per_objects_and_the_page_table_checked_every_t
     sender._layouts_fit.clear()
     sender._check_layouts(cache, desc, shard, 2)
     assert list(sender._layouts_fit.values()) == [(cache.layout, shard)]
+    (key, kept), = sender._layouts_fit.items()
     sender._check_layouts(cache, desc, shard, 2)
-    assert len(sender._layouts_fit) == 1
+    assert len(sender._layouts_fit) == 1 and sender._layouts_fit[key] is kept  # a check afresh would store a new verdict
     with pytest.raises(LayoutMismatch, match="page table of 1 pages cannot hold 20 tokens"):
         sender._check_layouts(cache, desc, shard, 1)
     sender._check_layouts(cache, desc, KVHeadShard(shard.start, shard.end, shard.sends), 2)
