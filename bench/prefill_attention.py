@@ -11,7 +11,8 @@ in the same run on the same queries and K/V:
   keys gathered from the pages in one row gather, one variable-length flash attention call;
   one fresh prompt alone: SDPA's causal path on its gathered pages, as ``loop`` runs it),
   timed with the batch's key plan already built, as every layer after the first finds it;
-  ``plan_us`` is what building that plan (`layers.PrefillKeys.build`) adds to the first layer;
+  ``plan_us`` is what building that plan (`layers.PrefillKeys.build`) adds to the first layer
+  (0 for one fresh prompt alone, which builds none);
 * ``loop``: the path before it, a sequence at a time (its pages gathered, SDPA with a
   bottom-right causal mask on flash attention): a few launches per sequence and layer;
 * ``folded``: ``shared.model.layers.folded_attention`` (query heads folded into rows under a
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                     chunks = [SequenceChunk([0] * n, cached, prefix + rest[s * own : (s + 1) * own]) for s in range(seqs)]
                     meta = ForwardBatch.build(chunks, PAGE, dev).attn
                     q = torch.randn((seqs * n, hq, HEAD_DIM), generator=gen, device=dev, dtype=torch.bfloat16)
-                    plan_us = statistics.median(event_time_us(lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)) for _ in range(a.reps))
+                    lone_fresh = seqs == 1 and cached == 0  # `_prefill_attention`'s SDPA path: no plan built
+                    plan_us = 0.0 if lone_fresh else statistics.median(event_time_us(lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)) for _ in range(a.reps))
                     k, v = cache.gather(0, meta.page_tables)
                     k, v = k[:, :, :length], v[:, :, :length]
                     if seqs == 1:

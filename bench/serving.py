@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             server = a.openai_url or a.url
         run = run_openai if api == "openai" else run_native
         timelines, elapsed = asyncio.run(run(server, work, a.max_concurrency, a.timeout_s))
-        measured_since = time.time() - elapsed
+        # The first request's send on the wall clock (not now - elapsed: closing the client after the run takes a while too).
+        measured_since = min(t.sent for t in timelines) + time.time() - time.perf_counter()
     finally:
         if stack is not None:
             stack.stop()

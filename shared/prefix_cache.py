@@ -28,10 +28,11 @@ allocation fail that would have succeeded without it, which is also why the cach
 size bound of its own (it holds only pages nobody else wants yet).
 
 Keys are computed with blake2b (128 bits) over the token ids as little-endian int64, so
-every process computes the same keys (~0.1 ms for a prompt of 1152 tokens: a caller that needs
-them for several operations on one prompt hashes once, `page_keys`, and passes them along): the ranks of a TP group, each holding its own KV heads
+every process computes the same keys: the ranks of a TP group, each holding its own KV heads
 of the same pages, reach identical decisions from identical operations (the prefill group
-checks that, `PrefixCacheMismatch`). Disabled (``enabled=False``), `match` finds nothing and
+checks that, `PrefixCacheMismatch`). Hashing a prompt of 1152 tokens takes ~0.1 ms, so a
+caller that needs its keys for several operations hashes once (`page_keys`) and passes them
+along. Disabled (``enabled=False``), `match` finds nothing and
 `release` frees every page: the allocator behaves as without a cache.
 """
 

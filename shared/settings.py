@@ -110,6 +110,9 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     page_size: int = 16
     kv_pages: int = 512  # KV pages of the prefill-side cache (per rank)
     max_batch_tokens: int = 8192  # prompts run together in one forward pass, up to this many tokens
+    # ... and up to this many prompt tokens, reused ones included: prefill attention gathers every
+    # prompt's whole context at once, so a shared cached prefix counts once per prompt
+    max_batch_context_tokens: int = 65536
     dist_port: int = 0  # torch.distributed rendezvous port; 0: pick a free one
     transfer_timeout_s: float = 30.0
     warmup: bool = True  # run dummy prompts through every rank (compiling its kernels) before it reports ready
@@ -119,6 +122,8 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.tp, "tp")
         _check_expiry(self.gateway_expiry_s, self.heartbeat_interval_s, "gateway_expiry_s")
+        if not 0 < self.max_batch_tokens <= self.max_batch_context_tokens:
+            raise ValueError(f"max_batch_tokens {self.max_batch_tokens} must be > 0 and at most max_batch_context_tokens {self.max_batch_context_tokens}")
 
 
 class DecodeSettings(ServiceSettings, kw_only=True):

@@ -1,7 +1,8 @@
 """One prefill instance: a TP group of ranks running prompts together.
 
 Rank 0 (the leader) is the only rank on NATS: it queues the tasks the scheduler
-sends, forms batches (up to `max_batch_tokens` and the free KV pages), and
+sends, forms batches (up to `max_batch_tokens` computed and `max_batch_context_tokens`
+prompt tokens, and the free KV pages), and
 broadcasts each batch to its peers over the process group. Every rank then runs
 the batch's forward — TP needs all of them — and sends its own KV heads to the
 decode rank layer by layer while later layers compute. The ranks agree on which
@@ -194,7 +195,7 @@ class PrefillGroup:
             return None
         planning = time.perf_counter()
         batch: list[Planned] = []
-        tokens = new_pages = 0  # tokens the batch computes, pages it allocates
+        tokens = context = new_pages = 0  # tokens the batch computes, prompt tokens it attends over, pages it allocates
         reused: set[int] = set()  # cached pages the batch reuses: its own allocations must not evict them
         layout = self.runner.cache.layout
         while self.queue:
@@ -206,7 +207,8 @@ class PrefillGroup:
             hits = self._cached_pages(task, head.keys)
             computed, needed = n - len(hits) * layout.page_size, layout.pages_for(n) - len(hits)
             fits = new_pages + needed <= self.prefix.available(reused.union(hits))
-            if batch and (tokens + computed > self.settings.max_batch_tokens or not fits):
+            over = tokens + computed > self.settings.max_batch_tokens or context + n > self.settings.max_batch_context_tokens
+            if batch and (over or not fits):
                 break
             self.queue.popleft()
             if Deadline(task.job.deadline).expired:
@@ -217,6 +219,7 @@ class PrefillGroup:
                 continue
             batch.append(Planned(task, len(hits), head.keys))
             tokens += computed
+            context += n
             new_pages += needed
             reused.update(hits)
         self.in_flight_tokens = sum(len(p.task.job.input_ids) for p in batch)
@@ -390,7 +393,7 @@ class PrefillGroup:
         """One ``prefill_batch`` event per batch: its sizes and where its time went (`BatchTimes`)."""
         prompt_tokens = sum(len(o.task.job.input_ids) for o in outcomes)
         cached_tokens = sum(o.cached_tokens for o in outcomes)
-        log.info("prefill_batch", requests=len(outcomes), failed=sum(o.error is not None for o in outcomes), prompt_tokens=prompt_tokens,
+        log.info("prefill_batch", request_ids=[o.task.job.request_id for o in outcomes], requests=len(outcomes), failed=sum(o.error is not None for o in outcomes), prompt_tokens=prompt_tokens,
                  cached_tokens=cached_tokens, computed_tokens=prompt_tokens - cached_tokens,
                  **{name: round(ms, 2) for name, ms in vars(times).items()})
 

@@ -94,14 +94,10 @@ class Registry:
         ]
         return sorted(fits, key=lambda m: (-m.free_pages, m.batch, m.hb.instance, m.hb.rank))
 
-    def live_prefill(self) -> list[Member]:
+    def _live_prefill(self) -> list[Member]:
         """Prefill instances that are not draining and not suspect."""
         now = time.monotonic()
         return [m for m in self.of_role("prefill") if m.suspect_until <= now]
-
-    def least_loaded_prefill(self) -> Member | None:
-        """The prefill instance with the fewest queued input tokens."""
-        return _least_loaded(self.live_prefill())
 
     def prefill_for(self, input_ids: Sequence[int], slack_tokens: int) -> Member | None:
         """The prefill instance for a prompt: the one its first KV page hashes to (module doc) if
@@ -109,7 +105,7 @@ class Registry:
         least loaded. A prompt with no full page before its last token (nothing any cache could
         reuse), instances that report no page size or no prefix cache, or ``slack_tokens`` 0: the
         least loaded."""
-        live = self.live_prefill()
+        live = self._live_prefill()
         least = _least_loaded(live)
         if least is None or slack_tokens <= 0:
             return least
@@ -125,6 +121,7 @@ class Registry:
 
 
 def _least_loaded(prefill: list[Member]) -> Member | None:
+    """The prefill instance with the fewest queued input tokens."""
     return min(prefill, key=lambda m: (m.queued_tokens, m.hb.instance), default=None)
 
 

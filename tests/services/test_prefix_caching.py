@@ -223,6 +223,16 @@ def test_the_leader_counts_cached_pages_as_allocated_and_evictable_ones_as_free(
     group = group_on(tiny_model, 16, max_batch_tokens=60)
     cache_prompt(group, shared + [1])
     assert plan(group, [task("b", follow_up), task("e", list(range(500, 520)))]) == [("b", 3), ("e", 0)]
+    # Its context budget counts every prompt token, reused ones included (prefill attention gathers
+    # them all): two follow-ups of 88 tokens computing 40 each fit 100 computed tokens, not 150 context ones;
+    # a prompt over the context budget alone still runs, alone.
+    group = group_on(tiny_model, 32, max_batch_tokens=100, max_batch_context_tokens=150)
+    cache_prompt(group, shared + [1])
+    assert plan(group, [task("b", follow_up), task("h", shared + list(range(800, 840)))]) == [("b", 3)]
+    assert plan(group, []) == [("h", 3)]
+    group = group_on(tiny_model, 32, max_batch_tokens=100, max_batch_context_tokens=100)
+    cache_prompt(group, shared + [1])
+    assert plan(group, [task("l", shared + list(range(900, 990))), task("m", list(range(1000, 1010)))]) == [("l", 3)]
 
 
 def test_prompt_logprob_tasks_reuse_nothing_and_a_divergent_plan_is_refused(tiny_model):

@@ -237,13 +237,14 @@ def test_prefill_placement_fewest_queued_tokens_and_expiry():
     reg = Registry(expiry_s=0.05)
     reg.update(hb("prefill", "p1", queued_tokens=500))
     reg.update(hb("prefill", "p2", queued_tokens=100))
-    best = reg.least_loaded_prefill()
+    prompt = list(range(40))
+    best = reg.prefill_for(prompt, 0)  # no affinity: the least loaded
     assert best is not None and best.hb.instance == "p2"
     best.pending_tokens += 1000  # what this scheduler sent since the heartbeat counts too
-    assert reg.least_loaded_prefill().hb.instance == "p1"  # type: ignore[union-attr]
+    assert reg.prefill_for(prompt, 0).hb.instance == "p1"  # type: ignore[union-attr]
     time.sleep(0.06)
     assert sorted(reg.expire()) == [("prefill", "p1", 0), ("prefill", "p2", 0)]
-    assert reg.least_loaded_prefill() is None
+    assert reg.prefill_for(prompt, 0) is None
 
 
 # ---------------------------------------------------------------- the wire contract
