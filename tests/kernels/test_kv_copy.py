@@ -157,12 +157,11 @@ def test_page_ids_are_checked_at_both_ends_whatever_their_form():
     for table in ([1, 2], np.array([1, 2]), torch.tensor([1, 2])):
         with pytest.raises(kc.KVCopyError, match="source page table must list at least 3 integer page ids"):
             kc._fill_page_ids("source", table, 3, 10, out)
-    for bad in ([1, 10, 3], [1, -1, 3], [1, 2, 2**31], [2**32 - 1, 0, 0], np.array([1, 2, 10], dtype=np.int64), np.array([1, -2, 3], dtype=np.int32), torch.tensor([10, 0, 0])):
+    for bad in ([1, 10, 3], [1, -1, 3], [1, 2, 2**31], [2**32 - 1, 0, 0], [0, 2**40, 1], [0, np.int64(-3), 1], np.array([1, 2, 10], dtype=np.int64),
+                np.array([1, -2, 3], dtype=np.int32), torch.tensor([10, 0, 0])):
         with pytest.raises(kc.KVCopyError, match="source page table names pages outside 0..9"):
             kc._fill_page_ids("source", bad, 3, 10, out)
-    with pytest.raises(kc.KVCopyError, match="decode page table must hold integer page ids below 2"):
-        kc._fill_page_ids("decode", [0, 2**40, 1], 3, 10, out)
-    with pytest.raises(kc.KVCopyError, match="decode page table must hold integer page ids below 2"):
+    with pytest.raises(kc.KVCopyError, match="decode page table must hold integer page ids"):
         kc._fill_page_ids("decode", [0, 1.5, 1], 3, 10, out)
     for bad in (np.array([1.0, 2.0, 3.0]), [0.5], [2**64]):
         with pytest.raises(kc.KVCopyError, match="integer page ids"):
