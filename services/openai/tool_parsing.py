@@ -153,25 +153,21 @@ class ChatOutputParser:
                 return False  # only whitespace or a piece of <think> so far
             else:
                 self._leading_think = False
-        end = self._pending.find(THINK_END)
-        if end < 0:
-            delta.reasoning += self._reasoning.add(self._release(THINK_END, final))
-            return False
-        delta.reasoning += self._reasoning.add(self._pending[:end])
-        self._pending, self._state = self._pending[end + len(THINK_END) :], "content"
-        return True
+        text, found = self._take_until(THINK_END, final)
+        delta.reasoning += self._reasoning.add(text)
+        if found:
+            self._state = "content"
+        return found
 
     def _in_content(self, delta: Delta, final: bool) -> bool:
         if not self._tools:
             delta.content += self._content.add(self._release(None, final))
             return False
-        start = self._pending.find(CALL_START)
-        if start < 0:
-            delta.content += self._content.add(self._release(CALL_START, final))
-            return False
-        delta.content += self._content.add(self._pending[:start])
-        self._pending, self._state = self._pending[start + len(CALL_START) :], "call"
-        return True
+        text, found = self._take_until(CALL_START, final)
+        delta.content += self._content.add(text)
+        if found:
+            self._state = "call"
+        return found
 
     def _in_call(self, delta: Delta, final: bool) -> bool:
         end = self._pending.find(CALL_END)
@@ -187,6 +183,15 @@ class ChatOutputParser:
         else:
             delta.content += self._content.add(CALL_START + block + (CALL_END if closed else ""))
         return True
+
+    def _take_until(self, tag: str, final: bool) -> tuple[str, bool]:
+        """The pending text before ``tag`` and True, the tag consumed; while it has not come,
+        what can be released now (`_release`) and False."""
+        at = self._pending.find(tag)
+        if at < 0:
+            return self._release(tag, final), False
+        text, self._pending = self._pending[:at], self._pending[at + len(tag) :]
+        return text, True
 
     def _release(self, tag: str | None, final: bool) -> str:
         """The pending text except an end that may still become ``tag`` (all of it at the end, or without a tag to watch for)."""
