@@ -222,7 +222,7 @@ class PrefillGroup:
             context += n
             new_pages += needed
             reused.update(hits)
-        self.in_flight_tokens = sum(len(p.task.job.input_ids) for p in batch)
+        self.in_flight_tokens = context
         self.plan_ms = (time.perf_counter() - planning) * 1000
         return batch
 
