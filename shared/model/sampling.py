@@ -162,18 +162,23 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], histor
                   banned: Sequence[Sequence[int]] | None) -> torch.Tensor:
     """fp32 ``logits [B, V]`` after each row's logit bias, banned tokens and penalties (module
     doc): the tensor itself when no row has any, else a copy."""
-    rows_bias = [i for i, p in enumerate(params) if p.logit_bias]
-    rows_banned = [i for i, ids in enumerate(banned or ()) if ids]
-    if not rows_bias and not rows_banned and not any(p.penalized for p in params):
+    biased = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias]
+    banned_cells = [(i, token) for i, ids in enumerate(banned or ()) for token in ids]
+    penalized = any(p.penalized for p in params)
+    if not biased and not banned_cells and not penalized:
         return logits
     out = logits.clone()
     device = logits.device
-    for i in rows_bias:
-        ids, values = zip(*params[i].logit_bias, strict=True)
-        out[i, torch.tensor(ids, device=device)] += torch.tensor(values, device=device)
-    for i in rows_banned:
-        out[i, torch.tensor(list(banned[i]), dtype=torch.long, device=device)] = -math.inf  # type: ignore[index]
-    if any(p.penalized for p in params):
+    # One index tensor and one value tensor for the whole batch (not one pair per row): each
+    # is a host-to-device copy on CUDA, paid every decode step while a biased request runs.
+    if biased:
+        rows, ids, values = zip(*biased, strict=True)
+        cells = torch.tensor([rows, ids], dtype=torch.long, device=device)
+        out[cells[0], cells[1]] += torch.tensor(values, dtype=out.dtype, device=device)  # a row's ids are distinct
+    if banned_cells:
+        cells = torch.tensor(banned_cells, dtype=torch.long, device=device).T
+        out[cells[0], cells[1]] = -math.inf
+    if penalized:
         if histories is None or len(histories) != len(params):
             raise ValueError("sampling with penalties needs every row's (prompt ids, output ids)")
         _apply_penalties_(out, params, histories)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from shared.model.sampling import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PROMPT_ROWS_PER_PASS, InvalidSamplingParams, Sampler, SamplingParams, make_generator,
-                                    prompt_logprobs, top_logprobs)
+from shared.model.sampling import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PROMPT_ROWS_PER_PASS, InvalidSamplingParams, Sampler, SamplingParams, adjust_logits,
+                                    make_generator, prompt_logprobs, top_logprobs)
 
 VOCAB = 97
 
@@ -145,6 +145,22 @@ def test_banned_tokens_are_never_picked_by_their_rows_only() -> None:
     assert int(tokens[1]) == top[1]
     with pytest.raises(ValueError, match="banned"):
         Sampler().sample(logits, params, [None, None], banned=[()])
+
+
+def test_adjust_logits_biases_and_bans_exactly_the_named_cells_of_every_row() -> None:
+    logits = _random_logits(4)
+    params = [SamplingParams(logit_bias={3: 2.5, 90: -7}), SamplingParams(), SamplingParams(logit_bias={3: -1, 5: 100}), SamplingParams()]
+    banned = [(), (3, 4), (90,), ()]
+    out = adjust_logits(logits, params, None, banned)
+    expected = logits.clone()
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            expected[row, token] = logits[row, token] + bias
+        for token in banned[row]:
+            expected[row, token] = -math.inf
+    assert torch.equal(out, expected)
+    assert torch.equal(logits, _random_logits(4))  # the caller's logits are not modified
+    assert adjust_logits(logits, [SamplingParams()] * 4, None, [()] * 4) is logits  # nothing asked: no copy
 
 
 def test_logit_bias_dict_is_normalised_to_sorted_pairs() -> None:
