@@ -133,6 +133,20 @@ def all_reduce_reference(x: torch.Tensor, group: dist.ProcessGroup | None = None
     return acc.to(x.dtype)
 
 
+def summation_order_bound(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """fp32, per element: how far two sums of ``x`` over ``group`` in ``x``'s dtype may differ
+    when they add in different orders and round differently, e.g. NCCL (its ring rounds to
+    ``x.dtype`` after each of its ``world - 1`` steps) against `all_reduce_reference` (one
+    rounding). Each rounding errs by at most half an ulp of a partial sum, whose magnitude is at
+    most ``S = sum_r |x_r|``; with at most ``world`` roundings on either side the two differ by
+    at most ``world * eps * S`` (``eps``: the dtype's ulp at 1, two units of roundoff), plus the
+    dtype's smallest normal for sums that round in the subnormal range."""
+    magnitude = x.float().abs()
+    dist.all_reduce(magnitude, group=group)
+    info = torch.finfo(x.dtype)
+    return dist.get_world_size(group) * info.eps * magnitude + info.tiny
+
+
 # --------------------------------------------------------------------------- kernels
 
 

@@ -54,16 +54,16 @@ def _cases(rank: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]
 
 def _check_round(comm, cases, what: str) -> None:
     """``cases`` hold the inputs before and the tensors after ``comm.all_reduce``."""
-    from kernels.allreduce import all_reduce_reference
+    from kernels.allreduce import all_reduce_reference, summation_order_bound
 
     for (name, before, whole_before), (_, after, whole_after) in cases:
         expected = all_reduce_reference(before.contiguous())
         nccl = before.contiguous().clone()
         dist.all_reduce(nccl)
         assert torch.equal(after.contiguous().view(torch.uint8), expected.view(torch.uint8)), f"{what} {name}: not the reference"
-        # NCCL rounds to 16 bits after each of its world-1 ring steps; we round once.
-        tol = 1e-5 if before.dtype == torch.float32 else 1e-2 + 4e-3 * (WORLD - 1)
-        torch.testing.assert_close(after.float(), nccl.float(), rtol=tol, atol=tol, msg=lambda m: f"{what} {name} vs NCCL: {m}")
+        # NCCL sums in its own order, rounding after each step: within that rounding's bound.
+        excess = (after.contiguous().float() - nccl.float()).abs() - summation_order_bound(before.contiguous())
+        assert not (excess > 0).any(), f"{what} {name} vs NCCL: {int((excess > 0).sum())} elements beyond the rounding bound"
         outside = torch.ones_like(whole_before, dtype=torch.bool)
         outside.view(-1)[_view_positions(before, whole_before)] = False
         assert torch.equal(whole_after[outside], whole_before[outside]), f"{what} {name}: elements outside the view changed"

@@ -108,6 +108,32 @@ def test_all_reduce_reference_is_rank_ordered_fp32_sum(world):
             assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
+def _cancelling_input(rank: int, numel: int) -> torch.Tensor:
+    """Ranks 0 and 2 cancel (x and -x, large); 1 and 3 are small: partial sums are ~64x the result."""
+    big = torch.randn(numel, generator=torch.Generator().manual_seed(7)) * 64
+    small = torch.randn(numel, generator=torch.Generator().manual_seed(100 + rank))
+    return {0: big, 2: -big}.get(rank, small).bfloat16()
+
+
+def _order_rank(rank: int, world: int, numel: int) -> list[torch.Tensor]:
+    x = _cancelling_input(rank, numel)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    ring = parts[-1]
+    for p in reversed(parts[:-1]):  # another order, rounding to bf16 after every step (as NCCL's ring does)
+        ring = (ring.float() + p.float()).bfloat16()
+    return [ar.all_reduce_reference(x), ring, ar.summation_order_bound(x)]
+
+
+def test_summation_order_bound_covers_another_order_with_rounding_at_every_step():
+    reference, ring, bound = run_local_group(_order_rank, 4, "gloo", 4096, timeout=120)[0]
+    diff = (reference.float() - ring.float()).abs()
+    assert (diff <= bound).all()
+    # Not vacuous: the orders differ by more than a bound relative to the result would allow.
+    assert (diff > torch.finfo(torch.bfloat16).eps * reference.float().abs()).any()
+    assert float((diff / bound).max()) > 0.01
+
+
 # --------------------------------------------------------------------------- prefill EP reference
 
 
