@@ -207,10 +207,27 @@ while the SMs also pull 1.04 GB of operand tiles from L2 (245 KB per 128x192 til
 tiles: 7.6 TB/s at 1100, near the ~9 TB/s L2-to-SM limit found above).  At 2048 tokens the
 scales' staging and reads cost 5.8% on both GPUs (nostage against full) and 1100 is 2.1-4.5% above the
 full kernel: within what a cheaper scale path could recover, not excluded by these bounds.
-Leads left: a leaner staging still (a TMA or bulk copy per chunk
-instead of warp 1's ``cp.async`` copies; rows 16-byte aligned only when K/128 is a multiple of
-4, so 30B down needs the act-quant scale rows padded to 4 blocks, an API change; more scale
-stages), for the 3-6% left between the staged kernel and the no-staging bound; keeping the
+Tried since (helper 50, b055d136ff6e, both GPUs of one 2x H200 per call, opposite orders, each
+arm from its own tree, burst, GPU 0 / GPU 1): (a) scales staged by TMA, one elected lane of
+warp 1 per chunk issuing a box of the tile's activation-scale rows (rows padded to 4 blocks by
+the act quantizer, a [T, K/128] view of 16-byte rows) and a 1-D box per weight-scale quarter
+row, completing on a ``PipelineTmaAsync`` stage; the copy loop's ~8 instructions per copy gone.
+Slower everywhere (call 1, 3 reps per arm): 235B gate_up -1.1 / -0.6% at 375 tokens, 0.0 /
+-1.3% at 2048; 235B down -0.9 / -1.1%, -1.6 / -2.1%; 30B gate_up -0.4 / -0.2%, +0.2 / +0.1%;
+30B down (call 2, 2 reps) -2.4 / -2.2% (945 / 972 against 968 / 994 TFLOP/s), -0.6 / -0.8%
+(1034 / 1062 against 1040 / 1071): removing warp 1's copy instructions this way did not pay.
+A 1-D box must start 16-byte aligned: weight-scale rows of 6 floats (30B down) took an
+illegal instruction until the boxes started at the 16-byte boundary below, 4 floats longer.
+(b) the same padded activation-scale rows with HEAD's ``cp.async`` staging, 16-byte copies (8
+passes a tile instead of 26 passes of 4-byte copies on 30B down) and reads of 2 blocks: 30B down
++0.4 / +0.5% at 375 tokens (973 / 999), +1.4 / +1.4% at 2048 (1055 / 1086); sustained +0.2 /
++0.6%, -0.8 / -2.4% (the old arm's own sustained repeats spread 902-982 and 908-1062); PTX
+identical to HEAD on the other three shapes; GPU tests of both trees passed (62 each).  Not
+adopted: short of 1100 at 2048 tokens on both GPUs, for an activation-scale layout change (HEAD's
+kernel there ran 1066-1068 / 1099-1103 in call 1, 1039-1040 / 1070-1071 in call 2: machine
+starts differ by up to 3%).  What
+is left between the staged kernel and the no-staging bound (3-6%) is mostly not the copy loop.
+Leads left: more scale stages; keeping the
 per-block chain short in the SASS (release first, products under the WGMMAs).  For 30B down
 (K = 768, 6 blocks a tile) per-tile fixed costs (the epilogue hand-off, the tile switch) weigh 5x
 more than at K = 4096; still not measured apart (the A/B above moved the chain too).  Then the
