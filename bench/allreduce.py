@@ -7,11 +7,13 @@ median replay time / ops. Sizes 8 KiB .. ``--max-mib`` of bf16, doubling, then t
 (torch.distributed, NVLS off), ``symm_one_shot`` / ``symm_two_shot``
 (``torch.ops.symm_mem.one_shot_all_reduce`` / ``two_shot_all_reduce_``, multicast
 disabled, in place on a symmetric buffer), our kernels forced to each algorithm
-(``ours_lamport`` up to the Lamport slot size, ``ours_one_shot`` up to 32 MiB,
-``ours_two_shot`` at every size) — the rows the switches are read from — and the
-launch-shape variants the defaults are read from: up to 4 MiB the two one-shot
-kernels with other threads per CTA and CTA caps (``ours_lamport_t<threads>``,
-``ours_lamport_ctas<n>``, ``ours_one_shot_t<threads>``), from 16 MiB the two-shot
+(``ours_lamport`` up to the Lamport slot size, ``ours_lamport_two_shot`` up to 16 MiB,
+``ours_one_shot`` up to 32 MiB, ``ours_two_shot`` at every size) — the rows the
+switches are read from — and the launch-shape variants the defaults are read from: up
+to 4 MiB the two one-shot kernels and the data-as-flag two-shot with other threads per
+CTA and CTA caps (``ours_lamport_t<threads>``, ``ours_lamport_ctas<n>``,
+``ours_one_shot_t<threads>``, ``ours_lamport_two_shot_t<threads>``,
+``ours_lamport_two_shot_ctas<n>``), from 16 MiB the two-shot
 with other pipeline steps and CTA counts (``ours_two_shot_step<MiB>M``,
 ``ours_two_shot_ctas<n>``). Bus bandwidth is ``bytes * 2 (W-1) / W / time`` (the
 NCCL convention).
@@ -22,6 +24,7 @@ NCCL convention).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 
@@ -33,12 +36,17 @@ from kernels._local_group import run_local_group
 
 KIB, MIB = 1 << 10, 1 << 20
 ONE_SHOT_MAX_TIMED = 32 * MIB
+LAMPORT_TWO_SHOT_MAX_TIMED = 16 * MIB
 STEP_VARIANTS_MIB = (8, 32, 64)
 CTA_VARIANTS = (132, 66)
 ONE_SHOT_VARIANTS_MAX = 4 * MIB
 LAMPORT_THREAD_VARIANTS = (128, 256, 1024)
 LAMPORT_CTA_VARIANTS = (132, 66)
 ONE_SHOT_THREAD_VARIANTS = (256, 1024)
+LAMPORT_TWO_SHOT_THREAD_VARIANTS = (128, 256, 512, 1024)  # less the default
+# Launch-shape variants in the table: of the one-shot kernels, of the data-as-flag two-shot.
+ONE_SHOT_VARIANT = re.compile(r"ours_(lamport|one_shot)_(t|ctas)\d+$")
+LAMPORT_TWO_SHOT_VARIANT = re.compile(r"ours_lamport_two_shot_(t|ctas)\d+$")
 
 
 def _sizes(max_bytes: int) -> list[int]:
@@ -109,9 +117,12 @@ def _bench_rank(rank: int, world: int, max_bytes: int, also_bytes: list[int]) ->
         two_shot = lambda: comm(x, out=out, algorithm="two_shot")  # noqa: E731
         lamport = lambda: comm(x, out=out, algorithm="lamport")  # noqa: E731
         one_shot = lambda: comm(x, out=out, algorithm="one_shot")  # noqa: E731
+        lamport_two_shot = lambda: comm(x, out=out, algorithm="lamport_two_shot")  # noqa: E731
         cases["ours_two_shot"] = two_shot
         if nbytes <= comm.lamport_slot_bytes:
             cases["ours_lamport"] = lamport
+        if nbytes <= LAMPORT_TWO_SHOT_MAX_TIMED:
+            cases["ours_lamport_two_shot"] = lamport_two_shot
         if nbytes <= ONE_SHOT_MAX_TIMED:
             cases["ours_one_shot"] = one_shot
         if nbytes <= ONE_SHOT_VARIANTS_MAX:
@@ -121,6 +132,10 @@ def _bench_rank(rank: int, world: int, max_bytes: int, also_bytes: list[int]) ->
                 cases[f"ours_lamport_ctas{ctas}"] = _with(comm, "max_blocks", ctas, lamport)
             for threads in ONE_SHOT_THREAD_VARIANTS:
                 cases[f"ours_one_shot_t{threads}"] = _with(comm, "one_shot_threads", threads, one_shot)
+            for threads in (t for t in LAMPORT_TWO_SHOT_THREAD_VARIANTS if t != comm.lamport_two_shot_threads):
+                cases[f"ours_lamport_two_shot_t{threads}"] = _with(comm, "lamport_two_shot_threads", threads, lamport_two_shot)
+            for ctas in LAMPORT_CTA_VARIANTS:
+                cases[f"ours_lamport_two_shot_ctas{ctas}"] = _with(comm, "max_blocks", ctas, lamport_two_shot)
         if nbytes >= 16 * MIB:
             for step in STEP_VARIANTS_MIB:
                 cases[f"ours_two_shot_step{step}M"] = _with(comm, "two_shot_chunk_bytes", step * MIB, two_shot)
@@ -179,12 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         busbw = lambda us: _busbw(r["bytes"], world, us)  # noqa: E731
         best = lambda prefix: min((v for k, v in r.items() if k.startswith(prefix)), default=nan)  # noqa: E731
-        variants = {k: v for k, v in r.items() if k.startswith(("ours_lamport_", "ours_one_shot_"))}
+        variants = {k: v for k, v in r.items() if ONE_SHOT_VARIANT.match(k)}
         best_1shot_variant = min(variants, key=variants.get, default="-")
+        l2s_variants = {k: v for k, v in r.items() if LAMPORT_TWO_SHOT_VARIANT.match(k)}
+        best_l2s_variant = min(l2s_variants, key=l2s_variants.get, default="-")
         table.append({"size": _fmt_size(r["bytes"]), "algo": r["algorithm"], "ours_us": r["ours"], "nccl_us": r["nccl"],
                       "ours/nccl": r["ours"] / r["nccl"], "ours_lamport": r.get("ours_lamport", nan),
                       "ours_1shot": r.get("ours_one_shot", nan), "best_1shot_variant": best_1shot_variant,
                       "its_us": variants.get(best_1shot_variant, nan),
+                      "ours_lamport_2shot": r.get("ours_lamport_two_shot", nan),
+                      "best_l2shot_variant": best_l2s_variant.removeprefix("ours_lamport_two_shot_"),
+                      "l2shot_variant_us": l2s_variants.get(best_l2s_variant, nan),
                       "ours_2shot": r.get("ours_two_shot", nan), "2shot_best_variant": best("ours_two_shot_"),
                       "symm_1shot": r.get("symm_one_shot", nan), "symm_2shot": r.get("symm_two_shot", nan),
                       "ours_busbw": busbw(r["ours"]), "nccl_busbw": busbw(r["nccl"]), "busbw_vs_nccl": r["nccl"] / r["ours"]})

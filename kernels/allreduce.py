@@ -1,6 +1,6 @@
 """All-reduce (sum) over NVLink peer memory: one-shot and two-shot CuTeDSL kernels.
 
-Both kernels *push*: a rank writes its data into slots in its peers' buffers with
+All kernels *push*: a rank writes its data into slots in its peers' buffers with
 plain stores (fire-and-forget over NVLink, so the link stays busy without many
 loads in flight) and reduces from its own HBM. Each CTA only ever synchronises
 with the CTA of the same index on the other ranks, because all ranks split the
@@ -18,6 +18,34 @@ message the same way; no grid-wide barrier is needed.
   that read the slot: a peer writes that parity again two launches later, which it
   can only reach after this rank's next launch has pushed, i.e. after this launch
   ended.
+* lamport_two_shot (3..8 ranks, from ``lamport_max_bytes`` to ``lamport_two_shot_max_bytes``):
+  the two-shot with the data as its own flag, in one launch and without a barrier. The
+  message is cut into ``world`` slices; thread t of every rank handles vector v of every
+  slice, for the same v on every rank:
+    1. push vector v of slice p of my input into rank p's scatter slot ``[parity][me]``;
+    2. spin on vector v of the world-1 scatter slots of my slice, re-arm them, sum in
+       rank order in fp32 (my own input in my place), write the result to my output and
+       push it into every peer's gather slot ``[parity][me]``;
+    3. spin on vector v of the world-1 gather slots, re-arm them, copy to my output.
+  Each slice is reduced once, by its owner, and copied: bits identical on every rank
+  and equal to the reference. Payload elements that are all-ones go out as another NaN
+  in both pushes, like the one-shot's (a reduced value never is all-ones: the fp32 -> dtype
+  conversion gives the canonical NaN; it is sent and kept with the same bits anyway).
+  Traffic per rank: 2 (world-1)/world x message, against (world-1) x for the one-shots,
+  for one more NVLink hop of latency. A thread waits only for the threads of its own index
+  on the other ranks (step 3 needs the owners' step 2, which needs every rank's step 1),
+  so there is no CTA pairing or grid barrier, and no fence: nothing is published but the
+  data itself.
+  Re-arming in the launch that read the slot is safe with two parities. Slots of parity
+  P on rank r are written by peers only in launches e = P mod 2, and in launch e rank r
+  reads and re-arms every position a peer wrote (the writer and the reader test the same
+  ``element < n`` condition). A peer q writes parity P next in launch e+2, which it can only
+  start after finishing e+1; q finishes e+1 only after it has the reduced first vector
+  of slice 0 (which every launch has: reduced by q in step 2 or received in step 3), that
+  reduction waited for rank r's step 1 of e+1, so r had started e+1, so r's launch e
+  (stream order, no programmatic dependent launch) had ended, re-arm stores included. The same holds whichever kernels ran in between, since every kernel here
+  waits, directly or through a slice owner, for every rank in every launch, and all of
+  them advance the same launch epoch.
 * one-shot (up to 8 MiB at 2 ranks, `default_one_shot_max_bytes`):
   push the whole input to every peer's slot ``[parity][my rank]``, one barrier,
   then every rank sums all ``world`` slots. Traffic per rank: (world-1) x message;
@@ -92,17 +120,21 @@ from kernels._cute_comm import (
     finish_launch,
     load_vec,
     load_vec_f32,
+    load_volatile_v4,
     peer_base,
     read_epoch,
+    sentinel_count,
     sentinel_free,
     store_v4,
     store_vec,
     wait_written_v4,
 )
 
-Algorithm = Literal["lamport", "one_shot", "two_shot"]
-ALGORITHMS = ("lamport", "one_shot", "two_shot")
+Algorithm = Literal["lamport", "lamport_two_shot", "one_shot", "two_shot"]
+ALGORITHMS = ("lamport", "lamport_two_shot", "one_shot", "two_shot")
 THREADS = 512
+# Threads per CTA of the data-as-flag two-shot (`CudaAllReduce.lamport_two_shot_threads`).
+LAMPORT_TWO_SHOT_THREADS = 256
 # Barrier steps one launch may use: flag value = epoch * FLAG_STEPS + step, step >= 1.
 FLAG_STEPS = 1 << 12
 # Two barriers per two-shot chunk, so a launch walks at most this many chunks.
@@ -227,13 +259,19 @@ def _one_shot_kernel(
 
 
 @cute.jit
-def _payload_words(addr: Int64, valid: Int32, dtype: cutlass.Constexpr):
-    """My vector at ``addr`` (elements past ``valid`` as 0) as 4 words with the sentinel pattern removed."""
-    raw = cute.recast_tensor(load_vec(addr, dtype, _vec(dtype), valid), Int32)
+def _words_of(frag):
+    """A 16-byte register fragment as a fresh 4-word fragment with the sentinel pattern removed."""
+    raw = cute.recast_tensor(frag, Int32)
     words = cute.make_rmem_tensor((4,), Int32)
     for i in cutlass.range_constexpr(4):
-        words[i] = sentinel_free(raw[i], dtype.width)
+        words[i] = sentinel_free(raw[i], frag.element_type.width)
     return words
+
+
+@cute.jit
+def _payload_words(addr: Int64, valid: Int32, dtype: cutlass.Constexpr):
+    """My vector at ``addr`` (elements past ``valid`` as 0) as 4 words with the sentinel pattern removed."""
+    return _words_of(load_vec(addr, dtype, _vec(dtype), valid))
 
 
 @cute.jit
@@ -293,6 +331,109 @@ def _lamport_kernel(
         red = cute.make_rmem_tensor((vec,), dtype)
         red.store(acc.load().to(dtype))
         store_vec(out + off, red, dtype, vec, n - e0)
+
+    finish_launch(ctrl)
+
+
+@cute.jit
+def _store_words(addr: Int64, words, dtype: cutlass.Constexpr, valid: Int32):
+    """Store a vector held as 4 words; only its first ``valid`` elements (a tensor's tail) are written."""
+    if valid >= _vec(dtype):
+        store_v4(addr, words[0], words[1], words[2], words[3])
+    else:
+        store_vec(addr, cute.recast_tensor(words, dtype), dtype, _vec(dtype), valid)
+
+
+@cute.jit
+def _wait_all_written(addrs, bits: cutlass.Constexpr, valid=None):
+    """`wait_written_v4` on several vectors, with their first reads all in flight at once (one
+    L2 round trip instead of one per vector when the data is already there); a vector still
+    unwritten then spins on its own. ``valid`` (optional, per address): elements of the vector
+    inside the tensor; one with none is never written, so it is not waited for. Returns one
+    4-word fragment per address."""
+    first = [load_volatile_v4(a) for a in addrs]
+    res = []
+    for i in cutlass.range_constexpr(len(addrs)):
+        w0, w1, w2, w3 = first[i]
+        pending = sentinel_count(w0, bits) + sentinel_count(w1, bits) + sentinel_count(w2, bits) + sentinel_count(w3, bits)
+        if cutlass.const_expr(valid is not None):
+            if valid[i] <= 0:
+                pending = Int32(0)
+        if pending > 0:
+            w0, w1, w2, w3 = wait_written_v4(addrs[i], bits)
+        got = cute.make_rmem_tensor((4,), Int32)
+        got[0], got[1], got[2], got[3] = w0, w1, w2, w3
+        res.append(got)
+    return res
+
+
+@cute.jit
+def _rearm(addr: Int64):
+    store_v4(addr, Int32(-1), Int32(-1), Int32(-1), Int32(-1))
+
+
+@cute.kernel
+def _lamport_two_shot_kernel(
+    inp: Int64, out: Int64, n: Int32, table: Int64, lam_off: Int64, slot_bytes: Int64, ctrl: Int64,
+    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+):
+    vec = _vec(dtype)
+    esz = dtype.width // 8
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nthr, _, _ = cute.arch.block_dim()
+    nblk, _, _ = cute.arch.grid_dim()
+    scatter = lam_off + Int64(read_epoch(ctrl) & 1) * 2 * world * slot_bytes  # slot [parity][scatter][0]
+    gather = scatter + world * slot_bytes  # slot [parity][gather][0]
+    bases = [peer_base(table, q) for q in range(world)]
+    peers = [q for q in range(world) if q != rank]
+    mine = bases[rank]
+    sl = _slice_elems(n, world, vec)
+    first = bid * nthr + tid
+    stride = nblk * nthr
+    # Every phase walks vector v of every slice with the same thread on every rank, so a
+    # thread only ever waits for the threads of its own index on the other ranks.
+
+    # Reduce-scatter: vector v of slice p -> rank p's scatter slot [rank]. The data is the flag.
+    for v in cutlass.range(first, sl // vec, stride):
+        off = Int64(v * vec) * esz
+        ws = [_payload_words(inp + Int64(p * sl + v * vec) * esz, n - (p * sl + v * vec), dtype) for p in peers]
+        for i in cutlass.range_constexpr(world - 1):
+            if peers[i] * sl + v * vec < n:
+                store_v4(bases[peers[i]] + scatter + slot_bytes * rank + off, ws[i][0], ws[i][1], ws[i][2], ws[i][3])
+
+    # Reduce my slice: wait for the world - 1 pushed vectors, re-arm their slots, sum in rank
+    # order, keep the result and push it to every peer's gather slot [rank].
+    for v in cutlass.range(first, sl // vec, stride):
+        e0 = rank * sl + v * vec
+        if e0 < n:
+            off = Int64(v * vec) * esz
+            own = _payload_words(inp + Int64(e0) * esz, n - e0, dtype)
+            slots = [mine + scatter + slot_bytes * q + off for q in peers]
+            got = _wait_all_written(slots, dtype.width)
+            for i in cutlass.range_constexpr(world - 1):
+                _rearm(slots[i])
+            parts = [_words_f32(w, dtype) for w in got[:rank] + [own] + got[rank:]]  # rank order
+            acc = parts[0]
+            for q in cutlass.range_constexpr(1, world):
+                acc = _add(acc, parts[q])
+            red = cute.make_rmem_tensor((vec,), dtype)
+            red.store(acc.load().to(dtype))
+            words = _words_of(red)
+            for p in peers:
+                store_v4(bases[p] + gather + slot_bytes * rank + off, words[0], words[1], words[2], words[3])
+            _store_words(out + Int64(e0) * esz, words, dtype, n - e0)
+
+    # All-gather: wait for the peers' reduced vectors, re-arm, copy them to my output.
+    for v in cutlass.range(first, sl // vec, stride):
+        off = Int64(v * vec) * esz
+        slots = [mine + gather + slot_bytes * p + off for p in peers]
+        valid = [n - (p * sl + v * vec) for p in peers]
+        got = _wait_all_written(slots, dtype.width, valid)
+        for i in cutlass.range_constexpr(world - 1):
+            if valid[i] > 0:
+                _rearm(slots[i])
+                _store_words(out + Int64(peers[i] * sl + v * vec) * esz, got[i], dtype, valid[i])
 
     finish_launch(ctrl)
 
@@ -390,6 +531,17 @@ def _launch_lamport(
 
 
 @cute.jit
+def _launch_lamport_two_shot(
+    inp: Int64, out: Int64, n: Int32, table: Int64, lam_off: Int64, slot_bytes: Int64, ctrl: Int64,
+    grid: Int32, block: Int32, stream: cuda_driver.CUstream,
+    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+):
+    _lamport_two_shot_kernel(inp, out, n, table, lam_off, slot_bytes, ctrl, dtype, world, rank).launch(
+        grid=[grid, 1, 1], block=[block, 1, 1], stream=stream
+    )
+
+
+@cute.jit
 def _launch_two_shot(
     inp: Int64, out: Int64, n: Int32, chunk_elems: Int32, table: Int64, flags_off: Int64, slots_off: Int64,
     slot_bytes: Int64, gather_off: Int64, ctrl: Int64, grid: Int32, stream: cuda_driver.CUstream,
@@ -419,6 +571,18 @@ def compile_lamport(dtype: torch.dtype, world: int, rank: int):
     z = Int64(0)
     return cute.compile(
         _launch_lamport, z, z, Int32(0), z, z, z, z, Int32(1), Int32(1), dummy_stream(), _CUTE_DTYPES[dtype], world, rank
+    )
+
+
+@functools.cache
+def compile_lamport_two_shot(dtype: torch.dtype, world: int, rank: int):
+    """Compile (once per process) the data-as-flag two-shot kernel for a dtype, world size and rank."""
+    from kernels._cute_runtime import dummy_stream
+
+    z = Int64(0)
+    return cute.compile(
+        _launch_lamport_two_shot, z, z, Int32(0), z, z, z, z, Int32(1), Int32(1), dummy_stream(),
+        _CUTE_DTYPES[dtype], world, rank,
     )
 
 
@@ -475,6 +639,25 @@ def default_lamport_slot_bytes(world: int) -> int:
     return min(4 << 20, default_one_shot_max_bytes(world))
 
 
+def default_lamport_two_shot_slot_bytes(world: int) -> int:
+    """Bytes of one slice slot of the data-as-flag two-shot: 8 MiB / world, so one launch
+    reduces up to 8 MiB and its region (2 parities x scatter and gather x world slots) is
+    32 MiB at any world size; longer messages take several launches."""
+    return (8 << 20) // world // 256 * 256
+
+
+def default_lamport_two_shot_max_bytes(world: int) -> int:
+    """Largest message the data-as-flag two-shot takes by default (it starts where the
+    Lamport one-shot stops, `default_one_shot_max_bytes`); 0 where it is never the default.
+
+    2 ranks: 0. Both Lamport kernels move the message once over NVLink there, and the
+    two-shot adds a hop. 3..8 ranks (reasoned, before its first measurement): it moves
+    2 (world-1)/world x the message against the one-shots' (world-1) x, without the barrier
+    two-shot's two flag round trips per step, so it takes one launch's worth, 8 MiB.
+    """
+    return 0 if world == 2 else 8 << 20
+
+
 def default_slot_bytes(world: int) -> int:
     """Bytes of one peer slot: 64 MiB / world, so the peer buffer (3 x world slots) stays 192 MiB at any world size."""
     return (64 << 20) // world // 256 * 256
@@ -494,22 +677,25 @@ class CudaAllReduce:
     stream-ordered, host-sync free and can be captured in CUDA graphs; every rank
     must issue the same sequence of calls with the same sizes.
 
-    Three kernels, chosen by message size (`choose`): ``lamport`` (the one-shot with the
-    data as its own flag) up to ``lamport_max_bytes``, ``one_shot`` (barrier one-shot) up
-    to ``one_shot_max_bytes``, ``two_shot`` above.
+    Four kernels, chosen by message size (`choose`): ``lamport`` (the one-shot with the
+    data as its own flag) up to ``lamport_max_bytes``, ``lamport_two_shot`` (the two-shot
+    with the data as its own flag) up to ``lamport_two_shot_max_bytes`` (0 at 2 ranks),
+    ``one_shot`` (barrier one-shot) up to ``one_shot_max_bytes``, ``two_shot`` above.
 
-    Tunables (plain attributes, the same on every rank): ``lamport_max_bytes`` and
-    ``one_shot_max_bytes`` (the algorithm switches), ``one_shot_threads`` (threads per
-    CTA of both one-shot kernels), ``two_shot_chunk_bytes`` (pipeline step of the
-    two-shot kernel, capped at ``world x slot_bytes``) and ``max_blocks`` (CTAs
-    per launch, at most `MAX_BLOCKS`; at 2 ranks 264 measured best from 64 MiB:
-    132 CTAs took 229 / 441 / 852 us at 64 / 128 / 256 MiB against 220 / 421 / 834,
-    66 CTAs 253 / 478 / 929, commit 4549f685d928).
+    Tunables (plain attributes, the same on every rank): ``lamport_max_bytes``,
+    ``lamport_two_shot_max_bytes`` and ``one_shot_max_bytes`` (the algorithm switches),
+    ``one_shot_threads`` (threads per CTA of both one-shot kernels),
+    ``lamport_two_shot_threads`` (threads per CTA of the data-as-flag two-shot),
+    ``two_shot_chunk_bytes`` (pipeline step of the two-shot kernel, capped at
+    ``world x slot_bytes``) and ``max_blocks`` (CTAs per launch, at most `MAX_BLOCKS`; at
+    2 ranks 264 measured best from 64 MiB: 132 CTAs took 229 / 441 / 852 us at 64 / 128 /
+    256 MiB against 220 / 421 / 834, 66 CTAs 253 / 478 / 929, commit 4549f685d928).
     """
 
     def __init__(
         self, group: dist.ProcessGroup, slot_bytes: int | None = None, one_shot_max_bytes: int | None = None,
         two_shot_chunk_bytes: int = DEFAULT_TWO_SHOT_CHUNK_BYTES, lamport_slot_bytes: int | None = None,
+        lamport_two_shot_slot_bytes: int | None = None,
     ) -> None:
         from kernels.peer_memory import PeerMemory, RegionLayout
 
@@ -517,30 +703,34 @@ class CudaAllReduce:
         if not 2 <= world <= 8:
             raise AllReduceError(f"all-reduce supports 2..8 ranks, group has {world}")
         self.world = world
-        slot_bytes = default_slot_bytes(world) if slot_bytes is None else slot_bytes
-        if slot_bytes < VEC_BYTES:
-            raise AllReduceError(f"slot_bytes must be at least {VEC_BYTES}, got {slot_bytes}")
-        self.slot_bytes = -(-slot_bytes // 256) * 256
-        lamport_slot_bytes = default_lamport_slot_bytes(world) if lamport_slot_bytes is None else lamport_slot_bytes
-        if lamport_slot_bytes < VEC_BYTES:
-            raise AllReduceError(f"lamport_slot_bytes must be at least {VEC_BYTES}, got {lamport_slot_bytes}")
-        self.lamport_slot_bytes = -(-lamport_slot_bytes // 256) * 256
+        self.slot_bytes = _slot_size("slot_bytes", default_slot_bytes(world) if slot_bytes is None else slot_bytes)
+        self.lamport_slot_bytes = _slot_size(
+            "lamport_slot_bytes", default_lamport_slot_bytes(world) if lamport_slot_bytes is None else lamport_slot_bytes)
+        self.lamport_two_shot_slot_bytes = _slot_size(
+            "lamport_two_shot_slot_bytes",
+            default_lamport_two_shot_slot_bytes(world) if lamport_two_shot_slot_bytes is None else lamport_two_shot_slot_bytes)
         layout = RegionLayout()
         layout.add("flags", MAX_BLOCKS * MAX_PEERS * 4)
         layout.add("slots", 2 * world * self.slot_bytes)  # [parity][source rank]
         layout.add("gather", world * self.slot_bytes)  # [source rank]: reduced slices pushed by peers
-        layout.add("lamport", 2 * world * self.lamport_slot_bytes)  # [parity][source rank], all-ones when empty
+        # Data-as-flag regions, all-ones when empty: the one-shot's [parity][source rank] and the
+        # two-shot's [parity][scatter, gather][source rank].
+        layout.add("lamport", 2 * world * self.lamport_slot_bytes)
+        layout.add("lamport_two_shot", 4 * world * self.lamport_two_shot_slot_bytes)
         self.mem = PeerMemory(group, layout)
         self.rank = self.mem.rank
         # Arm every Lamport slot before any peer can write one (the kernels re-arm what they read).
-        lam = layout["lamport"]
-        self.mem.local[lam : lam + 2 * world * self.lamport_slot_bytes].fill_(0xFF)
+        for region, nbytes in (("lamport", 2 * world * self.lamport_slot_bytes),
+                               ("lamport_two_shot", 4 * world * self.lamport_two_shot_slot_bytes)):
+            self.mem.local[layout[region] : layout[region] + nbytes].fill_(0xFF)
         torch.cuda.synchronize(self.mem.device)
         dist.barrier(group=group)
         self.one_shot_max_bytes = default_one_shot_max_bytes(world) if one_shot_max_bytes is None else one_shot_max_bytes
         self.lamport_max_bytes = min(self.lamport_slot_bytes, self.one_shot_max_bytes)
+        self.lamport_two_shot_max_bytes = default_lamport_two_shot_max_bytes(world)
         self.two_shot_chunk_bytes = two_shot_chunk_bytes
         self.one_shot_threads = THREADS
+        self.lamport_two_shot_threads = LAMPORT_TWO_SHOT_THREADS
         self.max_blocks = MAX_BLOCKS
 
     def warmup(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> None:
@@ -555,6 +745,8 @@ class CudaAllReduce:
     def choose(self, nbytes: int) -> Algorithm:
         if nbytes <= self.lamport_max_bytes:
             return "lamport"
+        if nbytes <= self.lamport_two_shot_max_bytes:
+            return "lamport_two_shot"
         return "one_shot" if nbytes <= self.one_shot_max_bytes else "two_shot"
 
     def two_shot_chunk_elems(self, esz: int) -> int:
@@ -598,25 +790,39 @@ class CudaAllReduce:
                     grid, stream,
                 )
                 return out
-            # One-shot kernels: messages beyond one slot run as several launches.
-            threads = self.one_shot_threads
-            if threads % 32 or not 32 <= threads <= 1024:
-                raise AllReduceError(f"one_shot_threads must be a multiple of 32 in 32..1024, got {threads}")
-            if algo == "lamport":
-                kernel, slot_bytes, region = compile_lamport(x.dtype, self.world, self.rank), self.lamport_slot_bytes, mem.layout["lamport"]
+            # The other kernels reduce at most one slot's worth per launch: longer messages run as
+            # several launches. `walked(m)`: the elements one launch of m elements spreads over its threads.
+            if algo == "lamport_two_shot":
+                kernel, threads_attr = compile_lamport_two_shot(x.dtype, self.world, self.rank), "lamport_two_shot_threads"
+                per_launch = self.world * (self.lamport_two_shot_slot_bytes // esz)
+                region = (mem.layout["lamport_two_shot"], self.lamport_two_shot_slot_bytes, ctrl)
+                walked = lambda m: slice_elems(m, self.world, vec)  # noqa: E731
+            elif algo == "lamport":
+                kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank), "one_shot_threads"
+                per_launch = self.lamport_slot_bytes // esz
+                region = (mem.layout["lamport"], self.lamport_slot_bytes, ctrl)
+                walked = lambda m: m  # noqa: E731
             else:
-                kernel, slot_bytes, region = compile_one_shot(x.dtype, self.world, self.rank), self.slot_bytes, None
-            slot_elems = slot_bytes // esz
+                kernel, threads_attr = compile_one_shot(x.dtype, self.world, self.rank), "one_shot_threads"
+                per_launch = self.slot_bytes // esz
+                region = (flags, slots, self.slot_bytes, ctrl)
+                walked = lambda m: m  # noqa: E731
+            threads = getattr(self, threads_attr)
+            if threads % 32 or not 32 <= threads <= 1024:
+                raise AllReduceError(f"{threads_attr} must be a multiple of 32 in 32..1024, got {threads}")
             flat_in, flat_out = x.view(-1), out.view(-1)
-            for start in range(0, n, slot_elems):
-                m = min(slot_elems, n - start)
-                grid = min(-(-m // (vec * threads)), blocks)
-                addrs = (flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table)
-                if region is None:
-                    kernel(*addrs, flags, slots, slot_bytes, ctrl, grid, threads, stream)
-                else:
-                    kernel(*addrs, region, slot_bytes, ctrl, grid, threads, stream)
+            for start in range(0, n, per_launch):
+                m = min(per_launch, n - start)
+                grid = min(-(-walked(m) // (vec * threads)), blocks)
+                kernel(flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table, *region, grid, threads, stream)
             return out
+
+
+def _slot_size(name: str, nbytes: int) -> int:
+    """A slot size rounded up to the 256-byte region alignment; at least one vector."""
+    if nbytes < VEC_BYTES:
+        raise AllReduceError(f"{name} must be at least {VEC_BYTES}, got {nbytes}")
+    return -(-nbytes // 256) * 256
 
 
 def _check_input(x: torch.Tensor, device: torch.device) -> None:

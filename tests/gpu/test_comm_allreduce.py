@@ -1,15 +1,16 @@
 """GPU all-reduce on every visible GPU (2..8): the CuTeDSL kernels against NCCL and the reference.
 
 For sizes from 1 element to 256 MiB (odd sizes included), bf16 and fp32, the Lamport
-one-shot, the barrier one-shot, the two-shot and the automatic choice, out of place and
-in place:
+one-shot, the Lamport two-shot, the barrier one-shot, the two-shot and the automatic
+choice, out of place and in place:
 * bit-equal to `all_reduce_reference` (fp32 sum in rank order) — the definition;
 * close to NCCL's result (NCCL sums in its own order, so not bit-equal in bf16);
 * bit-equal on every rank;
 * every output element written (outputs are poisoned with NaN first).
-A communicator with tiny slots, a tiny two-shot step, 3 CTAs and 96-thread one-shot
-CTAs runs the same checks on sizes that need many one-shot launches, many two-shot
-pipeline steps and many grid-stride rounds per thread, with odd tails.
+A communicator with tiny slots, a tiny two-shot step, 3 CTAs and 96-thread one-shot and
+Lamport two-shot CTAs runs the same checks on sizes that need many one-shot and Lamport
+two-shot launches, many two-shot pipeline steps and many grid-stride rounds per thread,
+with odd tails.
 Inputs full of NaNs with every payload, the Lamport "unwritten" pattern (all-ones)
 included, infinities and signed zeros must still give the reference's bits, and a
 burst of back-to-back calls alternating the algorithms (no host sync between them)
@@ -76,7 +77,7 @@ def _run_sizes(comm, sizes: list[int], rank: int, what: str) -> int:
     for dtype in (torch.bfloat16, torch.float32):
         for i, nbytes in enumerate(sizes):
             n = _numel(nbytes, dtype)
-            algos = ["lamport", "one_shot", "two_shot", None] if nbytes <= 8 * MIB else ["two_shot", None]
+            algos = ["lamport", "lamport_two_shot", "one_shot", "two_shot", None] if nbytes <= 8 * MIB else ["two_shot", None]
             for algo in algos:
                 x = _fresh(n, dtype, seed=7919 * rank + 31 * i + len(algos))
                 out = torch.full_like(x, float("nan"))
@@ -96,9 +97,11 @@ def _eager_cases(rank: int, world: int) -> int:
     comm = CudaAllReduce(dist.group.WORLD)
     comm.warmup()
     checked = _run_sizes(comm, SIZES_BYTES, rank, "default")
-    tiny = CudaAllReduce(dist.group.WORLD, slot_bytes=64 << 10, two_shot_chunk_bytes=48 << 10, lamport_slot_bytes=32 << 10)
+    tiny = CudaAllReduce(dist.group.WORLD, slot_bytes=64 << 10, two_shot_chunk_bytes=48 << 10, lamport_slot_bytes=32 << 10,
+                         lamport_two_shot_slot_bytes=8 << 10)
     tiny.max_blocks = 3
     tiny.one_shot_threads = 96
+    tiny.lamport_two_shot_threads = 96
     tiny.warmup()
     steps = -(-(MIB + 2) // 2 // tiny.two_shot_chunk_elems(2))
     assert steps > 8, f"the tiny communicator should take many pipeline steps, takes {steps}"
@@ -124,7 +127,7 @@ def _special_values(comm, rank: int) -> int:
         x[pos[3]] = -0.0
         if rank == 0:
             raw[:64] = -1  # every element of the first vectors, on one rank only
-        for algo in ("lamport", "one_shot", "two_shot"):
+        for algo in ("lamport", "lamport_two_shot", "one_shot", "two_shot"):
             out = torch.empty_like(x)
             comm(x, out=out, algorithm=algo)
             _check_bits(out, x, f"special values: {dtype} {algo}")
@@ -141,9 +144,10 @@ def _check_bits(out: torch.Tensor, x: torch.Tensor, what: str) -> None:
 
 
 def _back_to_back(comm, rank: int) -> int:
-    """16 calls in a row on one stream, algorithms and sizes alternating, checked after the last."""
-    plan = [("lamport", 4096), ("lamport", 300_001), ("one_shot", 5000), ("lamport", 17), ("two_shot", 200_000),
-            ("lamport", 300_001), ("lamport", 300_001), (None, 1 << 20)] * 2
+    """20 calls in a row on one stream, algorithms and sizes alternating, checked after the last."""
+    plan = [("lamport", 4096), ("lamport_two_shot", 300_001), ("one_shot", 5000), ("lamport", 17), ("two_shot", 200_000),
+            ("lamport_two_shot", 17), ("lamport", 300_001), ("lamport_two_shot", 1 << 20), ("lamport_two_shot", 1 << 20),
+            (None, 1 << 20)] * 2
     inputs = [_fresh(n, torch.bfloat16, seed=900 + 17 * i + rank) for i, (_, n) in enumerate(plan)]
     outs = [comm(x, algorithm=algo) for (algo, _), x in zip(plan, inputs)]
     for i, ((algo, n), x, out) in enumerate(zip(plan, inputs, outs)):
@@ -157,7 +161,7 @@ def _graph_cases(rank: int, world: int) -> int:
     comm = CudaAllReduce(dist.group.WORLD)
     comm.warmup()
     shapes = [(torch.bfloat16, 4099, "one_shot"), (torch.float32, 3 * MIB + 1, "two_shot"), (torch.bfloat16, 33 * MIB + 3, None),
-              (torch.bfloat16, 300_001, "lamport"), (torch.float32, 5000, None)]
+              (torch.bfloat16, 300_001, "lamport"), (torch.float32, 5000, None), (torch.bfloat16, 500_003, "lamport_two_shot")]
     inputs = [torch.zeros(n, dtype=dt, device="cuda") for dt, n, _ in shapes]
     outputs = [torch.empty_like(x) for x in inputs]
     stream = torch.cuda.Stream()
@@ -193,4 +197,4 @@ def test_all_reduce_matches_nccl_and_reference_eager():
 
 def test_all_reduce_under_cuda_graph_replay():
     checked = run_local_group(_graph_cases, WORLD, "nccl", timeout=300)
-    assert checked[0] == 20
+    assert checked[0] == 24

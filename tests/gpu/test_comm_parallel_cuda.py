@@ -4,9 +4,9 @@ Each rank is a spawned process that calls ``init_distributed(Topology.prefill(wo
 cuda:rank)`` itself, the way a prefill rank starts. It must get `CudaCollectives`,
 whose ``all_reduce`` (in place, returns its argument) must equal the rank-ordered fp32
 reference bit for bit and NCCL within rounding, for bf16 / fp16 / fp32 at sizes that
-take the one-shot and the two-shot kernel, a strided view (reduced through an aligned
-copy; the columns outside the view stay untouched) and a misaligned view; int64 goes to
-NCCL. Then the same reductions captured in one CUDA graph, replayed with fresh inputs.
+take the one-shot kernels, the Lamport two-shot (at 3..8 ranks) and the two-shot kernel,
+a strided view (reduced through an aligned copy; the columns outside the view stay
+untouched) and a misaligned view; int64 goes to NCCL. Then the same reductions captured in one CUDA graph, replayed with fresh inputs.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def _cases(rank: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]
     """(name, tensor to reduce in place, the whole allocation it views) for one round."""
     s = 100 * seed + rank
     one_shot = _fresh((64, 4096), torch.bfloat16, s)  # 512 KiB
+    one_mib = _fresh((128, 4096), torch.bfloat16, s + 6)  # 1 MiB: the Lamport two-shot at 3..8 ranks
     two_shot = _fresh((2048, 5120), torch.bfloat16, s + 1)  # 20 MiB, above the one-shot limit
     fp32 = _fresh((3, 1000, 333), torch.float32, s + 2)  # odd size
     fp16 = _fresh((4099,), torch.float16, s + 3)
@@ -44,6 +45,7 @@ def _cases(rank: int, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]
     flat = _fresh((4097,), torch.bfloat16, s + 5)
     return [
         ("bf16 one-shot", one_shot, one_shot),
+        ("bf16 1 MiB", one_mib, one_mib),
         ("bf16 two-shot", two_shot, two_shot),
         ("fp32 odd", fp32, fp32),
         ("fp16", fp16, fp16),
@@ -125,4 +127,4 @@ def _rank_checks(rank: int, world: int, port: int) -> int:
 
 def test_init_distributed_on_cuda_returns_kernel_collectives_matching_nccl(monkeypatch):
     monkeypatch.delenv("MOEBUS_KERNELS", raising=False)  # the default (auto) picks the kernels on CUDA
-    assert spawn_ranks(_rank_checks, WORLD, timeout=240) == [6] * WORLD
+    assert spawn_ranks(_rank_checks, WORLD, timeout=240) == [7] * WORLD

@@ -33,12 +33,19 @@ from kernels._local_group import run_local_group
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2), (8, 5)])
 def test_all_reduce_kernels_compile(dtype, world, rank):
     assert ar.compile_lamport(dtype, world, rank) is not None
+    assert ar.compile_lamport_two_shot(dtype, world, rank) is not None
     assert ar.compile_one_shot(dtype, world, rank) is not None
     assert ar.compile_two_shot(dtype, world, rank) is not None
 
 
-def test_lamport_kernel_compiles_for_fp16():
+def test_lamport_kernels_compile_for_fp16():
     assert ar.compile_lamport(torch.float16, 4, 3) is not None
+    assert ar.compile_lamport_two_shot(torch.float16, 4, 3) is not None
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_lamport_two_shot_compiles_at_4_ranks(rank):
+    assert ar.compile_lamport_two_shot(torch.bfloat16, 4, rank) is not None
 
 
 @pytest.mark.parametrize("dtype,topk", [(torch.bfloat16, 8), (torch.float32, 2)])
@@ -66,12 +73,15 @@ def test_ptx_signals_at_system_scope_and_never_uses_multicast(tmp_path, monkeypa
     two_shot = _ptx(ar._launch_two_shot, z, z, Int32(0), Int32(0), z, z, z, z, z, z, Int32(1), s, ar._CUTE_DTYPES[torch.bfloat16], 4, 1)
     i = Int32(1)
     lamport = _ptx(ar._launch_lamport, z, z, Int32(0), *[z] * 4, i, i, s, ar._CUTE_DTYPES[torch.bfloat16], 3, 1)
+    lamport_two_shot = _ptx(ar._launch_lamport_two_shot, z, z, Int32(0), *[z] * 4, i, i, s, ar._CUTE_DTYPES[torch.bfloat16], 4, 2)
     dispatch = _ptx(dc._launch_dispatch_send, *[z] * 12, i, i, s, 2, 0, 64, 4096, 8, True)
     combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, i, i, s, 2, 0, 64, 4096, 8)
-    for ptx in (two_shot, lamport, dispatch, combine_recv):
+    for ptx in (two_shot, lamport, lamport_two_shot, dispatch, combine_recv):
         assert "multimem" not in ptx
-    # The data-as-flag kernel polls past L1 and needs no fence or flag.
-    assert "ld.volatile.global.v4.b32" in lamport and "fence" not in lamport
+    # The data-as-flag kernels poll past L1 and need no fence or flag.
+    for ptx in (lamport, lamport_two_shot):
+        assert "ld.volatile.global.v4.b32" in ptx
+        assert "fence" not in ptx and ".release" not in ptx and ".acquire" not in ptx
     assert "st.release.sys.global.b32" in two_shot and "ld.acquire.sys.global.b32" in two_shot
     assert "fence.acq_rel.sys" in two_shot
     assert "red.release.sys.global.add" in dispatch  # each CTA counts itself into the receiver's flag
