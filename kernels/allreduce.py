@@ -18,7 +18,7 @@ message the same way; no grid-wide barrier is needed.
   that read the slot: a peer writes that parity again two launches later, which it
   can only reach after this rank's next launch has pushed, i.e. after this launch
   ended.
-* lamport_two_shot (3..8 ranks, from ``lamport_max_bytes`` to ``lamport_two_shot_max_bytes``):
+* lamport_two_shot (from ``lamport_max_bytes`` to ``lamport_two_shot_max_bytes``, 16 MiB):
   the two-shot with the data as its own flag, in one launch and without a barrier. The
   message is cut into ``world`` slices; thread t of every rank handles vector v of every
   slice, for the same v on every rank:
@@ -46,7 +46,7 @@ message the same way; no grid-wide barrier is needed.
   (stream order, no programmatic dependent launch) had ended, re-arm stores included. The same holds whichever kernels ran in between, since every kernel here
   waits, directly or through a slice owner, for every rank in every launch, and all of
   them advance the same launch epoch.
-* one-shot (up to 8 MiB at 2 ranks, `default_one_shot_max_bytes`):
+* one-shot (the default nowhere since the data-as-flag kernels cover its range; selectable):
   push the whole input to every peer's slot ``[parity][my rank]``, one barrier,
   then every rank sums all ``world`` slots. Traffic per rank: (world-1) x message;
   latency: one barrier (a system-scope fence, which waits for every pushed store to
@@ -73,7 +73,13 @@ Measured on 2xH200, CUDA-graph timed (bench/results/allreduce.jsonl at commit
 8.1 / 10.0 / 15.6 / 22.2 us at 512 KiB / 1 / 2 / 4 MiB in the same run. Launch
 shapes for the Lamport kernel (128 / 256 / 1024 threads per CTA, CTA caps 132 / 66)
 were within 0.3 us of 512 threads x 264 CTAs up to 512 KiB and up to 7% slower
-from 1 MiB.
+from 1 MiB. The Lamport two-shot (commit 94006a5c01db, same machine): 4.0-4.8 us from 8
+to 256 KiB, 5.3 / 7.2 / 10.4 / 15.9 / 28.1 / 56.2 us at 512 KiB / 1 / 2 / 4 / 8 / 16 MiB,
+against the Lamport one-shot's 3.3-4.2 / 5.0 / 6.5 / 9.8 / 15.8 us up to 4 MiB and, at 8
+and 16 MiB, the barrier kernels' 35.0 and 62.4 us (NCCL 49.1 / 77.5 us). No launch shape
+(128 / 512 / 1024 threads per CTA, CTA caps 132 / 66) beat 256 threads x 264 CTAs by more
+than 0.2 us at any size; 1024 threads were up to 1.3 us slower below 256 KiB and 66 CTAs
+3.9 us slower at 4 MiB.
 
 A streamed one-shot (per-CTA steps with a flag per step, pushing step s while
 reducing s-1) was tried and measured slower at every size on 2xH200 (commit
@@ -133,7 +139,8 @@ from kernels._cute_comm import (
 Algorithm = Literal["lamport", "lamport_two_shot", "one_shot", "two_shot"]
 ALGORITHMS = ("lamport", "lamport_two_shot", "one_shot", "two_shot")
 THREADS = 512
-# Threads per CTA of the data-as-flag two-shot (`CudaAllReduce.lamport_two_shot_threads`).
+# Threads per CTA of the data-as-flag two-shot (`CudaAllReduce.lamport_two_shot_threads`;
+# 2 ranks: no other shape measured more than 0.2 us faster, see above).
 LAMPORT_TWO_SHOT_THREADS = 256
 # Barrier steps one launch may use: flag value = epoch * FLAG_STEPS + step, step >= 1.
 FLAG_STEPS = 1 << 12
@@ -602,7 +609,8 @@ def compile_two_shot(dtype: torch.dtype, world: int, rank: int):
 
 
 def default_one_shot_max_bytes(world: int) -> int:
-    """Largest message sent one-shot.
+    """Largest message sent one-shot (the Lamport one-shot's limit; the barrier one-shot,
+    whose range the data-as-flag kernels now cover, is only run when asked for).
 
     2 ranks (measured, bench/results/allreduce.jsonl at commit 4549f685d928, 2xH200,
     CUDA-graph timed): one-shot is faster up to 8 MiB (1 MiB 9.95 vs 12.64 us,
@@ -647,15 +655,23 @@ def default_lamport_two_shot_slot_bytes(world: int) -> int:
 
 
 def default_lamport_two_shot_max_bytes(world: int) -> int:
-    """Largest message the data-as-flag two-shot takes by default (it starts where the
-    Lamport one-shot stops, `default_one_shot_max_bytes`); 0 where it is never the default.
+    """Largest message the data-as-flag two-shot takes by default, 16 MiB at any world size; it
+    starts where the Lamport one-shot stops (``lamport_max_bytes``).
 
-    2 ranks: 0. Both Lamport kernels move the message once over NVLink there, and the
-    two-shot adds a hop. 3..8 ranks (reasoned, before its first measurement): it moves
-    2 (world-1)/world x the message against the one-shots' (world-1) x, without the barrier
-    two-shot's two flag round trips per step, so it takes one launch's worth, 8 MiB.
+    2 ranks (measured, bench/results/allreduce.jsonl at commit 94006a5c01db, 2xH200,
+    CUDA-graph timed): the Lamport one-shot is as fast or faster up to 4 MiB (1 MiB 6.5
+    vs 7.2 us, 4 MiB 15.8 vs 15.9); above, the two-shot wins: 8 MiB 28.1 us against 35.0
+    (barrier one-shot) and 37.4 (barrier two-shot), 16 MiB (two launches) 56.2 against
+    62.4 (two-shot). 32 MiB was not measured; 4 launches of 8 MiB would take about the
+    two-shot's 113 us there, so the barrier two-shot keeps it.
+
+    3..8 ranks (not measured: no machine with more than 2 GPUs was lent since the kernel
+    was written): it moves 2 (world-1)/world x the message, against the one-shots'
+    (world-1) x, and has no barrier (the barrier two-shot has two flag round trips per
+    step), so the same range, from the Lamport one-shot's limit (512 KiB at 4 ranks) to
+    16 MiB, is expected to hold; re-measure with ``bench.allreduce --world W``.
     """
-    return 0 if world == 2 else 8 << 20
+    return 16 << 20
 
 
 def default_slot_bytes(world: int) -> int:
@@ -679,7 +695,7 @@ class CudaAllReduce:
 
     Four kernels, chosen by message size (`choose`): ``lamport`` (the one-shot with the
     data as its own flag) up to ``lamport_max_bytes``, ``lamport_two_shot`` (the two-shot
-    with the data as its own flag) up to ``lamport_two_shot_max_bytes`` (0 at 2 ranks),
+    with the data as its own flag) up to ``lamport_two_shot_max_bytes``,
     ``one_shot`` (barrier one-shot) up to ``one_shot_max_bytes``, ``two_shot`` above.
 
     Tunables (plain attributes, the same on every rank): ``lamport_max_bytes``,
