@@ -39,11 +39,12 @@ message the same way; no grid-wide barrier is needed.
   Re-arming in the launch that read the slot is safe with two parities. Slots of parity
   P on rank r are written by peers only in launches e = P mod 2, and in launch e rank r
   reads and re-arms every position a peer wrote (the writer and the reader test the same
-  ``element < n`` condition). A peer q writes parity P next in launch e+2, which it can only
-  start after finishing e+1; q finishes e+1 only after it has the reduced first vector
-  of slice 0 (which every launch has: reduced by q in step 2 or received in step 3), that
-  reduction waited for rank r's step 1 of e+1, so r had started e+1, so r's launch e
-  (stream order, no programmatic dependent launch) had ended, re-arm stores included. The same holds whichever kernels ran in between, since every kernel here
+  ``element < n`` condition). A peer q writes parity P again at the earliest in launch
+  e+2, which it can only start after finishing e+1; q finishes e+1 only after it has the
+  reduced first vector of slice 0 (which every launch has: reduced by q in step 2 or
+  received in step 3), that reduction waited for rank r's step 1 of e+1, so r had started
+  e+1, so r's launch e (stream order, no programmatic dependent launch) had ended, re-arm
+  stores included. The same holds whatever kernels launch e+1 runs: every kernel here
   waits, directly or through a slice owner, for every rank in every launch, and all of
   them advance the same launch epoch.
 * one-shot (the default nowhere since the data-as-flag kernels cover its range; selectable):
