@@ -84,7 +84,7 @@ if [ "$MODE" = kv ]; then
 else
   run test_dispatch_combine 90 $PYTEST --timeout=80 tests/gpu/test_comm_dispatch_combine.py
   run bench_dispatch_combine 90 python3 -m bench.dispatch_combine --world "$W"
-  run test_allreduce 80 $PYTEST --timeout=70 tests/gpu/test_comm_allreduce.py
+  run test_allreduce 150 $PYTEST --timeout=140 tests/gpu/test_comm_allreduce.py  # 35 s at 4 ranks before the fourth algorithm
   run bench_allreduce 100 python3 -m bench.allreduce --world "$W"
   run test_parallel_ep 60 $PYTEST --timeout=50 tests/gpu/test_comm_parallel_cuda.py tests/gpu/test_comm_ep_prefill.py
   if [ "$W" -ge 4 ]; then
