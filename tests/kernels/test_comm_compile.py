@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -88,6 +89,27 @@ def test_ptx_signals_at_system_scope_and_never_uses_multicast(tmp_path, monkeypa
     assert "red.release.sys.global.add" in dispatch  # each CTA counts itself into the receiver's flag
     assert "cvt.rn.satfinite.e4m3x2.f32" in dispatch and "div.rn.f32" in dispatch
     assert "ld.acquire.sys.global.b32" in combine_recv
+
+
+# --------------------------------------------------------------------------- all-reduce choice
+
+
+def _default_choice(world: int, nbytes: int) -> str:
+    """`CudaAllReduce.choose` with the thresholds its constructor sets by default (no GPU needed)."""
+    one_shot_max = ar.default_one_shot_max_bytes(world)
+    thresholds = SimpleNamespace(lamport_max_bytes=min(ar.default_lamport_slot_bytes(world), one_shot_max),
+                                 lamport_two_shot_max_bytes=ar.default_lamport_two_shot_max_bytes(world), one_shot_max_bytes=one_shot_max)
+    return ar.CudaAllReduce.choose(thresholds, nbytes)
+
+
+def test_default_choice_by_size_and_world():
+    MiB = 1 << 20
+    # 2 ranks (measured): the Lamport one-shot to 4 MiB, the data-as-flag two-shot to 16 MiB, then the barrier two-shot.
+    assert [_default_choice(2, b) for b in (8 << 10, 4 * MiB, 4 * MiB + 16, 16 * MiB, 16 * MiB + 16)] == [
+        "lamport", "lamport", "lamport_two_shot", "lamport_two_shot", "two_shot"]
+    # 4 ranks: the Lamport one-shot only to 512 KiB (it moves (world - 1) x the message); 1 MiB takes the two-shot.
+    assert [_default_choice(4, b) for b in (512 << 10, MiB, 64 * MiB)] == ["lamport", "lamport_two_shot", "two_shot"]
+    assert _default_choice(8, 256 << 10) == "lamport_two_shot" and _default_choice(8, 128 << 10) == "lamport"
 
 
 # --------------------------------------------------------------------------- all-reduce reference
