@@ -123,7 +123,6 @@ from kernels.allreduce_sm90 import (
     FLAG_STEPS,
     THREADS,
     compile_lamport,
-    compile_lamport_two_shot,
     compile_one_shot,
     compile_two_shot,
     slice_elems,
@@ -379,12 +378,12 @@ class CudaAllReduce:
             # The other kernels reduce at most one slot's worth per launch: longer messages run as
             # several launches. `walked(m)`: the elements one launch of m elements spreads over its threads.
             if algo == "lamport_two_shot":
-                kernel, threads_attr = compile_lamport_two_shot(x.dtype, self.world, self.rank), "lamport_two_shot_threads"
+                kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank, two_shot=True), "lamport_two_shot_threads"
                 per_launch = self.world * (self.lamport_two_shot_slot_bytes // esz)
                 region = (mem.layout["lamport_two_shot"], self.lamport_two_shot_slot_bytes, ctrl)
                 walked = lambda m: slice_elems(m, self.world, vec)  # noqa: E731
             elif algo == "lamport":
-                kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank), "one_shot_threads"
+                kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank, two_shot=False), "one_shot_threads"
                 per_launch = self.lamport_slot_bytes // esz
                 region = (mem.layout["lamport"], self.lamport_slot_bytes, ctrl)
                 walked = lambda m: m  # noqa: E731

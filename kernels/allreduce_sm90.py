@@ -379,22 +379,14 @@ def _launch_one_shot(
 def _launch_lamport(
     inp: Int64, out: Int64, n: Int32, table: Int64, lam_off: Int64, slot_bytes: Int64, ctrl: Int64,
     grid: Int32, block: Int32, stream: cuda_driver.CUstream,
-    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
+    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr, two_shot: cutlass.Constexpr,
 ):
-    _lamport_kernel(inp, out, n, table, lam_off, slot_bytes, ctrl, dtype, world, rank).launch(
-        grid=[grid, 1, 1], block=[block, 1, 1], stream=stream
-    )
-
-
-@cute.jit
-def _launch_lamport_two_shot(
-    inp: Int64, out: Int64, n: Int32, table: Int64, lam_off: Int64, slot_bytes: Int64, ctrl: Int64,
-    grid: Int32, block: Int32, stream: cuda_driver.CUstream,
-    dtype: cutlass.Constexpr, world: cutlass.Constexpr, rank: cutlass.Constexpr,
-):
-    _lamport_two_shot_kernel(inp, out, n, table, lam_off, slot_bytes, ctrl, dtype, world, rank).launch(
-        grid=[grid, 1, 1], block=[block, 1, 1], stream=stream
-    )
+    # The two data-as-flag kernels take the same arguments; ``two_shot`` picks one at compile time.
+    if cutlass.const_expr(two_shot):
+        kernel = _lamport_two_shot_kernel(inp, out, n, table, lam_off, slot_bytes, ctrl, dtype, world, rank)
+    else:
+        kernel = _lamport_kernel(inp, out, n, table, lam_off, slot_bytes, ctrl, dtype, world, rank)
+    kernel.launch(grid=[grid, 1, 1], block=[block, 1, 1], stream=stream)
 
 
 @cute.jit
@@ -420,25 +412,14 @@ def compile_one_shot(dtype: torch.dtype, world: int, rank: int):
 
 
 @functools.cache
-def compile_lamport(dtype: torch.dtype, world: int, rank: int):
-    """Compile (once per process) the data-as-flag one-shot kernel for a dtype, world size and rank."""
+def compile_lamport(dtype: torch.dtype, world: int, rank: int, two_shot: bool):
+    """Compile (once per process) a data-as-flag kernel, one-shot or two-shot, for a dtype, world size and rank."""
     from kernels._cute_runtime import dummy_stream
 
     z = Int64(0)
     return cute.compile(
-        _launch_lamport, z, z, Int32(0), z, z, z, z, Int32(1), Int32(1), dummy_stream(), CUTE_DTYPES[dtype], world, rank
-    )
-
-
-@functools.cache
-def compile_lamport_two_shot(dtype: torch.dtype, world: int, rank: int):
-    """Compile (once per process) the data-as-flag two-shot kernel for a dtype, world size and rank."""
-    from kernels._cute_runtime import dummy_stream
-
-    z = Int64(0)
-    return cute.compile(
-        _launch_lamport_two_shot, z, z, Int32(0), z, z, z, z, Int32(1), Int32(1), dummy_stream(),
-        CUTE_DTYPES[dtype], world, rank,
+        _launch_lamport, z, z, Int32(0), z, z, z, z, Int32(1), Int32(1), dummy_stream(),
+        CUTE_DTYPES[dtype], world, rank, two_shot,
     )
 
 

@@ -34,20 +34,20 @@ from kernels._local_group import run_local_group
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2), (8, 5)])
 def test_all_reduce_kernels_compile(dtype, world, rank):
-    assert ar_k.compile_lamport(dtype, world, rank) is not None
-    assert ar_k.compile_lamport_two_shot(dtype, world, rank) is not None
+    assert ar_k.compile_lamport(dtype, world, rank, False) is not None
+    assert ar_k.compile_lamport(dtype, world, rank, True) is not None
     assert ar_k.compile_one_shot(dtype, world, rank) is not None
     assert ar_k.compile_two_shot(dtype, world, rank) is not None
 
 
 def test_lamport_kernels_compile_for_fp16():
-    assert ar_k.compile_lamport(torch.float16, 4, 3) is not None
-    assert ar_k.compile_lamport_two_shot(torch.float16, 4, 3) is not None
+    assert ar_k.compile_lamport(torch.float16, 4, 3, False) is not None
+    assert ar_k.compile_lamport(torch.float16, 4, 3, True) is not None
 
 
 @pytest.mark.parametrize("rank", [0, 2])
 def test_lamport_two_shot_compiles_at_4_ranks(rank):
-    assert ar_k.compile_lamport_two_shot(torch.bfloat16, 4, rank) is not None
+    assert ar_k.compile_lamport(torch.bfloat16, 4, rank, True) is not None
 
 
 @pytest.mark.parametrize("dtype,topk", [(torch.bfloat16, 8), (torch.float32, 2)])
@@ -74,8 +74,8 @@ def test_ptx_signals_at_system_scope_and_never_uses_multicast(tmp_path, monkeypa
     z, s = Int64(0), dummy_stream()
     two_shot = _ptx(ar_k._launch_two_shot, z, z, Int32(0), Int32(0), z, z, z, z, z, z, Int32(1), s, ar_k.CUTE_DTYPES[torch.bfloat16], 4, 1)
     i = Int32(1)
-    lamport = _ptx(ar_k._launch_lamport, z, z, Int32(0), *[z] * 4, i, i, s, ar_k.CUTE_DTYPES[torch.bfloat16], 3, 1)
-    lamport_two_shot = _ptx(ar_k._launch_lamport_two_shot, z, z, Int32(0), *[z] * 4, i, i, s, ar_k.CUTE_DTYPES[torch.bfloat16], 4, 2)
+    lamport = _ptx(ar_k._launch_lamport, z, z, Int32(0), *[z] * 4, i, i, s, ar_k.CUTE_DTYPES[torch.bfloat16], 3, 1, False)
+    lamport_two_shot = _ptx(ar_k._launch_lamport, z, z, Int32(0), *[z] * 4, i, i, s, ar_k.CUTE_DTYPES[torch.bfloat16], 4, 2, True)
     dispatch = _ptx(dc._launch_dispatch_send, *[z] * 12, i, i, s, 2, 0, 64, 4096, 8, True)
     combine_recv = _ptx(dc._launch_combine_recv, *[z] * 7, i, i, s, 2, 0, 64, 4096, 8)
     for ptx in (two_shot, lamport, lamport_two_shot, dispatch, combine_recv):
