@@ -47,6 +47,15 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
       mostly level or slower.  The masked (decode) layout keeps 128x256.
     * MXFP8 weights and the SwiGLU interleave fix N at 128.
 
+    bf16 128-row tiles of the contiguous layout up to MID_TILE_MAX_TOKENS_PER_EXPERT hand
+    their output to the store warps in two halves (``split_output``), which gives 128x192
+    tiles a fifth pipeline stage and 128x256 a fourth.  On one H200 at 375 tokens per expert
+    (f712969d93c0+h52-split against f712969d93c0, same call, burst / sustained): Qwen3-30B
+    down +2.5 / +2.1%, 30B gate_up +3.3 / +6.8%, 235B down +6.4 / +6.8%, 235B gate_up
+    +4.7 / +2.1%; split at 2048 tokens too (128x256, the call before) it ran -2.6..+0.5%,
+    so larger groups keep the whole-tile buffer.  The masked (decode) layout was not
+    measured and keeps it.  Details: bench/grouped_gemm_findings.md.
+
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
     """
     tile_m = tile_m or (64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128)
@@ -59,9 +68,11 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
             small_experts = n * k <= MID_TILE_MAX_WEIGHT_ELEMENTS
             mid = not masked and small_experts and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT
             tile_n = 192 if mid else 256
+    split_output = (tile_m == 128 and not fp8 and not mxfp8 and not masked
+                    and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT)
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
-                             num_sms=num_sms)
+                             split_output=split_output, num_sms=num_sms)
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).

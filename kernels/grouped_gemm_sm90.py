@@ -31,7 +31,9 @@ with FP8 192-wide tiles warp 1 copies each tile's block scales into shared
 memory through a second, two-stage pipeline (``ScaleStaging``); one or two
 consumer warpgroups run WGMMA and hand each finished tile to two store warps
 through shared memory, so its global stores drain while the consumers run the
-next tile's mainloop.
+next tile's mainloop (bf16 prefill tiles of up to 512 tokens per expert in two
+halves through a half-size buffer, which frees shared memory for one more
+pipeline stage; see ``grouped_gemm_sm90_epilogue``).
 
 Code: this module holds the configuration, the host side, the schedule, the
 TMA producer and the bf16 mainloop; ``grouped_gemm_sm90_scaled`` the FP8
@@ -78,6 +80,8 @@ class GroupedGemmConfig:
     swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
     row_weights: bool = False  # multiply output row r by weights[r]
     mxfp8: bool = False  # bf16 activations x MXFP8 weights (E4M3 + E8M0 per 32 along K), bf16 math
+    # bf16: hand each output tile to the store warps in two halves where that frees a pipeline stage (see Epilogue)
+    split_output: bool = False
     num_sms: int = 132  # persistent CTAs launched
 
     def validate(self) -> None:
@@ -89,6 +93,8 @@ class GroupedGemmConfig:
             raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 128/192, mxfp8 128; bf16 64/128/192/256)")
         if self.fp8 and self.mxfp8:
             raise ValueError("fp8 (block-scaled E4M3 x E4M3) and mxfp8 (bf16 x MXFP8 weights) exclude each other")
+        if self.split_output and (self.fp8 or self.mxfp8):
+            raise ValueError("split_output is for bf16 x bf16 tiles (only their mainloop writes the held half)")
         if (self.k * elem_bytes) % 16 or (self.mxfp8 and self.k % 16):
             raise ValueError(f"K={self.k}: rows must be 16-byte aligned for TMA ({16 // elem_bytes} elements; "
                              "16 for MXFP8 weights)")
@@ -204,9 +210,19 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         reserved = -(-(16 * (8 + ScaleStaging.STAGES) + 12 * (cfg.num_experts + 1)) // 1024) * 1024
         self.out_cols = cfg.tile_n // 2 if cfg.swiglu else cfg.tile_n  # output columns per tile
         self.out_chunks = self.out_cols // EPI_N
-        epi_bytes = cfg.tile_m * self.out_cols * 2  # one bf16 output tile, drained by the store warps
         mx_bytes = MX_B_BUFFERS * cfg.tile_n * self.tile_k * 2 if cfg.mxfp8 else 0
-        self.stages = min(8, (SMEM_CAPACITY - reserved - epi_bytes - mx_bytes - scale_bytes) // stage_bytes)
+
+        def stages_beside(out_buffer_bytes: int) -> int:
+            return min(8, (SMEM_CAPACITY - reserved - out_buffer_bytes - mx_bytes - scale_bytes) // stage_bytes)
+
+        # The output buffer the store warps drain holds one bf16 output tile, or with split_output
+        # half of one where that frees the shared memory of one more pipeline stage (bf16 128x192:
+        # 5 stages instead of 4, 128x256: 4 instead of 3).  The tile then goes over in two column
+        # halves, the second from registers in the middle of the next tile's mainloop (see Epilogue).
+        out_tile_bytes = cfg.tile_m * self.out_cols * 2
+        self.out_halves = cfg.split_output and stages_beside(out_tile_bytes // 2) > stages_beside(out_tile_bytes)
+        self.buffer_chunks = self.out_chunks // 2 if self.out_halves else self.out_chunks
+        self.stages = stages_beside(self.buffer_chunks * cfg.tile_m * EPI_N * 2)
         # Output elements per 16-byte global store in the epilogue (fewer when rows are not 16-byte aligned).
         self.store_vec = math.gcd(8, cfg.out_n)
         # FP8 192-wide tiles: one partial, the two consumer warpgroups take turns (see _fp8_one_partial).
@@ -280,7 +296,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             if cfg.mxfp8 else self.b_smem_layout
         )
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), self.out_chunks
+            self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), self.buffer_chunks
         )
         tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -544,6 +560,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         part0 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
         part1 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
         epi = self._epilogue_setup(tiled_mma, sEpi, acc, mma_tidx)
+        held = self._held_half(epi) if cutlass.const_expr(self.out_halves) else None
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         scale_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ScaleStaging.STAGES)
@@ -569,10 +586,14 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 )
             else:
                 read_state, release_state = self._mainloop(
-                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, wg, mainloop, read_state, release_state
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, wg, mainloop, read_state, release_state,
+                    epi, held, tile > first_tile,
                 )
-            self._epilogue(acc, tCcC, epi, mRowW, rows, row0, batch, wg)
+            self._epilogue(acc, tCcC, epi, held, mRowW, rows, row0, batch, wg)
             tile = tile + cfg.num_sms
+        if cutlass.const_expr(self.out_halves):
+            if first_tile < total_tiles:
+                self._write_held_half(epi, held, wg)  # the last tile's second half
         if cutlass.const_expr(self.turns):
             if wg == 0:
                 self._take_turn(wg)  # the turn warpgroup 1 passed after its last block: both barriers end balanced
@@ -592,7 +613,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _mainloop(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, wg, mainloop, read_state, release_state):
+    def _mainloop(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, wg, mainloop, read_state, release_state,
+                  epi, held, held_pending):
         """bf16: accumulate the whole K range in one fp32 accumulator, one WGMMA batch in flight.
 
         With two consumer warpgroups they take turns to issue each stage's WGMMAs
@@ -603,6 +625,12 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         finished together and both epilogues left the tensor cores idle.  On an
         H200 (a371ffeef6e4, same GPU, same call, A/B by a temporary switch)
         bf16 prefill moved -0.7..+2.5% sustained, 0..+2% in bursts, by shape.
+
+        With ``out_halves`` (``held_pending``: the previous tile's second output
+        half waits in ``held``) that half is written to the output buffer after
+        the middle stage's batch is issued, under its WGMMAs: the store warps
+        have had half a tile to drain the first half, and get half a tile for
+        this one before the epilogue needs the buffer again.
         """
         acc.fill(0.0)
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
@@ -612,6 +640,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             self._mma_stage(tiled_mma, acc, tCrA, tCrB, num_k_blocks, read_state.index, read_state.index)
             if cutlass.const_expr(self.bf16_turns):
                 self._pass_turn(wg)
+            if cutlass.const_expr(self.out_halves):
+                if held_pending:
+                    if k_tile == self.k_tiles // 2:
+                        self._write_held_half(epi, held, wg)
             # Keep this batch in flight; the previous one is done, free its stage.
             cute.nvgpu.warpgroup.wait_group(1)
             if k_tile > 0:

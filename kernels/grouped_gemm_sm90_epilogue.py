@@ -22,6 +22,14 @@ Per-warpgroup pairs let a warpgroup start the next tile without waiting for
 the other one to finish this tile: with FP8 192-wide tiles the warpgroups
 run half a K block apart (see ``_fp8_one_partial``), and a shared barrier
 idled the tensor cores at every tile boundary.
+
+Where the configuration asks for it (``split_output``) and a half-size
+buffer frees shared memory for one more pipeline stage (``out_halves``: bf16
+128x192 and 128x256 tiles; see ``choose_config``) a tile goes over in two
+fills of that buffer, its column halves: the first at the end of the tile,
+the second, kept in bf16 registers (``held``), in the middle of the next
+tile's mainloop (``_write_held_half``).  The store warps drain the fills in
+that order, one phase of each barrier per fill.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ _BAR_OUT_FULL, _BAR_OUT_EMPTY, _BAR_OUT_STRIDE = 3, 4, 4
 
 
 class Epilogue:
-    """Per-tile output of the grouped GEMM (uses ``cfg``, ``c_dtype``, ``acc_dtype``, ``num_consumer_wg``, ``store_vec``)."""
+    """Per-tile output of the grouped GEMM (uses ``cfg``, ``c_dtype``, ``acc_dtype``, ``num_consumer_wg``, ``store_vec``,
+    ``out_chunks``, ``buffer_chunks``, ``out_halves``)."""
 
     def _out_barriers(self, wg):
         """(full, empty) named barriers between consumer warpgroup ``wg`` (an int or a warp-uniform Int32) and the store warps."""
@@ -61,8 +70,17 @@ class Epilogue:
         return r2s, tRS_sD, tRS_rAcc, rD_shape
 
     @cute.jit
-    def _epilogue(self, acc, tCcC, epi, mRowW, rows, row0, batch, wg):
-        """Consumer warpgroup ``wg``: activation / row weights in registers, then its rows into the shared output buffer."""
+    def _held_half(self, epi):
+        """bf16 registers for a tile's second output half (``out_halves``), one tensor per ``EPI_N``-column chunk."""
+        return [cute.make_rmem_tensor(epi[3], self.c_dtype) for _ in range(self.buffer_chunks)]
+
+    @cute.jit
+    def _epilogue(self, acc, tCcC, epi, held, mRowW, rows, row0, batch, wg):
+        """Consumer warpgroup ``wg``: activation / row weights in registers, then its rows into the shared output buffer.
+
+        With ``out_halves`` the buffer takes the first column half; the second is
+        converted into ``held`` and written by ``_write_held_half`` later.
+        """
         cfg = self.cfg
         r2s, tRS_sD, tRS_rAcc, rD_shape = epi
         size = cute.size(acc)
@@ -82,14 +100,32 @@ class Epilogue:
                 acc[i] = acc[i] * (w_hi if (i // 2) % 2 else w_lo)
         rD = cute.make_rmem_tensor(rD_shape, self.acc_dtype)
         rD_out = cute.make_rmem_tensor(rD_shape, self.c_dtype)
-        n_rd = cute.size(rD)
         out_full, out_empty = self._out_barriers(wg)
-        out_empty.arrive_and_wait()  # the store warps have read these rows of the previous tile
-        for chunk in cutlass.range_constexpr(self.out_chunks):
-            for v in cutlass.range_constexpr(n_rd):
-                rD[v] = tRS_rAcc[chunk * n_rd + v]
-            rD_out.store(rD.load().to(self.c_dtype))
+        out_empty.arrive_and_wait()  # the store warps have read these rows of the previous fill
+        for chunk in cutlass.range_constexpr(self.buffer_chunks):
+            self._chunk_to_bf16(tRS_rAcc, chunk, rD, rD_out)
             cute.copy(r2s, rD_out, tRS_sD[(None, None, None, chunk)])
+        out_full.arrive()
+        if cutlass.const_expr(self.out_halves):
+            for c in cutlass.range_constexpr(self.buffer_chunks):
+                self._chunk_to_bf16(tRS_rAcc, self.buffer_chunks + c, rD, held[c])
+
+    @cute.jit
+    def _chunk_to_bf16(self, tRS_rAcc, chunk, rD, dst):
+        """This thread's elements of accumulator chunk ``chunk`` (``EPI_N`` columns), converted into ``dst``."""
+        n_rd = cute.size(rD)
+        for v in cutlass.range_constexpr(n_rd):
+            rD[v] = tRS_rAcc[chunk * n_rd + v]
+        dst.store(rD.load().to(self.c_dtype))
+
+    @cute.jit
+    def _write_held_half(self, epi, held, wg):
+        """Consumer warpgroup ``wg``: the previous tile's second output half, from ``held`` into the output buffer."""
+        r2s, tRS_sD, _, _ = epi
+        out_full, out_empty = self._out_barriers(wg)
+        out_empty.arrive_and_wait()  # the store warps have read these rows of the first half
+        for c in cutlass.range_constexpr(self.buffer_chunks):
+            cute.copy(r2s, held[c], tRS_sD[(None, None, None, c)])
         out_full.arrive()
 
     @cute.jit
@@ -111,24 +147,28 @@ class Epilogue:
 
     @cute.jit
     def _store_tile(self, store, mC, rows, row0, rows_left, n_tile, batch):
-        """Store warps: wait for the tile in shared memory, write its valid rows and columns, free the buffer."""
+        """Store warps: per fill of the output buffer (the tile, or its two halves), wait for it, write its valid
+        rows and columns, free the buffer."""
         cfg = self.cfg
         thr_s2g, s2g_atom, tSG_sD, tSG_cD = store
-        for wg in cutlass.range_constexpr(self.num_consumer_wg):
-            self._out_barriers(wg)[1].arrive()  # done with the previous tile: the warpgroup may overwrite its rows
-        for wg in cutlass.range_constexpr(self.num_consumer_wg):
-            self._out_barriers(wg)[0].arrive_and_wait()
-        col0 = n_tile * self.out_cols
-        # Element offset of the tile's first element (masked layout: [E, rows, out_n]).
-        tile_first = cutlass.Int64(batch) * rows * cfg.out_n + row0 * cfg.out_n + col0
-        for chunk in cutlass.range_constexpr(self.out_chunks):
-            cols_left = cfg.out_n - (col0 + chunk * EPI_N)
-            # Rows are out_n elements apart and chunks start at multiples of EPI_N, so the
-            # chunk's first element is store_vec-aligned: say so, or the stores get split.
-            first = cute.assume(tile_first + chunk * EPI_N, divby=self.store_vec)
-            gD = cute.make_tensor(mC.iterator + first, cute.make_layout((cfg.tile_m, EPI_N), stride=(cfg.out_n, 1)))
-            tSG_gD = thr_s2g.partition_D(gD)
-            for m in cutlass.range_constexpr(cute.size(tSG_sD, mode=[1])):
-                coord = tSG_cD[(0, m, 0)]
-                if coord[0] < rows_left and coord[1] < cols_left:
-                    cute.copy(s2g_atom, tSG_sD[(None, m, 0, chunk)], tSG_gD[(None, m, 0)])
+        for fill in cutlass.range_constexpr(self.out_chunks // self.buffer_chunks):
+            for wg in cutlass.range_constexpr(self.num_consumer_wg):
+                self._out_barriers(wg)[1].arrive()  # done with the previous fill: the warpgroup may overwrite its rows
+            for wg in cutlass.range_constexpr(self.num_consumer_wg):
+                self._out_barriers(wg)[0].arrive_and_wait()
+            col0 = n_tile * self.out_cols
+            # Element offset of the tile's first element (masked layout: [E, rows, out_n]).
+            tile_first = cutlass.Int64(batch) * rows * cfg.out_n + row0 * cfg.out_n + col0
+            for c in cutlass.range_constexpr(self.buffer_chunks):
+                chunk = fill * self.buffer_chunks + c  # the tile's column chunk in buffer chunk c
+                cols_left = cfg.out_n - (col0 + chunk * EPI_N)
+                # Rows are out_n elements apart and chunks start at multiples of EPI_N, so the
+                # chunk's first element is store_vec-aligned: say so, or the stores get split.
+                first = cute.assume(tile_first + chunk * EPI_N, divby=self.store_vec)
+                gD = cute.make_tensor(mC.iterator + first,
+                                      cute.make_layout((cfg.tile_m, EPI_N), stride=(cfg.out_n, 1)))
+                tSG_gD = thr_s2g.partition_D(gD)
+                for m in cutlass.range_constexpr(cute.size(tSG_sD, mode=[1])):
+                    coord = tSG_cD[(0, m, 0)]
+                    if coord[0] < rows_left and coord[1] < cols_left:
+                        cute.copy(s2g_atom, tSG_sD[(None, m, 0, c)], tSG_gD[(None, m, 0)])

@@ -115,6 +115,31 @@ def test_tile_widths(fp8, tile_m, tile_n):
     _assert_close(out.cpu(), ref, f"{'fp8' if fp8 else 'bf16'} tile {tile_m}x{tile_n}")
 
 
+@pytest.mark.parametrize("tile_n", [192, 256])
+def test_bf16_output_in_halves_across_tiles(tile_n):
+    """bf16 128x192 / 128x256 tiles of contiguous prefill (here ~250 tokens per expert, ``split_output``) hand their
+    output to the store warps in two column halves through a half-size buffer, the second half kept in registers
+    and written in the middle of the CTA's next tile (after its last tile, at the end).  21 M tiles x 16 / 12 N
+    tiles: 2-3 tiles per CTA on 132 SMs; N = 2968 ends inside a half, K = 1088 mid-stage (17 stages, the held half
+    written after the ninth is issued); trailing rows owned by no expert stay unwritten."""
+    from kernels.grouped_gemm_launch import launch
+
+    gen = torch.Generator(device=DEV).manual_seed(29 + tile_n)
+    counts = torch.tensor([300, 280, 0, 513, 300, 1, 300, 299])
+    E, N, K = len(counts), 2968, 1088
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    T = int(offsets[-1]) + 5
+    x, _ = _activations((T, K), False, gen)
+    w, _ = _random_weights(E, N, K, False, gen)
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    launch(x, w, offsets.to(DEV), masked=False, x_scale=None, w_scale=None, row_weights=None, swiglu=False, out=out,
+           tile_m=128, tile_n=tile_n)
+    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False)
+    owned = _owned_rows_contiguous(offsets, T)
+    _assert_close(out.cpu()[owned], ref[owned], f"bf16 128x{tile_n} output in halves")
+    assert torch.isnan(out.cpu()[~owned].float()).all(), "rows owned by no expert were written"
+
+
 @pytest.mark.parametrize("k", [768, 1664, 2048], ids=["6blocks", "13blocks", "16blocks"])
 def test_fp8_192_wide_tiles_stage_scales_in_chunks(k):
     """FP8 128x192 tiles read their scales from shared memory, staged by warp 1 a chunk of K blocks at a time

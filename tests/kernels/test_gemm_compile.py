@@ -50,8 +50,9 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
 
     # K and N not multiples of the tile; SwiGLU needs N a multiple of 128.
     n = 384 if swiglu else 200
+    split = tile_m == 128 and not fp8 and not masked  # choose_config's rule for bf16 prefill up to 512 tokens/expert
     cfg = sm90.GroupedGemmConfig(num_experts=6, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m, tile_n=tile_n,
-                                 swiglu=swiglu, row_weights=row_weights)
+                                 swiglu=swiglu, row_weights=row_weights, split_output=split)
     compiled = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = compiled.artifacts.PTX
     mma = "e4m3.e4m3" if fp8 else "bf16.bf16"
@@ -64,6 +65,8 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
         # each consumer warpgroup hands its rows to the two store warps through its own barriers
         # (64 + 128 threads): the store warps free warpgroup w's rows on barrier 4 + 4w
         "store-warp handoff": all(f"bar.arrive {4 + 4 * w}, 192" in ptx for w in range(tile_m // 64)),
+        # split bf16 128x192 / 128x256 tiles go over in two halves: the store warps free the buffer once per half
+        "one handoff per buffer fill": ptx.count("bar.arrive 4, 192") == (2 if split and tile_n in (192, 256) else 1),
     }
     if fp8 and tile_n == 192:
         # warp 1 stages the scales in shared memory by cp.async, a row's 4 K blocks in one 16-byte copy when K has
@@ -90,6 +93,30 @@ def test_grouped_gemm_mxfp8_compiles_for_sm90a(masked, tile_m, swiglu, row_weigh
         "no local memory": ".local" not in ptx,
     }
     assert all(found.values()), found
+
+
+def test_split_output_halves_the_buffer_only_where_that_frees_a_pipeline_stage():
+    """A split bf16 tile (its output to the store warps in two halves) gets the freed shared memory as one more
+    pipeline stage (Qwen3-30B down, 128 experts: 128x192 5 stages of 40 KB beside a 24 KB buffer instead of 4 beside
+    48 KB, 128x256 4 of 48 KB beside 32 KB instead of 3); where half a buffer frees no whole stage (64-row, SwiGLU
+    tiles) or the split is not asked for, the buffer holds the whole tile.  FP8 tiles reject the split."""
+    def kernel(**kw) -> sm90.GroupedGemmSm90:
+        return sm90.GroupedGemmSm90(sm90.GroupedGemmConfig(num_experts=128, n=2048, k=768, masked=False, **kw))
+
+    def smem(k: sm90.GroupedGemmSm90) -> int:  # the pipeline stages and the output buffer
+        return k.stages * (k.cfg.tile_m + k.cfg.tile_n) * k.tile_k * 2 + k.buffer_chunks * k.cfg.tile_m * sm90.EPI_N * 2
+
+    for tile_n, stages in ((192, 5), (256, 4)):
+        split = kernel(fp8=False, tile_m=128, tile_n=tile_n, split_output=True)
+        whole = kernel(fp8=False, tile_m=128, tile_n=tile_n)
+        assert (split.out_halves, 2 * split.buffer_chunks, split.stages) == (True, split.out_chunks, stages)
+        assert (whole.out_halves, whole.buffer_chunks, whole.stages) == (False, whole.out_chunks, stages - 1)
+        assert smem(split) <= sm90.SMEM_CAPACITY and smem(whole) <= sm90.SMEM_CAPACITY
+    for kw in ({"tile_m": 64, "tile_n": 128}, {"tile_m": 128, "tile_n": 128, "swiglu": True}):
+        k = kernel(fp8=False, split_output=True, **kw)
+        assert not k.out_halves and k.buffer_chunks == k.out_chunks, kw
+    with pytest.raises(ValueError, match="split_output"):
+        kernel(fp8=True, tile_m=128, tile_n=192, split_output=True)
 
 
 def test_act_quant_compiles_for_sm90a():
@@ -138,6 +165,16 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     assert [tile(t, fp8=True) for t in (small, small + 1, mid + 1)] == [(64, 128), (128, 192), (128, 192)]
     for kind in ({"swiglu": True}, {"mxfp8": True}, {"swiglu": True, "fp8": True}):
         assert {tile(t, **kind) for t in (small, small + 1, mid + 1)} == {(64, 128), (128, 128)}
+
+    def split(tokens: float, *, masked: bool = False, fp8: bool = False, n: int = 2048, k: int = 768) -> bool:
+        return choose_config(num_experts=8, n=n, k=k, masked=masked, fp8=fp8, swiglu=False, row_weights=False,
+                             tokens_per_expert=tokens, num_sms=132).split_output
+
+    # bf16 128-row prefill tiles up to the mid bound hand their output over in halves (small and large experts)
+    assert [split(t) for t in (small, small + 1, mid, mid + 0.5)] == [False, True, True, False]
+    assert split(mid, n=4096, k=1536) and not split(mid + 1, n=4096, k=1536)
+    # not the masked (decode) layout, not FP8
+    assert not split(mid, masked=True) and not split(mid, fp8=True)
 
 
 # ----------------------------------------------------------- torch references
