@@ -5,6 +5,14 @@ and each 128-channel block, ``scale = max(amax, 1e-12) * fl(1/448)`` and
 ``q = clamp(x / scale, ±448)`` rounded to E4M3.  This is the activation side of
 DeepSeek/Qwen-style block-scaled FP8 GEMMs (weights carry 128x128 blocks).
 
+Layout of ``scale`` on CUDA: a ``[..., ceil(K/128)]`` view of rows padded to a
+multiple of ``SCALE_ROW_ALIGN`` (4) K blocks, i.e. 16 bytes (row stride
+:func:`scale_row_stride`; the padding is never written).  The FP8 grouped GEMM's
+192-wide tiles copy a tile's scales into shared memory 4 K blocks (16 bytes) per
+``cp.async``, which needs 16-byte aligned rows (the copies read the padding and
+never use it); when K/128 is a multiple of 4 the view is simply contiguous.
+Values are those of the reference in any layout.
+
 This module is the one definition of that format in the project
 (``shared.model.quant_formats`` and ``kernels.dispatch_combine`` re-export
 :func:`quantize_act_reference`).  It imports only torch: the CuTeDSL kernel
@@ -26,6 +34,14 @@ INV_FP8_MAX = 1.0 / FP8_MAX
 # An all-zero block would give scale 0 and 0/0; flooring amax keeps the scale
 # positive and still maps such a block to exact zeros.
 AMAX_FLOOR = 1e-12
+
+
+SCALE_ROW_ALIGN = 4  # K blocks: rows of CUDA activation scales are padded to 16 bytes
+
+
+def scale_row_stride(k_blocks: int) -> int:
+    """Floats between consecutive rows of CUDA activation scales of ``k_blocks`` K blocks (see module doc)."""
+    return -(-k_blocks // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
 
 
 class ActQuantError(ValueError):
@@ -53,7 +69,8 @@ def quantize_act(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[t
     holds ``counts[e]`` rows (int32 ``[E]``, on x's device): on CUDA only those rows are
     quantized, the rest of ``q`` and ``scale`` is left unwritten (the masked GEMMs never
     store a result from such rows); the torch reference quantizes every row.
-    CUDA tensors run the CuTeDSL kernel, others the torch reference.
+    CUDA tensors run the CuTeDSL kernel, others the torch reference; on CUDA ``scale`` is a
+    view of rows padded to :func:`scale_row_stride` floats (see module doc).
     """
     if x.dtype != torch.bfloat16:
         raise TypeError(f"quantize_act expects bfloat16 activations, got {x.dtype}")

@@ -6,7 +6,9 @@ max-reduction; the scale and rounding follow :func:`kernels.act_quant.quantize_a
 takes ``[E, capacity, K]`` rows with per-group counts on the GPU and quantizes only the
 rows below each count (a grid over groups and row chunks): a decode MoE's intermediate
 lives in such a buffer sized for the worst routing (``capacity`` = all tokens of all
-ranks), of which a step fills a few percent.
+ranks), of which a step fills a few percent.  Scale rows are written
+:func:`kernels.act_quant.scale_row_stride` floats apart (16-byte rows, the
+layout the FP8 grouped GEMM's 16-byte scale copies read); the padding stays unwritten.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from kernels._cute_runtime import launch_stream
-from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK
+from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, scale_row_stride
 
 WARPS_PER_CTA = 8
 
@@ -43,7 +45,7 @@ class ActQuantKernel:
         K, kb = self.k, self.k_blocks
         mX = cute.make_tensor(x_ptr, cute.make_layout((rows, K), stride=(K, 1)))
         mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, K), stride=(K, 1)))
-        mS = cute.make_tensor(s_ptr, cute.make_layout((rows, kb), stride=(kb, 1)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((rows, kb), stride=(scale_row_stride(kb), 1)))
         groups = (rows + capacity - 1) // capacity
         mCounts = cute.make_tensor(counts_ptr, cute.make_layout((groups,)))
         if cutlass.const_expr(self.masked):
@@ -117,11 +119,12 @@ def compiled_quantizer(k: int, masked: bool = False):
 def quantize_cuda(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize contiguous bf16 CUDA ``x[..., K]`` on its device's current stream; with ``counts``
     (int32 ``[E]`` on x's GPU, x ``[E, capacity, K]``) only each group's first ``counts[e]`` rows,
-    the others left unwritten (inputs checked by the caller)."""
+    the others left unwritten (inputs checked by the caller).  ``scale`` is a ``[..., K/128]`` view of
+    rows padded to ``scale_row_stride`` floats."""
     K = x.shape[-1]
     kb = math.ceil(K / QUANT_BLOCK)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(*x.shape[:-1], kb, dtype=torch.float32, device=x.device)
+    scale = torch.empty(*x.shape[:-1], scale_row_stride(kb), dtype=torch.float32, device=x.device)[..., :kb]
     rows = x.numel() // K
     if rows == 0:
         return q, scale

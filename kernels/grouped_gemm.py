@@ -20,7 +20,9 @@ Weights are ``[E, N, K]`` (the model's ``w13[E, 2I, H]`` and ``w2[E, H, I]``).
 FP8 follows Qwen's checkpoints: E4M3 operands, ``w_scale`` fp32
 ``[E, ceil(N/128), ceil(K/128)]`` with ``dequant = w * scale``
 (``weight_scale_inv``), and per-token activation scales ``x_scale`` fp32
-``[..., ceil(K/128)]`` from :func:`kernels.act_quant.quantize_act`.
+``[..., ceil(K/128)]`` from :func:`kernels.act_quant.quantize_act` (on CUDA a
+view of rows padded to 16 bytes, the layout the kernels read; scales in any
+other layout are copied into it by the launcher).
 Accumulation is fp32, outputs are bf16 (fp32 on the CPU reference path).
 """
 

@@ -21,6 +21,7 @@ import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from kernels._cute_runtime import launch_stream
+from kernels.act_quant import scale_row_stride
 from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_WEIGHT_ELEMENTS,
                                   SMALL_TILE_MAX_TOKENS_PER_EXPERT)
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90, scale_vector
@@ -85,8 +86,29 @@ def _out_align(cfg: GroupedGemmConfig) -> int:
 
 
 def _scale_align(cfg: GroupedGemmConfig) -> int:
-    """Byte alignment promised for the FP8 scale pointers (the width of the kernel's scale loads or staging copies)."""
+    """Byte alignment promised for the FP8 weight-scale pointer (the width of the kernel's staging copies)."""
     return _ALIGN_WORD * scale_vector(cfg)
+
+
+def _scale_rows_padded(x_scale: torch.Tensor) -> torch.Tensor:
+    """``x_scale`` in the layout the FP8 kernels read: rows ``scale_row_stride`` floats apart, 16-byte aligned.
+
+    ``kernels.act_quant.quantize_act`` makes that layout on CUDA (when K/128 is a multiple
+    of 4 it is the contiguous one); scales from elsewhere (the torch reference, a
+    contiguous copy) are copied into it here, a small extra kernel per call.
+    """
+    kb = x_scale.shape[-1]
+    row = scale_row_stride(kb)
+    strides = [1, row] + ([x_scale.shape[-2] * row] if x_scale.dim() == 3 else [])
+    if list(x_scale.stride())[::-1] == strides and x_scale.data_ptr() % _ALIGN_AB == 0:
+        return x_scale
+    padded = torch.empty(*x_scale.shape[:-1], row, dtype=x_scale.dtype, device=x_scale.device)[..., :kb]
+    return padded.copy_(x_scale)
+
+
+def _scale_ptr(t: torch.Tensor):
+    """Pointer to activation scales already in ``_scale_rows_padded``'s layout (not contiguous when padded)."""
+    return make_ptr(cutlass.Float32, t.data_ptr(), _GMEM, assumed_align=_ALIGN_AB)
 
 
 def _operand_types(cfg: GroupedGemmConfig) -> tuple:
@@ -103,7 +125,7 @@ def _compile_args(cfg: GroupedGemmConfig) -> list:
         make_ptr(b, 0, _GMEM, assumed_align=_ALIGN_AB),
         make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=_out_align(cfg)),
         make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=_ALIGN_WORD),
-        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_scale_align(cfg)),
+        make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_AB if cfg.fp8 else _ALIGN_WORD),
         make_ptr(sb, 0, _GMEM, assumed_align=1 if cfg.mxfp8 else _scale_align(cfg)),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         cutlass.Int32(0),
@@ -167,6 +189,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     if rows == 0:
         return out
     a, b, sb = _operand_types(cfg)
+    if fp8:
+        x_scale = _scale_rows_padded(x_scale)
     # Placeholder for pointers this configuration never reads (any word-aligned address).
     unused = _ptr(groups, cutlass.Float32, _ALIGN_WORD)
     with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
@@ -176,7 +200,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
             _ptr(w, b, _ALIGN_AB),
             _ptr(out, cutlass.BFloat16, _out_align(cfg)),
             _ptr(groups, cutlass.Int32, _ALIGN_WORD),
-            _ptr(x_scale, cutlass.Float32, _scale_align(cfg)) if fp8 else unused,
+            _scale_ptr(x_scale) if fp8 else unused,
             _ptr(w_scale, sb, _scale_align(cfg)) if fp8 else (_ptr(w_scale_e8m0, sb, 1) if mxfp8 else unused),
             _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
             cutlass.Int32(rows),

@@ -58,6 +58,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
+from kernels.act_quant import scale_row_stride
 from kernels.grouped_gemm_sm90_epilogue import EPI_N, STORE_WARPS, Epilogue
 from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, SCALE_BLOCK, ScaledMainloops
 
@@ -111,12 +112,13 @@ class GroupedGemmConfig:
 
 
 def scale_vector(cfg: GroupedGemmConfig) -> int:
-    """How many consecutive K blocks' scales one copy moves (FP8 192-wide tiles, see ``ScaleStaging``).
+    """How many consecutive K blocks of a weight-scale row one staging copy moves (FP8 192-wide tiles).
 
-    A row of the activation scales and of the weight scales holds its K blocks
-    contiguously, so 4 of them are one 16-byte copy when the number of K blocks
-    is a multiple of 4: the scale pointers are then promised that alignment.
-    Other configurations move one block's scales at a time.
+    A weight-scale row holds its K blocks contiguously, so 4 of them are one
+    16-byte copy when the number of K blocks is a multiple of 4: the weight-scale
+    pointer is then promised that alignment.  Otherwise one block a copy.  (The
+    activation-scale rows are padded to 16 bytes, ``kernels.act_quant``, and always
+    move 4 blocks a copy.)
     """
     if not cfg.fp8 or cfg.tile_n != 192:
         return 1
@@ -129,34 +131,57 @@ class ScaleStaging:
 
     Each stage holds ``chunk`` consecutive K blocks' scales of one output tile:
     ``[tile_m rows][row_stride]`` activation scales (row-major like the
-    tensor, a row padded so that the 8 rows one warp reads fall in distinct
-    banks) and ``[quarters][chunk]`` weight scales (one row per 64-column
-    quarter of the tile).  ``chunk`` divides the K blocks (at most
-    ``MAX_CHUNK``, a multiple of the copy width ``vec``), so a tile has whole
-    chunks only.
+    tensor, a row padded to an odd number of 16-byte groups so that the rows one
+    warp reads at once fall in distinct banks) and ``[quarters][chunk]`` weight
+    scales (one row per 64-column quarter of the tile).  ``chunk`` is a multiple
+    of ``A_COPY`` (4) dividing the activation-scale row as ``kernels.act_quant``
+    pads it (at most ``MAX_CHUNK``); when the K blocks are not a multiple of 4 the
+    tile's last chunk ends in padding, never read: the consumers read ``vec``
+    blocks of a row at a time (4, else 2, else 1: the most that divides the K
+    blocks) and stop at the last block.
     """
 
-    vec: int  # K blocks per copy and per shared-memory read (scale_vector)
+    blocks: int  # K blocks (ceil(K / 128))
     chunk: int  # K blocks per stage
+    vec: int  # K blocks per shared-memory read of a scale row
+    b_copy: int  # K blocks per weight-scale copy (scale_vector)
     row_stride: int  # floats between activation-scale rows of a stage
     rows: int  # tile_m
     quarters: int  # tile_n // 64
 
     STAGES = 2
     MAX_CHUNK = 12
+    A_COPY = 4  # K blocks per activation-scale copy (16 bytes of a padded row)
 
     @staticmethod
     def of(cfg: GroupedGemmConfig) -> ScaleStaging | None:
         """The staging of ``cfg``'s kernel, or None where the consumers load their scales from global memory."""
         if not cfg.fp8 or cfg.tile_n != 192:
             return None
-        vec, blocks = scale_vector(cfg), math.ceil(cfg.k / SCALE_BLOCK)
-        chunk = max(c for c in range(vec, ScaleStaging.MAX_CHUNK + 1, vec) if blocks % c == 0)
-        # A warp reads 8 rows at once, `vec` floats each: rows whose words (vec 1) or
-        # 16-byte groups (vec 4) are an odd number apart never share a bank.
-        unit = chunk // vec
-        row_stride = chunk + (vec if unit % 2 == 0 else 0)
-        return ScaleStaging(vec=vec, chunk=chunk, row_stride=row_stride, rows=cfg.tile_m, quarters=cfg.tile_n // 64)
+        blocks = math.ceil(cfg.k / SCALE_BLOCK)
+        padded = scale_row_stride(blocks)
+        chunk = max(c for c in range(4, ScaleStaging.MAX_CHUNK + 1, 4) if padded % c == 0)
+        vec = next(v for v in (4, 2, 1) if blocks % v == 0)
+        # A warp reads 8 rows (vec 1), 4 rows per half (vec 2) or 2 per quarter (vec 4) at once: rows an odd
+        # number of 16-byte groups apart never share a bank in any of these.
+        row_stride = chunk + (4 if (chunk // 4) % 2 == 0 else 0)
+        return ScaleStaging(blocks=blocks, chunk=chunk, vec=vec, b_copy=scale_vector(cfg), row_stride=row_stride,
+                            rows=cfg.tile_m, quarters=cfg.tile_n // 64)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per tile."""
+        return scale_row_stride(self.blocks) // self.chunk
+
+    @property
+    def groups(self) -> int:
+        """Reads (of ``vec`` blocks) per chunk but the tile's last."""
+        return self.chunk // self.vec
+
+    @property
+    def last_groups(self) -> int:
+        """Reads in the tile's last chunk (fewer when it ends in padding)."""
+        return (self.blocks - (self.chunks - 1) * self.chunk) // self.vec
 
     @property
     def a_floats(self) -> int:
@@ -198,7 +223,6 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.k_tiles = math.ceil(cfg.k / self.tile_k)
         self.n_tiles = math.ceil(cfg.n / cfg.tile_n)
         self.scale_k_blocks = math.ceil(cfg.k / SCALE_BLOCK)
-        self.scale_vec = scale_vector(cfg)
         # Weight-scale rows: 128-row blocks of N, or with SwiGLU (interleaved 64-row
         # gate/up halves) one per half tile; see interleave_gate_up.
         self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
@@ -270,10 +294,13 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         mC = cute.make_tensor(c_ptr, cute.make_layout((rows, out_n, batches), stride=(out_n, 1, rows64 * out_n)))
         n_groups = E + 1 if cutlass.const_expr(not cfg.masked) else E
         mGroups = cute.make_tensor(groups_ptr, cute.make_layout(n_groups))
-        # Activation scales (rows, K/128, batch); weight scales (N/128, K/128, E).
+        # Activation scales (rows, K/128 padded to a multiple of 4, batch): rows of 16-byte multiples
+        # (kernels.act_quant), the padding read only by the 4-block staging copies and never used;
+        # weight scales (N/128, K/128, E).
         skb = self.scale_k_blocks
-        sfa_batch_stride = cute.assume(rows64 * skb, divby=self.scale_vec)
-        mSFA = cute.make_tensor(sfa_ptr, cute.make_layout((rows, skb, batches), stride=(skb, 1, sfa_batch_stride)))
+        sfa_row = scale_row_stride(skb)
+        sfa_batch_stride = cute.assume(rows64 * sfa_row, divby=sfa_row)
+        mSFA = cute.make_tensor(sfa_ptr, cute.make_layout((rows, sfa_row, batches), stride=(sfa_row, 1, sfa_batch_stride)))
         if cutlass.const_expr(cfg.mxfp8):
             # E8M0 weight scales (N, K/32, E), one byte each.
             mxk = math.ceil(K / MX_BLOCK)

@@ -258,19 +258,23 @@ class ScaledMainloops:
         flight when the partial is read.
 
         The scales come from shared memory, a stage of ``ScaleStaging.chunk`` K
-        blocks at a time (``_stage_scales``, warp 1); each group of ``vec``
-        blocks' scales is one read per scale row.  Loading them from global
-        memory in every consumer thread (5 loads per block, 2 of them 8 rows
-        per warp) cost 7-11% against constant scales, and 16-byte loads of 4
-        blocks recovered about half (see the measured section of
-        ``kernels.grouped_gemm_sm90``).
+        blocks at a time (``_stage_scales``, warp 1); each group of ``vec`` (4 when
+        the K blocks allow) blocks' scales is one read per scale row.  Loading them
+        from global memory in every consumer thread (5 loads per block, 2 of them
+        8 rows per warp) cost 7-11% against constant scales, and 16-byte loads of
+        4 blocks recovered about half (see the measured section of
+        ``kernels.grouped_gemm_sm90``).  The tile's last chunk has fewer groups
+        when it ends in padding.
         """
         st = self.staging
         sSA, sSB, r_lo, r_hi = staged
         lane = cute.arch.lane_idx()
-        for chunk in cutlass.range(self.k_tiles // st.chunk, unroll=1):
+        for chunk in cutlass.range(st.chunks, unroll=1):
             scales.consumer_wait(scale_state)
-            for group in cutlass.range(st.chunk // st.vec, unroll=1):
+            groups = st.groups if cutlass.const_expr(st.chunks > 1) else st.last_groups
+            if cutlass.const_expr(st.chunks > 1 and st.last_groups != st.groups):
+                groups = cutlass.Int32(st.groups) if chunk < st.chunks - 1 else cutlass.Int32(st.last_groups)
+            for group in cutlass.range(groups, unroll=1):
                 vectors = self._read_scale_group(sSA, sSB, r_lo, r_hi, scale_state.index, group)
                 for j in cutlass.range_constexpr(st.vec):
                     mainloop.consumer_wait(read_state)
@@ -312,10 +316,12 @@ class ScaledMainloops:
 
         A stage gets the tile's ``tile_m`` activation-scale rows (rows past
         the tensor are left alone: their outputs are never stored) and its
-        weight-scale row of each 64-column quarter, by ``cp.async`` copies of
-        ``vec`` blocks; each lane's ``cp.async.mbarrier.arrive`` completes the
-        stage once its copies have landed.  The tiles come in the consumers'
-        order; two stages let the next chunk arrive while one is read.
+        weight-scale row of each 64-column quarter, by ``cp.async`` copies:
+        16 bytes (``A_COPY`` blocks of a row padded by ``kernels.act_quant``)
+        for the activation scales, ``b_copy`` blocks for the weight scales; each
+        lane's ``cp.async.mbarrier.arrive`` completes the stage once its copies
+        have landed.  The tiles come in the consumers' order; two stages let the
+        next chunk arrive while one is read.
 
         Each lane keeps one (row, piece) slot and the passes over the rows are
         unrolled, so a copy costs ~8 instructions: a run-time loop over
@@ -324,8 +330,10 @@ class ScaledMainloops:
         """
         cfg, st = self.cfg, self.staging
         lane = cute.arch.lane_idx()
-        copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * st.vec)
-        per_row = st.chunk // st.vec  # copies per scale row and chunk
+        copy = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * st.A_COPY)
+        copy_b = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * st.b_copy)
+        per_row = st.chunk // st.A_COPY  # copies per activation-scale row and chunk
+        per_row_b = st.chunk // st.b_copy  # copies per weight-scale row and chunk (<= 12)
         # Lanes past the last whole row of a pass (per_row not a power of two) repeat copies of the
         # next pass: the same bytes to the same place.
         rows_per_pass = 32 // per_row
@@ -338,18 +346,24 @@ class ScaledMainloops:
             expert, n_tile, batch, row0, _ = self._locate(tile, expert, s_tile_begin, s_row_start, s_row_count)
             sb_rows = self._weight_scale_rows(n_tile)
             limit = cutlass.min(rows - row0, st.rows)  # the tile's rows that the tensor holds
-            for chunk in cutlass.range(self.k_tiles // st.chunk, unroll=1):
+            for chunk in cutlass.range(st.chunks, unroll=1):
                 scales.producer_acquire(state)
                 first = chunk * per_row
                 for p in cutlass.range_constexpr(-(-st.rows // rows_per_pass)):
                     r = p * rows_per_pass + lane_row
                     if r < limit:
-                        cute.copy(copy, cute.local_tile(mSFA[(row0 + r, None, batch)], (st.vec,), (first + piece,)),
-                                  cute.local_tile(sSA[(r, None, state.index)], (st.vec,), (piece,)))
-                if lane < per_row:
+                        cute.copy(copy, cute.local_tile(mSFA[(row0 + r, None, batch)], (st.A_COPY,), (first + piece,)),
+                                  cute.local_tile(sSA[(r, None, state.index)], (st.A_COPY,), (piece,)))
+                # Weight-scale rows are not padded: copy only the chunk's blocks below K/128.
+                first_b = chunk * per_row_b
+                copies_b = per_row_b
+                if cutlass.const_expr(st.chunks * st.chunk != st.blocks):
+                    copies_b = cutlass.min(per_row_b, st.blocks - first_b * st.b_copy)
+                if lane < copies_b:
                     for q in cutlass.range_constexpr(st.quarters):
-                        cute.copy(copy, cute.local_tile(mSFB[(sb_rows[q], None, expert)], (st.vec,), (first + lane,)),
-                                  cute.local_tile(sSB[(q, None, state.index)], (st.vec,), (lane,)))
+                        cute.copy(copy_b,
+                                  cute.local_tile(mSFB[(sb_rows[q], None, expert)], (st.b_copy,), (first_b + lane,)),
+                                  cute.local_tile(sSB[(q, None, state.index)], (st.b_copy,), (lane,)))
                 scales.producer_commit(state)
                 state.advance()
             tile = tile + cfg.num_sms

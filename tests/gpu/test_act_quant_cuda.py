@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.act_quant import quantize_act, quantize_act_reference
+from kernels.act_quant import quantize_act, quantize_act_reference, scale_row_stride
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -22,12 +22,14 @@ def test_masked_rows_match_reference_and_others_stay_unwritten(k):
     # blocks back in the same order; checked below), so an unwritten element still holds the fill.
     kb = -(-k // 128)
     fill_q = torch.full((groups, capacity, k), 0x7F, dtype=torch.uint8, device="cuda")  # E4M3 NaN pattern
-    fill_s = torch.full((groups, capacity, kb), -1.0, dtype=torch.float32, device="cuda")
+    # The scales' storage: rows padded to 16 bytes (scale_row_stride), of which `scale` is a view.
+    fill_s = torch.full((groups, capacity, scale_row_stride(kb)), -1.0, dtype=torch.float32, device="cuda")
     addresses = (fill_q.data_ptr(), fill_s.data_ptr())
     del fill_q, fill_s
     q, s = quantize_act(x, counts)
     torch.cuda.synchronize()
     assert (q.data_ptr(), s.data_ptr()) == addresses, "the allocator did not reuse the filled blocks: the test's premise"
+    assert s.shape == (groups, capacity, kb) and s.stride() == (capacity * scale_row_stride(kb), scale_row_stride(kb), 1)
     q_ref, s_ref = quantize_act_reference(x)
     owned = torch.arange(capacity, device="cuda")[None, :] < counts[:, None]
     assert torch.equal(q.view(torch.uint8)[owned], q_ref.view(torch.uint8)[owned])

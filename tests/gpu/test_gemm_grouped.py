@@ -142,11 +142,14 @@ def test_bf16_output_in_halves_across_tiles(tile_n):
 
 @pytest.mark.parametrize("k", [768, 1664, 2048], ids=["6blocks", "13blocks", "16blocks"])
 def test_fp8_192_wide_tiles_stage_scales_in_chunks(k):
-    """FP8 128x192 tiles read their scales from shared memory, staged by warp 1 a chunk of K blocks at a time
-    (``ScaleStaging``): 6 blocks one chunk of single copies (Qwen3-30B down), 13 blocks 13 one-block chunks,
-    16 blocks two chunks of 16-byte copies; the last expert's last tile runs past the tensor (its rows there
-    have no scales).  21 M tiles x 16 N tiles: 2-3 tiles per CTA on 132 SMs, so the two scale stages wrap and the
-    turns of the two consumer warpgroups run on across tiles."""
+    """FP8 128x192 tiles read their scales from shared memory, staged by warp 1's cp.async copies a chunk of K
+    blocks at a time (``ScaleStaging``): 6 blocks one chunk of 8 ending in 2 padding blocks, read 2 at a time
+    (Qwen3-30B down), 13 blocks two chunks of 8 (the second ends in 3 padding blocks), read one at a time, 16
+    blocks two chunks of 8, read 4 at a time; the last expert's last tile runs past the tensor (its rows there
+    have no scales and are not copied), and the weight-scale copies stop at the last K block.  21 M tiles x 16 N
+    tiles: 2-3 tiles per CTA on 132 SMs, so the two scale stages wrap and the turns of the two consumer
+    warpgroups run on across tiles.  Contiguous activation scales (as the torch reference makes them) are copied
+    to the padded rows by the launcher: the same result bit for bit."""
     from kernels.grouped_gemm_launch import launch
 
     gen = torch.Generator(device=DEV).manual_seed(23 + k)
@@ -160,6 +163,10 @@ def test_fp8_192_wide_tiles_stage_scales_in_chunks(k):
            tile_m=128, tile_n=192)
     ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=xs.cpu(), w_scale=ws.cpu())
     _assert_close(out.cpu(), ref, f"fp8 128x192 K={k}")
+    again = torch.full_like(out, float("nan"))
+    launch(x, w, offsets.to(DEV), masked=False, x_scale=xs.contiguous(), w_scale=ws, row_weights=None, swiglu=False,
+           out=again, tile_m=128, tile_n=192)
+    assert torch.equal(again.view(torch.int16), out.view(torch.int16)), "contiguous activation scales changed the result"
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

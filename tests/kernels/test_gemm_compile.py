@@ -69,8 +69,9 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
         "one handoff per buffer fill": ptx.count("bar.arrive 4, 192") == (2 if split and tile_n in (192, 256) else 1),
     }
     if fp8 and tile_n == 192:
-        # warp 1 stages the scales in shared memory by cp.async, a row's 4 K blocks in one 16-byte copy when K has
-        # a multiple of 4 blocks (else one block a copy), completing each stage on its mbarrier
+        # warp 1 stages the scales in shared memory by cp.async, completing each stage on its mbarrier: a row's 4 K
+        # blocks in one 16-byte copy (weight scales: when K has a multiple of 4 blocks, else one block a copy;
+        # activation-scale rows are padded to 16 bytes by act_quant and always go 4 blocks a copy)
         width = 4 * sm90.scale_vector(cfg)
         found["staged scales"] = (f"cp.async.ca.shared.global [%r" in ptx and f", {width}, {width};" in ptx
                                   and "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx)
