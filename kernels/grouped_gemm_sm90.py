@@ -241,7 +241,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
 
         # The output buffer the store warps drain holds one bf16 output tile, or with split_output
         # half of one where that frees the shared memory of one more pipeline stage (bf16 128x192:
-        # 5 stages instead of 4, 128x256: 4 instead of 3).  The tile then goes over in two column
+        # 5 stages instead of 4, 128x256: 4 instead of 3, with up to ~240 experts, whose tile schedule
+        # shares the reserved bytes; 128x128 only beside ~240-1600 experts).  The tile then goes over in two column
         # halves, the second from registers in the middle of the next tile's mainloop (see Epilogue).
         out_tile_bytes = cfg.tile_m * self.out_cols * 2
         self.out_halves = cfg.split_output and stages_beside(out_tile_bytes // 2) > stages_beside(out_tile_bytes)

@@ -25,7 +25,8 @@ idled the tensor cores at every tile boundary.
 
 Where the configuration asks for it (``split_output``) and a half-size
 buffer frees shared memory for one more pipeline stage (``out_halves``: bf16
-128x192 and 128x256 tiles; see ``choose_config``) a tile goes over in two
+128x192 and 128x256 tiles beside up to ~240 experts; ``choose_config`` asks
+for it there only) a tile goes over in two
 fills of that buffer, its column halves: the first at the end of the tile,
 the second, kept in bf16 registers (``held``), in the middle of the next
 tile's mainloop (``_write_held_half``).  The store warps drain the fills in

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels import grouped_gemm as gg
-from kernels.act_quant import FP8_MAX, quantize_act, quantize_act_reference
+from kernels.act_quant import FP8_MAX, quantize_act, quantize_act_reference, scale_row_stride
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -115,28 +115,34 @@ def test_tile_widths(fp8, tile_m, tile_n):
     _assert_close(out.cpu(), ref, f"{'fp8' if fp8 else 'bf16'} tile {tile_m}x{tile_n}")
 
 
-@pytest.mark.parametrize("tile_n", [192, 256])
-def test_bf16_output_in_halves_across_tiles(tile_n):
+@pytest.mark.parametrize("tile_n,k,row_weights", [(192, 1088, False), (256, 1088, False), (192, 1088, True),
+                                                   (192, 64, True), (256, 128, False)],
+                         ids=["192-17stages", "256-17stages", "192-17stages-rowweighted", "192-1stage-rowweighted",
+                              "256-2stages"])
+def test_bf16_output_in_halves_across_tiles(tile_n, k, row_weights):
     """bf16 128x192 / 128x256 tiles of contiguous prefill (here ~250 tokens per expert, ``split_output``) hand their
     output to the store warps in two column halves through a half-size buffer, the second half kept in registers
     and written in the middle of the CTA's next tile (after its last tile, at the end).  21 M tiles x 16 / 12 N
-    tiles: 2-3 tiles per CTA on 132 SMs; N = 2968 ends inside a half, K = 1088 mid-stage (17 stages, the held half
-    written after the ninth is issued); trailing rows owned by no expert stay unwritten."""
+    tiles: 2-3 / 1-2 tiles per CTA on 132 SMs; N = 2968 ends inside a half; K = 1088 is 17 stages (the held half
+    written after the ninth is issued), K = 64 and 128 are 1 and 2 (written after the first / second); the held
+    half of a row-weighted tile is already weighted; trailing rows owned by no expert stay unwritten."""
     from kernels.grouped_gemm_launch import launch
 
-    gen = torch.Generator(device=DEV).manual_seed(29 + tile_n)
+    gen = torch.Generator(device=DEV).manual_seed(29 + tile_n + k + row_weights)
     counts = torch.tensor([300, 280, 0, 513, 300, 1, 300, 299])
-    E, N, K = len(counts), 2968, 1088
+    E, N = len(counts), 2968
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
     T = int(offsets[-1]) + 5
-    x, _ = _activations((T, K), False, gen)
-    w, _ = _random_weights(E, N, K, False, gen)
+    x, _ = _activations((T, k), False, gen)
+    w, _ = _random_weights(E, N, k, False, gen)
+    rw = torch.rand(T, generator=gen, device=DEV) if row_weights else None
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-    launch(x, w, offsets.to(DEV), masked=False, x_scale=None, w_scale=None, row_weights=None, swiglu=False, out=out,
+    launch(x, w, offsets.to(DEV), masked=False, x_scale=None, w_scale=None, row_weights=rw, swiglu=False, out=out,
            tile_m=128, tile_n=tile_n)
-    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False)
+    ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False,
+                                    row_weights=None if rw is None else rw.cpu())
     owned = _owned_rows_contiguous(offsets, T)
-    _assert_close(out.cpu()[owned], ref[owned], f"bf16 128x{tile_n} output in halves")
+    _assert_close(out.cpu()[owned], ref[owned], f"bf16 128x{tile_n} K={k} rw={row_weights} output in halves")
     assert torch.isnan(out.cpu()[~owned].float()).all(), "rows owned by no expert were written"
 
 
@@ -149,7 +155,8 @@ def test_fp8_192_wide_tiles_stage_scales_in_chunks(k):
     have no scales and are not copied), and the weight-scale copies stop at the last K block.  21 M tiles x 16 N
     tiles: 2-3 tiles per CTA on 132 SMs, so the two scale stages wrap and the turns of the two consumer
     warpgroups run on across tiles.  Contiguous activation scales (as the torch reference makes them) are copied
-    to the padded rows by the launcher: the same result bit for bit."""
+    to the padded rows by the launcher, and NaN in the padding is never read: the same result bit for bit (16
+    blocks have no padding)."""
     from kernels.grouped_gemm_launch import launch
 
     gen = torch.Generator(device=DEV).manual_seed(23 + k)
@@ -163,10 +170,14 @@ def test_fp8_192_wide_tiles_stage_scales_in_chunks(k):
            tile_m=128, tile_n=192)
     ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=xs.cpu(), w_scale=ws.cpu())
     _assert_close(out.cpu(), ref, f"fp8 128x192 K={k}")
-    again = torch.full_like(out, float("nan"))
-    launch(x, w, offsets.to(DEV), masked=False, x_scale=xs.contiguous(), w_scale=ws, row_weights=None, swiglu=False,
-           out=again, tile_m=128, tile_n=192)
-    assert torch.equal(again.view(torch.int16), out.view(torch.int16)), "contiguous activation scales changed the result"
+    kb = xs.shape[-1]
+    nan_padded = torch.full((xs.shape[0], scale_row_stride(kb)), float("nan"), device=DEV)[:, :kb].copy_(xs)
+    for scales, what in ((xs.contiguous(), "contiguous activation scales (copied by the launcher)"),
+                         (nan_padded, "NaN in the padding of the activation-scale rows (read as they are)")):
+        again = torch.full_like(out, float("nan"))
+        launch(x, w, offsets.to(DEV), masked=False, x_scale=scales, w_scale=ws, row_weights=None, swiglu=False,
+               out=again, tile_m=128, tile_n=192)
+        assert torch.equal(again.view(torch.int16), out.view(torch.int16)), f"{what} changed the result"
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

@@ -34,20 +34,20 @@ from kernels._local_group import run_local_group
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2), (8, 5)])
 def test_all_reduce_kernels_compile(dtype, world, rank):
-    assert ar_k.compile_lamport(dtype, world, rank, False) is not None
-    assert ar_k.compile_lamport(dtype, world, rank, True) is not None
+    assert ar_k.compile_lamport(dtype, world, rank, two_shot=False) is not None
+    assert ar_k.compile_lamport(dtype, world, rank, two_shot=True) is not None
     assert ar_k.compile_one_shot(dtype, world, rank) is not None
     assert ar_k.compile_two_shot(dtype, world, rank) is not None
 
 
 def test_lamport_kernels_compile_for_fp16():
-    assert ar_k.compile_lamport(torch.float16, 4, 3, False) is not None
-    assert ar_k.compile_lamport(torch.float16, 4, 3, True) is not None
+    assert ar_k.compile_lamport(torch.float16, 4, 3, two_shot=False) is not None
+    assert ar_k.compile_lamport(torch.float16, 4, 3, two_shot=True) is not None
 
 
 @pytest.mark.parametrize("rank", [0, 2])
 def test_lamport_two_shot_compiles_at_4_ranks(rank):
-    assert ar_k.compile_lamport(torch.bfloat16, 4, rank, True) is not None
+    assert ar_k.compile_lamport(torch.bfloat16, 4, rank, two_shot=True) is not None
 
 
 @pytest.mark.parametrize("dtype,topk", [(torch.bfloat16, 8), (torch.float32, 2)])

@@ -11,6 +11,8 @@ import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+import re
+
 import pytest
 import torch
 
@@ -50,12 +52,13 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
 
     # K and N not multiples of the tile; SwiGLU needs N a multiple of 128.
     n = 384 if swiglu else 200
-    split = tile_m == 128 and not fp8 and not masked  # choose_config's rule for bf16 prefill up to 512 tokens/expert
+    split = tile_m == 128 and tile_n > 128 and not fp8 and not masked  # choose_config's rule for bf16 prefill up to 512 tokens/expert
     cfg = sm90.GroupedGemmConfig(num_experts=6, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m, tile_n=tile_n,
                                  swiglu=swiglu, row_weights=row_weights, split_output=split)
     compiled = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = compiled.artifacts.PTX
     mma = "e4m3.e4m3" if fp8 else "bf16.bf16"
+    fills = 2 if split else 1  # buffer fills per output tile
     found = {
         "wgmma": f"wgmma.mma_async.sync.aligned.m64n{tile_n}k" in ptx and mma in ptx,
         "tma": "cp.async.bulk.tensor" in ptx,
@@ -66,7 +69,11 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
         # (64 + 128 threads): the store warps free warpgroup w's rows on barrier 4 + 4w
         "store-warp handoff": all(f"bar.arrive {4 + 4 * w}, 192" in ptx for w in range(tile_m // 64)),
         # split bf16 128x192 / 128x256 tiles go over in two halves: the store warps free the buffer once per half
-        "one handoff per buffer fill": ptx.count("bar.arrive 4, 192") == (2 if split and tile_n in (192, 256) else 1),
+        "one handoff per buffer fill": ptx.count("bar.arrive 4, 192") == fills,
+        # and the consumers (barrier ids by warpgroup: a register) fill it at the end of a tile and, split, also with
+        # the held half in the middle of the next tile and after the last one: one wait and one arrive per site
+        "consumer fill sites": len(re.findall(r"bar\.sync\s+%r\d+, 192;", ptx)) == 2 * fills - 1
+                               and len(re.findall(r"bar\.arrive\s+%r\d+, 192;", ptx)) == 2 * fills - 1,
     }
     if fp8 and tile_n == 192:
         # warp 1 stages the scales in shared memory by cp.async, completing each stage on its mbarrier: a row's 4 K
@@ -167,15 +174,16 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     for kind in ({"swiglu": True}, {"mxfp8": True}, {"swiglu": True, "fp8": True}):
         assert {tile(t, **kind) for t in (small, small + 1, mid + 1)} == {(64, 128), (128, 128)}
 
-    def split(tokens: float, *, masked: bool = False, fp8: bool = False, n: int = 2048, k: int = 768) -> bool:
-        return choose_config(num_experts=8, n=n, k=k, masked=masked, fp8=fp8, swiglu=False, row_weights=False,
+    def split(tokens: float, *, masked: bool = False, fp8: bool = False, swiglu: bool = False, n: int = 2048,
+              k: int = 768) -> bool:
+        return choose_config(num_experts=8, n=n, k=k, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,
                              tokens_per_expert=tokens, num_sms=132).split_output
 
     # bf16 128-row prefill tiles up to the mid bound hand their output over in halves (small and large experts)
     assert [split(t) for t in (small, small + 1, mid, mid + 0.5)] == [False, True, True, False]
     assert split(mid, n=4096, k=1536) and not split(mid + 1, n=4096, k=1536)
-    # not the masked (decode) layout, not FP8
-    assert not split(mid, masked=True) and not split(mid, fp8=True)
+    # not the masked (decode) layout, not FP8, not the 128-wide SwiGLU tiles (no stage to gain beside 8 experts)
+    assert not split(mid, masked=True) and not split(mid, fp8=True) and not split(mid, swiglu=True)
 
 
 # ----------------------------------------------------------- torch references
