@@ -53,7 +53,8 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
     tiles a fifth pipeline stage and 128x256 a fourth.  On one H200 at 375 tokens per expert
     (f712969d93c0+h52-split against f712969d93c0, same call, burst / sustained): Qwen3-30B
     down +2.5 / +2.1%, 30B gate_up +3.3 / +6.8%, 235B down +6.4 / +6.8%, 235B gate_up
-    +4.7 / +2.1%; split at 2048 tokens too (128x256, the call before) it ran -2.6..+0.5%,
+    +4.7 / +2.1% (another machine, 2x H200, 12b7528a9f5c against that base: 30B down +1.0 /
+    +0.5%, 235B down +3.5% burst); split at 2048 tokens too (128x256, the call before) it ran -2.6..+0.5%,
     so larger groups keep the whole-tile buffer.  The masked (decode) layout was not
     measured and keeps it.  Details: bench/grouped_gemm_findings.md.
 
