@@ -18,7 +18,8 @@ message the same way; no grid-wide barrier is needed.
   that read the slot: a peer writes that parity again two launches later, which it
   can only reach after this rank's next launch has pushed, i.e. after this launch
   ended.
-* lamport_two_shot (from ``lamport_max_bytes`` to ``lamport_two_shot_max_bytes``, 16 MiB):
+* lamport_two_shot (from ``lamport_max_bytes`` to ``lamport_two_shot_max_bytes``, 16 MiB at
+  2 ranks; not a default at more ranks, where it has not run yet):
   the two-shot with the data as its own flag, in one launch and without a barrier. The
   message is cut into ``world`` slices; thread t of every rank handles vector v of every
   slice, for the same v on every rank:
@@ -224,8 +225,9 @@ def default_lamport_two_shot_slot_bytes(world: int) -> int:
 
 
 def default_lamport_two_shot_max_bytes(world: int) -> int:
-    """Largest message the data-as-flag two-shot takes by default, 16 MiB at any world size; it
-    starts where the Lamport one-shot stops (``lamport_max_bytes``).
+    """Largest message the data-as-flag two-shot takes by default: 16 MiB at 2 ranks, where it
+    has run; 0 (never by default) at 3..8 ranks, where it has not. It starts where the
+    Lamport one-shot stops (``lamport_max_bytes``).
 
     2 ranks (measured, bench/results/allreduce.jsonl at commit 94006a5c01db, 2xH200,
     CUDA-graph timed): the Lamport one-shot is as fast or faster up to 4 MiB (1 MiB 6.5
@@ -234,13 +236,17 @@ def default_lamport_two_shot_max_bytes(world: int) -> int:
     62.4 (two-shot). 32 MiB was not measured; 4 launches of 8 MiB would take about the
     two-shot's 113 us there, so the barrier two-shot keeps it.
 
-    3..8 ranks (not measured: no machine with more than 2 GPUs was lent since the kernel
-    was written): it moves 2 (world-1)/world x the message, against the one-shots'
-    (world-1) x, and has no barrier (the barrier two-shot has two flag round trips per
-    step), so the same range, from the Lamport one-shot's limit (512 KiB at 4 ranks) to
-    16 MiB, is expected to hold; re-measure with ``bench.allreduce --world W``.
+    3..8 ranks: its GPU tests and timings exist at 2 ranks only, where each rank has one
+    peer, so its slice and peer indexing beyond that has never run (no machine with more
+    than 2 GPUs was lent since it was written, and 2 GPUs cannot stand in: torch symmetric
+    memory refuses ranks that share a device). The barrier two-shot, tested and timed at 4
+    ranks (b055d136ff6e: 1 MiB 15.9 us, 0.63x NCCL), keeps the range until then. It moves
+    2 (world-1)/world x the message against the one-shots' (world-1) x and has no barrier,
+    so it is expected to win from the Lamport one-shot's limit to 16 MiB there too: set
+    ``CudaAllReduce.lamport_two_shot_max_bytes`` to 16 MiB to use it, and run
+    ``tests/gpu/test_comm_allreduce.py`` and ``bench.allreduce --world W`` first.
     """
-    return 16 << 20
+    return 16 << 20 if world == 2 else 0
 
 
 def default_slot_bytes(world: int) -> int:

@@ -107,9 +107,11 @@ def test_default_choice_by_size_and_world():
     # 2 ranks (measured): the Lamport one-shot to 4 MiB, the data-as-flag two-shot to 16 MiB, then the barrier two-shot.
     assert [_default_choice(2, b) for b in (8 << 10, 4 * MiB, 4 * MiB + 16, 16 * MiB, 16 * MiB + 16)] == [
         "lamport", "lamport", "lamport_two_shot", "lamport_two_shot", "two_shot"]
-    # 4 ranks: the Lamport one-shot only to 512 KiB (it moves (world - 1) x the message); 1 MiB takes the two-shot.
-    assert [_default_choice(4, b) for b in (512 << 10, MiB, 64 * MiB)] == ["lamport", "lamport_two_shot", "two_shot"]
-    assert _default_choice(8, 256 << 10) == "lamport_two_shot" and _default_choice(8, 128 << 10) == "lamport"
+    # 4 ranks: the Lamport one-shot only to 512 KiB (it moves (world - 1) x the message); above, the barrier two-shot
+    # (the data-as-flag two-shot has not run at more than 2 ranks, so it is no default there).
+    assert [_default_choice(4, b) for b in (512 << 10, MiB, 8 * MiB, 64 * MiB)] == ["lamport", "two_shot", "two_shot", "two_shot"]
+    assert _default_choice(8, 256 << 10) == "two_shot" and _default_choice(8, 128 << 10) == "lamport"
+    assert {_default_choice(w, 16 * MiB) for w in range(3, 9)} == {"two_shot"}
 
 
 # --------------------------------------------------------------------------- all-reduce reference
