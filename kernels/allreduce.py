@@ -189,8 +189,9 @@ def default_one_shot_max_bytes(world: int) -> int:
     barrier and copy cost it ~2.5 us, which it wins back once the one-shot's
     serial push -> reduce passes grow long.
 
-    More ranks (not measured: no machine with more than 2 GPUs was lent): the
-    one-shot sends (world-1) x the message per rank, the two-shot 2 (world-1)/world
+    More ranks (the rule below is reasoned; 4 ranks ran once, b055d136ff6e on 4xH200: the
+    Lamport one-shot to 512 KiB 4.6-9.8 us, 0.28-0.44x NCCL, the two-shot at 1 MiB 15.9 us,
+    0.63x; the one-shot above 512 KiB was not timed there): the one-shot sends (world-1) x the message per rank, the two-shot 2 (world-1)/world
     x, so the one-shot moves (world-1)(world-2)/world x the message more. The
     switch is where that excess takes as long as the two-shot's fixed extra cost at
     2 ranks (~2.5 us at ~300 GB/s, i.e. ~750 kB of excess), rounded to a power of
