@@ -71,7 +71,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tools: list[Tool] | None = None  # with messages: functions the chat template offers the model
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: template variables, e.g. {"enable_thinking": false} (vLLM's)
     input_ids: list[int] | None = None  # pre-tokenized prompt
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: as many as the context leaves after the prompt, at most the gateway's limit
     temperature: float | None = None  # None: the model's generation_config default; 0 = greedy
     top_p: float | None = None
     top_k: int | None = None

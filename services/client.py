@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,7 +21,8 @@ import msgspec
 
 from schemas import subjects
 from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList, TokenLogprob
-from shared.bus import CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, PayloadTooLarge, Unreachable, connect, decode_public, encode_public
+from shared.bus import (CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, Unreachable,
+                        connect, decode_public, encode_public)
 
 
 class GenerateError(Exception):
@@ -39,7 +41,8 @@ SILENT_INTERVALS = 3
 
 
 class Client:
-    """Talks to `llm.*` over an open bus. `timeout` bounds the wait when a request sets no deadline.
+    """Talks to `llm.*` over an open bus. `timeout` bounds the wait when a request sets no deadline
+    (None: no bound of its own, the gateway's default deadline ends the request; needs keepalives).
 
     `keepalive_s`: the gateway is asked for a keepalive every that many seconds
     (`KEEPALIVE_HEADER`); after `SILENT_INTERVALS` of them without any reply the
@@ -50,7 +53,9 @@ class Client:
     even if nobody reads it.
     """
 
-    def __init__(self, bus: Bus, content_type: str = JSON, timeout: float = 120.0, keepalive_s: float | None = 2.0) -> None:
+    def __init__(self, bus: Bus, content_type: str = JSON, timeout: float | None = 120.0, keepalive_s: float | None = 2.0) -> None:
+        if timeout is None and keepalive_s is None:
+            raise ValueError("a client without a timeout needs keepalives: nothing else would tell a gateway that died")
         self.bus = bus
         self.ctype = content_type
         self.timeout = timeout
@@ -58,7 +63,9 @@ class Client:
 
     def _deadline(self, req: GenerateRequest) -> Deadline:
         # The gateway answers `timeout` at the request's own deadline; wait a little longer for that reply.
-        return Deadline.after((req.timeout_ms / 1000 + 5.0) if req.timeout_ms else self.timeout)
+        if req.timeout_ms:
+            return Deadline.after(req.timeout_ms / 1000 + 5.0)
+        return Deadline(math.inf) if self.timeout is None else Deadline.after(self.timeout)
 
     def _headers(self) -> dict[str, str]:
         return {CONTENT_TYPE: self.ctype}
@@ -108,6 +115,8 @@ class Client:
                     yield reply
         except PayloadTooLarge as e:  # the request itself is too big: nothing was sent
             raise GenerateError("invalid_request", str(e), req.request_id) from e
+        except RequestTimeout as e:  # this client's own deadline passed before the gateway's answer
+            raise GenerateError("timeout", str(e), req.request_id) from e
         except BusError as e:
             raise GenerateError("unavailable", str(e), req.request_id) from e
 

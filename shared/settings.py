@@ -69,8 +69,10 @@ class ServiceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class GatewaySettings(ServiceSettings, kw_only=True):
     max_tokens_limit: int = 4096  # largest max_tokens accepted (also capped by the context)
     max_context: int = 0  # prompt + completion; 0: the model's max_position_embeddings
-    default_timeout_ms: int = 120_000  # deadline of requests that set none
-    max_timeout_ms: int = 600_000
+    # Deadline of requests that set none: long enough for max_tokens_limit tokens of a long
+    # reasoning answer at a loaded decode rank's per-sequence rate (4096 at ~10 tok/s).
+    default_timeout_ms: int = 600_000
+    max_timeout_ms: int = 3_600_000
     max_in_flight: int = 4096  # requests beyond this get `overloaded` at once
     stage_expiry_s: float = 2.0  # a prefill/decode rank silent this long (while the gateway listens) fails its requests
     submit_timeout_s: float = 10.0  # a scheduler answers within its bounded wait; silence beyond this = gone

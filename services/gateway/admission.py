@@ -72,7 +72,7 @@ class Admission:
             raise Rejected("unknown_model", f"model {req.model!r} is not served here; available: [{self.model.name!r}]")
         if req.request_id is not None and not _REQUEST_ID.match(req.request_id):
             raise Rejected("invalid_request", "request_id: use 1-128 letters, digits, '-' or '_'")
-        if not 1 <= req.max_tokens <= self.max_tokens_limit:
+        if req.max_tokens is not None and not 1 <= req.max_tokens <= self.max_tokens_limit:
             raise Rejected("invalid_request", f"max_tokens must be in [1, {self.max_tokens_limit}], got {req.max_tokens}")
         if req.timeout_ms is not None and not 0 < req.timeout_ms <= self.settings.max_timeout_ms:
             raise Rejected("invalid_request", f"timeout_ms must be in [1, {self.settings.max_timeout_ms}], got {req.timeout_ms}")
@@ -84,18 +84,14 @@ class Admission:
             raise Rejected("invalid_request", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}")
 
         input_ids = self._input_ids(req)
-        if len(input_ids) + req.max_tokens > self.model.max_context:
-            raise Rejected(
-                "invalid_request",
-                f"prompt ({len(input_ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {self.model.max_context} tokens",
-            )
-        sampling = self._sampling(req)
+        max_tokens = self._max_tokens(req, len(input_ids))
+        sampling = self._sampling(req, max_tokens)
         timeout_s = (req.timeout_ms or self.settings.default_timeout_ms) / 1000
         job = Job(
             request_id=req.request_id or uuid.uuid4().hex,
             gateway=gateway,
             input_ids=input_ids,
-            max_tokens=req.max_tokens,
+            max_tokens=max_tokens,
             sampling=sampling,
             stop_token_ids=[] if req.ignore_eos else list(self.model.generation.eos_token_ids),
             logprobs=req.logprobs,
@@ -105,6 +101,22 @@ class Admission:
             deadline=arrival + timeout_s,
         )
         return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s)
+
+    def _max_tokens(self, req: GenerateRequest, prompt_tokens: int) -> int:
+        """The request's ``max_tokens``, or where it sets none what the context leaves after the
+        prompt, at most ``max_tokens_limit`` (vLLM's rule: a request without a limit is not
+        refused for the length of its prompt, nor cut at an arbitrary default)."""
+        room = self.model.max_context - prompt_tokens
+        if req.max_tokens is None:
+            if room < 1:
+                raise Rejected("invalid_request", f"the prompt ({prompt_tokens} tokens) leaves no room to generate in the context of {self.model.max_context} tokens")
+            return min(room, self.max_tokens_limit)
+        if req.max_tokens > room:
+            raise Rejected(
+                "invalid_request",
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {self.model.max_context} tokens",
+            )
+        return req.max_tokens
 
     def _input_ids(self, req: GenerateRequest) -> list[int]:
         given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
@@ -135,7 +147,7 @@ class Admission:
             raise Rejected("invalid_request", "the prompt is empty")
         return ids
 
-    def _sampling(self, req: GenerateRequest) -> SamplingSpec:
+    def _sampling(self, req: GenerateRequest, max_tokens: int) -> SamplingSpec:
         gen = self.model.generation
         temperature = req.temperature if req.temperature is not None else (gen.temperature if gen.do_sample else 0.0)
         try:
@@ -144,7 +156,7 @@ class Admission:
                 top_p=req.top_p if req.top_p is not None else gen.top_p,
                 top_k=req.top_k if req.top_k is not None else gen.top_k,
                 seed=req.seed,
-                max_tokens=req.max_tokens,
+                max_tokens=max_tokens,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else gen.repetition_penalty,

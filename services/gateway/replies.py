@@ -39,8 +39,9 @@ class Replies:
         self.counters = counters
 
     async def send(self, obj: Any) -> None:
-        self.counters.reply(obj)
+        """Publish ``obj``; counted once sent (``PayloadTooLarge``: over the server's max_payload, not sent)."""
         await self.bus.publish(self.subject, encode_public(obj, self.ctype))
+        self.counters.reply(obj)
 
     async def keep_alive(self, interval_s: float, request_id: str, client_gone: Callable[[], None]) -> None:
         """Until cancelled: a `Keepalive` every `interval_s`; `client_gone()` (then return) once

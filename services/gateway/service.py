@@ -44,7 +44,7 @@ from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
 from services.gateway.stats import RequestCounters
 from services.liveness import MemberKey, PeerLiveness
-from shared.bus import Bus, BusError, Deadline, NoResponders, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
+from shared.bus import Bus, BusError, Deadline, NoResponders, PayloadTooLarge, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
@@ -162,6 +162,15 @@ class Gateway:
         replies = Replies(self.bus, msg.reply, ctype, self.counters)
         send = replies.send
 
+        async def send_result(obj: Any) -> None:
+            # An answer or chunk over the NATS server's max_payload (e.g. many top / prompt logprobs
+            # of a long prompt) fails the request with a typed error, not `internal`.
+            try:
+                await send(obj)
+            except PayloadTooLarge as e:
+                raise Failed("invalid_request", f"the reply is too large for the bus ({e}); ask for fewer top_logprobs or "
+                                                "prompt_logprobs, or fewer tokens per request") from e
+
         try:
             req = decode_public(msg.data, GenerateRequest, ctype)
         except msgspec.ValidationError as e:
@@ -194,7 +203,7 @@ class Gateway:
         with bind_request(request_id=request_id):
             pinger = asyncio.create_task(replies.keep_alive(keepalive_s, request_id, lambda: self._client_gone(flight))) if keepalive_s else None
             try:
-                await self._serve(flight, req.stream, send, arrival_mono)
+                await self._serve(flight, req.stream, send_result, arrival_mono)
             except Failed as e:
                 log.info("request_failed", code=e.code, reason=str(e))
                 await send(ErrorReply(error=ErrorInfo(e.code, str(e)), request_id=request_id))

@@ -14,7 +14,8 @@ is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_
 ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
 ``seed``, ``repetition_penalty``, ``ignore_eos`` and chat's ``chat_template_kwargs`` (e.g.
 ``{"enable_thinking": false}`` for Qwen3) pass through as in vLLM. Without
-``max_tokens`` a request gets ``default_max_tokens`` (the server's ``--default-max-tokens``).
+``max_tokens`` a request may generate what the context leaves after its prompt, up to the
+gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
 `services.openai.logprobs` shapes the answer. ``n`` choices (1 to the server's ``--max-n``)
@@ -162,9 +163,9 @@ def check_n(req: _Sampling, max_n: int) -> int:
     return req.n
 
 
-def _common(req: _Sampling, request_id: str, default_max_tokens: int) -> dict[str, Any]:
+def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return {"model": req.model, "max_tokens": default_max_tokens if req.max_tokens is None else req.max_tokens,
+    return {"model": req.model, "max_tokens": req.max_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
@@ -192,7 +193,7 @@ def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[s
     return batch
 
 
-def completion_requests(req: CompletionRequest, request_id: str, default_max_tokens: int, max_prompts: int) -> list[GenerateRequest]:
+def completion_requests(req: CompletionRequest, request_id: str, max_prompts: int) -> list[GenerateRequest]:
     """The moebus requests of a ``/v1/completions`` body, one per prompt (a token-id prompt as
     ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too; ``echo`` for the
     prompt's tokens and, with ``logprobs``, their logprobs: ``prompt_logprobs``)."""
@@ -200,7 +201,7 @@ def completion_requests(req: CompletionRequest, request_id: str, default_max_tok
     logprobs = {} if req.logprobs is None else {"logprobs": True, "top_logprobs": req.logprobs}
     if req.echo:
         logprobs["prompt_logprobs"] = req.logprobs or 0
-    common = _common(req, request_id, default_max_tokens)
+    common = _common(req, request_id)
     return [GenerateRequest(**prompt, **logprobs, **common) for prompt in completion_prompts(req.prompt, max_prompts)]
 
 
@@ -275,13 +276,13 @@ def _message(m: ChatMessageIn, i: int) -> ChatMessage:
                        tool_call_id=m.tool_call_id, reasoning_content=m.reasoning_content)
 
 
-def chat_request(req: ChatCompletionRequest, request_id: str, default_max_tokens: int, auto_tools: bool = False) -> GenerateRequest:
+def chat_request(req: ChatCompletionRequest, request_id: str, auto_tools: bool = False) -> GenerateRequest:
     """The moebus request of a ``/v1/chat/completions`` body (``auto_tools``: this frontend parses
     tool calls, so ``tool_choice`` "auto" is served)."""
     _check_unsupported({"response_format": (req.response_format or {}).get("type", "text") != "text"})
     _check_tools(req, auto_tools)
     tools = [Tool(function=ToolFunction(t.function.name, t.function.description, t.function.parameters)) for t in req.tools] if req.tools else None
-    fields = _common(req, request_id, default_max_tokens)
+    fields = _common(req, request_id)
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
     return GenerateRequest(messages=[_message(m, i) for i, m in enumerate(req.messages)], tools=tools, logprobs=req.logprobs,

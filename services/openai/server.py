@@ -51,14 +51,13 @@ CLIENT_GONE = 499  # logged status of a request whose client closed the connecti
 class OpenAIFrontend:
     """Routes one HTTP request per connection to the stack through ``client``."""
 
-    def __init__(self, client: Client, default_max_tokens: int, max_n: int = 16, max_prompts: int = 64, tool_call_parser: str | None = None,
+    def __init__(self, client: Client, max_n: int = 16, max_prompts: int = 64, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None) -> None:
         """``tool_call_parser`` ("hermes") / ``reasoning_parser`` ("qwen3"): chat answers are parsed
         for tool calls (requests may then use ``tools`` with ``tool_choice`` "auto") / reasoning."""
         self.client = client
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
-        self.default_max_tokens = default_max_tokens
         self.max_n = max_n
         self.max_prompts = max_prompts
         self._served_model: str | None = None  # from llm.models, once it answered
@@ -131,9 +130,9 @@ class OpenAIFrontend:
         try:
             body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
             if chat:
-                gens = [protocol.chat_request(body, request_id, self.default_max_tokens, self.tool_call_parser is not None)]  # type: ignore[arg-type]
+                gens = [protocol.chat_request(body, request_id, self.tool_call_parser is not None)]  # type: ignore[arg-type]
             else:
-                gens = protocol.completion_requests(body, request_id, self.default_max_tokens, self.max_prompts)  # type: ignore[arg-type]
+                gens = protocol.completion_requests(body, request_id, self.max_prompts)  # type: ignore[arg-type]
             n = protocol.check_n(body, self.max_n)
         except protocol.InvalidRequest as e:
             return await _error(writer, "invalid_request", str(e))
@@ -220,17 +219,18 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[i
     return None
 
 
-async def serve(url: str, host: str, port: int, default_max_tokens: int, max_n: int, max_prompts: int, tool_call_parser: str | None = None,
+async def serve(url: str, host: str, port: int, max_n: int, max_prompts: int, tool_call_parser: str | None = None,
                 reasoning_parser: str | None = None) -> None:
     async with connect(url, "moebus-openai") as bus:
-        frontend = OpenAIFrontend(Client(bus), default_max_tokens, max_n, max_prompts, tool_call_parser, reasoning_parser)
+        # No deadline of the frontend's own: the gateway's (a request's timeout_ms, else its
+        # default_timeout_ms) ends a request, and keepalives tell a gateway that died.
+        frontend = OpenAIFrontend(Client(bus, timeout=None), max_n, max_prompts, tool_call_parser, reasoning_parser)
         await http.listen("openai", frontend.handle, host, port, "/v1", url)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus openai", description="serve an OpenAI-compatible HTTP API for a running stack")
     http.frontend_arguments(ap, default_port=8000)
-    ap.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
     ap.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for; each is a request to the stack")
     ap.add_argument("--max-prompts", type=int, default=64, help="the most prompts one /v1/completions request may batch")
     # vLLM's flags and names, so a vLLM command line for Qwen3 carries over
@@ -242,8 +242,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     a = http.parse_frontend(ap, argv)
     if a.enable_auto_tool_choice != (a.tool_call_parser is not None):
         ap.error("--enable-auto-tool-choice and --tool-call-parser go together (e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
-    if a.default_max_tokens < 1:
-        ap.error(f"--default-max-tokens must be at least 1, got {a.default_max_tokens}")
     if not 1 <= a.max_n <= 128:
         ap.error(f"--max-n must be in [1, 128] (OpenAI's bound), got {a.max_n}")
     if a.max_prompts < 1:
@@ -255,5 +253,5 @@ def main(argv: list[str]) -> int:
     a = _parse(argv)
     json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
     configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
-    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.default_max_tokens, a.max_n, a.max_prompts, a.tool_call_parser, a.reasoning_parser),
+    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.max_n, a.max_prompts, a.tool_call_parser, a.reasoning_parser),
                              a.host, a.port)

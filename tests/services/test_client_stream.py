@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from schemas import subjects
-from schemas.api import CancelRequest, GenerateChunk, GenerateRequest, Usage
+from schemas.api import CancelRequest, GenerateChunk, GenerateRequest, Keepalive, Usage
 from services.client import Client, GenerateError
 from services_helpers import until_listened
 from shared.bus import connect, decode_public, encode_public
@@ -53,3 +53,36 @@ def test_a_lost_chunk_fails_the_stream_and_cancels_the_request(nats_server):
     assert got == ["<0>"]
     assert error.code == "unavailable" and "chunk 1 was lost" in error.message and error.request_id == "gappy"
     assert cancel.request_id == "gappy"
+
+
+def test_a_client_without_a_deadline_of_its_own_waits_out_a_long_answer_while_keepalives_come(nats_server):
+    """The OpenAI frontend's client (`timeout=None`) sets no deadline of its own: a gateway that keeps
+    sending keepalives for longer than a bounded client would wait still gets its answer through (the
+    gateway's deadline is the one that ends a request); a bounded client's own deadline is `timeout`,
+    not `unavailable`; and a client with neither a deadline nor keepalives is refused."""
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+
+    async def scenario() -> tuple[list[str], GenerateError]:
+        async with connect(url, "gateway") as gateway, connect(url, "client") as bus:
+            async def serve(msg) -> None:  # type: ignore[no-untyped-def]
+                req = decode_public(msg.data, GenerateRequest)
+                for _ in range(6):  # 1.2 s of keepalives before the answer
+                    await msg.respond(encode_public(Keepalive(request_id=req.request_id)))
+                    await asyncio.sleep(0.2)
+                await msg.respond(encode_public(GenerateChunk(request_id=req.request_id, index=0, text="done", token_ids=[1],
+                                                              finish_reason="length", usage=Usage(1, 1))))
+
+            await gateway.subscribe(subjects.GENERATE, serve)
+            await until_listened(bus, subjects.GENERATE)
+            patient = [c.text async for c in Client(bus, timeout=None, keepalive_s=0.5).stream(GenerateRequest(prompt="x", request_id="patient"))]
+            with pytest.raises(GenerateError) as bounded:
+                async for _ in Client(bus, timeout=0.6, keepalive_s=0.5).stream(GenerateRequest(prompt="x", request_id="bounded")):
+                    pass
+            return patient, bounded.value
+
+    patient, bounded = asyncio.run(scenario())
+    assert patient == ["done"]
+    assert bounded.code == "timeout" and "deadline" in bounded.message
+    with pytest.raises(ValueError, match="needs keepalives"):
+        Client(None, timeout=None, keepalive_s=None)  # type: ignore[arg-type]

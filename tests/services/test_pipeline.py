@@ -362,6 +362,30 @@ def test_bad_input_gets_a_typed_error_fast_and_others_are_unaffected(stack, toke
     assert good.token_ids == hf_greedy(tuple(tokenizer.encode(prompt)), 20)
 
 
+def test_a_reply_over_the_bus_payload_limit_is_a_typed_error_and_the_request_is_let_go(stack):
+    """An answer larger than the NATS server's max_payload (1 MiB here: 900 prompt tokens with 20
+    alternatives each is ~2 MB) cannot be sent: the client gets `invalid_request` naming the
+    limit (not `internal`), streamed or not, nothing stays in flight, and the next request runs."""
+    prompt = list(range(10, 910))
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            errors = []
+            for stream in (False, True):
+                req = GenerateRequest(input_ids=prompt, max_tokens=2, temperature=0, prompt_logprobs=20)
+                with pytest.raises(GenerateError) as e:
+                    await (stream_all(client, req) if stream else client.generate(req))
+                errors.append(e.value)
+            after = await client.generate(GenerateRequest(input_ids=prompt[:8], max_tokens=2, temperature=0))
+            await watch.wait_for(all_kv_free, 10, "every KV page free")
+            return errors, after
+
+    errors, after = run(go())
+    for e in errors:
+        assert e.code == "invalid_request" and "too large for the bus" in e.message and "max_payload" in e.message, e.message
+    assert len(after.token_ids) == 2
+
+
 def _fill_kv(client, n: int):
     """n requests that each take ~half a decode rank's KV (512 pages x 16 tokens) and run for long."""
     reqs = [GenerateRequest(prompt="fill", max_tokens=4000, temperature=0, request_id=f"filler-{i}", timeout_ms=120_000) for i in range(n)]

@@ -214,7 +214,7 @@ def test_openai_chat_with_tools_renders_as_transformers_does_for_vllm(admission,
     """OpenAI body -> frontend -> native request -> gateway admission: the prompt is transformers'
     rendering of the same chat with the call arguments parsed to objects (what vLLM hands the
     template) and the same tools."""
-    gen = protocol.chat_request(body(), "rid", 16, auto_tools=True)
+    gen = protocol.chat_request(body(), "rid", auto_tools=True)
     ids = admission.admit(gen, "gw").job.input_ids
     messages = json.loads(json.dumps(CONVERSATION))
     messages[2]["content"] = ""  # OpenAI's null content of a call-only message is empty text, as in vLLM
@@ -280,13 +280,13 @@ def test_old_native_requests_decode_unchanged():
 ])
 def test_refused_tool_requests_name_the_problem(fields, auto_tools, says):
     with pytest.raises(protocol.InvalidRequest) as e:
-        protocol.chat_request(body(**fields), "rid", 16, auto_tools=auto_tools)
+        protocol.chat_request(body(**fields), "rid", auto_tools=auto_tools)
     assert says in str(e.value)
 
 
 def test_tool_choice_none_sends_the_tools_unparsed_and_auto_parses():
     none = body(tool_choice="none")
-    gen = protocol.chat_request(none, "rid", 16, auto_tools=False)  # allowed without tool parsing, as in vLLM
+    gen = protocol.chat_request(none, "rid", auto_tools=False)  # allowed without tool parsing, as in vLLM
     assert [t.function.name for t in gen.tools] == ["get_weather", "get_time"] and not protocol.calls_tools(none)
     assert protocol.calls_tools(body()) and protocol.calls_tools(body(tool_choice="auto"))
     assert gen.messages[2].tool_calls[1].function.arguments == {"timezone": "Europe/Paris"}
@@ -298,7 +298,7 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_takes_them(admi
     block transformers renders; variables moebus sets itself are refused."""
     chat = [{"role": "user", "content": "Answer briefly: 2 + 2?"}]
     req = protocol.decode(json.dumps({"messages": chat, "chat_template_kwargs": {"enable_thinking": False}}).encode(), protocol.ChatCompletionRequest)
-    ids = admission.admit(protocol.chat_request(req, "rid", 16), "gw").job.input_ids
+    ids = admission.admit(protocol.chat_request(req, "rid"), "gw").job.input_ids
     want = hf_tok(hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False), add_special_tokens=False)["input_ids"]
     assert ids == want and ids != hf_prompt(hf_tok, chat, None)  # the switch changes the prompt
     for kwargs, says in [({"add_generation_prompt": False}, "add_generation_prompt are set by moebus"), ({"tools": []}, "tools are set by moebus")]:

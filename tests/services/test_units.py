@@ -47,9 +47,33 @@ def test_admission_carries_logit_bias_min_p_min_tokens_to_the_ranks_and_refuses_
         assert e.value.code == "invalid_request"
 
 
+def test_max_tokens_left_unset_takes_what_the_context_leaves_up_to_the_limit(tiny_model: Path):
+    """vLLM's rule for a request without max_tokens (OpenAI clients often send none): the room the
+    context leaves after the prompt, at most max_tokens_limit; never refused for its prompt's
+    length unless the prompt fills the context. An explicit max_tokens is checked as before."""
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny", max_context=100, max_tokens_limit=40)
+    admission = Admission(settings, ModelInfo.load(settings), Tokenizer.from_dir(tiny_model))
+
+    def admitted(prompt_tokens: int, max_tokens: int | None) -> int:
+        job = admission.admit(GenerateRequest(input_ids=[5] * prompt_tokens, max_tokens=max_tokens), "gw").job
+        assert sampling_params(job).max_tokens == job.max_tokens
+        return job.max_tokens
+
+    assert [admitted(n, None) for n in (3, 60, 70, 99)] == [40, 40, 30, 1]
+    assert admitted(70, 30) == 30
+    with pytest.raises(Rejected, match=r"prompt \(70 tokens\) \+ max_tokens \(31\) exceeds the context of 100"):
+        admitted(70, 31)
+    with pytest.raises(Rejected, match=r"the prompt \(100 tokens\) leaves no room"):
+        admitted(100, None)
+    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 40\]"):
+        admitted(3, 41)
+    openai = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
+    assert protocol.chat_request(openai, "r3").max_tokens is None
+
+
 def test_openai_logit_bias_keys_are_token_id_strings_and_vllms_min_fields_pass_through():
     body = b'{"prompt": "hi", "logit_bias": {"50256": -100, "7": 3}, "min_p": 0.05, "min_tokens": 3}'
-    req = protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 16, 4)[0]
+    req = protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 4)[0]
     assert (req.logit_bias, req.min_p, req.min_tokens) == ({50256: -100.0, 7: 3.0}, 0.05, 3)
     with pytest.raises(protocol.InvalidRequest, match=r"Expected `int`.*key.*\$\.logit_bias"):
         protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 1}}', protocol.ChatCompletionRequest)
@@ -58,8 +82,8 @@ def test_openai_logit_bias_keys_are_token_id_strings_and_vllms_min_fields_pass_t
 def test_openai_bodies_pass_vllms_ignore_eos_through():
     completion = protocol.decode(b'{"prompt": "hi", "ignore_eos": true}', protocol.CompletionRequest)
     chat = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
-    assert protocol.completion_requests(completion, "r1", 16, 4)[0].ignore_eos
-    assert not protocol.chat_request(chat, "r2", 16).ignore_eos
+    assert protocol.completion_requests(completion, "r1", 4)[0].ignore_eos
+    assert not protocol.chat_request(chat, "r2").ignore_eos
 
 
 # ---------------------------------------------------------------- settings
