@@ -22,7 +22,7 @@ import nats
 from nats.aio.client import Client as NATSClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import MaxPayloadError, NoRespondersError
+from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NATSTimeoutError
 
 from shared.logging import get_logger
@@ -58,7 +58,8 @@ class Silent(BusError):
 
 
 class Unreachable(BusError):
-    """No NATS server accepted the connection within the connect timeout."""
+    """No NATS server accepted the connection within the connect timeout, or a message could not
+    go out (connection closed, or the server away until the outbound buffer filled)."""
 
 
 class Reconnected(BusError):
@@ -208,11 +209,15 @@ class Bus:
         return sub
 
     async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None, reply: str = "") -> None:
-        """Raises PayloadTooLarge for a message the server would refuse."""
+        """Raises PayloadTooLarge for a message the server would refuse, Unreachable when it cannot
+        go out: the connection is closed, or the server is away for so long that the messages held
+        for it while reconnecting fill nats-py's outbound buffer (2 MiB)."""
         try:
             await self.nc.publish(subject, payload, reply=reply, headers=headers)
         except MaxPayloadError as e:
             raise self._too_large(subject, payload) from e
+        except (OutboundBufferLimitError, ConnectionClosedError) as e:
+            raise Unreachable(f"a message on {subject} could not go out: {type(e).__name__}: {e}") from e
 
     def _too_large(self, subject: str, payload: bytes) -> PayloadTooLarge:
         return PayloadTooLarge(f"a message of {len(payload)} bytes on {subject} exceeds the NATS server's max_payload of {self.nc.max_payload} bytes")
@@ -350,7 +355,12 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
         except asyncio.TimeoutError as e:
             raise Unreachable(f"no NATS server answered at {url} within {connect_timeout:g}s") from e
         connected = True
-        stack.push_async_callback(nc.close)
+
+        async def close() -> None:
+            with contextlib.suppress(OSError):  # the server is gone: nothing is left to flush to it
+                await nc.close()
+
+        stack.push_async_callback(close)
         bus = Bus(nc, name)
         stack.push_async_callback(bus.drain, drain_timeout)
         yield bus

@@ -34,7 +34,7 @@ from services.common import Heartbeater
 from services.decode.lockstep import GroupState, Lockstep
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params, top_candidates
-from shared.bus import Bus, Deadline, pack, unpack
+from shared.bus import Bus, BusError, Deadline, pack, unpack
 from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState
@@ -255,7 +255,15 @@ class DecodeRank:
                 finish_reason=out.finish_reason,  # type: ignore[arg-type]
                 compute_ms=compute_ms,
             )
-            await self.bus.publish(subjects.tokens(entry.job.gateway, rid), pack(batch_msg))
+            try:
+                await self.bus.publish(subjects.tokens(entry.job.gateway, rid), pack(batch_msg))
+            except BusError as e:
+                # NATS has been away for long (its outbound buffer is full): this token is lost, so the
+                # request cannot complete (its gateway fails what was in flight when it reconnects).
+                # Free it rather than decode on for nobody, and keep the rank serving.
+                self._finish(entry)
+                log.warning("decode_publish_failed", request_id=rid, error=str(e))
+                continue
             if out.finish_reason is not None:
                 self._finish(entry)
                 log.info("decode_finished", request_id=rid, finish_reason=out.finish_reason, tokens=len(entry.seq.output_ids),
@@ -293,5 +301,8 @@ class DecodeRank:
 
     async def _send_error(self, gateway: str, request_id: str, code: ErrorCode, message: str) -> None:
         error = StageError(request_id=request_id, code=code, message=message, stage=self.name)
-        await self.bus.publish(subjects.tokens(gateway, request_id), pack(error))
+        try:
+            await self.bus.publish(subjects.tokens(gateway, request_id), pack(error))
+        except BusError as e:  # the request is already freed; its gateway fails it on reconnect or at its deadline
+            log.warning("stage_error_lost", request_id=request_id, code=code, error=str(e))
 
