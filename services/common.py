@@ -27,6 +27,16 @@ def moebus_version() -> str:
         return "0+unknown"
 
 
+def decode_stage(instance: str, rank: int) -> str:
+    """The ``stage`` a decode rank names in its ``StageError``s."""
+    return f"decode:{instance}/{rank}"
+
+
+def prefill_stage(instance: str) -> str:
+    """The ``stage`` a prefill instance names in its ``StageError``s."""
+    return f"prefill:{instance}"
+
+
 def parse_settings(service: str, argv: list[str], needs_model: str = "") -> ServiceSettings:
     """`moebus <service> [--config FILE] [--nats-url URL] [--model DIR] [--instance ID] [--set FIELD=VALUE ...]`.
 

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
-from services.common import Heartbeater
+from services.common import Heartbeater, decode_stage
 from services.decode.lockstep import GroupState, Lockstep
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params, top_candidates
@@ -71,7 +71,7 @@ class DecodeRank:
         self.receiver = receiver
         self.rank = rank
         self.lockstep = Lockstep(runner, world)
-        self.name = f"decode:{settings.instance}/{rank}"
+        self.name = decode_stage(settings.instance, rank)
         self.reserved: dict[str, Reservation] = {}
         self.running: dict[str, Running] = {}
         self.work = asyncio.Event()

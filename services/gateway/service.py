@@ -38,7 +38,7 @@ from schemas.api import (
     Usage,
 )
 from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitAck, SubmitJob, TokenBatch, TokenMessage
-from services.common import Heartbeater
+from services.common import Heartbeater, decode_stage, prefill_stage
 from services.gateway.admission import Admission, Admitted, Rejected
 from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
@@ -50,6 +50,18 @@ from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
 log = get_logger(__name__)
+
+
+def _from_serving_stage(flight: Flight, error: StageError) -> bool:
+    """Whether ``error`` comes from the gateway or a stage serving the request. A decode rank that
+    answered its reservation after the scheduler gave up on it (and placed the request elsewhere)
+    still holds that reservation, and reports its lease's end on the request's token subject: that
+    must not fail the request running on the placed rank."""
+    placed = flight.placement
+    role = error.stage.partition(":")[0]
+    if placed is None or role not in ("decode", "prefill"):
+        return True
+    return error.stage in (decode_stage(placed.decode_instance, placed.decode_rank), prefill_stage(placed.prefill_instance))
 
 
 class Failed(Exception):
@@ -342,6 +354,9 @@ class Gateway:
                 self._check_stages(flight, first)
                 continue
             if isinstance(msg, StageError):
+                if not _from_serving_stage(flight, msg):
+                    log.info("stage_error_ignored", stage=msg.stage, code=msg.code, reason=msg.message)
+                    continue
                 raise Failed(msg.code, f"{msg.stage}: {msg.message}")
             return msg
 

@@ -47,7 +47,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
-from services.common import Heartbeater
+from services.common import Heartbeater, prefill_stage
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, Deadline, pack, unpack
@@ -120,7 +120,7 @@ class PrefillGroup:
         self.plan_ms = 0.0  # the leader's time forming the last batch (BatchTimes.plan_ms)
         self.arrived = asyncio.Event()
         self.draining = False
-        self.name = f"prefill:{settings.instance}"
+        self.name = prefill_stage(settings.instance)
         self.transfer_metrics = TransferMetrics()  # this rank's senders
         self.group_transfers = TransferStats()  # every rank's senders, summed after each batch (the leader's heartbeat)
         self.heartbeater = Heartbeater(bus, settings, "prefill", self._status) if bus is not None else None

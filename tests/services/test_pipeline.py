@@ -22,9 +22,11 @@ import msgspec
 import pytest
 
 from schemas.api import ChatMessage, ErrorReply, GenerateRequest, GenerateResponse, ModelList
-from schemas.internal import Heartbeat
+from schemas import subjects
+from schemas.internal import Heartbeat, StageError
 from services.client import Client, GenerateError
-from shared.bus import CONTENT_TYPE, KEEPALIVE_HEADER, MSGPACK
+from services.common import decode_stage
+from shared.bus import CONTENT_TYPE, KEEPALIVE_HEADER, MSGPACK, pack
 
 from services_helpers import all_kv_free, log_events, run, session, stack_fixture, stream_all
 
@@ -384,6 +386,37 @@ def test_a_reply_over_the_bus_payload_limit_is_a_typed_error_and_the_request_is_
     for e in errors:
         assert e.code == "invalid_request" and "too large for the bus" in e.message and "max_payload" in e.message, e.message
     assert len(after.token_ids) == 2
+
+
+def test_a_stage_error_from_a_stage_not_serving_the_request_is_ignored(stack, tokenizer, hf_greedy):
+    """A decode rank that answered its reservation too late (the scheduler placed the request on
+    another rank) reports the end of that ghost reservation's lease on the request's token
+    subject: the gateway must not fail the request running elsewhere for it. One from the decode
+    rank that serves the request still fails it."""
+    prompt = PROMPTS[0]
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 5, "the gateway's heartbeat")
+            gateway = watch.live("gateway")[0].instance
+            ghost = StageError(request_id="ghosted", code="unavailable", message="KV reservation lease ended before prefill delivered",
+                               stage="decode:no-such-instance/0")
+            chunks = []
+            async for chunk in client.stream(GenerateRequest(prompt=prompt, max_tokens=24, temperature=0, request_id="ghosted")):
+                if not chunks:
+                    await client.bus.publish(subjects.tokens(gateway, "ghosted"), pack(ghost))
+                chunks.append(chunk)
+            with pytest.raises(GenerateError) as served:  # the same error from every decode rank: one of them serves it
+                async for _ in client.stream(GenerateRequest(prompt=prompt, max_tokens=200, temperature=0, request_id="served")):
+                    for hb in watch.live("decode"):
+                        error = msgspec.structs.replace(ghost, request_id="served", stage=decode_stage(hb.instance, hb.rank))
+                        await client.bus.publish(subjects.tokens(gateway, "served"), pack(error))
+            return chunks, served.value
+
+    chunks, served = run(go())
+    assert chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(tuple(tokenizer.encode(prompt)), 24)
+    assert served.code == "unavailable" and "lease ended" in served.message
 
 
 def _fill_kv(client, n: int):
