@@ -220,11 +220,18 @@ class DecodeRank:
             del self.reserved[job.request_id]
             if res.lease is not None:
                 res.lease.cancel()
-            params = sampling_params(job)
             prompt = job.input_ids
-            seq = self.runner.add(job.request_id, prompt, params, page_table=pages + res.extra_pages, num_cached=len(prompt), output_ids=[start.first_token])
-            if seq.generator is not None and start.generator_state is not None:
-                seq.generator.set_state(torch.frombuffer(bytearray(start.generator_state), dtype=torch.uint8))
+            try:
+                seq = self.runner.add(job.request_id, prompt, sampling_params(job), page_table=pages + res.extra_pages,
+                                      num_cached=len(prompt), output_ids=[start.first_token])
+                if seq.generator is not None and start.generator_state is not None:
+                    seq.generator.set_state(torch.frombuffer(bytearray(start.generator_state), dtype=torch.uint8))
+            except Exception as e:  # noqa: BLE001 - the claimed pages must come back and the gateway must hear
+                # e.g. a sampler state from a prefill on another device type (its size differs).
+                self.runner.cache.allocator.free(pages + res.extra_pages)
+                log.exception("decode_start_failed")
+                await self._send_error(job.gateway, job.request_id, "internal", f"decode could not start the sequence: {type(e).__name__}: {e}")
+                return
             self.running[job.request_id] = Running(job, seq, res.gateway_started_at)
             log.info("decode_started", prompt_tokens=len(prompt))
             self.work.set()
