@@ -57,9 +57,6 @@ class Admitted:
 
 
 class Admission:
-    """Checks a request and turns it into a `Job`. `admit` runs on a worker thread (tokenizing a
-    long prompt takes up to ~0.5 s): it reads only its settings, model and tokenizer."""
-
     def __init__(self, settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenizer) -> None:
         self.settings = settings
         self.model = model

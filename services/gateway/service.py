@@ -198,9 +198,7 @@ class Gateway:
                 raise Rejected("invalid_request", str(e)) from e
             if len(self.flights) >= self.settings.max_in_flight:
                 raise Rejected("overloaded", f"gateway {self.id} has {len(self.flights)} requests in flight")
-            # Tokenizing (and templating) a long prompt takes up to ~0.5 s: off the event loop, so the
-            # gateway keeps relaying the tokens of every other request meanwhile.
-            admitted = await asyncio.to_thread(self.admission.admit, req, self.id, arrival)
+            admitted = self.admission.admit(req, self.id, arrival)
             if admitted.job.request_id in self.flights:
                 raise Rejected("invalid_request", f"request_id {admitted.job.request_id!r} is already in flight")
         except Rejected as e:
