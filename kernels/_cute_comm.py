@@ -134,6 +134,16 @@ ROW_WARPS = 4
 
 
 @cute.jit
+def grid_stride() -> tuple[Int32, Int32]:
+    """(this thread's first index, the grid's thread count): a grid-stride loop's start and step."""
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nthr, _, _ = cute.arch.block_dim()
+    nblk, _, _ = cute.arch.grid_dim()
+    return bid * nthr + tid, nblk * nthr
+
+
+@cute.jit
 def warp_row() -> tuple[Int32, Int32]:
     """(row, lane) of the calling thread in a warp-per-row kernel launched with
     ``row_grid(rows)`` CTAs of ``32 * ROW_WARPS`` threads."""

@@ -20,6 +20,7 @@ from kernels._cute_comm import (
     VEC_BYTES,
     cta_barrier,
     finish_launch,
+    grid_stride,
     load_vec,
     load_vec_f32,
     load_volatile_v4,
@@ -145,15 +146,10 @@ def _lamport_kernel(
 ):
     vec = _vec(dtype)
     esz = dtype.width // 8
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    nthr, _, _ = cute.arch.block_dim()
-    nblk, _, _ = cute.arch.grid_dim()
+    first, stride = grid_stride()
     row = lam_off + Int64(read_epoch(ctrl) & 1) * world * slot_bytes  # slot [parity][0]
     bases = [peer_base(table, q) for q in range(world)]
     nvec = (n + vec - 1) // vec
-    first = bid * nthr + tid
-    stride = nblk * nthr
 
     # Push: my vectors into slot [parity][rank] of every peer. The data is the flag.
     for v in cutlass.range(first, nvec, stride):
@@ -235,18 +231,13 @@ def _lamport_two_shot_kernel(
 ):
     vec = _vec(dtype)
     esz = dtype.width // 8
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    nthr, _, _ = cute.arch.block_dim()
-    nblk, _, _ = cute.arch.grid_dim()
+    first, stride = grid_stride()
     scatter = lam_off + Int64(read_epoch(ctrl) & 1) * 2 * world * slot_bytes  # slot [parity][scatter][0]
     gather = scatter + world * slot_bytes  # slot [parity][gather][0]
     bases = [peer_base(table, q) for q in range(world)]
     peers = [q for q in range(world) if q != rank]
     mine = bases[rank]
     sl = _slice_elems(n, world, vec)
-    first = bid * nthr + tid
-    stride = nblk * nthr
     # Every phase walks vector v of every slice with the same thread on every rank, so a
     # thread only ever waits for the threads of its own index on the other ranks.
 
