@@ -57,6 +57,10 @@ class Admitted:
 
 
 class Admission:
+    """Checks a request and turns it into a `Job`. The gateway runs `admit` on a worker thread
+    (tokenizing a long prompt takes up to ~0.5 s): it must read only its settings, model and
+    tokenizer, never gateway state."""
+
     def __init__(self, settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenizer) -> None:
         self.settings = settings
         self.model = model

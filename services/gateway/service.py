@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.id = settings.instance
         self.flights: dict[str, Flight] = {}
+        self.admitting: dict[str, StageError | None] = {}  # request id -> why it ended while admission ran
         self.liveness = PeerLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic(),
                                      roles=("prefill", "decode"))
         self.counters = RequestCounters()
@@ -118,11 +120,13 @@ class Gateway:
         """SIGTERM: take no new requests, let in-flight ones finish, fail what is left."""
         await self._generate_sub.unsubscribe()
         deadline = Deadline.after(self.settings.drain_timeout_s)
-        while self.flights and not deadline.expired:
+        while (self.flights or self.admitting) and not deadline.expired:
             await asyncio.sleep(0.05)
+        for request_id in self.admitting:
+            self.admitting[request_id] = StageError(request_id=request_id, code="unavailable", message="gateway shut down", stage=f"gateway:{self.id}")
         for request_id, flight in list(self.flights.items()):
             flight.abort(StageError(request_id=request_id, code="unavailable", message="gateway shut down", stage=f"gateway:{self.id}"))
-        while self.flights:
+        while self.flights or self.admitting:
             await asyncio.sleep(0.01)
         await self.heartbeater.stop()
 
@@ -143,9 +147,11 @@ class Gateway:
 
     async def _on_ctl_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
-        flight = self.flights.get(cancel.request_id)
-        if flight is not None:
-            flight.abort(StageError(request_id=cancel.request_id, code="cancelled", message=cancel.reason, stage=f"gateway:{self.id}"))
+        error = StageError(request_id=cancel.request_id, code="cancelled", message=cancel.reason, stage=f"gateway:{self.id}")
+        if cancel.request_id in self.admitting:
+            self.admitting[cancel.request_id] = error  # answered when its admission returns
+        elif (flight := self.flights.get(cancel.request_id)) is not None:
+            flight.abort(error)
 
     async def _on_tokens(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
@@ -196,11 +202,9 @@ class Gateway:
                 keepalive_s = keepalive_interval(msg)
             except ValueError as e:
                 raise Rejected("invalid_request", str(e)) from e
-            if len(self.flights) >= self.settings.max_in_flight:
-                raise Rejected("overloaded", f"gateway {self.id} has {len(self.flights)} requests in flight")
-            admitted = self.admission.admit(req, self.id, arrival)
-            if admitted.job.request_id in self.flights:
-                raise Rejected("invalid_request", f"request_id {admitted.job.request_id!r} is already in flight")
+            if len(self.flights) + len(self.admitting) >= self.settings.max_in_flight:
+                raise Rejected("overloaded", f"gateway {self.id} has {len(self.flights) + len(self.admitting)} requests in flight")
+            admitted = await self._admit(req, arrival)
         except Rejected as e:
             await send(ErrorReply(error=ErrorInfo(e.code, str(e)), request_id=req.request_id))
             return
@@ -227,6 +231,27 @@ class Gateway:
                     pinger.cancel()
                 await self._cancel_late_placement(flight)
                 self.flights.pop(request_id, None)  # only now may a new request reuse the id here
+
+    async def _admit(self, req: GenerateRequest, arrival: float) -> Admitted:
+        """Admission on a worker thread: tokenizing (and templating) a long prompt takes up to ~0.5 s,
+        and meanwhile the gateway keeps relaying every other request's tokens.
+
+        The request id (a fresh one if the client gave none) is taken (``admitting``) before the
+        thread starts, so a cancel or a shutdown arriving during admission is kept and answered once
+        admission returns, and a second request with the same id is refused at once.
+        """
+        request_id = req.request_id or uuid.uuid4().hex
+        req = msgspec.structs.replace(req, request_id=request_id)
+        if request_id in self.flights or request_id in self.admitting:
+            raise Rejected("invalid_request", f"request_id {request_id!r} is already in flight")
+        self.admitting[request_id] = None
+        try:
+            admitted = await asyncio.to_thread(self.admission.admit, req, self.id, arrival)
+        finally:
+            ended = self.admitting.pop(request_id)
+        if ended is not None:
+            raise Rejected(ended.code, f"{ended.stage}: {ended.message}")
+        return admitted
 
     def _client_gone(self, flight: Flight) -> None:
         """Nothing subscribes to the request's reply subject any more (`Replies.keep_alive`)."""
