@@ -5,7 +5,8 @@ Shapes are the expert GEMMs of Qwen3-235B-A22B (hidden 4096, moe_intermediate
 ``gate_up`` (N = 2I, K = H) and ``down`` (N = H, K = I).
 
 * decode, 1/4/16/64 tokens per expert, masked layout -> weight-streaming TB/s
-  (weight bytes / time) and latency;
+  (weight bytes / time), all-bytes TB/s (weights, activations, scales and output,
+  each moved once: ``hbm_tbps``, to set beside the copy ceiling) and latency;
 * prefill, 375 and 2048 tokens per expert, contiguous layout -> TFLOP/s.
 
 Our dtypes: bf16, FP8 with 128x128 block scales, and bf16 activations x
@@ -229,8 +230,11 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
 
     flops = 2.0 * T * N * K
     wbytes = w.numel() * w.element_size() + (0 if ws is None else ws.numel() * ws.element_size())
-    metrics = {"latency_us": us, "tflops": flops / us / 1e6, "weight_tbps": wbytes / us / 1e6, "spot_rel_err": err,
-               **clocks}
+    # Every byte the GEMM must move through HBM at least once (weights and their scales, activations and
+    # theirs, the output): next to the copy ceiling this says how far a decode case is from its roofline.
+    min_bytes = wbytes + sum(t.numel() * t.element_size() for t in (xq, xs, out) if t is not None)
+    metrics = {"latency_us": us, "tflops": flops / us / 1e6, "weight_tbps": wbytes / us / 1e6,
+               "hbm_tbps": min_bytes / us / 1e6, "spot_rel_err": err, **clocks}
     peers: dict[str, dict[str, float]] = {}
     w_t = w_bf16.transpose(1, 2)  # [E, K, N] view of the same [E, N, K] storage
     if mxfp8:
@@ -400,11 +404,12 @@ def run(args: argparse.Namespace, timers: list[Timer]) -> int:
             rows.append(row)
             print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile={tile_m or 'auto'}x{tile_n or 'auto'} {timer.mode}: "
                   f"{row['latency_us']:.1f} us {row['tflops']:.0f} TFLOP/s {row.get('weight_tbps', float('nan')):.2f} TB/s "
+                  f"(all bytes {row.get('hbm_tbps', float('nan')):.2f}) "
                   f"at {row.get('sm_mhz_mean', float('nan')):.0f} MHz {row.get('power_w_mean', float('nan')):.0f} W; "
                   f"peer {row['peer_latency_us']:.1f} us err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
 
     print_table(rows, ["model", "proj", "phase", "tokens_per_expert", "dtype", "timing", "latency_us", "tflops",
-                       "weight_tbps", "sm_mhz_mean", "peer_latency_us", "speedup_vs_peer"])
+                       "weight_tbps", "hbm_tbps", "sm_mhz_mean", "peer_latency_us", "speedup_vs_peer"])
     return 0
 
 
