@@ -54,10 +54,15 @@ class ScaledMainloops:
         bf16's time (1.9-2.2 TB/s of MXFP8 bytes, half of what bf16 and FP8
         stream) and prefill reaches 389-429 TFLOP/s (bf16 600-650).  Every
         stage runs wait -> convert -> fence -> barrier -> WGMMA issue in the
-        consumer threads, so only one stage's WGMMAs overlap the conversion;
-        converting further ahead (more bf16 buffers, or the idle warps of the
-        producer warpgroup as converters with their own pipeline) is the next
-        step, not done.
+        consumer threads, so only one stage's WGMMAs overlap the conversion.
+        Converting ahead in a warpgroup of its own, through a ring of bf16
+        buffers, was measured slower all the same (c72085a514df+h58-conv,
+        +h58-conv128b: decode -0.4..-13%, gate_up prefill -3..-13%, down prefill
+        +2..+6%), with 64- and with 128-byte E4M3 rows per stage: four
+        converting warps are latency-bound (0.62 us per 8192 values), so
+        conversion throughput bounds this path.  Converting in registers for
+        WGMMA's register A operand (the weights as the M side) is the next
+        step; see bench/grouped_gemm_findings.md.
         """
         cfg = self.cfg
         threads = 128 * self.num_consumer_wg
