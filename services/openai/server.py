@@ -95,6 +95,7 @@ class OpenAIFrontend:
             except http.HttpError as e:
                 status = e.status
                 await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "code": None}})
+                await http.linger(reader, writer)
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate
         except Exception as e:  # noqa: BLE001 - a bug here: answer 500 and log it instead of dropping the connection

@@ -133,7 +133,12 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
 
 
 @pytest.mark.parametrize("path, body, status, code, says", [
-    ("/v1/completions", b"{not json", 400, "invalid_request", "request body"),
+    ("/v1/completions", b"{not json", 400, "invalid_request", "request body: JSON is malformed"),
+    ("/v1/completions", b"[1, 2]", 400, "invalid_request", "request body: Expected `object`, got `array`"),
+    ("/v1/completions", {"max_tokens": 1}, 400, "invalid_request", "request body: Object missing required field `prompt`"),
+    ("/v1/completions", {"prompt": 5}, 400, "invalid_request", "request body: Expected `str | array`, got `int` - at `$.prompt`"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "invalid_request", "Expected `int | null`, got `str` - at `$.max_tokens`"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "invalid_request", "request body: Expected `array`, got `str` - at `$.messages`"),
     ("/v1/completions", {"prompt": "hi", "best_off": 2}, 400, "invalid_request", "best_off"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "invalid_request", "n must be in [1, 16]"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "invalid_request", "not supported by moebus: best_of"),
@@ -167,6 +172,12 @@ def test_bad_http_gets_status_codes(frontend):
     with socket.create_connection(frontend, timeout=10) as s:  # a body announced far above the limit is refused unread
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
+    # A client that sends its whole body without waiting for 100 Continue (Python's http.client,
+    # httpx, hence the openai SDK) reads the 413, not a connection reset.
+    status, ctype, raw = call(frontend, "POST", "/v1/completions", b"x" * (9 << 20))
+    assert (status, ctype) == (413, "application/json"), raw
+    assert json.loads(raw)["error"] == {"message": f"request body of {9 << 20} bytes exceeds this server's limit of {8 << 20} bytes (8 MiB)",
+                                        "type": "invalid_request_error", "code": None}
 
 
 def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(frontend):
