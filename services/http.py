@@ -55,10 +55,11 @@ class Request:
     body: bytes
 
 
-async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_body: int) -> Request:
-    """The next request on ``reader``; `HttpError` for a malformed, slow or oversize one. A client
-    that waits for ``100 Continue`` before its body (``Expect: 100-continue``, curl for larger
-    bodies) gets it once the announced length is accepted."""
+async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_body: int,
+                       limit: str = "this server's limit") -> Request:
+    """The next request on ``reader``; `HttpError` for a malformed, slow or oversize one (a body
+    over ``max_body``: 413 naming ``limit``). A client that waits for ``100 Continue`` before its
+    body (``Expect: 100-continue``, curl for larger bodies) gets it once the announced length is accepted."""
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
     except asyncio.LimitOverrunError:
@@ -92,7 +93,7 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         length = int(length_text)
         if length > max_body:
             mib = f" ({max_body / (1 << 20):g} MiB)" if max_body >= 1 << 20 else ""
-            raise HttpError(413, f"request body of {length} bytes exceeds this server's limit of {max_body} bytes{mib}")
+            raise HttpError(413, f"request body of {length} bytes exceeds {limit} of {max_body} bytes{mib}")
         if headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()

@@ -395,6 +395,18 @@ def test_a_message_over_the_bus_payload_limit_is_a_typed_error_and_the_request_i
     assert len(after.token_ids) == 2
 
 
+def test_the_openai_frontend_refuses_a_body_over_the_bus_payload_limit_with_413(stack):
+    """A body the bus cannot carry (its request would exceed the NATS server's max_payload, 1 MiB
+    here) is refused as too large (413, naming that limit), as one over the frontend's own limit is."""
+    url = stack.frontend_urls()["openai-0"] + "/completions"
+    body = json.dumps({"prompt": "x" * (2 << 20), "max_tokens": 1}).encode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout=30)
+    assert refused.value.code == 413
+    assert json.loads(refused.value.read())["error"]["message"] == (
+        f"request body of {len(body)} bytes exceeds the NATS server's max_payload of {1 << 20} bytes (1 MiB)")
+
+
 def test_a_stage_error_from_a_stage_not_serving_the_request_is_ignored(stack, tokenizer, hf_greedy):
     """A decode rank that answered its reservation too late (the scheduler placed the request on
     another rank) reports the end of that ghost reservation's lease on the request's token
