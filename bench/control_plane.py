@@ -40,9 +40,10 @@ from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.client import Client
-from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, nats_server_binary
+from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, start_nats_server
 from services.ranks import free_port
 from shared.bus import Bus, connect, pack, unpack
+from shared.settings import NatsServerSettings
 
 PROMPT = "Mixture-of-experts models route each token to a few experts, which"
 
@@ -167,9 +168,8 @@ async def placements(url: str, total: int, concurrency: int, decode_ranks: int) 
 def run_scheduler_bench(total: int, concurrency: int, decode_ranks: int) -> dict[str, float]:
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    nats = start_nats_server(port, NatsServerSettings(), Path(tempfile.mkdtemp(prefix="bench-cp-nats-")))
     command = [sys.executable, "-m", "services.cli", "scheduler", "--nats-url", url, "--set", "model_name=bench", "--set", "log_level=warning", "--set", "max_queued=100000"]
-    time.sleep(0.3)
     scheduler = subprocess.Popen(command)
     try:
         time.sleep(1.5)

@@ -4,9 +4,10 @@ One request per connection: the server reads a request line, headers and a body 
 ``Content-Length`` bytes, answers, and closes the connection (``Connection: close``), which
 every HTTP client handles. A streamed answer (server-sent events) has no length: it ends
 when the connection closes. Malformed or oversize requests raise `HttpError` with the
-status to answer; nothing here knows about routes. The frontends' shared command line
-(``--url``, ``--host``, ``--port``) and life cycle (listen, print the address, serve until
-SIGTERM/SIGINT, say "stopped") are here too.
+status to answer (413 for a body over the frontend's limit, before reading it); after
+answering one, `linger` lets the client finish sending. Nothing here knows about routes.
+The frontends' shared command line (``--url``, ``--host``, ``--port``) and life cycle
+(listen, print the address, serve until SIGTERM/SIGINT, say "stopped") are here too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from shared.bus import Unreachable
 MAX_HEADER_BYTES = 64 << 10
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
+# A refused request's unread input is discarded until the client closes, pauses this long, or
+# this much time passed in all (nginx's lingering close, with its default times).
+LINGER_PAUSE_S = 5.0
+LINGER_TOTAL_S = 30.0
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
            411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
@@ -50,10 +55,11 @@ class Request:
     body: bytes
 
 
-async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_body: int) -> Request:
-    """The next request on ``reader``; `HttpError` for a malformed, slow or oversize one. A client
-    that waits for ``100 Continue`` before its body (``Expect: 100-continue``, curl for larger
-    bodies) gets it once the announced length is accepted."""
+async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_body: int,
+                       limit: str = "this server's limit") -> Request:
+    """The next request on ``reader``; `HttpError` for a malformed, slow or oversize one (a body
+    over ``max_body``: 413 naming ``limit``). A client that waits for ``100 Continue`` before its
+    body (``Expect: 100-continue``, curl for larger bodies) gets it once the announced length is accepted."""
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
     except asyncio.LimitOverrunError:
@@ -86,7 +92,8 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             raise HttpError(400, f"bad Content-Length {length_text[:40]!r}")
         length = int(length_text)
         if length > max_body:
-            raise HttpError(413, f"request body of {length} bytes exceeds {max_body}")
+            mib = f" ({max_body / (1 << 20):g} MiB)" if max_body >= 1 << 20 else ""
+            raise HttpError(413, f"request body of {length} bytes exceeds {limit} of {max_body} bytes{mib}")
         if headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()
@@ -97,6 +104,20 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         except TimeoutError:
             raise HttpError(408, f"request body not received within {BODY_TIMEOUT_S:g} s") from None
     return Request(parts[0], parts[1].split("?", 1)[0], headers, body)
+
+
+async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After answering a refused request: say no more is coming, then read and drop what the
+    client still sends (see ``LINGER_*``). Its body may be unread (a 413 is answered before it):
+    a connection closed with unread input is reset, and a client still sending its body (one
+    that does not wait for ``100 Continue``: Python's http.client, httpx and so the openai SDK)
+    would get the reset instead of the answer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LINGER_TOTAL_S
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        writer.write_eof()
+        while (left := deadline - loop.time()) > 0 and await asyncio.wait_for(reader.read(1 << 16), min(LINGER_PAUSE_S, left)):
+            pass
 
 
 async def respond(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str) -> None:

@@ -1,13 +1,15 @@
 """`moebus up`: nats-server plus the services of a compose file, as local processes.
 
-    moebus up [--model DIR] [--port P] [--stack compose/single-node.yml] [--scale decode=2] [--demo]
+    moebus up [--model DIR] [--port P] [--stack compose/single-node.yml] [--scale decode=2] [--nats-max-payload BYTES] [--demo]
 
 The compose file is the single description of a stack (DESIGN §7): the same file
 `docker compose up` runs on GPU nodes is read here, and each service's `command`
 (`moebus <role> ...`), `environment` and `deploy.replicas` (or `--scale NAME=N`)
 become local processes. Container-only parts (image, volumes, device reservations,
 networks, ports) are ignored; the service named `nats` is replaced by a local nats-server
-bound to 127.0.0.1, and `MOEBUS_NATS_URL` / `MOEBUS_MODEL` point at it and at the
+bound to 127.0.0.1 (its config file written from `NatsServerSettings`: `max_payload` from
+`--nats-max-payload` or `MOEBUS_NATS_MAX_PAYLOAD`, 8 MiB by default, as the compose files
+configure theirs), and `MOEBUS_NATS_URL` / `MOEBUS_MODEL` point at it and at the
 local checkpoint. Besides the services that heartbeat (`ROLES`), a stack may run the HTTP
 frontends (`moebus openai`, `moebus metrics`): they listen on 127.0.0.1 unless
 `MOEBUS_HTTP_HOST` is set, their addresses are printed once the stack is up, and one
@@ -45,6 +47,7 @@ from schemas import subjects
 from schemas.internal import Heartbeat
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, unpack
+from shared.settings import NatsServerSettings, SettingsError, nats_server_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
@@ -161,6 +164,34 @@ def _drain_when_launcher_dies() -> None:
     die_with_parent(signal.SIGTERM)  # a killed `moebus up` (or test run) leaves no stack behind
 
 
+def nats_config(settings: NatsServerSettings) -> str:
+    """nats-server's config file for ``settings``; the compose files' `nats` service gets the same."""
+    return f"max_payload: {settings.max_payload}\n"
+
+
+def start_nats_server(port: int, settings: NatsServerSettings, directory: Path) -> subprocess.Popen[bytes]:
+    """A nats-server on 127.0.0.1:``port`` configured by ``settings`` (its config file and log in
+    ``directory``), accepting connections when this returns; it stops when this process dies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config, log_path = directory / "nats-server.conf", directory / "nats-server.log"
+    config.write_text(nats_config(settings))
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_drain_when_launcher_dies)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StackError(f"nats-server exited with {proc.returncode}; see {log_path}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise StackError(f"nats-server did not accept connections on 127.0.0.1:{port}; see {log_path}")
+
+
 @dataclass
 class Replica:
     service: str
@@ -180,6 +211,7 @@ class LocalStack:
     log_dir: Path
     port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
+    nats_settings: NatsServerSettings = field(default_factory=NatsServerSettings)
     nats: subprocess.Popen[bytes] | None = None
     replicas: list[Replica] = field(default_factory=list)
 
@@ -197,18 +229,7 @@ class LocalStack:
         self.wait_ready(ready_timeout)
 
     def start_nats(self) -> None:
-        with open(self.log_dir / "nats-server.log", "ab") as log:  # the child keeps its own descriptor
-            self.nats = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_drain_when_launcher_dies)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.nats.poll() is not None:
-                raise StackError(f"nats-server exited with {self.nats.returncode}; see {self.log_dir / 'nats-server.log'}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise StackError(f"nats-server did not accept connections on {self.url}")
+        self.nats = start_nats_server(self.port, self.nats_settings, self.log_dir)
 
     def spec(self, service: str) -> ServiceSpec:
         for s in self.specs:
@@ -348,6 +369,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, created on first use)")
     ap.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (0: any free port)")
     ap.add_argument("--stack", default=str(DEFAULT_STACK), help="docker compose file describing the stack")
+    ap.add_argument("--nats-max-payload", type=int, metavar="BYTES",
+                    help="largest NATS message, 1 MiB to 64 MiB (default: $MOEBUS_NATS_MAX_PAYLOAD, else 8 MiB)")
     ap.add_argument("--scale", action="append", default=[], metavar="SERVICE=N", help="replicas of a service (overrides deploy.replicas)")
     ap.add_argument("--log-dir", help="where service logs go (default: a new directory under the cache dir)")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
@@ -373,11 +396,12 @@ def main(argv: list[str]) -> int:
             model = ensure_tiny_model(cache)
         # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0).
         specs = load_compose(a.stack, {"MOEBUS_HTTP_HOST": "127.0.0.1", **os.environ, "MOEBUS_MODEL": str(model)}, scale)
-    except StackError as e:
+        nats = nats_server_settings(a.nats_max_payload)
+    except (StackError, SettingsError) as e:
         print(f"moebus up: {e}", file=sys.stderr)
         return 2
     log_dir = Path(a.log_dir) if a.log_dir else cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
-    stack = LocalStack(specs, model, log_dir, port=a.port)
+    stack = LocalStack(specs, model, log_dir, port=a.port, nats_settings=nats)
 
     stopping = False
 
@@ -391,7 +415,7 @@ def main(argv: list[str]) -> int:
         summary = ", ".join(f"{s.name} x{s.replicas}" for s in specs)
         print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)
         stack.start(a.ready_timeout)
-        print(f"moebus up: ready. NATS at {stack.url}  (model {model.name})", flush=True)
+        print(f"moebus up: ready. NATS at {stack.url}  (model {model.name}, max_payload {nats.max_payload} bytes)", flush=True)
         for instance, url in stack.frontend_urls().items():
             print(f"  {instance}: {url}", flush=True)
         print(f"  try: moebus request --url {stack.url} --prompt 'hi' --stream", flush=True)

@@ -159,6 +159,7 @@ class Exporter:
                 await http.respond(writer, 200, self.page().encode(), CONTENT_TYPE)
             except http.HttpError as e:
                 await http.respond(writer, e.status, f"{e.message}\n".encode(), "text/plain")
+                await http.linger(reader, writer)
         except ConnectionError:
             pass  # a client that went away
         finally:

@@ -67,7 +67,8 @@ class Reconnected(BusError):
 
 
 class PayloadTooLarge(BusError):
-    """A message above the NATS server's ``max_payload`` (1 MiB by default): not sent."""
+    """A message above the NATS server's ``max_payload`` (as the server announced it: 8 MiB as
+    `moebus up` and the compose files start it, 1 MiB nats-server's own default): not sent."""
 
 
 # How often a stream of replies checks whether the connection was re-established meanwhile.

@@ -150,6 +150,38 @@ class DecodeSettings(ServiceSettings, kw_only=True):
             raise ValueError(f"cuda_graphs_max must be >= 1, got {self.cuda_graphs_max}")
 
 
+# nats-server refuses a max_payload above its max_pending (64 MiB); below its own default (1 MiB)
+# a stack would only refuse more replies.
+NATS_MAX_PAYLOAD_RANGE = (1 << 20, 64 << 20)
+NATS_MAX_PAYLOAD_ENV = "MOEBUS_NATS_MAX_PAYLOAD"
+
+
+class NatsServerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The nats-server a local stack starts (`moebus up`, through its config file); the compose
+    files give theirs the same value from the same variable (``MOEBUS_NATS_MAX_PAYLOAD``)."""
+
+    # Largest message, bytes. A reply above it (say prompt_logprobs of a long prompt) fails with
+    # `invalid_request` naming the limit: nats-server's own default, 1 MiB, is small for those.
+    max_payload: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        low, high = NATS_MAX_PAYLOAD_RANGE
+        if not low <= self.max_payload <= high:
+            raise ValueError(f"max_payload must be in [{low}, {high}] bytes (1 MiB to nats-server's cap of 64 MiB), got {self.max_payload}")
+
+
+def nats_server_settings(max_payload: int | str | None = None, env: Mapping[str, str] | None = None) -> NatsServerSettings:
+    """The local nats-server's settings: ``max_payload`` (a command-line flag) when given, else
+    ``MOEBUS_NATS_MAX_PAYLOAD`` (bytes), else the default."""
+    env = os.environ if env is None else env
+    value = max_payload if max_payload is not None else env.get(NATS_MAX_PAYLOAD_ENV)
+    try:
+        return msgspec.convert({} if value is None else {"max_payload": value}, NatsServerSettings, strict=False)
+    except msgspec.ValidationError as e:
+        source = "--nats-max-payload" if max_payload is not None else NATS_MAX_PAYLOAD_ENV
+        raise SettingsError(f"nats-server settings ({source}): {e}") from e
+
+
 SERVICES: dict[str, type[ServiceSettings]] = {
     "gateway": GatewaySettings,
     "scheduler": SchedulerSettings,

@@ -187,7 +187,8 @@ class Gateway:
                 await send(obj)
             except PayloadTooLarge as e:
                 raise Failed("invalid_request", f"the reply is too large for the bus ({e}); ask for fewer top_logprobs or "
-                                                "prompt_logprobs, or fewer tokens per request") from e
+                                                "prompt_logprobs, or fewer tokens per request, or raise the NATS server's max_payload "
+                                                "(MOEBUS_NATS_MAX_PAYLOAD, up to 64 MiB)") from e
 
         try:
             req = decode_public(msg.data, GenerateRequest, ctype)

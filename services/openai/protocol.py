@@ -25,7 +25,8 @@ one object, choice ``p * n + i`` the ``i``-th of prompt ``p`` as in vLLM.
 
 Responses follow OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects, and
 for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
-(a usage-only chunk before it when ``stream_options.include_usage``). Usage counts each
+(a usage-only chunk before it when ``stream_options.include_usage``; ``stream_options``
+without ``stream: true`` is refused, as vLLM does). Usage counts each
 prompt once and the completion tokens of every choice, as OpenAI and vLLM do, with
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from prefill's prefix cache). Errors carry
 OpenAI's ``{"error": {"message", "type", "code"}}`` with an HTTP status per moebus code.
@@ -164,6 +165,8 @@ def check_n(req: _Sampling, max_n: int) -> int:
 
 
 def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
+    if req.stream_options is not None and not req.stream:  # vLLM's check and words: options of a stream that is not one
+        raise InvalidRequest("Stream options can only be defined when `stream=True`.")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return {"model": req.model, "max_tokens": req.max_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,

@@ -78,7 +78,7 @@ class OpenAIFrontend:
         status = 0
         try:
             try:
-                req = await http.read_request(reader, writer, MAX_BODY_BYTES)
+                req = await http.read_request(reader, writer, *self._body_limit())
                 method, path = req.method, req.path
                 allowed = ROUTES.get(req.path)
                 if allowed is None:
@@ -95,6 +95,7 @@ class OpenAIFrontend:
             except http.HttpError as e:
                 status = e.status
                 await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "code": None}})
+                await http.linger(reader, writer)
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate
         except Exception as e:  # noqa: BLE001 - a bug here: answer 500 and log it instead of dropping the connection
@@ -106,6 +107,13 @@ class OpenAIFrontend:
             await http.close(writer)
             log.info("http_request", method=method, path=path, status=status, request_id=request_id,
                      ms=round((time.perf_counter() - started) * 1e3, 2))
+
+    def _body_limit(self) -> tuple[int, str]:
+        """The largest body this frontend reads, and what sets it: ``MAX_BODY_BYTES``, or the NATS
+        server's max_payload (as it announced it) when lower: a request of about the body's size
+        would be refused on the bus anyway (400), and this says what it is, too large (413)."""
+        bus_limit = self.client.bus.nc.max_payload
+        return (MAX_BODY_BYTES, "this server's limit") if MAX_BODY_BYTES <= bus_limit else (bus_limit, "the NATS server's max_payload")
 
     async def _models(self, writer: asyncio.StreamWriter) -> int:
         try:

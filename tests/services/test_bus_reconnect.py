@@ -11,8 +11,11 @@ from collections.abc import Callable
 
 import pytest
 
-from services_helpers import start_nats_server, until_listened
+from services.launch import start_nats_server
+from services.ranks import free_port
+from services_helpers import until_listened
 from shared.bus import Deadline, PayloadTooLarge, Reconnected, connect
+from shared.settings import NatsServerSettings
 
 
 async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -22,7 +25,7 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0)
         await asyncio.sleep(0.01)
 
 
-def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server):
+def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server, tmp_path):
     port, procs = nats_server
     url = f"nats://127.0.0.1:{port}"
 
@@ -39,7 +42,7 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server
             got.append((await stream.__anext__()).data)
             procs[0].kill()
             procs[0].wait()
-            procs.append(start_nats_server(port))
+            procs.append(start_nats_server(port, NatsServerSettings(), tmp_path))
             restarted = time.monotonic()
             with pytest.raises(Reconnected):
                 async for msg in stream:
@@ -61,11 +64,11 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server
 
 
 def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_connection_stays(nats_server):
-    """nats-server refuses messages above its max_payload (1 MiB by default); the bus says so
-    (PayloadTooLarge, a BusError) for streams, requests and publishes alike, and the
-    connection keeps working."""
+    """nats-server refuses messages above its max_payload (8 MiB as moebus starts it by default);
+    the bus says so (PayloadTooLarge, a BusError), naming the limit the server announced, for
+    streams, requests and publishes alike, and the connection keeps working."""
     port, _ = nats_server
-    big = b"x" * (2 << 20)
+    big = b"x" * (9 << 20)
 
     async def scenario() -> list[str]:
         async with connect(f"nats://127.0.0.1:{port}", "echo") as echo, connect(f"nats://127.0.0.1:{port}", "caller") as caller:
@@ -84,4 +87,30 @@ def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_conne
             return errors
 
     errors = asyncio.run(scenario())
-    assert all(f"{2 << 20} bytes on echo exceeds the NATS server's max_payload of {1 << 20} bytes" in e for e in errors), errors
+    assert all(f"{9 << 20} bytes on echo exceeds the NATS server's max_payload of {8 << 20} bytes" in e for e in errors), errors
+
+
+def test_a_server_started_with_a_raised_max_payload_carries_larger_messages(tmp_path):
+    """``max_payload`` reaches nats-server through its config file: at 16 MiB a 9 MiB request and
+    its 9 MiB reply go through, the client reads the limit from the server, and above it the
+    typed error names 16 MiB."""
+    port = free_port()
+    server = start_nats_server(port, NatsServerSettings(max_payload=16 << 20), tmp_path)
+    url = f"nats://127.0.0.1:{port}"
+
+    async def scenario() -> tuple[int, list[bytes], str]:
+        async with connect(url, "echo") as echo, connect(url, "caller") as caller:
+            await echo.subscribe("echo", lambda msg: msg.respond(msg.data))
+            await until_listened(caller, "echo")
+            replies = [m.data async for m in caller.stream("echo", b"y" * (9 << 20), lambda m: True, Deadline.after(30))]
+            with pytest.raises(PayloadTooLarge) as refused:
+                await caller.publish("echo", b"z" * (17 << 20))
+            return caller.nc.max_payload, replies, str(refused.value)
+
+    try:
+        limit, replies, refused = asyncio.run(scenario())
+    finally:
+        server.kill()
+        server.wait()
+    assert limit == 16 << 20 and replies == [b"y" * (9 << 20)]
+    assert f"exceeds the NATS server's max_payload of {16 << 20} bytes" in refused

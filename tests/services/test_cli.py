@@ -1,7 +1,9 @@
-"""`moebus up --demo` and `moebus request` as a user runs them (what `make demo` does)."""
+"""`moebus up --demo` and `moebus request` as a user runs them (what `make demo` does), with the
+NATS server's max_payload raised through the environment."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,11 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from shared.bus import connect
+
 pytestmark = pytest.mark.slow
 
 
+async def announced_max_payload(url: str) -> int:
+    async with connect(url, "test-cli") as bus:
+        return bus.nc.max_payload
+
+
 def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path):
-    env = {**os.environ, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1", "MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20)}
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--demo", "--log-dir", str(tmp_path / "logs")],
         env=env,
@@ -39,6 +48,9 @@ def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path)
         assert "finish=length completion_tokens=24" in output, output
         url = next(line.split("NATS at ")[1].split()[0] for line in lines if "NATS at " in line)
         assert (tmp_path / "cache" / "tiny-qwen3-moe" / "config.json").exists()
+        # The NATS server took its max_payload from the environment, through the config file in the log directory.
+        assert f"max_payload {16 << 20} bytes" in output and (tmp_path / "logs" / "nats-server.conf").read_text() == f"max_payload: {16 << 20}\n"
+        assert asyncio.run(announced_max_payload(url)) == 16 << 20
 
         reply = subprocess.run(
             [sys.executable, "-m", "services.cli", "request", "--url", url, "--prompt", "hi", "--max-tokens", "3", "--json"],

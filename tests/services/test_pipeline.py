@@ -27,6 +27,7 @@ from schemas.internal import Heartbeat, StageError
 from services.client import Client, GenerateError
 from services.common import decode_stage
 from shared.bus import CONTENT_TYPE, KEEPALIVE_HEADER, MSGPACK, pack
+from shared.settings import NatsServerSettings
 
 from services_helpers import all_kv_free, log_events, run, session, stack_fixture, stream_all
 
@@ -36,6 +37,7 @@ stack = stack_fixture(
     "single-node.yml",
     scale={"decode": 2},
     env={"MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "1000", "MOEBUS_DECODE_MAX_BATCH": "40"},
+    nats=NatsServerSettings(max_payload=1 << 20),  # nats-server's own default, so that a reply of ~2 MB exceeds it
 )
 
 PROMPTS = [
@@ -364,10 +366,11 @@ def test_bad_input_gets_a_typed_error_fast_and_others_are_unaffected(stack, toke
     assert good.token_ids == hf_greedy(tuple(tokenizer.encode(prompt)), 20)
 
 
-def test_a_reply_over_the_bus_payload_limit_is_a_typed_error_and_the_request_is_let_go(stack):
+def test_a_message_over_the_bus_payload_limit_is_a_typed_error_and_the_request_is_let_go(stack):
     """An answer larger than the NATS server's max_payload (1 MiB here: 900 prompt tokens with 20
     alternatives each is ~2 MB) cannot be sent: the client gets `invalid_request` naming the
-    limit (not `internal`), streamed or not, nothing stays in flight, and the next request runs."""
+    limit the server was started with and how to raise it (not `internal`), streamed or not,
+    nothing stays in flight, and the next request runs. A request that large never leaves the client."""
     prompt = list(range(10, 910))
 
     async def go():
@@ -378,14 +381,30 @@ def test_a_reply_over_the_bus_payload_limit_is_a_typed_error_and_the_request_is_
                 with pytest.raises(GenerateError) as e:
                     await (stream_all(client, req) if stream else client.generate(req))
                 errors.append(e.value)
+            with pytest.raises(GenerateError) as too_big:
+                await client.generate(GenerateRequest(prompt="x" * (2 << 20), max_tokens=1))
             after = await client.generate(GenerateRequest(input_ids=prompt[:8], max_tokens=2, temperature=0))
             await watch.wait_for(all_kv_free, 10, "every KV page free")
-            return errors, after
+            return errors, too_big.value, after
 
-    errors, after = run(go())
+    errors, too_big, after = run(go())
     for e in errors:
-        assert e.code == "invalid_request" and "too large for the bus" in e.message and "max_payload" in e.message, e.message
+        assert e.code == "invalid_request" and "too large for the bus" in e.message, e.message
+        assert f"exceeds the NATS server's max_payload of {1 << 20} bytes" in e.message and "MOEBUS_NATS_MAX_PAYLOAD" in e.message
+    assert too_big.code == "invalid_request" and f"exceeds the NATS server's max_payload of {1 << 20} bytes" in too_big.message
     assert len(after.token_ids) == 2
+
+
+def test_the_openai_frontend_refuses_a_body_over_the_bus_payload_limit_with_413(stack):
+    """A body the bus cannot carry (its request would exceed the NATS server's max_payload, 1 MiB
+    here) is refused as too large (413, naming that limit), as one over the frontend's own limit is."""
+    url = stack.frontend_urls()["openai-0"] + "/completions"
+    body = json.dumps({"prompt": "x" * (2 << 20), "max_tokens": 1}).encode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout=30)
+    assert refused.value.code == 413
+    assert json.loads(refused.value.read())["error"]["message"] == (
+        f"request body of {len(body)} bytes exceeds the NATS server's max_payload of {1 << 20} bytes (1 MiB)")
 
 
 def test_a_stage_error_from_a_stage_not_serving_the_request_is_ignored(stack, tokenizer, hf_greedy):

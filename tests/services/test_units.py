@@ -6,17 +6,19 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, TokenBatch
 from services.gateway.admission import Admission, ModelInfo, Rejected
 from services.gateway.completion import Completion, TokensLost
+from services import launch
 from services.launch import REPO_ROOT, StackError, load_compose
 from services.model_rank import sampling_params
 from services.openai import protocol
 from services.scheduler.registry import Registry
 from shared.model.tokenizer import Tokenizer
-from shared.settings import DecodeSettings, GatewaySettings, PrefillSettings, SettingsError, load_settings
+from shared.settings import DecodeSettings, GatewaySettings, NatsServerSettings, PrefillSettings, SettingsError, load_settings, nats_server_settings
 
 
 # ---------------------------------------------------------------- admission
@@ -145,6 +147,36 @@ def test_compose_files_parse_into_local_services():
     assert [single[n].role for n in roles] == list(roles)
     # The HTTP frontends' address comes from the environment, as docker compose reads it.
     assert single["openai"].args == ["--host", "0.0.0.0", "--port", "8123"] and single["metrics"].args[-1] == "9464"
+
+
+def test_nats_max_payload_is_typed_and_bounded_by_nats_servers_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert nats_server_settings(env={}).max_payload == 8 << 20
+    assert nats_server_settings(env={"MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20)}).max_payload == 16 << 20
+    assert nats_server_settings(32 << 20, env={"MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20)}).max_payload == 32 << 20  # the flag wins
+    assert launch.nats_config(NatsServerSettings(max_payload=64 << 20)) == f"max_payload: {64 << 20}\n"
+    with pytest.raises(SettingsError, match=r"MOEBUS_NATS_MAX_PAYLOAD.*Expected `int`"):
+        nats_server_settings(env={"MOEBUS_NATS_MAX_PAYLOAD": "8MB"})
+    with pytest.raises(SettingsError, match=r"--nats-max-payload.*max_payload must be in \[1048576, 67108864\].*got 67108865"):
+        nats_server_settings((64 << 20) + 1)  # nats-server would refuse to start
+    with pytest.raises(SettingsError, match=r"max_payload must be in \[1048576, 67108864\].*got 1000"):
+        nats_server_settings(env={"MOEBUS_NATS_MAX_PAYLOAD": "1000"})
+    # `moebus up` says so and starts nothing.
+    assert launch.main(["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs"), "--nats-max-payload", "1000"]) == 2
+    assert "max_payload must be in [1048576, 67108864] bytes" in capsys.readouterr().err and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("compose", ["single-node.yml", "split-nodes.yml"])
+def test_compose_files_configure_nats_as_moebus_up_does(compose: str):
+    """Under docker compose, the `nats` service reads the config file `moebus up` writes for its
+    local server, from the same variable with the same default."""
+    doc = yaml.safe_load((REPO_ROOT / "compose" / compose).read_text())
+    nats = doc["services"]["nats"]
+    (mount,) = nats["configs"]
+    assert nats["command"][:2] == ["-c", mount["target"]]
+    content = doc["configs"][mount["source"]]["content"]
+    assert launch._interpolate(content, {}) == launch.nats_config(NatsServerSettings())
+    raised = {"MOEBUS_NATS_MAX_PAYLOAD": str(32 << 20)}
+    assert launch._interpolate(content, raised) == launch.nats_config(nats_server_settings(env=raised))
 
 
 def test_compose_errors_name_the_problem(tmp_path: Path):
