@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
-from services.common import Heartbeater, decode_stage
+from services.common import Heartbeater, cancel_applies, decode_stage
 from services.decode.lockstep import GroupState, Lockstep
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params, top_candidates
@@ -160,6 +160,10 @@ class DecodeRank:
         def refuse(reason: str) -> KVReservation:
             return KVReservation(request_id=req.request_id, ok=False, reason=reason)
 
+        if req.reply_by and time.time() > req.reply_by:
+            # The scheduler has stopped waiting (placed the request elsewhere or refused it):
+            # pages reserved now would be held for nobody until the lease ends.
+            return refuse("the scheduler stopped waiting for this answer")
         if self.draining:
             return refuse("draining")
         if len(self.running) + len(self.reserved) >= self.settings.max_batch:
@@ -238,6 +242,8 @@ class DecodeRank:
 
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
+        if not cancel_applies(cancel, self.name):
+            return
         if (res := self.reserved.get(cancel.request_id)) is not None:
             await self._drop_reservation(res, None, cancel.reason)
         elif (entry := self.running.get(cancel.request_id)) is not None:

@@ -39,7 +39,7 @@ from schemas.api import (
     Usage,
 )
 from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitAck, SubmitJob, TokenBatch, TokenMessage
-from services.common import Heartbeater, decode_stage, prefill_stage
+from services.common import Heartbeater, cancel_applies, decode_stage, prefill_stage
 from services.gateway.admission import Admission, Admitted, Rejected
 from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
@@ -147,6 +147,8 @@ class Gateway:
 
     async def _on_ctl_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
+        if not cancel_applies(cancel, None):
+            return  # a stage releasing what it holds; the request goes on elsewhere
         error = StageError(request_id=cancel.request_id, code="cancelled", message=cancel.reason, stage=f"gateway:{self.id}")
         if cancel.request_id in self.admitting:
             self.admitting[cancel.request_id] = error  # answered when its admission returns

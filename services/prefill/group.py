@@ -47,7 +47,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
-from services.common import Heartbeater, prefill_stage
+from services.common import Heartbeater, cancel_applies, prefill_stage
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, Deadline, pack, unpack
@@ -151,8 +151,10 @@ class PrefillGroup:
         self.arrived.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
-        rid = unpack(msg.data, Cancel).request_id
-        for queued in [q for q in self.queue if q.task.job.request_id == rid]:
+        cancel = unpack(msg.data, Cancel)
+        if not cancel_applies(cancel, self.name):
+            return
+        for queued in [q for q in self.queue if q.task.job.request_id == cancel.request_id]:
             self.queue.remove(queued)
 
     async def _on_heartbeat(self, msg: Msg) -> None:

@@ -1,0 +1,117 @@
+"""Placement when a decode rank answers late, on a real stack (compose/single-node.yml, decode
+scaled to two instances, `decode-0` and `decode-1`).
+
+A rank answers a reservation late when its process stalls (here: SIGSTOP) or its answer is
+lost. The scheduler has then moved on, so pages the late rank reserves would be held for
+nobody until the lease ends (30 s), and counted in its batch. Such a rank must refuse the
+stale request (`ReserveKV.reply_by`) and free what it reserved when the scheduler releases
+it (a `ctl.cancel` targeted at that rank alone), while the request runs on another rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from schemas import subjects
+from schemas.api import GenerateRequest
+from schemas.internal import Cancel, KVReservation, ReserveKV
+from services.common import decode_stage
+from shared.bus import pack
+
+from services_helpers import HeartbeatWatch, all_kv_free, log_events, run, session, stack_fixture
+
+pytestmark = pytest.mark.slow
+
+stack = stack_fixture("single-node.yml", scale={"decode": 2})
+
+RESERVE_TIMEOUT_S = 0.5  # the scheduler's default reserve_timeout_ms
+PROMPT = "The capital of France is"
+
+
+def _decode(watch: HeartbeatWatch, instance: str):  # type: ignore[no-untyped-def]
+    return watch.latest[("decode", instance, 0)]
+
+
+def _reserve(instance: str, request_id: str, gateway: str, reply_by: float) -> tuple[str, ReserveKV]:
+    now = time.time()
+    return subjects.decode_reserve(instance, 0), ReserveKV(request_id=request_id, gateway=gateway, prompt_tokens=20, max_tokens=20,
+                                                           lease_until=now + 30, reply_by=reply_by)
+
+
+def test_a_rank_that_answers_a_reservation_too_late_holds_nothing_and_the_request_runs_elsewhere(stack, tokenizer, hf_greedy):
+    """decode-0 (tried first: both ranks are empty and its name sorts first) is stopped for
+    longer than the scheduler waits for its answer, so the request goes to decode-1. Once
+    decode-0 runs again it gets to the reservation request: within a second or so its pages
+    must all be free and its batch empty (before the fix it held them for the whole 30 s
+    lease), and the request, on decode-1, must be served in full."""
+    late = next(r for r in stack.replicas if r.instance == "decode-0")
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("decode")) == 2 and all_kv_free(w), 10, "both decode ranks idle")
+            os.killpg(late.proc.pid, signal.SIGSTOP)
+            try:
+                answer = asyncio.ensure_future(client.generate(GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0, request_id="late-answer")))
+                await asyncio.sleep(2 * RESERVE_TIMEOUT_S)  # short of the scheduler's 1.5 s heartbeat expiry
+            finally:
+                os.killpg(late.proc.pid, signal.SIGCONT)
+            resumed = time.monotonic()
+            response = await answer
+            await asyncio.sleep(max(0.0, resumed + 1.5 - time.monotonic()))  # the late rank reached the request long ago
+            await watch.wait_for(lambda w: w.seen_at[("decode", "decode-0", 0)] > resumed + 1.0, 5, "a fresh heartbeat of decode-0")
+            return response, _decode(watch, "decode-0")
+
+    response, late_hb = run(go())
+    assert late_hb.kv_free_pages == late_hb.kv_total_pages and late_hb.batch_size == 0, late_hb
+    assert response.token_ids == hf_greedy(tuple(tokenizer.encode(PROMPT)), 16)
+    reserve_failed = [e["decode"] for e in log_events(stack, "reserve_failed") if e.get("request_id") == "late-answer"]
+    placed = [e["decode"] for e in log_events(stack, "placed") if e.get("request_id") == "late-answer" and e["replica"].startswith("scheduler")]
+    assert reserve_failed == ["decode-0/0"] and placed == ["decode-1/0"], (reserve_failed, placed)
+
+
+def test_a_reservation_request_past_its_reply_by_is_refused(stack):
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1 and all_kv_free(w), 10, "an idle stack")
+            gateway = watch.live("gateway")[0].instance
+            subject, stale = _reserve("decode-0", "stale", gateway, reply_by=time.time() - 0.01)
+            try:
+                return await client.bus.request(subject, stale, KVReservation, timeout=5)
+            finally:
+                await client.bus.publish(subjects.CTL_CANCEL, pack(Cancel("stale", "the test is over")))  # should it have reserved
+
+    reply = run(go())
+    assert not reply.ok and reply.descriptor is None and "stopped waiting" in reply.reason, reply
+
+
+def test_a_release_targeted_at_one_rank_frees_only_its_reservation(stack):
+    """The same request holds a reservation on both ranks (as when decode-0's answer was lost and
+    decode-1 then reserved): a cancel targeted at decode-0 frees decode-0's pages, and
+    decode-1's reservation stays until an ordinary cancel."""
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            bus = client.bus
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1 and all_kv_free(w), 10, "an idle stack")
+            gateway = watch.live("gateway")[0].instance
+            for instance in ("decode-0", "decode-1"):
+                subject, request = _reserve(instance, "twin", gateway, reply_by=time.time() + 5)
+                assert (await bus.request(subject, request, KVReservation, timeout=5)).ok
+            await watch.wait_for(lambda w: all(hb.batch_size == 1 for hb in w.live("decode")), 5, "both reservations in the heartbeats")
+            await bus.publish(subjects.CTL_CANCEL, pack(Cancel("twin", "released by the test", stage=decode_stage("decode-0", 0))))
+            await watch.wait_for(lambda w: _decode(w, "decode-0").batch_size == 0, 5, "decode-0's reservation freed")
+            freed_at = time.monotonic()
+            await watch.wait_for(lambda w: w.seen_at[("decode", "decode-1", 0)] > freed_at + 0.6, 5, "a later heartbeat of decode-1")
+            kept = _decode(watch, "decode-1")
+            await bus.publish(subjects.CTL_CANCEL, pack(Cancel("twin", "done")))
+            await watch.wait_for(all_kv_free, 5, "every page back after the untargeted cancel")
+            return _decode(watch, "decode-0"), kept
+
+    released, kept = run(go())
+    assert released.kv_free_pages == released.kv_total_pages
+    assert kept.batch_size == 1 and kept.kv_free_pages < kept.kv_total_pages, kept
