@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 from nats.aio.msg import Msg
 
 from schemas import subjects
@@ -20,7 +21,7 @@ from schemas.internal import Cancel, Heartbeat, Job, KVReservation, Placement, P
 from services.common import Heartbeater, cancel_applies, decode_stage
 from services.liveness import Hearing
 from services.scheduler.registry import Member, Registry
-from shared.bus import Bus, BusError, Deadline, RequestTimeout, pack, unpack
+from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.settings import SchedulerSettings
 
@@ -84,7 +85,14 @@ class Scheduler:
                 self.capacity_changed.notify_all()
 
     async def _on_submit(self, msg: Msg) -> None:
-        job = unpack(msg.data, SubmitJob).job
+        """Every submit gets a SubmitAck: a placement or a typed error (a gateway left without one
+        would wait out its submit timeout and then call the scheduler gone)."""
+        try:
+            job = unpack(msg.data, SubmitJob).job
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("bad_submit", error=str(e))
+            await msg.respond(pack(SubmitAck(request_id="", error_code="invalid_request", error_message=f"malformed SubmitJob: {e}")))
+            return
         with bind_request(request_id=job.request_id):
             try:
                 placement = await self.place(job)
@@ -92,6 +100,9 @@ class Scheduler:
             except Refused as e:
                 log.info("refused", code=e.code, reason=str(e))
                 ack = SubmitAck(request_id=job.request_id, error_code=e.code, error_message=str(e))
+            except Exception as e:  # noqa: BLE001 - a bug or a peer's bad answer: the gateway must hear at once
+                log.exception("submit_failed")
+                ack = SubmitAck(request_id=job.request_id, error_code="internal", error_message=f"scheduler: {type(e).__name__}: {e}")
             await msg.respond(pack(ack))
 
     async def place(self, job: Job) -> Placement:
@@ -153,9 +164,10 @@ class Scheduler:
             task = PrefillTask(job=job, placement=placement, descriptor=reservation.descriptor)
             try:
                 await self.bus.publish(subjects.prefill_task(prefill.hb.instance), pack(task))
-            except Exception:
-                await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "prefill task not sent")))
-                raise
+            except BusError as e:
+                await self._release(decode, job.request_id, "prefill task not sent")
+                code: ErrorCode = "invalid_request" if isinstance(e, PayloadTooLarge) else "unavailable"
+                raise Refused(code, f"the prefill task could not be sent: {e}") from e
             prefill.pending_tokens += len(job.input_ids)
             log.info("placed", decode=f"{decode.hb.instance}/{decode.hb.rank}", prefill=prefill.hb.instance, num_tokens=num_tokens)
             return placement

@@ -1,5 +1,6 @@
-"""Placement when a decode rank answers late, on a real stack (compose/single-node.yml, decode
-scaled to two instances, `decode-0` and `decode-1`).
+"""Placement faults on a real stack (compose/single-node.yml, decode scaled to two instances,
+`decode-0` and `decode-1`): a decode rank that answers late, and submits the scheduler cannot
+place for reasons other than capacity, which must still get a typed answer at once.
 
 A rank answers a reservation late when its process stalls (here: SIGSTOP) or its answer is
 lost. The scheduler has then moved on, so pages the late rank reserves would be held for
@@ -11,17 +12,20 @@ it (a `ctl.cancel` targeted at that rank alone), while the request runs on anoth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 
+import msgspec
 import pytest
 
 from schemas import subjects
 from schemas.api import GenerateRequest
-from schemas.internal import Cancel, KVReservation, ReserveKV
+from schemas.internal import Cancel, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
+from services.client import GenerateError
 from services.common import decode_stage
-from shared.bus import pack
+from shared.bus import pack, unpack
 
 from services_helpers import HeartbeatWatch, all_kv_free, log_events, run, session, stack_fixture
 
@@ -115,3 +119,80 @@ def test_a_release_targeted_at_one_rank_frees_only_its_reservation(stack):
     released, kept = run(go())
     assert released.kv_free_pages == released.kv_total_pages
     assert kept.batch_size == 1 and kept.kv_free_pages < kept.kv_total_pages, kept
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", pack({"job": {"request_id": "x"}})], ids=["not-msgpack", "missing-fields"])
+def test_a_malformed_submit_gets_invalid_request(stack, payload):
+    async def go():
+        async with session(stack.url) as (client, _):
+            return unpack((await client.bus.nc.request(subjects.SUBMIT, payload, timeout=5)).data, SubmitAck)
+
+    ack = run(go())
+    assert ack.placement is None and ack.error_code == "invalid_request" and "malformed SubmitJob" in ack.error_message, ack
+
+
+def test_a_prefill_task_over_the_bus_payload_limit_is_refused_and_its_reservation_freed(stack):
+    """A SubmitJob just under the NATS server's max_payload fits on the bus, the PrefillTask built
+    from it (the job plus the decode rank's descriptor) does not: publishing it fails after the
+    reservation was made. Before the fix the submit got no answer at all."""
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1 and all_kv_free(w), 10, "an idle stack")
+            job = Job(request_id="huge", gateway=watch.live("gateway")[0].instance, input_ids=[1, 2, 3], max_tokens=4,
+                      sampling=SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None), stop_token_ids=[], logprobs=False,
+                      deadline=time.time() + 30)
+            padding = client.bus.nc.max_payload - 64 - len(pack(SubmitJob(job=job)))
+            job.stop_token_ids = [0] * (padding - 4)  # msgpack: one byte per 0, a 5-byte array header instead of 1
+            payload = pack(SubmitJob(job=job))
+            assert client.bus.nc.max_payload - 64 <= len(payload) < client.bus.nc.max_payload
+            started = time.monotonic()
+            ack = unpack((await client.bus.nc.request(subjects.SUBMIT, payload, timeout=5)).data, SubmitAck)
+            answered_s = time.monotonic() - started
+            await watch.wait_for(all_kv_free, 3, "the reservation made for the task freed")
+            return ack, answered_s
+
+    ack, answered_s = run(go())
+    assert ack.placement is None and ack.error_code == "invalid_request" and "max_payload" in ack.error_message, ack
+    assert answered_s < 2.0
+
+
+def test_an_unexpected_error_while_placing_is_an_internal_error_at_once(stack):
+    """A decode rank that answers its reservation with bytes that are no KVReservation (a test
+    stands in for it: a heartbeat with the most free KV, so it is asked first) makes placing
+    raise. The gateway must hear `internal` at once; before the fix the scheduler sent nothing
+    and the gateway waited its 10 s submit timeout, then reported the scheduler gone."""
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            bus = client.bus
+            await watch.wait_for(lambda w: len(w.live("decode")) == 2, 10, "both decode ranks")
+            real = watch.live("decode")[0]
+            fake = msgspec.structs.replace(real, instance="broken", started_at=time.time(), kv_total_pages=10**6, kv_free_pages=10**6)
+
+            async def beat() -> None:
+                while True:
+                    await bus.publish(subjects.heartbeat("decode", "broken", 0), pack(fake))
+                    await asyncio.sleep(0.25)
+
+            async def answer_badly(msg) -> None:  # type: ignore[no-untyped-def]
+                await msg.respond(b"\xc1")
+
+            await bus.subscribe(subjects.decode_reserve("broken", 0), answer_badly)
+            beating = asyncio.ensure_future(beat())
+            try:
+                await watch.wait_for(lambda w: any(hb.instance == "broken" for hb in w.live("decode")), 5, "the stand-in's heartbeat")
+                started = time.monotonic()
+                with pytest.raises(GenerateError) as failed:
+                    await client.generate(GenerateRequest(prompt=PROMPT, max_tokens=4, temperature=0, request_id="bad-answer"))
+                return failed.value, time.monotonic() - started
+            finally:
+                beating.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beating
+
+    error, elapsed = run(go())
+    assert error.code == "internal" and "DecodeError" in error.message, error
+    assert elapsed < 3.0
+    failures = [e for e in log_events(stack, "submit_failed") if e.get("request_id") == "bad-answer"]
+    assert len(failures) == 1 and failures[0]["replica"].startswith("scheduler"), failures
