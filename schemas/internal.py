@@ -76,6 +76,9 @@ class ReserveKV(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Unix time after which the scheduler no longer waits for the answer: a rank that gets to the
     # request later refuses it, as a reservation made then would be held for nobody. 0: no bound.
     reply_by: float = 0.0
+    # The request's deadline (Unix time): a lease that ends at it ends the request as `timeout`.
+    # 0: unknown (an older scheduler).
+    deadline: float = 0.0
 
 
 class KVReservation(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -405,7 +405,10 @@ class PrefillGroup:
             job = o.task.job
             with bind_request(request_id=job.request_id):
                 if o.error is not None or o.output is None:
-                    await self._fail(o.task, "unavailable", o.error or "prefill failed")
+                    # Failing after the deadline, typically a KV send cut off by a lease that ends at the
+                    # deadline, is the deadline passing: `timeout`, as the gateway says at its deadline.
+                    code: ErrorCode = "timeout" if Deadline(job.deadline).expired else "unavailable"
+                    await self._fail(o.task, code, o.error or "prefill failed")
                     continue
                 out = o.output
                 prompt_logprobs, prompt_tops = prompt_candidates(out)

@@ -191,6 +191,7 @@ class Scheduler:
             max_tokens=job.max_tokens,
             lease_until=min(job.deadline, now + self.settings.lease_s),
             reply_by=now + timeout,
+            deadline=job.deadline,
         )
         subject = subjects.decode_reserve(decode.hb.instance, decode.hb.rank)
         try:
