@@ -388,6 +388,28 @@ def test_a_reply_over_the_bus_payload_limit_is_a_typed_error_and_the_request_is_
     assert len(after.token_ids) == 2
 
 
+def test_a_first_token_batch_over_the_bus_payload_limit_fails_only_its_request(stack):
+    """The prefill's own message can be over max_payload too: the first token's batch carries the
+    prompt logprobs, 20 alternatives for each of 4000 prompt tokens here (~1.1 MB of msgpack).
+    That request gets `invalid_request` naming the limit; the prefill instance serves on (the
+    error escaped its batch loop and the instance exited) and the reservation is freed."""
+    prompt = [10 + (i * 7919) % 150_000 for i in range(4000)]
+    prefill = next(r for r in stack.replicas if r.role == "prefill" and r.proc.poll() is None)
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            with pytest.raises(GenerateError) as too_large:
+                await client.generate(GenerateRequest(input_ids=prompt, max_tokens=2, temperature=0, prompt_logprobs=20, timeout_ms=30_000))
+            after = await client.generate(GenerateRequest(input_ids=prompt[:8], max_tokens=2, temperature=0, timeout_ms=30_000))
+            await watch.wait_for(all_kv_free, 10, "every KV page free")
+            return too_large.value, after
+
+    error, after = run(go())
+    assert error.code == "invalid_request" and "too large for the bus" in error.message and "max_payload" in error.message, error.message
+    assert error.message.startswith(f"prefill:{prefill.instance}"), error.message
+    assert len(after.token_ids) == 2 and prefill.proc.poll() is None
+
+
 def test_a_stage_error_from_a_stage_not_serving_the_request_is_ignored(stack, tokenizer, hf_greedy):
     """A decode rank that answered its reservation too late (the scheduler placed the request on
     another rank) reports the end of that ghost reservation's lease on the request's token
