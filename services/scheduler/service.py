@@ -121,6 +121,11 @@ class Scheduler:
                 if job.request_id in self.cancelled:
                     raise Refused("cancelled", "cancelled while waiting for capacity")
                 placement = await self._try_place(job)
+                if placement is not None and job.request_id in self.cancelled:
+                    # Cancelled while we reserved: whoever cancelled (e.g. a gateway whose submit timed
+                    # out) has forgotten the request and will not cancel again after our answer.
+                    await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "cancelled while being placed")))
+                    raise Refused("cancelled", "cancelled while being placed")
                 if placement is not None:
                     self.placed += 1
                     return placement

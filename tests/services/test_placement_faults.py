@@ -18,6 +18,7 @@ import signal
 import time
 
 import msgspec
+import nats.errors
 import pytest
 
 from schemas import subjects
@@ -119,6 +120,36 @@ def test_a_release_targeted_at_one_rank_frees_only_its_reservation(stack):
     released, kept = run(go())
     assert released.kv_free_pages == released.kv_total_pages
     assert kept.batch_size == 1 and kept.kv_free_pages < kept.kv_total_pages, kept
+
+
+def test_a_request_cancelled_while_the_scheduler_reserves_is_let_go_once_placed(stack):
+    """A gateway whose submit timed out cancels the request (ctl.cancel) and forgets it (the test
+    stands in for it). The scheduler, still waiting for decode-0 (stopped), then places the
+    request on decode-1: it must cancel that placement itself, as nobody else will. Before the
+    fix decode-1 ran the request's 4000 tokens for nobody."""
+    late = next(r for r in stack.replicas if r.instance == "decode-0")
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            bus = client.bus
+            await watch.wait_for(lambda w: len(w.live("decode")) == 2 and len(w.live("gateway")) == 1 and all_kv_free(w), 10, "an idle stack")
+            job = Job(request_id="given-up", gateway=watch.live("gateway")[0].instance, input_ids=list(range(10, 18)), max_tokens=4000,
+                      sampling=SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None), stop_token_ids=[], logprobs=False,
+                      ignore_eos=True, deadline=time.time() + 60)
+            os.killpg(late.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(nats.errors.TimeoutError):
+                    await bus.nc.request(subjects.SUBMIT, pack(SubmitJob(job=job)), timeout=RESERVE_TIMEOUT_S / 2)
+                await bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "the scheduler did not answer")))
+                await asyncio.sleep(2 * RESERVE_TIMEOUT_S)
+            finally:
+                os.killpg(late.proc.pid, signal.SIGCONT)
+            await watch.wait_for(all_kv_free, 5, "every page free and no request running")
+
+    run(go())
+    placed = [e["decode"] for e in log_events(stack, "placed") if e.get("request_id") == "given-up"]
+    refused = [e["code"] for e in log_events(stack, "refused") if e.get("request_id") == "given-up"]
+    assert placed == ["decode-1/0"] and refused == ["cancelled"], (placed, refused)  # placed after the cancel, then let go
 
 
 @pytest.mark.parametrize("payload", [b"\xc1", pack({"job": {"request_id": "x"}})], ids=["not-msgpack", "missing-fields"])
