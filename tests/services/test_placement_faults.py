@@ -42,6 +42,15 @@ def _decode(watch: HeartbeatWatch, instance: str):  # type: ignore[no-untyped-de
     return watch.latest[("decode", instance, 0)]
 
 
+async def _scheduler_logged(stack, event: str, request_id: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Until the scheduler logged `event` for the request (while a decode rank is stopped: its
+    wait does not depend on how loaded this box is)."""
+    deadline = time.monotonic() + timeout
+    while not any(e.get("request_id") == request_id and e["replica"].startswith("scheduler") for e in log_events(stack, event)):
+        assert time.monotonic() < deadline, f"the scheduler logged no {event} for {request_id} within {timeout}s"
+        await asyncio.sleep(0.05)
+
+
 def _reserve(instance: str, request_id: str, gateway: str, reply_by: float) -> tuple[str, ReserveKV]:
     now = time.time()
     return subjects.decode_reserve(instance, 0), ReserveKV(request_id=request_id, gateway=gateway, prompt_tokens=20, max_tokens=20,
@@ -62,7 +71,7 @@ def test_a_rank_that_answers_a_reservation_too_late_holds_nothing_and_the_reques
             os.killpg(late.proc.pid, signal.SIGSTOP)
             try:
                 answer = asyncio.ensure_future(client.generate(GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0, request_id="late-answer")))
-                await asyncio.sleep(2 * RESERVE_TIMEOUT_S)  # short of the scheduler's 1.5 s heartbeat expiry
+                await _scheduler_logged(stack, "reserve_failed", "late-answer")  # its wait for decode-0 is over
             finally:
                 os.killpg(late.proc.pid, signal.SIGCONT)
             resumed = time.monotonic()
@@ -141,7 +150,7 @@ def test_a_request_cancelled_while_the_scheduler_reserves_is_let_go_once_placed(
                 with pytest.raises(nats.errors.TimeoutError):
                     await bus.nc.request(subjects.SUBMIT, pack(SubmitJob(job=job)), timeout=RESERVE_TIMEOUT_S / 2)
                 await bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "the scheduler did not answer")))
-                await asyncio.sleep(2 * RESERVE_TIMEOUT_S)
+                await _scheduler_logged(stack, "refused", job.request_id)
             finally:
                 os.killpg(late.proc.pid, signal.SIGCONT)
             await watch.wait_for(all_kv_free, 5, "every page free and no request running")
