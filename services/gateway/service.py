@@ -348,6 +348,8 @@ class Gateway:
             ack = await self.bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=deadline.timeout(cap=self.settings.submit_timeout_s))
         except NoResponders as e:
             raise Failed("unavailable", "no scheduler is running") from e
+        except PayloadTooLarge as e:  # never sent: no scheduler could take it, retrying will not help
+            raise Failed("invalid_request", f"the request is too large for the bus ({e}); send a shorter prompt") from e
         except BusError as e:
             if deadline.expired:
                 raise Failed("timeout", "deadline passed while waiting for the scheduler") from e

