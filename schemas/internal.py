@@ -73,6 +73,12 @@ class ReserveKV(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_tokens: int  # KV that prefill will write
     max_tokens: int  # room the decode rank keeps for the completion
     lease_until: float  # Unix time; the rank frees the pages if StartDecode has not come by then
+    # Unix time after which the scheduler no longer waits for the answer: a rank that gets to the
+    # request later refuses it, as a reservation made then would be held for nobody. 0: no bound.
+    reply_by: float = 0.0
+    # The request's deadline (Unix time): a lease that ends at it ends the request as `timeout`.
+    # 0: unknown (an older scheduler).
+    deadline: float = 0.0
 
 
 class KVReservation(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -203,8 +209,15 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     requests: RequestStats | None = None
 
 
-class Cancel(msgspec.Struct, forbid_unknown_fields=True):
-    """ctl.cancel fan-out: every stage drops the request and frees what it holds for it."""
+class Cancel(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """ctl.cancel fan-out: every stage drops the request and frees what it holds for it.
+
+    With ``stage`` set (a name as in ``StageError.stage``), only that stage frees what it holds
+    for the request and nobody else acts on it: the request goes on elsewhere (a scheduler
+    releasing a reservation it stopped waiting for). Defaults are not encoded, so a cancel
+    without ``stage`` is the same bytes as before the field existed.
+    """
 
     request_id: str
     reason: str
+    stage: str = ""

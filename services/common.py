@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from schemas import subjects
-from schemas.internal import Heartbeat, Role
+from schemas.internal import Cancel, Heartbeat, Role
 from shared.bus import Bus, pack
 from shared.logging import configure_logging, get_logger
 from shared.settings import SERVICES, ServiceSettings, SettingsError, load_settings
@@ -35,6 +35,13 @@ def decode_stage(instance: str, rank: int) -> str:
 def prefill_stage(instance: str) -> str:
     """The ``stage`` a prefill instance names in its ``StageError``s."""
     return f"prefill:{instance}"
+
+
+def cancel_applies(cancel: Cancel, stage: str | None) -> bool:
+    """Whether a ``ctl.cancel`` concerns this process: every stage acts on an untargeted one; a
+    targeted one (``Cancel.stage``) only the stage it names (``stage``; None for the gateway and
+    the scheduler, which no cancel targets: the request goes on elsewhere)."""
+    return not cancel.stage or cancel.stage == stage
 
 
 def parse_settings(service: str, argv: list[str], needs_model: str = "") -> ServiceSettings:

@@ -173,8 +173,14 @@ def start_nats_server(port: int, settings: NatsServerSettings, directory: Path) 
     """A nats-server on 127.0.0.1:``port`` configured by ``settings`` (its config file and log in
     ``directory``), accepting connections when this returns; it stops when this process dies."""
     directory.mkdir(parents=True, exist_ok=True)
-    config, log_path = directory / "nats-server.conf", directory / "nats-server.log"
+    config = directory / "nats-server.conf"
     config.write_text(nats_config(settings))
+    return spawn_nats_server(port, config, directory / "nats-server.log")
+
+
+def spawn_nats_server(port: int, config: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """A nats-server on 127.0.0.1:``port`` reading the config file ``config``, logging to ``log_path``,
+    accepting connections when this returns; it stops when this process dies."""
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=_drain_when_launcher_dies)

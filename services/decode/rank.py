@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
-from services.common import Heartbeater, decode_stage
+from services.common import Heartbeater, cancel_applies, decode_stage
 from services.decode.lockstep import GroupState, Lockstep
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params, top_candidates
@@ -39,7 +39,7 @@ from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState
 from shared.settings import DecodeSettings
-from shared.transfer import KVReceiver, TransferError
+from shared.transfer import KVReceiver, LeaseExpired, TransferError, TransferTimeout
 
 log = get_logger(__name__)
 
@@ -50,6 +50,7 @@ class Reservation:
     gateway: str
     extra_pages: list[int]  # completion room beyond the transferred prompt pages
     gateway_started_at: float  # the gateway's start time as last heard at reservation (0.0: unknown)
+    lease_is_deadline: bool  # the lease ends at the request's deadline: its end is the request's `timeout`
     lease: asyncio.TimerHandle | None = None
     starting: bool = False  # StartDecode arrived, waiting for the KV to land
 
@@ -160,6 +161,10 @@ class DecodeRank:
         def refuse(reason: str) -> KVReservation:
             return KVReservation(request_id=req.request_id, ok=False, reason=reason)
 
+        if req.reply_by and time.time() > req.reply_by:
+            # The scheduler has stopped waiting (placed the request elsewhere or refused it):
+            # pages reserved now would be held for nobody until the lease ends.
+            return refuse("the scheduler stopped waiting for this answer")
         if self.draining:
             return refuse("draining")
         if len(self.running) + len(self.reserved) >= self.settings.max_batch:
@@ -179,14 +184,17 @@ class DecodeRank:
         except (OutOfPages, ValueError) as e:
             return refuse(str(e))
         extra = allocator.alloc(total - len(descriptor.page_ids))
-        res = Reservation(req.request_id, req.gateway, extra, self.gateways.placed(gateway_key(req.gateway), time.monotonic()))
+        res = Reservation(req.request_id, req.gateway, extra, self.gateways.placed(gateway_key(req.gateway), time.monotonic()),
+                          lease_is_deadline=0 < req.deadline <= req.lease_until)
         res.lease = asyncio.get_running_loop().call_later(lease_s, self._lease_ended, res)
         self.reserved[req.request_id] = res
         return KVReservation(request_id=req.request_id, ok=True, descriptor=descriptor)
 
     def _lease_ended(self, res: Reservation) -> None:
         if self.reserved.get(res.request_id) is res and not res.starting:
-            asyncio.get_running_loop().create_task(self._drop_reservation(res, "unavailable", "KV reservation lease ended before prefill delivered"))
+            code, message = ("timeout", "deadline passed before prefill delivered the KV") if res.lease_is_deadline else \
+                ("unavailable", "KV reservation lease ended before prefill delivered")
+            asyncio.get_running_loop().create_task(self._drop_reservation(res, code, message))
 
     async def _drop_reservation(self, res: Reservation, code: ErrorCode | None, message: str) -> None:
         """Free everything a reservation holds; tell the gateway unless it asked for this."""
@@ -214,7 +222,9 @@ class DecodeRank:
             try:
                 pages = await self.receiver.wait_complete(job.request_id, Deadline(job.deadline).timeout())
             except TransferError as e:
-                await self._drop_reservation(res, "unavailable", f"KV transfer failed: {e}")
+                # The wait ends at the deadline (TransferTimeout), as may the lease: a deadline that passes is `timeout`.
+                timed_out = isinstance(e, TransferTimeout) or (isinstance(e, LeaseExpired) and res.lease_is_deadline)
+                await self._drop_reservation(res, "timeout" if timed_out else "unavailable", f"KV transfer failed: {e}")
                 return
             # A cancel or lease end while we waited cancels the receiver too, so wait_complete raised.
             del self.reserved[job.request_id]
@@ -238,6 +248,8 @@ class DecodeRank:
 
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
+        if not cancel_applies(cancel, self.name):
+            return
         if (res := self.reserved.get(cancel.request_id)) is not None:
             await self._drop_reservation(res, None, cancel.reason)
         elif (entry := self.running.get(cancel.request_id)) is not None:

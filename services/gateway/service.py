@@ -39,7 +39,7 @@ from schemas.api import (
     Usage,
 )
 from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitAck, SubmitJob, TokenBatch, TokenMessage
-from services.common import Heartbeater, decode_stage, prefill_stage
+from services.common import Heartbeater, cancel_applies, decode_stage, prefill_stage
 from services.gateway.admission import Admission, Admitted, Rejected
 from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
@@ -147,6 +147,8 @@ class Gateway:
 
     async def _on_ctl_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
+        if not cancel_applies(cancel, None):
+            return  # a stage releasing what it holds; the request goes on elsewhere
         error = StageError(request_id=cancel.request_id, code="cancelled", message=cancel.reason, stage=f"gateway:{self.id}")
         if cancel.request_id in self.admitting:
             self.admitting[cancel.request_id] = error  # answered when its admission returns
@@ -347,6 +349,8 @@ class Gateway:
             ack = await self.bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=deadline.timeout(cap=self.settings.submit_timeout_s))
         except NoResponders as e:
             raise Failed("unavailable", "no scheduler is running") from e
+        except PayloadTooLarge as e:  # never sent: no scheduler could take it, retrying will not help
+            raise Failed("invalid_request", f"the request is too large for the bus ({e}); send a shorter prompt") from e
         except BusError as e:
             if deadline.expired:
                 raise Failed("timeout", "deadline passed while waiting for the scheduler") from e

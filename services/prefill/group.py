@@ -47,10 +47,10 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
-from services.common import Heartbeater, prefill_stage
+from services.common import Heartbeater, cancel_applies, prefill_stage
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
-from shared.bus import Bus, Deadline, pack, unpack
+from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.prefix_cache import PrefixCache, PrefixCacheMismatch, page_keys
@@ -151,8 +151,10 @@ class PrefillGroup:
         self.arrived.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
-        rid = unpack(msg.data, Cancel).request_id
-        for queued in [q for q in self.queue if q.task.job.request_id == rid]:
+        cancel = unpack(msg.data, Cancel)
+        if not cancel_applies(cancel, self.name):
+            return
+        for queued in [q for q in self.queue if q.task.job.request_id == cancel.request_id]:
             self.queue.remove(queued)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -398,40 +400,59 @@ class PrefillGroup:
                  **{name: round(ms, 2) for name, ms in vars(times).items()})
 
     async def _report(self, outcomes: list[Outcome]) -> None:
-        assert self.bus is not None
         for o in outcomes:
-            job = o.task.job
-            with bind_request(request_id=job.request_id):
-                if o.error is not None or o.output is None:
-                    await self._fail(o.task, "unavailable", o.error or "prefill failed")
-                    continue
-                out = o.output
-                prompt_logprobs, prompt_tops = prompt_candidates(out)
-                first = TokenBatch(
-                    request_id=job.request_id,
-                    start=0,
-                    token_ids=[out.token_id],
-                    logprobs=[out.logprob] if out.logprob is not None else None,
-                    top_logprobs=top_candidates(out),
-                    prompt_logprobs=prompt_logprobs,
-                    prompt_top_logprobs=prompt_tops,
-                    finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                    compute_ms=o.compute_ms,
-                    cached_tokens=o.cached_tokens,
-                )
-                await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(first))
-                if out.finish_reason is not None:
-                    # Done at the first token: the decode rank only has to free its reservation.
-                    await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "finished at the first token")))
-                    continue
-                start = StartDecode(job=job, first_token=out.token_id, first_logprob=out.logprob, generator_state=o.generator_state)
-                place = o.task.placement
-                await self.bus.publish(subjects.decode_start(place.decode_instance, place.decode_rank), pack(start))
-                log.info("prefilled", prompt_tokens=len(job.input_ids), cached_tokens=o.cached_tokens, compute_ms=round(o.compute_ms, 2))
+            with bind_request(request_id=o.task.job.request_id):
+                try:
+                    await self._report_one(o)
+                except PayloadTooLarge as e:
+                    # E.g. the prompt logprobs of a long prompt: this request fails, the instance serves on
+                    # (the error escaped the batch loop and the whole instance exited).
+                    await self._fail(o.task, "invalid_request", f"too large for the bus ({e}); ask for fewer prompt_logprobs or a shorter prompt")
+                except BusError as e:
+                    # NATS away for long (the outbound buffer is full): nothing can go out now, the request's
+                    # gateway fails it when it reconnects, the decode rank's lease frees its pages.
+                    log.warning("prefill_publish_failed", error=str(e))
+
+    async def _report_one(self, o: Outcome) -> None:
+        """The request's first token to its gateway, then StartDecode to its decode rank (or its failure)."""
+        assert self.bus is not None
+        job = o.task.job
+        if o.error is not None or o.output is None:
+            # Failing after the deadline, typically a KV send cut off by a lease that ends at the
+            # deadline, is the deadline passing: `timeout`, as the gateway says at its deadline.
+            code: ErrorCode = "timeout" if Deadline(job.deadline).expired else "unavailable"
+            await self._fail(o.task, code, o.error or "prefill failed")
+            return
+        out = o.output
+        prompt_logprobs, prompt_tops = prompt_candidates(out)
+        first = TokenBatch(
+            request_id=job.request_id,
+            start=0,
+            token_ids=[out.token_id],
+            logprobs=[out.logprob] if out.logprob is not None else None,
+            top_logprobs=top_candidates(out),
+            prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_tops,
+            finish_reason=out.finish_reason,  # type: ignore[arg-type]
+            compute_ms=o.compute_ms,
+            cached_tokens=o.cached_tokens,
+        )
+        await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(first))
+        if out.finish_reason is not None:
+            # Done at the first token: the decode rank only has to free its reservation.
+            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "finished at the first token")))
+            return
+        start = StartDecode(job=job, first_token=out.token_id, first_logprob=out.logprob, generator_state=o.generator_state)
+        place = o.task.placement
+        await self.bus.publish(subjects.decode_start(place.decode_instance, place.decode_rank), pack(start))
+        log.info("prefilled", prompt_tokens=len(job.input_ids), cached_tokens=o.cached_tokens, compute_ms=round(o.compute_ms, 2))
 
     async def _fail(self, task: PrefillTask, code: ErrorCode, message: str) -> None:
         assert self.bus is not None
         job = task.job
         log.info("prefill_task_failed", request_id=job.request_id, code=code, reason=message)
-        await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(StageError(request_id=job.request_id, code=code, message=message, stage=self.name)))
-        await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, f"prefill: {message}")))
+        try:
+            await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(StageError(request_id=job.request_id, code=code, message=message, stage=self.name)))
+            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, f"prefill: {message}")))
+        except BusError as e:  # NATS away: the gateway fails the request on reconnect, the decode rank's lease frees its pages
+            log.warning("stage_error_lost", request_id=job.request_id, code=code, error=str(e))

@@ -12,15 +12,16 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, Placement, PrefillTask, ReserveKV, SubmitAck, SubmitJob
-from services.common import Heartbeater
+from services.common import Heartbeater, cancel_applies, decode_stage
 from services.liveness import Hearing
 from services.scheduler.registry import Member, Registry
-from shared.bus import Bus, BusError, Deadline, pack, unpack
+from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.settings import SchedulerSettings
 
@@ -77,14 +78,21 @@ class Scheduler:
             self.capacity_changed.notify_all()
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = unpack(msg.data, Cancel).request_id
-        if request_id in self.waiting_ids:
-            self.cancelled.add(request_id)
+        cancel = unpack(msg.data, Cancel)
+        if cancel.request_id in self.waiting_ids and cancel_applies(cancel, None):
+            self.cancelled.add(cancel.request_id)
             async with self.capacity_changed:
                 self.capacity_changed.notify_all()
 
     async def _on_submit(self, msg: Msg) -> None:
-        job = unpack(msg.data, SubmitJob).job
+        """Every submit gets a SubmitAck: a placement or a typed error (a gateway left without one
+        would wait out its submit timeout and then call the scheduler gone)."""
+        try:
+            job = unpack(msg.data, SubmitJob).job
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("bad_submit", error=str(e))
+            await msg.respond(pack(SubmitAck(request_id="", error_code="invalid_request", error_message=f"malformed SubmitJob: {e}")))
+            return
         with bind_request(request_id=job.request_id):
             try:
                 placement = await self.place(job)
@@ -92,6 +100,9 @@ class Scheduler:
             except Refused as e:
                 log.info("refused", code=e.code, reason=str(e))
                 ack = SubmitAck(request_id=job.request_id, error_code=e.code, error_message=str(e))
+            except Exception as e:  # noqa: BLE001 - a bug or a peer's bad answer: the gateway must hear at once
+                log.exception("submit_failed")
+                ack = SubmitAck(request_id=job.request_id, error_code="internal", error_message=f"scheduler: {type(e).__name__}: {e}")
             await msg.respond(pack(ack))
 
     async def place(self, job: Job) -> Placement:
@@ -110,6 +121,11 @@ class Scheduler:
                 if job.request_id in self.cancelled:
                     raise Refused("cancelled", "cancelled while waiting for capacity")
                 placement = await self._try_place(job)
+                if placement is not None and job.request_id in self.cancelled:
+                    # Cancelled while we reserved: whoever cancelled (e.g. a gateway whose submit timed
+                    # out) has forgotten the request and will not cancel again after our answer.
+                    await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "cancelled while being placed")))
+                    raise Refused("cancelled", "cancelled while being placed")
                 if placement is not None:
                     self.placed += 1
                     return placement
@@ -153,9 +169,10 @@ class Scheduler:
             task = PrefillTask(job=job, placement=placement, descriptor=reservation.descriptor)
             try:
                 await self.bus.publish(subjects.prefill_task(prefill.hb.instance), pack(task))
-            except Exception:
-                await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "prefill task not sent")))
-                raise
+            except BusError as e:
+                await self._release(decode, job.request_id, "prefill task not sent")
+                code: ErrorCode = "invalid_request" if isinstance(e, PayloadTooLarge) else "unavailable"
+                raise Refused(code, f"the prefill task could not be sent: {e}") from e
             prefill.pending_tokens += len(job.input_ids)
             log.info("placed", decode=f"{decode.hb.instance}/{decode.hb.rank}", prefill=prefill.hb.instance, num_tokens=num_tokens)
             return placement
@@ -170,22 +187,39 @@ class Scheduler:
         pages = decode.pages_for(num_tokens)
         decode.pending_pages += pages
         decode.pending_batch += 1
+        timeout = self.settings.reserve_timeout_ms / 1000
+        now = time.time()
         request = ReserveKV(
             request_id=job.request_id,
             gateway=job.gateway,
             prompt_tokens=len(job.input_ids),
             max_tokens=job.max_tokens,
-            lease_until=min(job.deadline, time.time() + self.settings.lease_s),
+            lease_until=min(job.deadline, now + self.settings.lease_s),
+            reply_by=now + timeout,
+            deadline=job.deadline,
         )
         subject = subjects.decode_reserve(decode.hb.instance, decode.hb.rank)
         try:
-            reply = await self.bus.request(subject, request, KVReservation, timeout=self.settings.reserve_timeout_ms / 1000)
+            reply = await self.bus.request(subject, request, KVReservation, timeout=timeout)
         except BusError as e:
             log.warning("reserve_failed", decode=f"{decode.hb.instance}/{decode.hb.rank}", error=str(e))
             decode.suspect_until = time.monotonic() + self.settings.heartbeat_expiry_s
+            if isinstance(e, RequestTimeout):
+                await self._release(decode, job.request_id, "the scheduler stopped waiting for the reservation")
             return None
         if not reply.ok or reply.descriptor is None:
             log.info("reserve_refused", decode=f"{decode.hb.instance}/{decode.hb.rank}", reason=reply.reason)
             decode.pending_pages = decode.hb.kv_free_pages  # looks full until it says otherwise
             return None
         return reply
+
+    async def _release(self, decode: Member, request_id: str, reason: str) -> None:
+        """Free the request's reservation on this decode rank only, if it made one (its answer came
+        late or was lost; `reply_by` stops most such reservations, this the rest). A cancel
+        targeted at the rank: the request may be placed on another rank meanwhile, and the
+        gateway, prefill and other ranks ignore it (`cancel_applies`)."""
+        cancel = Cancel(request_id, reason, stage=decode_stage(decode.hb.instance, decode.hb.rank))
+        try:
+            await self.bus.publish(subjects.CTL_CANCEL, pack(cancel))
+        except BusError as e:  # NATS is away: the rank's lease frees the pages
+            log.warning("release_not_sent", decode=cancel.stage, error=str(e))

@@ -407,6 +407,28 @@ def test_the_openai_frontend_refuses_a_body_over_the_bus_payload_limit_with_413(
         f"request body of {len(body)} bytes exceeds the NATS server's max_payload of {1 << 20} bytes (1 MiB)")
 
 
+def test_a_first_token_batch_over_the_bus_payload_limit_fails_only_its_request(stack):
+    """The prefill's own message can be over max_payload too: the first token's batch carries the
+    prompt logprobs, 20 alternatives for each of 4000 prompt tokens here (~1.1 MB of msgpack).
+    That request gets `invalid_request` naming the limit; the prefill instance serves on (the
+    error escaped its batch loop and the instance exited) and the reservation is freed."""
+    prompt = [10 + (i * 7919) % 150_000 for i in range(4000)]
+    prefill = next(r for r in stack.replicas if r.role == "prefill" and r.proc.poll() is None)
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            with pytest.raises(GenerateError) as too_large:
+                await client.generate(GenerateRequest(input_ids=prompt, max_tokens=2, temperature=0, prompt_logprobs=20, timeout_ms=30_000))
+            after = await client.generate(GenerateRequest(input_ids=prompt[:8], max_tokens=2, temperature=0, timeout_ms=30_000))
+            await watch.wait_for(all_kv_free, 10, "every KV page free")
+            return too_large.value, after
+
+    error, after = run(go())
+    assert error.code == "invalid_request" and "too large for the bus" in error.message and "max_payload" in error.message, error.message
+    assert error.message.startswith(f"prefill:{prefill.instance}"), error.message
+    assert len(after.token_ids) == 2 and prefill.proc.poll() is None
+
+
 def test_a_stage_error_from_a_stage_not_serving_the_request_is_ignored(stack, tokenizer, hf_greedy):
     """A decode rank that answered its reservation too late (the scheduler placed the request on
     another rank) reports the end of that ghost reservation's lease on the request's token
