@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from schemas import subjects
 from schemas.api import ErrorReply, GenerateRequest
 from services.client import Client
 from services.gateway.admission import Admission, Admitted, ModelInfo
@@ -15,6 +16,8 @@ from services.gateway.service import Gateway
 from shared.bus import connect
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
+
+from services_helpers import until_listened
 
 
 class BuggyAdmission(Admission):
@@ -33,6 +36,7 @@ def test_an_admission_bug_is_answered_internal_and_nothing_stays_in_flight(nats_
         async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
             gateway = Gateway(settings, bus, BuggyAdmission(settings, ModelInfo.load(settings), tokenizer), tokenizer)
             await gateway.start()
+            await until_listened(client_bus, subjects.GENERATE)
             client = Client(client_bus, keepalive_s=None)
             bug = await client.send_raw(b'{"prompt": "hi", "request_id": "boom"}')
             refused = await client.send_raw(b'{"prompt": "hi", "request_id": "fine", "max_tokens": 0}')  # still answering, typed

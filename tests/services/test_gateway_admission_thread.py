@@ -9,6 +9,7 @@ import asyncio
 import threading
 from pathlib import Path
 
+from schemas import subjects
 from schemas.api import ErrorReply, GenerateRequest
 from services.client import Client
 from services.gateway.admission import Admission, Admitted, ModelInfo
@@ -16,6 +17,8 @@ from services.gateway.service import Gateway
 from shared.bus import connect
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
+
+from services_helpers import until_listened
 
 GATED = "gated"
 
@@ -55,6 +58,7 @@ def test_a_cancel_during_admission_is_answered_and_the_gateway_keeps_answering(n
         async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
             gateway = Gateway(settings, bus, admission, tokenizer)
             await gateway.start()
+            await until_listened(client_bus, subjects.GENERATE)
             client = Client(client_bus, keepalive_s=None)
             gated = asyncio.create_task(client.send_raw(b'{"prompt": "hi", "request_id": "gated"}', timeout=20))
             await _until(lambda: GATED in gateway.admitting, "the gated request is in admission")
@@ -87,6 +91,7 @@ def test_a_shutdown_during_admission_answers_unavailable(nats_server, tiny_model
         async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
             gateway = Gateway(settings, bus, admission, tokenizer)
             await gateway.start()
+            await until_listened(client_bus, subjects.GENERATE)
             client = Client(client_bus, keepalive_s=None)
             gated = asyncio.create_task(client.send_raw(b'{"prompt": "hi", "request_id": "gated"}', timeout=20))
             await _until(lambda: GATED in gateway.admitting, "the gated request is in admission")

@@ -11,6 +11,7 @@ import asyncio
 import time
 from pathlib import Path
 
+from schemas import subjects
 from schemas.api import GenerateRequest
 from services.client import Client, GenerateError
 from services.gateway.admission import Admission, ModelInfo
@@ -20,6 +21,8 @@ from services.ranks import free_port
 from shared.bus import connect
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
+
+from services_helpers import until_listened
 
 MAX_PAYLOAD = 8192
 
@@ -37,6 +40,7 @@ def test_a_job_over_the_bus_payload_limit_is_an_invalid_request(tmp_path: Path, 
         async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
             gateway = Gateway(settings, bus, Admission(settings, ModelInfo.load(settings), tokenizer), tokenizer)
             await gateway.start()
+            await until_listened(client_bus, subjects.GENERATE)
             started = time.monotonic()
             try:
                 await Client(client_bus, keepalive_s=None).generate(GenerateRequest(prompt=prompt, max_tokens=4, timeout_ms=30_000))

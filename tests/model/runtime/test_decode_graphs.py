@@ -80,7 +80,11 @@ def test_padded_forward_matches_the_plain_step(tiny_checkpoint):
         exact = rows.model.forward(ForwardBatch.build(chunks + padding, PAGE, rows.cache.device), rows.cache)[: len(chunks)]
         close = plain.model.forward(ForwardBatch.build(chunks, PAGE, plain.cache.device), plain.cache)
         assert got.shape == close.shape == (len(chunks), padded.model.config.vocab_size)
-        assert torch.equal(got, exact), f"step {step}: max diff {(got - exact).abs().max().item():.3e}"
+        # Bit for bit on the CI machines so far; on one AVX-512/AMX Xeon (2026-11-30, same torch wheel, older
+        # commits too) a row came out 2.4e-6 apart at step 6, the CPU kernels' rounding depending on more than
+        # the shapes there (not pinned down). Padding that leaked into real rows would be far beyond that.
+        assert torch.equal(got, exact) or (rel_err(got, exact) <= 1e-6 and torch.equal(got.argmax(-1), exact.argmax(-1))), (
+            f"step {step}: max diff {(got - exact).abs().max().item():.3e}")
         if chunks:  # (a step with no sequences, as an idle rank of a DP x EP group runs, has no rows)
             assert rel_err(got, close) <= 1e-5 and torch.equal(got.argmax(-1), close.argmax(-1)), f"step {step}"
             exact_steps += torch.equal(got, close)
@@ -97,7 +101,8 @@ def test_padded_forward_matches_the_plain_step(tiny_checkpoint):
     assert graphs.scratch_page not in seen_pages
     # The sequences' K/V is the same in both bucket-shaped runs (padding wrote to the scratch page only).
     real = sorted(seen_pages)
-    assert torch.equal(padded.cache.storage[:, real], rows.cache.storage[:, real])
+    kv_padded, kv_rows = padded.cache.storage[:, real], rows.cache.storage[:, real]
+    assert torch.equal(kv_padded, kv_rows) or rel_err(kv_padded, kv_rows) <= 1e-6  # (the rounding above)
     assert graphs.counts[ForwardPath.CAPTURE] >= 3 and graphs.counts[ForwardPath.REPLAY] >= 3, graphs.stats()
     assert graphs.counts[ForwardPath.EAGER] == 0
     assert {0, 3, 4} <= buckets  # 0: padding only; 3: one padded row in the bucket of 4
