@@ -53,7 +53,7 @@ from bench.timing import event_time_us
 from kernels import grouped_gemm as gg
 from kernels.act_quant import quantize_act
 from kernels.grouped_gemm_launch import launch
-from kernels.grouped_gemm_mxfp8 import dequantize_mxfp8, grouped_gemm_mxfp8, quantize_mxfp8
+from kernels.grouped_gemm_mxfp8 import dequantize_mxfp8, grouped_gemm_mxfp8, kernel_scale_layout, quantize_mxfp8
 
 BENCH = "grouped_gemm"
 MODELS = {"qwen3-235b": (4096, 1536), "qwen3-30b": (2048, 768)}  # hidden, moe_intermediate
@@ -305,7 +305,8 @@ def make_weights(model: str) -> dict:
         w = (torch.randn(EXPERTS, N, K, device="cuda") / K**0.5).bfloat16()
         weights[(model, proj)] = w
         weights[(model, proj, "fp8")] = quantize_weights(w)
-        weights[(model, proj, "mxfp8")] = quantize_mxfp8(w)
+        q, s = quantize_mxfp8(w)
+        weights[(model, proj, "mxfp8")] = (q, kernel_scale_layout(s))  # held as prepare_for_kernels holds them
         rscale = w.float().abs().amax(-1).clamp(min=1e-10) / 448.0
         weights[(model, proj, "fp8_rowwise")] = ((w.float() / rscale[..., None]).to(FP8), rscale)
     return weights

@@ -24,6 +24,7 @@ from kernels._cute_runtime import launch_stream
 from kernels.act_quant import scale_row_stride
 from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_WEIGHT_ELEMENTS,
                                   SMALL_TILE_MAX_TOKENS_PER_EXPERT)
+from kernels.grouped_gemm_mxfp8 import kernel_scale_layout
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90, scale_vector
 
 _CACHE: dict[GroupedGemmConfig, object] = {}
@@ -108,9 +109,10 @@ def _scale_rows_padded(x_scale: torch.Tensor) -> torch.Tensor:
     return padded.copy_(x_scale)
 
 
-def _scale_ptr(t: torch.Tensor):
-    """Pointer to activation scales already in ``_scale_rows_padded``'s layout (not contiguous when padded)."""
-    return make_ptr(cutlass.Float32, t.data_ptr(), _GMEM, assumed_align=_ALIGN_AB)
+def _scale_ptr(t: torch.Tensor, dtype=cutlass.Float32):
+    """Pointer to scales already in a 16-byte aligned padded layout (``_scale_rows_padded``'s, or for MXFP8
+    ``kernel_scale_layout``'s; not contiguous when padded)."""
+    return make_ptr(dtype, t.data_ptr(), _GMEM, assumed_align=_ALIGN_AB)
 
 
 def _operand_types(cfg: GroupedGemmConfig) -> tuple:
@@ -128,7 +130,7 @@ def _compile_args(cfg: GroupedGemmConfig) -> list:
         make_ptr(cutlass.BFloat16, 0, _GMEM, assumed_align=_out_align(cfg)),
         make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_AB if cfg.fp8 else _ALIGN_WORD),
-        make_ptr(sb, 0, _GMEM, assumed_align=1 if cfg.mxfp8 else _scale_align(cfg)),
+        make_ptr(sb, 0, _GMEM, assumed_align=_ALIGN_AB if cfg.mxfp8 else _scale_align(cfg)),
         make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=_ALIGN_WORD),
         cutlass.Int32(0),
         make_fake_stream(),
@@ -193,6 +195,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     a, b, sb = _operand_types(cfg)
     if fp8:
         x_scale = _scale_rows_padded(x_scale)
+    if mxfp8:
+        w_scale_e8m0 = kernel_scale_layout(w_scale_e8m0)  # the TMA box rows: 16-byte pitch and alignment
     # Placeholder for pointers this configuration never reads (any word-aligned address).
     unused = _ptr(groups, cutlass.Float32, _ALIGN_WORD)
     with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
@@ -203,7 +207,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
             _ptr(out, cutlass.BFloat16, _out_align(cfg)),
             _ptr(groups, cutlass.Int32, _ALIGN_WORD),
             _scale_ptr(x_scale) if fp8 else unused,
-            _ptr(w_scale, sb, _scale_align(cfg)) if fp8 else (_ptr(w_scale_e8m0, sb, 1) if mxfp8 else unused),
+            _ptr(w_scale, sb, _scale_align(cfg)) if fp8 else (_scale_ptr(w_scale_e8m0, sb) if mxfp8 else unused),
             _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
             cutlass.Int32(rows),
             stream,

@@ -6,12 +6,16 @@ reference) and the grouped GEMM entry point :func:`grouped_gemm_mxfp8` with the
 same layouts as :func:`kernels.grouped_gemm.grouped_gemm`.
 
 On CUDA the Hopper grouped GEMM dequantizes inside the kernel: TMA brings the
-E4M3 weight tile into shared memory, the consumer threads multiply each value
-by its ``2^(e - 127)`` (exact in bf16: an E4M3 value times a power of two fits
-bf16's 8-bit exponent and 7-bit mantissa) into a bf16 tile there, and bf16
-WGMMAs read it (``GroupedGemmSm90._mainloop_mx``).  The weights cross HBM as
-one byte per value plus one byte per 32 values.  On CPU the same function runs
-the fp32 reference on the dequantized weights.
+E4M3 weight tile into shared memory, with it a 16-byte-wide box of the tile's
+E8M0 scale rows, the consumer threads multiply each value by its
+``2^(e - 127)`` (exact in bf16: an E4M3 value times a power of two fits bf16's
+8-bit exponent and 7-bit mantissa) into a bf16 tile there, and bf16 WGMMAs read
+it (``GroupedGemmSm90._mainloop_mx``).  The weights cross HBM as one byte per
+value plus one byte per 32 values.  TMA needs the scale rows 16-byte multiples
+apart: :func:`kernel_scale_layout` gives that layout (a copy where ``ceil(K/32)``
+is not a multiple of 16, e.g. K = 768), which the launcher applies per call and
+``shared.model.weights.prepare_for_kernels`` once at load.  On CPU the same
+function runs the fp32 reference on the dequantized weights.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from kernels import grouped_gemm as gg
 
 MX_BLOCK = 32
+SCALE_ROW_ALIGN = 16  # bytes: TMA needs a row pitch and a start address that are multiples of 16
 E4M3_EMAX = 8  # exponent of E4M3's largest normal: 448 = 1.75 * 2^8 (OCP MX "emax_elem")
 E8M0_BIAS = 127
 FP8_MAX = 448.0
@@ -59,6 +64,26 @@ def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
         raise gg.GroupedGemmError(f"MXFP8 scales must be uint8 {expected}, got {scale.dtype} {tuple(scale.shape)}")
     factor = torch.exp2(scale.float() - E8M0_BIAS).repeat_interleave(block_size, dim=-1)[..., :K]
     return (q.float() * factor).to(dtype)
+
+
+def scale_row_bytes(blocks: int) -> int:
+    """Bytes between consecutive weight rows' scales in the kernel's layout: ``blocks`` (``ceil(K/32)``) rounded up to 16."""
+    return -(-blocks // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
+
+
+def kernel_scale_layout(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales ``[E, N, kb]`` in the layout the Hopper kernel reads: rows ``scale_row_bytes`` apart, 16-byte aligned.
+
+    Returned as is when already so (always when ``kb`` is a multiple of 16, e.g. K = 2048, 4096 or
+    1536, contiguous from a 16-byte aligned address); otherwise copied into a ``[E, N, 16 * ceil(kb/16)]``
+    buffer and returned as the ``[..., :kb]`` view of it (K = 768: 24-byte rows), a small extra kernel
+    per call.  Weights held in this layout (call it once at load) pay that copy never.
+    """
+    E, N, kb = scale.shape
+    row = scale_row_bytes(kb)
+    if tuple(scale.stride()) == (N * row, row, 1) and scale.data_ptr() % SCALE_ROW_ALIGN == 0:
+        return scale
+    return torch.empty(E, N, row, dtype=scale.dtype, device=scale.device)[..., :kb].copy_(scale)
 
 
 def _check_mx(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor) -> None:

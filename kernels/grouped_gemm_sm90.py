@@ -11,7 +11,8 @@ One persistent, warp-specialised kernel serves every variant:
   warp 1 staged in shared memory; what the promotion and its scales still
   cost is in bench/grouped_gemm_findings.md); or bf16
   activations x MXFP8 weights (E4M3 + E8M0 per 32 along K) dequantized to
-  bf16 in shared memory inside the kernel;
+  bf16 in shared memory inside the kernel, the scale bytes brought by TMA with
+  each weight stage;
 * token layouts: *contiguous* (rows of all experts back to back, ``offsets``
   [E+1] int32 on the GPU) or *masked* (``[E, max_tokens, K]`` with ``counts``
   [E] int32 on the GPU).  Nothing is read back to the host.
@@ -26,8 +27,8 @@ of output tiles per expert (one warp, shuffle scan over the GPU-resident
 counts).  Tiles are numbered expert by expert, N-tile-major and M-tile-minor
 inside an expert so that CTAs working at the same time share a weight tile in
 L2; CTA ``c`` of ``G`` takes tiles ``c, c+G, ...``.  Warp 0 issues TMA loads
-for A (the tokens) and B (the weights) into a multi-stage mbarrier pipeline;
-with FP8 192-wide tiles warp 1 copies each tile's block scales into shared
+for A (the tokens) and B (the weights; MXFP8: and a box of their E8M0 scales)
+into a multi-stage mbarrier pipeline; with FP8 192-wide tiles warp 1 copies each tile's block scales into shared
 memory through a second, two-stage pipeline (``ScaleStaging``); one or two
 consumer warpgroups run WGMMA and hand each finished tile to two store warps
 through shared memory, so its global stores drain while the consumers run the
@@ -60,7 +61,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from kernels.act_quant import scale_row_stride
 from kernels.grouped_gemm_sm90_epilogue import EPI_N, STORE_WARPS, Epilogue
-from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, SCALE_BLOCK, ScaledMainloops
+from kernels.grouped_gemm_mxfp8 import scale_row_bytes
+from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, MX_SCALE_BOX, SCALE_BLOCK, ScaledMainloops
 
 SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
@@ -226,7 +228,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         # Weight-scale rows: 128-row blocks of N, or with SwiGLU (interleaved 64-row
         # gate/up halves) one per half tile; see interleave_gate_up.
         self.scale_n_blocks = 2 * self.n_tiles if cfg.swiglu else math.ceil(cfg.n / SCALE_BLOCK)
-        stage_bytes = (cfg.tile_m * self.ab_dtype.width + cfg.tile_n * self.b_load_dtype.width) * self.tile_k // 8
+        # MXFP8: each stage also brings a [tile_n x MX_SCALE_BOX] byte box of the E8M0 scales (see _mainloop_mx)
+        self.mx_scale_box_bytes = cfg.tile_n * MX_SCALE_BOX if cfg.mxfp8 else 0
+        stage_bytes = ((cfg.tile_m * self.ab_dtype.width + cfg.tile_n * self.b_load_dtype.width) * self.tile_k // 8
+                       + self.mx_scale_box_bytes)
         # FP8 192-wide tiles: the scales come through shared memory (see ScaleStaging)
         self.staging = ScaleStaging.of(cfg)
         scale_bytes = self.staging.smem_bytes if self.staging else 0
@@ -303,9 +308,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         sfa_batch_stride = cute.assume(rows64 * sfa_row, divby=sfa_row)
         mSFA = cute.make_tensor(sfa_ptr, cute.make_layout((rows, sfa_row, batches), stride=(sfa_row, 1, sfa_batch_stride)))
         if cutlass.const_expr(cfg.mxfp8):
-            # E8M0 weight scales (N, K/32, E), one byte each.
+            # E8M0 weight scales (N, K/32, E), one byte each, rows scale_row_bytes apart (16-byte multiples for TMA).
             mxk = math.ceil(K / MX_BLOCK)
-            mSFB = cute.make_tensor(sfb_ptr, cute.make_layout((N, mxk, E), stride=(mxk, 1, N * mxk)))
+            sf_row = scale_row_bytes(mxk)
+            mSFB = cute.make_tensor(sfb_ptr, cute.make_layout((N, mxk, E), stride=(sf_row, 1, N * sf_row)))
         else:
             snb = self.scale_n_blocks
             mSFB = cute.make_tensor(sfb_ptr, cute.make_layout((snb, skb, E), stride=(skb, 1, snb * skb)))
@@ -338,6 +344,18 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             cute.slice_(self.b_smem_layout, (None, None, 0)),
             (cfg.tile_n, self.tile_k),
         )
+        # MXFP8: per stage a (tile_n, MX_SCALE_BOX) byte box of the scales, row-major and unswizzled
+        # (otherwise B's atom and tensor stand in, never used).
+        self.sf_smem_layout = cute.make_layout((cfg.tile_n, MX_SCALE_BOX, self.stages),
+                                               stride=(MX_SCALE_BOX, 1, cfg.tile_n * MX_SCALE_BOX))
+        tma_atom_sf, tma_sf = tma_atom_b, tma_b
+        if cutlass.const_expr(cfg.mxfp8):
+            tma_atom_sf, tma_sf = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mSFB,
+                cute.slice_(self.sf_smem_layout, (None, None, 0)),
+                (cfg.tile_n, MX_SCALE_BOX),
+            )
 
         @cute.struct
         class SharedStorage:
@@ -354,15 +372,22 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_mma_smem_layout)], 1024]
                 if cfg.mxfp8 else cute.struct.MemRange[self.ab_dtype, 1]
             )
+            # MXFP8: each stage's scale box (see _mainloop_mx; otherwise one byte)
+            sSF: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.sf_smem_layout) if cfg.mxfp8 else 1], 128]
             # FP8 192-wide tiles: the staged scales (see ScaleStaging; otherwise one float each)
             scale_mbar: cute.struct.MemRange[cutlass.Int64, ScaleStaging.STAGES * 2]
             sSA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, staging.a_floats if staging else 1], 16]
             sSB: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, staging.b_floats if staging else 1], 16]
 
+        # stages_beside sized the stages with a reserve for what precedes the 1024-byte aligned tiles: check it held.
+        if cutlass.const_expr(SharedStorage.size_in_bytes() > SMEM_CAPACITY):
+            raise ValueError(f"{cfg}: {SharedStorage.size_in_bytes()} bytes of shared memory, over {SMEM_CAPACITY}")
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, mC, mGroups, mSFA, mSFB, mRowW, rows, self.tiled_mma,
-            self.a_smem_layout, self.b_smem_layout, self.b_mma_smem_layout, self.epi_smem_layout,
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sf, tma_sf, mC, mGroups, mSFA, mSFB, mRowW, rows,
+            self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.b_mma_smem_layout, self.epi_smem_layout,
+            self.sf_smem_layout,
         ).launch(
             grid=[cfg.num_sms, 1, 1],
             block=[self.threads, 1, 1],
@@ -378,6 +403,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         mA: cute.Tensor,
         tma_atom_b: cute.CopyAtom,
         mB: cute.Tensor,
+        tma_atom_sf: cute.CopyAtom,
+        mSF: cute.Tensor,
         mC: cute.Tensor,
         mGroups: cute.Tensor,
         mSFA: cute.Tensor,
@@ -389,6 +416,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         b_smem_layout: cute.ComposedLayout,
         b_mma_smem_layout: cute.ComposedLayout,
         epi_smem_layout: cute.ComposedLayout,
+        sf_smem_layout: cute.Layout,
     ):
         cfg = self.cfg
         E = cfg.num_experts
@@ -398,6 +426,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            if cutlass.const_expr(cfg.mxfp8):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sf)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -410,7 +440,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
 
         tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))) + cute.size_in_bytes(
             self.b_load_dtype, cute.slice_(b_smem_layout, (None, None, 0))
-        )
+        ) + self.mx_scale_box_bytes
         # A stage is free once every consumer warp has released it (one arrive per warp).
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.pipeline_mbar.data_ptr(),
@@ -424,9 +454,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sEpi = storage.sEpi.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
-        sBmma = sB
+        sBmma, sSF = sB, None
         if cutlass.const_expr(cfg.mxfp8):
             sBmma = storage.sBmx.get_tensor(b_mma_smem_layout.outer, swizzle=b_mma_smem_layout.inner)
+            sSF = storage.sSF.get_tensor(sf_smem_layout)
         # FP8 192-wide tiles: warp 1 stages each tile's scales in shared memory, a chunk of K blocks per stage.
         scales, sSA, sSB = None, None, None
         st = self.staging
@@ -453,7 +484,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(
-                    tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, bidx, total_tiles,
+                    tma_atom_a, mA, tma_atom_b, mB, tma_atom_sf, mSF, sA, sB, sSF, mainloop, bidx, total_tiles,
                     s_tile_begin, s_row_start, s_row_count,
                 )
             elif warp_idx == SCALE_WARP:
@@ -466,7 +497,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, scales, mRowW, rows, mainloop, tidx - 128,
+                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, sSF, scales, mRowW, rows, mainloop, tidx - 128,
                 bidx, total_tiles, s_tile_begin, s_row_start, s_row_count,
             )
 
@@ -525,14 +556,22 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         return expert, n_tile, batch, s_row_start[expert] + m_row, s_row_count[expert] - m_row
 
     @cute.jit
-    def _produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, mainloop, first_tile, total_tiles,
-                 s_tile_begin, s_row_start, s_row_count):
+    def _produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_sf, mSF, sA, sB, sSF, mainloop, first_tile,
+                 total_tiles, s_tile_begin, s_row_start, s_row_count):
+        """Warp 0: every tile's K stages by TMA, A and B (MXFP8: and the stage's scale box) on one mbarrier."""
         cfg = self.cfg
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         gB = cute.local_tile(mB, (cfg.tile_n, self.tile_k), (None, None, None))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
+        tSsS, tSgS = None, None
+        if cutlass.const_expr(cfg.mxfp8):
+            gSF = cute.local_tile(mSF, (cfg.tile_n, MX_SCALE_BOX), (None, None, None))
+            tSsS, tSgS = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_sf, 0, cute.make_layout(1), cute.group_modes(sSF, 0, 2), cute.group_modes(gSF, 0, 2)
+            )
+        stages_per_box = MX_SCALE_BOX * MX_BLOCK // self.tile_k  # consecutive stages whose scales one box holds
         tile = first_tile
         expert = cutlass.Int32(0)
         while tile < total_tiles:
@@ -550,6 +589,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 barrier = mainloop.producer_get_barrier(state)
                 cute.copy(tma_atom_a, tAgA_t[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
                 cute.copy(tma_atom_b, tBgB_t[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
+                if cutlass.const_expr(cfg.mxfp8):
+                    # The box of the 16-byte window holding this stage's scale bytes (L2 serves the repeats).
+                    cute.copy(tma_atom_sf, tSgS[(None, n_tile, k_tile // stages_per_box, expert)],
+                              tSsS[(None, state.index)], tma_bar_ptr=barrier)
                 mainloop.producer_commit(state)
                 state.advance()
             tile = tile + cfg.num_sms
@@ -570,8 +613,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             tile = tile + cfg.num_sms
 
     @cute.jit
-    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, scales, mRowW, rows, mainloop, mma_tidx,
-                 first_tile, total_tiles, s_tile_begin, s_row_start, s_row_count):
+    def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, sSF, scales, mRowW, rows, mainloop,
+                 mma_tidx, first_tile, total_tiles, s_tile_begin, s_row_start, s_row_count):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
         wg = cute.arch.make_warp_uniform(mma_tidx // 128)  # consumer warpgroup index
@@ -609,7 +652,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                 )
             elif cutlass.const_expr(cfg.mxfp8):
                 read_state, release_state = self._mainloop_mx(
-                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, sB, sBmma, mSFB, expert, n_tile, mma_tidx,
+                    tiled_mma, tCrA, tCrB, num_k_blocks, acc, sB, sBmma, sSF, mma_tidx,
                     mainloop, read_state, release_state,
                 )
             else:

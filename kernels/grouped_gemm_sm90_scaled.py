@@ -5,8 +5,8 @@
   cores, hidden behind the tensor cores' work (two partials per warpgroup
   with 128-wide tiles, one with 192-wide tiles and the warpgroups in turn);
 * bf16 activations x MXFP8 weights (E4M3 + one E8M0 scale per 32 along K):
-  the consumer threads dequantize each weight tile to bf16 in shared memory,
-  then bf16 WGMMA.
+  the consumer threads dequantize each weight tile to bf16 in shared memory
+  (the E8M0 bytes come by TMA with the stage), then bf16 WGMMA.
 
 The methods use the kernel object's attributes (``cfg``, ``tile_k``,
 ``k_tiles``, ``num_consumer_wg``, ``ab_dtype``, ``b_load_dtype``,
@@ -14,8 +14,6 @@ The methods use the kernel object's attributes (``cfg``, ``tile_k``,
 """
 
 from __future__ import annotations
-
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -26,6 +24,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
 MX_BLOCK = 32  # MXFP8: one E8M0 weight scale per 32 values along K
 MX_B_BUFFERS = 3  # MXFP8: dequantized bf16 weight tiles (see _mainloop_mx for why three)
+MX_SCALE_BOX = 16  # MXFP8: bytes of each scale row per TMA box (TMA's smallest inner box), 8 stages' worth
 _BAR_WG_TURN = (5, 6)  # named barrier of each consumer warpgroup's WGMMA issue turn (FP8, 192-wide tiles)
 
 
@@ -34,8 +33,8 @@ class ScaledMainloops:
 
     # ------------------------------------------------------ MXFP8 weights, bf16 MMA
     @cute.jit
-    def _mainloop_mx(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, sBq, sBmma, mSFB, expert, n_tile, mma_tidx,
-                     mainloop, read_state, release_state):
+    def _mainloop_mx(self, tiled_mma, tCrA, tCrB, num_k_blocks, acc, sBq, sBmma, sSF, mma_tidx, mainloop, read_state,
+                     release_state):
         """bf16 x MXFP8: per K stage, the consumer threads dequantize the E4M3 weight tile to bf16.
 
         Every consumer thread converts one segment of one weight row (half a
@@ -47,12 +46,32 @@ class ScaledMainloops:
         read by stage k-3's WGMMAs, which every warpgroup retired (its
         ``wait_group(1)`` in stage k-2) before the barrier of stage k-1 that
         this thread has passed; two buffers would race with the other
-        warpgroup's WGMMAs of stage k-2.  Each thread's scale is loaded one
-        stage ahead so its latency hides behind the current stage.
+        warpgroup's WGMMAs of stage k-2.
 
-        Measured on an H200 (grouped_gemm.jsonl at 5e6727614d60): decode takes
-        bf16's time (1.9-2.2 TB/s of MXFP8 bytes, half of what bf16 and FP8
-        stream) and prefill reaches 389-429 TFLOP/s (bf16 600-650).  Every
+        The E8M0 bytes come with the stage: the producer's TMA brings, on the
+        stage's mbarrier, the ``[tile_n rows x MX_SCALE_BOX bytes]`` box of the
+        scale rows (laid out ``scale_row_bytes`` apart by the launcher,
+        ``kernels.grouped_gemm_mxfp8.kernel_scale_layout``) whose 16-byte window
+        holds the stage's 2 bytes a row, so 8 consecutive stages load the same
+        window (L2 serves the repeats); each thread reads its 1-2 bytes from
+        shared memory after the stage's wait (one 16-bit load; rows 16 bytes
+        apart put 4 of a warp's rows on one bank, 4 wavefronts a stage).  Rows
+        past N and K past the row's blocks are zero-filled: the values they
+        scale are zero-filled too.  The box costs 2 KB of shared memory a stage:
+        decode keeps 8 stages, 128-row prefill tiles go from 6 to 5.  Before,
+        every thread loaded its bytes from global memory, a byte a load one
+        stage ahead: 97% of the kernel's global sectors excess (ncu), 8-15% of
+        decode time against constant scales.  On one H200 (eaf1ac783ee9+h61
+        against +base, base new new base, burst): decode 235B gate_up
+        809-819 -> 716-722 us (-11..-12%), 235B down -3.4..-4.8%, 30B down
+        -8..-9.6% (2.02-2.33 TB/s of MXFP8 bytes); prefill at 375 tokens 235B
+        gate_up 440 -> 444 TFLOP/s (+0.9%), 30B down 378 -> 408 (+8%);
+        loading 4/8/16-byte windows per thread had cost more than it saved
+        (bench/grouped_gemm_findings.md).
+
+        Measured before the scale boxes (grouped_gemm.jsonl at 5e6727614d60):
+        decode took bf16's time (1.9-2.2 TB/s of MXFP8 bytes, half of what bf16
+        and FP8 stream) and prefill reached 389-429 TFLOP/s (bf16 600-650).  Every
         stage runs wait -> convert -> fence -> barrier -> WGMMA issue in the
         consumer threads, so only one stage's WGMMAs overlap the conversion.
         Converting ahead in a warpgroup of its own, through a ring of bf16
@@ -70,18 +89,17 @@ class ScaledMainloops:
         seg = self.tile_k // segs_per_row  # 32 or 64 values
         row = mma_tidx // segs_per_row
         seg_idx = mma_tidx - row * segs_per_row
-        n_row = n_tile * cfg.tile_n + row
-        n_row = n_row if n_row < cfg.n else cfg.n - 1  # rows past N are zero-filled by TMA: any scale works
         blocks_per_seg = seg // MX_BLOCK
-        mx_k_blocks = math.ceil(cfg.k / MX_BLOCK)
+        stages_per_box = MX_SCALE_BOX * MX_BLOCK // self.tile_k
+        # A stage's two scale bytes of a row are one aligned 16-bit word of the box.
+        sSF16 = cute.recast_tensor(sSF, cutlass.Uint16)
         barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=threads)
         acc.fill(0.0)
-        e_lo, e_hi = self._mx_scales(mSFB, n_row, 0, seg_idx, blocks_per_seg, mx_k_blocks, expert)
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
-            k_next = k_tile + 1 if k_tile + 1 < self.k_tiles else k_tile
-            n_lo, n_hi = self._mx_scales(mSFB, n_row, k_next, seg_idx, blocks_per_seg, mx_k_blocks, expert)
             buf = k_tile % MX_B_BUFFERS
             mainloop.consumer_wait(read_state)
+            e_lo, e_hi = self._mx_scales(sSF16[(row, k_tile % stages_per_box, read_state.index)], seg_idx,
+                                         blocks_per_seg)
             src = cute.local_tile(sBq[(row, None, read_state.index)], (seg,), (seg_idx,))
             dst = cute.local_tile(sBmma[(row, None, buf)], (seg,), (seg_idx,))
             self._dequant_segment(src, dst, e_lo, e_hi, seg)
@@ -94,22 +112,22 @@ class ScaledMainloops:
                 mainloop.consumer_release(release_state)
                 release_state.advance()
             read_state.advance()
-            e_lo = n_lo
-            e_hi = n_hi
         cute.nvgpu.warpgroup.wait_group(0)
         mainloop.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
 
     @cute.jit
-    def _mx_scales(self, mSFB, n_row, k_tile, seg_idx, blocks_per_seg, mx_k_blocks, expert):
-        """The E8M0 scale bytes of this thread's segment in K stage ``k_tile`` (first and last 32 values)."""
-        first = k_tile * (self.tile_k // MX_BLOCK) + seg_idx * blocks_per_seg
-        second = first + blocks_per_seg - 1
-        first = first if first < mx_k_blocks else mx_k_blocks - 1  # K tail: TMA zero-filled the values
-        second = second if second < mx_k_blocks else mx_k_blocks - 1
-        # The widening of a byte sign-extends: mask it.
-        return cutlass.Int32(mSFB[(n_row, first, expert)]) & 0xFF, cutlass.Int32(mSFB[(n_row, second, expert)]) & 0xFF
+    def _mx_scales(self, pair, seg_idx, blocks_per_seg: cutlass.Constexpr):
+        """The E8M0 bytes of this thread's segment (its first and last 32 values) from the stage's 16-bit ``pair``.
+
+        Byte 0 scales the stage's first 32 values of the row, byte 1 the next 32.
+        """
+        word = cutlass.Int32(pair) & 0xFFFF
+        if cutlass.const_expr(blocks_per_seg == 2):
+            return word & 0xFF, word >> 8
+        e = (word >> (8 * seg_idx)) & 0xFF
+        return e, e
 
     @cute.jit
     def _dequant_segment(self, src, dst, e_lo, e_hi, seg):

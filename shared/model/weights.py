@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 
 from kernels.grouped_gemm import interleave_gate_up
-from kernels.grouped_gemm_mxfp8 import interleave_gate_up_mxfp8
+from kernels.grouped_gemm_mxfp8 import interleave_gate_up_mxfp8, kernel_scale_layout
 from kernels.moe import grouped_moe_unsupported
 from shared.model.config import Fp8Quantization, ModelConfig, Mxfp8Quantization
 from shared.model.errors import CheckpointError, MissingTensor, ShapeMismatch, ShardingError
@@ -386,7 +386,9 @@ def prepare_for_kernels(weights: ModelWeights) -> str | None:
             fused = FusedGateUp(*interleave_gate_up(m.w13.weight, m.w13.scale_inv.float()))
         elif isinstance(m.w13, Mxfp8Weight):
             weight, scale_e8m0 = interleave_gate_up_mxfp8(m.w13.weight, m.w13.scale_e8m0)
-            fused = FusedGateUp(weight, None, scale_e8m0)
+            fused = FusedGateUp(weight, None, kernel_scale_layout(scale_e8m0))
+            # The kernel's TMA reads scale rows 16 bytes apart: held so, no call copies them (K = I = 768: 24 bytes).
+            m = dataclasses.replace(m, w2=dataclasses.replace(m.w2, scale_e8m0=kernel_scale_layout(m.w2.scale_e8m0)))
         else:
             fused = FusedGateUp(*interleave_gate_up(m.w13))
         weights.layers[i] = dataclasses.replace(weights.layers[i], mlp=dataclasses.replace(m, w13=fused))

@@ -333,14 +333,20 @@ def _mx_weights(E: int, N: int, K: int, gen: torch.Generator):
     return quantize_mxfp8(w)
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "contiguous_rowweighted", "masked", "swiglu", "many_tiles"])
+# K sets the scale rows the kernel's TMA reads (kernels.grouped_gemm_mxfp8.kernel_scale_layout): 272 and 1088
+# (9- and 34-byte rows) are copied into 16-byte padded rows; 1520 (48-byte rows, a K tail in the last stage) is
+# taken as is; 752 (24 bytes, K tail) is copied when "masked_k752" passes a view one byte into its storage, and
+# taken as is when "contiguous_rowweighted_k752" passes the padded layout itself.
+@pytest.mark.parametrize("kind", ["contiguous", "contiguous_rowweighted", "masked", "swiglu", "many_tiles",
+                                  "contiguous_k1520", "masked_k752", "contiguous_rowweighted_k752"])
 def test_mxfp8_weights_dequantized_in_kernel(kind):
     """bf16 x MXFP8 (dequantized in shared memory inside the kernel) against the fp32 reference on the same weights."""
     from kernels import grouped_gemm_mxfp8 as mx
 
     gen = torch.Generator(device=DEV).manual_seed(17 + len(kind))
+    kind, _, k_override = kind.partition("_k")
     masked = kind in ("masked", "swiglu")
-    E, N, K = (8, 2304, 1088) if kind == "many_tiles" else (6, 384 if kind == "swiglu" else 200, 272)
+    E, N, K = (8, 2304, 1088) if kind == "many_tiles" else (6, 384 if kind == "swiglu" else 200, int(k_override or 272))
     if masked:
         M = 40
         groups = torch.tensor([0, 40, 1, 90, 17, 0], dtype=torch.int32)  # one count above max_tokens
@@ -352,6 +358,11 @@ def test_mxfp8_weights_dequantized_in_kernel(kind):
         groups = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
         x = torch.randn(int(groups[-1]), K, generator=gen, device=DEV).bfloat16()
     q, s = _mx_weights(E, N, K, gen)
+    if k_override and masked:  # a view one byte into its storage: the launcher copies it into aligned rows
+        s = torch.empty(s.numel() + 1, dtype=s.dtype, device=DEV)[1:].view(s.shape).copy_(s)
+    elif k_override and kind == "contiguous_rowweighted":
+        s = mx.kernel_scale_layout(s)
+        assert not s.is_contiguous()  # 32-byte rows holding 24 scales
     rw = torch.rand(x.shape[:-1], generator=gen, device=DEV) if kind == "contiguous_rowweighted" else None
     if kind == "swiglu":
         qi, si = mx.interleave_gate_up_mxfp8(q, s)

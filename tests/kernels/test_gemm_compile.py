@@ -96,6 +96,9 @@ def test_grouped_gemm_mxfp8_compiles_for_sm90a(masked, tile_m, swiglu, row_weigh
     found = {
         "bf16 wgmma": "wgmma.mma_async.sync.aligned.m64n128k16" in ptx and "bf16.bf16" in ptx,
         "fp8 weight tiles by tma": "cp.async.bulk.tensor" in ptx,
+        # the E8M0 bytes: a third TMA box per stage (A, B, scales), read from shared memory as one 16-bit word
+        "scales by tma with the stage": ptx.count("cp.async.bulk.tensor") == 3 and "ld.shared.b16" in ptx,
+        "no byte loads from global memory": re.search(r"ld\.global[\w.]*\.[bsu]8", ptx) is None,
         "e4m3 -> bf16 by byte permute and exact bf16x2 scaling": "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx,
         "proxy fence before the mma reads": "fence.proxy.async.shared::cta" in ptx,
         "no local memory": ".local" not in ptx,

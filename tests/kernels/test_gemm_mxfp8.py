@@ -65,6 +65,19 @@ def test_mxfp8_swiglu_reference_on_interleaved_weights_and_scales():
     torch.testing.assert_close(fused, gg.swiglu_reference(h) * rw[..., None], rtol=1e-6, atol=1e-6)
 
 
+def test_kernel_scale_layout_pads_rows_to_16_bytes_only_where_needed():
+    """The Hopper kernel's TMA reads scale rows 16-byte multiples apart from a 16-byte aligned start."""
+    _, s48 = quantize_mxfp8(torch.randn(2, 8, 1520))  # 48 scales a row: already the layout
+    assert mx.scale_row_bytes(48) == 48 and mx.kernel_scale_layout(s48) is s48
+    _, s24 = quantize_mxfp8(torch.randn(2, 8, 752))  # 24 a row: copied into 32-byte rows
+    padded = mx.kernel_scale_layout(s24)
+    assert padded.stride() == (8 * 32, 32, 1) and padded.data_ptr() % 16 == 0 and torch.equal(padded, s24)
+    assert mx.kernel_scale_layout(padded) is padded  # held in the layout: no copy per call
+    shifted = torch.empty(s48.numel() + 1, dtype=torch.uint8)[1:].view(s48.shape).copy_(s48)  # misaligned start
+    moved = mx.kernel_scale_layout(shifted)
+    assert moved.data_ptr() % 16 == 0 and torch.equal(moved, s48)
+
+
 def test_kernel_mx_block_matches_the_format():
     assert sm90.MX_BLOCK == MX_BLOCK
 

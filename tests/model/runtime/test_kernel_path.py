@@ -193,7 +193,9 @@ def test_prepare_for_kernels_converts_in_place_or_says_why(tiny_checkpoint, chec
     # each row keeps its own exponents: undoing the interleave gives the file's weights and scales back
     assert torch.equal(deinterleave_gate_up(fused.weight)[0].view(torch.uint8), plain_q.view(torch.uint8))
     assert torch.equal(deinterleave_gate_up(fused.scale_e8m0)[0], plain_e8m0)
-    assert isinstance(mx.layers[1].mlp.w2, Mxfp8Weight)  # w2 needs no new layout
+    w2 = mx.layers[1].mlp.w2
+    assert isinstance(w2, Mxfp8Weight)  # same weights; its scales in the kernel's 16-byte rows
+    assert w2.scale_e8m0.stride()[-2] % 16 == 0 and w2.scale_e8m0.data_ptr() % 16 == 0
 
     fp32 = load_weights(path, config, dtype=torch.float32)
     assert "float32" in prepare_for_kernels(fp32)

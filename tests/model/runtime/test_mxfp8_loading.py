@@ -15,6 +15,7 @@ import torch
 from runtime_helpers import agreement, median_token_rel_err, random_prompts
 from safetensors import safe_open
 
+from kernels.grouped_gemm_mxfp8 import kernel_scale_layout
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig, Mxfp8Quantization
 from shared.model.errors import ShardingError, UnsupportedModel
@@ -145,6 +146,9 @@ def test_mxfp8_experts_are_prepared_for_the_grouped_gemm(checkpoints):
     assert prepare_for_kernels(w) is None
     assert isinstance(w.layers[0].mlp.w13, FusedGateUp) and w.layers[0].mlp.w13.scale_e8m0 is not None
     assert isinstance(w.layers[0].mlp.w2, Mxfp8Weight) and isinstance(w.layers[0].attn.q_proj, Mxfp8Weight)
+    # both expert scale tensors held in the layout the kernel's TMA reads (4 scales a row: padded to 16 bytes)
+    for scale in (w.layers[0].mlp.w13.scale_e8m0, w.layers[0].mlp.w2.scale_e8m0):
+        assert kernel_scale_layout(scale) is scale and scale.stride()[-2] == 16
 
 
 # ---------------------------------------------------------------- accuracy
