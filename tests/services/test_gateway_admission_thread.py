@@ -6,6 +6,7 @@ request id waits on a gate the test opens, so every ordering below is forced, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 
@@ -44,24 +45,27 @@ async def _until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
     raise AssertionError(f"never happened: {what}")
 
 
-def _gateway_setup(nats_server, tiny_model: Path, tokenizer: Tokenizer, instance: str):  # type: ignore[no-untyped-def]
+@contextlib.asynccontextmanager
+async def _gated_request(nats_server, tiny_model: Path, tokenizer: Tokenizer, instance: str, drain_timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+    """A real gateway whose admission of request ``GATED``, sent at once, is held on its worker thread:
+    yields (gateway, its admission, a client, the task awaiting ``GATED``'s reply)."""
     port, _ = nats_server
     url = f"nats://127.0.0.1:{port}"
-    settings = GatewaySettings(model=str(tiny_model), model_name="tiny", nats_url=url, instance=instance)
-    return url, settings, GatedAdmission(settings, ModelInfo.load(settings), tokenizer)
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny", nats_url=url, instance=instance, drain_timeout_s=drain_timeout_s)
+    admission = GatedAdmission(settings, ModelInfo.load(settings), tokenizer)
+    async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
+        gateway = Gateway(settings, bus, admission, tokenizer)
+        await gateway.start()
+        await until_listened(client_bus, subjects.GENERATE)
+        client = Client(client_bus, keepalive_s=None)
+        gated = asyncio.create_task(client.send_raw(b'{"prompt": "hi", "request_id": "gated"}', timeout=20))
+        await _until(lambda: GATED in gateway.admitting, "the gated request is in admission")
+        yield gateway, admission, client, gated
 
 
 def test_a_cancel_during_admission_is_answered_and_the_gateway_keeps_answering(nats_server, tiny_model: Path, tokenizer: Tokenizer):
-    url, settings, admission = _gateway_setup(nats_server, tiny_model, tokenizer, "gw-thread")
-
     async def go():  # type: ignore[no-untyped-def]
-        async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
-            gateway = Gateway(settings, bus, admission, tokenizer)
-            await gateway.start()
-            await until_listened(client_bus, subjects.GENERATE)
-            client = Client(client_bus, keepalive_s=None)
-            gated = asyncio.create_task(client.send_raw(b'{"prompt": "hi", "request_id": "gated"}', timeout=20))
-            await _until(lambda: GATED in gateway.admitting, "the gated request is in admission")
+        async with _gated_request(nats_server, tiny_model, tokenizer, "gw-thread") as (gateway, admission, client, gated):
             # While its admission thread waits, the gateway's loop still serves others.
             models = await client.models(timeout=5)
             other = await client.send_raw(b'{"prompt": "hi", "request_id": "other", "max_tokens": 0}')
@@ -84,17 +88,8 @@ def test_a_cancel_during_admission_is_answered_and_the_gateway_keeps_answering(n
 
 
 def test_a_shutdown_during_admission_answers_unavailable(nats_server, tiny_model: Path, tokenizer: Tokenizer):
-    url, settings, admission = _gateway_setup(nats_server, tiny_model, tokenizer, "gw-thread-drain")
-    settings.drain_timeout_s = 0.2
-
     async def go():  # type: ignore[no-untyped-def]
-        async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
-            gateway = Gateway(settings, bus, admission, tokenizer)
-            await gateway.start()
-            await until_listened(client_bus, subjects.GENERATE)
-            client = Client(client_bus, keepalive_s=None)
-            gated = asyncio.create_task(client.send_raw(b'{"prompt": "hi", "request_id": "gated"}', timeout=20))
-            await _until(lambda: GATED in gateway.admitting, "the gated request is in admission")
+        async with _gated_request(nats_server, tiny_model, tokenizer, "gw-thread-drain", drain_timeout_s=0.2) as (gateway, admission, _, gated):
             draining = asyncio.create_task(gateway.drain())
             await _until(lambda: gateway.admitting.get(GATED) is not None, "the shutdown reached the request in admission")
             admission.gate.set()
