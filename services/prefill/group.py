@@ -32,7 +32,8 @@ did not, every rank gives its pages back and the batch's requests fail with `int
 KV sender that fails to be built or to finish fails its request's delivery, which the ranks
 already agree on. What leaves the group untrusted (a rank's prefix cache diverged from the
 leader's plan, a collective or the pages' release failing after the forward) still stops the
-instance, loudly, but the leader first fails the batch's requests with `internal`.
+instance, loudly, but the leader first fails the batch's requests with `internal`. A queued
+task the leader cannot plan (its page keys, its prefix lookup) fails alone.
 
 The leader watches the gateways' heartbeats (`PeerLiveness`, as the decode ranks do):
 a queued task whose gateway has been silent for `gateway_expiry_s` of time the leader
@@ -214,10 +215,16 @@ class PrefillGroup:
         while self.queue:
             head = self.queue[0]
             task = head.task
-            if head.keys is None:
-                head.keys = self._page_keys(task)
+            try:
+                if head.keys is None:
+                    head.keys = self._page_keys(task)
+                hits = self._cached_pages(task, head.keys)
+            except Exception as e:  # this task cannot be planned: it fails alone, the batch formed so far runs
+                self.queue.popleft()
+                log.exception("prefill_plan_failed", request_id=task.job.request_id)
+                await self._fail(task, "internal", f"prefill could not plan the request: {type(e).__name__}: {e}")
+                continue
             n = len(task.job.input_ids)
-            hits = self._cached_pages(task, head.keys)
             computed, needed = n - len(hits) * layout.page_size, layout.pages_for(n) - len(hits)
             fits = new_pages + needed <= self.prefix.available(reused.union(hits))
             over = tokens + computed > self.settings.max_batch_tokens or context + n > self.settings.max_batch_context_tokens

@@ -6,8 +6,9 @@ checkpoint. No client input reaches the failures tested here (the gateway refuse
 the runner would), so they are injected into the real components by subclasses, for one
 prompt only (`POISON`):
 
-- the runner's `add` raises while the batch is prepared (after its pages were taken): the
-  request gets `internal` naming the exception at once, the prefill's pages and the decode
+- the runner's `add` raises while the batch is prepared (after its pages were taken), or the
+  leader cannot hash the prompt's page keys while it plans the batch: the request gets
+  `internal` naming the exception at once, the prefill's pages and the decode
   rank's reservation come back, and the same instance serves the next request (before, the
   exception ended the instance: the request waited for its deadline, every later one failed);
 - the ranks' agreement after the forward raises (a collective failing: the group can no longer
@@ -59,6 +60,15 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield stack
     finally:
         stack.stop()
+
+
+class UnplannableGroup(PrefillGroup):
+    """The real group, whose leader cannot hash the `POISON` prompt's page keys while it plans a batch."""
+
+    def _page_keys(self, task):  # type: ignore[no-untyped-def]
+        if task.job.input_ids == POISON:
+            raise RuntimeError("injected: the page keys cannot be hashed")
+        return super()._page_keys(task)
 
 
 class BrokenAgreementGroup(PrefillGroup):
@@ -118,11 +128,15 @@ async def decode_pages_freed(watch: HeartbeatWatch, timeout: float) -> None:
                          "the decode rank's pages back")
 
 
-def test_a_batch_that_cannot_be_prepared_fails_its_request_and_the_instance_serves_on(stack, tiny_model, tokenizer, hf_greedy):
+@pytest.mark.parametrize(("runner_cls", "group_cls", "expected"), [
+    (PoisonedRunner, PrefillGroup, "prefill could not prepare the batch: RuntimeError: injected: sequence"),
+    (ModelRunner, UnplannableGroup, "prefill could not plan the request: RuntimeError: injected: the page keys cannot be hashed"),
+], ids=["prepare", "plan"])
+def test_a_batch_that_cannot_be_prepared_fails_its_request_and_the_instance_serves_on(stack, tiny_model, tokenizer, hf_greedy, runner_cls, group_cls, expected):
     clean = tokenizer.encode("The capital of France is")
 
     async def go():  # type: ignore[no-untyped-def]
-        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, runner_cls=PoisonedRunner) as (group, serving):
+        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, runner_cls, group_cls) as (group, serving):
             error, elapsed = await poisoned_request(client)
             prefill_free = group.prefix.allocator.num_free
             await decode_pages_freed(watch, 5)
@@ -131,7 +145,7 @@ def test_a_batch_that_cannot_be_prepared_fails_its_request_and_the_instance_serv
 
     error, elapsed, prefill_free, kv_pages, after, stopped = run(go())
     assert error.code == "internal" and error.message.startswith(f"prefill:{INSTANCE}"), error
-    assert "RuntimeError: injected: sequence" in error.message, error.message
+    assert expected in error.message, error.message
     assert elapsed < 5.0  # not the deadline's 20 s
     assert prefill_free == kv_pages  # the pages its batch took came back (nothing else held any)
     assert after.token_ids == hf_greedy(tuple(clean), 4) and not stopped
