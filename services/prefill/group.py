@@ -25,6 +25,16 @@ prompt's page keys once (`Planned.keys`) for its lookup, its check and its relea
 batch's pages enter the cache depends on whether the forward succeeded on every rank (one
 agreed flag), so the ranks' indexes stay alike.
 
+One bad batch fails its own requests, not the instance. A batch's preparation (its pages,
+its sequences) is all or nothing on each rank, and on a TP group the ranks agree whether every
+rank prepared it before any of them enters the forward (one all-reduce of two flags): if one
+did not, every rank gives its pages back and the batch's requests fail with `internal`; a
+KV sender that fails to be built or to finish fails its request's delivery, which the ranks
+already agree on. What leaves the group untrusted (a rank's prefix cache diverged from the
+leader's plan, a collective or the pages' release failing after the forward) still stops the
+instance, loudly, but the leader first fails the batch's requests with `internal`. A queued
+task the leader cannot plan (its page keys, its prefix lookup) fails alone.
+
 The leader watches the gateways' heartbeats (`PeerLiveness`, as the decode ranks do):
 a queued task whose gateway has been silent for `gateway_expiry_s` of time the leader
 was listening, or restarted, is dropped (`prefill_orphaned`) instead of run: nobody is
@@ -47,10 +57,11 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
-from services.common import Heartbeater, cancel_applies, prefill_stage
+from services.common import Heartbeater, cancel_applies, decode_stage, prefill_stage
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
+from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.prefix_cache import PrefixCache, PrefixCacheMismatch, page_keys
@@ -101,6 +112,7 @@ class Outcome:
     error: str | None  # None: KV delivered by every rank
     generator_state: bytes | None  # the seeded sampler after the first token
     compute_ms: float
+    code: ErrorCode | None = None  # the error's code; None: `timeout` past the deadline, else `unavailable`
 
 
 class PrefillGroup:
@@ -203,10 +215,16 @@ class PrefillGroup:
         while self.queue:
             head = self.queue[0]
             task = head.task
-            if head.keys is None:
-                head.keys = self._page_keys(task)
+            try:
+                if head.keys is None:
+                    head.keys = self._page_keys(task)
+                hits = self._cached_pages(task, head.keys)
+            except Exception as e:  # this task cannot be planned: it fails alone, the batch formed so far runs
+                self.queue.popleft()
+                log.exception("prefill_plan_failed", request_id=task.job.request_id)
+                await self._fail(task, "internal", f"prefill could not plan the request: {type(e).__name__}: {e}")
+                continue
             n = len(task.job.input_ids)
-            hits = self._cached_pages(task, head.keys)
             computed, needed = n - len(hits) * layout.page_size, layout.pages_for(n) - len(hits)
             fits = new_pages + needed <= self.prefix.available(reused.union(hits))
             over = tokens + computed > self.settings.max_batch_tokens or context + n > self.settings.max_batch_context_tokens
@@ -248,18 +266,32 @@ class PrefillGroup:
                 if self.draining and drain_deadline is None:
                     drain_deadline = Deadline.after(self.settings.drain_timeout_s)
                 batch = await self._take_batch(drain_deadline)
-            if self.world > 1:
-                batch = await asyncio.to_thread(self._broadcast, batch)
-            if batch is None:
-                return
-            if batch:
+            planned = batch  # the leader's, to fail its requests if the group breaks before there are outcomes
+            try:
+                if self.world > 1:
+                    batch = await asyncio.to_thread(self._broadcast, batch)
+                if batch is None:
+                    return
+                if not batch:
+                    continue
                 outcomes, times = await self._prefill(batch)
-                if self.rank == 0:
-                    reporting = time.perf_counter()
-                    await self._report(outcomes)
-                    times.plan_ms, times.report_ms = self.plan_ms, (time.perf_counter() - reporting) * 1000
-                    self._log_batch(outcomes, times)
-                self.in_flight_tokens = 0
+            except Exception as e:
+                # What _prefill does not turn into failed outcomes leaves this rank's state or the group
+                # untrusted (a prefix cache that diverged, a collective or a page release that failed):
+                # serving on could run forwards the ranks disagree on, so the instance stops (a TP group's
+                # supervisor stops every rank). The batch's requests hear why first, and their decode
+                # ranks free the reservations (_fail).
+                if self.rank == 0 and planned:
+                    log.exception("prefill_group_failed", request_ids=[p.task.job.request_id for p in planned])
+                    for p in planned:
+                        await self._fail(p.task, "internal", f"prefill instance failed: {type(e).__name__}: {e}")
+                raise
+            if self.rank == 0:
+                reporting = time.perf_counter()
+                await self._report(outcomes)
+                times.plan_ms, times.report_ms = self.plan_ms, (time.perf_counter() - reporting) * 1000
+                self._log_batch(outcomes, times)
+            self.in_flight_tokens = 0
 
     def _broadcast(self, batch: list[Planned] | None) -> list[Planned] | None:
         box: list[object] = [None if batch is None else [(pack(p.task), p.cached_pages) for p in batch]]
@@ -274,29 +306,73 @@ class PrefillGroup:
         """Every task's page table: the cached pages the leader planned, then new ones.
 
         All tasks' cached pages are held before any allocation, so that one task's allocation
-        cannot evict pages a later task of the batch reuses (the leader sized the batch so)."""
+        cannot evict pages a later task of the batch reuses (the leader sized the batch so).
+        All or nothing: whatever fails (a diverged cache, pages short) fails before any page is
+        held or allocated, so a failure leaves nothing to give back."""
         hits = [self._cached_pages(p.task, p.keys) for p in planned]
         for p, found in zip(planned, hits, strict=True):
             if len(found) != p.cached_pages:
                 raise PrefixCacheMismatch(f"rank {self.rank}: request {p.task.job.request_id}: the leader reuses {p.cached_pages} cached KV pages, "
                                           f"this rank's prefix cache has {len(found)}: the TP ranks' caches diverged")
+        layout = self.runner.cache.layout
+        needs = [layout.pages_for(len(p.task.job.input_ids)) - len(found) for p, found in zip(planned, hits, strict=True)]
+        available = self.prefix.available([page for found in hits for page in found])
+        if sum(needs) > available:  # checked first: the allocations below cannot fail half way
+            raise OutOfPages(sum(needs), available)
         for p, found in zip(planned, hits, strict=True):
             if p.task.job.prompt_logprobs < 0:
                 self.prefix.acquire(found, len(p.task.job.input_ids))
-        layout = self.runner.cache.layout
-        return [found + self.prefix.alloc(layout.pages_for(len(p.task.job.input_ids)) - len(found)) for p, found in zip(planned, hits, strict=True)]
+        return [found + self.prefix.alloc(n) for found, n in zip(hits, needs, strict=True)]
+
+    def _prepare(self, planned: list[Planned]) -> tuple[list[list[int]], list[SequenceState]]:
+        """Every task's page table and sequence. All or nothing: on a failure the pages taken
+        are given back before it is raised."""
+        page_tables = self._take_pages(planned)
+        page_size = self.runner.cache.layout.page_size
+        try:
+            seqs = [self.runner.add(p.task.job.request_id, p.task.job.input_ids, sampling_params(p.task.job), page_table=pages,
+                                    num_cached=p.cached_pages * page_size) for p, pages in zip(planned, page_tables, strict=True)]
+        except BaseException:
+            self._give_back(planned, page_tables, computed=False)
+            raise
+        return page_tables, seqs
+
+    def _give_back(self, planned: list[Planned], page_tables: list[list[int]], computed: bool) -> None:
+        """The batch's pages back to the prefix cache: cached when ``computed`` on every rank, else freed."""
+        for p, pages in zip(planned, page_tables, strict=True):
+            self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed, p.keys)
+
+    def _prepared_everywhere(self, prepared: bool, diverged: bool) -> bool:
+        """Whether every rank of the group prepared the batch (`_prepare`). One that did not must
+        not enter a forward its peers run; every rank gives its pages back instead, so the group's
+        state is the same as before the batch and it serves on. A rank whose prefix cache
+        diverged from the leader's plan (`PrefixCacheMismatch`) leaves nothing to serve on with:
+        every rank raises (`run` fails the batch's requests first)."""
+        everywhere, agreed = self._agree([prepared, not diverged])
+        if not agreed:
+            raise PrefixCacheMismatch(f"rank {self.rank}: a rank's prefix cache diverged from the leader's plan (that rank's log names the request)")
+        return everywhere
 
     async def _prefill(self, planned: list[Planned]) -> tuple[list[Outcome], BatchTimes]:
         batch = [p.task for p in planned]
         page_size = self.runner.cache.layout.page_size
         times = BatchTimes()
         taking = time.perf_counter()
-        page_tables = self._take_pages(planned)
-        seqs: list[SequenceState] = []
-        for p, pages in zip(planned, page_tables, strict=True):
-            job = p.task.job
-            seqs.append(self.runner.add(job.request_id, job.input_ids, sampling_params(job), page_table=pages, num_cached=p.cached_pages * page_size))
+        prepared: tuple[list[list[int]], list[SequenceState]] | None = None
+        failure = "on another rank of the TP group (its log names the error)"
+        diverged = False
+        try:
+            prepared = self._prepare(planned)
+        except Exception as e:
+            log.exception("prefill_prepare_failed", request_ids=[t.job.request_id for t in batch])
+            failure, diverged = f"{type(e).__name__}: {e}", isinstance(e, PrefixCacheMismatch)
+        everywhere = await asyncio.to_thread(self._prepared_everywhere, prepared is not None, diverged) if self.world > 1 else prepared is not None
         times.pages_ms = (time.perf_counter() - taking) * 1000
+        if prepared is None or not everywhere:
+            if prepared is not None:
+                self._give_back(planned, prepared[0], computed=False)
+            return [Outcome(t, 0, None, f"prefill could not prepare the batch: {failure}", None, 0.0, code="internal") for t in batch], times
+        page_tables, seqs = prepared
 
         def run_forward() -> Sequence[StepOutput]:
             began = time.perf_counter()
@@ -322,6 +398,9 @@ class PrefillGroup:
                         reports.attach(sender)
                     except LayoutMismatch as e:
                         error = str(e)
+                    except Exception as e:  # this request's KV cannot go; the ranks agree on that below, the batch runs on
+                        log.exception("kv_sender_failed", request_id=task.job.request_id)
+                        error = f"KV sender failed: {type(e).__name__}: {e}"
                 senders.append(sender)
                 errors.append(error)
             times.senders_ms = (time.perf_counter() - started) * 1000
@@ -349,11 +428,15 @@ class PrefillGroup:
                     await sender.finish()
                 except TransferError as e:
                     errors[i] = errors[i] or f"KV transfer failed: {e}"
+                except Exception as e:  # as a TransferError: this request's KV did not arrive, which the ranks agree on below
+                    log.exception("kv_transfer_failed", request_id=batch[i].job.request_id)
+                    errors[i] = errors[i] or f"KV transfer failed: {type(e).__name__}: {e}"
         settling = time.perf_counter()
         times.transfer_ms = (settling - started) * 1000 - compute_ms
+        # A failure from here on (a collective, the pages' release) leaves the group untrusted: `run` stops it.
         *delivered, computed = await asyncio.to_thread(self._agree, [e is None for e in errors] + [forward_ok])
-        for p, seq, pages in zip(planned, seqs, page_tables, strict=True):
-            self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed, p.keys)
+        self._give_back(planned, page_tables, computed)
+        for seq in seqs:
             seq.page_table = []
         if self.world > 1:
             self.group_transfers = await asyncio.to_thread(self._sum_transfer_stats)
@@ -412,6 +495,11 @@ class PrefillGroup:
                     # NATS away for long (the outbound buffer is full): nothing can go out now, the request's
                     # gateway fails it when it reconnects, the decode rank's lease frees its pages.
                     log.warning("prefill_publish_failed", error=str(e))
+                except Exception as e:
+                    # Building this request's messages failed: the batch's pages are settled already, so
+                    # only this request fails (the error escaped the batch loop and the instance exited).
+                    log.exception("prefill_report_failed")
+                    await self._fail(o.task, "internal", f"prefill could not report the first token: {type(e).__name__}: {e}")
 
     async def _report_one(self, o: Outcome) -> None:
         """The request's first token to its gateway, then StartDecode to its decode rank (or its failure)."""
@@ -420,7 +508,7 @@ class PrefillGroup:
         if o.error is not None or o.output is None:
             # Failing after the deadline, typically a KV send cut off by a lease that ends at the
             # deadline, is the deadline passing: `timeout`, as the gateway says at its deadline.
-            code: ErrorCode = "timeout" if Deadline(job.deadline).expired else "unavailable"
+            code: ErrorCode = o.code or ("timeout" if Deadline(job.deadline).expired else "unavailable")
             await self._fail(o.task, code, o.error or "prefill failed")
             return
         out = o.output
@@ -453,6 +541,9 @@ class PrefillGroup:
         log.info("prefill_task_failed", request_id=job.request_id, code=code, reason=message)
         try:
             await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(StageError(request_id=job.request_id, code=code, message=message, stage=self.name)))
-            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, f"prefill: {message}")))
+            # Targeted at the decode rank, the one stage holding anything for the request (its
+            # reservation): the gateway ends the request on the StageError above, not on a cancel.
+            place = task.placement
+            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, f"prefill: {message}", stage=decode_stage(place.decode_instance, place.decode_rank))))
         except BusError as e:  # NATS away: the gateway fails the request on reconnect, the decode rank's lease frees its pages
             log.warning("stage_error_lost", request_id=job.request_id, code=code, error=str(e))

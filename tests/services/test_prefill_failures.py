@@ -1,0 +1,185 @@
+"""One bad batch fails its own requests, not the prefill instance.
+
+A real stack (compose/single-node.yml's gateway, scheduler and decode rank on a real
+nats-server) whose only prefill instance is a real `PrefillGroup` in this process, on the tiny
+checkpoint. No client input reaches the failures tested here (the gateway refuses the prompts
+the runner would), so they are injected into the real components by subclasses, for one
+prompt only (`POISON`):
+
+- the runner's `add` raises while the batch is prepared (after its pages were taken), or the
+  leader cannot hash the prompt's page keys while it plans the batch: the request gets
+  `internal` naming the exception at once, the prefill's pages and the decode
+  rank's reservation come back, and the same instance serves the next request (before, the
+  exception ended the instance: the request waited for its deadline, every later one failed);
+- the ranks' agreement after the forward raises (a collective failing: the group can no longer
+  be trusted): the instance stops, loudly, but the request gets `internal` before it does and
+  the decode rank frees its reservation;
+- in a TP group of 2 (gloo, spawned processes, `prefill_workers.tp_rank`, no bus) rank 1
+  alone cannot prepare a batch: both ranks fail it with `internal` and give their pages back
+  (rank 0 no longer enters a forward that rank 1 never joins), and the next batch runs on
+  both; then rank 1's prefix cache disagrees with the leader's plan: both ranks raise, none
+  waits forever in a collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from schemas.api import GenerateRequest
+from services.client import Client, GenerateError
+from services.launch import LocalStack
+from services.model_rank import prepare_rank_environment
+from services.prefill.group import PrefillGroup
+from services.ranks import free_port
+from shared.bus import connect
+from shared.model.runner import ModelRunner
+from shared.settings import PrefillSettings
+from shared.transfer import TransferWorker, prepare_direct_writes
+
+from prefill_workers import POISON, PoisonedRunner, tp_rank
+from services_helpers import HeartbeatWatch, all_kv_free, compose_specs, run, session, start_specs
+
+pytestmark = pytest.mark.slow
+
+INSTANCE = "prefill-in-process"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    specs = [s for s in compose_specs("single-node.yml", tiny_model) if s.role in ("gateway", "scheduler", "decode")]
+    stack = start_specs(specs, tiny_model, tmp_path_factory.mktemp("stack-logs"))
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+class UnplannableGroup(PrefillGroup):
+    """The real group, whose leader cannot hash the `POISON` prompt's page keys while it plans a batch."""
+
+    def _page_keys(self, task):  # type: ignore[no-untyped-def]
+        if task.job.input_ids == POISON:
+            raise RuntimeError("injected: the page keys cannot be hashed")
+        return super()._page_keys(task)
+
+
+class BrokenAgreementGroup(PrefillGroup):
+    """The real group, whose ranks' agreement after the forward raises for a batch of the `POISON` prompt."""
+
+    poisoned = False
+
+    async def _prefill(self, planned):  # type: ignore[no-untyped-def]
+        self.poisoned = any(p.task.job.input_ids == POISON for p in planned)
+        return await super()._prefill(planned)
+
+    def _agree(self, ok: list[bool]) -> list[bool]:
+        if self.poisoned:
+            raise RuntimeError("injected: the group's all-reduce failed")
+        return super()._agree(ok)
+
+
+@contextlib.asynccontextmanager
+async def prefill_instance(url: str, tiny_model: Path, watch: HeartbeatWatch, runner_cls: type[ModelRunner] = ModelRunner,
+                           group_cls: type[PrefillGroup] = PrefillGroup) -> AsyncIterator[tuple[PrefillGroup, asyncio.Task[None]]]:
+    """A prefill instance of one rank in this process, as `services.prefill` runs it (warm-up skipped),
+    until the scheduler can place prompts on it; drained at the end if it still serves."""
+    settings = PrefillSettings(model=str(tiny_model), model_name=tiny_model.resolve().name, nats_url=url, instance=INSTANCE, warmup=False)
+    prepare_rank_environment("cpu", 1)
+    runner = runner_cls.from_dir(tiny_model, num_pages=settings.kv_pages, page_size=settings.page_size, release_finished=False)
+    worker = await TransferWorker.create()
+    prepare_direct_writes(runner.cache.device, runner.cache.layout.dtype, runner.cache.layout.head_dim)
+    try:
+        async with connect(url, INSTANCE) as bus:
+            group = group_cls(settings, runner, worker, 0, 1, bus)
+            await group.start()
+            serving = asyncio.create_task(group.run())
+            try:
+                await watch.wait_for(lambda w: any(hb.instance == INSTANCE for hb in w.live("prefill")), 10, "the in-process prefill's heartbeat")
+                yield group, serving
+            finally:
+                if not serving.done():
+                    await group.drain()
+                    await asyncio.wait_for(serving, 30)
+                await group.close()
+    finally:
+        worker.close()
+
+
+async def poisoned_request(client: Client) -> tuple[GenerateError, float]:
+    """The `POISON` prompt's error and how long it took (its deadline is 20 s away)."""
+    started = time.monotonic()
+    with pytest.raises(GenerateError) as failed:
+        await client.generate(GenerateRequest(input_ids=POISON, max_tokens=4, temperature=0, timeout_ms=20_000))
+    return failed.value, time.monotonic() - started
+
+
+async def decode_pages_freed(watch: HeartbeatWatch, timeout: float) -> None:
+    """Until a decode heartbeat sent after now shows every page free (the lease is 30 s: only a cancel frees them sooner)."""
+    now = time.monotonic()
+    await watch.wait_for(lambda w: all(w.seen_at[k] > now + 0.1 for k in w.seen_at if k[0] == "decode") and all_kv_free(w), timeout,
+                         "the decode rank's pages back")
+
+
+@pytest.mark.parametrize(("runner_cls", "group_cls", "expected"), [
+    (PoisonedRunner, PrefillGroup, "prefill could not prepare the batch: RuntimeError: injected: sequence"),
+    (ModelRunner, UnplannableGroup, "prefill could not plan the request: RuntimeError: injected: the page keys cannot be hashed"),
+], ids=["prepare", "plan"])
+def test_a_batch_that_cannot_be_prepared_fails_its_request_and_the_instance_serves_on(stack, tiny_model, tokenizer, hf_greedy, runner_cls, group_cls, expected):
+    clean = tokenizer.encode("The capital of France is")
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, runner_cls, group_cls) as (group, serving):
+            error, elapsed = await poisoned_request(client)
+            prefill_free = group.prefix.allocator.num_free
+            await decode_pages_freed(watch, 5)
+            after = await client.generate(GenerateRequest(input_ids=clean, max_tokens=4, temperature=0, timeout_ms=20_000))
+            return error, elapsed, prefill_free, group.settings.kv_pages, after, serving.done()
+
+    error, elapsed, prefill_free, kv_pages, after, stopped = run(go())
+    assert error.code == "internal" and error.message.startswith(f"prefill:{INSTANCE}"), error
+    assert expected in error.message, error.message
+    assert elapsed < 5.0  # not the deadline's 20 s
+    assert prefill_free == kv_pages  # the pages its batch took came back (nothing else held any)
+    assert after.token_ids == hf_greedy(tuple(clean), 4) and not stopped
+
+
+def test_a_batch_that_leaves_the_group_untrusted_fails_its_request_before_the_instance_stops(stack, tiny_model):
+    async def go():  # type: ignore[no-untyped-def]
+        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, group_cls=BrokenAgreementGroup) as (_, serving):
+            error, elapsed = await poisoned_request(client)
+            await decode_pages_freed(watch, 5)
+            with pytest.raises(RuntimeError, match="injected: the group's all-reduce failed"):
+                await asyncio.wait_for(serving, 5)
+            return error, elapsed
+
+    error, elapsed = run(go())
+    assert error.code == "internal" and error.message.startswith(f"prefill:{INSTANCE}"), error
+    assert "prefill instance failed: RuntimeError: injected: the group's all-reduce failed" in error.message, error.message
+    assert elapsed < 5.0
+
+
+def test_a_tp_rank_that_cannot_prepare_a_batch_fails_it_on_every_rank(tiny_model, tmp_path):
+    port, ctx = free_port(), mp.get_context("spawn")
+    procs = [ctx.Process(target=tp_rank, args=(r, 2, port, str(tiny_model), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    leader, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert leader["poisoned"] == ["internal", "prefill could not prepare the batch: on another rank of the TP group (its log names the error)", 32]
+    assert peer["poisoned"] == ["internal", "prefill could not prepare the batch: RuntimeError: injected: sequence r0 cannot be added", 32]
+    assert leader["clean"] == peer["clean"] == [True, 2]
+    assert leader["diverged"].startswith("rank 0: a rank's prefix cache diverged from the leader's plan"), leader
+    assert peer["diverged"].startswith("rank 1: a rank's prefix cache diverged from the leader's plan"), peer
