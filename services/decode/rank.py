@@ -39,6 +39,7 @@ from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState
 from shared.settings import DecodeSettings
+from shared.tasks import spawn
 from shared.transfer import KVReceiver, LeaseExpired, TransferError, TransferTimeout
 
 log = get_logger(__name__)
@@ -75,6 +76,7 @@ class DecodeRank:
         self.name = decode_stage(settings.instance, rank)
         self.reserved: dict[str, Reservation] = {}
         self.running: dict[str, Running] = {}
+        self._drops: set[asyncio.Task[None]] = set()  # reservations being dropped from a lease timer (held until done)
         self.work = asyncio.Event()
         self.draining = False
         self.step_paths: Counter[str] = Counter()  # steps of this rank's sequences by forward path (heartbeat)
@@ -131,6 +133,7 @@ class DecodeRank:
         self.work.set()
 
     async def close(self) -> None:
+        await asyncio.gather(*self._drops, return_exceptions=True)  # a lease end still being told to its gateway goes out before the bus closes
         await self.heartbeater.stop()
         await self.receiver.close()
 
@@ -194,7 +197,7 @@ class DecodeRank:
         if self.reserved.get(res.request_id) is res and not res.starting:
             code, message = ("timeout", "deadline passed before prefill delivered the KV") if res.lease_is_deadline else \
                 ("unavailable", "KV reservation lease ended before prefill delivered")
-            asyncio.get_running_loop().create_task(self._drop_reservation(res, code, message))
+            spawn(self._drops, self._drop_reservation(res, code, message))
 
     async def _drop_reservation(self, res: Reservation, code: ErrorCode | None, message: str) -> None:
         """Free everything a reservation holds; tell the gateway unless it asked for this."""
