@@ -26,6 +26,7 @@ from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersErro
 from nats.errors import TimeoutError as NATSTimeoutError
 
 from shared.logging import get_logger
+from shared.tasks import spawn
 
 T = TypeVar("T")
 log = get_logger(__name__)
@@ -199,9 +200,7 @@ class Bus:
 
         async def dispatch(msg: Msg) -> None:
             if concurrent:
-                task = asyncio.get_running_loop().create_task(run(msg))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                spawn(self._tasks, run(msg))
             else:
                 await run(msg)
 

@@ -39,6 +39,7 @@ from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState
 from shared.settings import DecodeSettings
+from shared.tasks import spawn
 from shared.transfer import KVReceiver, LeaseExpired, TransferError, TransferTimeout
 
 log = get_logger(__name__)
@@ -75,6 +76,7 @@ class DecodeRank:
         self.name = decode_stage(settings.instance, rank)
         self.reserved: dict[str, Reservation] = {}
         self.running: dict[str, Running] = {}
+        self._drops: set[asyncio.Task[None]] = set()  # reservations being dropped from a lease timer (held until done)
         self.work = asyncio.Event()
         self.draining = False
         self.step_paths: Counter[str] = Counter()  # steps of this rank's sequences by forward path (heartbeat)
@@ -131,6 +133,7 @@ class DecodeRank:
         self.work.set()
 
     async def close(self) -> None:
+        await asyncio.gather(*self._drops, return_exceptions=True)  # a lease end still being told to its gateway goes out before the bus closes
         await self.heartbeater.stop()
         await self.receiver.close()
 
@@ -194,7 +197,7 @@ class DecodeRank:
         if self.reserved.get(res.request_id) is res and not res.starting:
             code, message = ("timeout", "deadline passed before prefill delivered the KV") if res.lease_is_deadline else \
                 ("unavailable", "KV reservation lease ended before prefill delivered")
-            asyncio.get_running_loop().create_task(self._drop_reservation(res, code, message))
+            spawn(self._drops, self._drop_reservation(res, code, message))
 
     async def _drop_reservation(self, res: Reservation, code: ErrorCode | None, message: str) -> None:
         """Free everything a reservation holds; tell the gateway unless it asked for this."""
@@ -218,33 +221,42 @@ class DecodeRank:
             if res is None:
                 await self._send_error(job.gateway, job.request_id, "unavailable", "no KV reservation for this request (its lease ended or it was cancelled)")
                 return
-            res.starting = True
+            if res.starting:
+                # A second StartDecode for the request: the first one claims the pages (and, should it
+                # fail, frees them); failing or starting the request again here would free them twice.
+                log.warning("decode_start_duplicate")
+                return
+            res.starting = True  # from now on this handler, not the lease, ends the reservation
+            pages: list[int] = []  # the prompt's pages once claimed from the receiver: then ours to free
             try:
                 pages = await self.receiver.wait_complete(job.request_id, Deadline(job.deadline).timeout())
+                self._begin(res, start, pages)
             except TransferError as e:
                 # The wait ends at the deadline (TransferTimeout), as may the lease: a deadline that passes is `timeout`.
+                # A cancel or lease end while we waited cancels the receiver too, so wait_complete raised.
                 timed_out = isinstance(e, TransferTimeout) or (isinstance(e, LeaseExpired) and res.lease_is_deadline)
                 await self._drop_reservation(res, "timeout" if timed_out else "unavailable", f"KV transfer failed: {e}")
-                return
-            # A cancel or lease end while we waited cancels the receiver too, so wait_complete raised.
-            del self.reserved[job.request_id]
-            if res.lease is not None:
-                res.lease.cancel()
-            prompt = job.input_ids
-            try:
-                seq = self.runner.add(job.request_id, prompt, sampling_params(job), page_table=pages + res.extra_pages,
-                                      num_cached=len(prompt), output_ids=[start.first_token])
-                if seq.generator is not None and start.generator_state is not None:
-                    seq.generator.set_state(torch.frombuffer(bytearray(start.generator_state), dtype=torch.uint8))
-            except Exception as e:  # noqa: BLE001 - the claimed pages must come back and the gateway must hear
-                # e.g. a sampler state from a prefill on another device type (its size differs).
-                self.runner.cache.allocator.free(pages + res.extra_pages)
+            except Exception as e:  # noqa: BLE001 - whatever failed, the pages must come back and the gateway must hear
+                # e.g. a sampler state from a prefill on another device type (its size differs), or a
+                # receiver that no longer knows the reservation (UnknownTransfer).
                 log.exception("decode_start_failed")
-                await self._send_error(job.gateway, job.request_id, "internal", f"decode could not start the sequence: {type(e).__name__}: {e}")
-                return
-            self.running[job.request_id] = Running(job, seq, res.gateway_started_at)
-            log.info("decode_started", prompt_tokens=len(prompt))
-            self.work.set()
+                self.runner.cache.allocator.free(pages)
+                await self._drop_reservation(res, "internal", f"decode could not start the sequence: {type(e).__name__}: {e}")
+
+    def _begin(self, res: Reservation, start: StartDecode, pages: list[int]) -> None:
+        """Run the request whose prompt KV landed in `pages`; if this raises, the reservation is untouched."""
+        job = start.job
+        prompt = job.input_ids
+        seq = self.runner.add(job.request_id, prompt, sampling_params(job), page_table=pages + res.extra_pages,
+                              num_cached=len(prompt), output_ids=[start.first_token])
+        if seq.generator is not None and start.generator_state is not None:
+            seq.generator.set_state(torch.frombuffer(bytearray(start.generator_state), dtype=torch.uint8))
+        del self.reserved[job.request_id]
+        if res.lease is not None:
+            res.lease.cancel()
+        self.running[job.request_id] = Running(job, seq, res.gateway_started_at)
+        log.info("decode_started", prompt_tokens=len(prompt))
+        self.work.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)

@@ -53,6 +53,7 @@ import torch
 
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
 from shared.kvcache import PagedKVCache
+from shared.tasks import spawn
 from shared.transfer.cuda_ipc import CudaIpcUnavailable, enabled_by_env, export_storage, open_landing_event
 from shared.transfer.errors import Cancelled, LeaseExpired, PeerFailed, ProtocolError, TransferError, TransferTimeout, UnknownTransfer
 from shared.transfer.metrics import PhaseTimes, TransferMetrics, TransferRecord
@@ -139,7 +140,7 @@ class KVReceiver:
         self._reservations: dict[str, _Reservation] = {}
         # Outcome of recently ended reservations, so a late wait_complete gets the real reason.
         self._ended: OrderedDict[str, TransferError] = OrderedDict()
-        self._reapers: set[asyncio.Future[None]] = set()  # slots waiting on abandoned receives
+        self._reapers: set[asyncio.Task[None]] = set()  # slots waiting on abandoned receives
         self._quarantined: dict[int, _Reservation] = {}  # id -> ended reservation whose pages wait
         self._scatter_stream = side_stream(kvcache.device)
         layout = kvcache.layout
@@ -205,7 +206,7 @@ class KVReceiver:
         res.done.add_done_callback(lambda f: f.cancelled() or f.exception())
         res.lease = loop.call_later(lease_s, self._end_lease, res)
         self._reservations[request_id] = res
-        self._spawn(res, self._receive_headers(res))
+        spawn(res.tasks, self._receive_headers(res))
         log.info("kv.reserved", request_id=request_id, transfer_id=transfer_id, num_tokens=num_tokens, pages=len(page_ids), lease_s=lease_s)
         return KVTransferDescriptor(
             worker_address=self._worker.address,
@@ -280,11 +281,6 @@ class KVReceiver:
 
     # -- internals -------------------------------------------------------------------
 
-    def _spawn(self, res: _Reservation, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
-        res.tasks.add(task)
-        task.add_done_callback(res.tasks.discard)
-
     async def _receive_headers(self, res: _Reservation) -> None:
         """Take chunk headers until every cell is announced; each announced chunk gets a receive task."""
         tag = header_tag(res.transfer_id)
@@ -305,16 +301,16 @@ class KVReceiver:
                     if header.kind == "landed" and header.event is None:
                         self._landed(res, header, direct=True)
                     elif header.kind == "landed":
-                        self._spawn(res, self._await_landing(res, header))
+                        spawn(res.tasks, self._await_landing(res, header))
                     else:
-                        self._spawn(res, self._receive_chunk(res, header, time.perf_counter()))
+                        spawn(res.tasks, self._receive_chunk(res, header, time.perf_counter()))
                 elif header.kind == "landed" and header.event is None:
                     res.landed[header.layer_start : header.layer_end, header.head_start : header.head_end] = True
                 elif header.kind == "landed":
                     # Cancelled (draining): the cells are quiet once their writes completed.
-                    self._spawn(res, self._await_landing(res, header))
+                    spawn(res.tasks, self._await_landing(res, header))
                 else:
-                    self._spawn(res, self._drain_chunk(res, header))
+                    spawn(res.tasks, self._drain_chunk(res, header))
                 self._lift_quarantine_if_quiet(res)
         except ProtocolError as e:
             self._terminate(res, _State.FAILED, e)
@@ -361,8 +357,7 @@ class KVReceiver:
             except asyncio.CancelledError:
                 # The posted UCX receive still owns the slot: hand it back only once that
                 # receive is over, so a late chunk can never land in another request's slot.
-                self._reapers.add(reaper := asyncio.ensure_future(self._release_after(recv, buf, res.lease_ends_at)))
-                reaper.add_done_callback(self._reapers.discard)
+                spawn(self._reapers, self._release_after(recv, buf, res.lease_ends_at))
                 buf = None
                 raise
             if res.state is not _State.RECEIVING:
