@@ -218,13 +218,13 @@ class DecodeRank:
         job = start.job
         with bind_request(request_id=job.request_id):
             res = self.reserved.get(job.request_id)
+            if (res is not None and res.starting) or (res is None and job.request_id in self.running):
+                # A second StartDecode for the request: the first one claims the pages (and, should it
+                # fail, frees them) and runs it; failing or starting it again here would free them twice.
+                log.warning("decode_start_duplicate")
+                return
             if res is None:
                 await self._send_error(job.gateway, job.request_id, "unavailable", "no KV reservation for this request (its lease ended or it was cancelled)")
-                return
-            if res.starting:
-                # A second StartDecode for the request: the first one claims the pages (and, should it
-                # fail, frees them); failing or starting the request again here would free them twice.
-                log.warning("decode_start_duplicate")
                 return
             res.starting = True  # from now on this handler, not the lease, ends the reservation
             pages: list[int] = []  # the prompt's pages once claimed from the receiver: then ours to free

@@ -46,6 +46,7 @@ stack = stack_fixture("single-node.yml", scale={"decode": 0})
 
 DECODE = "decode-inproc"
 PROMPT = "The capital of France is"
+MANY_TOKENS = 64  # steps enough for a StartDecode published after the first tokens to arrive while the request runs
 
 
 class FailOnceReceiver(KVReceiver):
@@ -144,10 +145,11 @@ async def _token_messages(bus: Bus, gateway: str) -> list[TokenMessage]:
     return messages
 
 
-def test_a_second_start_for_a_request_already_starting_is_ignored(stack, tiny_model: Path):
+def test_a_second_start_for_a_request_already_starting_or_running_is_ignored(stack, tiny_model: Path):
     """StartDecode published twice for one request, both arriving while its KV is still on the
-    way: the request starts once, runs to its end, and its pages come back once. (Failing the
-    duplicate instead would free the pages the first start claims, under the running sequence.)
+    way, and a third time once it runs: the request starts once, runs to its end, and its pages
+    come back once. (Failing the duplicate instead would free the pages the first start claims,
+    under the running sequence; answering the late one "no reservation" would fail the request.)
     The test stands in for the scheduler (the reservation) and the prefill (the starts, the KV)."""
     async def go():  # type: ignore[no-untyped-def]
         async with _decode_rank(stack.url, tiny_model, KVReceiver) as (rank, loop, worker), session(stack.url) as (client, watch):
@@ -155,7 +157,7 @@ def test_a_second_start_for_a_request_already_starting_is_ignored(stack, tiny_mo
             gateway = watch.live("gateway")[0].instance  # alive, so the rank keeps the request; it ignores the tokens of an unknown id
             messages = await _token_messages(client.bus, gateway)
             free = rank.runner.cache.allocator.num_free
-            job = Job(request_id="started-twice", gateway=gateway, input_ids=list(range(1, 9)), max_tokens=8,
+            job = Job(request_id="started-twice", gateway=gateway, input_ids=list(range(1, 9)), max_tokens=MANY_TOKENS,
                       sampling=SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None), stop_token_ids=[], logprobs=False,
                       ignore_eos=True, deadline=time.time() + 30)
             reserve = ReserveKV(request_id=job.request_id, gateway=gateway, prompt_tokens=len(job.input_ids), max_tokens=job.max_tokens,
@@ -169,6 +171,10 @@ def test_a_second_start_for_a_request_already_starting_is_ignored(stack, tiny_mo
             await asyncio.sleep(0.5)  # both starts wait for the KV
             await _send_kv(worker, reservation.descriptor)
             until = time.monotonic() + 10
+            while not messages and time.monotonic() < until:
+                await asyncio.sleep(0.01)
+            assert "started-twice" in rank.running, "the request finished before the late start could be sent"
+            await client.bus.publish(subjects.decode_start(DECODE, 0), start)
             while not any(isinstance(m, TokenBatch) and m.finish_reason for m in messages) and time.monotonic() < until:
                 await asyncio.sleep(0.05)
             after = await _pages_back(rank, free)
@@ -179,5 +185,5 @@ def test_a_second_start_for_a_request_already_starting_is_ignored(stack, tiny_mo
     assert not loop_ended, "the rank's step loop ended"
     batches = [m for m in messages if isinstance(m, TokenBatch)]
     assert [m for m in messages if not isinstance(m, TokenBatch)] == [], messages
-    assert sum(len(b.token_ids) for b in batches) == 7 and batches[-1].finish_reason == "length", batches  # the first token came with the start
+    assert sum(len(b.token_ids) for b in batches) == MANY_TOKENS - 1 and batches[-1].finish_reason == "length", batches  # the first token came with the start
     assert (free_after, reserved_after) == (free, {}), f"{free - free_after} KV pages did not come back, reservations {reserved_after}"
