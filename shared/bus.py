@@ -67,6 +67,10 @@ class Reconnected(BusError):
     """The connection was re-established while replies were due: some may have been lost."""
 
 
+class BadReply(BusError):
+    """A reply came but is not the message the request expects (a peer of another version, or a bug)."""
+
+
 class PayloadTooLarge(BusError):
     """A message above the NATS server's ``max_payload`` (as the server announced it: 8 MiB as
     `moebus up` and the compose files start it, 1 MiB nats-server's own default): not sent."""
@@ -241,7 +245,7 @@ class Bus:
         return True
 
     async def request(self, subject: str, obj: Any, reply_type: type[T] | Any, timeout: float) -> T:
-        """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout / size."""
+        """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout / size / bad reply."""
         payload = pack(obj)
         try:
             msg = await self.nc.request(subject, payload, timeout=timeout)
@@ -251,7 +255,10 @@ class Bus:
             raise NoResponders(f"no responder on {subject}") from e
         except NATSTimeoutError as e:
             raise RequestTimeout(f"no reply on {subject} within {timeout:.3f}s") from e
-        return unpack(msg.data, reply_type)
+        try:
+            return unpack(msg.data, reply_type)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise BadReply(f"the reply on {subject} is not a valid {getattr(reply_type, '__name__', reply_type)}: {e}") from e
 
     async def stream(
         self,

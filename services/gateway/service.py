@@ -45,7 +45,7 @@ from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
 from services.gateway.stats import RequestCounters
 from services.liveness import MemberKey, PeerLiveness
-from shared.bus import Bus, BusError, Deadline, NoResponders, PayloadTooLarge, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
+from shared.bus import BadReply, Bus, BusError, Deadline, NoResponders, PayloadTooLarge, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
@@ -351,6 +351,8 @@ class Gateway:
             raise Failed("unavailable", "no scheduler is running") from e
         except PayloadTooLarge as e:  # never sent: no scheduler could take it, retrying will not help
             raise Failed("invalid_request", f"the request is too large for the bus ({e}); send a shorter prompt") from e
+        except BadReply as e:  # a scheduler of another version, or a bug: waiting will not help
+            raise Failed("internal", f"the scheduler's answer could not be read: {e}") from e
         except BusError as e:
             if deadline.expired:
                 raise Failed("timeout", "deadline passed while waiting for the scheduler") from e

@@ -21,7 +21,7 @@ from schemas.internal import Cancel, Heartbeat, Job, KVReservation, Placement, P
 from services.common import Heartbeater, cancel_applies, decode_stage
 from services.liveness import Hearing
 from services.scheduler.registry import Member, Registry
-from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, pack, unpack
+from shared.bus import BadReply, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.settings import SchedulerSettings
 
@@ -204,8 +204,12 @@ class Scheduler:
         except BusError as e:
             log.warning("reserve_failed", decode=f"{decode.hb.instance}/{decode.hb.rank}", error=str(e))
             decode.suspect_until = time.monotonic() + self.settings.heartbeat_expiry_s
+            # The rank may have reserved: it answered too late, or in a form we cannot read
+            # (another version). Either way the request goes on elsewhere.
             if isinstance(e, RequestTimeout):
                 await self._release(decode, job.request_id, "the scheduler stopped waiting for the reservation")
+            elif isinstance(e, BadReply):
+                await self._release(decode, job.request_id, "the scheduler could not read the rank's reservation reply")
             return None
         if not reply.ok or reply.descriptor is None:
             log.info("reserve_refused", decode=f"{decode.hb.instance}/{decode.hb.rank}", reason=reply.reason)
