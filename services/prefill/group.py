@@ -62,7 +62,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
-from services.common import Heartbeater, cancel_applies, decode_stage, prefill_stage
+from services.common import Heartbeater, cancel_applies, prefill_stage, release_reservation
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
@@ -609,12 +609,14 @@ class PrefillGroup:
             cached_tokens=o.cached_tokens,
         )
         await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(first))
+        place = o.task.placement
         if out.finish_reason is not None:
-            # Done at the first token: the decode rank only has to free its reservation.
-            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "finished at the first token")))
+            # Done at the first token: its decode rank only has to free its reservation. Nobody else
+            # may act (an untargeted cancel could also end the request at its gateway, or free the
+            # same request id's reservation on another rank).
+            await release_reservation(self.bus, job.request_id, place.decode_instance, place.decode_rank, "finished at the first token")
             return
         start = StartDecode(job=job, first_token=out.token_id, first_logprob=out.logprob, generator_state=o.generator_state)
-        place = o.task.placement
         await self.bus.publish(subjects.decode_start(place.decode_instance, place.decode_rank), pack(start))
         log.info("prefilled", prompt_tokens=len(job.input_ids), cached_tokens=o.cached_tokens, compute_ms=round(o.compute_ms, 2))
 
@@ -624,9 +626,9 @@ class PrefillGroup:
         log.info("prefill_task_failed", request_id=job.request_id, code=code, reason=message)
         try:
             await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(StageError(request_id=job.request_id, code=code, message=message, stage=self.name)))
-            # Targeted at the decode rank, the one stage holding anything for the request (its
-            # reservation): the gateway ends the request on the StageError above, not on a cancel.
-            place = task.placement
-            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, f"prefill: {message}", stage=decode_stage(place.decode_instance, place.decode_rank))))
-        except BusError as e:  # NATS away: the gateway fails the request on reconnect, the decode rank's lease frees its pages
+        except BusError as e:  # NATS away: the gateway fails the request on reconnect
             log.warning("stage_error_lost", request_id=job.request_id, code=code, error=str(e))
+        # The decode rank is the one stage holding anything for the request (its reservation); the
+        # gateway ends the request on the StageError above, not on a cancel.
+        place = task.placement
+        await release_reservation(self.bus, job.request_id, place.decode_instance, place.decode_rank, f"prefill: {message}")
