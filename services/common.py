@@ -1,4 +1,4 @@
-"""What every service process shares: command line -> settings, signals, heartbeats."""
+"""What every service process shares: command line -> settings, signals, heartbeats, stage names and cancels."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from schemas import subjects
 from schemas.internal import Cancel, Heartbeat, Role
-from shared.bus import Bus, pack
+from shared.bus import Bus, BusError, pack
 from shared.logging import configure_logging, get_logger
 from shared.settings import SERVICES, ServiceSettings, SettingsError, load_settings
 
@@ -42,6 +42,19 @@ def cancel_applies(cancel: Cancel, stage: str | None) -> bool:
     targeted one (``Cancel.stage``) only the stage it names (``stage``; None for the gateway and
     the scheduler, which no cancel targets: the request goes on elsewhere)."""
     return not cancel.stage or cancel.stage == stage
+
+
+async def release_reservation(bus: Bus, request_id: str, decode_instance: str, decode_rank: int, reason: str) -> None:
+    """Free the request's KV reservation on the decode rank it was placed on, and only there: a
+    ``ctl.cancel`` targeted at that rank. Every other stage ignores it (`cancel_applies`): the
+    gateway, which ends the request on its tokens or a ``StageError``, not on this cancel; prefill;
+    and any other decode rank holding the same request id (one the request went to after this
+    rank's answer came late, where it goes on). With NATS away the rank's lease frees the pages."""
+    cancel = Cancel(request_id, reason, stage=decode_stage(decode_instance, decode_rank))
+    try:
+        await bus.publish(subjects.CTL_CANCEL, pack(cancel))
+    except BusError as e:
+        log.warning("release_not_sent", request_id=request_id, decode=cancel.stage, error=str(e))
 
 
 def parse_settings(service: str, argv: list[str], needs_model: str = "") -> ServiceSettings:

@@ -25,15 +25,20 @@ prompt's page keys once (`Planned.keys`) for its lookup, its check and its relea
 batch's pages enter the cache depends on whether the forward succeeded on every rank (one
 agreed flag), so the ranks' indexes stay alike.
 
-One bad batch fails its own requests, not the instance. A batch's preparation (its pages,
-its sequences) is all or nothing on each rank, and on a TP group the ranks agree whether every
-rank prepared it before any of them enters the forward (one all-reduce of two flags): if one
-did not, every rank gives its pages back and the batch's requests fail with `internal`; a
-KV sender that fails to be built or to finish fails its request's delivery, which the ranks
-already agree on. What leaves the group untrusted (a rank's prefix cache diverged from the
-leader's plan, a collective or the pages' release failing after the forward) still stops the
-instance, loudly, but the leader first fails the batch's requests with `internal`. A queued
-task the leader cannot plan (its page keys, its prefix lookup) fails alone.
+One bad request fails alone, one bad batch fails its own requests, neither the instance. Each
+rank prepares a batch's tasks one by one (its pages, its sequence): a task it cannot prepare
+holds nothing but pages it gives back, and on a TP group the ranks agree which tasks every rank
+prepared before any of them enters the forward (one all-reduce of a flag per task): every rank
+drops the same tasks, whose requests fail with `internal` naming the error, and runs the
+others. A KV sender that fails to be built or to finish fails its request's delivery, which
+the ranks already agree on. The codes say whose failure it was: a forward that raises, or a
+sender that cannot be built, is `internal` (a bug, or prefill and decode layouts that
+differ); a KV transfer that fails is `timeout` past the request's deadline, else
+`unavailable` (its decode rank is gone or dropped the reservation). What leaves the group
+untrusted (a rank's prefix cache diverged from the leader's plan, a collective or the pages'
+release failing after the forward) still stops the instance, loudly, but the leader first
+fails the batch's requests with `internal`. A queued task the leader cannot plan (its page
+keys, its prefix lookup) fails alone.
 
 The leader watches the gateways' heartbeats (`PeerLiveness`, as the decode ranks do):
 a queued task whose gateway has been silent for `gateway_expiry_s` of time the leader
@@ -57,11 +62,10 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
-from services.common import Heartbeater, cancel_applies, decode_stage, prefill_stage
+from services.common import Heartbeater, cancel_applies, prefill_stage, release_reservation
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
-from shared.kvcache import OutOfPages
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.prefix_cache import PrefixCache, PrefixCacheMismatch, page_keys
@@ -71,6 +75,7 @@ from shared.transfer import KVSender, LayerReports, LayoutMismatch, TransferErro
 log = get_logger(__name__)
 
 IDLE_TICK_S = 1.0  # the leader broadcasts an empty batch this often so peers never time out
+ON_ANOTHER_RANK = "on another rank of the TP group (its log names the error)"
 
 
 @dataclass
@@ -112,7 +117,47 @@ class Outcome:
     error: str | None  # None: KV delivered by every rank
     generator_state: bytes | None  # the seeded sampler after the first token
     compute_ms: float
-    code: ErrorCode | None = None  # the error's code; None: `timeout` past the deadline, else `unavailable`
+    code: ErrorCode | None = None  # the error's code; None: a KV transfer that failed, `timeout` past the deadline, else `unavailable`
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one request of a batch failed on this rank."""
+
+    message: str
+    # None: its KV transfer failed (a peer gone, a lease or a timeout): `_report_one` says `timeout`
+    # past the request's deadline, else `unavailable`. A failure of moebus itself says `internal`.
+    code: ErrorCode | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One task of a batch as this rank prepared it (`PrefillGroup._prepare`)."""
+
+    pages: list[int]  # its page table, held by this rank ([]: this rank could not get its pages)
+    seq: SequenceState | None  # None: not prepared here, ``error`` says why
+    error: str | None = None
+
+
+class PageBudget:
+    """The KV pages a batch allocates against what the prefix cache can give them: free plus
+    evictable pages, less the cached pages the batch reuses (its own allocations must not evict
+    them). The leader sizes each batch with it and every rank takes the batch's pages by it, so
+    a rank whose pages are as the leader's takes every task's pages."""
+
+    def __init__(self, prefix: PrefixCache) -> None:
+        self.prefix = prefix
+        self.reused: set[int] = set()
+        self.new_pages = 0
+
+    def left(self, hits: list[int]) -> int:
+        """New pages a further task reusing ``hits`` could still get."""
+        return self.prefix.available(self.reused.union(hits)) - self.new_pages
+
+    def take(self, hits: list[int], needed: int) -> None:
+        """Count a task reusing ``hits`` and allocating ``needed`` new pages into the batch."""
+        self.reused.update(hits)
+        self.new_pages += needed
 
 
 class PrefillGroup:
@@ -209,8 +254,8 @@ class PrefillGroup:
             return None
         planning = time.perf_counter()
         batch: list[Planned] = []
-        tokens = context = new_pages = 0  # tokens the batch computes, prompt tokens it attends over, pages it allocates
-        reused: set[int] = set()  # cached pages the batch reuses: its own allocations must not evict them
+        tokens = context = 0  # tokens the batch computes, prompt tokens it attends over
+        budget = PageBudget(self.prefix)
         layout = self.runner.cache.layout
         while self.queue:
             head = self.queue[0]
@@ -226,7 +271,7 @@ class PrefillGroup:
                 continue
             n = len(task.job.input_ids)
             computed, needed = n - len(hits) * layout.page_size, layout.pages_for(n) - len(hits)
-            fits = new_pages + needed <= self.prefix.available(reused.union(hits))
+            fits = needed <= budget.left(hits)
             over = tokens + computed > self.settings.max_batch_tokens or context + n > self.settings.max_batch_context_tokens
             if batch and (over or not fits):
                 break
@@ -240,8 +285,7 @@ class PrefillGroup:
             batch.append(Planned(task, len(hits), head.keys))
             tokens += computed
             context += n
-            new_pages += needed
-            reused.update(hits)
+            budget.take(hits, needed)
         self.in_flight_tokens = context
         self.plan_ms = (time.perf_counter() - planning) * 1000
         return batch
@@ -302,13 +346,16 @@ class PrefillGroup:
         tasks = [(unpack(b, PrefillTask), n) for b, n in payload]  # type: ignore[union-attr]
         return [Planned(task, n, self._page_keys(task)) for task, n in tasks]
 
-    def _take_pages(self, planned: list[Planned]) -> list[list[int]]:
-        """Every task's page table: the cached pages the leader planned, then new ones.
+    def _take_pages(self, planned: list[Planned]) -> list[list[int] | None]:
+        """Every task's page table: the cached pages the leader planned, then new ones; None for a
+        task whose pages this rank cannot get (it fails alone, `_prepare`).
 
-        All tasks' cached pages are held before any allocation, so that one task's allocation
-        cannot evict pages a later task of the batch reuses (the leader sized the batch so).
-        All or nothing: whatever fails (a diverged cache, pages short) fails before any page is
-        held or allocated, so a failure leaves nothing to give back."""
+        The tasks are admitted in order by the rule the leader sized the batch with (`PageBudget`),
+        so a rank whose pages are as the leader's admits them all; a rank that is short holds
+        nothing for the tasks it does not admit. The admitted tasks' cached pages are all held
+        before any allocation, so that one task's allocation cannot evict pages a later task
+        reuses, and the allocations cannot fail half way. A rank whose prefix cache diverged
+        from the leader's plan raises before it holds any page."""
         hits = [self._cached_pages(p.task, p.keys) for p in planned]
         for p, found in zip(planned, hits, strict=True):
             if len(found) != p.cached_pages:
@@ -316,63 +363,97 @@ class PrefillGroup:
                                           f"this rank's prefix cache has {len(found)}: the TP ranks' caches diverged")
         layout = self.runner.cache.layout
         needs = [layout.pages_for(len(p.task.job.input_ids)) - len(found) for p, found in zip(planned, hits, strict=True)]
-        available = self.prefix.available([page for found in hits for page in found])
-        if sum(needs) > available:  # checked first: the allocations below cannot fail half way
-            raise OutOfPages(sum(needs), available)
-        for p, found in zip(planned, hits, strict=True):
-            if p.task.job.prompt_logprobs < 0:
+        budget = PageBudget(self.prefix)
+        admitted: list[bool] = []
+        for p, found, n in zip(planned, hits, needs, strict=True):
+            left = budget.left(found)
+            if n <= left:
+                budget.take(found, n)
+            else:
+                log.warning("prefill_pages_short", request_id=p.task.job.request_id, needed=n, available=left)
+            admitted.append(n <= left)
+        for p, found, ok in zip(planned, hits, admitted, strict=True):
+            if ok and p.task.job.prompt_logprobs < 0:
                 self.prefix.acquire(found, len(p.task.job.input_ids))
-        return [found + self.prefix.alloc(n) for found, n in zip(hits, needs, strict=True)]
+        return [found + self.prefix.alloc(n) if ok else None for found, n, ok in zip(hits, needs, admitted, strict=True)]
 
-    def _prepare(self, planned: list[Planned]) -> tuple[list[list[int]], list[SequenceState]]:
-        """Every task's page table and sequence. All or nothing: on a failure the pages taken
-        are given back before it is raised."""
-        page_tables = self._take_pages(planned)
+    def _prepare(self, planned: list[Planned]) -> list[Prepared]:
+        """Every task's page table and sequence, each task on its own: one whose pages this rank
+        cannot get, or whose sequence cannot be added, is not prepared (`Prepared.error`), the
+        others are. Raises only what fails the batch as a whole (`_take_pages`: before any page is held)."""
         page_size = self.runner.cache.layout.page_size
-        try:
-            seqs = [self.runner.add(p.task.job.request_id, p.task.job.input_ids, sampling_params(p.task.job), page_table=pages,
-                                    num_cached=p.cached_pages * page_size) for p, pages in zip(planned, page_tables, strict=True)]
-        except BaseException:
-            self._give_back(planned, page_tables, computed=False)
-            raise
-        return page_tables, seqs
+        prepared: list[Prepared] = []
+        for p, pages in zip(planned, self._take_pages(planned), strict=True):
+            job = p.task.job
+            if pages is None:
+                prepared.append(Prepared([], None, "its KV pages are short on this rank (its log says how short)"))
+                continue
+            try:
+                seq = self.runner.add(job.request_id, job.input_ids, sampling_params(job), page_table=pages, num_cached=p.cached_pages * page_size)
+            except Exception as e:  # this request cannot run; the rest of the batch can
+                log.exception("prefill_prepare_failed", request_id=job.request_id)
+                prepared.append(Prepared(pages, None, f"{type(e).__name__}: {e}"))
+            else:
+                prepared.append(Prepared(pages, seq))
+        return prepared
 
     def _give_back(self, planned: list[Planned], page_tables: list[list[int]], computed: bool) -> None:
         """The batch's pages back to the prefix cache: cached when ``computed`` on every rank, else freed."""
         for p, pages in zip(planned, page_tables, strict=True):
             self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed, p.keys)
 
-    def _prepared_everywhere(self, prepared: bool, diverged: bool) -> bool:
-        """Whether every rank of the group prepared the batch (`_prepare`). One that did not must
-        not enter a forward its peers run; every rank gives its pages back instead, so the group's
-        state is the same as before the batch and it serves on. A rank whose prefix cache
-        diverged from the leader's plan (`PrefixCacheMismatch`) leaves nothing to serve on with:
-        every rank raises (`run` fails the batch's requests first)."""
-        everywhere, agreed = self._agree([prepared, not diverged])
+    def _prepared_everywhere(self, prepared: list[bool], diverged: bool) -> list[bool]:
+        """Which tasks of the batch every rank of the group prepared (`_prepare`). A task that one
+        rank did not prepare must not enter a forward its peers run: every rank drops it (gives
+        its pages back, in the same order as its peers, so their caches stay alike) and runs the
+        others. A rank whose prefix cache diverged from the leader's plan (`PrefixCacheMismatch`)
+        leaves nothing to serve on with: every rank raises (`run` fails the batch's requests first)."""
+        *everywhere, agreed = self._agree([*prepared, not diverged])
         if not agreed:
             raise PrefixCacheMismatch(f"rank {self.rank}: a rank's prefix cache diverged from the leader's plan (that rank's log names the request)")
         return everywhere
 
     async def _prefill(self, planned: list[Planned]) -> tuple[list[Outcome], BatchTimes]:
-        batch = [p.task for p in planned]
-        page_size = self.runner.cache.layout.page_size
+        """Prepare the batch, fail the tasks some rank could not prepare (each alone, with
+        `internal`; every rank drops the same ones) and run the others (`_compute`)."""
         times = BatchTimes()
         taking = time.perf_counter()
-        prepared: tuple[list[list[int]], list[SequenceState]] | None = None
-        failure = "on another rank of the TP group (its log names the error)"
-        diverged = False
+        prepared: list[Prepared] | None = None
+        failure, diverged = ON_ANOTHER_RANK, False
         try:
             prepared = self._prepare(planned)
-        except Exception as e:
-            log.exception("prefill_prepare_failed", request_ids=[t.job.request_id for t in batch])
+        except Exception as e:  # the batch as a whole (a diverged prefix cache, a bug): no task runs, no page is held
+            log.exception("prefill_prepare_failed", request_ids=[p.task.job.request_id for p in planned])
             failure, diverged = f"{type(e).__name__}: {e}", isinstance(e, PrefixCacheMismatch)
-        everywhere = await asyncio.to_thread(self._prepared_everywhere, prepared is not None, diverged) if self.world > 1 else prepared is not None
+        if prepared is None:
+            prepared = [Prepared([], None, failure) for _ in planned]
+        local = [m.seq is not None for m in prepared]
+        everywhere = await asyncio.to_thread(self._prepared_everywhere, local, diverged) if self.world > 1 else local
+        outcomes: dict[int, Outcome] = {}
+        kept: list[int] = []
+        for i, (p, mine, ok) in enumerate(zip(planned, prepared, everywhere, strict=True)):
+            if ok:
+                kept.append(i)
+                continue
+            if mine.pages:
+                self._give_back([p], [mine.pages], computed=False)
+            outcomes[i] = Outcome(p.task, 0, None, f"prefill could not prepare the request: {mine.error or ON_ANOTHER_RANK}", None, 0.0, code="internal")
         times.pages_ms = (time.perf_counter() - taking) * 1000
-        if prepared is None or not everywhere:
-            if prepared is not None:
-                self._give_back(planned, prepared[0], computed=False)
-            return [Outcome(t, 0, None, f"prefill could not prepare the batch: {failure}", None, 0.0, code="internal") for t in batch], times
-        page_tables, seqs = prepared
+        if kept:
+            seqs: list[SequenceState] = []
+            for i in kept:
+                seq = prepared[i].seq
+                assert seq is not None  # kept: every rank prepared it, this one included
+                seqs.append(seq)
+            ran = await self._compute([planned[i] for i in kept], [prepared[i].pages for i in kept], seqs, times)
+            outcomes.update(zip(kept, ran, strict=True))
+        return [outcomes[i] for i in range(len(planned))], times
+
+    async def _compute(self, planned: list[Planned], page_tables: list[list[int]], seqs: list[SequenceState], times: BatchTimes) -> list[Outcome]:
+        """Run the prepared tasks (the same on every rank): the forward, their KV sends, then the
+        ranks' agreement and the pages' release. One outcome per task."""
+        batch = [p.task for p in planned]
+        page_size = self.runner.cache.layout.page_size
 
         def run_forward() -> Sequence[StepOutput]:
             began = time.perf_counter()
@@ -387,22 +468,22 @@ class PrefillGroup:
         started = time.perf_counter()
         forward = asyncio.ensure_future(asyncio.to_thread(run_forward))
         senders: list[KVSender | None] = []
-        errors: list[str | None] = []
+        failures: list[Failure | None] = []
         try:
             for task, pages in zip(batch, page_tables, strict=True):
-                sender, error = None, None
+                sender, failure = None, None
                 if self.shard.sends:
                     try:
                         sender = KVSender(self.worker, self.runner.cache, task.descriptor, pages, self.shard, timeout_s=self.settings.transfer_timeout_s,
                                           metrics=self.transfer_metrics)
                         reports.attach(sender)
-                    except LayoutMismatch as e:
-                        error = str(e)
+                    except LayoutMismatch as e:  # the deployment's prefill and decode KV layouts differ: no stage is gone, retrying will not help
+                        failure = Failure(str(e), "internal")
                     except Exception as e:  # this request's KV cannot go; the ranks agree on that below, the batch runs on
                         log.exception("kv_sender_failed", request_id=task.job.request_id)
-                        error = f"KV sender failed: {type(e).__name__}: {e}"
+                        failure = Failure(f"KV sender failed: {type(e).__name__}: {e}", "internal")
                 senders.append(sender)
-                errors.append(error)
+                failures.append(failure)
             times.senders_ms = (time.perf_counter() - started) * 1000
         except BaseException:
             for sender in senders:
@@ -410,14 +491,13 @@ class PrefillGroup:
                     sender.cancel()
             await asyncio.wait([forward])  # the forward's thread uses the batch's state: let it end first
             raise
-        forward_ok = True
+        forward_error: str | None = None
         try:
             outputs: Sequence[StepOutput | None] = await forward
         except Exception as e:
-            forward_ok = False
-            log.exception("prefill_failed")
+            forward_error = f"{type(e).__name__}: {e}"
+            log.exception("prefill_failed", request_ids=[t.job.request_id for t in batch])
             outputs = [None] * len(seqs)
-            errors = [f"prefill forward failed: {type(e).__name__}: {e}"] * len(seqs)
             for sender in senders:
                 if sender is not None:
                     sender.cancel()
@@ -426,32 +506,35 @@ class PrefillGroup:
             if sender is not None:
                 try:
                     await sender.finish()
-                except TransferError as e:
-                    errors[i] = errors[i] or f"KV transfer failed: {e}"
-                except Exception as e:  # as a TransferError: this request's KV did not arrive, which the ranks agree on below
+                except TransferError as e:  # a peer gone, a lease or a timeout ended it: `_report_one` picks the code
+                    failures[i] = failures[i] or Failure(f"KV transfer failed: {e}")
+                except Exception as e:  # this request's KV did not arrive, which the ranks agree on below
                     log.exception("kv_transfer_failed", request_id=batch[i].job.request_id)
-                    errors[i] = errors[i] or f"KV transfer failed: {type(e).__name__}: {e}"
+                    failures[i] = failures[i] or Failure(f"KV transfer failed: {type(e).__name__}: {e}", "internal")
         settling = time.perf_counter()
         times.transfer_ms = (settling - started) * 1000 - compute_ms
         # A failure from here on (a collective, the pages' release) leaves the group untrusted: `run` stops it.
-        *delivered, computed = await asyncio.to_thread(self._agree, [e is None for e in errors] + [forward_ok])
+        *delivered, computed = await asyncio.to_thread(self._agree, [f is None for f in failures] + [forward_error is None])
         self._give_back(planned, page_tables, computed)
         for seq in seqs:
             seq.page_table = []
         if self.world > 1:
             self.group_transfers = await asyncio.to_thread(self._sum_transfer_stats)
         times.settle_ms = (time.perf_counter() - settling) * 1000
-        return [
-            Outcome(
-                p.task,
-                p.cached_pages * page_size,
-                out,
-                None if ok else (err or "KV transfer failed on another rank of the TP group"),
-                None if seq.generator is None else seq.generator.get_state().numpy().tobytes(),
-                compute_ms,
-            )
-            for p, seq, out, ok, err in zip(planned, seqs, outputs, delivered, errors, strict=True)
-        ], times
+        outcomes: list[Outcome] = []
+        for p, seq, out, ok, failure in zip(planned, seqs, outputs, delivered, failures, strict=True):
+            if not computed:
+                # A forward that raised (here or on a peer) is a bug or an unexpected failure, whatever
+                # the deadline says: `internal`, naming the exception (the failing rank's log has it all).
+                failure, out = Failure(f"prefill forward failed: {forward_error or ON_ANOTHER_RANK}", "internal"), None
+            elif ok:
+                failure = None
+            else:
+                failure = failure or Failure("KV transfer failed on another rank of the TP group")
+            generator_state = None if seq.generator is None else seq.generator.get_state().numpy().tobytes()
+            outcomes.append(Outcome(p.task, p.cached_pages * page_size, out, None if failure is None else failure.message, generator_state, compute_ms,
+                                    code=None if failure is None else failure.code))
+        return outcomes
 
     def _agree(self, ok: list[bool]) -> list[bool]:
         """Flags true on every rank (MIN over the group): a request is delivered only if every
@@ -526,12 +609,14 @@ class PrefillGroup:
             cached_tokens=o.cached_tokens,
         )
         await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(first))
+        place = o.task.placement
         if out.finish_reason is not None:
-            # Done at the first token: the decode rank only has to free its reservation.
-            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "finished at the first token")))
+            # Done at the first token: its decode rank only has to free its reservation. Nobody else
+            # may act (an untargeted cancel could also end the request at its gateway, or free the
+            # same request id's reservation on another rank).
+            await release_reservation(self.bus, job.request_id, place.decode_instance, place.decode_rank, "finished at the first token")
             return
         start = StartDecode(job=job, first_token=out.token_id, first_logprob=out.logprob, generator_state=o.generator_state)
-        place = o.task.placement
         await self.bus.publish(subjects.decode_start(place.decode_instance, place.decode_rank), pack(start))
         log.info("prefilled", prompt_tokens=len(job.input_ids), cached_tokens=o.cached_tokens, compute_ms=round(o.compute_ms, 2))
 
@@ -541,9 +626,9 @@ class PrefillGroup:
         log.info("prefill_task_failed", request_id=job.request_id, code=code, reason=message)
         try:
             await self.bus.publish(subjects.tokens(job.gateway, job.request_id), pack(StageError(request_id=job.request_id, code=code, message=message, stage=self.name)))
-            # Targeted at the decode rank, the one stage holding anything for the request (its
-            # reservation): the gateway ends the request on the StageError above, not on a cancel.
-            place = task.placement
-            await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, f"prefill: {message}", stage=decode_stage(place.decode_instance, place.decode_rank))))
-        except BusError as e:  # NATS away: the gateway fails the request on reconnect, the decode rank's lease frees its pages
+        except BusError as e:  # NATS away: the gateway fails the request on reconnect
             log.warning("stage_error_lost", request_id=job.request_id, code=code, error=str(e))
+        # The decode rank is the one stage holding anything for the request (its reservation); the
+        # gateway ends the request on the StageError above, not on a cancel.
+        place = task.placement
+        await release_reservation(self.bus, job.request_id, place.decode_instance, place.decode_rank, f"prefill: {message}")

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, Placement, PrefillTask, ReserveKV, SubmitAck, SubmitJob
-from services.common import Heartbeater, cancel_applies, decode_stage
+from services.common import Heartbeater, cancel_applies, release_reservation
 from services.liveness import Hearing
 from services.scheduler.registry import Member, Registry
 from shared.bus import BadReply, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, pack, unpack
@@ -170,7 +170,7 @@ class Scheduler:
             try:
                 await self.bus.publish(subjects.prefill_task(prefill.hb.instance), pack(task))
             except BusError as e:
-                await self._release(decode, job.request_id, "prefill task not sent")
+                await release_reservation(self.bus, job.request_id, decode.hb.instance, decode.hb.rank, "prefill task not sent")
                 code: ErrorCode = "invalid_request" if isinstance(e, PayloadTooLarge) else "unavailable"
                 raise Refused(code, f"the prefill task could not be sent: {e}") from e
             prefill.pending_tokens += len(job.input_ids)
@@ -204,26 +204,18 @@ class Scheduler:
         except BusError as e:
             log.warning("reserve_failed", decode=f"{decode.hb.instance}/{decode.hb.rank}", error=str(e))
             decode.suspect_until = time.monotonic() + self.settings.heartbeat_expiry_s
-            # The rank may have reserved: it answered too late, or in a form we cannot read
-            # (another version). Either way the request goes on elsewhere.
+            # The rank may have reserved all the same: its answer came late or was lost (`reply_by`
+            # stops most such reservations, this the rest), or came in a form we cannot read (another
+            # version). Released there only: the request may be placed on another rank meanwhile.
             if isinstance(e, RequestTimeout):
-                await self._release(decode, job.request_id, "the scheduler stopped waiting for the reservation")
+                await release_reservation(self.bus, job.request_id, decode.hb.instance, decode.hb.rank,
+                                          "the scheduler stopped waiting for the reservation")
             elif isinstance(e, BadReply):
-                await self._release(decode, job.request_id, "the scheduler could not read the rank's reservation reply")
+                await release_reservation(self.bus, job.request_id, decode.hb.instance, decode.hb.rank,
+                                          "the scheduler could not read the rank's reservation reply")
             return None
         if not reply.ok or reply.descriptor is None:
             log.info("reserve_refused", decode=f"{decode.hb.instance}/{decode.hb.rank}", reason=reply.reason)
             decode.pending_pages = decode.hb.kv_free_pages  # looks full until it says otherwise
             return None
         return reply
-
-    async def _release(self, decode: Member, request_id: str, reason: str) -> None:
-        """Free the request's reservation on this decode rank only, if it made one (its answer came
-        late or was lost; `reply_by` stops most such reservations, this the rest). A cancel
-        targeted at the rank: the request may be placed on another rank meanwhile, and the
-        gateway, prefill and other ranks ignore it (`cancel_applies`)."""
-        cancel = Cancel(request_id, reason, stage=decode_stage(decode.hb.instance, decode.hb.rank))
-        try:
-            await self.bus.publish(subjects.CTL_CANCEL, pack(cancel))
-        except BusError as e:  # NATS is away: the rank's lease frees the pages
-            log.warning("release_not_sent", decode=cancel.stage, error=str(e))

@@ -15,7 +15,8 @@ import torch
 from schemas.internal import Job, Placement, PrefillTask, SamplingSpec
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.prefill.group import Outcome, Planned, PrefillGroup
-from shared.model.runner import ModelRunner, SequenceState
+from shared.model.model import LayerCallback
+from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.model.sampling import SamplingParams
 from shared.parallel import Topology, init_distributed
 from shared.prefix_cache import PrefixCacheMismatch
@@ -34,20 +35,35 @@ class PoisonedRunner(ModelRunner):
         return super().add(seq_id, prompt_ids, params, **kwargs)
 
 
-def planned(request_id: str, ids: list[int]) -> list[Planned]:
-    """A batch of one task reusing no cached page (the leader's plan), whose decode layout is
-    refused (another dtype): its forward runs, no KV leaves."""
+class FailingForwardRunner(ModelRunner):
+    """The real runner, whose prefill forward raises for a batch holding the `POISON` prompt."""
+
+    def prefill(self, seqs: Sequence[SequenceState], on_layer_done: LayerCallback | None = None) -> list[StepOutput]:
+        if any(s.token_ids[: s.prompt_len] == POISON for s in seqs):
+            raise RuntimeError("injected: the forward failed")
+        return super().prefill(seqs, on_layer_done)
+
+
+def planned(request_id: str, ids: list[int]) -> Planned:
+    """A task reusing no cached page (the leader's plan), whose decode layout is refused (another
+    dtype): its forward runs, no KV leaves."""
     job = Job(request_id=request_id, gateway="g", input_ids=ids, max_tokens=4, sampling=SamplingSpec(0.0, 1.0, 0, None), stop_token_ids=[],
               logprobs=False, deadline=time.time() + 60)
     layout = KVTransferLayout(num_layers=2, page_size=PAGE, kv_heads=2, head_dim=32, dtype="bfloat16")
     descriptor = KVTransferDescriptor(worker_address=b"", request_id=request_id, transfer_id=1, page_ids=[0], num_tokens=len(ids), layout=layout,
                                       lease_deadline_unix=time.time() + 60, max_chunk_bytes=1 << 20)
-    return [Planned(PrefillTask(job=job, placement=Placement(decode_instance="d", decode_rank=0, prefill_instance="p"), descriptor=descriptor), 0)]
+    return Planned(PrefillTask(job=job, placement=Placement(decode_instance="d", decode_rank=0, prefill_instance="p"), descriptor=descriptor), 0)
+
+
+def summary(outcome: Outcome) -> list[Any]:
+    """Whether the task ran (its forward did: no KV leaves here), its code and its error."""
+    return [outcome.output is not None, outcome.code, outcome.error]
 
 
 def tp_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    """One rank of a TP group running three batches through `PrefillGroup._prefill` (rank 1's
-    runner refuses `POISON`); what each rank saw goes to ``out_dir/rank<r>.json``."""
+    """One rank of a TP group running batches through `PrefillGroup._prefill` (rank 1's runner
+    refuses `POISON`, and once holds pages the leader does not); what each rank saw goes to
+    ``out_dir/rank<r>.json``."""
     topology = Topology.prefill(world, rank)
     comm = init_distributed(topology, torch.device("cpu"), master_port=port)
     seen: dict[str, Any] = {}
@@ -56,14 +72,18 @@ def tp_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
                                                                           release_finished=False)
         group = PrefillGroup(PrefillSettings(instance="p", tp=world, warmup=False), runner, None, rank, world, None)  # type: ignore[arg-type]  # no KV leaves
 
-        def run(ids: list[int]) -> Outcome:
-            ((outcome,), _) = asyncio.run(group._prefill(planned(f"r{len(seen)}", ids)))
-            return outcome
+        def run(*prompts: list[int]) -> list[Outcome]:
+            outcomes, _ = asyncio.run(group._prefill([planned(f"r{len(seen)}-{i}", ids) for i, ids in enumerate(prompts)]))
+            return outcomes
 
-        poisoned = run(POISON)  # rank 1 cannot prepare it, rank 0 can
+        (poisoned,) = run(POISON)  # rank 1 cannot prepare it, rank 0 can
         seen["poisoned"] = [poisoned.code, poisoned.error, group.prefix.allocator.num_free]
-        clean = run(list(range(200, 240)))  # the group serves on, in step: 2 full pages computed and cached
-        seen["clean"] = [clean.output is not None and clean.code is None, group.prefix.cached_pages]
+        held = group.prefix.alloc(27) if rank == 1 else []  # rank 1 alone: 5 pages left, for the first task's 3 and not the second's
+        seen["short"] = [summary(o) for o in run(list(range(500, 540)), list(range(600, 640)))]
+        group.prefix.allocator.free(held)
+        seen["short"].append([group.prefix.cached_pages, group.prefix.allocator.num_free])  # the first task's 2 full pages cached
+        seen["isolated"] = [summary(o) for o in run(POISON, list(range(200, 240)))]  # the second task runs on both ranks
+        seen["isolated"].append([group.prefix.cached_pages, group.prefix.allocator.num_free])  # and its 2 full pages are cached
         diverging = list(range(300, 340))
         if rank == 1:  # rank 1 alone has this prompt's pages cached: its index disagrees with the leader's plan
             group.prefix.release(diverging, group.prefix.alloc(3), 0, computed=True)

@@ -23,7 +23,7 @@ import pytest
 
 from schemas import subjects
 from schemas.api import GenerateRequest
-from schemas.internal import Cancel, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
+from schemas.internal import Cancel, Job, KVReservation, Placement, PrefillTask, ReserveKV, SamplingSpec, SubmitAck, SubmitJob, TokenBatch, TokenMessage
 from services.common import decode_stage
 from shared.bus import pack, unpack
 
@@ -128,6 +128,54 @@ def test_a_release_targeted_at_one_rank_frees_only_its_reservation(stack):
     released, kept = run(go())
     assert released.kv_free_pages == released.kv_total_pages
     assert kept.batch_size == 1 and kept.kv_free_pages < kept.kv_total_pages, kept
+
+
+def test_a_request_finished_at_its_first_token_frees_only_its_placed_ranks_reservation(stack):
+    """The same request holds a reservation on both ranks (as above); the prefill instance runs it,
+    placed on decode-1, and it ends at its first token (max_tokens=1). Prefill's release of
+    decode-1's reservation is a cancel targeted at decode-1: decode-0's reservation stays, and no
+    cancel reaches the gateway or anyone else. Before the fix prefill published an untargeted
+    cancel, which freed decode-0's reservation as well (and was the gateway's to act on)."""
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            bus = client.bus
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1 and len(w.live("prefill")) == 1 and all_kv_free(w), 10, "an idle stack")
+            gateway, prefill = watch.live("gateway")[0].instance, watch.live("prefill")[0].instance
+            reservations = {}
+            for instance in ("decode-0", "decode-1"):
+                subject, request = _reserve(instance, "first-only", gateway, reply_by=time.time() + 5)
+                reservations[instance] = await bus.request(subject, request, KVReservation, timeout=5)
+                assert reservations[instance].ok and reservations[instance].descriptor is not None
+            cancels: list[Cancel] = []
+            tokens: asyncio.Queue[TokenMessage] = asyncio.Queue()
+
+            async def on_cancel(msg) -> None:  # type: ignore[no-untyped-def]
+                cancels.append(unpack(msg.data, Cancel))
+
+            async def on_tokens(msg) -> None:  # type: ignore[no-untyped-def]
+                tokens.put_nowait(unpack(msg.data, TokenMessage))
+
+            await bus.subscribe(subjects.CTL_CANCEL, on_cancel, concurrent=False)
+            await bus.subscribe(subjects.tokens(gateway, "first-only"), on_tokens, concurrent=False)
+            await watch.wait_for(lambda w: all(hb.batch_size == 1 for hb in w.live("decode")), 5, "both reservations in the heartbeats")
+            job = Job(request_id="first-only", gateway=gateway, input_ids=list(range(100, 120)), max_tokens=1,  # the 20 tokens `_reserve` reserves
+                      sampling=SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None), stop_token_ids=[], logprobs=False, deadline=time.time() + 30)
+            placement = Placement(decode_instance="decode-1", decode_rank=0, prefill_instance=prefill)
+            await bus.publish(subjects.prefill_task(prefill), pack(PrefillTask(job=job, placement=placement, descriptor=reservations["decode-1"].descriptor)))
+            first = await asyncio.wait_for(tokens.get(), 10)
+            await watch.wait_for(lambda w: _decode(w, "decode-1").batch_size == 0, 5, "decode-1's reservation freed")
+            freed_at = time.monotonic()
+            await watch.wait_for(lambda w: w.seen_at[("decode", "decode-0", 0)] > freed_at + 0.6, 5, "a later heartbeat of decode-0")
+            kept, seen = _decode(watch, "decode-0"), list(cancels)
+            await bus.publish(subjects.CTL_CANCEL, pack(Cancel("first-only", "done")))
+            await watch.wait_for(all_kv_free, 5, "every page back after the untargeted cancel")
+            return first, kept, seen
+
+    first, kept, cancels = run(go())
+    assert isinstance(first, TokenBatch) and first.finish_reason == "length" and len(first.token_ids) == 1, first
+    assert kept.batch_size == 1 and kept.kv_free_pages < kept.kv_total_pages, kept
+    assert [(c.request_id, c.stage) for c in cancels] == [("first-only", decode_stage("decode-1", 0))], cancels
 
 
 def test_a_request_cancelled_while_the_scheduler_reserves_is_let_go_once_placed(stack):

@@ -1,4 +1,4 @@
-"""One bad batch fails its own requests, not the prefill instance.
+"""One bad request fails alone, one bad batch fails its own requests, neither the prefill instance.
 
 A real stack (compose/single-node.yml's gateway, scheduler and decode rank on a real
 nats-server) whose only prefill instance is a real `PrefillGroup` in this process, on the tiny
@@ -6,19 +6,23 @@ checkpoint. No client input reaches the failures tested here (the gateway refuse
 the runner would), so they are injected into the real components by subclasses, for one
 prompt only (`POISON`):
 
-- the runner's `add` raises while the batch is prepared (after its pages were taken), or the
-  leader cannot hash the prompt's page keys while it plans the batch: the request gets
-  `internal` naming the exception at once, the prefill's pages and the decode
-  rank's reservation come back, and the same instance serves the next request (before, the
-  exception ended the instance: the request waited for its deadline, every later one failed);
+- the runner's `add` raises while the batch is prepared (after its pages were taken), the
+  leader cannot hash the prompt's page keys while it plans the batch, or the forward raises:
+  the request gets `internal` naming the exception at once (a forward's exception was reported
+  as `unavailable`), the prefill's pages and the decode rank's reservation come back, and the
+  same instance serves the next request (before, the exception ended the instance: the request
+  waited for its deadline, every later one failed);
+- the runner's `add` raises for one request of a batch of two: that request fails alone and the
+  other one runs (it failed with its batch);
 - the ranks' agreement after the forward raises (a collective failing: the group can no longer
   be trusted): the instance stops, loudly, but the request gets `internal` before it does and
   the decode rank frees its reservation;
 - in a TP group of 2 (gloo, spawned processes, `prefill_workers.tp_rank`, no bus) rank 1
-  alone cannot prepare a batch: both ranks fail it with `internal` and give their pages back
-  (rank 0 no longer enters a forward that rank 1 never joins), and the next batch runs on
-  both; then rank 1's prefix cache disagrees with the leader's plan: both ranks raise, none
-  waits forever in a collective.
+  alone cannot prepare a task (its `add` raises, or its pages are short): both ranks fail that
+  task alone with `internal` and give its pages back (rank 0 no longer enters a forward that
+  rank 1 never joins), and run the rest of its batch, their pages staying alike; then rank 1's
+  prefix cache disagrees with the leader's plan: both ranks raise, none waits forever in a
+  collective.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from shared.model.runner import ModelRunner
 from shared.settings import PrefillSettings
 from shared.transfer import TransferWorker, prepare_direct_writes
 
-from prefill_workers import POISON, PoisonedRunner, tp_rank
+from prefill_workers import POISON, FailingForwardRunner, PoisonedRunner, tp_rank
 from services_helpers import HeartbeatWatch, all_kv_free, compose_specs, run, session, start_specs
 
 pytestmark = pytest.mark.slow
@@ -69,6 +73,23 @@ class UnplannableGroup(PrefillGroup):
         if task.job.input_ids == POISON:
             raise RuntimeError("injected: the page keys cannot be hashed")
         return super()._page_keys(task)
+
+
+class PairingGroup(PrefillGroup):
+    """The real group, whose leader forms no batch until two tasks are queued (or it drains), so
+    that the test's two prompts run as one batch; it notes the size of each batch it forms."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.sizes: list[int] = []
+
+    async def _take_batch(self, drain_deadline):  # type: ignore[no-untyped-def]
+        while len(self.queue) < 2 and not self.draining:
+            await asyncio.sleep(0.01)
+        batch = await super()._take_batch(drain_deadline)
+        if batch:
+            self.sizes.append(len(batch))
+        return batch
 
 
 class BrokenAgreementGroup(PrefillGroup):
@@ -129,10 +150,11 @@ async def decode_pages_freed(watch: HeartbeatWatch, timeout: float) -> None:
 
 
 @pytest.mark.parametrize(("runner_cls", "group_cls", "expected"), [
-    (PoisonedRunner, PrefillGroup, "prefill could not prepare the batch: RuntimeError: injected: sequence"),
+    (PoisonedRunner, PrefillGroup, "prefill could not prepare the request: RuntimeError: injected: sequence"),
     (ModelRunner, UnplannableGroup, "prefill could not plan the request: RuntimeError: injected: the page keys cannot be hashed"),
-], ids=["prepare", "plan"])
-def test_a_batch_that_cannot_be_prepared_fails_its_request_and_the_instance_serves_on(stack, tiny_model, tokenizer, hf_greedy, runner_cls, group_cls, expected):
+    (FailingForwardRunner, PrefillGroup, "prefill forward failed: RuntimeError: injected: the forward failed"),
+], ids=["prepare", "plan", "forward"])
+def test_a_request_that_fails_in_prefill_gets_internal_and_the_instance_serves_on(stack, tiny_model, tokenizer, hf_greedy, runner_cls, group_cls, expected):
     clean = tokenizer.encode("The capital of France is")
 
     async def go():  # type: ignore[no-untyped-def]
@@ -151,6 +173,23 @@ def test_a_batch_that_cannot_be_prepared_fails_its_request_and_the_instance_serv
     assert after.token_ids == hf_greedy(tuple(clean), 4) and not stopped
 
 
+def test_a_request_that_cannot_be_prepared_fails_alone_and_the_rest_of_its_batch_runs(stack, tiny_model, tokenizer, hf_greedy):
+    clean = tokenizer.encode("The capital of France is")
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, PoisonedRunner, PairingGroup) as (group, _):
+            served = client.generate(GenerateRequest(input_ids=clean, max_tokens=4, temperature=0, timeout_ms=20_000))
+            (error, _), response = await asyncio.gather(poisoned_request(client), served)
+            await decode_pages_freed(watch, 5)
+            return error, response, group.sizes, group.prefix.allocator.num_free, group.settings.kv_pages
+
+    error, response, sizes, prefill_free, kv_pages = run(go())
+    assert sizes == [2]  # one batch held both
+    assert error.code == "internal" and "prefill could not prepare the request: RuntimeError: injected: sequence" in error.message, error
+    assert response.token_ids == hf_greedy(tuple(clean), 4)
+    assert prefill_free == kv_pages  # neither prompt has a full page to cache: every page came back
+
+
 def test_a_batch_that_leaves_the_group_untrusted_fails_its_request_before_the_instance_stops(stack, tiny_model):
     async def go():  # type: ignore[no-untyped-def]
         async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, group_cls=BrokenAgreementGroup) as (_, serving):
@@ -166,7 +205,7 @@ def test_a_batch_that_leaves_the_group_untrusted_fails_its_request_before_the_in
     assert elapsed < 5.0
 
 
-def test_a_tp_rank_that_cannot_prepare_a_batch_fails_it_on_every_rank(tiny_model, tmp_path):
+def test_a_task_a_tp_rank_cannot_prepare_fails_alone_on_every_rank(tiny_model, tmp_path):
     port, ctx = free_port(), mp.get_context("spawn")
     procs = [ctx.Process(target=tp_rank, args=(r, 2, port, str(tiny_model), str(tmp_path))) for r in range(2)]
     for p in procs:
@@ -178,8 +217,16 @@ def test_a_tp_rank_that_cannot_prepare_a_batch_fails_it_on_every_rank(tiny_model
         p.kill()
     assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     leader, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert leader["poisoned"] == ["internal", "prefill could not prepare the batch: on another rank of the TP group (its log names the error)", 32]
-    assert peer["poisoned"] == ["internal", "prefill could not prepare the batch: RuntimeError: injected: sequence r0 cannot be added", 32]
-    assert leader["clean"] == peer["clean"] == [True, 2]
+    for ran, code, error in (leader["short"][0], peer["short"][0], leader["isolated"][1], peer["isolated"][1]):
+        assert ran and code == "internal" and "dtype" in error, (leader, peer)  # every rank prepared it: it ran (its KV is refused: another dtype)
+    elsewhere = "prefill could not prepare the request: on another rank of the TP group (its log names the error)"
+    assert leader["poisoned"] == ["internal", elsewhere, 32]
+    assert peer["poisoned"] == ["internal", "prefill could not prepare the request: RuntimeError: injected: sequence r0-0 cannot be added", 32]
+    assert leader["short"][1] == [False, "internal", elsewhere]
+    assert peer["short"][1] == [False, "internal", "prefill could not prepare the request: its KV pages are short on this rank (its log says how short)"]
+    assert leader["isolated"][0] == [False, "internal", elsewhere]
+    assert peer["isolated"][0] == [False, "internal", "prefill could not prepare the request: RuntimeError: injected: sequence r2-0 cannot be added"]
+    assert leader["short"][2] == peer["short"][2] == [2, 30]  # the ranks' pages stay alike: the run task's full pages cached, the rest free
+    assert leader["isolated"][2] == peer["isolated"][2] == [4, 28]
     assert leader["diverged"].startswith("rank 0: a rank's prefix cache diverged from the leader's plan"), leader
     assert peer["diverged"].startswith("rank 1: a rank's prefix cache diverged from the leader's plan"), peer

@@ -266,10 +266,12 @@ def test_a_failed_forward_caches_nothing_and_a_computed_batch_caches_its_full_pa
     attn.o_proj = o_proj[:, :-1]  # layer 1's output projection one input column short: the forward raises
     failed = prefill("bad")
     assert failed.output is None and failed.error is not None and failed.error.startswith("prefill forward failed: RuntimeError")
+    assert failed.code == "internal"  # a bug, not a stage gone (it was `unavailable`)
     assert group.prefix.cached_pages == 0 and group.prefix.allocator.num_free == 16 and group.prefix.match(prompt) == []
     attn.o_proj = o_proj
     computed = prefill("good")
     assert computed.output is not None and computed.error is not None and "dtype" in computed.error  # computed, not sent
+    assert computed.code == "internal"  # prefill's and decode's layouts differ: no stage is gone (it was `unavailable`)
     assert group.prefix.cached_pages == group.prefix.evictable_pages == 3 and group.prefix.allocator.num_free == 13
     assert len(group.prefix.match(prompt)) == 3
 
