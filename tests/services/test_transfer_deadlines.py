@@ -116,7 +116,7 @@ def test_a_kv_send_cut_off_by_the_deadline_ends_as_timeout(stack):
 
     async def go():
         async with session(stack.url) as (client, watch):
-            await watch.wait_for(lambda w: len(w.live("gateway")) == 1 and all_kv_free(w), 10, "an idle stack")
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1 and len(w.live("prefill")) == 1 and all_kv_free(w), 10, "an idle stack")
             gateway = watch.live("gateway")[0].instance
             prefill = watch.live("prefill")[0].instance
             errors = await _errors(client.bus, gateway)
