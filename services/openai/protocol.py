@@ -13,9 +13,12 @@ split into content and ``tool_calls`` (`services.openai.tool_parsing`), as is re
 is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token
 ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
 ``seed``, ``repetition_penalty``, ``ignore_eos`` and chat's ``chat_template_kwargs`` (e.g.
-``{"enable_thinking": false}`` for Qwen3) pass through as in vLLM. Without
-``max_tokens`` a request may generate what the context leaves after its prompt, up to the
-gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
+``{"enable_thinking": false}`` for Qwen3) pass through as in vLLM. A completions request
+without ``max_tokens`` gets 16 tokens (OpenAI's and vLLM's default); a chat request without
+one, or any with ``max_tokens: null``, may generate what the context leaves after its prompt,
+up to the gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
+Fields OpenAI's spec lets be ``null`` (``n``, ``stream``, the penalties, ``echo``, chat's
+``logprobs``, ``stream_options.include_usage``) take their default when they are.
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
 `services.openai.logprobs` shapes the answer. ``n`` choices (1 to the server's ``--max-n``)
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -57,7 +60,7 @@ ERRORS: dict[str, tuple[int, str]] = {
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: false (OpenAI's spec lets it be null)
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,7 +101,12 @@ class ToolIn(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. OpenAI's spec lets a client send ``null`` for the fields in
+    ``NULL_IS_DEFAULT`` (SDK wrappers that send every field do), meaning their default, as
+    OpenAI and vLLM take it: `__post_init__` puts the default in, so they are never None after
+    decoding."""
+
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "presence_penalty", "frequency_penalty")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -107,11 +115,11 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model's EOS
     min_p: float | None = None  # vLLM's extension
@@ -119,19 +127,31 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys: msgspec reads them as ints
     user: str | None = None
 
+    def __post_init__(self) -> None:
+        defaults = {f.name: f.default for f in msgspec.structs.fields(self)}
+        for name in self.NULL_IS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, defaults[name])
+
 
 class CompletionRequest(_Sampling, kw_only=True):
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_Sampling.NULL_IS_DEFAULT, "echo")
+
     prompt: str | list[Any]  # text, token ids, or a batch of either (checked by `completion_prompts`)
+    # OpenAI's and vLLM's default for completions (chat has none); null: what the context leaves
+    max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_Sampling.NULL_IS_DEFAULT, "logprobs")
+
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[ToolIn] | None = None
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none" (OpenAI's default)

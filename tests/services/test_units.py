@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -71,6 +72,33 @@ def test_max_tokens_left_unset_takes_what_the_context_leaves_up_to_the_limit(tin
         admitted(3, 41)
     openai = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
     assert protocol.chat_request(openai, "r3").max_tokens is None
+
+
+def test_openai_completions_default_to_16_tokens_and_null_means_what_the_context_leaves():
+    """OpenAI's and vLLM's /v1/completions default is 16 tokens (chat has none): a body without
+    max_tokens must not generate up to the gateway's limit; an explicit null still asks for it."""
+    def max_tokens(body: bytes) -> int | None:
+        return protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 4)[0].max_tokens
+
+    assert max_tokens(b'{"prompt": "hi"}') == 16
+    assert max_tokens(b'{"prompt": "hi", "max_tokens": null}') is None
+    assert max_tokens(b'{"prompt": "hi", "max_tokens": 200}') == 200
+
+
+def test_openai_fields_sent_as_null_take_their_defaults():
+    """OpenAI's spec marks these nullable and SDK wrappers send them so; null is the default, as in
+    OpenAI and vLLM, not a 400."""
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "stream_options": None}
+    completion = protocol.decode(json.dumps({"prompt": "hi", "echo": None} | nulls).encode(), protocol.CompletionRequest)
+    assert (protocol.check_n(completion, 4), completion.echo) == (1, False)
+    gen = protocol.completion_requests(completion, "r1", 4)[0]
+    assert (gen.stream, gen.presence_penalty, gen.frequency_penalty) == (False, 0.0, 0.0)
+    chat = protocol.decode(json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": None} | nulls).encode(),
+                           protocol.ChatCompletionRequest)
+    gen = protocol.chat_request(chat, "r2")
+    assert (protocol.check_n(chat, 4), gen.logprobs, gen.stream, gen.presence_penalty) == (1, False, False, 0.0)
+    options = protocol.decode(b'{"prompt": "hi", "stream": true, "stream_options": {"include_usage": null}}', protocol.CompletionRequest)
+    assert options.stream_options is not None and not options.stream_options.include_usage
 
 
 def test_openai_logit_bias_keys_are_token_id_strings_and_vllms_min_fields_pass_through():
