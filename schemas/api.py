@@ -83,6 +83,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit (OpenAI's; at most 300 tokens)
     min_tokens: int = 0  # vLLM's: EOS, stop ids and stop strings cannot end generation within the first this-many tokens
     stop: list[str] = []  # generation ends before the first occurrence of any of these strings
+    stop_token_ids: list[int] = []  # vLLM's: generation ends at any of these tokens (besides EOS; also with ignore_eos)
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string or stop token that ended it
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token
     top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0..20)

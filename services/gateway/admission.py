@@ -54,6 +54,8 @@ class Admitted:
     job: Job
     stop: list[str]
     timeout_s: float
+    stop_token_ids: frozenset[int] = frozenset()  # the request's own (not EOS): their text is cut unless include_stop
+    include_stop: bool = False  # the text keeps the stop string or stop token that ended it
 
 
 class Admission:
@@ -82,6 +84,9 @@ class Admission:
             raise Rejected("invalid_request", f"timeout_ms must be in [1, {self.settings.max_timeout_ms}], got {req.timeout_ms}")
         if any(not s for s in req.stop):
             raise Rejected("invalid_request", "stop: strings must not be empty")
+        outside = [t for t in req.stop_token_ids if not 0 <= t < self.model.vocab_size]
+        if outside:
+            raise Rejected("invalid_request", f"stop_token_ids: {outside[:5]} outside the vocabulary [0, {self.model.vocab_size})")
         if req.top_logprobs and not req.logprobs:
             raise Rejected("invalid_request", "top_logprobs needs logprobs: true")
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
@@ -97,14 +102,15 @@ class Admission:
             input_ids=input_ids,
             max_tokens=max_tokens,
             sampling=sampling,
-            stop_token_ids=[] if req.ignore_eos else list(self.model.generation.eos_token_ids),
+            stop_token_ids=list(dict.fromkeys([*([] if req.ignore_eos else self.model.generation.eos_token_ids), *req.stop_token_ids])),
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
             ignore_eos=req.ignore_eos,
             prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
             deadline=arrival + timeout_s,
         )
-        return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s)
+        return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s, stop_token_ids=frozenset(req.stop_token_ids),
+                        include_stop=req.include_stop_str_in_output)
 
     def _max_tokens(self, req: GenerateRequest, prompt_tokens: int) -> int:
         """The request's ``max_tokens``, or where it sets none what the context leaves after the

@@ -12,7 +12,8 @@ split into content and ``tool_calls`` (`services.openai.tool_parsing`), as is re
 ``reasoning_content`` on a server started with a reasoning parser. ``user``
 is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token
 ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
-``seed``, ``repetition_penalty``, ``ignore_eos`` and chat's ``chat_template_kwargs`` (e.g.
+``seed``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output`` and chat's ``chat_template_kwargs`` (e.g.
 ``{"enable_thinking": false}`` for Qwen3) pass through as in vLLM. A completions request
 without ``max_tokens`` gets 16 tokens (OpenAI's and vLLM's default); a chat request without
 one, or any with ``max_tokens: null``, may generate what the context leaves after its prompt,
@@ -115,6 +116,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
@@ -192,7 +195,8 @@ def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
-            "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias}
+            "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias,
+            "stop_token_ids": list(req.stop_token_ids or []), "include_stop_str_in_output": req.include_stop_str_in_output}
 
 
 def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[str, Any]]:

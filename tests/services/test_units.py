@@ -36,6 +36,24 @@ def test_ignore_eos_reaches_the_ranks_sampling_params_and_drops_the_eos_stop_ids
     assert ignoring.stop_token_ids == [] and sampling_params(ignoring).ignore_eos
 
 
+def test_request_stop_token_ids_join_the_eos_ids_even_with_ignore_eos(tiny_model: Path):
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    model = ModelInfo.load(settings)
+    admission = Admission(settings, model, Tokenizer.from_dir(tiny_model))
+    eos = list(model.generation.eos_token_ids)
+    admitted = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=[11, eos[0]], include_stop_str_in_output=True), "gw")
+    assert sampling_params(admitted.job).stop_token_ids == (*eos, 11)
+    assert admitted.stop_token_ids == {11, eos[0]} and admitted.include_stop
+    ignoring = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=[11], ignore_eos=True), "gw")
+    assert ignoring.job.stop_token_ids == [11] and not ignoring.include_stop
+    with pytest.raises(Rejected, match=r"stop_token_ids: \[-1\] outside the vocabulary") as e:
+        admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=[-1]), "gw")
+    assert e.value.code == "invalid_request"
+    body = b'{"prompt": "hi", "stop_token_ids": [7, 9], "include_stop_str_in_output": true}'
+    req = protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 4)[0]
+    assert (req.stop_token_ids, req.include_stop_str_in_output) == ([7, 9], True)
+
+
 def test_admission_carries_logit_bias_min_p_min_tokens_to_the_ranks_and_refuses_bad_ones(tiny_model: Path):
     settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
     model = ModelInfo.load(settings)
@@ -254,6 +272,26 @@ def test_completion_ignores_stop_strings_ending_before_min_tokens():
     assert c.finish_reason == "stop" and c.final_text == "abENDx"
     straddling = Completion(CharTokens(), stop=["ab"], max_tokens=100, min_tokens=2)  # type: ignore[arg-type]
     assert straddling.add(batch(0, "xabc")).text == "x"  # "ab" ends with token 3, past the first 2: it stops
+
+
+def test_completion_cuts_the_text_of_a_stop_token_and_keeps_stops_with_include_stop():
+    """vLLM's rules: the text of the request's stop token that ended the completion is left out
+    (the token is still counted), EOS and a stop string are too; include_stop (vLLM's
+    include_stop_str_in_output) keeps the stop token's text and the stop string."""
+    by_token = Completion(CharTokens(), stop=[], max_tokens=100, stop_token_ids=frozenset({ord("|")}))  # type: ignore[arg-type]
+    assert by_token.add(batch(0, "ab")).text == "ab"
+    assert by_token.add(batch(2, "c|", finish="stop")).text == "c"
+    assert by_token.final_text == "abc" and by_token.token_ids == [ord(x) for x in "abc|"] and by_token.finish_reason == "stop"
+    kept = Completion(CharTokens(), stop=[], max_tokens=100, stop_token_ids=frozenset({ord("|")}), include_stop=True)  # type: ignore[arg-type]
+    assert kept.add(batch(0, "abc|", finish="stop")).text == "abc|"
+    eos = Completion(CharTokens(), stop=[], max_tokens=100, stop_token_ids=frozenset({ord("|")}))  # type: ignore[arg-type]
+    assert eos.add(batch(0, "ab$", finish="stop")).text == "ab$"  # an EOS id (not the request's) is the detokenizer's to skip
+    with_string = Completion(CharTokens(), stop=["END"], max_tokens=100, include_stop=True)  # type: ignore[arg-type]
+    assert with_string.add(batch(0, "abEN")).text == "ab"
+    assert with_string.add(batch(4, "Dzz")).text == "END"
+    assert with_string.finish_reason == "stop" and with_string.final_text == "abEND"
+    late = Completion(CharTokens(), stop=[], max_tokens=100, min_tokens=3, stop_token_ids=frozenset({ord("|")}))  # type: ignore[arg-type]
+    assert late.add(batch(0, "abc|", finish="stop")).text == "abc" and late.final_text == "abc"
 
 
 def test_completion_reorders_batches_and_enforces_max_tokens():
