@@ -34,7 +34,7 @@ LINGER_PAUSE_S = 5.0
 LINGER_TOTAL_S = 30.0
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-           411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
+           409: "Conflict", 411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
@@ -120,21 +120,26 @@ async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
             pass
 
 
-async def respond(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str) -> None:
-    """A complete response with its length."""
+def _header_lines(headers: dict[str, str] | None) -> str:
+    return "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+
+
+async def respond(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+    """A complete response with its length (and ``headers``, whose values hold no line breaks)."""
     head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+            f"Content-Length: {len(body)}\r\n{_header_lines(headers)}Connection: close\r\n\r\n")
     writer.write(head.encode() + body)
     await writer.drain()
 
 
-async def respond_json(writer: asyncio.StreamWriter, status: int, payload: Any) -> None:
-    await respond(writer, status, json.dumps(payload).encode(), "application/json")
+async def respond_json(writer: asyncio.StreamWriter, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+    await respond(writer, status, json.dumps(payload).encode(), "application/json", headers)
 
 
-async def start_events(writer: asyncio.StreamWriter) -> None:
+async def start_events(writer: asyncio.StreamWriter, headers: dict[str, str] | None = None) -> None:
     """The head of a server-sent-events stream; `send_event` writes its events."""
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n")
+    writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(headers)}"
+                 "Connection: close\r\n\r\n".encode())
     await writer.drain()
 
 

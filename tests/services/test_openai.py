@@ -180,6 +180,33 @@ def test_bad_http_gets_status_codes(frontend):
                                         "type": "invalid_request_error", "code": None}
 
 
+def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stack, frontend):
+    """vLLM's X-Request-Id: every answer of a completion endpoint (unary, stream, error) names its
+    request id in the header, the one in the body's id; a client's header is that id, through the
+    gateway (whose log names it); one the stack cannot take as an id is a 400 naming the header."""
+    def answer(body: dict, headers: dict[str, str] | None = None, path: str = "/v1/completions") -> tuple[int, str | None, bytes]:
+        conn = http.client.HTTPConnection(*frontend, timeout=60)
+        try:
+            conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"} | (headers or {}))
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("X-Request-Id"), resp.read()
+        finally:
+            conn.close()
+
+    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and rid and json.loads(raw)["id"] == f"cmpl-{rid}"
+    status, rid, raw = answer({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}, path="/v1/chat/completions")
+    assert status == 200 and rid and json.loads(events(raw)[0])["id"] == f"chatcmpl-{rid}"
+    status, rid, raw = answer({"prompt": "hi", "model": "gpt-4"})
+    assert status == 404 and rid and json.loads(raw)["error"]["code"] == "unknown_model"
+
+    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2, "n": 2}, {"X-Request-Id": "trace-7f3a_1"})
+    assert (status, rid, json.loads(raw)["id"]) == (200, "trace-7f3a_1", "cmpl-trace-7f3a_1")
+    assert {"trace-7f3a_1-0", "trace-7f3a_1-1"} <= {e["request_id"] for e in log_events(stack, "completed")}  # choice ids, as for n: 2
+    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2}, {"X-Request-Id": "no spaces/please"})
+    assert (status, rid) == (400, None) and "X-Request-Id: use 1-100 letters" in json.loads(raw)["error"]["message"]
+
+
 def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(frontend):
     body = json.dumps({"prompt": "hi " * 600, "max_tokens": 2, "temperature": 0}).encode()
     with socket.create_connection(frontend, timeout=30) as s:
