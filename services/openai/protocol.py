@@ -18,6 +18,7 @@ ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_
 without ``max_tokens`` gets 16 tokens (OpenAI's and vLLM's default); a chat request without
 one, or any with ``max_tokens: null``, may generate what the context leaves after its prompt,
 up to the gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
+vLLM's ``top_k: -1`` (disabled) and negative seeds (int64) are taken as vLLM takes them.
 Fields OpenAI's spec lets be ``null`` (``n``, ``stream``, the penalties, ``echo``, chat's
 ``logprobs``, ``stream_options.include_usage``) take their default when they are.
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
@@ -191,8 +192,14 @@ def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:  # vLLM's check and words: options of a stream that is not one
         raise InvalidRequest("Stream options can only be defined when `stream=True`.")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    # vLLM's conventions, which its clients send: top_k -1 disables it (moebus' 0); a seed is any
+    # int64, a negative one taken modulo 2**64 (two's complement) so it stays a fixed seed of its own.
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64), got {req.seed}")
+    seed = None if req.seed is None else req.seed % 2**64
+    top_k = 0 if req.top_k == -1 else req.top_k
     return {"model": req.model, "max_tokens": req.max_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": top_k, "seed": seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
             "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias,

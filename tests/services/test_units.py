@@ -103,6 +103,19 @@ def test_openai_completions_default_to_16_tokens_and_null_means_what_the_context
     assert max_tokens(b'{"prompt": "hi", "max_tokens": 200}') == 200
 
 
+def test_openai_bodies_take_vllms_top_k_minus_one_and_negative_seeds():
+    """vLLM's clients send top_k -1 (vLLM's "disabled") and any int64 seed; a 400 for them broke
+    requests that vLLM serves. -1 is moebus' 0; a negative seed is a fixed seed of its own."""
+    def gen(**fields) -> GenerateRequest:
+        return protocol.completion_requests(protocol.decode(json.dumps({"prompt": "hi"} | fields).encode(), protocol.CompletionRequest), "r", 4)[0]
+
+    assert gen(top_k=-1).top_k == 0 and gen(top_k=5).top_k == 5
+    assert gen(seed=-1).seed == 2**64 - 1 and gen(seed=-(2**63)).seed == 2**63 and gen(seed=7).seed == 7
+    assert gen(top_k=-2).top_k == -2  # the gateway refuses it, naming top_k
+    with pytest.raises(protocol.InvalidRequest, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"):
+        gen(seed=-(2**63) - 1)
+
+
 def test_openai_fields_sent_as_null_take_their_defaults():
     """OpenAI's spec marks these nullable and SDK wrappers send them so; null is the default, as in
     OpenAI and vLLM, not a 400."""
