@@ -227,6 +227,13 @@ def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[s
     return batch
 
 
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt and its logprobs alone, nothing generated
+    (how older lm-evaluation-harness and HELM score a text; vLLM serves it so): moebus generates
+    one token, which the answer leaves out (`Shapes`) and usage counts, as vLLM's does."""
+    return bool(req.echo) and req.max_tokens == 0
+
+
 def completion_requests(req: CompletionRequest, request_id: str, max_prompts: int) -> list[GenerateRequest]:
     """The moebus requests of a ``/v1/completions`` body, one per prompt (a token-id prompt as
     ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too; ``echo`` for the
@@ -236,6 +243,8 @@ def completion_requests(req: CompletionRequest, request_id: str, max_prompts: in
     if req.echo:
         logprobs["prompt_logprobs"] = req.logprobs or 0
     common = _common(req, request_id)
+    if echo_only(req):
+        common["max_tokens"] = 1
     return [GenerateRequest(**prompt, **logprobs, **common) for prompt in completion_prompts(req.prompt, max_prompts)]
 
 
@@ -340,9 +349,10 @@ class Shapes:
     ``i``-th of prompt ``p`` (``chat``: chat completions, one prompt; else completions)."""
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None,
-                 reasoning: bool = False, tool_calls: bool = False) -> None:
+                 reasoning: bool = False, tool_calls: bool = False, echo_only: bool = False) -> None:
         """``echo`` (completions): per prompt, its text as given (None for a token-id prompt,
-        spelled from its tokens' bytes), put before each of its choices' text. ``reasoning`` and
+        spelled from its tokens' bytes), put before each of its choices' text; ``echo_only``: the
+        choices are the echoed prompt alone, their generated token left out (`echo_only`). ``reasoning`` and
         ``tool_calls`` (chat): each choice's text is split into reasoning, content and tool calls
         (`services.openai.tool_parsing`)."""
         self.chat = chat
@@ -353,6 +363,7 @@ class Shapes:
         self.model = model
         self.n = n
         self.echo = echo
+        self.echo_only = echo_only
         self.created = int(time.time())
         self._completion_logprobs = [CompletionLogprobs() for _ in range(n * prompts)]  # per choice: a stream's text offsets go on
 
@@ -362,15 +373,17 @@ class Shapes:
     def _logprobs(self, index: int, r: GenerateResponse | GenerateChunk) -> dict[str, Any] | None:
         if self.chat:
             return chat_logprobs(r.token_logprobs)
-        return self._completion_logprobs[index](r.token_logprobs, r.prompt_logprobs if self.echo else None)
+        generated = [] if self.echo_only and r.token_logprobs is not None else r.token_logprobs
+        return self._completion_logprobs[index](generated, r.prompt_logprobs if self.echo else None)
 
     def _text(self, index: int, r: GenerateResponse | GenerateChunk) -> str:
         """A completions choice's text (or chunk's), after the echoed prompt where it comes."""
+        generated = "" if self.echo_only else r.text
         if self.echo is None or r.prompt_logprobs is None:
-            return r.text
+            return generated
         given = self.echo[index // self.n]
         prompt = given if given is not None else bytes(b for e in r.prompt_logprobs for b in e.bytes).decode("utf-8", errors="replace")
-        return prompt + r.text
+        return prompt + generated
 
     def response(self, responses: list[GenerateResponse]) -> dict[str, Any]:
         """The answer of choices ``responses`` (in choice order)."""

@@ -333,6 +333,32 @@ def test_echo_with_logprobs_gives_each_prompt_tokens_logprob_as_lm_eval_reads_it
         reference(stack, input_ids=prompts[0], max_tokens=1, prompt_logprobs=21)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(frontend, tokenizer):
+    """Older lm-evaluation-harness and HELM score a text with echo and max_tokens 0, which vLLM
+    serves: the answer is the prompt and its logprobs, nothing generated (the max_tokens 1 answer
+    without its token; usage counts that token, as vLLM's does), unary and streamed. Without
+    echo, max_tokens 0 is still a 400."""
+    ids = [785, 6722, 315, 9625, 374]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True}
+    one = json.loads(call(frontend, "POST", "/v1/completions", body)[2])["choices"][0]
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"max_tokens": 0})
+    assert status == 200, raw
+    answer = json.loads(raw)
+    zero = answer["choices"][0]
+    assert (zero["text"], zero["finish_reason"], answer["usage"]["completion_tokens"]) == (tokenizer.decode(ids), "length", 1)
+    assert zero["logprobs"]["tokens"] == one["logprobs"]["tokens"][:-1] == [tokenizer.decode([t]) for t in ids]
+    assert zero["logprobs"]["text_offset"] == one["logprobs"]["text_offset"][:-1]
+    assert zero["logprobs"]["token_logprobs"][1:] == pytest.approx(one["logprobs"]["token_logprobs"][1:-1], abs=1e-4)
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"max_tokens": 0, "stream": True})
+    pieces = [ch for c in map(json.loads, events(raw)[:-1]) for ch in c["choices"]]
+    assert "".join(p["text"] for p in pieces) == zero["text"] and [p["finish_reason"] for p in pieces][-1] == "length"
+    assert [t for p in pieces for t in p["logprobs"]["tokens"]] == zero["logprobs"]["tokens"]
+    plain = json.loads(call(frontend, "POST", "/v1/completions", {"prompt": "The capital", "max_tokens": 0, "echo": True})[2])["choices"][0]
+    assert (plain["text"], plain["logprobs"]) == ("The capital", None)
+    status, _, raw = call(frontend, "POST", "/v1/completions", {"prompt": "The capital", "max_tokens": 0})
+    assert status == 400 and "max_tokens must be in [1, " in json.loads(raw)["error"]["message"]
+
+
 def test_echo_logprobs_of_a_long_prompt_come_back_though_they_exceed_nats_default_max_payload(stack, frontend):
     """lm-evaluation-harness asks for the logprobs of long prompts: 900 prompt tokens with 20
     alternatives each is a reply of about 2 MB between gateway and frontend, over nats-server's
