@@ -145,6 +145,7 @@ class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True, tag="response
     finish_reason: FinishReason
     usage: Usage
     timing: Timing
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids token that ended it (None: EOS or length)
     logprobs: list[float] | None = None  # with logprobs: each generated token's log-probability
     token_logprobs: list[TokenLogprob] | None = None  # with logprobs: the same per token, with its text, bytes and top alternatives
     prompt_logprobs: list[PromptLogprob] | None = None  # with prompt_logprobs: one per prompt token
@@ -161,6 +162,7 @@ class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag
     token_logprobs: list[TokenLogprob] | None = None  # as in GenerateResponse, for this chunk's tokens
     prompt_logprobs: list[PromptLogprob] | None = None  # as in GenerateResponse, on the first chunk
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # as in GenerateResponse, on the last chunk
     usage: Usage | None = None
     timing: Timing | None = None
 

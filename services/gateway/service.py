@@ -299,6 +299,7 @@ class Gateway:
                     text=completion.final_text,
                     token_ids=completion.token_ids,
                     finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+                    stop_reason=completion.stop_reason,
                     usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens),
                     timing=self._timing(arrival, queue_ms, ttft_ms, completion),
                     logprobs=completion.logprobs if job.logprobs else None,
@@ -318,6 +319,7 @@ class Gateway:
             token_logprobs=delta.token_logprobs if job.logprobs else None,
             prompt_logprobs=delta.prompt_logprobs,
             finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason if last else None,
             usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens) if last else None,
             timing=self._timing(arrival, queue_ms, ttft_ms, completion) if last else None,
         )

@@ -28,7 +28,8 @@ of each prompt (completions take a batch: a list of texts or of token-id lists, 
 ``--max-prompts``) are requests of their own (`services.openai.choices`), merged here into
 one object, choice ``p * n + i`` the ``i``-th of prompt ``p`` as in vLLM.
 
-Responses follow OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects, and
+Responses follow OpenAI's shapes (with vLLM's ``stop_reason`` beside ``finish_reason``):
+``text_completion`` / ``chat.completion`` objects, and
 for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
 (a usage-only chunk before it when ``stream_options.include_usage``; ``stream_options``
 without ``stream: true`` is refused, as vLLM does). Usage counts each
@@ -403,7 +404,7 @@ class Shapes:
                     message["tool_calls"] = [call.openai() for call in parsed.tool_calls]
                     finish_reason = "tool_calls"  # whatever ended the text, as vLLM reports it
                 content = {"message": message}
-            choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), "finish_reason": finish_reason})
+            choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), **_ending(finish_reason, r.stop_reason)})
         body = self._object("chat.completion" if self.chat else "text_completion", choices)
         body["model"] = responses[0].model
         return body | {"usage": _usage(merged_usage([r.usage for r in responses], self.n))}
@@ -423,9 +424,9 @@ class Shapes:
         if self.chat:
             delta = {"content": c.text} if c.text or c.finish_reason is None else {}
             return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": self._logprobs(index, c),
-                                                           "finish_reason": c.finish_reason}])
+                                                           **_ending(c.finish_reason, c.stop_reason)}])
         return self._object("text_completion", [{"index": index, "text": self._text(index, c), "logprobs": self._logprobs(index, c),
-                                                 "finish_reason": c.finish_reason}])
+                                                 **_ending(c.finish_reason, c.stop_reason)}])
 
     def _parsed_chunk(self, c: GenerateChunk, index: int) -> dict[str, Any] | None:
         """A chat chunk of a parsed choice: ``delta`` holds the reasoning, content and whole tool
@@ -447,10 +448,16 @@ class Shapes:
         logprobs = self._logprobs(index, c)
         if not delta and finish_reason is None and logprobs is None:
             return None
-        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, **_ending(finish_reason, c.stop_reason)}])
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(u)}
+
+
+def _ending(finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
+    """A choice's ``finish_reason`` and, once it has one, vLLM's ``stop_reason``: the stop string
+    or ``stop_token_ids`` token that ended it (null for EOS or the length limit)."""
+    return {"finish_reason": finish_reason} if finish_reason is None else {"finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:

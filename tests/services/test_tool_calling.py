@@ -134,7 +134,8 @@ def test_unary_message_carries_reasoning_tool_calls_and_finish_reason():
     plain = protocol.Shapes(True, "x", "m").response([response(text, "length")])["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": text} and plain["finish_reason"] == "length"  # no parser: untouched
     no_call = protocol.Shapes(True, "x", "m", tool_calls=True).response([response(" Hello\n", "length")])["choices"][0]
-    assert no_call == {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "length"}
+    assert no_call == {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "length",
+                       "stop_reason": None}
     thinking = protocol.Shapes(True, "x", "m", reasoning=True).response([response("<think>\nHm", "length")])["choices"][0]
     assert thinking["message"] == {"role": "assistant", "content": None, "reasoning_content": "Hm"}  # cut off while thinking
 

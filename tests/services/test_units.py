@@ -303,6 +303,11 @@ def test_completion_cuts_the_text_of_a_stop_token_and_keeps_stops_with_include_s
     assert with_string.add(batch(0, "abEN")).text == "ab"
     assert with_string.add(batch(4, "Dzz")).text == "END"
     assert with_string.finish_reason == "stop" and with_string.final_text == "abEND"
+    # vLLM's stop_reason: the stop token or string that ended it, None for EOS or max_tokens
+    assert (by_token.stop_reason, kept.stop_reason, eos.stop_reason, with_string.stop_reason) == (ord("|"), ord("|"), None, "END")
+    long = Completion(CharTokens(), stop=["x"], max_tokens=2)  # type: ignore[arg-type]
+    long.add(batch(0, "ab"))
+    assert (long.finish_reason, long.stop_reason) == ("length", None)
     late = Completion(CharTokens(), stop=[], max_tokens=100, min_tokens=3, stop_token_ids=frozenset({ord("|")}))  # type: ignore[arg-type]
     assert late.add(batch(0, "abc|", finish="stop")).text == "abc" and late.final_text == "abc"
 
