@@ -70,6 +70,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     messages: list[ChatMessage] | None = None  # chat; the model's chat template is applied
     tools: list[Tool] | None = None  # with messages: functions the chat template offers the model
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: template variables, e.g. {"enable_thinking": false} (vLLM's)
+    add_generation_prompt: bool = True  # with messages: the prompt ends with the header of the assistant's answer (vLLM's)
+    continue_final_message: bool = False  # with messages: the prompt ends inside the last message, whose text the answer continues (vLLM's)
     input_ids: list[int] | None = None  # pre-tokenized prompt
     max_tokens: int | None = 64  # None: as many as the context leaves after the prompt, at most the gateway's limit
     temperature: float | None = None  # None: the model's generation_config default; 0 = greedy

@@ -136,6 +136,8 @@ class Admission:
             raise Rejected("invalid_request", "tools: only with messages (the chat template puts them in the prompt)")
         if req.chat_template_kwargs is not None and req.messages is None:
             raise Rejected("invalid_request", "chat_template_kwargs: only with messages")
+        if (req.continue_final_message or not req.add_generation_prompt) and req.messages is None:
+            raise Rejected("invalid_request", "add_generation_prompt and continue_final_message: only with messages")
         reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(req.chat_template_kwargs or {}))
         if reserved:
             raise Rejected("invalid_request", f"chat_template_kwargs: {', '.join(reserved)} are set by moebus, not by the request")
@@ -144,7 +146,9 @@ class Admission:
                 ids = self.tokenizer.encode(req.prompt)
             elif req.messages is not None:
                 tools = None if req.tools is None else [_template_tool(t) for t in req.tools]
-                text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], tools=tools, **(req.chat_template_kwargs or {}))
+                text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], add_generation_prompt=req.add_generation_prompt,
+                                                          tools=tools, continue_final_message=req.continue_final_message,
+                                                          **(req.chat_template_kwargs or {}))
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
             else:
                 ids = list(req.input_ids or [])

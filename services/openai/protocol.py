@@ -14,7 +14,8 @@ is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_
 ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
 ``seed``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output`` and chat's ``chat_template_kwargs`` (e.g.
-``{"enable_thinking": false}`` for Qwen3) pass through as in vLLM. A completions request
+``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt`` and
+``continue_final_message`` (an answer begun by the caller) pass through as in vLLM. A completions request
 without ``max_tokens`` gets 16 tokens (OpenAI's and vLLM's default); a chat request without
 one, or any with ``max_tokens: null``, may generate what the context leaves after its prompt,
 up to the gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
@@ -163,6 +164,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
+    add_generation_prompt: bool = True  # vLLM's extension
+    continue_final_message: bool = False  # vLLM's extension: the answer continues the last message (with add_generation_prompt false)
 
 
 class InvalidRequest(ValueError):
@@ -330,7 +333,8 @@ def chat_request(req: ChatCompletionRequest, request_id: str, auto_tools: bool =
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
     return GenerateRequest(messages=[_message(m, i) for i, m in enumerate(req.messages)], tools=tools, logprobs=req.logprobs,
-                           top_logprobs=req.top_logprobs or 0, chat_template_kwargs=req.chat_template_kwargs, **fields)
+                           top_logprobs=req.top_logprobs or 0, chat_template_kwargs=req.chat_template_kwargs,
+                           add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message, **fields)
 
 
 def merged_usage(usages: list[Usage], n: int) -> Usage:

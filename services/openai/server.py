@@ -163,7 +163,10 @@ class OpenAIFrontend:
                 return await _error(writer, "unavailable", f"llm.models did not answer: {e}", headers)
         echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
         parse_tools = chat and self.tool_call_parser is not None and protocol.calls_tools(body)  # type: ignore[arg-type]
-        reasoning = chat and self.reasoning_parser is not None and reasoning_on(body.chat_template_kwargs)  # type: ignore[union-attr]
+        # An answer that continues the caller's last message is content (Qwen3's template closes the
+        # think block before that message's text), so it is not parsed for reasoning.
+        reasoning = (chat and self.reasoning_parser is not None and reasoning_on(body.chat_template_kwargs)  # type: ignore[union-attr]
+                     and not body.continue_final_message)  # type: ignore[union-attr]
         shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools,
                                  echo_only=not chat and protocol.echo_only(body))  # type: ignore[arg-type]
         choices = Choices(self.client, choice_requests(gens, n))

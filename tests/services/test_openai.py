@@ -636,3 +636,14 @@ def test_a_parsing_frontend_serves_tool_conversations_with_reasoning(stack, tool
     answer = json.loads(raw)
     assert answer["usage"]["prompt_tokens"] > tool_prompt_tokens  # "<think>\n\n</think>\n\n" added to the prompt
     assert answer["choices"][0]["message"].get("reasoning_content") is None and answer["choices"][0]["message"]["content"]
+
+    # an answer begun by the caller (vLLM's continue_final_message): its continuation is content, not reasoning
+    begun = [ChatMessage("user", "Name a colour."), ChatMessage("assistant", "My favourite colour is")]
+    ref = reference(stack, messages=begun, continue_final_message=True, add_generation_prompt=False, max_tokens=8, temperature=0.0)
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions",
+                          {"messages": [{"role": m.role, "content": m.content} for m in begun], "continue_final_message": True,
+                           "add_generation_prompt": False, "max_tokens": 8, "temperature": 0})
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": ref.text}  # nothing to parse: the text as generated
+    assert answer["usage"]["prompt_tokens"] == ref.usage.prompt_tokens
