@@ -65,6 +65,7 @@ ERRORS: dict[str, tuple[int, str]] = {
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = False  # null: false (OpenAI's spec lets it be null)
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk (not supported: true is refused)
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -195,6 +196,9 @@ def check_n(req: _Sampling, max_n: int) -> int:
 def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:  # vLLM's check and words: options of a stream that is not one
         raise InvalidRequest("Stream options can only be defined when `stream=True`.")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats is not supported by moebus (usage comes once, in the chunk "
+                             "before [DONE], with include_usage)")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     # vLLM's conventions, which its clients send: top_k -1 disables it (moebus' 0); a seed is any
     # int64, a negative one taken modulo 2**64 (two's complement) so it stays a fixed seed of its own.
