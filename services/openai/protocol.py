@@ -206,7 +206,8 @@ def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
         raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64), got {req.seed}")
     seed = None if req.seed is None else req.seed % 2**64
     top_k = 0 if req.top_k == -1 else req.top_k
-    return {"model": req.model, "max_tokens": req.max_tokens,
+    # An empty model name is the served model, as vLLM takes it (clients left unconfigured send "").
+    return {"model": req.model or None, "max_tokens": req.max_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": top_k, "seed": seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,

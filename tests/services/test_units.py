@@ -104,12 +104,14 @@ def test_openai_completions_default_to_16_tokens_and_null_means_what_the_context
 
 
 def test_openai_bodies_take_vllms_top_k_minus_one_and_negative_seeds():
-    """vLLM's clients send top_k -1 (vLLM's "disabled") and any int64 seed; a 400 for them broke
-    requests that vLLM serves. -1 is moebus' 0; a negative seed is a fixed seed of its own."""
+    """vLLM's clients send top_k -1 (vLLM's "disabled"), any int64 seed and an empty model name; a
+    400 / 404 for them broke requests that vLLM serves. -1 is moebus' 0; a negative seed is a fixed
+    seed of its own; "" is the served model."""
     def gen(**fields) -> GenerateRequest:
         return protocol.completion_requests(protocol.decode(json.dumps({"prompt": "hi"} | fields).encode(), protocol.CompletionRequest), "r", 4)[0]
 
     assert gen(top_k=-1).top_k == 0 and gen(top_k=5).top_k == 5
+    assert gen(model="").model is None and gen(model="m").model == "m"  # vLLM serves "" as its model
     assert gen(seed=-1).seed == 2**64 - 1 and gen(seed=-(2**63)).seed == 2**63 and gen(seed=7).seed == 7
     assert gen(top_k=-2).top_k == -2  # the gateway refuses it, naming top_k
     with pytest.raises(protocol.InvalidRequest, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"):
