@@ -207,6 +207,31 @@ def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stac
     assert (status, rid) == (400, None) and "X-Request-Id: use 1-100 letters" in json.loads(raw)["error"]["message"]
 
 
+def test_a_chunked_request_body_is_read_as_uvicorn_reads_it(frontend):
+    """A client or proxy that streams its upload sends the body chunked (no Content-Length), which
+    vLLM's server takes: the answer is the one of the same body sent whole; chunk extensions and
+    trailers are allowed; a chunked body over the limit is a 413, a malformed one a 400."""
+    body = json.dumps({"prompt": [785, 6722, 315], "max_tokens": 3, "temperature": 0}).encode()
+    whole = json.loads(call(frontend, "POST", "/v1/completions", body)[2])["choices"][0]["text"]
+
+    def send(raw: bytes) -> bytes:
+        with socket.create_connection(frontend, timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + raw)
+            answer = b""
+            while data := s.recv(65536):
+                answer += data
+        return answer
+
+    pieces = [body[:10], body[10:11], body[11:]]
+    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    answer = send(chunked)
+    assert answer.startswith(b"HTTP/1.1 200 OK"), answer[:300]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] == whole
+    assert send(b"%x\r\n" % (9 << 20) + b"x" * 100).startswith(b"HTTP/1.1 413 ")  # refused unread
+    bad = send(b"zz\r\nhello\r\n0\r\n\r\n")
+    assert bad.startswith(b"HTTP/1.1 400 ") and b"malformed chunk size 'zz'" in bad
+
+
 def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(frontend):
     body = json.dumps({"prompt": "hi " * 600, "max_tokens": 2, "temperature": 0}).encode()
     with socket.create_connection(frontend, timeout=30) as s:
