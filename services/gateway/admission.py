@@ -21,6 +21,9 @@ from shared.model.tokenizer import RESERVED_TEMPLATE_VARIABLES, InvalidPromptErr
 from shared.settings import GatewaySettings
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# The ranks look every sampled token up in a request's stop ids (and ban them within min_tokens)
+# at each step, so a request may not make that cost its batch's: logit_bias' bound (OpenAI's).
+MAX_STOP_TOKEN_IDS = 300
 
 
 class Rejected(Exception):
@@ -84,6 +87,8 @@ class Admission:
             raise Rejected("invalid_request", f"timeout_ms must be in [1, {self.settings.max_timeout_ms}], got {req.timeout_ms}")
         if any(not s for s in req.stop):
             raise Rejected("invalid_request", "stop: strings must not be empty")
+        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise Rejected("invalid_request", f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} tokens, got {len(req.stop_token_ids)}")
         outside = [t for t in req.stop_token_ids if not 0 <= t < self.model.vocab_size]
         if outside:
             raise Rejected("invalid_request", f"stop_token_ids: {outside[:5]} outside the vocabulary [0, {self.model.vocab_size})")

@@ -49,6 +49,9 @@ def test_request_stop_token_ids_join_the_eos_ids_even_with_ignore_eos(tiny_model
     with pytest.raises(Rejected, match=r"stop_token_ids: \[-1\] outside the vocabulary") as e:
         admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=[-1]), "gw")
     assert e.value.code == "invalid_request"
+    with pytest.raises(Rejected, match=r"stop_token_ids: at most 300 tokens, got 301"):  # each step looks tokens up in them
+        admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=list(range(301))), "gw")
+    assert admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=list(range(300))), "gw")
     body = b'{"prompt": "hi", "stop_token_ids": [7, 9], "include_stop_str_in_output": true}'
     req = protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 4)[0]
     assert (req.stop_token_ids, req.include_stop_str_in_output) == ([7, 9], True)
