@@ -89,8 +89,12 @@ def test_max_tokens_left_unset_takes_what_the_context_leaves_up_to_the_limit(tin
         admitted(70, 31)
     with pytest.raises(Rejected, match=r"the prompt \(100 tokens\) leaves no room"):
         admitted(100, None)
-    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 40\]"):
-        admitted(3, 41)
+    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 40\] \(gateway.max_tokens_limit: a decode rank reserves KV"):
+        admitted(3, 41)  # the setting's bound, named: vLLM's clients know no such limit
+    wide = GatewaySettings(model=str(tiny_model), model_name="tiny", max_context=100, max_tokens_limit=400)
+    bound_by_context = Admission(wide, ModelInfo.load(wide), Tokenizer.from_dir(tiny_model))
+    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 99\], got 100$"):
+        bound_by_context.admit(GenerateRequest(input_ids=[5], max_tokens=100), "gw")
     openai = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
     assert protocol.chat_request(openai, "r3").max_tokens is None
 
