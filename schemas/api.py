@@ -70,6 +70,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     messages: list[ChatMessage] | None = None  # chat; the model's chat template is applied
     tools: list[Tool] | None = None  # with messages: functions the chat template offers the model
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: template variables, e.g. {"enable_thinking": false} (vLLM's)
+    add_generation_prompt: bool = True  # with messages: the prompt ends with the header of the assistant's answer (vLLM's)
+    continue_final_message: bool = False  # with messages: the prompt ends inside the last message, whose text the answer continues (vLLM's)
     input_ids: list[int] | None = None  # pre-tokenized prompt
     max_tokens: int | None = 64  # None: as many as the context leaves after the prompt, at most the gateway's limit
     temperature: float | None = None  # None: the model's generation_config default; 0 = greedy
@@ -83,6 +85,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit (OpenAI's; at most 300 tokens)
     min_tokens: int = 0  # vLLM's: EOS, stop ids and stop strings cannot end generation within the first this-many tokens
     stop: list[str] = []  # generation ends before the first occurrence of any of these strings
+    stop_token_ids: list[int] = []  # vLLM's: generation ends at any of these tokens (besides EOS; also with ignore_eos)
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string or stop token that ended it
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token
     top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0..20)
@@ -143,6 +147,7 @@ class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True, tag="response
     finish_reason: FinishReason
     usage: Usage
     timing: Timing
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids token that ended it (None: EOS or length)
     logprobs: list[float] | None = None  # with logprobs: each generated token's log-probability
     token_logprobs: list[TokenLogprob] | None = None  # with logprobs: the same per token, with its text, bytes and top alternatives
     prompt_logprobs: list[PromptLogprob] | None = None  # with prompt_logprobs: one per prompt token
@@ -159,6 +164,7 @@ class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag
     token_logprobs: list[TokenLogprob] | None = None  # as in GenerateResponse, for this chunk's tokens
     prompt_logprobs: list[PromptLogprob] | None = None  # as in GenerateResponse, on the first chunk
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # as in GenerateResponse, on the last chunk
     usage: Usage | None = None
     timing: Timing | None = None
 

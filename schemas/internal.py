@@ -38,7 +38,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     input_ids: list[int]
     max_tokens: int
     sampling: SamplingSpec
-    stop_token_ids: list[int]  # EOS ids of the model; stop strings are the gateway's business
+    stop_token_ids: list[int]  # EOS ids of the model and the request's stop_token_ids; stop strings are the gateway's business
     logprobs: bool
     deadline: float  # Unix time after which nobody works on this request any more
     top_logprobs: int = 0  # with logprobs: the most likely tokens to report at each position

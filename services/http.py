@@ -1,8 +1,8 @@
 """Just enough HTTP/1.1 for the stack's small HTTP faces (`moebus metrics`, `moebus openai`).
 
 One request per connection: the server reads a request line, headers and a body of
-``Content-Length`` bytes, answers, and closes the connection (``Connection: close``), which
-every HTTP client handles. A streamed answer (server-sent events) has no length: it ends
+``Content-Length`` bytes (or a chunked one), answers, and closes the connection
+(``Connection: close``), which every HTTP client handles. A streamed answer (server-sent events) has no length: it ends
 when the connection closes. Malformed or oversize requests raise `HttpError` with the
 status to answer (413 for a body over the frontend's limit, before reading it); after
 answering one, `linger` lets the client finish sending. Nothing here knows about routes.
@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import string
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ LINGER_PAUSE_S = 5.0
 LINGER_TOTAL_S = 30.0
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-           411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
+           409: "Conflict", 411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
@@ -81,29 +82,61 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             if not sep:
                 raise HttpError(400, f"malformed header line {line[:100]!r}")
             headers[name.strip().lower()] = value.strip()
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        raise HttpError(501, "chunked request bodies are not accepted: send Content-Length")
     body = b""
-    if parts[0] in ("POST", "PUT", "PATCH"):
-        length_text = headers.get("content-length")
-        if length_text is None:
-            raise HttpError(411, "a request body needs Content-Length")
-        if not length_text.isdigit():
-            raise HttpError(400, f"bad Content-Length {length_text[:40]!r}")
-        length = int(length_text)
-        if length > max_body:
-            mib = f" ({max_body / (1 << 20):g} MiB)" if max_body >= 1 << 20 else ""
-            raise HttpError(413, f"request body of {length} bytes exceeds {limit} of {max_body} bytes{mib}")
+    chunked = "chunked" in headers.get("transfer-encoding", "").lower()  # it overrides Content-Length (RFC 9112 6.3)
+    if chunked or parts[0] in ("POST", "PUT", "PATCH"):
+        length = None if chunked else _content_length(headers)
+        if length is not None and length > max_body:
+            raise HttpError(413, _too_large(length, max_body, limit))
         if headers.get("expect", "").lower() == "100-continue":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()
+        read = reader.readexactly(length) if length is not None else _chunked_body(reader, max_body, limit)
         try:
-            body = await asyncio.wait_for(reader.readexactly(length), BODY_TIMEOUT_S)
+            body = await asyncio.wait_for(read, BODY_TIMEOUT_S)
         except asyncio.IncompleteReadError:
             raise HttpError(400, "connection closed before the request body ended") from None
+        except asyncio.LimitOverrunError:
+            raise HttpError(400, "malformed chunked body: a chunk size line without its CRLF") from None
         except TimeoutError:
             raise HttpError(408, f"request body not received within {BODY_TIMEOUT_S:g} s") from None
     return Request(parts[0], parts[1].split("?", 1)[0], headers, body)
+
+
+def _content_length(headers: dict[str, str]) -> int:
+    length_text = headers.get("content-length")
+    if length_text is None:
+        raise HttpError(411, "a request body needs Content-Length (or Transfer-Encoding: chunked)")
+    if not length_text.isdigit():
+        raise HttpError(400, f"bad Content-Length {length_text[:40]!r}")
+    return int(length_text)
+
+
+def _too_large(length: int, max_body: int, limit: str, at_least: bool = False) -> str:
+    """``at_least``: ``length`` counts a chunked body only up to the chunk that crossed the limit."""
+    mib = f" ({max_body / (1 << 20):g} MiB)" if max_body >= 1 << 20 else ""
+    return f"request body of {'at least ' if at_least else ''}{length} bytes exceeds {limit} of {max_body} bytes{mib}"
+
+
+async def _chunked_body(reader: asyncio.StreamReader, max_body: int, limit: str) -> bytes:
+    """A ``Transfer-Encoding: chunked`` body (what a client or proxy streaming its upload sends:
+    uvicorn, hence vLLM, takes it): hex-sized chunks up to a zero one, then optional trailers
+    (dropped). Past ``max_body`` bytes it is a 413, the body left unread."""
+    body = bytearray()
+    while True:
+        size_text = (await reader.readuntil(b"\r\n"))[:-2].split(b";", 1)[0].strip().decode("latin-1")  # a chunk extension after ";" is ignored
+        if not size_text or size_text.strip(string.hexdigits):
+            raise HttpError(400, f"malformed chunk size {size_text[:40]!r}")
+        size = int(size_text, 16)
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailer fields, then the empty line
+                pass
+            return bytes(body)
+        if len(body) + size > max_body:
+            raise HttpError(413, _too_large(len(body) + size, max_body, limit, at_least=True))
+        body += await reader.readexactly(size)
+        if await reader.readexactly(2) != b"\r\n":
+            raise HttpError(400, "malformed chunked body: a chunk does not end with CRLF")
 
 
 async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -120,21 +153,26 @@ async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
             pass
 
 
-async def respond(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str) -> None:
-    """A complete response with its length."""
+def _header_lines(headers: dict[str, str] | None) -> str:
+    return "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+
+
+async def respond(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+    """A complete response with its length (and ``headers``, whose values hold no line breaks)."""
     head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+            f"Content-Length: {len(body)}\r\n{_header_lines(headers)}Connection: close\r\n\r\n")
     writer.write(head.encode() + body)
     await writer.drain()
 
 
-async def respond_json(writer: asyncio.StreamWriter, status: int, payload: Any) -> None:
-    await respond(writer, status, json.dumps(payload).encode(), "application/json")
+async def respond_json(writer: asyncio.StreamWriter, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+    await respond(writer, status, json.dumps(payload).encode(), "application/json", headers)
 
 
-async def start_events(writer: asyncio.StreamWriter) -> None:
+async def start_events(writer: asyncio.StreamWriter, headers: dict[str, str] | None = None) -> None:
     """The head of a server-sent-events stream; `send_event` writes its events."""
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n")
+    writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(headers)}"
+                 "Connection: close\r\n\r\n".encode())
     await writer.drain()
 
 

@@ -44,9 +44,10 @@ from typing import Any
 import yaml
 
 from schemas import subjects
+from schemas.api import ModelList
 from schemas.internal import Heartbeat
 from services.ranks import die_with_parent, free_port
-from shared.bus import connect, unpack
+from shared.bus import connect, decode_public, unpack
 from shared.settings import NatsServerSettings, SettingsError, nats_server_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -220,6 +221,7 @@ class LocalStack:
     nats_settings: NatsServerSettings = field(default_factory=NatsServerSettings)
     nats: subprocess.Popen[bytes] | None = None
     replicas: list[Replica] = field(default_factory=list)
+    served: list[str] = field(default_factory=list)  # the model ids llm.models answered once ready
 
     @property
     def url(self) -> str:
@@ -306,10 +308,12 @@ class LocalStack:
                     raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}; see {dead[0].log_path}")
                 if expected <= seen:
                     try:
-                        await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
-                        return
+                        reply = await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
                     except Exception:
                         pass
+                    else:
+                        self.served = [m.id for m in decode_public(reply.data, ModelList).models]
+                        return
                 await asyncio.sleep(0.1)
         missing = sorted(f"{role} {inst}" for role, inst in expected - seen)
         raise StackError(f"stack not ready after {timeout:.0f}s; no heartbeat from: {', '.join(missing) or '(llm.models did not answer)'}; logs in {self.log_dir}")
@@ -421,7 +425,8 @@ def main(argv: list[str]) -> int:
         summary = ", ".join(f"{s.name} x{s.replicas}" for s in specs)
         print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)
         stack.start(a.ready_timeout)
-        print(f"moebus up: ready. NATS at {stack.url}  (model {model.name}, max_payload {nats.max_payload} bytes)", flush=True)
+        # The served id (model_name, e.g. MOEBUS_MODEL_NAME) is what requests' `model` must name, not the directory's name.
+        print(f"moebus up: ready. NATS at {stack.url}  (model {', '.join(stack.served)}, max_payload {nats.max_payload} bytes)", flush=True)
         for instance, url in stack.frontend_urls().items():
             print(f"  {instance}: {url}", flush=True)
         print(f"  try: moebus request --url {stack.url} --prompt 'hi' --stream", flush=True)

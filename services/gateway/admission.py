@@ -21,6 +21,9 @@ from shared.model.tokenizer import RESERVED_TEMPLATE_VARIABLES, InvalidPromptErr
 from shared.settings import GatewaySettings
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# The ranks look every sampled token up in a request's stop ids (and ban them within min_tokens)
+# at each step, so a request may not make that cost its batch's: logit_bias' bound (OpenAI's).
+MAX_STOP_TOKEN_IDS = 300
 
 
 class Rejected(Exception):
@@ -54,6 +57,8 @@ class Admitted:
     job: Job
     stop: list[str]
     timeout_s: float
+    stop_token_ids: frozenset[int] = frozenset()  # the request's own (not EOS): their text is cut unless include_stop
+    include_stop: bool = False  # the text keeps the stop string or stop token that ended it
 
 
 class Admission:
@@ -77,11 +82,19 @@ class Admission:
         if req.request_id is not None and not _REQUEST_ID.match(req.request_id):
             raise Rejected("invalid_request", "request_id: use 1-128 letters, digits, '-' or '_'")
         if req.max_tokens is not None and not 1 <= req.max_tokens <= self.max_tokens_limit:
-            raise Rejected("invalid_request", f"max_tokens must be in [1, {self.max_tokens_limit}], got {req.max_tokens}")
+            # Past the setting (not the context) say which knob it is: vLLM has no such bound, so its clients ask for more.
+            by_setting = req.max_tokens > self.max_tokens_limit and self.max_tokens_limit == self.settings.max_tokens_limit
+            why = " (gateway.max_tokens_limit: a decode rank reserves KV for prompt + max_tokens up front)" if by_setting else ""
+            raise Rejected("invalid_request", f"max_tokens must be in [1, {self.max_tokens_limit}]{why}, got {req.max_tokens}")
         if req.timeout_ms is not None and not 0 < req.timeout_ms <= self.settings.max_timeout_ms:
             raise Rejected("invalid_request", f"timeout_ms must be in [1, {self.settings.max_timeout_ms}], got {req.timeout_ms}")
         if any(not s for s in req.stop):
             raise Rejected("invalid_request", "stop: strings must not be empty")
+        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise Rejected("invalid_request", f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} tokens, got {len(req.stop_token_ids)}")
+        outside = [t for t in req.stop_token_ids if not 0 <= t < self.model.vocab_size]
+        if outside:
+            raise Rejected("invalid_request", f"stop_token_ids: {outside[:5]} outside the vocabulary [0, {self.model.vocab_size})")
         if req.top_logprobs and not req.logprobs:
             raise Rejected("invalid_request", "top_logprobs needs logprobs: true")
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
@@ -97,14 +110,15 @@ class Admission:
             input_ids=input_ids,
             max_tokens=max_tokens,
             sampling=sampling,
-            stop_token_ids=[] if req.ignore_eos else list(self.model.generation.eos_token_ids),
+            stop_token_ids=list(dict.fromkeys([*([] if req.ignore_eos else self.model.generation.eos_token_ids), *req.stop_token_ids])),
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
             ignore_eos=req.ignore_eos,
             prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
             deadline=arrival + timeout_s,
         )
-        return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s)
+        return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s, stop_token_ids=frozenset(req.stop_token_ids),
+                        include_stop=req.include_stop_str_in_output)
 
     def _max_tokens(self, req: GenerateRequest, prompt_tokens: int) -> int:
         """The request's ``max_tokens``, or where it sets none what the context leaves after the
@@ -130,6 +144,8 @@ class Admission:
             raise Rejected("invalid_request", "tools: only with messages (the chat template puts them in the prompt)")
         if req.chat_template_kwargs is not None and req.messages is None:
             raise Rejected("invalid_request", "chat_template_kwargs: only with messages")
+        if (req.continue_final_message or not req.add_generation_prompt) and req.messages is None:
+            raise Rejected("invalid_request", "add_generation_prompt and continue_final_message: only with messages")
         reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(req.chat_template_kwargs or {}))
         if reserved:
             raise Rejected("invalid_request", f"chat_template_kwargs: {', '.join(reserved)} are set by moebus, not by the request")
@@ -138,7 +154,9 @@ class Admission:
                 ids = self.tokenizer.encode(req.prompt)
             elif req.messages is not None:
                 tools = None if req.tools is None else [_template_tool(t) for t in req.tools]
-                text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], tools=tools, **(req.chat_template_kwargs or {}))
+                text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], add_generation_prompt=req.add_generation_prompt,
+                                                          tools=tools, continue_final_message=req.continue_final_message,
+                                                          **(req.chat_template_kwargs or {}))
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
             else:
                 ids = list(req.input_ids or [])

@@ -9,7 +9,11 @@ deadline. Text is
 released only when it can no longer turn into a stop string: a tail that is a prefix
 of some stop string is held back until the next tokens decide it. With ``min_tokens``
 (vLLM's), a stop string ends the completion only where it ends after the text of the first
-``min_tokens`` tokens, as vLLM checks stop strings only from the next token on.
+``min_tokens`` tokens, as vLLM checks stop strings only from the next token on. As in vLLM,
+the text ends before the stop string, and without the text of a token of the request's
+``stop_token_ids`` that ended it (the token still counts, with its logprob), unless
+``include_stop`` (vLLM's ``include_stop_str_in_output``) keeps either; ``stop_reason`` names
+that string or token (None when EOS or ``max_tokens`` ended the completion).
 
 With logprobs, each token also becomes a `TokenLogprob` (its text and bytes alone, its
 logprob, its position's top alternatives) as soon as it arrives in order, whether or not
@@ -61,12 +65,17 @@ class TokensLost(Exception):
 
 class Completion:
     def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int, token_piece: TokenPiece | None = None,
-                 prompt_ids: list[int] | None = None, min_tokens: int = 0) -> None:
+                 prompt_ids: list[int] | None = None, min_tokens: int = 0, stop_token_ids: frozenset[int] = frozenset(),
+                 include_stop: bool = False) -> None:
         """``token_piece``: names the tokens of `token_logprobs` and `prompt_logprobs` (needed when
         batches carry logprobs); ``prompt_ids``: the prompt, when the request asks for its logprobs;
-        ``min_tokens``: no stop string ends the completion before this many tokens (module doc)."""
+        ``min_tokens``: no stop string ends the completion before this many tokens;
+        ``stop_token_ids``: the request's own stop tokens (not EOS); ``include_stop``: the text
+        keeps the stop string or stop token that ended it (module doc)."""
         self.detokenizer = detokenizer
         self.stop = stop
+        self.stop_token_ids = stop_token_ids
+        self.include_stop = include_stop
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.token_piece = token_piece
@@ -79,6 +88,7 @@ class Completion:
         self.released = 0  # characters of `text` handed to the client
         self.stop_floor: int | None = 0 if min_tokens == 0 else None  # a stop string must end past this (None: min_tokens not reached)
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None  # the stop string or the request's stop token that ended it (vLLM's)
         self.compute_ms = 0.0
         self.cached_tokens = 0  # prompt tokens prefill took from its prefix cache (token 0's batch says)
         self._early: dict[int, TokenBatch] = {}
@@ -121,6 +131,12 @@ class Completion:
                 self.token_logprobs += entries
                 delta.token_logprobs += entries
         short = self.min_tokens - (len(self.token_ids) - len(ids))  # tokens still below min_tokens before this batch
+        if batch.finish_reason == "stop" and ids and ids == batch.token_ids and ids[-1] in self.stop_token_ids:
+            self.stop_reason = ids[-1]
+            if not self.include_stop:
+                # The request's stop token ended the batch: counted, not spelled. The ranks ban it within
+                # min_tokens, so it comes after the first `short` tokens and the split below stays.
+                ids = ids[:-1]
         if self.stop_floor is None and len(ids) >= short:
             self.text += self.detokenizer.add(ids[:short])
             self.stop_floor = len(self.text)
@@ -130,8 +146,9 @@ class Completion:
         if finish is not None:
             self.text += self.detokenizer.flush()
 
-        cut = self._stop_at()
-        if cut is not None:
+        hit = self._stop_at()
+        if hit is not None:
+            cut, self.stop_reason = hit
             self.finish_reason = "stop"
             delta.text += self.text[self.released : cut]
             self.released = cut
@@ -156,15 +173,18 @@ class Completion:
             PromptLogprob(**_named(piece, token_id), logprob=logprob, top_logprobs=_alternatives(piece, batch.prompt_top_logprobs, i))
             for i, (token_id, logprob) in enumerate(zip(prompt[1:], logprobs, strict=True))]
 
-    def _stop_at(self) -> int | None:
-        """Index where the earliest stop string that ends past the release point (and past
-        `stop_floor`) starts, if any."""
+    def _stop_at(self) -> tuple[int, str] | None:
+        """The earliest stop string that ends past the release point (and past `stop_floor`), if
+        any, and where the text ends at it: where it starts, or with `include_stop` where it ends."""
         if not self.stop or self.stop_floor is None:
             return None
         floor = max(self.released, self.stop_floor)
         # Found from floor - len(s) + 1 on, a hit ends past the floor (it may straddle it).
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, floor - len(s) + 1))) != -1]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, max(0, floor - len(s) + 1))) != -1]
+        if not hits:
+            return None
+        start, length = min(hits)
+        return start + length if self.include_stop else start, self.text[start : start + length]
 
     def _held_back(self) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string."""

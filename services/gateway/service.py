@@ -271,7 +271,8 @@ class Gateway:
             queue_ms = (time.monotonic() - arrival) * 1000
             log.info("placed", decode=f"{flight.placement.decode_instance}/{flight.placement.decode_rank}", prefill=flight.placement.prefill_instance)
             completion = Completion(self.tokenizer.detokenizer(skip_special_tokens=True), flight.admitted.stop, job.max_tokens,
-                                    self.tokenizer.token_piece, job.input_ids if job.prompt_logprobs >= 0 else None, job.sampling.min_tokens)
+                                    self.tokenizer.token_piece, job.input_ids if job.prompt_logprobs >= 0 else None, job.sampling.min_tokens,
+                                    flight.admitted.stop_token_ids, flight.admitted.include_stop)
             ttft_ms = None
             chunks = 0
             while not completion.finished:
@@ -298,6 +299,7 @@ class Gateway:
                     text=completion.final_text,
                     token_ids=completion.token_ids,
                     finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+                    stop_reason=completion.stop_reason,
                     usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens),
                     timing=self._timing(arrival, queue_ms, ttft_ms, completion),
                     logprobs=completion.logprobs if job.logprobs else None,
@@ -317,6 +319,7 @@ class Gateway:
             token_logprobs=delta.token_logprobs if job.logprobs else None,
             prompt_logprobs=delta.prompt_logprobs,
             finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason if last else None,
             usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens) if last else None,
             timing=self._timing(arrival, queue_ms, ttft_ms, completion) if last else None,
         )

@@ -12,10 +12,16 @@ split into content and ``tool_calls`` (`services.openai.tool_parsing`), as is re
 ``reasoning_content`` on a server started with a reasoning parser. ``user``
 is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token
 ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
-``seed``, ``repetition_penalty``, ``ignore_eos`` and chat's ``chat_template_kwargs`` (e.g.
-``{"enable_thinking": false}`` for Qwen3) pass through as in vLLM. Without
-``max_tokens`` a request may generate what the context leaves after its prompt, up to the
-gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
+``seed``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output`` and chat's ``chat_template_kwargs`` (e.g.
+``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt`` and
+``continue_final_message`` (an answer begun by the caller) pass through as in vLLM. A completions request
+without ``max_tokens`` gets 16 tokens (OpenAI's and vLLM's default); a chat request without
+one, or any with ``max_tokens: null``, may generate what the context leaves after its prompt,
+up to the gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
+vLLM's ``top_k: -1`` (disabled) and negative seeds (int64) are taken as vLLM takes them.
+Fields OpenAI's spec lets be ``null`` (``n``, ``stream``, the penalties, ``echo``, chat's
+``logprobs``, ``stream_options.include_usage``) take their default when they are.
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
 `services.openai.logprobs` shapes the answer. ``n`` choices (1 to the server's ``--max-n``)
@@ -23,7 +29,8 @@ of each prompt (completions take a batch: a list of texts or of token-id lists, 
 ``--max-prompts``) are requests of their own (`services.openai.choices`), merged here into
 one object, choice ``p * n + i`` the ``i``-th of prompt ``p`` as in vLLM.
 
-Responses follow OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects, and
+Responses follow OpenAI's shapes (with vLLM's ``stop_reason`` beside ``finish_reason``):
+``text_completion`` / ``chat.completion`` objects, and
 for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
 (a usage-only chunk before it when ``stream_options.include_usage``; ``stream_options``
 without ``stream: true`` is refused, as vLLM does). Usage counts each
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -57,7 +64,8 @@ ERRORS: dict[str, tuple[int, str]] = {
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: false (OpenAI's spec lets it be null)
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk (not supported: true is refused)
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,7 +106,12 @@ class ToolIn(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. OpenAI's spec lets a client send ``null`` for the fields in
+    ``NULL_IS_DEFAULT`` (SDK wrappers that send every field do), meaning their default, as
+    OpenAI and vLLM take it: `__post_init__` puts the default in, so they are never None after
+    decoding."""
+
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "presence_penalty", "frequency_penalty")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -107,11 +120,13 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model's EOS
     min_p: float | None = None  # vLLM's extension
@@ -119,25 +134,39 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys: msgspec reads them as ints
     user: str | None = None
 
+    def __post_init__(self) -> None:
+        defaults = {f.name: f.default for f in msgspec.structs.fields(self)}
+        for name in self.NULL_IS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, defaults[name])
+
 
 class CompletionRequest(_Sampling, kw_only=True):
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_Sampling.NULL_IS_DEFAULT, "echo")
+
     prompt: str | list[Any]  # text, token ids, or a batch of either (checked by `completion_prompts`)
+    # OpenAI's and vLLM's default for completions (chat has none); null: what the context leaves
+    max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_Sampling.NULL_IS_DEFAULT, "logprobs")
+
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[ToolIn] | None = None
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none" (OpenAI's default)
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
+    add_generation_prompt: bool = True  # vLLM's extension
+    continue_final_message: bool = False  # vLLM's extension: the answer continues the last message (with add_generation_prompt false)
 
 
 class InvalidRequest(ValueError):
@@ -167,12 +196,23 @@ def check_n(req: _Sampling, max_n: int) -> int:
 def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:  # vLLM's check and words: options of a stream that is not one
         raise InvalidRequest("Stream options can only be defined when `stream=True`.")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise InvalidRequest("stream_options.continuous_usage_stats is not supported by moebus (usage comes once, in the chunk "
+                             "before [DONE], with include_usage)")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return {"model": req.model, "max_tokens": req.max_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "stop": stop,
+    # vLLM's conventions, which its clients send: top_k -1 disables it (moebus' 0); a seed is any
+    # int64, a negative one taken modulo 2**64 (two's complement) so it stays a fixed seed of its own.
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64), got {req.seed}")
+    seed = None if req.seed is None else req.seed % 2**64
+    top_k = 0 if req.top_k == -1 else req.top_k
+    # An empty model name is the served model, as vLLM takes it (clients left unconfigured send "").
+    return {"model": req.model or None, "max_tokens": req.max_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": top_k, "seed": seed, "stop": stop,
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
-            "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias}
+            "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias,
+            "stop_token_ids": list(req.stop_token_ids or []), "include_stop_str_in_output": req.include_stop_str_in_output}
 
 
 def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[str, Any]]:
@@ -196,6 +236,13 @@ def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[s
     return batch
 
 
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt and its logprobs alone, nothing generated
+    (how older lm-evaluation-harness and HELM score a text; vLLM serves it so): moebus generates
+    one token, which the answer leaves out (`Shapes`) and usage counts, as vLLM's does."""
+    return bool(req.echo) and req.max_tokens == 0
+
+
 def completion_requests(req: CompletionRequest, request_id: str, max_prompts: int) -> list[GenerateRequest]:
     """The moebus requests of a ``/v1/completions`` body, one per prompt (a token-id prompt as
     ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too; ``echo`` for the
@@ -205,6 +252,8 @@ def completion_requests(req: CompletionRequest, request_id: str, max_prompts: in
     if req.echo:
         logprobs["prompt_logprobs"] = req.logprobs or 0
     common = _common(req, request_id)
+    if echo_only(req):
+        common["max_tokens"] = 1
     return [GenerateRequest(**prompt, **logprobs, **common) for prompt in completion_prompts(req.prompt, max_prompts)]
 
 
@@ -289,7 +338,8 @@ def chat_request(req: ChatCompletionRequest, request_id: str, auto_tools: bool =
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
     return GenerateRequest(messages=[_message(m, i) for i, m in enumerate(req.messages)], tools=tools, logprobs=req.logprobs,
-                           top_logprobs=req.top_logprobs or 0, chat_template_kwargs=req.chat_template_kwargs, **fields)
+                           top_logprobs=req.top_logprobs or 0, chat_template_kwargs=req.chat_template_kwargs,
+                           add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message, **fields)
 
 
 def merged_usage(usages: list[Usage], n: int) -> Usage:
@@ -309,9 +359,10 @@ class Shapes:
     ``i``-th of prompt ``p`` (``chat``: chat completions, one prompt; else completions)."""
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None,
-                 reasoning: bool = False, tool_calls: bool = False) -> None:
+                 reasoning: bool = False, tool_calls: bool = False, echo_only: bool = False) -> None:
         """``echo`` (completions): per prompt, its text as given (None for a token-id prompt,
-        spelled from its tokens' bytes), put before each of its choices' text. ``reasoning`` and
+        spelled from its tokens' bytes), put before each of its choices' text; ``echo_only``: the
+        choices are the echoed prompt alone, their generated token left out (`echo_only`). ``reasoning`` and
         ``tool_calls`` (chat): each choice's text is split into reasoning, content and tool calls
         (`services.openai.tool_parsing`)."""
         self.chat = chat
@@ -322,6 +373,7 @@ class Shapes:
         self.model = model
         self.n = n
         self.echo = echo
+        self.echo_only = echo_only
         self.created = int(time.time())
         self._completion_logprobs = [CompletionLogprobs() for _ in range(n * prompts)]  # per choice: a stream's text offsets go on
 
@@ -331,15 +383,17 @@ class Shapes:
     def _logprobs(self, index: int, r: GenerateResponse | GenerateChunk) -> dict[str, Any] | None:
         if self.chat:
             return chat_logprobs(r.token_logprobs)
-        return self._completion_logprobs[index](r.token_logprobs, r.prompt_logprobs if self.echo else None)
+        generated = [] if self.echo_only and r.token_logprobs is not None else r.token_logprobs
+        return self._completion_logprobs[index](generated, r.prompt_logprobs if self.echo else None)
 
     def _text(self, index: int, r: GenerateResponse | GenerateChunk) -> str:
         """A completions choice's text (or chunk's), after the echoed prompt where it comes."""
+        generated = "" if self.echo_only else r.text
         if self.echo is None or r.prompt_logprobs is None:
-            return r.text
+            return generated
         given = self.echo[index // self.n]
         prompt = given if given is not None else bytes(b for e in r.prompt_logprobs for b in e.bytes).decode("utf-8", errors="replace")
-        return prompt + r.text
+        return prompt + generated
 
     def response(self, responses: list[GenerateResponse]) -> dict[str, Any]:
         """The answer of choices ``responses`` (in choice order)."""
@@ -359,7 +413,7 @@ class Shapes:
                     message["tool_calls"] = [call.openai() for call in parsed.tool_calls]
                     finish_reason = "tool_calls"  # whatever ended the text, as vLLM reports it
                 content = {"message": message}
-            choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), "finish_reason": finish_reason})
+            choices.append({"index": i, **content, "logprobs": self._logprobs(i, r), **_ending(finish_reason, r.stop_reason)})
         body = self._object("chat.completion" if self.chat else "text_completion", choices)
         body["model"] = responses[0].model
         return body | {"usage": _usage(merged_usage([r.usage for r in responses], self.n))}
@@ -379,9 +433,9 @@ class Shapes:
         if self.chat:
             delta = {"content": c.text} if c.text or c.finish_reason is None else {}
             return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": self._logprobs(index, c),
-                                                           "finish_reason": c.finish_reason}])
+                                                           **_ending(c.finish_reason, c.stop_reason)}])
         return self._object("text_completion", [{"index": index, "text": self._text(index, c), "logprobs": self._logprobs(index, c),
-                                                 "finish_reason": c.finish_reason}])
+                                                 **_ending(c.finish_reason, c.stop_reason)}])
 
     def _parsed_chunk(self, c: GenerateChunk, index: int) -> dict[str, Any] | None:
         """A chat chunk of a parsed choice: ``delta`` holds the reasoning, content and whole tool
@@ -403,10 +457,16 @@ class Shapes:
         logprobs = self._logprobs(index, c)
         if not delta and finish_reason is None and logprobs is None:
             return None
-        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, **_ending(finish_reason, c.stop_reason)}])
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(u)}
+
+
+def _ending(finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
+    """A choice's ``finish_reason`` and, once it has one, vLLM's ``stop_reason``: the stop string
+    or ``stop_token_ids`` token that ended it (null for EOS or the length limit)."""
+    return {"finish_reason": finish_reason} if finish_reason is None else {"finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:

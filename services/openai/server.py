@@ -16,9 +16,11 @@
 The frontend is stateless (run as many as needed; each is one more NATS client): every
 request gets its own moebus request id (one per choice), so a client that closes its
 connection before the answer ends cancels the request (``llm.cancel``, every choice)
-instead of leaving it to run. Errors are OpenAI error objects with an HTTP status per
-moebus error code; one that arrives after a stream started is sent as a last ``data:``
-event, as vLLM does.
+instead of leaving it to run. As in vLLM, a request's ``X-Request-Id`` header, when given,
+is that id (``cmpl-<id>`` / ``chatcmpl-<id>``, and in the stack's logs), and every answer of
+the completion endpoints names its id in an ``X-Request-Id`` header, errors included.
+Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
+after a stream started is sent as a last ``data:`` event, as vLLM does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Awaitable
@@ -46,6 +49,9 @@ log = get_logger(__name__)
 MAX_BODY_BYTES = 8 << 20
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET"}
 CLIENT_GONE = 499  # logged status of a request whose client closed the connection first (nginx's convention)
+# A client's X-Request-Id: the gateway's request id syntax (1-128 letters, digits, '-', '_'), with
+# room for the "-<choice>" suffix of n choices and batched prompts.
+CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
 class OpenAIFrontend:
@@ -90,7 +96,7 @@ class OpenAIFrontend:
                 elif req.path == "/health":
                     status = await self._health(writer)
                 else:
-                    request_id = uuid.uuid4().hex
+                    request_id = req.headers.get("x-request-id") or uuid.uuid4().hex
                     status = await self._generate(reader, writer, req, request_id)
             except http.HttpError as e:
                 status = e.status
@@ -102,7 +108,7 @@ class OpenAIFrontend:
             status = 500
             log.exception("http_request_failed", path=path, request_id=request_id)
             with contextlib.suppress(Exception):
-                await _error(writer, "internal", f"{type(e).__name__}: {e}")
+                await _error(writer, "internal", f"{type(e).__name__}: {e}", _id_header(request_id))
         finally:
             await http.close(writer)
             log.info("http_request", method=method, path=path, status=status, request_id=request_id,
@@ -134,6 +140,10 @@ class OpenAIFrontend:
         return 200
 
     async def _generate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: http.Request, request_id: str) -> int:
+        if not CLIENT_REQUEST_ID.match(request_id):
+            return await _error(writer, "invalid_request", f"X-Request-Id: use 1-100 letters, digits, '-' or '_' (it becomes the request's id), "
+                                f"got {request_id[:120]!r}")
+        headers = {"X-Request-Id": request_id}
         chat = req.path == "/v1/chat/completions"
         try:
             body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
@@ -143,21 +153,25 @@ class OpenAIFrontend:
                 gens = protocol.completion_requests(body, request_id, self.max_prompts)  # type: ignore[arg-type]
             n = protocol.check_n(body, self.max_n)
         except protocol.InvalidRequest as e:
-            return await _error(writer, "invalid_request", str(e))
+            return await _error(writer, "invalid_request", str(e), headers)
         gen = gens[0]
         model = gen.model
         if model is None and gen.stream:
             try:
                 model = await self.served_model()
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
-                return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
+                return await _error(writer, "unavailable", f"llm.models did not answer: {e}", headers)
         echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
         parse_tools = chat and self.tool_call_parser is not None and protocol.calls_tools(body)  # type: ignore[arg-type]
-        reasoning = chat and self.reasoning_parser is not None and reasoning_on(body.chat_template_kwargs)  # type: ignore[union-attr]
-        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools)
+        # An answer that continues the caller's last message is content (Qwen3's template closes the
+        # think block before that message's text), so it is not parsed for reasoning.
+        reasoning = (chat and self.reasoning_parser is not None and reasoning_on(body.chat_template_kwargs)  # type: ignore[union-attr]
+                     and not body.continue_final_message)  # type: ignore[union-attr]
+        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools,
+                                 echo_only=not chat and protocol.echo_only(body))  # type: ignore[arg-type]
         choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        answer = self._stream(writer, choices, shapes, include_usage) if gen.stream else self._unary(writer, choices, shapes)
+        answer = self._stream(writer, choices, shapes, include_usage, headers) if gen.stream else self._unary(writer, choices, shapes, headers)
         status = await _unless_disconnected(reader, answer)
         if status is None:
             for choice_id in choices.ids:
@@ -166,15 +180,16 @@ class OpenAIFrontend:
             return CLIENT_GONE
         return status
 
-    async def _unary(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes) -> int:
+    async def _unary(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes, headers: dict[str, str]) -> int:
         try:
             responses = await choices.responses()
         except GenerateError as e:
-            return await _error(writer, e.code, e.message)
-        await http.respond_json(writer, 200, shapes.response(responses))
+            return await _error(writer, e.code, e.message, headers)
+        await http.respond_json(writer, 200, shapes.response(responses), headers)
         return 200
 
-    async def _stream(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes, include_usage: bool) -> int:
+    async def _stream(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes, include_usage: bool,
+                      headers: dict[str, str]) -> int:
         """200 once the stream began (a later error is its last event), else the error's status.
         The choices' chunks interleave as they come, each naming its choice's index."""
         started = False
@@ -182,7 +197,7 @@ class OpenAIFrontend:
         try:
             async for index, chunk in choices.chunks():
                 if not started:
-                    await http.start_events(writer)
+                    await http.start_events(writer, headers)
                     started = True
                     for i in range(len(choices.ids)):
                         if (first := shapes.first_chunk(i)) is not None:
@@ -195,17 +210,22 @@ class OpenAIFrontend:
                 await http.send_event(writer, json.dumps(shapes.usage_chunk(protocol.merged_usage([usages[i] for i in sorted(usages)], shapes.n))))
         except GenerateError as e:
             if not started:
-                return await _error(writer, e.code, e.message)
+                return await _error(writer, e.code, e.message, headers)
             await http.send_event(writer, json.dumps(protocol.error_body(e.code, e.message)[1]))
         await http.send_event(writer, "[DONE]")
         return 200
 
 
-async def _error(writer: asyncio.StreamWriter, code: str, message: str) -> int:
+async def _error(writer: asyncio.StreamWriter, code: str, message: str, headers: dict[str, str] | None = None) -> int:
     """Answer with the OpenAI error object of a moebus error code; its HTTP status."""
     status, body = protocol.error_body(code, message)
-    await http.respond_json(writer, status, body)
+    await http.respond_json(writer, status, body, headers)
     return status
+
+
+def _id_header(request_id: str | None) -> dict[str, str] | None:
+    """The ``X-Request-Id`` header naming a request's id (vLLM's), for a valid one."""
+    return {"X-Request-Id": request_id} if request_id is not None and CLIENT_REQUEST_ID.match(request_id) else None
 
 
 async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[int]) -> int | None:

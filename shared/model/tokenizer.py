@@ -39,6 +39,9 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"self", "messages", "tools", "documents
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning may arrive under; templates read the first.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# transformers' marker for continue_final_message: put after the final message's text, it shows
+# where that text ends once rendered (a template may add to a message or trim its spacing).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class TokenizerError(Exception):
@@ -65,6 +68,16 @@ class ChatTemplateError(InvalidPromptError):
 class SpecialToken:
     text: str
     id: int
+
+
+def _continued(rendered: str, final: str) -> str:
+    """``rendered`` cut where the final message's text ends (at transformers' marker; before any
+    spacing the template trimmed from it), so that the model continues that text."""
+    if final.strip() not in rendered or _CONTINUE_TAG.strip() not in rendered:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the final message's text as given, "
+                                "so it cannot be continued")
+    at = rendered.rindex(_CONTINUE_TAG.strip())
+    return rendered[:at] if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else rendered[:at].rstrip()
 
 
 class Tokenizer:
@@ -196,16 +209,21 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` to the prompt text the model expects.
 
         ``enable_thinking=None`` leaves the variable undefined, so the template's
         default applies; extra keyword arguments become template variables, as in
-        transformers.
+        transformers. ``continue_final_message`` (needs ``add_generation_prompt=False``):
+        the text ends where the last message's content does, for the model to go on with
+        it (e.g. an assistant answer begun by the caller), as transformers cuts it.
         """
         if not messages:
             raise EmptyPromptError("messages is empty")
+        if continue_final_message and add_generation_prompt:  # vLLM's words for what transformers refuses too
+            raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs))
         if clash:
             raise ChatTemplateError(f"template variables {', '.join(clash)} are set by apply_chat_template itself")
@@ -220,8 +238,13 @@ class Tokenizer:
         variables.update({key: _plain(value, key) for key, value in template_kwargs.items()})
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
+        final = chat[-1].get("content")
+        if continue_final_message:
+            if not isinstance(final, str):
+                raise ChatTemplateError("continue_final_message: the final message has no text content to continue")
+            chat[-1]["content"] = final + _CONTINUE_TAG
         try:
-            return template.render(
+            rendered = template.render(
                 messages=chat,
                 tools=_plain(list(tools), "tools") if tools is not None else None,
                 documents=None,
@@ -230,6 +253,7 @@ class Tokenizer:
             )
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. a variable shadowing a template function
             raise ChatTemplateError(f"chat template of {self.source} rejected the messages: {exc}") from exc
+        return _continued(rendered, final) if continue_final_message else rendered
 
     def _template(self, tools: Sequence[Mapping[str, Any]] | None) -> jinja2.Template:
         source = self._chat_template

@@ -110,6 +110,20 @@ def test_chat_template_equals_transformers(
     assert got.startswith("<|im_start|>")
 
 
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "", "<think>\nHmm\n</think>\n\nSo", "  spaced\n"])
+@pytest.mark.parametrize("enable_thinking", [None, False])
+def test_continue_final_message_equals_transformers(tok: Tokenizer, hf_tok, final: str, enable_thinking: bool | None) -> None:  # type: ignore[no-untyped-def]
+    """An assistant answer begun by the caller (vLLM's continue_final_message): the prompt ends where
+    its text does, Qwen3's empty think block and trailing spaces as transformers renders them."""
+    messages = [*TWO_TURNS, {"role": "assistant", "content": final}]
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True, **kwargs)
+    got = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True, enable_thinking=enable_thinking)
+    assert got == expected and got.endswith(final)
+    with pytest.raises(ChatTemplateError, match="Cannot set both `continue_final_message` and `add_generation_prompt` to True"):
+        tok.apply_chat_template(messages, continue_final_message=True)
+
+
 def test_chat_template_with_tools_equals_transformers(tok: Tokenizer, hf_tok) -> None:  # type: ignore[no-untyped-def]
     tools = [
         {

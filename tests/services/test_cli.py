@@ -1,5 +1,5 @@
 """`moebus up --demo` and `moebus request` as a user runs them (what `make demo` does), with the
-NATS server's max_payload raised through the environment."""
+NATS server's max_payload raised and the served model name set through the environment."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ async def announced_max_payload(url: str) -> int:
 
 
 def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path):
-    env = {**os.environ, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1", "MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20)}
+    env = {**os.environ, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1", "MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20),
+           "MOEBUS_MODEL_NAME": "Qwen/Qwen3-30B-A3B"}  # a served name of vLLM's --served-model-name kind
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--demo", "--log-dir", str(tmp_path / "logs")],
         env=env,
@@ -46,6 +47,7 @@ def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path)
                 break
         output = "".join(lines)
         assert "finish=length completion_tokens=24" in output, output
+        assert "(model Qwen/Qwen3-30B-A3B, max_payload" in output, output  # the id requests name, not the directory's
         url = next(line.split("NATS at ")[1].split()[0] for line in lines if "NATS at " in line)
         assert (tmp_path / "cache" / "tiny-qwen3-moe" / "config.json").exists()
         # The NATS server took its max_payload from the environment, through the config file in the log directory.

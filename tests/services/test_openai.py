@@ -180,6 +180,58 @@ def test_bad_http_gets_status_codes(frontend):
                                         "type": "invalid_request_error", "code": None}
 
 
+def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stack, frontend):
+    """vLLM's X-Request-Id: every answer of a completion endpoint (unary, stream, error) names its
+    request id in the header, the one in the body's id; a client's header is that id, through the
+    gateway (whose log names it); one the stack cannot take as an id is a 400 naming the header."""
+    def answer(body: dict, headers: dict[str, str] | None = None, path: str = "/v1/completions") -> tuple[int, str | None, bytes]:
+        conn = http.client.HTTPConnection(*frontend, timeout=60)
+        try:
+            conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"} | (headers or {}))
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("X-Request-Id"), resp.read()
+        finally:
+            conn.close()
+
+    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and rid and json.loads(raw)["id"] == f"cmpl-{rid}"
+    status, rid, raw = answer({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}, path="/v1/chat/completions")
+    assert status == 200 and rid and json.loads(events(raw)[0])["id"] == f"chatcmpl-{rid}"
+    status, rid, raw = answer({"prompt": "hi", "model": "gpt-4"})
+    assert status == 404 and rid and json.loads(raw)["error"]["code"] == "unknown_model"
+
+    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2, "n": 2}, {"X-Request-Id": "trace-7f3a_1"})
+    assert (status, rid, json.loads(raw)["id"]) == (200, "trace-7f3a_1", "cmpl-trace-7f3a_1")
+    assert {"trace-7f3a_1-0", "trace-7f3a_1-1"} <= {e["request_id"] for e in log_events(stack, "completed")}  # choice ids, as for n: 2
+    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2}, {"X-Request-Id": "no spaces/please"})
+    assert (status, rid) == (400, None) and "X-Request-Id: use 1-100 letters" in json.loads(raw)["error"]["message"]
+
+
+def test_a_chunked_request_body_is_read_as_uvicorn_reads_it(frontend):
+    """A client or proxy that streams its upload sends the body chunked (no Content-Length), which
+    vLLM's server takes: the answer is the one of the same body sent whole; chunk extensions and
+    trailers are allowed; a chunked body over the limit is a 413, a malformed one a 400."""
+    body = json.dumps({"prompt": [785, 6722, 315], "max_tokens": 3, "temperature": 0}).encode()
+    whole = json.loads(call(frontend, "POST", "/v1/completions", body)[2])["choices"][0]["text"]
+
+    def send(raw: bytes) -> bytes:
+        with socket.create_connection(frontend, timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + raw)
+            answer = b""
+            while data := s.recv(65536):
+                answer += data
+        return answer
+
+    pieces = [body[:10], body[10:11], body[11:]]
+    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    answer = send(chunked)
+    assert answer.startswith(b"HTTP/1.1 200 OK"), answer[:300]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] == whole
+    assert send(b"%x\r\n" % (9 << 20) + b"x" * 100).startswith(b"HTTP/1.1 413 ")  # refused unread
+    bad = send(b"zz\r\nhello\r\n0\r\n\r\n")
+    assert bad.startswith(b"HTTP/1.1 400 ") and b"malformed chunk size 'zz'" in bad
+
+
 def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(frontend):
     body = json.dumps({"prompt": "hi " * 600, "max_tokens": 2, "temperature": 0}).encode()
     with socket.create_connection(frontend, timeout=30) as s:
@@ -304,6 +356,32 @@ def test_echo_with_logprobs_gives_each_prompt_tokens_logprob_as_lm_eval_reads_it
     assert plain["choices"][0]["logprobs"] is None
     with pytest.raises(GenerateError, match="prompt_logprobs must be an integer in \\[0, 20\\], got 21"):
         reference(stack, input_ids=prompts[0], max_tokens=1, prompt_logprobs=21)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(frontend, tokenizer):
+    """Older lm-evaluation-harness and HELM score a text with echo and max_tokens 0, which vLLM
+    serves: the answer is the prompt and its logprobs, nothing generated (the max_tokens 1 answer
+    without its token; usage counts that token, as vLLM's does), unary and streamed. Without
+    echo, max_tokens 0 is still a 400."""
+    ids = [785, 6722, 315, 9625, 374]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True}
+    one = json.loads(call(frontend, "POST", "/v1/completions", body)[2])["choices"][0]
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"max_tokens": 0})
+    assert status == 200, raw
+    answer = json.loads(raw)
+    zero = answer["choices"][0]
+    assert (zero["text"], zero["finish_reason"], answer["usage"]["completion_tokens"]) == (tokenizer.decode(ids), "length", 1)
+    assert zero["logprobs"]["tokens"] == one["logprobs"]["tokens"][:-1] == [tokenizer.decode([t]) for t in ids]
+    assert zero["logprobs"]["text_offset"] == one["logprobs"]["text_offset"][:-1]
+    assert zero["logprobs"]["token_logprobs"][1:] == pytest.approx(one["logprobs"]["token_logprobs"][1:-1], abs=1e-4)
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"max_tokens": 0, "stream": True})
+    pieces = [ch for c in map(json.loads, events(raw)[:-1]) for ch in c["choices"]]
+    assert "".join(p["text"] for p in pieces) == zero["text"] and [p["finish_reason"] for p in pieces][-1] == "length"
+    assert [t for p in pieces for t in p["logprobs"]["tokens"]] == zero["logprobs"]["tokens"]
+    plain = json.loads(call(frontend, "POST", "/v1/completions", {"prompt": "The capital", "max_tokens": 0, "echo": True})[2])["choices"][0]
+    assert (plain["text"], plain["logprobs"]) == ("The capital", None)
+    status, _, raw = call(frontend, "POST", "/v1/completions", {"prompt": "The capital", "max_tokens": 0})
+    assert status == 400 and "max_tokens must be in [1, " in json.loads(raw)["error"]["message"]
 
 
 def test_echo_logprobs_of_a_long_prompt_come_back_though_they_exceed_nats_default_max_payload(stack, frontend):
@@ -583,3 +661,14 @@ def test_a_parsing_frontend_serves_tool_conversations_with_reasoning(stack, tool
     answer = json.loads(raw)
     assert answer["usage"]["prompt_tokens"] > tool_prompt_tokens  # "<think>\n\n</think>\n\n" added to the prompt
     assert answer["choices"][0]["message"].get("reasoning_content") is None and answer["choices"][0]["message"]["content"]
+
+    # an answer begun by the caller (vLLM's continue_final_message): its continuation is content, not reasoning
+    begun = [ChatMessage("user", "Name a colour."), ChatMessage("assistant", "My favourite colour is")]
+    ref = reference(stack, messages=begun, continue_final_message=True, add_generation_prompt=False, max_tokens=8, temperature=0.0)
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions",
+                          {"messages": [{"role": m.role, "content": m.content} for m in begun], "continue_final_message": True,
+                           "add_generation_prompt": False, "max_tokens": 8, "temperature": 0})
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": ref.text}  # nothing to parse: the text as generated
+    assert answer["usage"]["prompt_tokens"] == ref.usage.prompt_tokens

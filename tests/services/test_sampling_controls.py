@@ -81,3 +81,38 @@ def test_openai_logit_bias_and_vllms_min_fields_reach_the_ranks(stack, tiny_mode
     eos = GenerationConfig.from_dir(tiny_model).eos_token_ids[0]
     held = complete(temperature=0, logit_bias={str(eos): 100}, min_tokens=3)
     assert held["usage"]["completion_tokens"] == 4 and held["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_token_ids_end_generation_and_include_stop_str_in_output_keeps_them(stack):
+    """vLLM's stop_token_ids and include_stop_str_in_output through the OpenAI frontend: the
+    greedy answer stops at its 4th token when that token is a stop id (counted, its text left
+    out unless asked for), and with ignore_eos too; a stop string is kept the same way; vLLM's
+    stop_reason names the stop token or string."""
+    match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
+    assert match, "the openai frontend printed no address"
+
+    def complete(**fields) -> dict:
+        conn = http.client.HTTPConnection(match.group(1), int(match.group(2)), timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0} | fields),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            status, body = resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+        assert status == 200, body
+        return body["choices"][0] | {"completion_tokens": body["usage"]["completion_tokens"]}
+
+    plain = generate(stack, max_tokens=8, ignore_eos=True)
+    stop_id = plain.token_ids[3]
+    assert stop_id not in plain.token_ids[:3]
+    before, through = generate(stack, max_tokens=3).text, generate(stack, max_tokens=4).text
+    cut = complete(stop_token_ids=[stop_id], ignore_eos=True)
+    assert (cut["text"], cut["finish_reason"], cut["stop_reason"], cut["completion_tokens"]) == (before, "stop", stop_id, 4)
+    kept = complete(stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert (kept["text"], kept["finish_reason"], kept["stop_reason"], kept["completion_tokens"]) == (through, "stop", stop_id, 4)
+    stop = through[len(before):]  # the 4th token's text as a stop string
+    assert stop and stop not in before
+    assert (complete(stop=[stop])["text"], complete(stop=[stop])["stop_reason"]) == (before, stop)
+    assert complete(stop=[stop], include_stop_str_in_output=True)["text"] == through
+    assert (complete()["finish_reason"], complete()["stop_reason"]) == ("length", None)  # vLLM's null for EOS or the length limit

@@ -134,7 +134,8 @@ def test_unary_message_carries_reasoning_tool_calls_and_finish_reason():
     plain = protocol.Shapes(True, "x", "m").response([response(text, "length")])["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": text} and plain["finish_reason"] == "length"  # no parser: untouched
     no_call = protocol.Shapes(True, "x", "m", tool_calls=True).response([response(" Hello\n", "length")])["choices"][0]
-    assert no_call == {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "length"}
+    assert no_call == {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "length",
+                       "stop_reason": None}
     thinking = protocol.Shapes(True, "x", "m", reasoning=True).response([response("<think>\nHm", "length")])["choices"][0]
     assert thinking["message"] == {"role": "assistant", "content": None, "reasoning_content": "Hm"}  # cut off while thinking
 
@@ -313,3 +314,24 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_takes_them(admi
     assert admission.admit(GenerateRequest(messages=[ChatMessage("user", "hi")], chat_template_kwargs={"messages_note": 2}), "gw").job.input_ids
     with pytest.raises(Rejected, match="chat_template_kwargs: only with messages"):
         admission.admit(GenerateRequest(prompt="hi", chat_template_kwargs={"enable_thinking": False}), "gw")
+
+
+def test_an_answer_begun_by_the_caller_renders_as_transformers_continues_it(admission, hf_tok):
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends inside the
+    last (assistant) message, as transformers cuts it; add_generation_prompt false alone leaves the
+    assistant header out; both true, or either with a text prompt, are refused."""
+    chat = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite colour is "}]
+    req = protocol.decode(json.dumps({"messages": chat, "continue_final_message": True, "add_generation_prompt": False}).encode(),
+                          protocol.ChatCompletionRequest)
+    ids = admission.admit(protocol.chat_request(req, "rid"), "gw").job.input_ids
+    text = hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert ids == hf_tok(text, add_special_tokens=False)["input_ids"] and text.endswith("My favourite colour is ")
+    plain = protocol.decode(json.dumps({"messages": chat[:1], "add_generation_prompt": False}).encode(), protocol.ChatCompletionRequest)
+    text = hf_tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=False)
+    assert admission.admit(protocol.chat_request(plain, "rid"), "gw").job.input_ids == hf_tok(text, add_special_tokens=False)["input_ids"]
+    both = protocol.decode(json.dumps({"messages": chat, "continue_final_message": True}).encode(), protocol.ChatCompletionRequest)
+    with pytest.raises(Rejected, match="Cannot set both `continue_final_message` and `add_generation_prompt` to True") as e:
+        admission.admit(protocol.chat_request(both, "rid"), "gw")
+    assert e.value.code == "invalid_request"
+    with pytest.raises(Rejected, match="add_generation_prompt and continue_final_message: only with messages"):
+        admission.admit(GenerateRequest(prompt="hi", continue_final_message=True, add_generation_prompt=False), "gw")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -33,6 +34,27 @@ def test_ignore_eos_reaches_the_ranks_sampling_params_and_drops_the_eos_stop_ids
     ignoring = admission.admit(GenerateRequest(input_ids=[5, 6, 7], max_tokens=4, ignore_eos=True), "gw").job
     assert plain.stop_token_ids == list(model.generation.eos_token_ids) and not sampling_params(plain).ignore_eos
     assert ignoring.stop_token_ids == [] and sampling_params(ignoring).ignore_eos
+
+
+def test_request_stop_token_ids_join_the_eos_ids_even_with_ignore_eos(tiny_model: Path):
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    model = ModelInfo.load(settings)
+    admission = Admission(settings, model, Tokenizer.from_dir(tiny_model))
+    eos = list(model.generation.eos_token_ids)
+    admitted = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=[11, eos[0]], include_stop_str_in_output=True), "gw")
+    assert sampling_params(admitted.job).stop_token_ids == (*eos, 11)
+    assert admitted.stop_token_ids == {11, eos[0]} and admitted.include_stop
+    ignoring = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=[11], ignore_eos=True), "gw")
+    assert ignoring.job.stop_token_ids == [11] and not ignoring.include_stop
+    with pytest.raises(Rejected, match=r"stop_token_ids: \[-1\] outside the vocabulary") as e:
+        admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=[-1]), "gw")
+    assert e.value.code == "invalid_request"
+    with pytest.raises(Rejected, match=r"stop_token_ids: at most 300 tokens, got 301"):  # each step looks tokens up in them
+        admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=list(range(301))), "gw")
+    assert admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, stop_token_ids=list(range(300))), "gw")
+    body = b'{"prompt": "hi", "stop_token_ids": [7, 9], "include_stop_str_in_output": true}'
+    req = protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 4)[0]
+    assert (req.stop_token_ids, req.include_stop_str_in_output) == ([7, 9], True)
 
 
 def test_admission_carries_logit_bias_min_p_min_tokens_to_the_ranks_and_refuses_bad_ones(tiny_model: Path):
@@ -67,10 +89,69 @@ def test_max_tokens_left_unset_takes_what_the_context_leaves_up_to_the_limit(tin
         admitted(70, 31)
     with pytest.raises(Rejected, match=r"the prompt \(100 tokens\) leaves no room"):
         admitted(100, None)
-    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 40\]"):
-        admitted(3, 41)
+    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 40\] \(gateway.max_tokens_limit: a decode rank reserves KV"):
+        admitted(3, 41)  # the setting's bound, named: vLLM's clients know no such limit
+    wide = GatewaySettings(model=str(tiny_model), model_name="tiny", max_context=100, max_tokens_limit=400)
+    bound_by_context = Admission(wide, ModelInfo.load(wide), Tokenizer.from_dir(tiny_model))
+    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 99\], got 100$"):
+        bound_by_context.admit(GenerateRequest(input_ids=[5], max_tokens=100), "gw")
     openai = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
     assert protocol.chat_request(openai, "r3").max_tokens is None
+
+
+def test_openai_completions_default_to_16_tokens_and_null_means_what_the_context_leaves():
+    """OpenAI's and vLLM's /v1/completions default is 16 tokens (chat has none): a body without
+    max_tokens must not generate up to the gateway's limit; an explicit null still asks for it."""
+    def max_tokens(body: bytes) -> int | None:
+        return protocol.completion_requests(protocol.decode(body, protocol.CompletionRequest), "r1", 4)[0].max_tokens
+
+    assert max_tokens(b'{"prompt": "hi"}') == 16
+    assert max_tokens(b'{"prompt": "hi", "max_tokens": null}') is None
+    assert max_tokens(b'{"prompt": "hi", "max_tokens": 200}') == 200
+
+
+def test_openai_bodies_take_vllms_top_k_minus_one_and_negative_seeds():
+    """vLLM's clients send top_k -1 (vLLM's "disabled"), any int64 seed and an empty model name; a
+    400 / 404 for them broke requests that vLLM serves. -1 is moebus' 0; a negative seed is a fixed
+    seed of its own; "" is the served model."""
+    def gen(**fields) -> GenerateRequest:
+        return protocol.completion_requests(protocol.decode(json.dumps({"prompt": "hi"} | fields).encode(), protocol.CompletionRequest), "r", 4)[0]
+
+    assert gen(top_k=-1).top_k == 0 and gen(top_k=5).top_k == 5
+    assert gen(model="").model is None and gen(model="m").model == "m"  # vLLM serves "" as its model
+    assert gen(seed=-1).seed == 2**64 - 1 and gen(seed=-(2**63)).seed == 2**63 and gen(seed=7).seed == 7
+    assert gen(top_k=-2).top_k == -2  # the gateway refuses it, naming top_k
+    with pytest.raises(protocol.InvalidRequest, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"):
+        gen(seed=-(2**63) - 1)
+
+
+def test_openai_fields_sent_as_null_take_their_defaults():
+    """OpenAI's spec marks these nullable and SDK wrappers send them so; null is the default, as in
+    OpenAI and vLLM, not a 400."""
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "stream_options": None}
+    completion = protocol.decode(json.dumps({"prompt": "hi", "echo": None} | nulls).encode(), protocol.CompletionRequest)
+    assert (protocol.check_n(completion, 4), completion.echo) == (1, False)
+    gen = protocol.completion_requests(completion, "r1", 4)[0]
+    assert (gen.stream, gen.presence_penalty, gen.frequency_penalty) == (False, 0.0, 0.0)
+    chat = protocol.decode(json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": None} | nulls).encode(),
+                           protocol.ChatCompletionRequest)
+    gen = protocol.chat_request(chat, "r2")
+    assert (protocol.check_n(chat, 4), gen.logprobs, gen.stream, gen.presence_penalty) == (1, False, False, 0.0)
+    options = protocol.decode(b'{"prompt": "hi", "stream": true, "stream_options": {"include_usage": null}}', protocol.CompletionRequest)
+    assert options.stream_options is not None and not options.stream_options.include_usage
+
+
+def test_vllms_continuous_usage_stats_is_taken_when_off_and_refused_when_on():
+    """vLLM's stream_options.continuous_usage_stats: false (or null) changes nothing; true (usage in
+    every chunk) is refused by name rather than ignored."""
+    def gen(options: dict) -> GenerateRequest:
+        body = {"prompt": "hi", "stream": True, "stream_options": options}
+        return protocol.completion_requests(protocol.decode(json.dumps(body).encode(), protocol.CompletionRequest), "r", 4)[0]
+
+    assert gen({"include_usage": True, "continuous_usage_stats": False}).stream
+    assert gen({"continuous_usage_stats": None}).stream
+    with pytest.raises(protocol.InvalidRequest, match="stream_options.continuous_usage_stats is not supported by moebus"):
+        gen({"include_usage": True, "continuous_usage_stats": True})
 
 
 def test_openai_logit_bias_keys_are_token_id_strings_and_vllms_min_fields_pass_through():
@@ -226,6 +307,31 @@ def test_completion_ignores_stop_strings_ending_before_min_tokens():
     assert c.finish_reason == "stop" and c.final_text == "abENDx"
     straddling = Completion(CharTokens(), stop=["ab"], max_tokens=100, min_tokens=2)  # type: ignore[arg-type]
     assert straddling.add(batch(0, "xabc")).text == "x"  # "ab" ends with token 3, past the first 2: it stops
+
+
+def test_completion_cuts_the_text_of_a_stop_token_and_keeps_stops_with_include_stop():
+    """vLLM's rules: the text of the request's stop token that ended the completion is left out
+    (the token is still counted), EOS and a stop string are too; include_stop (vLLM's
+    include_stop_str_in_output) keeps the stop token's text and the stop string."""
+    by_token = Completion(CharTokens(), stop=[], max_tokens=100, stop_token_ids=frozenset({ord("|")}))  # type: ignore[arg-type]
+    assert by_token.add(batch(0, "ab")).text == "ab"
+    assert by_token.add(batch(2, "c|", finish="stop")).text == "c"
+    assert by_token.final_text == "abc" and by_token.token_ids == [ord(x) for x in "abc|"] and by_token.finish_reason == "stop"
+    kept = Completion(CharTokens(), stop=[], max_tokens=100, stop_token_ids=frozenset({ord("|")}), include_stop=True)  # type: ignore[arg-type]
+    assert kept.add(batch(0, "abc|", finish="stop")).text == "abc|"
+    eos = Completion(CharTokens(), stop=[], max_tokens=100, stop_token_ids=frozenset({ord("|")}))  # type: ignore[arg-type]
+    assert eos.add(batch(0, "ab$", finish="stop")).text == "ab$"  # an EOS id (not the request's) is the detokenizer's to skip
+    with_string = Completion(CharTokens(), stop=["END"], max_tokens=100, include_stop=True)  # type: ignore[arg-type]
+    assert with_string.add(batch(0, "abEN")).text == "ab"
+    assert with_string.add(batch(4, "Dzz")).text == "END"
+    assert with_string.finish_reason == "stop" and with_string.final_text == "abEND"
+    # vLLM's stop_reason: the stop token or string that ended it, None for EOS or max_tokens
+    assert (by_token.stop_reason, kept.stop_reason, eos.stop_reason, with_string.stop_reason) == (ord("|"), ord("|"), None, "END")
+    long = Completion(CharTokens(), stop=["x"], max_tokens=2)  # type: ignore[arg-type]
+    long.add(batch(0, "ab"))
+    assert (long.finish_reason, long.stop_reason) == ("length", None)
+    late = Completion(CharTokens(), stop=[], max_tokens=100, min_tokens=3, stop_token_ids=frozenset({ord("|")}))  # type: ignore[arg-type]
+    assert late.add(batch(0, "abc|", finish="stop")).text == "abc" and late.final_text == "abc"
 
 
 def test_completion_reorders_batches_and_enforces_max_tokens():
