@@ -111,6 +111,12 @@ def _decode_ranks(stack: LocalStack) -> set[tuple[str, int]]:
     return {(e["replica"], e["rank"]) for e in log_events(stack, "model_loaded") if e["service"] == "decode"}
 
 
+def _log_tails(stack: LocalStack, role: str, lines: int = 12) -> str:
+    """The last lines of the log of each replica of ``role``, for a failure message."""
+    return "\n".join(f"--- {r.log_path.name}:\n" + "\n".join(r.log_path.read_text(errors="replace").splitlines()[-lines:])
+                     for r in stack.replicas if r.role == role)
+
+
 def test_services_load_the_kernel_paths_on_their_gpus(stack):
     loaded = {(e["replica"], e["rank"]): e for e in log_events(stack, "model_loaded")}
     expected = {("prefill-0", 0): "cuda:0", ("decode-0", 0): "cuda:1" if TWO_GPUS else "cuda:0"}
@@ -197,11 +203,17 @@ def test_concurrent_requests_match_the_offline_reference_over_cuda_ipc(stack, mo
                 return resp.token_ids, resp.text
 
             results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
-            await watch.wait_for(all_kv_free, 10, "every decode rank's KV pages back in its pool")
-            return results, {(hb.instance, hb.rank): hb for hb in watch.live("decode")}
+            # Every decode rank alive (heartbeating) with all its pages back: a rank that died or
+            # hung would leave `all_kv_free` (which looks at the live ranks) true on its own.
+            ranks = _decode_ranks(stack)
+            try:
+                await watch.wait_for(lambda w: {(hb.instance, hb.rank) for hb in w.live("decode")} == ranks and all_kv_free(w), 10,
+                                     "every decode rank heartbeating with its KV pages back in its pool")
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{_log_tails(stack, 'decode')}") from None
+            return results
 
-    results, decode_heartbeats = run(go())
-    assert set(decode_heartbeats) == {(replica, rank) for replica, rank in _decode_ranks(stack)}
+    results = run(go())
 
     tokenizer = Tokenizer.from_dir(model_dir)
     runner = ModelRunner.from_dir(model_dir, num_pages=64, page_size=PAGE, dtype=torch.bfloat16, device="cuda:0")
