@@ -160,23 +160,32 @@ class Scheduler:
         prefill = self.registry.prefill_for(job.input_ids, self.settings.prefix_affinity_tokens)
         if prefill is None:
             return None
-        num_tokens = len(job.input_ids) + job.max_tokens
-        for decode in self.registry.decode_candidates(num_tokens):
-            reservation = await self._reserve(decode, job, num_tokens)
-            if reservation is None:
-                continue
-            placement = Placement(decode_instance=decode.hb.instance, decode_rank=decode.hb.rank, prefill_instance=prefill.hb.instance)
-            task = PrefillTask(job=job, placement=placement, descriptor=reservation.descriptor)
-            try:
-                await self.bus.publish(subjects.prefill_task(prefill.hb.instance), pack(task))
-            except BusError as e:
-                await release_reservation(self.bus, job.request_id, decode.hb.instance, decode.hb.rank, "prefill task not sent")
-                code: ErrorCode = "invalid_request" if isinstance(e, PayloadTooLarge) else "unavailable"
-                raise Refused(code, f"the prefill task could not be sent: {e}") from e
-            prefill.pending_tokens += len(job.input_ids)
-            log.info("placed", decode=f"{decode.hb.instance}/{decode.hb.rank}", prefill=prefill.hb.instance, num_tokens=num_tokens)
-            return placement
-        return None
+        # The prompt counts in the instance's queue from the moment it is chosen, not once placed:
+        # placements of a burst run concurrently (each waits for its reservation), and would all
+        # pick the instance that looked least loaded before any of them counted.
+        prefill.pending_tokens += len(job.input_ids)
+        placed = False
+        try:
+            num_tokens = len(job.input_ids) + job.max_tokens
+            for decode in self.registry.decode_candidates(num_tokens):
+                reservation = await self._reserve(decode, job, num_tokens)
+                if reservation is None:
+                    continue
+                placement = Placement(decode_instance=decode.hb.instance, decode_rank=decode.hb.rank, prefill_instance=prefill.hb.instance)
+                task = PrefillTask(job=job, placement=placement, descriptor=reservation.descriptor)
+                try:
+                    await self.bus.publish(subjects.prefill_task(prefill.hb.instance), pack(task))
+                except BusError as e:
+                    await release_reservation(self.bus, job.request_id, decode.hb.instance, decode.hb.rank, "prefill task not sent")
+                    code: ErrorCode = "invalid_request" if isinstance(e, PayloadTooLarge) else "unavailable"
+                    raise Refused(code, f"the prefill task could not be sent: {e}") from e
+                placed = True
+                log.info("placed", decode=f"{decode.hb.instance}/{decode.hb.rank}", prefill=prefill.hb.instance, num_tokens=num_tokens)
+                return placement
+            return None
+        finally:
+            if not placed:
+                prefill.pending_tokens -= len(job.input_ids)
 
     async def _reserve(self, decode: Member, job: Job, num_tokens: int) -> KVReservation | None:
         """Ask the rank for pages; on refusal or silence, stop considering it until its next heartbeat.

@@ -2,12 +2,13 @@
 
 The stack is compose/single-node.yml started by the launcher (`LocalStack`, what `moebus
 up` runs): a real nats-server, a gateway, a scheduler, a prefill instance and a decode
-instance, plus a second decode instance of DP2 x EP2 over both GPUs. Placement is the
-services' own settings from the environment: prefill on cuda:0 (`MOEBUS_PREFILL_DEVICE`),
-the first decode instance on cuda:1, the DP2 one on device "cuda" placed by its `gpus`
-setting in reverse (`MOEBUS_DECODE_GPUS=[1, 0]`: rank 0 on GPU 1, rank 1 on GPU 0), so
-its MoE layers run `PeerDecodeMoE` (peer-memory dispatch/combine and masked grouped
-GEMMs) inside the service. The model is a tiny Qwen3-MoE in bf16 with kernel shapes
+instance, plus with two GPUs a second decode instance of DP2 x EP2 and a second prefill
+instance of TP2, each over both GPUs. Placement is the services' own settings from the
+environment: prefill on cuda:0 (`MOEBUS_PREFILL_DEVICE`), the TP2 prefill on device "cuda"
+(rank r on GPU r; each rank sends its KV heads to the decode rank), the first decode
+instance on cuda:1, the DP2 one on device "cuda" placed by its `gpus` setting in reverse
+(`MOEBUS_DECODE_GPUS=[1, 0]`: rank 0 on GPU 1, rank 1 on GPU 0), so its MoE layers run
+`PeerDecodeMoE` (peer-memory dispatch/combine and masked grouped GEMMs) inside the service. The model is a tiny Qwen3-MoE in bf16 with kernel shapes
 (hidden 128, 16 experts of intermediate 128, top-4) and the real Qwen3 tokenizer, so the
 grouped-GEMM kernels run in prefill and decode; every process logs which paths it took
 (`model_loaded`) and the test checks them. Every decode rank (the DP2 ones included) runs
@@ -17,7 +18,7 @@ counts its steps by path: replays (and the steps that captured a new bucket), no
 
 Nine concurrent requests (streamed and unary) fill the three decode ranks (max_batch 3
 each; on one GPU there is one decode rank, and the scheduler's queue wait is raised so the
-others wait for its capacity) and must all go through the prefill GPU -> decode GPU KV handoff over CUDA IPC
+others wait for its capacity), are prefilled by both prefill instances, and must all go through the prefill GPU -> decode GPU KV handoff over CUDA IPC
 (each request's `kv.received` event says `path: cuda_ipc`); afterwards every decode
 rank's heartbeat shows all KV pages back in its pool.
 
@@ -87,12 +88,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     specs = compose_specs("single-node.yml", model_dir)
     decode = next(s for s in specs if s.name == "decode")
-    placed = [dataclasses.replace(s, env={**s.env, "MOEBUS_DECODE_DEVICE": "cuda:1" if TWO_GPUS else "cuda:0"}) if s is decode else s for s in specs]
+    prefill = next(s for s in specs if s.name == "prefill")
+    device = {decode.name: "MOEBUS_DECODE_DEVICE", prefill.name: "MOEBUS_PREFILL_DEVICE"}
+    on = {decode.name: "cuda:1" if TWO_GPUS else "cuda:0", prefill.name: "cuda:0"}
+    placed = [dataclasses.replace(s, env={**s.env, device[s.name]: on[s.name]}) if s.name in device else s for s in specs]
     if TWO_GPUS:
         placed.append(dataclasses.replace(decode, name="decode-dp2", env={**decode.env, "MOEBUS_DECODE_DP": "2", "MOEBUS_DECODE_DEVICE": "cuda", "MOEBUS_DECODE_GPUS": "[1, 0]"}))
+        placed.append(dataclasses.replace(prefill, name="prefill-tp2", env={**prefill.env, "MOEBUS_PREFILL_TP": "2", "MOEBUS_PREFILL_DEVICE": "cuda"}))
     env = {
         "MOEBUS_DTYPE": "bfloat16",  # the kernels take bf16 (fp32 runs the reference ops)
-        "MOEBUS_PREFILL_DEVICE": "cuda:0",
         "MOEBUS_DECODE_MAX_BATCH": str(MAX_BATCH),
         "MOEBUS_SCHEDULER_LEASE_S": "120",  # the first prefill compiles its kernels inside the lease
         # One GPU: one decode rank of max_batch 3 for nine requests, which wait for its capacity.
@@ -122,6 +126,7 @@ def test_services_load_the_kernel_paths_on_their_gpus(stack):
     expected = {("prefill-0", 0): "cuda:0", ("decode-0", 0): "cuda:1" if TWO_GPUS else "cuda:0"}
     if TWO_GPUS:
         expected |= {("decode-dp2-0", 0): "cuda:1", ("decode-dp2-0", 1): "cuda:0"}  # MOEBUS_DECODE_GPUS=[1, 0]
+        expected |= {("prefill-tp2-0", 0): "cuda:0", ("prefill-tp2-0", 1): "cuda:1"}  # device "cuda": rank r on GPU r
     assert {k: e["device"] for k, e in loaded.items()} == expected
     assert all(e["kernels"] and e["moe_kernels"] and e["dtype"] == "bfloat16" for e in loaded.values()), loaded
     assert {k: e["decode_moe"] for k, e in loaded.items()} == {k: "PeerDecodeMoE" if k[0] == "decode-dp2-0" else None for k in expected}
@@ -131,7 +136,7 @@ def test_services_load_the_kernel_paths_on_their_gpus(stack):
     warmed = {(e["replica"], e["rank"]): e["steps"] for e in log_events(stack, "warmup.done")}
     assert set(warmed) == set(expected), warmed
     # Decode ranks run CUDA graphs; their warm-up captured (then replayed) every batch bucket.
-    decode = {k for k in expected if k[0] != "prefill-0"}
+    decode = {k for k in expected if k[0].startswith("decode")}
     graphs_on = {(e["replica"], e["rank"]): e for e in log_events(stack, "decode_graph.on")}
     assert set(graphs_on) == decode and not log_events(stack, "decode_graph.off"), graphs_on
     assert all(e["batch_buckets"] == [1, 2, MAX_BATCH] for e in graphs_on.values()), graphs_on
@@ -202,6 +207,12 @@ def test_concurrent_requests_match_the_offline_reference_over_cuda_ipc(stack, mo
                 resp = await client.generate(req)
                 return resp.token_ids, resp.text
 
+            # Every prefill instance known to the scheduler before the requests come: a heartbeat of
+            # each seen here, then a later one (the scheduler had the first by then).
+            instances = {"prefill-0", "prefill-tp2-0"} if TWO_GPUS else {"prefill-0"}
+            await watch.wait_for(lambda w: {hb.instance for hb in w.live("prefill")} == instances, 30, f"heartbeats of {instances}")
+            first = {key: t for key, t in watch.seen_at.items() if key[0] == "prefill"}
+            await watch.wait_for(lambda w: all(w.seen_at[key] > t for key, t in first.items()), 5, "a second heartbeat of each prefill instance")
             results = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
             # Every decode rank alive (heartbeating) with all its pages back: a rank that died or
             # hung would leave `all_kv_free` (which looks at the live ranks) true on its own.
@@ -228,8 +239,14 @@ def test_concurrent_requests_match_the_offline_reference_over_cuda_ipc(stack, mo
     assert {rid: e["path"] for rid, e in received.items()} == dict.fromkeys(ids, "cuda_ipc")
     serving = {(e["replica"], e["rank"]) for e in received.values()}
     assert serving == _decode_ranks(stack), f"requests reached only {serving}"
+    # Each prefill rank sends its share of a request's KV (a TP group's ranks their KV heads); with two
+    # GPUs both prefill instances served some of the nine.
+    prefilled_on = {e["request_id"]: e["prefill"] for e in log_events(stack, "placed") if e["request_id"] in ids and e["replica"].startswith("scheduler")}
+    tp = {"prefill-0": 1, "prefill-tp2-0": 2}
     sent = [e for e in log_events(stack, "kv.sent") if e["request_id"] in ids]
-    assert sorted(e["request_id"] for e in sent) == sorted(ids) and {e["path"] for e in sent} == {"cuda_ipc"}
+    assert sorted(e["request_id"] for e in sent) == sorted(rid for rid in ids for _ in range(tp[prefilled_on[rid]])), (prefilled_on, sent)
+    assert {e["path"] for e in sent} == {"cuda_ipc"}
+    assert set(prefilled_on.values()) == (set(tp) if TWO_GPUS else {"prefill-0"}), prefilled_on
 
     # Every decode step of every request was a CUDA-graph replay, or the step that captured a
     # bucket first used then (a longer context's page bucket): none ran the eager forward.
