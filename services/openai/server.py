@@ -10,8 +10,9 @@
 * with ``--enable-auto-tool-choice --tool-call-parser hermes`` and ``--reasoning-parser qwen3``
   (vLLM's flags), chat answers split into ``tool_calls``, ``reasoning_content`` and content
   (`services.openai.tool_parsing`); without them ``tools`` need ``tool_choice`` "none";
-* ``GET /v1/models`` from ``llm.models``;
-* ``GET /health``: 200 when the stack answers ``llm.models``, else 503.
+* ``GET /v1/models`` from ``llm.models`` (vLLM's model cards, ``max_model_len`` the context);
+* ``GET /health`` and vLLM's ``GET``/``POST /ping``: 200 when the stack answers ``llm.models``,
+  else 503; ``GET /version``: moebus' version.
 
 The frontend is stateless (run as many as needed; each is one more NATS client): every
 request gets its own moebus request id (one per choice), so a client that closes its
@@ -38,6 +39,7 @@ from collections.abc import Awaitable
 from schemas.api import Usage
 from services import http
 from services.client import Client, GenerateError
+from services.common import moebus_version
 from services.openai import protocol
 from services.openai.choices import Choices, choice_requests
 from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
@@ -47,7 +49,10 @@ from shared.logging import configure_logging, get_logger
 log = get_logger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
-ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET"}
+ROUTES: dict[str, tuple[str, ...]] = {
+    "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/v1/models": ("GET",), "/health": ("GET",),
+    "/version": ("GET",), "/ping": ("GET", "POST"),  # vLLM's: POST too, as SageMaker probes it
+}
 CLIENT_GONE = 499  # logged status of a request whose client closed the connection first (nginx's convention)
 # A client's X-Request-Id: the gateway's request id syntax (1-128 letters, digits, '-', '_'), with
 # room for the "-<choice>" suffix of n choices and batched prompts.
@@ -89,12 +94,15 @@ class OpenAIFrontend:
                 allowed = ROUTES.get(req.path)
                 if allowed is None:
                     raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")
-                if req.method != allowed:
-                    raise http.HttpError(405, f"{req.path} takes {allowed}")
+                if req.method not in allowed:
+                    raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}")
                 if req.path == "/v1/models":
                     status = await self._models(writer)
-                elif req.path == "/health":
+                elif req.path in ("/health", "/ping"):
                     status = await self._health(writer)
+                elif req.path == "/version":
+                    await http.respond_json(writer, 200, {"version": moebus_version()})
+                    status = 200
                 else:
                     request_id = req.headers.get("x-request-id") or uuid.uuid4().hex
                     status = await self._generate(reader, writer, req, request_id)
@@ -126,7 +134,7 @@ class OpenAIFrontend:
             models = await self.client.models()
         except Exception as e:  # noqa: BLE001 - no model list (timeout, no responders): the stack is not answering
             return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
-        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "moebus", "max_model_len": m.max_context} for m in models.models]
+        data = [_model_card(m.id, m.max_context) for m in models.models]
         await http.respond_json(writer, 200, {"object": "list", "data": data})
         return 200
 
@@ -214,6 +222,17 @@ class OpenAIFrontend:
             await http.send_event(writer, json.dumps(protocol.error_body(e.code, e.message)[1]))
         await http.send_event(writer, "[DONE]")
         return 200
+
+
+def _model_card(model: str, max_context: int) -> dict[str, object]:
+    """vLLM's model card: ``max_model_len`` (the context, which clients such as Open WebUI, LiteLLM
+    and guidellm read), ``root`` (vLLM's model path; here the served name, the gateway names no
+    checkpoint directory to clients), ``parent`` (a LoRA's base: none) and its one permission."""
+    permission = {"id": f"modelperm-{model}", "object": "model_permission", "created": 0, "allow_create_engine": False,
+                  "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                  "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
+    return {"id": model, "object": "model", "created": 0, "owned_by": "moebus", "root": model, "parent": None,
+            "max_model_len": max_context, "permission": [permission]}
 
 
 async def _error(writer: asyncio.StreamWriter, code: str, message: str, headers: dict[str, str] | None = None) -> int:

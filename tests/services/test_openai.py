@@ -19,6 +19,7 @@ import torch
 
 from schemas.api import ChatMessage, GenerateRequest
 from services.client import GenerateError
+from services.common import moebus_version
 from services_helpers import log_events, run, session, stack_fixture
 
 pytestmark = pytest.mark.slow
@@ -74,8 +75,18 @@ def test_models_lists_the_served_model(frontend, tiny_model):
     assert status == 200 and ctype == "application/json"
     data = json.loads(body)
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == [tiny_model.name]
-    assert data["data"][0]["max_model_len"] == 4096
+    card = data["data"][0]
+    # vLLM's card, whose max_model_len clients (Open WebUI, LiteLLM, guidellm) read
+    assert (card["object"], card["owned_by"], card["root"], card["parent"], card["max_model_len"]) == ("model", "moebus", tiny_model.name, None, 4096)
+    assert [p["object"] for p in card["permission"]] == ["model_permission"] and card["permission"][0]["allow_sampling"] is True
     assert call(frontend, "GET", "/health")[:1] == (200,)
+
+
+def test_ping_and_version_answer_as_vllms(frontend):
+    assert call(frontend, "GET", "/ping")[:1] == call(frontend, "POST", "/ping")[:1] == (200,)
+    assert call(frontend, "PUT", "/ping")[0] == 405
+    status, ctype, body = call(frontend, "GET", "/version")
+    assert (status, ctype, json.loads(body)) == (200, "application/json", {"version": moebus_version()})
 
 
 def test_completion_matches_the_native_api(stack, frontend):
