@@ -199,6 +199,16 @@ def spawn_nats_server(port: int, config: Path, log_path: Path) -> subprocess.Pop
     raise StackError(f"nats-server did not accept connections on 127.0.0.1:{port}; see {log_path}")
 
 
+def last_line(log_path: Path) -> str:
+    """The last line a replica wrote: where a service that stops at start says why (a settings error, a
+    checkpoint it cannot serve, NATS out of reach), so `moebus up` shows it instead of only the log's path."""
+    try:
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return lines[-1] if lines else "(empty log)"
+
+
 @dataclass
 class Replica:
     service: str
@@ -305,7 +315,7 @@ class LocalStack:
                 # `moebus up` reports it.
                 dead = [r for r in self.replicas if r.proc.poll() is not None and r.role in ROLES]
                 if dead:
-                    raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}; see {dead[0].log_path}")
+                    raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}: {last_line(dead[0].log_path)}; see {dead[0].log_path}")
                 if expected <= seen:
                     try:
                         reply = await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
@@ -439,7 +449,7 @@ def main(argv: list[str]) -> int:
             for r in stack.replicas:
                 if r.proc.poll() is not None and r.instance not in reported:
                     reported.add(r.instance)
-                    print(f"moebus up: {r.instance} exited with {r.proc.returncode}; see {r.log_path}", file=sys.stderr, flush=True)
+                    print(f"moebus up: {r.instance} exited with {r.proc.returncode}: {last_line(r.log_path)}; see {r.log_path}", file=sys.stderr, flush=True)
     except StackError as e:
         print(f"moebus up: {e}", file=sys.stderr)
         return 1

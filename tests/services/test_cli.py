@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,3 +79,40 @@ def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path)
     assert "stopping" in rest
     for log in (tmp_path / "logs").glob("*-0.log"):
         assert "stopped" in log.read_text(), log  # every service drained and said so
+
+
+def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_path: Path, tiny_model: Path):
+    """Each of these used to start: a traceback from deep inside a rank (ConfigError, ShardingError), or
+    MOEBUS_DECODE_ATTENTION=sdpa, a switch README documents, refused as a typo. Now a usage error (exit 2)
+    naming the setting, before any rank starts or NATS is dialled."""
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({**json.loads((tiny_model / "config.json").read_text()), "architectures": ["LlamaForCausalLM"]}))
+    unreachable = {"MOEBUS_NATS_URL": "nats://127.0.0.1:1", "MOEBUS_CONNECT_TIMEOUT_S": "0.5"}
+    cases = [
+        (["prefill", "--model", str(tiny_model)], {"MOEBUS_PREFILL_TP": "3"}, 2, "tp=3: num_attention_heads=4 is not divisible by TP=3"),
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_DP": "3"}, 2, "dp=3: num_experts=8 is not divisible by EP=3"),
+        (["decode", "--model", str(tmp_path / "nothing")], {}, 2, "is not a checkpoint moebus serves: .*nothing/config.json: file not found"),
+        (["gateway", "--model", str(llama)], {}, 2, r"architectures=\['LlamaForCausalLM'\] is not supported"),
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
+        (["scheduler"], {"MOEBUS_HEARTBEAT_INTERVAL": "2"}, 2, "MOEBUS_HEARTBEAT_INTERVAL: no service has a field"),
+        # A runtime switch passes the settings: this one gets as far as dialling NATS.
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_DECODE_WARMUP": "false"}, 1, "no NATS server answered"),
+    ]
+    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env={**os.environ, **unreachable, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv, env, _, _ in cases]
+    for proc, (argv, env, code, message) in zip(procs, cases):
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == code and re.search(message, output), (argv, env, output)
+        if code == 2:
+            assert "Traceback" not in output, output
+
+
+def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tmp_path: Path, tiny_model: Path):
+    log_dir = tmp_path / "logs"
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                        env={**os.environ, "MOEBUS_DECODE_KV_PAGES": "0"}, capture_output=True, text=True, timeout=180)
+    assert up.returncode == 1, up.stdout + up.stderr
+    # Not only "exited with 2; see <log>": the reason, from the log's last line.
+    assert re.search(r"exited with 2: moebus \w+: error: \w+ settings: Expected `int` >= 1 - at `\$\.kv_pages`", up.stderr), up.stderr
+    assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
