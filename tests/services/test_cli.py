@@ -116,3 +116,30 @@ def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tm
     # Not only "exited with 2; see <log>": the reason, from the log's last line.
     assert re.search(r"exited with 2: moebus \w+: error: \w+ settings: Expected `int` >= 1 - at `\$\.kv_pages`", up.stderr), up.stderr
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
+
+
+def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_model: Path):
+    """SIGTERM (or Ctrl-C) while the stack starts (a large checkpoint loads for minutes) stops it then;
+    it used to be noticed only once the stack was ready, or after --ready-timeout."""
+    compose = tmp_path / "scheduler-only.yml"
+    compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')  # no gateway: llm.models never answers
+    log_dir = tmp_path / "logs"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
+                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
+            assert time.monotonic() < deadline and up.poll() is None, "the scheduler did not start"
+            time.sleep(0.1)
+        up.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        output, _ = up.communicate(timeout=120)
+        took = time.monotonic() - asked
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0 and "stop requested before the stack was ready" in output and "ready." not in output, output
+    assert took < 20, f"moebus up stopped {took:.0f}s after SIGTERM"
+    assert "scheduler_stopped" in (log_dir / "scheduler-0.log").read_text()  # drained, not killed
+    assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
