@@ -187,6 +187,14 @@ def start_nats_server(port: int, settings: NatsServerSettings, directory: Path) 
 def spawn_nats_server(port: int, config: Path, log_path: Path) -> subprocess.Popen[bytes]:
     """A nats-server on 127.0.0.1:``port`` reading the config file ``config``, logging to ``log_path``,
     accepting connections when this returns; it stops when this process dies."""
+    # A port already taken (say by the nats-server of another `moebus up` on the default 4222) would
+    # answer the readiness check below while our server exits: the services would join that other bus.
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server binds: a restart on the same port is no conflict
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise StackError(f"cannot start nats-server on 127.0.0.1:{port}: {e.strerror} (another `moebus up`? --port 0 picks a free port)") from e
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=_drain_when_launcher_dies)

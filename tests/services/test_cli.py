@@ -143,3 +143,17 @@ def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_mode
     assert took < 20, f"moebus up stopped {took:.0f}s after SIGTERM"
     assert "scheduler_stopped" in (log_dir / "scheduler-0.log").read_text()  # drained, not killed
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
+
+
+def test_up_refuses_a_nats_port_in_use_instead_of_joining_that_bus(tmp_path: Path, tiny_model: Path,
+                                                                    nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """A second `moebus up` on the port of a running stack's nats-server (both on the default 4222): its own
+    nats-server exited (address in use), the readiness probe reached the other one, and the services joined
+    that stack's bus under the same instance names."""
+    port, _ = nats_server
+    log_dir = tmp_path / "logs"
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(port), "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                        capture_output=True, text=True, timeout=120)
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert f"cannot start nats-server on 127.0.0.1:{port}: Address already in use (another `moebus up`? --port 0 picks a free port)" in up.stderr, up.stderr
+    assert not list(log_dir.glob("*-0.log"))  # no service was started
