@@ -157,3 +157,17 @@ def test_up_refuses_a_nats_port_in_use_instead_of_joining_that_bus(tmp_path: Pat
     assert up.returncode == 1, up.stdout + up.stderr
     assert f"cannot start nats-server on 127.0.0.1:{port}: Address already in use (another `moebus up`? --port 0 picks a free port)" in up.stderr, up.stderr
     assert not list(log_dir.glob("*-0.log"))  # no service was started
+
+
+def test_model_instances_find_a_wrong_nats_url_before_loading_the_model(tiny_model: Path):
+    """A prefill or decode instance loaded and warmed up its checkpoint (minutes for a large one) before
+    dialling NATS; with a wrong URL it only failed then, with a traceback."""
+    env = {**os.environ, "MOEBUS_NATS_URL": "nats://127.0.0.1:1", "MOEBUS_CONNECT_TIMEOUT_S": "0.5", "MOEBUS_LOG_JSON": "true"}
+    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", role, "--model", str(tiny_model)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for role in ("prefill", "decode")]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=120)
+        events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+        assert proc.returncode == 1 and "Traceback" not in output, output
+        assert events[-1]["event"] == "nats_unreachable" and "no NATS server answered at nats://127.0.0.1:1 within 0.5s" in events[-1]["error"], output
+        assert not [e for e in events if e["event"] == "model_loaded"], output
