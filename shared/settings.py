@@ -103,6 +103,8 @@ class GatewaySettings(ServiceSettings, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_expiry(self.stage_expiry_s, self.heartbeat_interval_s, "stage_expiry_s")
+        if self.default_timeout_ms > self.max_timeout_ms:  # requests that set no deadline would get more than any may ask for
+            raise ValueError(f"default_timeout_ms={self.default_timeout_ms} must be at most max_timeout_ms={self.max_timeout_ms}")
 
 
 class SchedulerSettings(ServiceSettings, kw_only=True):

@@ -218,6 +218,9 @@ def test_settings_refuse_impossible_values_naming_the_field():
         with pytest.raises(SettingsError, match=rf"^{service} settings: .* at `\$\.{field}`$"):
             load_settings(cls, service, env={var: value})
     assert load_settings(SchedulerSettings, "scheduler", env={"MOEBUS_LOG_LEVEL": "DEBUG", "MOEBUS_SCHEDULER_MAX_QUEUED": "0"}).max_queued == 0
+    # A request without timeout_ms got the default even above the most a request may ask for.
+    with pytest.raises(SettingsError, match="default_timeout_ms=600000 must be at most max_timeout_ms=60000"):
+        load_settings(GatewaySettings, "gateway", env={"MOEBUS_GATEWAY_MAX_TIMEOUT_MS": "60000"})
 
 
 def test_settings_report_unknown_variables_and_file_keys_but_take_the_runtime_switches(tmp_path: Path):
