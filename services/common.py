@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import signal
-import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -14,7 +13,7 @@ from typing import Any
 
 from schemas import subjects
 from schemas.internal import Cancel, Heartbeat, Role
-from shared.bus import Bus, BusError, Unreachable, connect, pack
+from shared.bus import Bus, BusError, connect, pack
 from shared.logging import configure_logging, get_logger
 from shared.model.config import ModelConfig
 from shared.model.errors import ConfigError, ShardingError
@@ -118,19 +117,15 @@ def check_checkpoint(settings: ServiceSettings) -> None:
 
 
 def require_bus(service: str, settings: ServiceSettings) -> None:
-    """Exit (status 1) unless a NATS server answers at `nats_url` within `connect_timeout_s`: checked
-    before a model instance loads and warms up its checkpoint (minutes for a large one), which it
-    otherwise did before finding a wrong URL. The ranks connect again once loaded."""
+    """`Unreachable` (`moebus` prints it and exits 1) unless a NATS server answers at `nats_url` within
+    `connect_timeout_s`: checked before a model instance loads and warms up its checkpoint (minutes for
+    a large one), which it otherwise did before finding a wrong URL. The ranks connect again once loaded."""
 
     async def probe() -> None:
         async with connect(settings.nats_url, f"{service}-{settings.instance}-probe", connect_timeout=settings.connect_timeout_s):
             pass
 
-    try:
-        asyncio.run(probe())
-    except Unreachable as e:
-        log.error("nats_unreachable", error=str(e))
-        sys.exit(1)
+    asyncio.run(probe())
 
 
 def stop_event() -> asyncio.Event:
