@@ -16,8 +16,8 @@ from schemas.internal import Cancel, Heartbeat, Role
 from shared.bus import Bus, BusError, connect, pack
 from shared.logging import configure_logging, get_logger
 from shared.model.config import ModelConfig
-from shared.model.errors import ConfigError, ShardingError
-from shared.model.weights import check_shardable
+from shared.model.errors import CheckpointError, ConfigError, ShardingError
+from shared.model.weights import SafetensorsCheckpoint, check_shardable
 from shared.parallel import Topology
 from shared.settings import SERVICES, DecodeSettings, PrefillSettings, ServiceSettings, SettingsError, load_settings
 
@@ -89,20 +89,22 @@ def parse_settings(service: str, argv: list[str], needs_model: str = "") -> Serv
     if needs_model:
         try:
             check_checkpoint(settings)
-        except ConfigError as e:
-            parser.error(f"model {settings.model!r} is not a checkpoint moebus serves: {e}")
         except ShardingError as e:
             parser.error(f"model {settings.model!r} cannot be split over this instance's ranks: {e}")
+        except (ConfigError, CheckpointError) as e:
+            parser.error(f"model {settings.model!r} is not a checkpoint moebus serves: {e}")
     configure_logging(service, settings.log_level, settings.log_json, instance=settings.instance)
     return settings
 
 
 def check_checkpoint(settings: ServiceSettings) -> None:
     """Read the checkpoint's config.json (`ConfigError`: no such directory, not a checkpoint, an
-    architecture moebus does not run) and, for model ranks, check that tp/dp splits its heads and
-    experts (`ShardingError`): a wrong setting stops the service before any rank starts, not one
-    rank deep inside its weight loading while the others wait at the rendezvous."""
+    architecture moebus does not run) and, for model ranks, its weight files' headers (`CheckpointError`)
+    and whether tp/dp splits its heads and experts (`ShardingError`): a wrong setting stops the service
+    before any rank starts, not one rank deep inside its weight loading while the others wait at the rendezvous."""
     config = ModelConfig.from_dir(settings.model)
+    if isinstance(settings, PrefillSettings | DecodeSettings):
+        SafetensorsCheckpoint(settings.model)  # the weight files exist and their headers read (`CheckpointError`)
     if isinstance(settings, PrefillSettings):
         topology = Topology.prefill(settings.tp, 0)
     elif isinstance(settings, DecodeSettings):

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,15 +86,18 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
     """Each of these used to start: a traceback from deep inside a rank (ConfigError, ShardingError), or
     MOEBUS_DECODE_ATTENTION=sdpa, a switch README documents, refused as a typo. Now a usage error (exit 2)
     naming the setting, before any rank starts or NATS is dialled."""
-    llama = tmp_path / "llama"
+    llama, no_weights = tmp_path / "llama", tmp_path / "no-weights"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({**json.loads((tiny_model / "config.json").read_text()), "architectures": ["LlamaForCausalLM"]}))
+    no_weights.mkdir()
+    shutil.copy(tiny_model / "config.json", no_weights)
     unreachable = {"MOEBUS_NATS_URL": "nats://127.0.0.1:1", "MOEBUS_CONNECT_TIMEOUT_S": "0.5"}
     cases = [
         (["prefill", "--model", str(tiny_model)], {"MOEBUS_PREFILL_TP": "3"}, 2, "tp=3: num_attention_heads=4 is not divisible by TP=3"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_DP": "3"}, 2, "dp=3: num_experts=8 is not divisible by EP=3"),
         (["decode", "--model", str(tmp_path / "nothing")], {}, 2, "is not a checkpoint moebus serves: .*nothing/config.json: file not found"),
         (["gateway", "--model", str(llama)], {}, 2, r"architectures=\['LlamaForCausalLM'\] is not supported"),
+        (["prefill", "--model", str(no_weights)], {}, 2, r"not a checkpoint moebus serves: expected model.safetensors.index.json or exactly one \*.safetensors file, found 0"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
         (["scheduler"], {"MOEBUS_HEARTBEAT_INTERVAL": "2"}, 2, "MOEBUS_HEARTBEAT_INTERVAL: no service has a field"),
         # A runtime switch passes the settings: this one gets as far as dialling NATS.
