@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from shared.bus import Unreachable
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("shared.model.tiny", "write a small random Qwen3-MoE checkpoint"),
     "generate": ("shared.model.offline", "generate offline from a checkpoint (no services)"),
@@ -42,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moebus: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except Unreachable as e:  # no NATS server within connect_timeout_s: the message says all, a traceback nothing more
+        print(f"moebus {name}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

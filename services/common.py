@@ -13,9 +13,13 @@ from typing import Any
 
 from schemas import subjects
 from schemas.internal import Cancel, Heartbeat, Role
-from shared.bus import Bus, BusError, pack
+from shared.bus import Bus, BusError, connect, pack
 from shared.logging import configure_logging, get_logger
-from shared.settings import SERVICES, ServiceSettings, SettingsError, load_settings
+from shared.model.config import ModelConfig
+from shared.model.errors import CheckpointError, ConfigError, ShardingError
+from shared.model.weights import SafetensorsCheckpoint, check_shardable
+from shared.parallel import Topology
+from shared.settings import SERVICES, DecodeSettings, PrefillSettings, ServiceSettings, SettingsError, load_settings
 
 log = get_logger(__name__)
 
@@ -82,8 +86,48 @@ def parse_settings(service: str, argv: list[str], needs_model: str = "") -> Serv
         parser.error(str(e))
     if needs_model and not settings.model:
         parser.error(f"--model DIR (or MOEBUS_MODEL) is required: {needs_model}")
+    if needs_model:
+        try:
+            check_checkpoint(settings)
+        except ShardingError as e:
+            parser.error(f"model {settings.model!r} cannot be split over this instance's ranks: {e}")
+        except (ConfigError, CheckpointError) as e:
+            parser.error(f"model {settings.model!r} is not a checkpoint moebus serves: {e}")
     configure_logging(service, settings.log_level, settings.log_json, instance=settings.instance)
     return settings
+
+
+def check_checkpoint(settings: ServiceSettings) -> None:
+    """Read the checkpoint's config.json (`ConfigError`: no such directory, not a checkpoint, an
+    architecture moebus does not run) and, for model ranks, its weight files' headers (`CheckpointError`)
+    and whether tp/dp splits its heads and experts (`ShardingError`): a wrong setting stops the service
+    before any rank starts, not one rank deep inside its weight loading while the others wait at the rendezvous."""
+    config = ModelConfig.from_dir(settings.model)
+    if isinstance(settings, PrefillSettings | DecodeSettings):
+        SafetensorsCheckpoint(settings.model)  # the weight files exist and their headers read (`CheckpointError`)
+    if isinstance(settings, PrefillSettings):
+        topology = Topology.prefill(settings.tp, 0)
+    elif isinstance(settings, DecodeSettings):
+        topology = Topology.decode(settings.dp, 0)
+    else:
+        return
+    try:
+        check_shardable(config, topology.shard())
+    except ShardingError as e:
+        field = "tp" if isinstance(settings, PrefillSettings) else "dp"
+        raise ShardingError(f"{field}={topology.world_size}: {e}") from e
+
+
+def require_bus(service: str, settings: ServiceSettings) -> None:
+    """`Unreachable` (`moebus` prints it and exits 1) unless a NATS server answers at `nats_url` within
+    `connect_timeout_s`: checked before a model instance loads and warms up its checkpoint (minutes for
+    a large one), which it otherwise did before finding a wrong URL. The ranks connect again once loaded."""
+
+    async def probe() -> None:
+        async with connect(settings.nats_url, f"{service}-{settings.instance}-probe", connect_timeout=settings.connect_timeout_s):
+            pass
+
+    asyncio.run(probe())
 
 
 def stop_event() -> asyncio.Event:

@@ -37,6 +37,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ BUS_SERVICE = "nats"
 
 class StackError(RuntimeError):
     """The compose file or the stack is unusable; the message says which part."""
+
+
+class StartInterrupted(Exception):
+    """A stop was asked for (Ctrl-C, SIGTERM) while the stack was starting."""
 
 
 # ---------------------------------------------------------------- compose file
@@ -182,6 +187,14 @@ def start_nats_server(port: int, settings: NatsServerSettings, directory: Path) 
 def spawn_nats_server(port: int, config: Path, log_path: Path) -> subprocess.Popen[bytes]:
     """A nats-server on 127.0.0.1:``port`` reading the config file ``config``, logging to ``log_path``,
     accepting connections when this returns; it stops when this process dies."""
+    # A port already taken (say by the nats-server of another `moebus up` on the default 4222) would
+    # answer the readiness check below while our server exits: the services would join that other bus.
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server binds: a restart on the same port is no conflict
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise StackError(f"cannot start nats-server on 127.0.0.1:{port}: {e.strerror} (another `moebus up`? --port 0 picks a free port)") from e
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=_drain_when_launcher_dies)
@@ -197,6 +210,16 @@ def spawn_nats_server(port: int, config: Path, log_path: Path) -> subprocess.Pop
     proc.kill()
     proc.wait()
     raise StackError(f"nats-server did not accept connections on 127.0.0.1:{port}; see {log_path}")
+
+
+def last_line(log_path: Path) -> str:
+    """The last line a replica wrote: where a service that stops at start says why (a settings error, a
+    checkpoint it cannot serve, NATS out of reach), so `moebus up` shows it instead of only the log's path."""
+    try:
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return lines[-1] if lines else "(empty log)"
 
 
 @dataclass
@@ -227,14 +250,16 @@ class LocalStack:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self, ready_timeout: float = 180.0) -> None:
+    def start(self, ready_timeout: float = 180.0, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        """Start nats-server and every replica and wait until they are ready; `StartInterrupted`
+        as soon as ``stop_requested()`` says so (loading a large checkpoint takes minutes)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         self.start_nats()
         for spec in self.specs:
             for i in range(spec.replicas):
                 self.start_replica(spec.name, i)
-        self.wait_ready(ready_timeout)
+        self.wait_ready(ready_timeout, stop_requested)
 
     def start_nats(self) -> None:
         self.nats = start_nats_server(self.port, self.nats_settings, self.log_dir)
@@ -284,11 +309,11 @@ class LocalStack:
                     time.sleep(0.05)
         return urls
 
-    def wait_ready(self, timeout: float) -> None:
-        """Until every running replica heartbeats and llm.models answers."""
-        asyncio.run(self._wait_ready(timeout))
+    def wait_ready(self, timeout: float, stop_requested: Callable[[], bool] = lambda: False) -> None:
+        """Until every running replica heartbeats and llm.models answers (or a stop is requested)."""
+        asyncio.run(self._wait_ready(timeout, stop_requested))
 
-    async def _wait_ready(self, timeout: float) -> None:
+    async def _wait_ready(self, timeout: float, stop_requested: Callable[[], bool]) -> None:
         expected = self.expected()
         seen: set[tuple[str, str]] = set()
         async with connect(self.url, "moebus-up") as bus:
@@ -301,11 +326,13 @@ class LocalStack:
             await bus.subscribe(subjects.HEARTBEAT_ALL, on_hb, concurrent=False)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
+                if stop_requested():
+                    raise StartInterrupted
                 # A frontend that cannot start (say, its port is taken) does not stop the stack;
                 # `moebus up` reports it.
                 dead = [r for r in self.replicas if r.proc.poll() is not None and r.role in ROLES]
                 if dead:
-                    raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}; see {dead[0].log_path}")
+                    raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}: {last_line(dead[0].log_path)}; see {dead[0].log_path}")
                 if expected <= seen:
                     try:
                         reply = await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
@@ -424,7 +451,7 @@ def main(argv: list[str]) -> int:
     try:
         summary = ", ".join(f"{s.name} x{s.replicas}" for s in specs)
         print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)
-        stack.start(a.ready_timeout)
+        stack.start(a.ready_timeout, lambda: stopping)
         # The served id (model_name, e.g. MOEBUS_MODEL_NAME) is what requests' `model` must name, not the directory's name.
         print(f"moebus up: ready. NATS at {stack.url}  (model {', '.join(stack.served)}, max_payload {nats.max_payload} bytes)", flush=True)
         for instance, url in stack.frontend_urls().items():
@@ -439,7 +466,9 @@ def main(argv: list[str]) -> int:
             for r in stack.replicas:
                 if r.proc.poll() is not None and r.instance not in reported:
                     reported.add(r.instance)
-                    print(f"moebus up: {r.instance} exited with {r.proc.returncode}; see {r.log_path}", file=sys.stderr, flush=True)
+                    print(f"moebus up: {r.instance} exited with {r.proc.returncode}: {last_line(r.log_path)}; see {r.log_path}", file=sys.stderr, flush=True)
+    except StartInterrupted:
+        print("moebus up: stop requested before the stack was ready", flush=True)
     except StackError as e:
         print(f"moebus up: {e}", file=sys.stderr)
         return 1

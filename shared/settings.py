@@ -7,9 +7,12 @@ Sources, later ones win:
 3. `MOEBUS_<SERVICE>_<FIELD>` environment variables (e.g. `MOEBUS_DECODE_MAX_BATCH=64`);
 4. explicit overrides (command-line flags).
 
-Unknown keys in a `[<service>]` table or `MOEBUS_<SERVICE>_*` variables are errors
-(a typo must not silently fall back to a default). Values from the environment are
-strings and are converted to the field's type; lists are written as JSON.
+Unknown keys and variables are errors (a typo must not silently fall back to a default):
+a top-level key or table of the file that no service has, a key in a `[<service>]` table that
+service lacks, and a `MOEBUS_*` variable that is no service's field, no `MOEBUS_<SERVICE>_<FIELD>`
+of that service, nor one of the `OTHER_VARIABLES` read elsewhere. Values from the environment are
+strings and are converted to the field's type; lists are written as JSON. Sizes, counts and
+durations are bounded (`Meta`), so a zero or negative one stops the service at start naming the field.
 """
 
 from __future__ import annotations
@@ -22,11 +25,32 @@ import tomllib
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+# Bounds of the numeric fields: a page size of 0 or a negative KV pool would only fail deep in a
+# rank (ZeroDivisionError, "Dimension size must be non-negative"), and tp=0 or dp=-1 start no rank at all.
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+LogLevel = Annotated[str, msgspec.Meta(pattern=r"(?i)^(debug|info|warning|error|critical)$")]
+Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+# MOEBUS_* variables that are not settings fields, read elsewhere: a service must not take them for typos.
+OTHER_VARIABLES = frozenset({
+    "MOEBUS_CONFIG",  # the TOML file (this module)
+    "MOEBUS_NATS_MAX_PAYLOAD",  # the local nats-server's config (NatsServerSettings)
+    "MOEBUS_CACHE_DIR",  # moebus up: the tiny model and the logs
+    "MOEBUS_HTTP_HOST", "MOEBUS_OPENAI_PORT", "MOEBUS_METRICS_PORT", "MOEBUS_IMAGE",  # compose-file interpolation
+    "MOEBUS_KERNELS", "MOEBUS_DECODE_ATTENTION", "MOEBUS_KV_CUDA_IPC",  # kernels.ops, shared.model.layers, shared.transfer.cuda_ipc
+    "MOEBUS_RESULTS_DIR", "MOEBUS_COMMIT", "MOEBUS_TINY_DIR",  # bench/ and test tooling
+})
 
 
 class SettingsError(ValueError):
@@ -59,42 +83,42 @@ class ServiceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = ""  # checkpoint directory (config.json, tokenizer, weights)
     model_name: str = ""  # name served on llm.models; default: the directory's name
     instance: str = ""  # id in subjects and heartbeats; default: hostname-pid-random
-    log_level: str = "info"
+    log_level: LogLevel = "info"
     log_json: bool | None = None  # None: JSON when stderr is not a terminal
-    heartbeat_interval_s: float = 0.5  # every service beats this often: set it alike for all (the expiries below assume so)
-    drain_timeout_s: float = 10.0  # SIGTERM: how long in-flight work may take to finish
-    connect_timeout_s: float = 30.0  # at start, how long to wait for the NATS server before exiting with an error
+    heartbeat_interval_s: Seconds = 0.5  # every service beats this often: set it alike for all (the expiries below assume so)
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # SIGTERM: how long in-flight work may take to finish
+    connect_timeout_s: Seconds = 30.0  # at start, how long to wait for the NATS server before exiting with an error
 
 
 class GatewaySettings(ServiceSettings, kw_only=True):
-    max_tokens_limit: int = 4096  # largest max_tokens accepted (also capped by the context)
-    max_context: int = 0  # prompt + completion; 0: the model's max_position_embeddings
+    max_tokens_limit: Positive = 4096  # largest max_tokens accepted (also capped by the context)
+    max_context: NonNegative = 0  # prompt + completion; 0: the model's max_position_embeddings
     # Deadline of requests that set none: long enough for max_tokens_limit tokens of a long
     # reasoning answer at a loaded decode rank's per-sequence rate (4096 at ~10 tok/s).
-    default_timeout_ms: int = 600_000
-    max_timeout_ms: int = 3_600_000
-    max_in_flight: int = 4096  # requests beyond this get `overloaded` at once
-    stage_expiry_s: float = 2.0  # a prefill/decode rank silent this long (while the gateway listens) fails its requests
-    submit_timeout_s: float = 10.0  # a scheduler answers within its bounded wait; silence beyond this = gone
+    default_timeout_ms: Positive = 600_000
+    max_timeout_ms: Positive = 3_600_000
+    max_in_flight: Positive = 4096  # requests beyond this get `overloaded` at once
+    stage_expiry_s: Seconds = 2.0  # a prefill/decode rank silent this long (while the gateway listens) fails its requests
+    submit_timeout_s: Seconds = 10.0  # a scheduler answers within its bounded wait; silence beyond this = gone
 
     def __post_init__(self) -> None:
         _check_expiry(self.stage_expiry_s, self.heartbeat_interval_s, "stage_expiry_s")
+        if self.default_timeout_ms > self.max_timeout_ms:  # requests that set no deadline would get more than any may ask for
+            raise ValueError(f"default_timeout_ms={self.default_timeout_ms} must be at most max_timeout_ms={self.max_timeout_ms}")
 
 
 class SchedulerSettings(ServiceSettings, kw_only=True):
-    heartbeat_expiry_s: float = 1.5  # registry drops members silent for this long
-    queue_wait_ms: int = 1000  # how long a request may wait for capacity before `overloaded`
-    max_queued: int = 256  # requests waiting for capacity; beyond -> `overloaded` at once
-    reserve_timeout_ms: int = 500  # a decode rank must answer a reservation within this
-    lease_s: float = 30.0  # reserved KV pages are freed if prefill has not started decode by then
+    heartbeat_expiry_s: Seconds = 1.5  # registry drops members silent for this long
+    queue_wait_ms: NonNegative = 1000  # how long a request may wait for capacity before `overloaded`
+    max_queued: NonNegative = 256  # requests waiting for capacity; beyond -> `overloaded` at once
+    reserve_timeout_ms: Positive = 500  # a decode rank must answer a reservation within this
+    lease_s: Seconds = 30.0  # reserved KV pages are freed if prefill has not started decode by then
     # A prompt goes to the prefill instance its first KV page hashes to (whose prefix cache may hold
     # it) unless that one has this many more queued tokens than the least loaded; 0: always the least loaded.
-    prefix_affinity_tokens: int = 4096
+    prefix_affinity_tokens: NonNegative = 4096
 
     def __post_init__(self) -> None:
         _check_expiry(self.heartbeat_expiry_s, self.heartbeat_interval_s, "heartbeat_expiry_s")
-        if self.prefix_affinity_tokens < 0:
-            raise ValueError(f"prefix_affinity_tokens must be >= 0, got {self.prefix_affinity_tokens}")
 
 
 def _check_gpus(gpus: list[int], ranks: int, field: str) -> None:
@@ -105,20 +129,20 @@ def _check_gpus(gpus: list[int], ranks: int, field: str) -> None:
 
 
 class PrefillSettings(ServiceSettings, kw_only=True):
-    tp: int = 1  # tensor-parallel ranks (processes) of this instance
-    device: str = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
+    tp: Positive = 1  # tensor-parallel ranks (processes) of this instance
+    device: Device = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
     gpus: list[int] = []  # with device auto/cuda: rank r on GPU gpus[r] (e.g. [2, 3]); empty: GPU r
-    dtype: str = "float32"  # compute and KV dtype; must match the decode instances
-    page_size: int = 16
-    kv_pages: int = 512  # KV pages of the prefill-side cache (per rank)
-    max_batch_tokens: int = 8192  # prompts run together in one forward pass, up to this many tokens
+    dtype: Dtype = "float32"  # compute and KV dtype; must match the decode instances
+    page_size: Positive = 16
+    kv_pages: Positive = 512  # KV pages of the prefill-side cache (per rank)
+    max_batch_tokens: Positive = 8192  # prompts run together in one forward pass, up to this many tokens
     # ... and up to this many prompt tokens, reused ones included: prefill attention gathers every
     # prompt's whole context at once, so a shared cached prefix counts once per prompt
-    max_batch_context_tokens: int = 65536
-    dist_port: int = 0  # torch.distributed rendezvous port; 0: pick a free one
-    transfer_timeout_s: float = 30.0
+    max_batch_context_tokens: Positive = 65536
+    dist_port: Port = 0  # torch.distributed rendezvous port; 0: pick a free one
+    transfer_timeout_s: Seconds = 30.0
     warmup: bool = True  # run dummy prompts through every rank (compiling its kernels) before it reports ready
-    gateway_expiry_s: float = 5.0  # a gateway silent this long (while the leader listens) has its queued tasks dropped
+    gateway_expiry_s: Seconds = 5.0  # a gateway silent this long (while the leader listens) has its queued tasks dropped
     prefix_caching: bool = True  # reuse the KV pages of prompt prefixes this instance computed before (shared.prefix_cache)
 
     def __post_init__(self) -> None:
@@ -129,25 +153,23 @@ class PrefillSettings(ServiceSettings, kw_only=True):
 
 
 class DecodeSettings(ServiceSettings, kw_only=True):
-    dp: int = 1  # data-parallel ranks (processes); experts are sharded over all of them (EP = dp)
-    device: str = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
+    dp: Positive = 1  # data-parallel ranks (processes); experts are sharded over all of them (EP = dp)
+    device: Device = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
     gpus: list[int] = []  # with device auto/cuda: rank r on GPU gpus[r] (e.g. [2, 3]); empty: GPU r
-    dtype: str = "float32"  # compute and KV dtype; must match the prefill instances
-    page_size: int = 16
-    kv_pages: int = 512  # KV pages per rank
-    max_batch: int = 32  # running + reserved requests per rank
-    dist_port: int = 0
-    idle_poll_ms: float = 20.0  # dp > 1: longest lockstep poll interval while every rank is idle
+    dtype: Dtype = "float32"  # compute and KV dtype; must match the prefill instances
+    page_size: Positive = 16
+    kv_pages: Positive = 512  # KV pages per rank
+    max_batch: Positive = 32  # running + reserved requests per rank
+    dist_port: Port = 0
+    idle_poll_ms: Annotated[float, msgspec.Meta(gt=0)] = 20.0  # dp > 1: longest lockstep poll interval while every rank is idle
     warmup: bool = True  # run dummy decode steps through every rank (compiling its kernels) before it reports ready
     cuda_graphs: bool = True  # on CUDA (kernel path): decode steps as CUDA-graph replays per batch x page bucket; ignored on CPU
-    cuda_graphs_max: int = 64  # graphs captured at most per rank; a step needing another bucket runs eagerly
-    gateway_expiry_s: float = 5.0  # a gateway silent this long (while the rank listens) has its requests dropped here
+    cuda_graphs_max: Positive = 64  # graphs captured at most per rank; a step needing another bucket runs eagerly
+    gateway_expiry_s: Seconds = 5.0  # a gateway silent this long (while the rank listens) has its requests dropped here
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.dp, "dp")
         _check_expiry(self.gateway_expiry_s, self.heartbeat_interval_s, "gateway_expiry_s")
-        if self.cuda_graphs_max < 1:
-            raise ValueError(f"cuda_graphs_max must be >= 1, got {self.cuda_graphs_max}")
 
 
 # nats-server refuses a max_payload above its max_pending (64 MiB); below its own default (1 MiB)
@@ -200,7 +222,7 @@ def load_settings(
     env: Mapping[str, str] | None = None,
 ) -> S:
     env = os.environ if env is None else env
-    fields = {f.name for f in msgspec.structs.fields(cls)}
+    fields = _fields(cls)
     values: dict[str, Any] = {}
 
     path = config_file or env.get("MOEBUS_CONFIG")
@@ -209,6 +231,7 @@ def load_settings(
             doc = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise SettingsError(f"config file {path}: {e}") from e
+        _check_file_keys(doc, path)
         values.update({k: v for k, v in doc.items() if k in fields})
         section = doc.get(service, {})
         unknown = sorted(set(section) - fields)
@@ -216,16 +239,14 @@ def load_settings(
             raise SettingsError(f"config file {path}: unknown key(s) in [{service}]: {', '.join(unknown)}")
         values.update(section)
 
+    _check_variables(env)
     prefix = f"MOEBUS_{service.upper()}_"
     for name in fields:
         if (raw := env.get(f"MOEBUS_{name.upper()}")) is not None:
             values[name] = _from_env(raw)
     for var, raw in env.items():
-        if var.startswith(prefix):
-            name = var[len(prefix) :].lower()
-            if name not in fields:
-                raise SettingsError(f"environment variable {var}: {cls.__name__} has no field {name!r}")
-            values[name] = _from_env(raw)
+        if var.startswith(prefix) and var not in OTHER_VARIABLES:
+            values[var[len(prefix) :].lower()] = _from_env(raw)
 
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
@@ -233,6 +254,41 @@ def load_settings(
     except msgspec.ValidationError as e:
         raise SettingsError(f"{service} settings: {e}") from e
     return _fill_defaults(settings)
+
+
+def _fields(cls: type[ServiceSettings]) -> set[str]:
+    return {f.name for f in msgspec.structs.fields(cls)}
+
+
+def _check_file_keys(doc: dict[str, Any], path: str | Path) -> None:
+    """Every service reads the same file: a top-level key must be some service's field, a table one of `SERVICES`
+    (each service checks its own table's keys), so that a typo fails every service instead of being skipped by all."""
+    shared = set().union(*(_fields(c) for c in SERVICES.values()))
+    for key, value in doc.items():
+        if key in SERVICES:
+            if not isinstance(value, dict):
+                raise SettingsError(f"config file {path}: [{key}] must be a table of {key} settings, got {value!r}")
+        elif key not in shared:
+            raise SettingsError(f"config file {path}: unknown top-level key {key!r}: not a setting of any service"
+                                f" nor a table [{'] ['.join(SERVICES)}]")
+
+
+def _check_variables(env: Mapping[str, str]) -> None:
+    """A `MOEBUS_*` variable must be read by something: `MOEBUS_<FIELD>` of some service, `MOEBUS_<SERVICE>_<FIELD>`
+    of that service, or one of `OTHER_VARIABLES`. Every service checks them all, as every service of a stack gets one environment."""
+    shared = set().union(*(_fields(c) for c in SERVICES.values()))
+    for var in env:
+        if not var.startswith("MOEBUS_") or var in OTHER_VARIABLES or var[len("MOEBUS_") :].lower() in shared:
+            continue
+        for service, cls in SERVICES.items():
+            prefix = f"MOEBUS_{service.upper()}_"
+            if var.startswith(prefix):
+                if var[len(prefix) :].lower() not in _fields(cls):
+                    raise SettingsError(f"environment variable {var}: {cls.__name__} has no field {var[len(prefix) :].lower()!r}")
+                break
+        else:
+            raise SettingsError(f"environment variable {var}: no service has a field {var[len('MOEBUS_') :].lower()!r}"
+                                f" (MOEBUS_<FIELD> or MOEBUS_<SERVICE>_<FIELD>, SERVICE one of {', '.join(s.upper() for s in SERVICES)})")
 
 
 def _from_env(raw: str) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common import parse_settings, stop_event
+from services.common import parse_settings, require_bus, stop_event
 from services.decode.rank import DecodeRank
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.ranks import run_group
@@ -63,6 +63,7 @@ async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world
 def main(argv: list[str]) -> int:
     settings = parse_settings("decode", argv, needs_model="the decode ranks run the model")
     assert isinstance(settings, DecodeSettings)
+    require_bus("decode", settings)
     return run_group(run_rank, settings, settings.dp, settings.dist_port, settings.drain_timeout_s)
 
 

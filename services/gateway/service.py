@@ -195,10 +195,10 @@ class Gateway:
         try:
             req = decode_public(msg.data, GenerateRequest, ctype)
         except msgspec.ValidationError as e:
-            await send(ErrorReply(error=ErrorInfo("invalid_request", str(e))))
+            await self._refuse(send, "invalid_request", str(e), None)
             return
         except msgspec.DecodeError as e:
-            await send(ErrorReply(error=ErrorInfo("invalid_request", f"malformed {ctype.split('/')[-1]}: {e}")))
+            await self._refuse(send, "invalid_request", f"malformed {ctype.split('/')[-1]}: {e}", None)
             return
         try:
             try:
@@ -209,7 +209,7 @@ class Gateway:
                 raise Rejected("overloaded", f"gateway {self.id} has {len(self.flights) + len(self.admitting)} requests in flight")
             admitted = await self._admit(req, arrival)
         except Rejected as e:
-            await send(ErrorReply(error=ErrorInfo(e.code, str(e)), request_id=req.request_id))
+            await self._refuse(send, e.code, str(e), req.request_id)
             return
         except Exception as e:  # noqa: BLE001 - a bug in admission: the client still gets an answer
             log.exception("admission_failed", request_id=req.request_id)
@@ -234,6 +234,12 @@ class Gateway:
                     pinger.cancel()
                 await self._cancel_late_placement(flight)
                 self.flights.pop(request_id, None)  # only now may a new request reuse the id here
+
+    async def _refuse(self, send: Any, code: str, reason: str, request_id: str | None) -> None:
+        """Answer a request refused before admission ended. Logged as the failures of admitted ones
+        are (`request_failed`): the heartbeat counts it under its code, and the log says which and why."""
+        log.info("rejected", request_id=request_id or None, code=code, reason=reason)
+        await send(ErrorReply(error=ErrorInfo(code, reason), request_id=request_id))
 
     async def _admit(self, req: GenerateRequest, arrival: float) -> Admitted:
         """Admission on a worker thread: tokenizing (and templating) a long prompt takes up to ~0.5 s,

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import sys
 
-from services.common import parse_settings, stop_event
+from services.common import parse_settings, require_bus, stop_event
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.prefill.group import PrefillGroup
 from services.ranks import run_group
@@ -51,6 +51,7 @@ async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, worl
 def main(argv: list[str]) -> int:
     settings = parse_settings("prefill", argv, needs_model="the prefill ranks run the model")
     assert isinstance(settings, PrefillSettings)
+    require_bus("prefill", settings)
     return run_group(run_rank, settings, settings.tp, settings.dist_port, settings.drain_timeout_s)
 
 

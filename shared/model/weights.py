@@ -143,6 +143,13 @@ def expert_range(config: ModelConfig, shard: ShardSpec) -> tuple[int, int]:
     return shard.ep_rank * per, (shard.ep_rank + 1) * per
 
 
+def check_shardable(config: ModelConfig, shard: ShardSpec) -> None:
+    """Raise `ShardingError` when the attention heads or the experts cannot be split as ``shard``
+    says, before any weight is read (the split is the same test on every rank)."""
+    HeadSplit.for_rank(config, shard)
+    expert_range(config, shard)
+
+
 class SafetensorsCheckpoint:
     """Tensor-level, memory-mapped access to ``model.safetensors`` or a sharded index."""
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,3 +80,97 @@ def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path)
     assert "stopping" in rest
     for log in (tmp_path / "logs").glob("*-0.log"):
         assert "stopped" in log.read_text(), log  # every service drained and said so
+
+
+def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_path: Path, tiny_model: Path):
+    """Each of these used to start: a traceback from deep inside a rank (ConfigError, ShardingError), or
+    MOEBUS_DECODE_ATTENTION=sdpa, a switch README documents, refused as a typo. Now a usage error (exit 2)
+    naming the setting, before any rank starts or NATS is dialled."""
+    llama, no_weights = tmp_path / "llama", tmp_path / "no-weights"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({**json.loads((tiny_model / "config.json").read_text()), "architectures": ["LlamaForCausalLM"]}))
+    no_weights.mkdir()
+    shutil.copy(tiny_model / "config.json", no_weights)
+    unreachable = {"MOEBUS_NATS_URL": "nats://127.0.0.1:1", "MOEBUS_CONNECT_TIMEOUT_S": "0.5"}
+    cases = [
+        (["prefill", "--model", str(tiny_model)], {"MOEBUS_PREFILL_TP": "3"}, 2, "tp=3: num_attention_heads=4 is not divisible by TP=3"),
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_DP": "3"}, 2, "dp=3: num_experts=8 is not divisible by EP=3"),
+        (["decode", "--model", str(tmp_path / "nothing")], {}, 2, "is not a checkpoint moebus serves: .*nothing/config.json: file not found"),
+        (["gateway", "--model", str(llama)], {}, 2, r"architectures=\['LlamaForCausalLM'\] is not supported"),
+        (["prefill", "--model", str(no_weights)], {}, 2, r"not a checkpoint moebus serves: expected model.safetensors.index.json or exactly one \*.safetensors file, found 0"),
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
+        (["scheduler"], {"MOEBUS_HEARTBEAT_INTERVAL": "2"}, 2, "MOEBUS_HEARTBEAT_INTERVAL: no service has a field"),
+        # A runtime switch passes the settings: this one gets as far as dialling NATS.
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_DECODE_WARMUP": "false"}, 1, "no NATS server answered"),
+        (["scheduler"], {}, 1, "moebus scheduler: no NATS server answered at nats://127.0.0.1:1 within 0.5s"),  # exit 1, no traceback either
+    ]
+    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env={**os.environ, **unreachable, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv, env, _, _ in cases]
+    for proc, (argv, env, code, message) in zip(procs, cases):
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == code and re.search(message, output) and "Traceback" not in output, (argv, env, output)
+
+
+def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tmp_path: Path, tiny_model: Path):
+    log_dir = tmp_path / "logs"
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                        env={**os.environ, "MOEBUS_DECODE_KV_PAGES": "0"}, capture_output=True, text=True, timeout=180)
+    assert up.returncode == 1, up.stdout + up.stderr
+    # Not only "exited with 2; see <log>": the reason, from the log's last line.
+    assert re.search(r"exited with 2: moebus \w+: error: \w+ settings: Expected `int` >= 1 - at `\$\.kv_pages`", up.stderr), up.stderr
+    assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
+
+
+def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_model: Path):
+    """SIGTERM (or Ctrl-C) while the stack starts (a large checkpoint loads for minutes) stops it then;
+    it used to be noticed only once the stack was ready, or after --ready-timeout."""
+    compose = tmp_path / "scheduler-only.yml"
+    compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')  # no gateway: llm.models never answers
+    log_dir = tmp_path / "logs"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
+                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
+            assert time.monotonic() < deadline and up.poll() is None, "the scheduler did not start"
+            time.sleep(0.1)
+        up.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        output, _ = up.communicate(timeout=120)
+        took = time.monotonic() - asked
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0 and "stop requested before the stack was ready" in output and "ready." not in output, output
+    assert took < 20, f"moebus up stopped {took:.0f}s after SIGTERM"
+    assert "scheduler_stopped" in (log_dir / "scheduler-0.log").read_text()  # drained, not killed
+    assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
+
+
+def test_up_refuses_a_nats_port_in_use_instead_of_joining_that_bus(tmp_path: Path, tiny_model: Path,
+                                                                    nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """A second `moebus up` on the port of a running stack's nats-server (both on the default 4222): its own
+    nats-server exited (address in use), the readiness probe reached the other one, and the services joined
+    that stack's bus under the same instance names."""
+    port, _ = nats_server
+    log_dir = tmp_path / "logs"
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(port), "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                        capture_output=True, text=True, timeout=120)
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert f"cannot start nats-server on 127.0.0.1:{port}: Address already in use (another `moebus up`? --port 0 picks a free port)" in up.stderr, up.stderr
+    assert not list(log_dir.glob("*-0.log"))  # no service was started
+
+
+def test_model_instances_find_a_wrong_nats_url_before_loading_the_model(tiny_model: Path):
+    """A prefill or decode instance loaded and warmed up its checkpoint (minutes for a large one) before
+    dialling NATS; with a wrong URL it only failed then, with a traceback."""
+    env = {**os.environ, "MOEBUS_NATS_URL": "nats://127.0.0.1:1", "MOEBUS_CONNECT_TIMEOUT_S": "0.5", "MOEBUS_LOG_JSON": "true"}
+    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", role, "--model", str(tiny_model)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for role in ("prefill", "decode")]
+    for role, proc in zip(("prefill", "decode"), procs):
+        output, _ = proc.communicate(timeout=120)
+        events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+        assert proc.returncode == 1 and "Traceback" not in output, output
+        assert output.splitlines()[-1] == f"moebus {role}: no NATS server answered at nats://127.0.0.1:1 within 0.5s", output
+        assert not [e for e in events if e["event"] == "model_loaded"], output

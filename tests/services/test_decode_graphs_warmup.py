@@ -45,5 +45,5 @@ def test_cuda_graph_settings_are_typed():
     settings = load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_CUDA_GRAPHS": "false", "MOEBUS_DECODE_CUDA_GRAPHS_MAX": "8"})
     assert settings.cuda_graphs is False and settings.cuda_graphs_max == 8
     assert load_settings(DecodeSettings, "decode", env={}).cuda_graphs is True
-    with pytest.raises(SettingsError, match="cuda_graphs_max must be >= 1"):
+    with pytest.raises(SettingsError, match=r"Expected `int` >= 1 - at `\$\.cuda_graphs_max`"):
         load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_CUDA_GRAPHS_MAX": "0"})

@@ -339,6 +339,8 @@ def test_bad_input_gets_a_typed_error_fast_and_others_are_unaffected(stack, toke
     long_prompt = "word " * 5000  # > 4096 tokens of context
     prompt = PROMPTS[0]
 
+    logged_before = len(log_events(stack, "rejected"))
+
     async def go():
         async with session(stack.url) as (client, watch):
             await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 5, "the gateway's heartbeat")
@@ -364,6 +366,9 @@ def test_bad_input_gets_a_typed_error_fast_and_others_are_unaffected(stack, toke
         assert expected in reply.error.message, reply.error.message
         assert elapsed < 1.0
     assert good.token_ids == hf_greedy(tuple(tokenizer.encode(prompt)), 20)
+    # Each refusal is in the gateway's log too, with its code and reason (the counters alone said how many, not which).
+    logged = log_events(stack, "rejected")[logged_before:]
+    assert [(e["replica"], e["code"], e["reason"]) for e in logged] == [("gateway-0", r.error.code, r.error.message) for r, _ in replies]
 
 
 def test_a_message_over_the_bus_payload_limit_is_a_typed_error_and_the_request_is_let_go(stack):

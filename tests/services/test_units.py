@@ -19,7 +19,8 @@ from services.model_rank import sampling_params
 from services.openai import protocol
 from services.scheduler.registry import Registry
 from shared.model.tokenizer import Tokenizer
-from shared.settings import DecodeSettings, GatewaySettings, NatsServerSettings, PrefillSettings, SettingsError, load_settings, nats_server_settings
+from shared.settings import (DecodeSettings, GatewaySettings, NatsServerSettings, PrefillSettings, SchedulerSettings, SettingsError, load_settings,
+                             nats_server_settings)
 
 
 # ---------------------------------------------------------------- admission
@@ -200,6 +201,47 @@ def test_settings_reject_typos_and_bad_values(tmp_path: Path):
         load_settings(GatewaySettings, "gateway", bad, env={})
     with pytest.raises(SettingsError, match="instance"):
         load_settings(GatewaySettings, "gateway", env={"MOEBUS_INSTANCE": "has.dot"})
+
+
+def test_settings_refuse_impossible_values_naming_the_field():
+    # Each one used to pass and fail later, deep in a rank (page_size 0: ZeroDivisionError; kv_pages -5: torch's
+    # "Dimension size must be non-negative"; log_level verbose: KeyError), or not at all (dp 0: exit 0 with no rank).
+    for cls, service, var, value in [
+        (DecodeSettings, "decode", "MOEBUS_DECODE_PAGE_SIZE", "0"), (DecodeSettings, "decode", "MOEBUS_DECODE_KV_PAGES", "-5"),
+        (DecodeSettings, "decode", "MOEBUS_DECODE_DP", "0"), (DecodeSettings, "decode", "MOEBUS_DECODE_MAX_BATCH", "0"),
+        (DecodeSettings, "decode", "MOEBUS_DECODE_DTYPE", "float64"), (DecodeSettings, "decode", "MOEBUS_DECODE_DEVICE", "gpu"),
+        (PrefillSettings, "prefill", "MOEBUS_PREFILL_TP", "0"), (PrefillSettings, "prefill", "MOEBUS_PREFILL_DIST_PORT", "70000"),
+        (GatewaySettings, "gateway", "MOEBUS_GATEWAY_MAX_IN_FLIGHT", "0"), (SchedulerSettings, "scheduler", "MOEBUS_SCHEDULER_LEASE_S", "-1"),
+        (SchedulerSettings, "scheduler", "MOEBUS_LOG_LEVEL", "verbose"), (SchedulerSettings, "scheduler", "MOEBUS_HEARTBEAT_INTERVAL_S", "0"),
+    ]:
+        field = var.removeprefix(f"MOEBUS_{service.upper()}_").removeprefix("MOEBUS_").lower()
+        with pytest.raises(SettingsError, match=rf"^{service} settings: .* at `\$\.{field}`$"):
+            load_settings(cls, service, env={var: value})
+    assert load_settings(SchedulerSettings, "scheduler", env={"MOEBUS_LOG_LEVEL": "DEBUG", "MOEBUS_SCHEDULER_MAX_QUEUED": "0"}).max_queued == 0
+    # A request without timeout_ms got the default even above the most a request may ask for.
+    with pytest.raises(SettingsError, match="default_timeout_ms=600000 must be at most max_timeout_ms=60000"):
+        load_settings(GatewaySettings, "gateway", env={"MOEBUS_GATEWAY_MAX_TIMEOUT_MS": "60000"})
+
+
+def test_settings_report_unknown_variables_and_file_keys_but_take_the_runtime_switches(tmp_path: Path):
+    # A misspelled shared variable or top-level key was skipped by every service: the default silently won.
+    with pytest.raises(SettingsError, match="MOEBUS_HEARTBEAT_INTERVAL: no service has a field 'heartbeat_interval'"):
+        load_settings(SchedulerSettings, "scheduler", env={"MOEBUS_HEARTBEAT_INTERVAL": "2"})
+    with pytest.raises(SettingsError, match="MOEBUS_DECODE_MAX_BACH: DecodeSettings has no field"):  # every service of the stack says so
+        load_settings(GatewaySettings, "gateway", env={"MOEBUS_DECODE_MAX_BACH": "4"})
+    # The switches read by the model runtime and the tools are no typos: MOEBUS_DECODE_ATTENTION=sdpa (README) stopped `moebus decode`.
+    switches = {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_KERNELS": "reference", "MOEBUS_KV_CUDA_IPC": "0", "MOEBUS_CONFIG": "",
+                "MOEBUS_NATS_MAX_PAYLOAD": "8388608", "MOEBUS_CACHE_DIR": "/tmp", "MOEBUS_OPENAI_PORT": "8001", "MOEBUS_MAX_BATCH": "7"}
+    assert load_settings(DecodeSettings, "decode", env=switches).max_batch == 7
+    assert load_settings(SchedulerSettings, "scheduler", env=switches).queue_wait_ms == 1000
+    for text, error in [("heartbeat_intervl_s = 1.0\n", "unknown top-level key 'heartbeat_intervl_s'"),
+                        ("[decoder]\nmax_batch = 3\n", "unknown top-level key 'decoder'"), ("decode = 3\n", r"\[decode\] must be a table")]:
+        config = tmp_path / "moebus.toml"
+        config.write_text(text)
+        with pytest.raises(SettingsError, match=error):
+            load_settings(SchedulerSettings, "scheduler", config, env={})
+    config.write_text("max_batch = 3\nqueue_wait_ms = 5\n[decode]\nkv_pages = 64\n")  # another service's keys are no typos
+    assert load_settings(SchedulerSettings, "scheduler", config, env={}).queue_wait_ms == 5
 
 
 def test_settings_place_the_ranks_of_an_instance_on_listed_gpus():
