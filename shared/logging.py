@@ -15,6 +15,8 @@ from structlog.contextvars import bound_contextvars
 
 bind_request = bound_contextvars
 
+LEVELS = ("debug", "info", "warning", "error", "critical")  # the log levels a setting may name (any case)
+
 
 def configure_logging(service: str, level: str = "info", json: bool | None = None, **context: Any) -> None:
     """Configure structlog for this process. `context` (e.g. instance, rank) is on every event."""

@@ -29,6 +29,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from shared.logging import LEVELS
+
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -38,7 +40,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-LogLevel = Annotated[str, msgspec.Meta(pattern=r"(?i)^(debug|info|warning|error|critical)$")]
+LogLevel = Annotated[str, msgspec.Meta(pattern=rf"(?i)^({'|'.join(LEVELS)})$")]
 Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")]
 Dtype = Literal["float32", "bfloat16", "float16"]
 

@@ -44,7 +44,7 @@ from services.openai import protocol
 from services.openai.choices import Choices, choice_requests
 from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
 from shared.bus import connect
-from shared.logging import configure_logging, get_logger
+from shared.logging import LEVELS, configure_logging, get_logger
 
 log = get_logger(__name__)
 
@@ -293,6 +293,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--max-n must be in [1, 128] (OpenAI's bound), got {a.max_n}")
     if a.max_prompts < 1:
         ap.error(f"--max-prompts must be at least 1, got {a.max_prompts}")
+    if os.environ.get("MOEBUS_LOG_LEVEL", "info").lower() not in LEVELS:  # as the services' log_level setting
+        ap.error(f"MOEBUS_LOG_LEVEL={os.environ['MOEBUS_LOG_LEVEL']!r} must be one of {', '.join(LEVELS)}")
     return a
 
 
