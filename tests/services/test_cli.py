@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from services.launch import EPHEMERAL_FRONTENDS
 from shared.bus import connect
 
 pytestmark = pytest.mark.slow
@@ -27,8 +28,9 @@ async def announced_max_payload(url: str) -> int:
 
 
 def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path):
-    env = {**os.environ, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1", "MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20),
-           "MOEBUS_MODEL_NAME": "Qwen/Qwen3-30B-A3B"}  # a served name of vLLM's --served-model-name kind
+    # Frontends on free ports (EPHEMERAL_FRONTENDS): a demo already running on this box holds 8000 and 9464.
+    env = {**os.environ, **EPHEMERAL_FRONTENDS, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
+           "MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20), "MOEBUS_MODEL_NAME": "Qwen/Qwen3-30B-A3B"}  # a served name of vLLM's --served-model-name kind
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--demo", "--log-dir", str(tmp_path / "logs")],
         env=env,
