@@ -55,21 +55,24 @@ def test_bad_controls_are_typed_errors(stack):
         assert e.value.code == "invalid_request" and says in e.value.message
 
 
-def test_openai_logit_bias_and_vllms_min_fields_reach_the_ranks(stack, tiny_model):
+def _openai_completion(stack, body: dict) -> dict:  # type: ignore[no-untyped-def]
+    """POST ``body`` (prompt PROMPT_IDS unless it says otherwise) to the stack's /v1/completions; the 200 answer."""
     match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
     assert match, "the openai frontend printed no address"
+    conn = http.client.HTTPConnection(match.group(1), int(match.group(2)), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT_IDS} | body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        status, answer = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert status == 200, answer
+    return answer
 
+
+def test_openai_logit_bias_and_vllms_min_fields_reach_the_ranks(stack, tiny_model):
     def complete(**fields) -> dict:
-        conn = http.client.HTTPConnection(match.group(1), int(match.group(2)), timeout=60)
-        try:
-            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT_IDS, "max_tokens": 6} | fields),
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            status, body = resp.status, json.loads(resp.read())
-        finally:
-            conn.close()
-        assert status == 200, body
-        return body
+        return _openai_completion(stack, {"max_tokens": 6} | fields)
 
     forced = complete(temperature=0, ignore_eos=True, logit_bias={str(FORCED): 100})
     assert forced["choices"][0]["text"] == generate(stack, max_tokens=6, ignore_eos=True, logit_bias={FORCED: 100}).text
@@ -88,19 +91,8 @@ def test_stop_token_ids_end_generation_and_include_stop_str_in_output_keeps_them
     greedy answer stops at its 4th token when that token is a stop id (counted, its text left
     out unless asked for), and with ignore_eos too; a stop string is kept the same way; vLLM's
     stop_reason names the stop token or string."""
-    match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
-    assert match, "the openai frontend printed no address"
-
     def complete(**fields) -> dict:
-        conn = http.client.HTTPConnection(match.group(1), int(match.group(2)), timeout=60)
-        try:
-            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0} | fields),
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            status, body = resp.status, json.loads(resp.read())
-        finally:
-            conn.close()
-        assert status == 200, body
+        body = _openai_completion(stack, {"max_tokens": 8, "temperature": 0} | fields)
         return body["choices"][0] | {"completion_tokens": body["usage"]["completion_tokens"]}
 
     plain = generate(stack, max_tokens=8, ignore_eos=True)
