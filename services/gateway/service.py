@@ -236,8 +236,8 @@ class Gateway:
                 self.flights.pop(request_id, None)  # only now may a new request reuse the id here
 
     async def _refuse(self, send: Any, code: str, reason: str, request_id: str | None) -> None:
-        """Answer a request refused before admission ended. Logged as the failures of admitted ones
-        are (`request_failed`): the heartbeat counts it under its code, and the log says which and why."""
+        """Answer a request refused before admission ended, and log it (`rejected`, as an admitted
+        request's failure is `request_failed`); `Replies` counts the answer under its code."""
         log.info("rejected", request_id=request_id or None, code=code, reason=reason)
         await send(ErrorReply(error=ErrorInfo(code, reason), request_id=request_id))
 

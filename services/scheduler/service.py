@@ -216,12 +216,10 @@ class Scheduler:
             # The rank may have reserved all the same: its answer came late or was lost (`reply_by`
             # stops most such reservations, this the rest), or came in a form we cannot read (another
             # version). Released there only: the request may be placed on another rank meanwhile.
-            if isinstance(e, RequestTimeout):
+            if isinstance(e, RequestTimeout | BadReply):
+                why = "stopped waiting for" if isinstance(e, RequestTimeout) else "could not read"
                 await release_reservation(self.bus, job.request_id, decode.hb.instance, decode.hb.rank,
-                                          "the scheduler stopped waiting for the reservation")
-            elif isinstance(e, BadReply):
-                await release_reservation(self.bus, job.request_id, decode.hb.instance, decode.hb.rank,
-                                          "the scheduler could not read the rank's reservation reply")
+                                          f"the scheduler {why} the rank's reservation reply")
             return None
         if not reply.ok or reply.descriptor is None:
             log.info("reserve_refused", decode=f"{decode.hb.instance}/{decode.hb.rank}", reason=reply.reason)
