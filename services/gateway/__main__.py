@@ -10,16 +10,16 @@ from services.gateway.admission import Admission, ModelInfo
 from services.gateway.service import Gateway
 from shared.bus import connect
 from shared.logging import get_logger
-from shared.model.tokenizer import Tokenizer
+from shared.model.config import ConfigError
+from shared.model.tokenizer import Tokenizer, TokenizerFilesError
 from shared.settings import GatewaySettings
 
 log = get_logger(__name__)
 
 
-async def serve(settings: GatewaySettings) -> None:
+async def serve(settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenizer) -> None:
     stop = stop_event()
-    tokenizer = Tokenizer.from_dir(settings.model)
-    admission = Admission(settings, ModelInfo.load(settings), tokenizer)
+    admission = Admission(settings, model, tokenizer)
     async with connect(settings.nats_url, f"gateway-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
         gateway = Gateway(settings, bus, admission, tokenizer)
         await gateway.start()
@@ -33,7 +33,15 @@ async def serve(settings: GatewaySettings) -> None:
 def main(argv: list[str]) -> int:
     settings = parse_settings("gateway", argv, needs_model="the gateway tokenizes")
     assert isinstance(settings, GatewaySettings)
-    asyncio.run(serve(settings))
+    # Before NATS is dialled: a checkpoint without a readable tokenizer (or generation_config.json) is a
+    # usage error naming the file, not a traceback.
+    try:
+        tokenizer = Tokenizer.from_dir(settings.model)
+        model = ModelInfo.load(settings)
+    except (TokenizerFilesError, ConfigError) as e:
+        print(f"moebus gateway: error: model {settings.model!r} cannot be served: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(settings, model, tokenizer))
     return 0
 
 

@@ -85,7 +85,8 @@ def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path)
 
 
 def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_path: Path, tiny_model: Path):
-    """Each of these used to start: a traceback from deep inside a rank (ConfigError, ShardingError), or
+    """Each of these used to start: a traceback from deep inside a rank (ConfigError, ShardingError) or the
+    gateway (TokenizerFilesError), or
     MOEBUS_DECODE_ATTENTION=sdpa, a switch README documents, refused as a typo. Now a usage error (exit 2)
     naming the setting, before any rank starts or NATS is dialled."""
     llama, no_weights = tmp_path / "llama", tmp_path / "no-weights"
@@ -93,12 +94,20 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
     (llama / "config.json").write_text(json.dumps({**json.loads((tiny_model / "config.json").read_text()), "architectures": ["LlamaForCausalLM"]}))
     no_weights.mkdir()
     shutil.copy(tiny_model / "config.json", no_weights)
+    no_tokenizer, bad_tokenizer = tmp_path / "no-tokenizer", tmp_path / "bad-tokenizer"
+    for d in (no_tokenizer, bad_tokenizer):
+        d.mkdir()
+        shutil.copy(tiny_model / "config.json", d)
+    (bad_tokenizer / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     unreachable = {"MOEBUS_NATS_URL": "nats://127.0.0.1:1", "MOEBUS_CONNECT_TIMEOUT_S": "0.5"}
     cases = [
         (["prefill", "--model", str(tiny_model)], {"MOEBUS_PREFILL_TP": "3"}, 2, "tp=3: num_attention_heads=4 is not divisible by TP=3"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_DP": "3"}, 2, "dp=3: num_experts=8 is not divisible by EP=3"),
         (["decode", "--model", str(tmp_path / "nothing")], {}, 2, "is not a checkpoint moebus serves: .*nothing/config.json: file not found"),
         (["gateway", "--model", str(llama)], {}, 2, r"architectures=\['LlamaForCausalLM'\] is not supported"),
+        # The gateway tokenizes: a checkpoint without a readable tokenizer.json was a traceback after NATS was dialled.
+        (["gateway", "--model", str(no_tokenizer)], {}, 2, r"cannot be served: .*no-tokenizer/tokenizer.json is missing"),
+        (["gateway", "--model", str(bad_tokenizer)], {}, 2, r"cannot be served: .*bad-tokenizer/tokenizer.json is not a valid tokenizer file"),
         (["prefill", "--model", str(no_weights)], {}, 2, r"not a checkpoint moebus serves: expected model.safetensors.index.json or exactly one \*.safetensors file, found 0"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
         (["scheduler"], {"MOEBUS_HEARTBEAT_INTERVAL": "2"}, 2, "MOEBUS_HEARTBEAT_INTERVAL: no service has a field"),
