@@ -40,7 +40,7 @@ from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState
 from shared.settings import DecodeSettings
 from shared.tasks import spawn
-from shared.transfer import KVReceiver, LeaseExpired, TransferError, TransferTimeout
+from shared.transfer import KVReceiver, LeaseExpired, ProtocolError, TransferError, TransferTimeout
 
 log = get_logger(__name__)
 
@@ -234,8 +234,11 @@ class DecodeRank:
             except TransferError as e:
                 # The wait ends at the deadline (TransferTimeout), as may the lease: a deadline that passes is `timeout`.
                 # A cancel or lease end while we waited cancels the receiver too, so wait_complete raised.
+                # A chunk that does not fit the reservation (ProtocolError) is a prefill/decode mismatch or a bug,
+                # which a retry meets again: `internal`, not `unavailable`.
                 timed_out = isinstance(e, TransferTimeout) or (isinstance(e, LeaseExpired) and res.lease_is_deadline)
-                await self._drop_reservation(res, "timeout" if timed_out else "unavailable", f"KV transfer failed: {e}")
+                code = "timeout" if timed_out else "internal" if isinstance(e, ProtocolError) else "unavailable"
+                await self._drop_reservation(res, code, f"KV transfer failed: {type(e).__name__}: {e}")
             except Exception as e:  # noqa: BLE001 - whatever failed, the pages must come back and the gateway must hear
                 # e.g. a sampler state from a prefill on another device type (its size differs), or a
                 # receiver that no longer knows the reservation (UnknownTransfer).

@@ -9,7 +9,9 @@ processes) whose one decode rank runs in this process (a tiny CPU model, a real 
 UCX tcp), so the failure can be injected: no real input makes the receiver's `wait_complete`
 raise anything but a `TransferError` (its `UnknownTransfer` needs the rank and its receiver to
 disagree about a reservation; a plain `RuntimeError` stands for a bug), so a receiver subclass
-raises one, once, for one request. The KV the prefill sent for it is real, and so is the rest.
+raises one, once, for one request.  The same for a `ProtocolError` (a shard that does not fit the
+reservation: a prefill/decode mismatch), which a retry would meet again: `internal`, it was
+`unavailable`. The KV the prefill sent for it is real, and so is the rest.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from shared.bus import Bus, connect, pack, unpack
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.runner import ModelRunner
 from shared.settings import DecodeSettings
-from shared.transfer import KVReceiver, KVSender, TransferWorker, UnknownTransfer, kv_head_shard
+from shared.transfer import KVReceiver, KVSender, ProtocolError, TransferWorker, UnknownTransfer, kv_head_shard
 
 from services_helpers import HeartbeatWatch, run, session, stack_fixture
 
@@ -96,8 +98,9 @@ async def _pages_back(rank: DecodeRank, free: int, timeout: float = 3.0) -> tupl
     return allocator.num_free, dict(rank.reserved)
 
 
-@pytest.mark.parametrize("error", [UnknownTransfer("injected: the receiver has no such reservation"), RuntimeError("injected bug")],
-                         ids=["unknown-transfer", "bug"])
+@pytest.mark.parametrize("error", [UnknownTransfer("injected: the receiver has no such reservation"), RuntimeError("injected bug"),
+                                   ProtocolError("start-fails", "injected: undecodable shard header")],
+                         ids=["unknown-transfer", "bug", "protocol-error"])
 def test_a_start_that_fails_unexpectedly_ends_the_request_frees_its_pages_and_the_rank_serves_on(stack, tiny_model: Path, tokenizer, hf_greedy, error):
     async def go():  # type: ignore[no-untyped-def]
         async with _decode_rank(stack.url, tiny_model, FailOnceReceiver, request_id="start-fails", error=error) as (rank, loop, _), \
