@@ -29,8 +29,8 @@ size bound of its own (it holds only pages nobody else wants yet).
 
 Keys are computed with blake2b (128 bits) over the token ids as little-endian int64, so
 every process computes the same keys: the ranks of a TP group, each holding its own KV heads
-of the same pages, reach identical decisions from identical operations (the prefill group
-checks that, `PrefixCacheMismatch`). Hashing a prompt of 1152 tokens takes ~0.1 ms, so a
+of the same pages, find the same pages under the same key (whether a rank still holds a page
+depends on its own evictions: the prefill group agrees on what each prompt reuses). Hashing a prompt of 1152 tokens takes ~0.1 ms, so a
 caller that needs its keys for several operations hashes once (`page_keys`) and passes them
 along. Disabled (``enabled=False``), `match` finds nothing and
 `release` frees every page: the allocator behaves as without a cache.
@@ -45,13 +45,9 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from schemas.internal import PrefixCacheStats
-from shared.kvcache import InvalidPages, KVCacheError, OutOfPages, PageAllocator
+from shared.kvcache import InvalidPages, OutOfPages, PageAllocator
 
 KEY_BYTES = 16
-
-
-class PrefixCacheMismatch(KVCacheError):
-    """A TP peer's prefix cache disagrees with the leader's plan: the ranks' caches diverged."""
 
 
 def page_keys(token_ids: Sequence[int], page_size: int) -> list[bytes]:

@@ -12,18 +12,22 @@ runs (``LayerReports``), not before it: their set-up is off the requests' path.
 
 Prefix caching (`shared.prefix_cache`, setting ``prefix_caching``): every rank keeps the
 full KV pages of its finished prompts, and a prompt whose leading full pages are cached
-reuses them and runs only the rest. Each rank holds its own heads of the same pages, so the
-ranks must make identical cache decisions: the leader decides how many pages each task
-reuses when it forms the batch (`Planned.cached_pages`, broadcast with it), and every rank
-(the leader included) checks that its own index finds exactly that many before it runs the
-batch; a rank that disagrees raises `PrefixCacheMismatch`, which stops the group (loudly)
-rather than running a forward the ranks do not agree on. A task asking for prompt logprobs
-reuses nothing (every prompt row's logits are needed) but still leaves its pages cached. The
-batch is sized by the tokens it computes (not the cached ones) and by the pages an allocation
-can get (free plus evictable, less the cached pages the batch reuses). Each rank hashes a
-prompt's page keys once (`Planned.keys`) for its lookup, its check and its release. Whether a
-batch's pages enter the cache depends on whether the forward succeeded on every rank (one
-agreed flag), so the ranks' indexes stay alike.
+reuses them and runs only the rest. Each rank holds its own heads of the same pages, so every
+rank's forward must reuse the same number of them: the leader plans how many pages each task
+reuses when it forms the batch (`Planned.cached_pages`, broadcast with it), and before any page
+is taken the ranks agree on what each task reuses: the least of the plan and of what each
+rank's own index finds (one all-reduce MIN of an int64 per task). The ranks' indexes can differ:
+a rank short of pages takes none for a task its peers allocate, evicting cached pages, and the
+task fails on every rank (below), so the peers have lost pages that rank keeps. A task then
+reuses the prefix every rank still has and computes the rest; its pages' release caches on each
+rank the pages of that prompt its index lacked, so the indexes agree on it again. A task asking for
+prompt logprobs reuses nothing (every prompt row's logits are needed) but still leaves its
+pages cached. The batch is sized by the tokens it computes (not the cached ones) and by the
+pages an allocation can get (free plus evictable, less the cached pages the batch reuses); a
+rank that must compute more than the leader planned may be short of pages for a task, which then
+fails alone (below). Each rank hashes a prompt's page keys once (`Planned.keys`) for its lookup
+and its release. Whether a batch's pages enter the cache depends on whether the forward
+succeeded on every rank (one agreed flag).
 
 One bad request fails alone, one bad batch fails its own requests, neither the instance. Each
 rank prepares a batch's tasks one by one (its pages, its sequence): a task it cannot prepare
@@ -35,10 +39,9 @@ the ranks already agree on. The codes say whose failure it was: a forward that r
 sender that cannot be built, is `internal` (a bug, or prefill and decode layouts that
 differ); a KV transfer that fails is `timeout` past the request's deadline, else
 `unavailable` (its decode rank is gone or dropped the reservation). What leaves the group
-untrusted (a rank's prefix cache diverged from the leader's plan, a collective or the pages'
-release failing after the forward) still stops the instance, loudly, but the leader first
-fails the batch's requests with `internal`. A queued task the leader cannot plan (its page
-keys, its prefix lookup) fails alone.
+untrusted (a collective or the pages' release failing after the forward) still stops the
+instance, loudly, but the leader first fails the batch's requests with `internal`. A queued
+task the leader cannot plan (its page keys, its prefix lookup) fails alone.
 
 The leader watches the gateways' heartbeats (`PeerLiveness`, as the decode ranks do):
 a queued task whose gateway has been silent for `gateway_expiry_s` of time the leader
@@ -52,7 +55,7 @@ import asyncio
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -68,7 +71,7 @@ from services.model_rank import prompt_candidates, sampling_params, top_candidat
 from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
-from shared.prefix_cache import PrefixCache, PrefixCacheMismatch, page_keys
+from shared.prefix_cache import PrefixCache, page_keys
 from shared.settings import PrefillSettings
 from shared.transfer import KVSender, LayerReports, LayoutMismatch, TransferError, TransferMetrics, TransferWorker, kv_head_shard
 
@@ -87,8 +90,8 @@ class Queued:
 
 @dataclass(frozen=True)
 class Planned:
-    """A task of a batch and how many of its leading KV pages it reuses from the prefix cache
-    (the leader's decision, which every rank follows)."""
+    """A task of a batch and how many of its leading KV pages it reuses from the prefix cache:
+    the leader's plan, then what every rank of the group finds, at most that (`PrefillGroup._agree_reuse`)."""
 
     task: PrefillTask
     cached_pages: int
@@ -101,7 +104,7 @@ class BatchTimes:
     batch's sizes as the ``prefill_batch`` event."""
 
     plan_ms: float = 0.0  # the leader forming the batch: prefix lookups and fit checks
-    pages_ms: float = 0.0  # holding the cached pages, allocating the others, adding the sequences
+    pages_ms: float = 0.0  # agreeing on the cached pages reused, holding them, allocating the others, adding the sequences
     senders_ms: float = 0.0  # building the KV senders, on the event loop while the forward runs
     forward_ms: float = 0.0  # the forward with its first-token sampling, in its thread
     transfer_ms: float = 0.0  # forward done and senders built -> every sender finished
@@ -321,7 +324,7 @@ class PrefillGroup:
                 outcomes, times = await self._prefill(batch)
             except Exception as e:
                 # What _prefill does not turn into failed outcomes leaves this rank's state or the group
-                # untrusted (a prefix cache that diverged, a collective or a page release that failed):
+                # untrusted (a collective or a page release that failed):
                 # serving on could run forwards the ranks disagree on, so the instance stops (a TP group's
                 # supervisor stops every rank). The batch's requests hear why first, and their decode
                 # ranks free the reservations (_fail).
@@ -346,21 +349,36 @@ class PrefillGroup:
         tasks = [(unpack(b, PrefillTask), n) for b, n in payload]  # type: ignore[union-attr]
         return [Planned(task, n, self._page_keys(task)) for task, n in tasks]
 
-    def _take_pages(self, planned: list[Planned]) -> list[list[int] | None]:
-        """Every task's page table: the cached pages the leader planned, then new ones; None for a
-        task whose pages this rank cannot get (it fails alone, `_prepare`).
+    async def _agree_reuse(self, planned: list[Planned]) -> tuple[list[Planned], list[list[int]] | None, str]:
+        """The batch with the cached pages every rank reuses per task (`Planned.cached_pages`: the
+        least of the leader's plan and of what each rank's index finds), this rank's cached pages
+        of each task (at least that many; None: its lookup failed, it prepares nothing, the error
+        is the last item). Every rank of a TP group joins the one all-reduce, its lookup failed or not."""
+        found: list[list[int]] | None = None
+        failure = ON_ANOTHER_RANK
+        try:
+            found = [self._cached_pages(p.task, p.keys)[: p.cached_pages] for p in planned]
+        except Exception as e:  # a bug: this rank prepares none of the batch, every rank fails its tasks (`_prefill`)
+            log.exception("prefill_lookup_failed", request_ids=[p.task.job.request_id for p in planned])
+            failure = f"{type(e).__name__}: {e}"
+        mine = [0] * len(planned) if found is None else [len(f) for f in found]
+        reuse = await asyncio.to_thread(self._min, mine) if self.world > 1 else mine
+        for p, n, m in zip(planned, reuse, mine, strict=True):
+            if n < m:
+                log.info("prefill_reuse_agreed", request_id=p.task.job.request_id, planned=p.cached_pages, found=m, reused=n)
+        return [replace(p, cached_pages=n) for p, n in zip(planned, reuse, strict=True)], found, failure
+
+    def _take_pages(self, planned: list[Planned], found: list[list[int]]) -> list[list[int] | None]:
+        """Every task's page table: its agreed cached pages (the first ``cached_pages`` of what this
+        rank ``found``), then new ones; None for a task whose pages this rank cannot get (it fails
+        alone, `_prepare`).
 
         The tasks are admitted in order by the rule the leader sized the batch with (`PageBudget`),
-        so a rank whose pages are as the leader's admits them all; a rank that is short holds
-        nothing for the tasks it does not admit. The admitted tasks' cached pages are all held
-        before any allocation, so that one task's allocation cannot evict pages a later task
-        reuses, and the allocations cannot fail half way. A rank whose prefix cache diverged
-        from the leader's plan raises before it holds any page."""
-        hits = [self._cached_pages(p.task, p.keys) for p in planned]
-        for p, found in zip(planned, hits, strict=True):
-            if len(found) != p.cached_pages:
-                raise PrefixCacheMismatch(f"rank {self.rank}: request {p.task.job.request_id}: the leader reuses {p.cached_pages} cached KV pages, "
-                                          f"this rank's prefix cache has {len(found)}: the TP ranks' caches diverged")
+        so a rank whose pages are as the leader's and that reuses what the leader planned admits
+        them all; a rank that is short holds nothing for the tasks it does not admit. The admitted
+        tasks' cached pages are all held before any allocation, so that one task's allocation
+        cannot evict pages a later task reuses, and the allocations cannot fail half way."""
+        hits = [f[: p.cached_pages] for p, f in zip(planned, found, strict=True)]
         layout = self.runner.cache.layout
         needs = [layout.pages_for(len(p.task.job.input_ids)) - len(found) for p, found in zip(planned, hits, strict=True)]
         budget = PageBudget(self.prefix)
@@ -377,13 +395,13 @@ class PrefillGroup:
                 self.prefix.acquire(found, len(p.task.job.input_ids))
         return [found + self.prefix.alloc(n) if ok else None for found, n, ok in zip(hits, needs, admitted, strict=True)]
 
-    def _prepare(self, planned: list[Planned]) -> list[Prepared]:
+    def _prepare(self, planned: list[Planned], found: list[list[int]]) -> list[Prepared]:
         """Every task's page table and sequence, each task on its own: one whose pages this rank
         cannot get, or whose sequence cannot be added, is not prepared (`Prepared.error`), the
         others are. Raises only what fails the batch as a whole (`_take_pages`: before any page is held)."""
         page_size = self.runner.cache.layout.page_size
         prepared: list[Prepared] = []
-        for p, pages in zip(planned, self._take_pages(planned), strict=True):
+        for p, pages in zip(planned, self._take_pages(planned, found), strict=True):
             job = p.task.job
             if pages is None:
                 prepared.append(Prepared([], None, "its KV pages are short on this rank (its log says how short)"))
@@ -402,33 +420,26 @@ class PrefillGroup:
         for p, pages in zip(planned, page_tables, strict=True):
             self.prefix.release(p.task.job.input_ids, pages, p.cached_pages, computed, p.keys)
 
-    def _prepared_everywhere(self, prepared: list[bool], diverged: bool) -> list[bool]:
-        """Which tasks of the batch every rank of the group prepared (`_prepare`). A task that one
-        rank did not prepare must not enter a forward its peers run: every rank drops it (gives
-        its pages back, in the same order as its peers, so their caches stay alike) and runs the
-        others. A rank whose prefix cache diverged from the leader's plan (`PrefixCacheMismatch`)
-        leaves nothing to serve on with: every rank raises (`run` fails the batch's requests first)."""
-        *everywhere, agreed = self._agree([*prepared, not diverged])
-        if not agreed:
-            raise PrefixCacheMismatch(f"rank {self.rank}: a rank's prefix cache diverged from the leader's plan (that rank's log names the request)")
-        return everywhere
-
     async def _prefill(self, planned: list[Planned]) -> tuple[list[Outcome], BatchTimes]:
-        """Prepare the batch, fail the tasks some rank could not prepare (each alone, with
-        `internal`; every rank drops the same ones) and run the others (`_compute`)."""
+        """Agree on the cached pages each task reuses (`_agree_reuse`), prepare the batch, fail the
+        tasks some rank could not prepare (each alone, with `internal`; every rank drops the same
+        ones: one all-reduce of a flag per task) and run the others (`_compute`). A task that one
+        rank did not prepare must not enter a forward its peers run: every rank gives its pages
+        back, in the same order as its peers."""
         times = BatchTimes()
         taking = time.perf_counter()
+        planned, found, failure = await self._agree_reuse(planned)
         prepared: list[Prepared] | None = None
-        failure, diverged = ON_ANOTHER_RANK, False
-        try:
-            prepared = self._prepare(planned)
-        except Exception as e:  # the batch as a whole (a diverged prefix cache, a bug): no task runs, no page is held
-            log.exception("prefill_prepare_failed", request_ids=[p.task.job.request_id for p in planned])
-            failure, diverged = f"{type(e).__name__}: {e}", isinstance(e, PrefixCacheMismatch)
+        if found is not None:
+            try:
+                prepared = self._prepare(planned, found)
+            except Exception as e:  # the batch as a whole (a bug): no task runs, no page is held
+                log.exception("prefill_prepare_failed", request_ids=[p.task.job.request_id for p in planned])
+                failure = f"{type(e).__name__}: {e}"
         if prepared is None:
             prepared = [Prepared([], None, failure) for _ in planned]
         local = [m.seq is not None for m in prepared]
-        everywhere = await asyncio.to_thread(self._prepared_everywhere, local, diverged) if self.world > 1 else local
+        everywhere = await asyncio.to_thread(self._agree, local) if self.world > 1 else local
         outcomes: dict[int, Outcome] = {}
         kept: list[int] = []
         for i, (p, mine, ok) in enumerate(zip(planned, prepared, everywhere, strict=True)):
@@ -537,13 +548,18 @@ class PrefillGroup:
         return outcomes
 
     def _agree(self, ok: list[bool]) -> list[bool]:
-        """Flags true on every rank (MIN over the group): a request is delivered only if every
-        rank delivered its heads; a batch's pages are cached only if every rank computed them."""
+        """Flags true on every rank: a task runs only if every rank prepared it; a request is
+        delivered only if every rank delivered its heads; a batch's pages are cached only if
+        every rank computed them."""
+        return [bool(x) for x in self._min([int(x) for x in ok])]
+
+    def _min(self, values: list[int]) -> list[int]:
+        """Each value's least over the group (one all-reduce MIN)."""
         if self.world == 1:
-            return ok
-        flags = torch.tensor([int(x) for x in ok], dtype=torch.int64, device=self.runner.cache.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        return [bool(x) for x in flags.tolist()]
+            return values
+        reduced = torch.tensor(values, dtype=torch.int64, device=self.runner.cache.device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MIN)
+        return [int(x) for x in reduced.tolist()]
 
     def _sum_transfer_stats(self) -> TransferStats:
         """Every rank's KV send totals, summed: only the leader heartbeats, but each rank sends its own heads."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from nats.aio.msg import Msg
 
 from schemas.api import ChatMessage, GenerateRequest, Usage
@@ -24,13 +25,14 @@ from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.metrics import render
 from services.openai.protocol import merged_usage
 from services.prefill.group import Outcome, Planned, PrefillGroup
+from services.ranks import free_port
 from services.scheduler.registry import Registry
 from shared.bus import pack, unpack
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import Qwen3Model
 from shared.model.runner import ModelRunner
-from shared.prefix_cache import PrefixCacheMismatch
 from shared.settings import PrefillSettings
+from prefill_workers import tp_short_rank
 from services_helpers import log_events, run, session, start_stack, stack_fixture, stream_all
 
 pytestmark = pytest.mark.slow
@@ -235,18 +237,19 @@ def test_the_leader_counts_cached_pages_as_allocated_and_evictable_ones_as_free(
     assert plan(group, [task("l", shared + list(range(900, 990))), task("m", list(range(1000, 1010)))]) == [("l", 3)]
 
 
-def test_prompt_logprob_tasks_reuse_nothing_and_a_divergent_plan_is_refused(tiny_model):
+def test_prompt_logprob_tasks_reuse_nothing_and_a_rank_reuses_no_more_than_the_plan(tiny_model):
     shared = list(range(100, 148))
     group = group_on(tiny_model, 16)
     cache_prompt(group, shared + [1])
     assert plan(group, [task("lp", shared + [2], prompt_logprobs=0), task("plain", shared + [2])]) == [("lp", 0), ("plain", 3)]
-    # A peer whose index disagrees with the leader's plan refuses the batch before touching a page.
+    # A rank whose index finds more than the leader planned (its peers may lack the rest) reuses
+    # the planned 2 pages and computes the third, whose copy it frees: the cached one stays.
     group = group_on(tiny_model, 16)
     cache_prompt(group, shared + [1])
-    planned = [Planned(unpack(task("x", shared + [2]).data, PrefillTask), 2)]
-    with pytest.raises(PrefixCacheMismatch, match="the leader reuses 2 cached KV pages, this rank's prefix cache has 3"):
-        group._take_pages(planned)
-    assert group.prefix.evictable_pages == 3 and group.prefix.stats().lookups == 0
+    planned = [Planned(unpack(task("x", shared + [2], kv_dtype="bfloat16").data, PrefillTask), 2)]
+    ((outcome,), _) = asyncio.run(group._prefill(planned))
+    assert outcome.output is not None and outcome.cached_tokens == 2 * PAGE
+    assert group.prefix.cached_pages == group.prefix.evictable_pages == 3 and group.prefix.allocator.num_free == 13
 
 
 def test_a_failed_forward_caches_nothing_and_a_computed_batch_caches_its_full_pages(tiny_model):
@@ -274,6 +277,39 @@ def test_a_failed_forward_caches_nothing_and_a_computed_batch_caches_its_full_pa
     assert computed.code == "internal"  # prefill's and decode's layouts differ: no stage is gone (it was `unavailable`)
     assert group.prefix.cached_pages == group.prefix.evictable_pages == 3 and group.prefix.allocator.num_free == 13
     assert len(group.prefix.match(prompt)) == 3
+
+
+def test_a_tp_rank_short_of_pages_leaves_the_ranks_caches_apart_and_the_next_batch_reuses_what_every_rank_has(tiny_model, tmp_path):
+    """A TP group of 2 (gloo, spawned processes, `prefill_workers.tp_short_rank`): rank 1 alone is
+    short of pages for a task of 31 pages. The leader takes them, evicting one cached page of a
+    prompt that rank 1 keeps; the task fails on both ranks (rank 1 could not prepare it), and their
+    indexes now differ: the leader finds 1 page of the prompt, rank 1 finds 2. The same prompt
+    again, planned by the leader (1 page) and broadcast: before this change rank 1's index
+    disagreed with the plan, both ranks raised `PrefixCacheMismatch` and `PrefillGroup.run`
+    stopped the instance (the request failed with `internal`, later ones found no prefill). Now
+    every rank reuses what every rank finds (1 page), the batch runs, and the caches are alike again."""
+    port, ctx = free_port(), mp.get_context("spawn")
+    procs = [ctx.Process(target=tp_short_rank, args=(r, 2, port, str(tiny_model), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    leader, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert leader["warm"] == peer["warm"] == [2, 30, 2]
+    elsewhere = "prefill could not prepare the request: on another rank of the TP group (its log names the error)"
+    short = "prefill could not prepare the request: its KV pages are short on this rank (its log says how short)"
+    assert leader["big"] == [False, "internal", elsewhere, 1, 31, 1]  # the leader evicted a page of the prompt for the task
+    assert peer["big"] == [False, "internal", short, 2, 30, 2]  # rank 1 took no page for it: it keeps both
+    assert leader["plan"] == peer["plan"] == [1]
+    assert "raised" not in leader and "raised" not in peer, (leader, peer)
+    for again in (leader["again"], peer["again"]):
+        ran, code, error, cached_tokens, *after = again
+        assert ran and code == "internal" and "dtype" in error, again  # it ran (its KV is refused: another dtype)
+        assert cached_tokens == PAGE and after == [2, 30, 2]  # one page reused on every rank; both full pages cached on both again
 
 
 # ------------------------------------------------------------ the scheduler's prefix affinity
