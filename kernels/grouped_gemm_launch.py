@@ -71,12 +71,18 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
             small_experts = n * k <= MID_TILE_MAX_WEIGHT_ELEMENTS
             mid = not masked and small_experts and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT
             tile_n = 192 if mid else 256
+    # FP8 prefill of more than MID_TILE_MAX_TOKENS_PER_EXPERT tokens per expert: the tiles whose rows all belong
+    # to their expert (most of them) go out by TMA stores.  Measured on one H200 (Qwen3-30B down, same call):
+    # +5.3% at 2048 tokens, -0.6% at 375 (a third of its tiles end mid-tile), so smaller groups keep the
+    # store warps' stores; bench/grouped_gemm_findings.md.
+    tma_store = (fp8 and not masked and not swiglu and tokens_per_expert > MID_TILE_MAX_TOKENS_PER_EXPERT
+                 and n % 8 == 0)
     # Only the measured tiles: 128-wide ones (SwiGLU, overrides) gain a stage only beside ~1600 experts' schedule.
     split_output = (tile_m == 128 and tile_n in (192, 256) and not fp8 and not mxfp8 and not masked
                     and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT)
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
-                             split_output=split_output, num_sms=num_sms)
+                             split_output=split_output, tma_store=tma_store, num_sms=num_sms)
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).

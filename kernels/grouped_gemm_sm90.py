@@ -34,7 +34,8 @@ consumer warpgroups run WGMMA and hand each finished tile to two store warps
 through shared memory, so its global stores drain while the consumers run the
 next tile's mainloop (bf16 prefill tiles of up to 512 tokens per expert in two
 halves through a half-size buffer, which frees shared memory for one more
-pipeline stage; see ``grouped_gemm_sm90_epilogue``).
+pipeline stage; FP8 prefill tiles whose rows all belong to their expert by
+TMA stores; see ``grouped_gemm_sm90_epilogue``).
 
 Code: this module holds the configuration, the host side, the schedule, the
 TMA producer and the bf16 mainloop; ``grouped_gemm_sm90_scaled`` the FP8
@@ -85,6 +86,8 @@ class GroupedGemmConfig:
     mxfp8: bool = False  # bf16 activations x MXFP8 weights (E4M3 + E8M0 per 32 along K), bf16 math
     # bf16: hand each output tile to the store warps in two halves where that frees a pipeline stage (see Epilogue)
     split_output: bool = False
+    # Output tiles whose rows all belong to their expert go out by TMA stores (see Epilogue); contiguous layout
+    tma_store: bool = False
     num_sms: int = 132  # persistent CTAs launched
 
     def validate(self) -> None:
@@ -98,6 +101,8 @@ class GroupedGemmConfig:
             raise ValueError("fp8 (block-scaled E4M3 x E4M3) and mxfp8 (bf16 x MXFP8 weights) exclude each other")
         if self.split_output and (self.fp8 or self.mxfp8):
             raise ValueError("split_output is for bf16 x bf16 tiles (only their mainloop writes the held half)")
+        if self.tma_store and (self.masked or self.out_n % 8):
+            raise ValueError(f"tma_store needs the contiguous layout and output rows of 16-byte multiples (N={self.out_n})")
         if (self.k * elem_bytes) % 16 or (self.mxfp8 and self.k % 16):
             raise ValueError(f"K={self.k}: rows must be 16-byte aligned for TMA ({16 // elem_bytes} elements; "
                              "16 for MXFP8 weights)")
@@ -260,6 +265,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         # bf16 with two consumer warpgroups: they take turns to issue each stage (see _mainloop).
         self.bf16_turns = not cfg.fp8 and not cfg.mxfp8 and self.num_consumer_wg == 2
         self.turns = self.fp8_turns or self.bf16_turns
+        self.tma_store = cfg.tma_store
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
 
@@ -348,6 +354,14 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         # (otherwise B's atom and tensor stand in, never used).
         self.sf_smem_layout = cute.make_layout((cfg.tile_n, MX_SCALE_BOX, self.stages),
                                                stride=(MX_SCALE_BOX, 1, cfg.tile_n * MX_SCALE_BOX))
+        tma_atom_c, tma_c = tma_atom_b, tma_b  # stand-ins where the output is not stored by TMA
+        if cutlass.const_expr(self.tma_store):
+            tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                mC,
+                cute.slice_(self.epi_smem_layout, (None, None, 0)),
+                (cfg.tile_m, EPI_N),
+            )
         tma_atom_sf, tma_sf = tma_atom_b, tma_b
         if cutlass.const_expr(cfg.mxfp8):
             tma_atom_sf, tma_sf = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -385,7 +399,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             raise ValueError(f"{cfg}: {SharedStorage.size_in_bytes()} bytes of shared memory, over {SMEM_CAPACITY}")
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sf, tma_sf, mC, mGroups, mSFA, mSFB, mRowW, rows,
+            tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sf, tma_sf, mC, tma_atom_c, tma_c, mGroups, mSFA, mSFB,
+            mRowW, rows,
             self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.b_mma_smem_layout, self.epi_smem_layout,
             self.sf_smem_layout,
         ).launch(
@@ -406,6 +421,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         tma_atom_sf: cute.CopyAtom,
         mSF: cute.Tensor,
         mC: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mCt: cute.Tensor,
         mGroups: cute.Tensor,
         mSFA: cute.Tensor,
         mSFB: cute.Tensor,
@@ -492,8 +509,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                     self._stage_scales(mSFA, mSFB, sSA, sSB, scales, rows, bidx, total_tiles, s_tile_begin,
                                        s_row_start, s_row_count)
             elif warp_idx >= STORE_WARPS[0]:
-                self._store_tiles(sEpi, mC, rows, tidx - 32 * STORE_WARPS[0], bidx, total_tiles, s_tile_begin,
-                                  s_row_start, s_row_count)
+                self._store_tiles(sEpi, mC, (tma_atom_c, mCt), rows, tidx - 32 * STORE_WARPS[0], bidx, total_tiles,
+                                  s_tile_begin, s_row_start, s_row_count)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
@@ -599,7 +616,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         mainloop.producer_tail(state)
 
     @cute.jit
-    def _store_tiles(self, sEpi, mC, rows, store_tidx, first_tile, total_tiles, s_tile_begin, s_row_start,
+    def _store_tiles(self, sEpi, mC, tma_c, rows, store_tidx, first_tile, total_tiles, s_tile_begin, s_row_start,
                      s_row_count):
         """Store warps: every output tile of this CTA, in the consumers' order, from shared to global memory."""
         cfg = self.cfg
@@ -609,8 +626,11 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         while tile < total_tiles:
             expert, n_tile, batch, row0, rows_left = self._locate(tile, expert, s_tile_begin, s_row_start,
                                                                   s_row_count)
-            self._store_tile(store, mC, rows, row0, rows_left, n_tile, batch)
+            self._store_tile(store, mC, tma_c, sEpi, rows, row0, rows_left, n_tile, batch, store_tidx)
             tile = tile + cfg.num_sms
+        if cutlass.const_expr(self.tma_store):
+            if store_tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0)  # the last tile's TMA stores complete before the CTA exits
 
     @cute.jit
     def _consume(self, tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, sSF, scales, mRowW, rows, mainloop,

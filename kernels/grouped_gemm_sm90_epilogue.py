@@ -8,8 +8,13 @@
   the TMA loads) copy that tile to global memory in 16-byte vector stores,
   each predicated on its row and column: a tile's rows may run past its
   expert (contiguous layout: the next expert's rows; masked: past the count),
-  and those are never written.  A TMA store could not respect expert
-  boundaries inside a tile without a tensor map per expert.
+  and those are never written.  FP8 prefill (``tma_store``): a tile whose
+  rows all belong to its expert goes out by TMA stores instead, issued by one
+  store thread (TMA clips the columns past N; it could not stop at an expert's
+  last row inside a tile without a tensor map per expert).  Qwen3-30B down at
+  2048 tokens per expert (every tile full), one H200: 1123-1124 TFLOP/s against
+  1066-1069 with the store warps' stores, same call; at 375 tokens (a third of
+  the tiles end mid-tile) 966-970 against 974-975 (bench/grouped_gemm_findings.md).
 
 So the global stores of tile t drain while the tensor cores run tile t+1.
 Each consumer warpgroup hands its 64 rows of the one output buffer back and
@@ -50,7 +55,7 @@ _BAR_OUT_FULL, _BAR_OUT_EMPTY, _BAR_OUT_STRIDE = 3, 4, 4
 
 class Epilogue:
     """Per-tile output of the grouped GEMM (uses ``cfg``, ``c_dtype``, ``acc_dtype``, ``num_consumer_wg``, ``store_vec``,
-    ``out_chunks``, ``buffer_chunks``, ``out_halves``)."""
+    ``out_chunks``, ``buffer_chunks``, ``out_halves``, ``tma_store``)."""
 
     def _out_barriers(self, wg):
         """(full, empty) named barriers between consumer warpgroup ``wg`` (an int or a warp-uniform Int32) and the store warps."""
@@ -106,6 +111,7 @@ class Epilogue:
         for chunk in cutlass.range_constexpr(self.buffer_chunks):
             self._chunk_to_bf16(tRS_rAcc, chunk, rD, rD_out)
             cute.copy(r2s, rD_out, tRS_sD[(None, None, None, chunk)])
+        self._fence_for_tma_store()
         out_full.arrive()
         if cutlass.const_expr(self.out_halves):
             for c in cutlass.range_constexpr(self.buffer_chunks):
@@ -127,7 +133,13 @@ class Epilogue:
         out_empty.arrive_and_wait()  # the store warps have read these rows of the first half
         for c in cutlass.range_constexpr(self.buffer_chunks):
             cute.copy(r2s, held[c], tRS_sD[(None, None, None, c)])
+        self._fence_for_tma_store()
         out_full.arrive()
+
+    def _fence_for_tma_store(self):
+        """The consumers' shared-memory writes (generic proxy) made visible to the TMA stores (async proxy)."""
+        if cutlass.const_expr(self.tma_store):
+            cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def _store_setup(self, sOut, store_tidx):
@@ -147,29 +159,63 @@ class Epilogue:
         return thr_s2g, s2g_atom, tSG_sD, tSG_cD
 
     @cute.jit
-    def _store_tile(self, store, mC, rows, row0, rows_left, n_tile, batch):
+    def _store_tile(self, store, mC, tma_c, sEpi, rows, row0, rows_left, n_tile, batch, store_tidx):
         """Store warps: per fill of the output buffer (the tile, or its two halves), wait for it, write its valid
-        rows and columns, free the buffer."""
+        rows and columns, free the buffer.
+
+        With ``tma_store`` a tile whose rows all belong to its expert goes out
+        by TMA (``_tma_store_fill``), the others by ``_store_fill``; the buffer
+        is freed for the next fill once the TMA stores have read it.
+        """
         cfg = self.cfg
-        thr_s2g, s2g_atom, tSG_sD, tSG_cD = store
         for fill in cutlass.range_constexpr(self.out_chunks // self.buffer_chunks):
+            if cutlass.const_expr(self.tma_store):
+                if store_tidx == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous fill's TMA stores have read it
             for wg in cutlass.range_constexpr(self.num_consumer_wg):
                 self._out_barriers(wg)[1].arrive()  # done with the previous fill: the warpgroup may overwrite its rows
             for wg in cutlass.range_constexpr(self.num_consumer_wg):
                 self._out_barriers(wg)[0].arrive_and_wait()
-            col0 = n_tile * self.out_cols
-            # Element offset of the tile's first element (masked layout: [E, rows, out_n]).
-            tile_first = cutlass.Int64(batch) * rows * cfg.out_n + row0 * cfg.out_n + col0
-            for c in cutlass.range_constexpr(self.buffer_chunks):
-                chunk = fill * self.buffer_chunks + c  # the tile's column chunk in buffer chunk c
-                cols_left = cfg.out_n - (col0 + chunk * EPI_N)
-                # Rows are out_n elements apart and chunks start at multiples of EPI_N, so the
-                # chunk's first element is store_vec-aligned: say so, or the stores get split.
-                first = cute.assume(tile_first + chunk * EPI_N, divby=self.store_vec)
-                gD = cute.make_tensor(mC.iterator + first,
-                                      cute.make_layout((cfg.tile_m, EPI_N), stride=(cfg.out_n, 1)))
-                tSG_gD = thr_s2g.partition_D(gD)
-                for m in cutlass.range_constexpr(cute.size(tSG_sD, mode=[1])):
-                    coord = tSG_cD[(0, m, 0)]
-                    if coord[0] < rows_left and coord[1] < cols_left:
-                        cute.copy(s2g_atom, tSG_sD[(None, m, 0, c)], tSG_gD[(None, m, 0)])
+            if cutlass.const_expr(self.tma_store):
+                if rows_left >= cfg.tile_m:
+                    if store_tidx == 0:
+                        self._tma_store_fill(tma_c, sEpi, row0, n_tile, batch, fill)
+                else:
+                    self._store_fill(store, mC, rows, row0, rows_left, n_tile, batch, fill)
+            else:
+                self._store_fill(store, mC, rows, row0, rows_left, n_tile, batch, fill)
+
+    @cute.jit
+    def _tma_store_fill(self, tma_c, sEpi, row0, n_tile, batch, fill: cutlass.Constexpr):
+        """One store thread: the fill's column chunks by TMA stores, one bulk group (TMA clips the columns past N)."""
+        cfg = self.cfg
+        tma_atom_c, mCt = tma_c
+        gC = cute.local_tile(cute.domain_offset((row0, 0, 0), mCt), (cfg.tile_m, EPI_N), (None, None, None))
+        tCsC, tCgC = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sEpi, 0, 2), cute.group_modes(gC, 0, 2))
+        for c in cutlass.range_constexpr(self.buffer_chunks):
+            chunk = n_tile * self.out_chunks + fill * self.buffer_chunks + c  # the output's EPI_N-column chunk
+            cute.copy(tma_atom_c, tCsC[(None, c)], tCgC[(None, 0, chunk, batch)])
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _store_fill(self, store, mC, rows, row0, rows_left, n_tile, batch, fill: cutlass.Constexpr):
+        """Store warps: the fill's rows that belong to the expert and columns below N, in 16-byte vector stores."""
+        cfg = self.cfg
+        thr_s2g, s2g_atom, tSG_sD, tSG_cD = store
+        col0 = n_tile * self.out_cols
+        # Element offset of the tile's first element (masked layout: [E, rows, out_n]).
+        tile_first = cutlass.Int64(batch) * rows * cfg.out_n + row0 * cfg.out_n + col0
+        for c in cutlass.range_constexpr(self.buffer_chunks):
+            chunk = fill * self.buffer_chunks + c  # the tile's column chunk in buffer chunk c
+            cols_left = cfg.out_n - (col0 + chunk * EPI_N)
+            # Rows are out_n elements apart and chunks start at multiples of EPI_N, so the
+            # chunk's first element is store_vec-aligned: say so, or the stores get split.
+            first = cute.assume(tile_first + chunk * EPI_N, divby=self.store_vec)
+            gD = cute.make_tensor(mC.iterator + first,
+                                  cute.make_layout((cfg.tile_m, EPI_N), stride=(cfg.out_n, 1)))
+            tSG_gD = thr_s2g.partition_D(gD)
+            for m in cutlass.range_constexpr(cute.size(tSG_sD, mode=[1])):
+                coord = tSG_cD[(0, m, 0)]
+                if coord[0] < rows_left and coord[1] < cols_left:
+                    cute.copy(s2g_atom, tSG_sD[(None, m, 0, c)], tSG_gD[(None, m, 0)])

@@ -152,6 +152,23 @@ def test_config_rejects_unsupported_shapes():
     assert gg.SWIGLU_BLOCK == sm90.SWIGLU_BLOCK and QUANT_BLOCK == sm90.SCALE_BLOCK
 
 
+@pytest.mark.parametrize("tma_store", [True, False])
+def test_fp8_prefill_tiles_store_full_tiles_by_tma(tma_store, tmp_path):
+    """With ``tma_store`` one store thread writes full tiles by TMA (bulk groups, waited for before the buffer is
+    reused; the consumers fence their shared-memory writes for the async proxy), partial ones keep the store warps'
+    16-byte stores."""
+    from kernels.grouped_gemm_launch import compile_kernel
+
+    cfg = sm90.GroupedGemmConfig(num_experts=6, n=712, k=400, masked=False, fp8=True, tile_m=128, tile_n=192,
+                                 row_weights=True, tma_store=tma_store)
+    ptx = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}").artifacts.PTX
+    tma = {"tma store": "cp.async.bulk.tensor.2d.global.shared::cta" in ptx,
+           "read wait": re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx) is not None,
+           "proxy fence": "fence.proxy.async.shared::cta" in ptx}
+    assert tma == dict.fromkeys(tma, tma_store), tma
+    assert "st.global.v4" in ptx  # tiles that end inside their expert's rows
+
+
 def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     from kernels.grouped_gemm_launch import choose_config
 
@@ -187,6 +204,14 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     assert split(mid, n=4096, k=1536) and not split(mid + 1, n=4096, k=1536)
     # not the masked (decode) layout, not FP8, not the 128-wide SwiGLU tiles (no stage to gain beside 8 experts)
     assert not split(mid, masked=True) and not split(mid, fp8=True) and not split(mid, swiglu=True)
+
+    def tma(tokens: float, *, fp8: bool = True, masked: bool = False, swiglu: bool = False, n: int = 2048) -> bool:
+        return choose_config(num_experts=8, n=n, k=768, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,
+                             tokens_per_expert=tokens, num_sms=132).tma_store
+
+    # FP8 prefill above the mid bound stores its full tiles by TMA; not below, not bf16, decode, SwiGLU or N % 8
+    assert [tma(t) for t in (small + 1, mid, mid + 0.5, 8 * mid)] == [False, False, True, True]
+    assert not any([tma(4 * mid, fp8=False), tma(4 * mid, masked=True), tma(4 * mid, swiglu=True), tma(4 * mid, n=2044)])
 
 
 # ----------------------------------------------------------- torch references
