@@ -204,6 +204,8 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queued_tokens: int = 0  # input tokens queued or running
     queued_requests: int = 0
     prefix_cache: PrefixCacheStats | None = None
+    # schedulers
+    suspect_ranks: list[str] = []  # decode ranks ("instance/rank") skipped after a missed reservation reply
     # gateways
     in_flight: int = 0
     requests: RequestStats | None = None

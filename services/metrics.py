@@ -34,6 +34,8 @@ FAMILIES = [
     ("moebus_gateway_completion_tokens_total", "counter", "completion tokens of finished requests"),
     ("moebus_gateway_ttft_seconds", "gauge", "time to first token over the gateway's latest finished requests, by quantile"),
     ("moebus_gateway_tpot_seconds", "gauge", "time per output token after the first over the latest finished requests, by quantile"),
+    ("moebus_scheduler_waiting_requests", "gauge", "requests waiting at a scheduler for capacity"),
+    ("moebus_scheduler_suspect_ranks", "gauge", "decode ranks a scheduler skips after a missed reservation reply, until they answer a probe"),
     ("moebus_prefill_queued_requests", "gauge", "requests queued at a prefill instance"),
     ("moebus_prefill_queued_tokens", "gauge", "input tokens queued or running at a prefill instance"),
     ("moebus_prefill_prefix_cache_lookups_total", "counter", "requests that looked for cached prefix pages"),
@@ -103,6 +105,9 @@ def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
             yield "moebus_gateway_completion_tokens_total", who, hb.requests.completion_tokens
             yield from _quantiles("moebus_gateway_ttft_seconds", who, hb.requests.ttft)
             yield from _quantiles("moebus_gateway_tpot_seconds", who, hb.requests.tpot)
+    elif hb.role == "scheduler":
+        yield "moebus_scheduler_waiting_requests", who, hb.queued_requests
+        yield "moebus_scheduler_suspect_ranks", who, len(hb.suspect_ranks)
     elif hb.role == "prefill":
         yield "moebus_prefill_queued_requests", who, hb.queued_requests
         yield "moebus_prefill_queued_tokens", who, hb.queued_tokens

@@ -3,7 +3,8 @@
 `moebus status --url nats://127.0.0.1:4222` listens on `ctl.heartbeat.>` for `--wait`
 seconds (every service beats every `heartbeat_interval_s`, 0.5 s by default) and prints
 one line per process: role, instance, rank, model, uptime, whether it drains, and its
-load (gateway: requests in flight; prefill: queued requests and tokens, prefix cache hits; decode: batch
+load (gateway: requests in flight; scheduler: requests waiting for capacity, and the decode ranks it
+skips after a missed reservation reply; prefill: queued requests and tokens, prefix cache hits; decode: batch
 and KV pages in use), its KV transfer totals and a decode rank's steps by path. Below
 come the totals over all gateways (requests by outcome, tokens, time to first token and
 time per output token, percentiles over each gateway's recent requests; with several
@@ -82,6 +83,8 @@ def _prefix_cache(hb: Heartbeat) -> str:
 def _load(hb: Heartbeat) -> str:
     if hb.role == "gateway":
         return f"in_flight={hb.in_flight}"
+    if hb.role == "scheduler":
+        return f"waiting={hb.queued_requests}" + (f" suspect[{' '.join(hb.suspect_ranks)}]" if hb.suspect_ranks else "")
     if hb.role == "prefill":
         return f"queued={hb.queued_requests} ({hb.queued_tokens} tok)"
     if hb.role == "decode":

@@ -114,6 +114,9 @@ class SchedulerSettings(ServiceSettings, kw_only=True):
     queue_wait_ms: NonNegative = 1000  # how long a request may wait for capacity before `overloaded`
     max_queued: NonNegative = 256  # requests waiting for capacity; beyond -> `overloaded` at once
     reserve_timeout_ms: Positive = 500  # a decode rank must answer a reservation within this
+    # A decode rank that did not is skipped until it answers a probe: the first goes out
+    # reserve_timeout_ms after the miss, each missed one doubles the wait up to this.
+    suspect_probe_max_s: Seconds = 5.0
     lease_s: Seconds = 30.0  # reserved KV pages are freed if prefill has not started decode by then
     # A prompt goes to the prefill instance its first KV page hashes to (whose prefix cache may hold
     # it) unless that one has this many more queued tokens than the least loaded; 0: always the least loaded.

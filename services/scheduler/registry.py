@@ -6,6 +6,10 @@ so that a burst of requests does not all land on the member that looked emptiest
 half a second ago. The next heartbeat replaces the estimate with the member's own
 numbers; the decode rank's reservation stays the source of truth (it may refuse).
 
+A decode rank that missed a reservation reply is a suspect (`Suspicion`, kept by key, not on
+its `Member`: the next heartbeat replaces the Member, and a rank's heartbeats may go on while
+its reservations stall): placement skips it until it answers again (services/scheduler/suspects.py).
+
 Prefix affinity (`prefill_for`): a prefill instance's prefix cache only helps prompts that
 land on it, so prompts whose first KV page is the same go to the same instance while its
 queue is not much longer than the least loaded one's. The instance is picked by rendezvous
@@ -34,7 +38,6 @@ class Member:
     pending_pages: int = 0
     pending_batch: int = 0
     pending_tokens: int = 0
-    suspect_until: float = 0.0  # monotonic; skipped while a reservation there just failed
 
     @property
     def free_pages(self) -> int:
@@ -52,6 +55,12 @@ class Member:
         return -(-num_tokens // max(self.hb.page_size, 1))
 
 
+@dataclass(frozen=True)
+class Suspicion:
+    started_at: float  # of the process that missed a reply: a restarted rank (a new started_at) is not suspect
+    since: float  # time.monotonic() of the miss
+
+
 @dataclass
 class Registry:
     expiry_s: float
@@ -59,16 +68,13 @@ class Registry:
     members: dict[MemberKey, Member] = field(default_factory=dict)
     # The scheduler's own hearing: silence counts only while it was listening. None: by the clock alone.
     hearing: Hearing | None = None
+    suspects: dict[MemberKey, Suspicion] = field(default_factory=dict)
 
     def update(self, hb: Heartbeat) -> None:
         if self.model and hb.model != self.model:
             return
         key = (hb.role, hb.instance, hb.rank)
-        old = self.members.get(key)
-        member = Member(hb=hb, seen=time.monotonic())
-        if old is not None and old.hb.started_at == hb.started_at:
-            member.suspect_until = old.suspect_until
-        self.members[key] = member
+        self.members[key] = Member(hb=hb, seen=time.monotonic())
 
     def expire(self) -> list[MemberKey]:
         """Drop members silent for longer than the expiry; returns their keys."""
@@ -81,23 +87,29 @@ class Registry:
     def _silence(self, member: Member, now: float) -> float:
         return self.hearing.silence(member.seen, now) if self.hearing is not None else now - member.seen
 
+    def suspect(self, key: MemberKey) -> Suspicion | None:
+        """Mark a registered member suspect; None when it is not registered or already suspect."""
+        member = self.members.get(key)
+        if member is None or self.is_suspect(member):
+            return None
+        self.suspects[key] = suspicion = Suspicion(started_at=member.hb.started_at, since=time.monotonic())
+        return suspicion
+
+    def is_suspect(self, member: Member) -> bool:
+        suspicion = self.suspects.get((member.hb.role, member.hb.instance, member.hb.rank))
+        return suspicion is not None and suspicion.started_at == member.hb.started_at
+
     def of_role(self, role: str) -> list[Member]:
         return [m for m in self.members.values() if m.hb.role == role and not m.hb.draining]
 
     def decode_candidates(self, num_tokens: int) -> list[Member]:
-        """Decode ranks with room for `num_tokens` of KV and a batch below their cap, most free KV first."""
-        now = time.monotonic()
+        """Decode ranks, not suspect, with room for `num_tokens` of KV and a batch below their cap, most free KV first."""
         fits = [
             m
             for m in self.of_role("decode")
-            if m.suspect_until <= now and m.batch < m.hb.max_batch and m.free_pages >= m.pages_for(num_tokens)
+            if not self.is_suspect(m) and m.batch < m.hb.max_batch and m.free_pages >= m.pages_for(num_tokens)
         ]
         return sorted(fits, key=lambda m: (-m.free_pages, m.batch, m.hb.instance, m.hb.rank))
-
-    def _live_prefill(self) -> list[Member]:
-        """Prefill instances that are not draining and not suspect."""
-        now = time.monotonic()
-        return [m for m in self.of_role("prefill") if m.suspect_until <= now]
 
     def prefill_for(self, input_ids: Sequence[int], slack_tokens: int) -> Member | None:
         """The prefill instance for a prompt: the one its first KV page hashes to (module doc) if
@@ -105,7 +117,7 @@ class Registry:
         least loaded. A prompt with no full page before its last token (nothing any cache could
         reuse), instances that report no page size or no prefix cache, or ``slack_tokens`` 0: the
         least loaded."""
-        live = self._live_prefill()
+        live = self.of_role("prefill")
         least = _least_loaded(live)
         if least is None or slack_tokens <= 0:
             return least

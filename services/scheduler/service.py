@@ -21,6 +21,7 @@ from schemas.internal import Cancel, Heartbeat, Job, KVReservation, Placement, P
 from services.common import Heartbeater, cancel_applies, release_reservation
 from services.liveness import Hearing
 from services.scheduler.registry import Member, Registry
+from services.scheduler.suspects import SuspectRanks
 from shared.bus import BadReply, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.settings import SchedulerSettings
@@ -45,7 +46,8 @@ class Scheduler:
         self.placed = 0
         self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
         self.waiting_ids: set[str] = set()
-        self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"queued_requests": self.waiting})
+        self.suspects = SuspectRanks(settings, bus, self.registry)
+        self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"queued_requests": self.waiting, "suspect_ranks": self.suspects.names()})
         self._expiry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -57,6 +59,7 @@ class Scheduler:
 
     async def stop(self) -> None:
         await self.heartbeater.stop()
+        await self.suspects.stop()
         if self._expiry is not None:
             self._expiry.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -168,6 +171,8 @@ class Scheduler:
         try:
             num_tokens = len(job.input_ids) + job.max_tokens
             for decode in self.registry.decode_candidates(num_tokens):
+                if self.registry.is_suspect(decode):  # missed a reply to a placement running alongside since the list was made
+                    continue
                 reservation = await self._reserve(decode, job, num_tokens)
                 if reservation is None:
                     continue
@@ -188,7 +193,8 @@ class Scheduler:
                 prefill.pending_tokens -= len(job.input_ids)
 
     async def _reserve(self, decode: Member, job: Job, num_tokens: int) -> KVReservation | None:
-        """Ask the rank for pages; on refusal or silence, stop considering it until its next heartbeat.
+        """Ask the rank for pages; on refusal, count it full until its next heartbeat; on silence (or an
+        answer we cannot read), skip it until it answers a probe (services/scheduler/suspects.py).
 
         The pages count as taken from the moment we ask, so that concurrent placements
         spread over the ranks instead of all picking the one that looked emptiest.
@@ -212,7 +218,7 @@ class Scheduler:
             reply = await self.bus.request(subject, request, KVReservation, timeout=timeout)
         except BusError as e:
             log.warning("reserve_failed", decode=f"{decode.hb.instance}/{decode.hb.rank}", error=str(e))
-            decode.suspect_until = time.monotonic() + self.settings.heartbeat_expiry_s
+            self.suspects.missed(decode, e)
             # The rank may have reserved all the same: its answer came late or was lost (`reply_by`
             # stops most such reservations, this the rest), or came in a form we cannot read (another
             # version). Released there only: the request may be placed on another rank meanwhile.

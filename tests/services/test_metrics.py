@@ -36,7 +36,11 @@ def test_every_heartbeat_field_becomes_a_series_with_the_process_labels():
     decode = Heartbeat(role="decode", instance="d0", rank=1, model="tiny", version="0.1", started_at=90.0, draining=True,
                        kv_total_pages=511, kv_free_pages=500, batch_size=2, max_batch=32, decode_steps={"graph_replay": 7, "eager": 1},
                        transfer=TransferStats(completed=4, bytes_total=123456, seconds_total=0.25, failures={"lease_expired": 1}))
-    series = parse(render([gateway, decode], now=160.0))
+    scheduler = Heartbeat(role="scheduler", instance="s0", rank=0, model="tiny", version="0.1", started_at=150.0, queued_requests=4,
+                          suspect_ranks=["d0/1"])
+    series = parse(render([gateway, decode, scheduler], now=160.0))
+    s0 = frozenset({("role", "scheduler"), ("instance", "s0"), ("rank", "0")})
+    assert series[("moebus_scheduler_waiting_requests", s0)] == 4 and series[("moebus_scheduler_suspect_ranks", s0)] == 1
     gw = frozenset({("role", "gateway"), ("instance", 'gw \\"a\\"'), ("rank", "0")})
     d0 = frozenset({("role", "decode"), ("instance", "d0"), ("rank", "1")})
     assert series[("moebus_up", gw | {("model", "tiny"), ("version", "0.1")})] == 1

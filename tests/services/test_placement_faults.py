@@ -87,6 +87,60 @@ def test_a_rank_that_answers_a_reservation_too_late_holds_nothing_and_the_reques
     assert reserve_failed == ["decode-0/0"] and placed == ["decode-1/0"], (reserve_failed, placed)
 
 
+def test_a_rank_that_beats_but_misses_reservations_costs_one_reserve_timeout_not_one_per_request(stack):
+    """decode-0 stalls (SIGSTOP) while its heartbeats keep coming (the test publishes its last
+    real one every 0.25 s: a heartbeat sent by a thread the stall does not reach). Three requests,
+    the last after a probe of decode-0 went unanswered: only the first may wait out a reservation
+    timeout on decode-0, the others go straight to decode-1 (the scheduler's heartbeat names
+    decode-0 suspect meanwhile). Once decode-0 runs again it answers a later probe and takes
+    requests again. Before the fix the mark of the missed reply was lost with the next heartbeat
+    (which replaced the registry entry during the wait), so every request asked decode-0 first
+    and waited its 0.5 s."""
+    stalled = next(r for r in stack.replicas if r.instance == "decode-0")
+    ids = [f"beating-stalled-{n}" for n in range(3)]
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with session(stack.url) as (client, watch):
+            bus = client.bus
+            await watch.wait_for(lambda w: len(w.live("decode")) == 2 and all_kv_free(w), 10, "both decode ranks idle")
+            last_beat = _decode(watch, "decode-0")
+            earlier_backs = len(log_events(stack, "decode_rank_back"))  # the stack is the module's: earlier tests stalled decode-0 too
+
+            async def beat() -> None:
+                while True:
+                    await bus.publish(subjects.heartbeat("decode", "decode-0", 0), pack(last_beat))
+                    await asyncio.sleep(0.25)
+
+            os.killpg(stalled.proc.pid, signal.SIGSTOP)
+            beating = asyncio.ensure_future(beat())
+            try:
+                for n, request_id in enumerate(ids):
+                    if n == 2:
+                        await asyncio.sleep(1.5)  # a probe of decode-0 goes out and misses meanwhile (0.5 s after the miss, for 0.5 s)
+                    await client.generate(GenerateRequest(prompt=PROMPT, max_tokens=4, temperature=0, request_id=request_id))
+                asked = [e["request_id"] for e in log_events(stack, "reserve_failed") if e.get("request_id") in ids and e["decode"] == "decode-0/0"]
+                placed = [e["decode"] for e in log_events(stack, "placed") if e.get("request_id") in ids and e["replica"].startswith("scheduler")]
+                assert asked == ids[:1] and placed == ["decode-1/0"] * 3, (asked, placed)
+                await watch.wait_for(lambda w: [hb.suspect_ranks for hb in w.live("scheduler")] == [["decode-0/0"]], 5,
+                                     "the scheduler's heartbeat naming decode-0 suspect")
+            finally:
+                beating.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beating
+                os.killpg(stalled.proc.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 15
+            while not (back := [e for e in log_events(stack, "decode_rank_back")[earlier_backs:] if e["decode"] == "decode-0/0"]):
+                assert time.monotonic() < deadline, "decode-0 was not taken back within 15 s of running again"
+                await asyncio.sleep(0.1)
+            assert back[0]["why"] == "answered a probe" and back[0]["probes"] >= 2, back  # the first probe went out while it was stopped
+            await watch.wait_for(all_kv_free, 10, "both decode ranks idle again")
+            await client.generate(GenerateRequest(prompt=PROMPT, max_tokens=4, temperature=0, request_id="beating-stalled-back"))
+
+    run(go())
+    placed = [e["decode"] for e in log_events(stack, "placed") if e.get("request_id") == "beating-stalled-back" and e["replica"].startswith("scheduler")]
+    assert placed == ["decode-0/0"], placed  # both idle: the first by name, no longer skipped
+
+
 def test_a_reservation_request_past_its_reply_by_is_refused(stack):
     async def go():
         async with session(stack.url) as (client, watch):

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -66,6 +67,10 @@ def test_status_lines_show_each_process_and_the_totals():
                   prefix_cache=PrefixCacheStats(lookups=4, hits=3, lookup_tokens=400, hit_tokens=300, evictions=2, cached_pages=12, evictable_pages=9)),
     ]
     gateway, decode, prefill = (member_line(hb, now) for hb in members)
+    scheduler = Heartbeat(role="scheduler", instance="s0", rank=0, model="tiny", version="1", started_at=now - 5, queued_requests=2,
+                          suspect_ranks=["d0/1", "d1/0"])
+    assert member_line(scheduler, now).endswith("waiting=2 suspect[d0/1 d1/0]")
+    assert member_line(msgspec.structs.replace(scheduler, suspect_ranks=[]), now).endswith("waiting=2")
     assert "queued=1 (30 tok)  prefix_hits=3/4 75% tok cached_pages=12 (9 evictable) evicted=2" in prefill
     assert gateway.split()[:5] == ["gateway", "gw", "0", "tiny", "1m15s"] and "in_flight=2" in gateway
     assert decode.split()[:6] == ["decode", "d0", "1", "tiny", "1h01m", "serving"]

@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
@@ -433,8 +434,22 @@ def test_decode_placement_prefers_free_kv_and_respects_caps():
     reg.update(Heartbeat(role="decode", instance="e", rank=0, model="other", version="v", started_at=1.0, kv_free_pages=100, page_size=16, max_batch=4))
     assert [m.hb.instance for m in reg.decode_candidates(16 * 60)] == ["c"]  # 60 pages: only c has them
     assert [m.hb.instance for m in reg.decode_candidates(16)] == ["c", "a"]
-    reg.members[("decode", "c", 0)].suspect_until = time.monotonic() + 5
+    assert reg.suspect(("decode", "c", 0)) is not None and reg.suspect(("decode", "c", 0)) is None  # once
     assert [m.hb.instance for m in reg.decode_candidates(16)] == ["a"]
+    assert reg.suspect(("decode", "nobody", 0)) is None
+
+
+def test_a_suspect_decode_rank_stays_suspect_across_heartbeats_until_it_restarts():
+    """The suspicion is kept by key: the heartbeat that replaces the Member (its reservations may
+    stall while it beats on) does not clear it; a new process (another started_at) is not suspect."""
+    reg = Registry(expiry_s=10, model="m")
+    beat = hb("decode", "c", kv_total_pages=100, kv_free_pages=80, page_size=16, max_batch=4)
+    reg.update(beat)
+    reg.suspect(("decode", "c", 0))
+    reg.update(beat)
+    assert reg.decode_candidates(16) == []
+    reg.update(msgspec.structs.replace(beat, started_at=2.0))
+    assert [m.hb.instance for m in reg.decode_candidates(16)] == ["c"]
 
 
 def test_prefill_placement_fewest_queued_tokens_and_expiry():
