@@ -41,7 +41,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 # services.warmup): up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (decode-sized groups) 64-row
 # tiles, above it 128-row tiles.  bf16 prefill (contiguous layout) of experts with at most
 # MID_TILE_MAX_WEIGHT_ELEMENTS weights each (N * K: Qwen3-30B's, not Qwen3-235B's) takes
-# 128x192 tiles up to MID_TILE_MAX_TOKENS_PER_EXPERT, 128x256 above.
+# 128x192 tiles up to MID_TILE_MAX_TOKENS_PER_EXPERT, 128x256 above; FP8 prefill above it
+# stores its full output tiles by TMA.
 SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64
 MID_TILE_MAX_TOKENS_PER_EXPERT = 512
 MID_TILE_MAX_WEIGHT_ELEMENTS = 1 << 22

@@ -7,7 +7,7 @@ first users wait. So a rank runs, before its first heartbeat,
 * prefill: one forward over a short prompt and, for MoE models, one over a prompt just
   long enough that the grouped GEMM's token count per local expert passes each bound of
   its tile buckets (`kernels.grouped_gemm.TILE_BUCKET_BOUNDS`: past 64 the 128-row tiles,
-  past 512 the widest bf16 tiles for small experts), so every bucket a batch can reach is compiled before
+  past 512 the widest bf16 tiles for small experts and FP8's TMA-stored tiles), so every bucket a batch can reach is compiled before
   the first request — a forward is skipped when no real batch could reach its bucket
   (`max_batch_tokens`, KV pages);
 * decode: lockstep steps (`services.decode.lockstep.Lockstep`, the step loop's own
