@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 from nats.aio.msg import Msg
 
@@ -22,10 +23,28 @@ from shared.model.model import LayerCallback
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.model.sampling import SamplingParams
 from shared.parallel import Topology, init_distributed
+from services.ranks import free_port
 from shared.settings import PrefillSettings
 
 POISON = [101, 102, 103, 104, 105, 106, 107]  # the prompt whose batch fails
 PAGE = 16
+
+
+def run_tp_pair(target: Callable[..., None], tiny_model: Path, out_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``target(rank, 2, port, model, out_dir)`` as a spawned TP=2 gloo group; the (leader, peer) JSON
+    each rank wrote to ``out_dir/rank{r}.json``. Fails if a rank hangs (120 s) or exits non-zero."""
+    port, ctx = free_port(), mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, 2, port, str(tiny_model), str(out_dir))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    leader, peer = (json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2))
+    return leader, peer
 
 
 class PoisonedRunner(ModelRunner):

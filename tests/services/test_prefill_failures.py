@@ -30,25 +30,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from schemas.api import GenerateRequest
 from services.client import Client, GenerateError
 from services.launch import LocalStack
 from services.model_rank import prepare_rank_environment
 from services.prefill.group import PrefillGroup
-from services.ranks import free_port
 from shared.bus import connect
 from shared.model.runner import ModelRunner
 from shared.settings import PrefillSettings
 from shared.transfer import TransferWorker, prepare_direct_writes
 
-from prefill_workers import POISON, FailingForwardRunner, PoisonedRunner, tp_rank
+from prefill_workers import POISON, FailingForwardRunner, PoisonedRunner, run_tp_pair, tp_rank
 from services_helpers import HeartbeatWatch, all_kv_free, compose_specs, run, session, start_specs
 
 pytestmark = pytest.mark.slow
@@ -206,17 +203,7 @@ def test_a_batch_that_leaves_the_group_untrusted_fails_its_request_before_the_in
 
 
 def test_a_task_a_tp_rank_cannot_prepare_fails_alone_on_every_rank(tiny_model, tmp_path):
-    port, ctx = free_port(), mp.get_context("spawn")
-    procs = [ctx.Process(target=tp_rank, args=(r, 2, port, str(tiny_model), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        p.kill()
-    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    leader, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    leader, peer = run_tp_pair(tp_rank, tiny_model, tmp_path)
     for ran, code, error in (leader["short"][0], peer["short"][0], leader["isolated"][1], peer["isolated"][1]):
         assert ran and code == "internal" and "dtype" in error, (leader, peer)  # every rank prepared it: it ran (its KV is refused: another dtype)
     elsewhere = "prefill could not prepare the request: on another rank of the TP group (its log names the error)"

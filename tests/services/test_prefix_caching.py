@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from nats.aio.msg import Msg
 
 from schemas.api import ChatMessage, GenerateRequest, Usage
@@ -25,14 +24,13 @@ from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.metrics import render
 from services.openai.protocol import merged_usage
 from services.prefill.group import Outcome, Planned, PrefillGroup
-from services.ranks import free_port
 from services.scheduler.registry import Registry
 from shared.bus import pack, unpack
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import Qwen3Model
 from shared.model.runner import ModelRunner
 from shared.settings import PrefillSettings
-from prefill_workers import tp_short_rank
+from prefill_workers import run_tp_pair, tp_short_rank
 from services_helpers import log_events, run, session, start_stack, stack_fixture, stream_all
 
 pytestmark = pytest.mark.slow
@@ -288,17 +286,7 @@ def test_a_tp_rank_short_of_pages_leaves_the_ranks_caches_apart_and_the_next_bat
     disagreed with the plan, both ranks raised `PrefixCacheMismatch` and `PrefillGroup.run`
     stopped the instance (the request failed with `internal`, later ones found no prefill). Now
     every rank reuses what every rank finds (1 page), the batch runs, and the caches are alike again."""
-    port, ctx = free_port(), mp.get_context("spawn")
-    procs = [ctx.Process(target=tp_short_rank, args=(r, 2, port, str(tiny_model), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        p.kill()
-    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    leader, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    leader, peer = run_tp_pair(tp_short_rank, tiny_model, tmp_path)
     assert leader["warm"] == peer["warm"] == [2, 30, 2]
     elsewhere = "prefill could not prepare the request: on another rank of the TP group (its log names the error)"
     short = "prefill could not prepare the request: its KV pages are short on this rank (its log says how short)"
