@@ -74,7 +74,8 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
     # FP8 prefill of more than MID_TILE_MAX_TOKENS_PER_EXPERT tokens per expert: the tiles whose rows all belong
     # to their expert (most of them) go out by TMA stores.  Measured on one H200 (Qwen3-30B down, same call):
     # +5.3% at 2048 tokens, -0.6% at 375 (a third of its tiles end mid-tile), so smaller groups keep the
-    # store warps' stores; bench/grouped_gemm_findings.md.
+    # store warps' stores; at 2048 on all four Qwen3 FP8 shapes, another call: +2.2..+4.4%;
+    # bench/grouped_gemm_findings.md.
     tma_store = (fp8 and not masked and not swiglu and tokens_per_expert > MID_TILE_MAX_TOKENS_PER_EXPERT
                  and n % 8 == 0)
     # Only the measured tiles: 128-wide ones (SwiGLU, overrides) gain a stage only beside ~1600 experts' schedule.

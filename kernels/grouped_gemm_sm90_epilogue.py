@@ -14,7 +14,8 @@
   last row inside a tile without a tensor map per expert).  Qwen3-30B down at
   2048 tokens per expert (every tile full), one H200: 1123-1124 TFLOP/s against
   1066-1069 with the store warps' stores, same call; at 375 tokens (a third of
-  the tiles end mid-tile) 966-970 against 974-975 (bench/grouped_gemm_findings.md).
+  the tiles end mid-tile) 966-970 against 974-975; the four Qwen3 FP8 shapes at
+  2048, another call: +2.2..+4.4% (bench/grouped_gemm_findings.md).
 
 So the global stores of tile t drain while the tensor cores run tile t+1.
 Each consumer warpgroup hands its 64 rows of the one output buffer back and
