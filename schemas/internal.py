@@ -222,6 +222,7 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queued_tokens: int = 0  # input tokens queued or running
     queued_requests: int = 0
     prefix_cache: PrefixCacheStats | None = None
+    prefill_queue_seconds: Histogram | None = None  # the leader's: each task's wait from arrival until a batch takes it
     # schedulers
     suspect_ranks: list[str] = []  # decode ranks ("instance/rank") skipped after a missed reservation reply
     # gateways

@@ -6,8 +6,8 @@ process and field of its latest heartbeat: the same figures `moebus status` prin
 (load, KV pages, decode steps by path, KV transfer totals, a prefill instance's prefix cache
 lookups, hits and evictions, a gateway's requests by outcome, tokens and latency quantiles), and a gateway's
 histograms of its finished requests since start (time to first token, time per output token, end-to-end
-latency, time to placement, prompt and completion tokens), which sum over gateways and rate over any
-window: `histogram_quantile(0.99, sum by (le) (rate(moebus_gateway_time_to_first_token_seconds_bucket[5m])))`.
+latency, time to placement, prompt and completion tokens) and a prefill instance's of its tasks' queue
+time, which sum over replicas and rate over any window: `histogram_quantile(0.99, sum by (le) (rate(moebus_gateway_time_to_first_token_seconds_bucket[5m])))`.
 Every series carries `role`, `instance` and `rank`; a process silent for `--expiry` seconds is dropped from the page, so a dead
 replica's series end instead of freezing. Counters are the processes' own totals since
 they started (a restart starts them again, which Prometheus' `rate()` handles).
@@ -49,6 +49,7 @@ FAMILIES = [
     ("moebus_scheduler_suspect_ranks", "gauge", "decode ranks a scheduler skips after a missed reservation reply, until they answer a probe"),
     ("moebus_prefill_queued_requests", "gauge", "requests queued at a prefill instance"),
     ("moebus_prefill_queued_tokens", "gauge", "input tokens queued or running at a prefill instance"),
+    ("moebus_prefill_queue_time_seconds", "histogram", "a task's wait at a prefill instance from its arrival until a batch takes it"),
     ("moebus_prefill_prefix_cache_lookups_total", "counter", "requests that looked for cached prefix pages"),
     ("moebus_prefill_prefix_cache_hits_total", "counter", "requests that reused at least one cached prefix page"),
     ("moebus_prefill_prefix_cache_lookup_tokens_total", "counter", "prompt tokens of the requests that looked up the prefix cache"),
@@ -141,6 +142,7 @@ def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
     elif hb.role == "prefill":
         yield "moebus_prefill_queued_requests", who, hb.queued_requests
         yield "moebus_prefill_queued_tokens", who, hb.queued_tokens
+        yield from _histogram("moebus_prefill_queue_time_seconds", who, hb.prefill_queue_seconds)
         yield from _prefix_cache(who, hb.prefix_cache)
     elif hb.role == "decode":
         yield "moebus_decode_batch_size", who, hb.batch_size

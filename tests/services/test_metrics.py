@@ -68,11 +68,20 @@ def test_gateway_histograms_render_as_prometheus_histograms_per_process():
     assert not any(name.startswith("moebus_gateway_time_to_first_token_seconds") for name, _ in parse(render([old], now=1.0)))
 
 
+def test_a_prefill_instance_exports_its_queue_time_histogram():
+    prefill = Heartbeat(role="prefill", instance="p0", rank=0, model="tiny", version="0.1", started_at=0.0, queued_requests=1,
+                        prefill_queue_seconds=Histogram(bounds=[0.001, 0.01], buckets=[2, 2], count=3, sum=0.5))
+    series = parse(render([prefill], now=1.0))
+    p0 = frozenset({("role", "prefill"), ("instance", "p0"), ("rank", "0")})
+    assert histogram_buckets(series, "moebus_prefill_queue_time_seconds")[p0] == [(0.001, 2), (0.01, 2), (math.inf, 3)]
+    assert series[("moebus_prefill_queue_time_seconds_sum", p0)] == 0.5 and series[("moebus_prefill_queue_time_seconds_count", p0)] == 3
+
+
 def test_a_fresh_gateway_exports_every_histogram_empty():
     hb = Heartbeat(role="gateway", instance="g", rank=0, model="tiny", version="0.1", started_at=0.0,
                    requests=RequestCounters(max_context=4096).stats())
     series = parse(render([hb], now=1.0))
-    histograms = [name for name, kind, _ in FAMILIES if kind == "histogram"]
+    histograms = [name for name, kind, _ in FAMILIES if kind == "histogram" and name.startswith("moebus_gateway_")]
     assert len(histograms) == 6
     for family in histograms:
         assert series[(f"{family}_count", frozenset({("role", "gateway"), ("instance", "g"), ("rank", "0")}))] == 0

@@ -308,19 +308,22 @@ GATEWAY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_to
 def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timings(stack):
     """Scraped over HTTP before and after requests of known timings: every gateway histogram parses
     as Prometheus text, grows by exactly those requests, each in the buckets its reply's `timing`
-    and `usage` put it in, and its sum by their values."""
+    and `usage` put it in, and its sum by their values; the prefill instance's queue time histogram
+    grows by one wait per request, each shorter than that request's time to first token."""
 
-    def scrape_idle(url: str, at_least: int) -> tuple[Series, frozenset]:
+    def scrape_idle(url: str, finished: float = 0, prefilled: float = 0) -> tuple[Series, frozenset, frozenset]:
         """A page whose gateway has nothing in flight (so it counted every reply sent) and has
-        counted at least `at_least` finished requests."""
+        counted at least `finished` requests, and whose prefill instance has taken `prefilled` tasks."""
         deadline = time.monotonic() + 10
         while True:
             series = parse_metrics(urllib.request.urlopen(url, timeout=5).read().decode())
             gateway = [labels for name, labels in series if name == "moebus_gateway_in_flight"]
-            if len(gateway) == 1 and series[("moebus_gateway_in_flight", gateway[0])] == 0:
-                if series[("moebus_gateway_time_to_first_token_seconds_count", gateway[0])] >= at_least:
-                    return series, gateway[0]
-            assert time.monotonic() < deadline, f"no idle gateway with {at_least} finished requests on the page"
+            prefill = [labels for name, labels in series if name == "moebus_prefill_queue_time_seconds_count"]
+            if len(gateway) == 1 and len(prefill) == 1 and series[("moebus_gateway_in_flight", gateway[0])] == 0:
+                if (series[("moebus_gateway_time_to_first_token_seconds_count", gateway[0])] >= finished
+                        and series[("moebus_prefill_queue_time_seconds_count", prefill[0])] >= prefilled):
+                    return series, gateway[0], prefill[0]
+            assert time.monotonic() < deadline, f"no idle gateway with {finished} finished requests and prefill with {prefilled} tasks"
             time.sleep(0.2)
 
     async def serve() -> list:
@@ -330,12 +333,23 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
             streamed = await stream_all(client, GenerateRequest(prompt=PROMPTS[4], max_tokens=3, ignore_eos=True))
             return [(r.timing, r.usage) for r in unary] + [(streamed[-1].timing, streamed[-1].usage)]
 
+    def counts(series: Series, gw: frozenset, pf: frozenset) -> tuple[float, float]:
+        return series[("moebus_gateway_time_to_first_token_seconds_count", gw)], series[("moebus_prefill_queue_time_seconds_count", pf)]
+
     with _metrics_exporter(stack) as url:
-        before, gw = scrape_idle(url, 0)
-        finished_before = before[("moebus_gateway_time_to_first_token_seconds_count", gw)]
+        before, gw, pf = scrape_idle(url)
+        for _ in range(10):  # a page after the last heartbeats that may still count the tests before this one
+            time.sleep(1.0)
+            again, gw, pf = scrape_idle(url)
+            if counts(again, gw, pf) == counts(before, gw, pf):
+                break
+            before = again
+        else:
+            raise AssertionError("the gateway's and prefill instance's counts kept changing with no traffic")
         replies = run(serve())
-        after, gw_after = scrape_idle(url, finished_before + len(replies))
-    assert gw_after == gw
+        after, gw_after, pf_after = scrape_idle(url, before[("moebus_gateway_time_to_first_token_seconds_count", gw)] + len(replies),
+                                                before[("moebus_prefill_queue_time_seconds_count", pf)] + len(replies))
+    assert (gw_after, pf_after) == (gw, pf)
     assert set(dict(gw)) == {"role", "instance", "rank"} and dict(gw)["role"] == "gateway"
     observed = {  # what each histogram should have gained, from the replies themselves
         "time_to_first_token_seconds": [t.ttft_ms / 1000 for t, _ in replies],
@@ -354,6 +368,10 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
         assert after[(f"{family}_sum", gw)] - before[(f"{family}_sum", gw)] == pytest.approx(sum(values), rel=1e-9, abs=1e-9), family
         gained = [(le, n - m) for (le, n), (_, m) in zip(histogram_buckets(after, family)[gw], histogram_buckets(before, family)[gw], strict=True)]
         assert gained == [(le, sum(v <= le for v in values)) for le, _ in gained], family
+    family = "moebus_prefill_queue_time_seconds"
+    assert after[(f"{family}_count", pf)] - before[(f"{family}_count", pf)] == len(replies)
+    waited = after[(f"{family}_sum", pf)] - before[(f"{family}_sum", pf)]
+    assert 0 <= waited <= sum(observed["time_to_first_token_seconds"])
     # the counters on the same page agree with the histograms
     finished = sum(v for (name, labels), v in after.items() if name == "moebus_gateway_requests_total" and dict(labels)["outcome"] in ("stop", "length"))
     assert after[("moebus_gateway_e2e_request_latency_seconds_count", gw)] == finished

@@ -14,8 +14,9 @@ import pytest
 
 from schemas.api import ErrorInfo, ErrorReply, GenerateChunk, GenerateResponse, Timing, Usage
 from schemas.internal import Heartbeat, Histogram, PrefixCacheStats, RequestStats, TransferStats
-from services.gateway.stats import E2E_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S, Buckets, RequestCounters, one_two_five, summarize
+from services.gateway.stats import RequestCounters, summarize
 from services.status import member_line, summary_lines
+from shared.histogram import E2E_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S, Buckets, one_two_five
 
 
 def _response(finish: str, prompt: int, completion: int, ttft: float, total: float, queue: float = 0.0) -> GenerateResponse:
