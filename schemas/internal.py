@@ -170,15 +170,33 @@ class LatencySummary(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     p99_ms: float
 
 
+class Histogram(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Observations since start in fixed buckets, as Prometheus keeps them: ``buckets[i]`` counts
+    the observations <= ``bounds[i]`` (cumulative, so non-decreasing); ``count`` counts them all
+    (the ``+Inf`` bucket) and ``sum`` adds them up."""
+
+    bounds: list[float]  # upper bounds, ascending, without +Inf
+    buckets: list[int]  # one cumulative count per bound
+    count: int = 0
+    sum: float = 0.0
+
+
 class RequestStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A gateway's requests since it started: every final reply counted once, by outcome,
-    and latency percentiles over its most recent finished requests."""
+    latency percentiles over its most recent finished requests, and histograms of every
+    finished request since start (services/gateway/stats.py has their bucket bounds)."""
 
     outcomes: dict[str, int] = {}  # finished: "stop" / "length"; failed: the error code (overloaded, timeout, ...)
     prompt_tokens: int = 0  # of finished requests
     completion_tokens: int = 0
     ttft: LatencySummary | None = None  # arrival to first token
     tpot: LatencySummary | None = None  # per output token after the first (requests of 2+ tokens)
+    ttft_seconds: Histogram | None = None  # arrival to first token
+    tpot_seconds: Histogram | None = None  # a request's mean time per output token after the first (2+ tokens)
+    e2e_seconds: Histogram | None = None  # arrival to final reply
+    queue_seconds: Histogram | None = None  # arrival to placement by a scheduler (Timing.queue_ms)
+    prompt_tokens_per_request: Histogram | None = None
+    completion_tokens_per_request: Histogram | None = None
 
 
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -204,6 +222,7 @@ class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queued_tokens: int = 0  # input tokens queued or running
     queued_requests: int = 0
     prefix_cache: PrefixCacheStats | None = None
+    prefill_queue_seconds: Histogram | None = None  # the leader's: each task's wait from arrival until a batch takes it
     # schedulers
     suspect_ranks: list[str] = []  # decode ranks ("instance/rank") skipped after a missed reservation reply
     # gateways

@@ -4,8 +4,11 @@
 and serves `GET /metrics` in Prometheus' text format (version 0.0.4), one series per
 process and field of its latest heartbeat: the same figures `moebus status` prints
 (load, KV pages, decode steps by path, KV transfer totals, a prefill instance's prefix cache
-lookups, hits and evictions, a gateway's requests by outcome, tokens and latency quantiles). Every series carries `role`, `instance` and
-`rank`; a process silent for `--expiry` seconds is dropped from the page, so a dead
+lookups, hits and evictions, a gateway's requests by outcome, tokens and latency quantiles), and a gateway's
+histograms of its finished requests since start (time to first token, time per output token, end-to-end
+latency, time to placement, prompt and completion tokens) and a prefill instance's of its tasks' queue
+time, which sum over replicas and rate over any window: `histogram_quantile(0.99, sum by (le) (rate(moebus_gateway_time_to_first_token_seconds_bucket[5m])))`.
+Every series carries `role`, `instance` and `rank`; a process silent for `--expiry` seconds is dropped from the page, so a dead
 replica's series end instead of freezing. Counters are the processes' own totals since
 they started (a restart starts them again, which Prometheus' `rate()` handles).
 """
@@ -18,7 +21,7 @@ import time
 from collections.abc import Iterator
 
 from schemas import subjects
-from schemas.internal import Heartbeat, LatencySummary, PrefixCacheStats, TransferStats
+from schemas.internal import Heartbeat, Histogram, LatencySummary, PrefixCacheStats, TransferStats
 from services import http
 from shared.bus import connect, unpack
 
@@ -34,10 +37,19 @@ FAMILIES = [
     ("moebus_gateway_completion_tokens_total", "counter", "completion tokens of finished requests"),
     ("moebus_gateway_ttft_seconds", "gauge", "time to first token over the gateway's latest finished requests, by quantile"),
     ("moebus_gateway_tpot_seconds", "gauge", "time per output token after the first over the latest finished requests, by quantile"),
+    ("moebus_gateway_time_to_first_token_seconds", "histogram", "arrival at the gateway to first token, of finished requests"),
+    ("moebus_gateway_request_time_per_output_token_seconds", "histogram",
+     "a finished request's mean time per output token after the first (requests of 2+ tokens)"),
+    ("moebus_gateway_e2e_request_latency_seconds", "histogram", "arrival at the gateway to final reply, of finished requests"),
+    ("moebus_gateway_request_queue_time_seconds", "histogram",
+     "arrival at the gateway to placement by a scheduler, of finished requests (not the wait in a prefill instance's queue)"),
+    ("moebus_gateway_request_prompt_tokens", "histogram", "prompt tokens per finished request"),
+    ("moebus_gateway_request_generation_tokens", "histogram", "completion tokens per finished request"),
     ("moebus_scheduler_waiting_requests", "gauge", "requests waiting at a scheduler for capacity"),
     ("moebus_scheduler_suspect_ranks", "gauge", "decode ranks a scheduler skips after a missed reservation reply, until they answer a probe"),
     ("moebus_prefill_queued_requests", "gauge", "requests queued at a prefill instance"),
     ("moebus_prefill_queued_tokens", "gauge", "input tokens queued or running at a prefill instance"),
+    ("moebus_prefill_queue_time_seconds", "histogram", "a task's wait at a prefill instance from its arrival until a batch takes it"),
     ("moebus_prefill_prefix_cache_lookups_total", "counter", "requests that looked for cached prefix pages"),
     ("moebus_prefill_prefix_cache_hits_total", "counter", "requests that reused at least one cached prefix page"),
     ("moebus_prefill_prefix_cache_lookup_tokens_total", "counter", "prompt tokens of the requests that looked up the prefix cache"),
@@ -55,6 +67,8 @@ FAMILIES = [
     ("moebus_kv_transfer_seconds_total", "counter", "summed wall time of the completed KV transfers"),
     ("moebus_kv_transfer_failures_total", "counter", "failed KV transfers by cause"),
 ]
+# The family of every series name: a histogram's _bucket, _sum and _count lines belong to it.
+FAMILY_OF = {name + suffix: name for name, kind, _ in FAMILIES for suffix in (("_bucket", "_sum", "_count") if kind == "histogram" else ("",))}
 Sample = tuple[str, dict[str, str], float]
 
 
@@ -66,6 +80,17 @@ def _quantiles(name: str, labels: dict[str, str], summary: LatencySummary | None
     if summary is not None:
         for q, ms in (("0.5", summary.p50_ms), ("0.9", summary.p90_ms), ("0.99", summary.p99_ms)):
             yield name, labels | {"quantile": q}, ms / 1000
+
+
+def _histogram(name: str, labels: dict[str, str], h: Histogram | None) -> Iterator[Sample]:
+    """A Prometheus histogram: cumulative `_bucket{le}` lines ending with `+Inf`, then `_sum` and `_count`."""
+    if h is None:
+        return
+    for bound, n in zip(h.bounds, h.buckets, strict=True):
+        yield f"{name}_bucket", labels | {"le": repr(float(bound))}, n
+    yield f"{name}_bucket", labels | {"le": "+Inf"}, h.count
+    yield f"{name}_sum", labels, h.sum
+    yield f"{name}_count", labels, h.count
 
 
 def _transfers(labels: dict[str, str], t: TransferStats | None) -> Iterator[Sample]:
@@ -105,12 +130,19 @@ def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
             yield "moebus_gateway_completion_tokens_total", who, hb.requests.completion_tokens
             yield from _quantiles("moebus_gateway_ttft_seconds", who, hb.requests.ttft)
             yield from _quantiles("moebus_gateway_tpot_seconds", who, hb.requests.tpot)
+            yield from _histogram("moebus_gateway_time_to_first_token_seconds", who, hb.requests.ttft_seconds)
+            yield from _histogram("moebus_gateway_request_time_per_output_token_seconds", who, hb.requests.tpot_seconds)
+            yield from _histogram("moebus_gateway_e2e_request_latency_seconds", who, hb.requests.e2e_seconds)
+            yield from _histogram("moebus_gateway_request_queue_time_seconds", who, hb.requests.queue_seconds)
+            yield from _histogram("moebus_gateway_request_prompt_tokens", who, hb.requests.prompt_tokens_per_request)
+            yield from _histogram("moebus_gateway_request_generation_tokens", who, hb.requests.completion_tokens_per_request)
     elif hb.role == "scheduler":
         yield "moebus_scheduler_waiting_requests", who, hb.queued_requests
         yield "moebus_scheduler_suspect_ranks", who, len(hb.suspect_ranks)
     elif hb.role == "prefill":
         yield "moebus_prefill_queued_requests", who, hb.queued_requests
         yield "moebus_prefill_queued_tokens", who, hb.queued_tokens
+        yield from _histogram("moebus_prefill_queue_time_seconds", who, hb.prefill_queue_seconds)
         yield from _prefix_cache(who, hb.prefix_cache)
     elif hb.role == "decode":
         yield "moebus_decode_batch_size", who, hb.batch_size
@@ -128,7 +160,7 @@ def render(members: list[Heartbeat], now: float) -> str:
     for hb in members:
         for name, labels, value in samples(hb, now):
             label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-            by_family[name].append(f"{name}{{{label_text}}} {value!r}")
+            by_family[FAMILY_OF[name]].append(f"{name}{{{label_text}}} {value!r}")
     lines = []
     for name, kind, help_ in FAMILIES:
         if by_family[name]:

@@ -102,7 +102,7 @@ class Gateway:
         self.admitting: dict[str, StageError | None] = {}  # request id -> why it ended while admission ran
         self.liveness = PeerLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic(),
                                      roles=("prefill", "decode"))
-        self.counters = RequestCounters()
+        self.counters = RequestCounters(admission.model.max_context)
         self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"in_flight": len(self.flights), "requests": self.counters.stats()})
         self._generate_sub: Any = None
 

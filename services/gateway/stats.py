@@ -6,6 +6,10 @@ reason of a completed request ("stop", "length") or the error code of a failed o
 recent `window` completed requests only, so the percentiles describe the stack as it
 runs now rather than since it started; they are computed when a heartbeat is built
 (twice a second), not per request.
+
+The same finished requests also go into cumulative histograms since start (shared/histogram.py,
+which has their bucket bounds), which Prometheus can add up over gateway replicas and over any
+time window (`moebus metrics` renders them).
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from typing import Any
 
 from schemas.api import ErrorReply, GenerateChunk, GenerateResponse
 from schemas.internal import LatencySummary, RequestStats
+from shared.histogram import E2E_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S, Buckets, one_two_five
 
 WINDOW = 1024  # completed requests the latency percentiles cover
-
 
 def summarize(samples_ms: deque[float] | list[float]) -> LatencySummary | None:
     """p50 / p90 / p99 (nearest rank) of `samples_ms`; None when there are none."""
@@ -33,30 +37,48 @@ def summarize(samples_ms: deque[float] | list[float]) -> LatencySummary | None:
 
 
 class RequestCounters:
-    """Outcome counts and token totals since start; latency windows of recent requests."""
+    """Outcome counts, token totals and histograms since start; latency windows of recent requests.
 
-    def __init__(self, window: int = WINDOW) -> None:
+    `max_context` (the model's prompt + completion limit) is where the token-count bounds stop."""
+
+    def __init__(self, max_context: int, window: int = WINDOW) -> None:
         self.outcomes: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.ttft_ms: deque[float] = deque(maxlen=window)
         self.tpot_ms: deque[float] = deque(maxlen=window)
+        self.ttft_s = Buckets(TTFT_BOUNDS_S)
+        self.tpot_s = Buckets(TPOT_BOUNDS_S)
+        self.e2e_s = Buckets(E2E_BOUNDS_S)
+        self.queue_s = Buckets(QUEUE_BOUNDS_S)
+        self.prompt_hist = Buckets(one_two_five(max_context))
+        self.completion_hist = Buckets(one_two_five(max_context))
 
     def reply(self, obj: Any) -> None:
         """Count `obj` if it is a final reply: an error, a unary response or a stream's last chunk."""
         if isinstance(obj, ErrorReply):
             self.failed(obj.error.code)
         elif isinstance(obj, (GenerateResponse, GenerateChunk)) and obj.finish_reason is not None and obj.usage and obj.timing:
-            self.finished(obj.finish_reason, obj.usage.prompt_tokens, obj.usage.completion_tokens, obj.timing.ttft_ms, obj.timing.total_ms)
+            self.finished(obj.finish_reason, obj.usage.prompt_tokens, obj.usage.completion_tokens, obj.timing.ttft_ms, obj.timing.total_ms,
+                          obj.timing.queue_ms)
 
-    def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float, total_ms: float) -> None:
-        """A completed request: its finish reason, token counts, time to first token and total time."""
+    def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float, total_ms: float,
+                 queue_ms: float) -> None:
+        """A completed request: its finish reason, token counts, time to first token, total time and
+        time to placement (`Timing`'s fields)."""
         self.outcomes[finish_reason] += 1
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         self.ttft_ms.append(ttft_ms)
+        self.ttft_s.observe(ttft_ms / 1000)
+        self.e2e_s.observe(total_ms / 1000)
+        self.queue_s.observe(queue_ms / 1000)
+        self.prompt_hist.observe(prompt_tokens)
+        self.completion_hist.observe(completion_tokens)
         if completion_tokens > 1:
-            self.tpot_ms.append((total_ms - ttft_ms) / (completion_tokens - 1))
+            tpot_ms = (total_ms - ttft_ms) / (completion_tokens - 1)
+            self.tpot_ms.append(tpot_ms)
+            self.tpot_s.observe(tpot_ms / 1000)
 
     def failed(self, code: str) -> None:
         """A request answered with an error reply of `code`."""
@@ -64,4 +86,7 @@ class RequestCounters:
 
     def stats(self) -> RequestStats:
         return RequestStats(outcomes=dict(self.outcomes), prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                            ttft=summarize(self.ttft_ms), tpot=summarize(self.tpot_ms))
+                            ttft=summarize(self.ttft_ms), tpot=summarize(self.tpot_ms), ttft_seconds=self.ttft_s.snapshot(),
+                            tpot_seconds=self.tpot_s.snapshot(), e2e_seconds=self.e2e_s.snapshot(), queue_seconds=self.queue_s.snapshot(),
+                            prompt_tokens_per_request=self.prompt_hist.snapshot(),
+                            completion_tokens_per_request=self.completion_hist.snapshot())

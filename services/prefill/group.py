@@ -69,6 +69,7 @@ from services.common import Heartbeater, cancel_applies, prefill_stage, release_
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
+from shared.histogram import QUEUE_BOUNDS_S, Buckets
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
 from shared.prefix_cache import PrefixCache, page_keys
@@ -85,6 +86,7 @@ ON_ANOTHER_RANK = "on another rank of the TP group (its log names the error)"
 class Queued:
     task: PrefillTask
     gateway_started_at: float  # the gateway's start time when the task arrived (0.0: not heard yet)
+    arrived_at: float  # time.monotonic() when the task arrived: its wait until a batch takes it is `queue_time`
     keys: list[bytes] | None = None  # the prompt's page keys, once hashed (a task may head the queue for several plans)
 
 
@@ -183,6 +185,7 @@ class PrefillGroup:
         self.name = prefill_stage(settings.instance)
         self.transfer_metrics = TransferMetrics()  # this rank's senders
         self.group_transfers = TransferStats()  # every rank's senders, summed after each batch (the leader's heartbeat)
+        self.queue_time = Buckets(QUEUE_BOUNDS_S)  # the leader's: seconds from a task's arrival to the batch that takes it
         self.heartbeater = Heartbeater(bus, settings, "prefill", self._status) if bus is not None else None
 
     # ------------------------------------------------------------ leader: NATS side
@@ -202,12 +205,14 @@ class PrefillGroup:
             "queued_requests": len(self.queue),
             "transfer": self.group_transfers if self.world > 1 else self.transfer_metrics.stats(),
             "prefix_cache": self.prefix.stats() if self.prefix.enabled else None,  # None: the scheduler's affinity skips this instance
+            "prefill_queue_seconds": self.queue_time.snapshot(),
             "page_size": self.runner.cache.layout.page_size,  # the scheduler's prefix affinity hashes the first page
         }
 
     async def _on_task(self, msg: Msg) -> None:
         task = unpack(msg.data, PrefillTask)
-        self.queue.append(Queued(task, self.gateways.placed(gateway_key(task.job.gateway), time.monotonic())))
+        now = time.monotonic()
+        self.queue.append(Queued(task, self.gateways.placed(gateway_key(task.job.gateway), now), now))
         self.arrived.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
@@ -286,6 +291,7 @@ class PrefillGroup:
                 await self._fail(task, "invalid_request", f"prompt of {n} tokens exceeds this prefill instance's KV capacity")
                 continue
             batch.append(Planned(task, len(hits), head.keys))
+            self.queue_time.observe(time.monotonic() - head.arrived_at)
             tokens += computed
             context += n
             budget.take(hits, needed)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -131,3 +133,64 @@ async def stream_all(client: Client, req: GenerateRequest) -> list[GenerateChunk
 def all_kv_free(watch: HeartbeatWatch) -> bool:
     decode = watch.live("decode")
     return bool(decode) and all(hb.kv_free_pages == hb.kv_total_pages and hb.batch_size == 0 for hb in decode)
+
+
+METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
+METRIC_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse_metrics(page: str) -> Series:
+    """The series of a Prometheus text-format page (version 0.0.4), checked as a scraper reads it:
+    every family announced (HELP, TYPE) before its lines, and its lines together; a histogram's
+    lines are `<family>_bucket{le}`, `_sum` and `_count`, and `check_histograms` holds for them."""
+    kinds: dict[str, str] = {}
+    announced: dict[str, list[str]] = {}
+    finished_families: set[str] = set()
+    current = None
+    series: Series = {}
+    for line in page.splitlines():
+        if not line:
+            continue  # blank lines are allowed (an empty page is one)
+        if line.startswith("# "):
+            _, what, name, rest = line.split(" ", 3)
+            announced.setdefault(name, []).append(what)
+            if what == "TYPE":
+                kinds[name] = rest
+            continue
+        m = METRIC_LINE.match(line)
+        assert m, f"not a series line: {line!r}"
+        name, labels, value = m.groups()
+        family = name if name in kinds else re.sub(r"_(bucket|sum|count)$", "", name)
+        assert family == name or kinds.get(family) == "histogram", f"{name} belongs to no announced family"
+        assert announced.get(family) == ["HELP", "TYPE"], f"{family} is not announced before its series"
+        if family != current:
+            assert family not in finished_families, f"the lines of {family} are not together"
+            if current is not None:
+                finished_families.add(current)
+            current = family
+        series[(name, frozenset(METRIC_LABEL.findall(labels)))] = float(value)
+    check_histograms(series, [name for name, kind in kinds.items() if kind == "histogram"])
+    return series
+
+
+def histogram_buckets(series: Series, family: str) -> dict[frozenset[tuple[str, str]], list[tuple[float, float]]]:
+    """Each label set's (le, cumulative count) of a histogram family, in page order."""
+    out: dict[frozenset[tuple[str, str]], list[tuple[float, float]]] = {}
+    for (name, labels), value in series.items():
+        if name == f"{family}_bucket":
+            le = dict(labels)["le"]
+            out.setdefault(labels - {("le", le)}, []).append((float(le), value))
+    return out
+
+
+def check_histograms(series: Series, families: list[str]) -> None:
+    """Prometheus' histogram rules: bounds ascending and ending with +Inf, counts cumulative
+    (non-decreasing), +Inf equal to `_count`, a `_sum` beside it."""
+    for family in families:
+        for labels, buckets in histogram_buckets(series, family).items():
+            bounds, counts = [b for b, _ in buckets], [c for _, c in buckets]
+            assert bounds == sorted(set(bounds)) and bounds[-1] == math.inf, (family, labels, bounds)
+            assert counts == sorted(counts), (family, labels, counts)
+            assert series[(f"{family}_count", labels)] == counts[-1], (family, labels)
+            assert (f"{family}_sum", labels) in series, (family, labels)

@@ -3,30 +3,13 @@ test_pipeline.py scrapes a real stack)."""
 
 from __future__ import annotations
 
-import re
+import math
 
-from schemas.internal import Heartbeat, LatencySummary, RequestStats, TransferStats
+from schemas.internal import Heartbeat, Histogram, LatencySummary, RequestStats, TransferStats
+from services.gateway.stats import RequestCounters
 from services.metrics import FAMILIES, render
 
-SERIES = re.compile(r'^([a-z_]+)\{((?:[a-z_]+="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
-
-
-def parse(page: str) -> dict[tuple[str, frozenset], float]:
-    """Series of a text-format page, checking that every family is announced (HELP, TYPE) before its series."""
-    announced: dict[str, list[str]] = {}
-    series = {}
-    for line in page.splitlines():
-        if line.startswith("# "):
-            _, what, name, rest = line.split(" ", 3)
-            announced.setdefault(name, []).append(what)
-            continue
-        m = SERIES.match(line)
-        assert m, f"not a series line: {line!r}"
-        name, labels, value = m.groups()
-        assert announced.get(name) == ["HELP", "TYPE"], f"{name} is not announced before its series"
-        pairs = frozenset(re.findall(r'([a-z_]+)="((?:[^"\\]|\\.)*)"', labels))
-        series[(name, pairs)] = float(value)
-    return series
+from services_helpers import histogram_buckets, parse_metrics as parse
 
 
 def test_every_heartbeat_field_becomes_a_series_with_the_process_labels():
@@ -58,3 +41,47 @@ def test_every_heartbeat_field_becomes_a_series_with_the_process_labels():
     assert series[("moebus_kv_transfer_failures_total", d0 | {("cause", "lease_expired")})] == 1
     assert {name for name, _ in series} <= {name for name, _, _ in FAMILIES}
     assert render([], now=0.0) == "\n"  # nobody heard: an empty page, not an error
+
+
+def test_gateway_histograms_render_as_prometheus_histograms_per_process():
+    def gateway(instance: str, ttft: Histogram) -> Heartbeat:
+        return Heartbeat(role="gateway", instance=instance, rank=0, model="tiny", version="0.1", started_at=0.0,
+                         requests=RequestStats(outcomes={"length": ttft.count}, ttft_seconds=ttft))
+
+    a = Histogram(bounds=[0.1, 0.5, 1.0], buckets=[1, 3, 3], count=4, sum=3.2)
+    b = Histogram(bounds=[0.1, 0.5, 1.0], buckets=[0, 2, 5], count=5, sum=4.0)
+    page = render([gateway("g0", a), gateway("g1", b)], now=1.0)
+    assert "# TYPE moebus_gateway_time_to_first_token_seconds histogram" in page.splitlines()
+    series = parse(page)  # checks the histogram rules too
+    g0 = frozenset({("role", "gateway"), ("instance", "g0"), ("rank", "0")})
+    buckets = histogram_buckets(series, "moebus_gateway_time_to_first_token_seconds")
+    assert buckets[g0] == [(0.1, 1), (0.5, 3), (1.0, 3), (math.inf, 4)]
+    assert series[("moebus_gateway_time_to_first_token_seconds_sum", g0)] == 3.2
+    assert series[("moebus_gateway_time_to_first_token_seconds_count", g0)] == 4
+    assert 'le="+Inf"' in page and 'le="1.0"' in page  # the spelling prometheus_client uses
+    # what `sum by (le)` over the replicas gives: the buckets of both gateways' requests together
+    summed = [sum(counts) for counts in zip(*([c for _, c in buckets[labels]] for labels in buckets))]
+    assert summed == [1, 5, 8, 9]
+    # a heartbeat of a gateway that has no histograms (an older version) still renders, without them
+    old = Heartbeat(role="gateway", instance="g2", rank=0, model="tiny", version="0.0", started_at=0.0,
+                    requests=RequestStats(outcomes={"stop": 1}))
+    assert not any(name.startswith("moebus_gateway_time_to_first_token_seconds") for name, _ in parse(render([old], now=1.0)))
+
+
+def test_a_prefill_instance_exports_its_queue_time_histogram():
+    prefill = Heartbeat(role="prefill", instance="p0", rank=0, model="tiny", version="0.1", started_at=0.0, queued_requests=1,
+                        prefill_queue_seconds=Histogram(bounds=[0.001, 0.01], buckets=[2, 2], count=3, sum=0.5))
+    series = parse(render([prefill], now=1.0))
+    p0 = frozenset({("role", "prefill"), ("instance", "p0"), ("rank", "0")})
+    assert histogram_buckets(series, "moebus_prefill_queue_time_seconds")[p0] == [(0.001, 2), (0.01, 2), (math.inf, 3)]
+    assert series[("moebus_prefill_queue_time_seconds_sum", p0)] == 0.5 and series[("moebus_prefill_queue_time_seconds_count", p0)] == 3
+
+
+def test_a_fresh_gateway_exports_every_histogram_empty():
+    hb = Heartbeat(role="gateway", instance="g", rank=0, model="tiny", version="0.1", started_at=0.0,
+                   requests=RequestCounters(max_context=4096).stats())
+    series = parse(render([hb], now=1.0))
+    histograms = [name for name, kind, _ in FAMILIES if kind == "histogram" and name.startswith("moebus_gateway_")]
+    assert len(histograms) == 6
+    for family in histograms:
+        assert series[(f"{family}_count", frozenset({("role", "gateway"), ("instance", "g"), ("rank", "0")}))] == 0

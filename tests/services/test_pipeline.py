@@ -29,7 +29,7 @@ from services.common import decode_stage
 from shared.bus import CONTENT_TYPE, KEEPALIVE_HEADER, MSGPACK, pack
 from shared.settings import NatsServerSettings
 
-from services_helpers import all_kv_free, log_events, run, session, stack_fixture, stream_all
+from services_helpers import Series, all_kv_free, histogram_buckets, log_events, parse_metrics, run, session, stack_fixture, stream_all
 
 pytestmark = pytest.mark.slow
 
@@ -262,13 +262,22 @@ def test_moebus_status_lists_every_process_and_the_request_totals(stack):
     assert f"kv pages 0/{decode_pages} in use" in as_text.stdout  # idle between tests
 
 
-def test_moebus_metrics_serves_every_process_to_a_prometheus_scrape(stack):
-    answered = _serve_a_few(stack)
+@contextlib.contextmanager
+def _metrics_exporter(stack):
+    """A `moebus metrics` process on a free port, yielding its /metrics URL; stopped by SIGINT, which it exits 0 on."""
     exporter = subprocess.Popen([sys.executable, "-m", "services.cli", "metrics", "--url", stack.url, "--port", "0"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = exporter.stdout.readline()
-        url = re.search(r"(http://\S+/metrics)", first).group(1)
+        yield re.search(r"(http://\S+/metrics)", exporter.stdout.readline()).group(1)
+    finally:
+        exporter.send_signal(signal.SIGINT)
+        rc = exporter.wait(30)
+    assert rc == 0
+
+
+def test_moebus_metrics_serves_every_process_to_a_prometheus_scrape(stack):
+    answered = _serve_a_few(stack)
+    with _metrics_exporter(stack) as url:
         deadline = time.monotonic() + 10
         while True:  # until every process has beaten once since the exporter started
             page = urllib.request.urlopen(url, timeout=5).read().decode()
@@ -285,15 +294,89 @@ def test_moebus_metrics_serves_every_process_to_a_prometheus_scrape(stack):
                 return watch.live("gateway")[0].requests
 
         requests = run(gateway_requests())
-    finally:
-        exporter.send_signal(signal.SIGINT)
-        rc = exporter.wait(30)
     assert sorted(up) == ["decode", "decode", "gateway", "prefill", "scheduler"], page
     assert missing.value.code == 404
     scraped = {m[0]: int(m[1]) for m in re.findall(r'^moebus_gateway_requests_total\{.*outcome="(\w+)"\} (\d+)$', page, re.M)}
     assert scraped == requests.outcomes and sum(scraped.values()) >= answered  # no traffic between the scrape and the heartbeat
     assert re.search(r'^moebus_decode_steps_total\{.*path="eager"\} \d+$', page, re.M)
-    assert rc == 0
+
+
+GATEWAY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+                      "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens")
+
+
+def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timings(stack):
+    """Scraped over HTTP before and after requests of known timings: every gateway histogram parses
+    as Prometheus text, grows by exactly those requests, each in the buckets its reply's `timing`
+    and `usage` put it in, and its sum by their values; the prefill instance's queue time histogram
+    grows by one wait per request, each shorter than that request's time to first token."""
+
+    def scrape_idle(url: str, finished: float = 0, prefilled: float = 0) -> tuple[Series, frozenset, frozenset]:
+        """A page whose gateway has nothing in flight (so it counted every reply sent) and has
+        counted at least `finished` requests, and whose prefill instance has taken `prefilled` tasks."""
+        deadline = time.monotonic() + 10
+        while True:
+            series = parse_metrics(urllib.request.urlopen(url, timeout=5).read().decode())
+            gateway = [labels for name, labels in series if name == "moebus_gateway_in_flight"]
+            prefill = [labels for name, labels in series if name == "moebus_prefill_queue_time_seconds_count"]
+            if len(gateway) == 1 and len(prefill) == 1 and series[("moebus_gateway_in_flight", gateway[0])] == 0:
+                if (series[("moebus_gateway_time_to_first_token_seconds_count", gateway[0])] >= finished
+                        and series[("moebus_prefill_queue_time_seconds_count", prefill[0])] >= prefilled):
+                    return series, gateway[0], prefill[0]
+            assert time.monotonic() < deadline, f"no idle gateway with {finished} finished requests and prefill with {prefilled} tasks"
+            time.sleep(0.2)
+
+    async def serve() -> list:
+        async with session(stack.url) as (client, _):
+            unary = await asyncio.gather(*(client.generate(GenerateRequest(prompt=PROMPTS[i], max_tokens=n, ignore_eos=True))
+                                           for i, n in enumerate((1, 2, 5, 9))))
+            streamed = await stream_all(client, GenerateRequest(prompt=PROMPTS[4], max_tokens=3, ignore_eos=True))
+            return [(r.timing, r.usage) for r in unary] + [(streamed[-1].timing, streamed[-1].usage)]
+
+    def counts(series: Series, gw: frozenset, pf: frozenset) -> tuple[float, float]:
+        return series[("moebus_gateway_time_to_first_token_seconds_count", gw)], series[("moebus_prefill_queue_time_seconds_count", pf)]
+
+    with _metrics_exporter(stack) as url:
+        before, gw, pf = scrape_idle(url)
+        for _ in range(10):  # a page after the last heartbeats that may still count the tests before this one
+            time.sleep(1.0)
+            again, gw, pf = scrape_idle(url)
+            if counts(again, gw, pf) == counts(before, gw, pf):
+                break
+            before = again
+        else:
+            raise AssertionError("the gateway's and prefill instance's counts kept changing with no traffic")
+        replies = run(serve())
+        after, gw_after, pf_after = scrape_idle(url, before[("moebus_gateway_time_to_first_token_seconds_count", gw)] + len(replies),
+                                                before[("moebus_prefill_queue_time_seconds_count", pf)] + len(replies))
+    assert (gw_after, pf_after) == (gw, pf)
+    assert set(dict(gw)) == {"role", "instance", "rank"} and dict(gw)["role"] == "gateway"
+    observed = {  # what each histogram should have gained, from the replies themselves
+        "time_to_first_token_seconds": [t.ttft_ms / 1000 for t, _ in replies],
+        "request_time_per_output_token_seconds": [(t.total_ms - t.ttft_ms) / (u.completion_tokens - 1) / 1000 for t, u in replies
+                                                  if u.completion_tokens > 1],
+        "e2e_request_latency_seconds": [t.total_ms / 1000 for t, _ in replies],
+        "request_queue_time_seconds": [t.queue_ms / 1000 for t, _ in replies],
+        "request_prompt_tokens": [u.prompt_tokens for _, u in replies],
+        "request_generation_tokens": [u.completion_tokens for _, u in replies],
+    }
+    assert [u.completion_tokens for _, u in replies] == [1, 2, 5, 9, 3] and len(observed["request_time_per_output_token_seconds"]) == 4
+    for short in GATEWAY_HISTOGRAMS:
+        family = f"moebus_gateway_{short}"
+        values = observed[short]
+        assert after[(f"{family}_count", gw)] - before[(f"{family}_count", gw)] == len(values), family
+        assert after[(f"{family}_sum", gw)] - before[(f"{family}_sum", gw)] == pytest.approx(sum(values), rel=1e-9, abs=1e-9), family
+        gained = [(le, n - m) for (le, n), (_, m) in zip(histogram_buckets(after, family)[gw], histogram_buckets(before, family)[gw], strict=True)]
+        assert gained == [(le, sum(v <= le for v in values)) for le, _ in gained], family
+    family = "moebus_prefill_queue_time_seconds"
+    assert after[(f"{family}_count", pf)] - before[(f"{family}_count", pf)] == len(replies)
+    waited = after[(f"{family}_sum", pf)] - before[(f"{family}_sum", pf)]
+    assert 0 <= waited <= sum(observed["time_to_first_token_seconds"])
+    # the counters on the same page agree with the histograms
+    finished = sum(v for (name, labels), v in after.items() if name == "moebus_gateway_requests_total" and dict(labels)["outcome"] in ("stop", "length"))
+    assert after[("moebus_gateway_e2e_request_latency_seconds_count", gw)] == finished
+    assert after[("moebus_gateway_request_prompt_tokens_sum", gw)] == after[("moebus_gateway_prompt_tokens_total", gw)]
+    assert after[("moebus_gateway_request_generation_tokens_sum", gw)] == after[("moebus_gateway_completion_tokens_total", gw)]
 
 
 def _counters(watch) -> dict:

@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 
 from schemas.api import ErrorInfo, ErrorReply, GenerateChunk, GenerateResponse, Timing, Usage
-from schemas.internal import Heartbeat, PrefixCacheStats, TransferStats
+from schemas.internal import Heartbeat, Histogram, PrefixCacheStats, RequestStats, TransferStats
 from services.gateway.stats import RequestCounters, summarize
 from services.status import member_line, summary_lines
+from shared.histogram import E2E_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S, Buckets, one_two_five
 
 
-def _response(finish: str, prompt: int, completion: int, ttft: float, total: float) -> GenerateResponse:
+def _response(finish: str, prompt: int, completion: int, ttft: float, total: float, queue: float = 0.0) -> GenerateResponse:
     return GenerateResponse(request_id="r", model="m", text="", token_ids=[0] * completion, finish_reason=finish,  # type: ignore[arg-type]
-                            usage=Usage(prompt, completion), timing=Timing(queue_ms=0.0, ttft_ms=ttft, total_ms=total, compute_ms=0.0))
+                            usage=Usage(prompt, completion), timing=Timing(queue_ms=queue, ttft_ms=ttft, total_ms=total, compute_ms=0.0))
 
 
 def test_every_final_reply_is_counted_once_by_outcome():
-    counters = RequestCounters()
+    counters = RequestCounters(max_context=4096)
     counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0))
     counters.reply(GenerateChunk(request_id="s", index=0, text="a", token_ids=[1]))  # not the last chunk
     counters.reply(GenerateChunk(request_id="s", index=1, text="b", token_ids=[2], finish_reason="stop", usage=Usage(3, 2),
@@ -43,9 +44,9 @@ def test_every_final_reply_is_counted_once_by_outcome():
 def test_latency_percentiles_are_nearest_rank_over_the_latest_window():
     rng = random.Random(7)
     samples = [rng.expovariate(1 / 50) for _ in range(3000)]
-    counters = RequestCounters(window=1000)
+    counters = RequestCounters(max_context=4096, window=1000)
     for ttft in samples:
-        counters.finished("length", 1, 1, ttft, ttft)
+        counters.finished("length", 1, 1, ttft, ttft, 0.0)
     stats = counters.stats()
     window = np.array(samples[-1000:])
     assert stats.ttft is not None and stats.ttft.count == 1000
@@ -55,11 +56,58 @@ def test_latency_percentiles_are_nearest_rank_over_the_latest_window():
     assert summarize([]) is None
 
 
+def test_histogram_buckets_are_cumulative_with_values_on_a_bound_in_its_bucket():
+    buckets = Buckets([0.1, 0.5, 1.0])
+    assert buckets.snapshot() == Histogram(bounds=[0.1, 0.5, 1.0], buckets=[0, 0, 0], count=0, sum=0.0)
+    for value in (0.0, 0.1, 0.1000001, 0.5, 1.0, 1.0000001, 1000.0):
+        buckets.observe(value)
+    h = buckets.snapshot()
+    # le is "less or equal": 0.1 counts under 0.1, 1.0 under 1.0; above the last bound only +Inf (count) has it
+    assert h.buckets == [2, 4, 5] and h.count == 7
+    assert h.sum == pytest.approx(0.0 + 0.1 + 0.1000001 + 0.5 + 1.0 + 1.0000001 + 1000.0)
+    buckets.observe(0.3)
+    assert buckets.snapshot().buckets == [2, 5, 6] and buckets.snapshot().count == 8  # totals since start, never reset
+
+
+def test_finished_requests_fill_the_histograms_and_failures_do_not():
+    counters = RequestCounters(max_context=4096)
+    counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0, queue=1.0))  # tpot (40 - 10) / 3 = 10 ms: on the 0.01 bound
+    counters.reply(_response("stop", 300, 1, ttft=2560_000.0, total=7680_001.0, queue=2560_001.0))  # one token: no tpot
+    counters.reply(ErrorReply(error=ErrorInfo("overloaded", "full")))
+    stats = counters.stats()
+
+    def at(h: Histogram | None, bound: float) -> int:
+        assert h is not None
+        return h.buckets[h.bounds.index(bound)]
+
+    assert stats.ttft_seconds.count == stats.e2e_seconds.count == stats.queue_seconds.count == 2  # type: ignore[union-attr]
+    assert at(stats.ttft_seconds, 0.005) == 0 and at(stats.ttft_seconds, 0.01) == 1 and at(stats.ttft_seconds, 2560.0) == 2
+    assert stats.ttft_seconds.sum == pytest.approx(0.01 + 2560.0)  # type: ignore[union-attr]
+    assert at(stats.e2e_seconds, 0.3) == 1 and at(stats.e2e_seconds, 7680.0) == 1  # 7680.001 s: only in +Inf
+    assert at(stats.queue_seconds, 0.001) == 1 and at(stats.queue_seconds, 2560.0) == 1 and stats.queue_seconds.sum == pytest.approx(2560.002)  # type: ignore[union-attr]
+    assert stats.tpot_seconds is not None and stats.tpot_seconds.count == 1
+    assert at(stats.tpot_seconds, 0.0075) == 0 and at(stats.tpot_seconds, 0.01) == 1 and stats.tpot_seconds.sum == pytest.approx(0.01)
+    assert at(stats.prompt_tokens_per_request, 5.0) == 1 and at(stats.prompt_tokens_per_request, 500.0) == 2
+    assert stats.prompt_tokens_per_request.sum == 305 and stats.completion_tokens_per_request.sum == 5  # type: ignore[union-attr]
+    assert at(stats.completion_tokens_per_request, 1.0) == 1 and at(stats.completion_tokens_per_request, 5.0) == 2
+    # the histograms travel in the heartbeat; a heartbeat of a gateway without them still decodes
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=RequestStats) == stats
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode({"outcomes": {"stop": 1}}), type=RequestStats)
+    assert old.ttft_seconds is None and old.tpot_seconds is None
+
+
+def test_bucket_bounds_ascend_and_token_bounds_stop_at_the_context():
+    for bounds in (TTFT_BOUNDS_S, TPOT_BOUNDS_S, E2E_BOUNDS_S, QUEUE_BOUNDS_S):
+        assert list(bounds) == sorted(set(bounds))
+    assert one_two_five(4096) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
+    assert one_two_five(5000)[-1] == 5000.0 and one_two_five(0) == ()
+
+
 def test_status_lines_show_each_process_and_the_totals():
     now = 1000.0
     members = [
         Heartbeat(role="gateway", instance="gw", rank=0, model="tiny", version="1", started_at=now - 75, in_flight=2,
-                  requests=RequestCounters().stats()),
+                  requests=RequestCounters(max_context=4096).stats()),
         Heartbeat(role="decode", instance="d0", rank=1, model="tiny", version="1", started_at=now - 3700, kv_total_pages=100, kv_free_pages=60,
                   batch_size=3, max_batch=32, decode_steps={"graph_replay": 9, "eager": 1},
                   transfer=TransferStats(completed=4, bytes_total=2_000_000_000, seconds_total=0.01, failures={"timeout": 1})),
