@@ -86,11 +86,31 @@ def _histogram(name: str, labels: dict[str, str], h: Histogram | None) -> Iterat
     """A Prometheus histogram: cumulative `_bucket{le}` lines ending with `+Inf`, then `_sum` and `_count`."""
     if h is None:
         return
-    for bound, n in zip(h.bounds, h.buckets, strict=True):
+    for bound, n in zip(h.bounds, h.buckets, strict=True):  # check_histograms let it in
         yield f"{name}_bucket", labels | {"le": repr(float(bound))}, n
     yield f"{name}_bucket", labels | {"le": "+Inf"}, h.count
     yield f"{name}_sum", labels, h.sum
     yield f"{name}_count", labels, h.count
+
+
+def check_histograms(hb: Heartbeat) -> None:
+    """Raise ValueError unless every histogram of `hb` is one Prometheus accepts: a count per bound,
+    bounds ascending, cumulative counts not decreasing and not above the total count."""
+    found = {"prefill_queue_seconds": hb.prefill_queue_seconds}
+    if hb.requests is not None:
+        found |= {f"requests.{f}": getattr(hb.requests, f) for f in hb.requests.__struct_fields__}
+    for field, h in found.items():
+        if not isinstance(h, Histogram):
+            continue
+        if len(h.bounds) != len(h.buckets):
+            why = f"{len(h.bounds)} bounds but {len(h.buckets)} bucket counts"
+        elif any(a >= b for a, b in zip(h.bounds, h.bounds[1:])):
+            why = "bounds not ascending"
+        elif any(a > b for a, b in zip(h.buckets, [*h.buckets[1:], h.count])):
+            why = "bucket counts not cumulative up to the count"
+        else:
+            continue
+        raise ValueError(f"heartbeat of {hb.role} {hb.instance}/{hb.rank}: histogram {field}: {why}")
 
 
 def _transfers(labels: dict[str, str], t: TransferStats | None) -> Iterator[Sample]:
@@ -176,7 +196,10 @@ class Exporter:
         self.latest: dict[tuple[str, str, int], tuple[float, Heartbeat]] = {}
 
     async def on_heartbeat(self, msg) -> None:  # type: ignore[no-untyped-def]
+        """Keep `msg`'s heartbeat as its process's latest; one that is malformed raises (the bus logs
+        `handler_failed`) and the process keeps its previous one, so the page always renders."""
         hb = unpack(msg.data, Heartbeat)
+        check_histograms(hb)
         self.latest[(hb.role, hb.instance, hb.rank)] = (time.monotonic(), hb)
 
     def page(self) -> str:

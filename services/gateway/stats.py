@@ -24,6 +24,7 @@ from shared.histogram import E2E_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_B
 
 WINDOW = 1024  # completed requests the latency percentiles cover
 
+
 def summarize(samples_ms: deque[float] | list[float]) -> LatencySummary | None:
     """p50 / p90 / p99 (nearest rank) of `samples_ms`; None when there are none."""
     if not samples_ms:

@@ -3,11 +3,14 @@ test_pipeline.py scrapes a real stack)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+
+import msgspec
 
 from schemas.internal import Heartbeat, Histogram, LatencySummary, RequestStats, TransferStats
 from services.gateway.stats import RequestCounters
-from services.metrics import FAMILIES, render
+from services.metrics import FAMILIES, Exporter, render
 
 from services_helpers import histogram_buckets, parse_metrics as parse
 
@@ -85,3 +88,31 @@ def test_a_fresh_gateway_exports_every_histogram_empty():
     assert len(histograms) == 6
     for family in histograms:
         assert series[(f"{family}_count", frozenset({("role", "gateway"), ("instance", "g"), ("rank", "0")}))] == 0
+
+
+def test_a_heartbeat_with_a_malformed_histogram_is_refused_and_the_page_still_renders():
+    class Msg:
+        def __init__(self, hb: Heartbeat) -> None:
+            self.data = msgspec.msgpack.encode(hb)
+
+    def gateway(ttft: Histogram) -> Heartbeat:
+        return Heartbeat(role="gateway", instance="g", rank=0, model="tiny", version="0.1", started_at=0.0,
+                         requests=RequestStats(outcomes={"stop": ttft.count}, ttft_seconds=ttft))
+
+    exporter = Exporter(expiry_s=60.0)
+    good = Histogram(bounds=[0.1, 0.5], buckets=[1, 2], count=3, sum=1.0)
+    asyncio.run(exporter.on_heartbeat(Msg(gateway(good))))
+    bad = [Histogram(bounds=[0.1, 0.5], buckets=[1], count=1, sum=0.1),  # a count missing
+           Histogram(bounds=[0.5, 0.1], buckets=[1, 2], count=2, sum=0.2),  # bounds out of order
+           Histogram(bounds=[0.1, 0.5], buckets=[3, 2], count=3, sum=0.3),  # not cumulative
+           Histogram(bounds=[0.1, 0.5], buckets=[1, 4], count=3, sum=0.3)]  # buckets past the count
+    for h in bad:
+        try:
+            asyncio.run(exporter.on_heartbeat(Msg(gateway(h))))
+        except ValueError as e:
+            assert "ttft_seconds" in str(e)
+        else:
+            raise AssertionError(f"{h} was accepted")
+    g = frozenset({("role", "gateway"), ("instance", "g"), ("rank", "0")})
+    series = parse(exporter.page())  # the previous, valid heartbeat is still the one on the page
+    assert histogram_buckets(series, "moebus_gateway_time_to_first_token_seconds")[g] == [(0.1, 1), (0.5, 2), (math.inf, 3)]
