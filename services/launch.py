@@ -78,6 +78,9 @@ class ServiceSpec:
     args: list[str]  # after `moebus <role>`
     env: dict[str, str]
     replicas: int
+    # The variable each `environment` value is interpolated from, where the value is one `${VAR}` /
+    # `${VAR:-default}` (e.g. MOEBUS_DECODE_MAX_BATCH -> DECODE_MAX_BATCH): the knob the file offers.
+    env_knobs: dict[str, str] = field(default_factory=dict)
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
@@ -85,6 +88,12 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
     return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+
+
+def _knob(value: str) -> str | None:
+    """The variable a compose value is, when it is one `${VAR}` / `${VAR:-default}` and nothing else."""
+    m = _VAR.fullmatch(value.strip())
+    return m.group(1) if m else None
 
 
 def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
@@ -117,12 +126,36 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
                 args=[_interpolate(str(a), env) for a in command[2:]],
                 env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
                 replicas=int((scale or {}).get(name, _interpolate(str(replicas), env))),
+                env_knobs={str(k): knob for k, v in raw_env.items() if (knob := _knob(str(v)))},
             )
         )
     unknown = set(scale or {}) - {s.name for s in specs}
     if unknown:
         raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
     return specs
+
+
+# Variables `moebus up` sets for every process itself (README: it overrides them).
+_SET_BY_UP = ("MOEBUS_NATS_URL", "MOEBUS_MODEL", "MOEBUS_INSTANCE")
+
+
+def check_shadowed_settings(specs: list[ServiceSpec], environ: dict[str, str], path: str | Path) -> None:
+    """Refuse a `MOEBUS_*` setting of the caller's environment that a service's `environment` in the
+    compose file sets to another value: that service would never see it (the file's value wins, as
+    under docker compose, where the caller's environment reaches a container only through the
+    file's `${VAR}`s). The error names the file's knob for it, or says to edit the file."""
+    problems = []
+    for spec in specs:
+        for key, value in spec.env.items():
+            mine = environ.get(key)
+            if not key.startswith("MOEBUS_") or key in _SET_BY_UP or mine is None or mine == value:
+                continue
+            knob = spec.env_knobs.get(key)
+            fix = f"set {knob}={mine} instead" if knob else f"edit {path} to change it"
+            problems.append(f"{key}={mine} is in your environment, but {path} sets {key}={value} for {spec.name}, "
+                            f"which wins; {fix}")
+    if problems:
+        raise StackError("; ".join(problems))
 
 
 # ---------------------------------------------------------------- processes
@@ -403,7 +436,8 @@ async def _demo_request(url: str) -> None:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus up", description="start nats-server and a compose stack as local processes")
-    ap.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, created on first use)")
+    ap.add_argument("--model", default=os.environ.get("MOEBUS_MODEL"),
+                    help="checkpoint directory (default: $MOEBUS_MODEL, else the embedded tiny model, created on first use)")
     ap.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (0: any free port)")
     ap.add_argument("--stack", default=str(DEFAULT_STACK), help="docker compose file describing the stack")
     ap.add_argument("--nats-max-payload", type=int, metavar="BYTES",
@@ -433,6 +467,7 @@ def main(argv: list[str]) -> int:
             model = ensure_tiny_model(cache)
         # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0).
         specs = load_compose(a.stack, {"MOEBUS_HTTP_HOST": "127.0.0.1", **os.environ, "MOEBUS_MODEL": str(model)}, scale)
+        check_shadowed_settings(specs, dict(os.environ), a.stack)
         nats = nats_server_settings(a.nats_max_payload)
     except (StackError, SettingsError) as e:
         print(f"moebus up: {e}", file=sys.stderr)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.launch import EPHEMERAL_FRONTENDS
+from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, check_shadowed_settings, load_compose
+from services.launch import _parse as up_arguments
 from shared.bus import connect
 
 pytestmark = pytest.mark.slow
@@ -186,3 +187,25 @@ def test_model_instances_find_a_wrong_nats_url_before_loading_the_model(tiny_mod
         assert proc.returncode == 1 and "Traceback" not in output, output
         assert output.splitlines()[-1] == f"moebus {role}: no NATS server answered at nats://127.0.0.1:1 within 0.5s", output
         assert not [e for e in events if e["event"] == "model_loaded"], output
+
+
+def test_up_refuses_a_setting_the_compose_file_would_silently_override(tmp_path: Path, tiny_model: Path):
+    """`MOEBUS_DECODE_MAX_BATCH=64 moebus up` (the README's example variable) ran decode at 32: the compose
+    file's `MOEBUS_DECODE_MAX_BATCH: ${DECODE_MAX_BATCH:-32}` won over the caller's environment, silently."""
+    log_dir = tmp_path / "logs"
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                        env={**os.environ, "MOEBUS_DECODE_MAX_BATCH": "64", "MOEBUS_LOG_JSON": "false"},
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert "MOEBUS_DECODE_MAX_BATCH=64 is in your environment" in up.stderr and "set DECODE_MAX_BATCH=64 instead" in up.stderr, up.stderr
+    assert "MOEBUS_LOG_JSON=false" in up.stderr and "to change it" in up.stderr, up.stderr  # a literal of the file: no knob
+    assert not log_dir.exists() or not list(log_dir.glob("*.log"))  # nothing was started
+
+
+def test_up_takes_the_compose_knobs_and_moebus_model_from_the_environment(tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
+    env = {"DECODE_MAX_BATCH": "64", "MOEBUS_DECODE_MAX_BATCH": "64", "MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "50"}
+    specs = load_compose(DEFAULT_STACK, env)
+    check_shadowed_settings(specs, env, DEFAULT_STACK)  # the same value through the file's knob: accepted
+    assert next(s for s in specs if s.name == "decode").env["MOEBUS_DECODE_MAX_BATCH"] == "64"
+    monkeypatch.setenv("MOEBUS_MODEL", str(tiny_model))  # `moebus up` served the embedded tiny model instead
+    assert up_arguments([]).model == str(tiny_model) and up_arguments(["--model", "/x"]).model == "/x"
