@@ -192,7 +192,10 @@ class Admission:
         outside = [t for t, _ in params.logit_bias if t >= self.model.vocab_size]
         if outside:
             raise Rejected("invalid_request", f"logit_bias: tokens {outside[:5]} outside the vocabulary [0, {self.model.vocab_size})")
-        return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k, seed=params.seed,
+        # A k at or past the vocabulary keeps every token: top-k off (0), as vLLM takes any int. Carried
+        # as given, a k past 2**63 overflowed the ranks' int64 tensors and failed its whole prefill batch.
+        top_k = params.top_k if params.top_k < self.model.vocab_size else 0
+        return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=top_k, seed=params.seed,
                             presence_penalty=float(params.presence_penalty), frequency_penalty=float(params.frequency_penalty),
                             repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p), logit_bias=params.logit_bias,
                             min_tokens=params.min_tokens)

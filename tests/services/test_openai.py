@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -120,6 +121,22 @@ def test_repetition_penalty_matches_transformers(stack, frontend, hf_greedy):
     native = reference(stack, input_ids=ids, max_tokens=24, temperature=0.0, repetition_penalty=0.3)
     assert native.token_ids == penalised
     assert json.loads(raw)["choices"][0]["text"] == native.text
+
+
+def test_a_top_k_past_the_vocabulary_is_top_k_off_and_fails_no_batch(frontend):
+    """top_k at or past the vocabulary keeps every token, as vLLM takes any int: the answer is
+    top_k 0's, and requests running beside it are untouched. Such a k went to the ranks as given:
+    one past 2**63 overflowed the prefill's int64 tensors and failed its whole batch (a 500 for
+    every request batched with it), one past 2**64 the gateway's msgpack encoding (a 500)."""
+    body = {"prompt": [785, 6722, 315], "max_tokens": 4, "temperature": 1.0, "seed": 11}
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"top_k": 0})
+    assert status == 200, raw
+    want = json.loads(raw)["choices"][0]["text"]
+    bodies = [body | {"top_k": k} for k in (151936, 2**63, 10**30)] + [{"prompt": f"bystander {i}", "max_tokens": 4} for i in range(4)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: call(frontend, "POST", "/v1/completions", b), bodies))
+    assert [status for status, _, _ in answers] == [200] * len(bodies), [raw[:200] for _, _, raw in answers]
+    assert [json.loads(raw)["choices"][0]["text"] for _, _, raw in answers[:3]] == [want] * 3
 
 
 def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
