@@ -125,15 +125,17 @@ class Admission:
         prompt, at most ``max_tokens_limit`` (vLLM's rule: a request without a limit is not
         refused for the length of its prompt, nor cut at an arbitrary default)."""
         room = self.model.max_context - prompt_tokens
+        # The messages start with OpenAI's and vLLM's words, which clients match to tell a request
+        # too long for the context (LiteLLM's ContextWindowExceededError, CrewAI) from other 400s.
+        too_long = f"This model's maximum context length is {self.model.max_context} tokens. However, "
         if req.max_tokens is None:
             if room < 1:
-                raise Rejected("invalid_request", f"the prompt ({prompt_tokens} tokens) leaves no room to generate in the context of {self.model.max_context} tokens")
+                raise Rejected("invalid_request", f"{too_long}the prompt has {prompt_tokens} tokens, which leaves no room to generate. "
+                                                  "Please reduce the length of the prompt.")
             return min(room, self.max_tokens_limit)
         if req.max_tokens > room:
-            raise Rejected(
-                "invalid_request",
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {self.model.max_context} tokens",
-            )
+            raise Rejected("invalid_request", f"{too_long}you requested {prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the prompt, "
+                                              f"{req.max_tokens} for max_tokens). Please reduce the length of the prompt or max_tokens.")
         return req.max_tokens
 
     def _input_ids(self, req: GenerateRequest) -> list[int]:

@@ -186,6 +186,11 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
      400, "invalid_request", "Stream options can only be defined when `stream=True`."),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "unknown_model", "gpt-4"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "invalid_request", "max_tokens"),
+    # OpenAI's and vLLM's words for a request too long for the context, which LiteLLM and CrewAI match
+    ("/v1/completions", {"prompt": "hello " * 4093, "max_tokens": 5}, 400, "invalid_request",
+     "This model's maximum context length is 4096 tokens. However, you requested 4099 tokens (4094 in the prompt, 5 for max_tokens)."),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "invalid_request",
+     "This model's maximum context length is 4096 tokens. However, the prompt has 5009 tokens"),
 ])
 def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says):
     got, ctype, raw = call(frontend, "POST", path, body)
