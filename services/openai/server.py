@@ -247,11 +247,20 @@ def _id_header(request_id: str | None) -> dict[str, str] | None:
     return {"X-Request-Id": request_id} if request_id is not None and CLIENT_REQUEST_ID.match(request_id) else None
 
 
+async def _client_gone(reader: asyncio.StreamReader) -> None:
+    """Returns once the client closed its connection (end of input, or a reset). What it sends
+    after its request (a pipelined next request, a stray CRLF after the body) is dropped: the
+    answer closes the connection (``Connection: close``), so such a client sends it again."""
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(1 << 16):
+            pass
+
+
 async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[int]) -> int | None:
     """Run ``answer`` (its status); stop it if the client closes its connection first (None
-    then). The client sends nothing after its request, so any read returning means it is gone."""
+    then)."""
     answering = asyncio.ensure_future(answer)
-    gone = asyncio.ensure_future(reader.read(1))
+    gone = asyncio.ensure_future(_client_gone(reader))
     try:
         await asyncio.wait({answering, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -304,6 +304,24 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     assert {e["status"] for e in log_events(stack, "http_request")} >= {200, 400, 404, 405, 413, 499}
 
 
+def test_bytes_after_the_request_neither_cancel_it_nor_lose_its_answer(frontend):
+    """A client that pipelines its next request, or ends its body with a stray CRLF (which servers
+    should tolerate, RFC 9112 2.2), still gets the answer, then ``Connection: close`` (it sends the
+    next request again, as pipelining clients do). Any byte after the request was taken for a
+    hang-up: the request was cancelled and the connection closed without an answer."""
+    body = json.dumps({"prompt": [785, 6722, 315], "max_tokens": 3, "temperature": 0}).encode()
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    whole = json.loads(call(frontend, "POST", "/v1/completions", body)[2])["choices"][0]["text"]
+    for extra in (request, b"\r\n"):
+        with socket.create_connection(frontend, timeout=30) as s:
+            s.sendall(request + extra)
+            answer = b""
+            while data := s.recv(65536):
+                answer += data
+        assert answer.startswith(b"HTTP/1.1 200 OK") and b"Connection: close\r\n" in answer, (extra, answer[:300])
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] == whole
+
+
 # ---------------------------------------------------------------- log-probabilities and n choices
 
 
