@@ -32,6 +32,9 @@ import torch
 
 _MAX_SEED = 2**64 - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives per position
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): the sampler's float32 logits divided
+# by one below ~1e-38 are infinite, and their softmax NaN, which picked token 0 at every step.
+GREEDY_BELOW = 1e-5
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's): +-100 forces or bans a token
 
@@ -48,7 +51,7 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature: 0 is greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 (or below ``GREEDY_BELOW``) is greedy (argmax); otherwise logits are divided by it.
     top_k: keep the k most likely tokens; 0 disables.
     top_p: keep the smallest set of most likely tokens whose probability reaches
         top_p; 1 disables.
@@ -128,7 +131,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -139,6 +139,17 @@ def test_a_top_k_past_the_vocabulary_is_top_k_off_and_fails_no_batch(frontend):
     assert [json.loads(raw)["choices"][0]["text"] for _, _, raw in answers[:3]] == [want] * 3
 
 
+def test_a_temperature_below_1e_5_is_greedy_as_in_vllm(frontend):
+    """vLLM samples greedily below a temperature of 1e-5. Here the sampler divided its float32
+    logits by any temperature above 0: by one below ~1e-38 they were infinite, their softmax NaN,
+    and every step picked token 0 ("!!!!!!" for a 6-token answer)."""
+    body = {"prompt": [785, 6722, 315], "max_tokens": 6}
+    answers = [call(frontend, "POST", "/v1/completions", body | {"temperature": t}) for t in (0, 1e-6, 1e-300)]
+    assert [status for status, _, _ in answers] == [200] * 3, answers
+    texts = [json.loads(raw)["choices"][0]["text"] for _, _, raw in answers]
+    assert texts[1:] == [texts[0]] * 2, texts
+
+
 def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Say hi"}]}]
     request = {"messages": messages, "max_tokens": 10, "temperature": 0}
