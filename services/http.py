@@ -107,7 +107,7 @@ def _content_length(headers: dict[str, str]) -> int:
     length_text = headers.get("content-length")
     if length_text is None:
         raise HttpError(411, "a request body needs Content-Length (or Transfer-Encoding: chunked)")
-    if not length_text.isdigit():
+    if not (length_text.isascii() and length_text.isdigit()):  # isdigit alone takes '²', which int() refuses
         raise HttpError(400, f"bad Content-Length {length_text[:40]!r}")
     return int(length_text)
 
@@ -125,7 +125,9 @@ async def _chunked_body(reader: asyncio.StreamReader, max_body: int, limit: str)
     body = bytearray()
     while True:
         size_text = (await reader.readuntil(b"\r\n"))[:-2].split(b";", 1)[0].strip().decode("latin-1")  # a chunk extension after ";" is ignored
-        if not size_text or size_text.strip(string.hexdigits):
+        # A size past 16 hex digits (leading zeros aside) is no real chunk, and its 413 message would
+        # spell it in decimal, past Python's limit on the digits of an int's string.
+        if not size_text or len(size_text.lstrip("0")) > 16 or size_text.strip(string.hexdigits):
             raise HttpError(400, f"malformed chunk size {size_text[:40]!r}")
         size = int(size_text, 16)
         if size == 0:

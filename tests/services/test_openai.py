@@ -213,6 +213,9 @@ def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says
 def test_bad_http_gets_status_codes(frontend):
     assert call(frontend, "GET", "/v1/completions")[0] == 405
     assert call(frontend, "GET", "/v2/anything")[0] == 404
+    with socket.create_connection(frontend, timeout=10) as s:  # a digit int() does not read (was a 500)
+        s.sendall("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ²\r\n\r\n".encode("latin-1"))
+        assert s.recv(4096).startswith(b"HTTP/1.1 400 ")
     with socket.create_connection(frontend, timeout=10) as s:  # a body announced far above the limit is refused unread
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
@@ -274,6 +277,7 @@ def test_a_chunked_request_body_is_read_as_uvicorn_reads_it(frontend):
     assert send(b"%x\r\n" % (9 << 20) + b"x" * 100).startswith(b"HTTP/1.1 413 ")  # refused unread
     bad = send(b"zz\r\nhello\r\n0\r\n\r\n")
     assert bad.startswith(b"HTTP/1.1 400 ") and b"malformed chunk size 'zz'" in bad
+    assert send(b"f" * 5000 + b"\r\n").startswith(b"HTTP/1.1 400 ")  # was a 500: its 413 message spelt the size
 
 
 def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(frontend):
