@@ -108,7 +108,7 @@ class OpenAIFrontend:
                     status = await self._generate(reader, writer, req, request_id)
             except http.HttpError as e:
                 status = e.status
-                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "code": None}})
+                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "param": None, "code": None}})
                 await http.linger(reader, writer)
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate

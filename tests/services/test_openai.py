@@ -207,6 +207,7 @@ def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says
     got, ctype, raw = call(frontend, "POST", path, body)
     error = json.loads(raw)["error"]
     assert (got, ctype, error["code"]) == (status, "application/json", code), raw
+    assert list(error) == ["message", "type", "param", "code"] and error["param"] is None  # OpenAI's and vLLM's error object
     assert says in error["message"]
 
 
@@ -224,7 +225,7 @@ def test_bad_http_gets_status_codes(frontend):
     status, ctype, raw = call(frontend, "POST", "/v1/completions", b"x" * (9 << 20))
     assert (status, ctype) == (413, "application/json"), raw
     assert json.loads(raw)["error"] == {"message": f"request body of {9 << 20} bytes exceeds this server's limit of {8 << 20} bytes (8 MiB)",
-                                        "type": "invalid_request_error", "code": None}
+                                        "type": "invalid_request_error", "param": None, "code": None}
 
 
 def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stack, frontend):
