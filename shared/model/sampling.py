@@ -335,10 +335,10 @@ class Sampler:
         rank = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], -math.inf)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the
-        # first token always stays (its exclusive sum is 0).
+        # Drop a token when the tokens ranked above it already reach top_p; the first token always
+        # stays (its exclusive sum is 0, which a top_p below float32's least, taken as 0, reaches too).
         mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_above >= top_p[:, None], -math.inf)
+        sorted_logits = sorted_logits.masked_fill((mass_above >= top_p[:, None]) & (rank > 0), -math.inf)
         filtered = torch.full_like(scaled, -math.inf).scatter(-1, order, sorted_logits)
         return torch.softmax(filtered, dim=-1)
 

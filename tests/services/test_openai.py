@@ -150,6 +150,16 @@ def test_a_temperature_below_1e_5_is_greedy_as_in_vllm(frontend):
     assert texts[1:] == [texts[0]] * 2, texts
 
 
+def test_a_top_p_below_float32s_least_keeps_the_most_likely_token(frontend):
+    """top_p keeps at least the most likely token (as vLLM's does), however small: the sampler's
+    float32 top_p of 1e-300 was 0, which dropped every token, and every step picked token 0."""
+    body = {"prompt": [785, 6722, 315], "max_tokens": 6}
+    answers = [call(frontend, "POST", "/v1/completions", body | fields) for fields in ({"temperature": 0}, {"temperature": 1.0, "top_p": 1e-300})]
+    assert [status for status, _, _ in answers] == [200] * 2, answers
+    texts = [json.loads(raw)["choices"][0]["text"] for _, _, raw in answers]
+    assert texts[1] == texts[0], texts
+
+
 def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Say hi"}]}]
     request = {"messages": messages, "max_tokens": 10, "temperature": 0}
