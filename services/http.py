@@ -40,12 +40,14 @@ REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not All
 
 
 class HttpError(Exception):
-    """A request the server answers with ``status`` and ``message`` instead of handling it."""
+    """A request the server answers with ``status`` and ``message`` instead of handling it (and
+    ``headers``, e.g. the ``Allow`` header a 405 must carry, RFC 9110 15.5.6)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 @dataclass

@@ -95,7 +95,7 @@ class OpenAIFrontend:
                 if allowed is None:
                     raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")
                 if req.method not in allowed:
-                    raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}")
+                    raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}", {"Allow": ", ".join(allowed)})
                 if req.path == "/v1/models":
                     status = await self._models(writer)
                 elif req.path in ("/health", "/ping"):
@@ -108,7 +108,8 @@ class OpenAIFrontend:
                     status = await self._generate(reader, writer, req, request_id)
             except http.HttpError as e:
                 status = e.status
-                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "param": None, "code": None}})
+                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "param": None, "code": None}},
+                                        e.headers)
                 await http.linger(reader, writer)
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate

@@ -221,8 +221,22 @@ def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says
     assert says in error["message"]
 
 
-def test_bad_http_gets_status_codes(frontend):
-    assert call(frontend, "GET", "/v1/completions")[0] == 405
+def test_bad_http_gets_status_codes(stack, frontend):
+    def allowed(addr: tuple[str, int], method: str, path: str) -> tuple[int, str | None]:
+        conn = http.client.HTTPConnection(*addr, timeout=60)
+        try:
+            conn.request(method, path)
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status, resp.getheader("Allow")
+        finally:
+            conn.close()
+
+    # a 405 names the methods the path takes (RFC 9110 15.5.6; vLLM's server does), in both frontends
+    assert allowed(frontend, "GET", "/v1/completions") == (405, "POST")
+    assert allowed(frontend, "DELETE", "/ping") == (405, "GET, POST")
+    metrics = re.search(r"http://([\d.]+):(\d+)/metrics", stack.frontend_urls().get("metrics-0", ""))
+    assert metrics and allowed((metrics.group(1), int(metrics.group(2))), "DELETE", "/metrics") == (405, "GET")
     assert call(frontend, "GET", "/v2/anything")[0] == 404
     with socket.create_connection(frontend, timeout=10) as s:  # a digit int() does not read (was a 500)
         s.sendall("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ²\r\n\r\n".encode("latin-1"))
