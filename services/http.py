@@ -40,12 +40,14 @@ REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not All
 
 
 class HttpError(Exception):
-    """A request the server answers with ``status`` and ``message`` instead of handling it."""
+    """A request the server answers with ``status`` and ``message`` instead of handling it (and
+    ``headers``, e.g. the ``Allow`` header a 405 must carry, RFC 9110 15.5.6)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 @dataclass
@@ -107,7 +109,7 @@ def _content_length(headers: dict[str, str]) -> int:
     length_text = headers.get("content-length")
     if length_text is None:
         raise HttpError(411, "a request body needs Content-Length (or Transfer-Encoding: chunked)")
-    if not length_text.isdigit():
+    if not (length_text.isascii() and length_text.isdigit()):  # isdigit alone takes '²', which int() refuses
         raise HttpError(400, f"bad Content-Length {length_text[:40]!r}")
     return int(length_text)
 
@@ -125,7 +127,9 @@ async def _chunked_body(reader: asyncio.StreamReader, max_body: int, limit: str)
     body = bytearray()
     while True:
         size_text = (await reader.readuntil(b"\r\n"))[:-2].split(b";", 1)[0].strip().decode("latin-1")  # a chunk extension after ";" is ignored
-        if not size_text or size_text.strip(string.hexdigits):
+        # A size past 16 hex digits (leading zeros aside) is no real chunk, and its 413 message would
+        # spell it in decimal, past Python's limit on the digits of an int's string.
+        if not size_text or len(size_text.lstrip("0")) > 16 or size_text.strip(string.hexdigits):
             raise HttpError(400, f"malformed chunk size {size_text[:40]!r}")
         size = int(size_text, 16)
         if size == 0:

@@ -213,12 +213,12 @@ class Exporter:
             try:
                 req = await http.read_request(reader, writer, max_body=0)
                 if req.method != "GET":
-                    raise http.HttpError(405, "only GET /metrics")
+                    raise http.HttpError(405, "only GET /metrics", {"Allow": "GET"})
                 if req.path != "/metrics":
                     raise http.HttpError(404, "see /metrics")
                 await http.respond(writer, 200, self.page().encode(), CONTENT_TYPE)
             except http.HttpError as e:
-                await http.respond(writer, e.status, f"{e.message}\n".encode(), "text/plain")
+                await http.respond(writer, e.status, f"{e.message}\n".encode(), "text/plain", e.headers)
                 await http.linger(reader, writer)
         except ConnectionError:
             pass  # a client that went away

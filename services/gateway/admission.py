@@ -125,15 +125,17 @@ class Admission:
         prompt, at most ``max_tokens_limit`` (vLLM's rule: a request without a limit is not
         refused for the length of its prompt, nor cut at an arbitrary default)."""
         room = self.model.max_context - prompt_tokens
+        # The messages start with OpenAI's and vLLM's words, which clients match to tell a request
+        # too long for the context (LiteLLM's ContextWindowExceededError, CrewAI) from other 400s.
+        too_long = f"This model's maximum context length is {self.model.max_context} tokens. However, "
         if req.max_tokens is None:
             if room < 1:
-                raise Rejected("invalid_request", f"the prompt ({prompt_tokens} tokens) leaves no room to generate in the context of {self.model.max_context} tokens")
+                raise Rejected("invalid_request", f"{too_long}the prompt has {prompt_tokens} tokens, which leaves no room to generate. "
+                                                  "Please reduce the length of the prompt.")
             return min(room, self.max_tokens_limit)
         if req.max_tokens > room:
-            raise Rejected(
-                "invalid_request",
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {self.model.max_context} tokens",
-            )
+            raise Rejected("invalid_request", f"{too_long}you requested {prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the prompt, "
+                                              f"{req.max_tokens} for max_tokens). Please reduce the length of the prompt or max_tokens.")
         return req.max_tokens
 
     def _input_ids(self, req: GenerateRequest) -> list[int]:
@@ -192,7 +194,10 @@ class Admission:
         outside = [t for t, _ in params.logit_bias if t >= self.model.vocab_size]
         if outside:
             raise Rejected("invalid_request", f"logit_bias: tokens {outside[:5]} outside the vocabulary [0, {self.model.vocab_size})")
-        return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=params.top_k, seed=params.seed,
+        # A k at or past the vocabulary keeps every token: top-k off (0), as vLLM takes any int. Carried
+        # as given, a k past 2**63 overflowed the ranks' int64 tensors and failed its whole prefill batch.
+        top_k = params.top_k if params.top_k < self.model.vocab_size else 0
+        return SamplingSpec(temperature=float(params.temperature), top_p=float(params.top_p), top_k=top_k, seed=params.seed,
                             presence_penalty=float(params.presence_penalty), frequency_penalty=float(params.frequency_penalty),
                             repetition_penalty=float(params.repetition_penalty), min_p=float(params.min_p), logit_bias=params.logit_bias,
                             min_tokens=params.min_tokens)

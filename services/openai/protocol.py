@@ -36,7 +36,7 @@ for ``stream: true`` their chunk objects as server-sent events ending with ``[DO
 without ``stream: true`` is refused, as vLLM does). Usage counts each
 prompt once and the completion tokens of every choice, as OpenAI and vLLM do, with
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from prefill's prefix cache). Errors carry
-OpenAI's ``{"error": {"message", "type", "code"}}`` with an HTTP status per moebus code.
+OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (``param`` null) with an HTTP status per moebus code.
 """
 
 from __future__ import annotations
@@ -472,4 +472,4 @@ def _ending(finish_reason: str | None, stop_reason: str | int | None) -> dict[st
 def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI error object) of a moebus error code."""
     status, kind = ERRORS.get(code, ERRORS["internal"])
-    return status, {"error": {"message": message, "type": kind, "code": code}}
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": code}}

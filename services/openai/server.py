@@ -95,7 +95,7 @@ class OpenAIFrontend:
                 if allowed is None:
                     raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")
                 if req.method not in allowed:
-                    raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}")
+                    raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}", {"Allow": ", ".join(allowed)})
                 if req.path == "/v1/models":
                     status = await self._models(writer)
                 elif req.path in ("/health", "/ping"):
@@ -108,7 +108,8 @@ class OpenAIFrontend:
                     status = await self._generate(reader, writer, req, request_id)
             except http.HttpError as e:
                 status = e.status
-                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "code": None}})
+                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "param": None, "code": None}},
+                                        e.headers)
                 await http.linger(reader, writer)
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate
@@ -247,11 +248,20 @@ def _id_header(request_id: str | None) -> dict[str, str] | None:
     return {"X-Request-Id": request_id} if request_id is not None and CLIENT_REQUEST_ID.match(request_id) else None
 
 
+async def _client_gone(reader: asyncio.StreamReader) -> None:
+    """Returns once the client closed its connection (end of input, or a reset). What it sends
+    after its request (a pipelined next request, a stray CRLF after the body) is dropped: the
+    answer closes the connection (``Connection: close``), so such a client sends it again."""
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(1 << 16):
+            pass
+
+
 async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[int]) -> int | None:
     """Run ``answer`` (its status); stop it if the client closes its connection first (None
-    then). The client sends nothing after its request, so any read returning means it is gone."""
+    then)."""
     answering = asyncio.ensure_future(answer)
-    gone = asyncio.ensure_future(reader.read(1))
+    gone = asyncio.ensure_future(_client_gone(reader))
     try:
         await asyncio.wait({answering, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:

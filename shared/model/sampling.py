@@ -32,6 +32,9 @@ import torch
 
 _MAX_SEED = 2**64 - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on the alternatives per position
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): the sampler's float32 logits divided
+# by one below ~1e-38 are infinite, and their softmax NaN, which picked token 0 at every step.
+GREEDY_BELOW = 1e-5
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's): +-100 forces or bans a token
 
@@ -48,7 +51,7 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature: 0 is greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 (or below ``GREEDY_BELOW``) is greedy (argmax); otherwise logits are divided by it.
     top_k: keep the k most likely tokens; 0 disables.
     top_p: keep the smallest set of most likely tokens whose probability reaches
         top_p; 1 disables.
@@ -128,7 +131,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -332,10 +335,10 @@ class Sampler:
         rank = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], -math.inf)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the
-        # first token always stays (its exclusive sum is 0).
+        # Drop a token when the tokens ranked above it already reach top_p; the first token always
+        # stays (its exclusive sum is 0, which a top_p below float32's least, taken as 0, reaches too).
         mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_above >= top_p[:, None], -math.inf)
+        sorted_logits = sorted_logits.masked_fill((mass_above >= top_p[:, None]) & (rank > 0), -math.inf)
         filtered = torch.full_like(scaled, -math.inf).scatter(-1, order, sorted_logits)
         return torch.softmax(filtered, dim=-1)
 

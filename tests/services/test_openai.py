@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -122,6 +123,43 @@ def test_repetition_penalty_matches_transformers(stack, frontend, hf_greedy):
     assert json.loads(raw)["choices"][0]["text"] == native.text
 
 
+def test_a_top_k_past_the_vocabulary_is_top_k_off_and_fails_no_batch(frontend):
+    """top_k at or past the vocabulary keeps every token, as vLLM takes any int: the answer is
+    top_k 0's, and requests running beside it are untouched. Such a k went to the ranks as given:
+    one past 2**63 overflowed the prefill's int64 tensors and failed its whole batch (a 500 for
+    every request batched with it), one past 2**64 the gateway's msgpack encoding (a 500)."""
+    body = {"prompt": [785, 6722, 315], "max_tokens": 4, "temperature": 1.0, "seed": 11}
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"top_k": 0})
+    assert status == 200, raw
+    want = json.loads(raw)["choices"][0]["text"]
+    bodies = [body | {"top_k": k} for k in (151936, 2**63, 10**30)] + [{"prompt": f"bystander {i}", "max_tokens": 4} for i in range(4)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: call(frontend, "POST", "/v1/completions", b), bodies))
+    assert [status for status, _, _ in answers] == [200] * len(bodies), [raw[:200] for _, _, raw in answers]
+    assert [json.loads(raw)["choices"][0]["text"] for _, _, raw in answers[:3]] == [want] * 3
+
+
+def test_a_temperature_below_1e_5_is_greedy_as_in_vllm(frontend):
+    """vLLM samples greedily below a temperature of 1e-5. Here the sampler divided its float32
+    logits by any temperature above 0: by one below ~1e-38 they were infinite, their softmax NaN,
+    and every step picked token 0 ("!!!!!!" for a 6-token answer)."""
+    body = {"prompt": [785, 6722, 315], "max_tokens": 6}
+    answers = [call(frontend, "POST", "/v1/completions", body | {"temperature": t}) for t in (0, 1e-6, 1e-300)]
+    assert [status for status, _, _ in answers] == [200] * 3, answers
+    texts = [json.loads(raw)["choices"][0]["text"] for _, _, raw in answers]
+    assert texts[1:] == [texts[0]] * 2, texts
+
+
+def test_a_top_p_below_float32s_least_keeps_the_most_likely_token(frontend):
+    """top_p keeps at least the most likely token (as vLLM's does), however small: the sampler's
+    float32 top_p of 1e-300 was 0, which dropped every token, and every step picked token 0."""
+    body = {"prompt": [785, 6722, 315], "max_tokens": 6}
+    answers = [call(frontend, "POST", "/v1/completions", body | fields) for fields in ({"temperature": 0}, {"temperature": 1.0, "top_p": 1e-300})]
+    assert [status for status, _, _ in answers] == [200] * 2, answers
+    texts = [json.loads(raw)["choices"][0]["text"] for _, _, raw in answers]
+    assert texts[1] == texts[0], texts
+
+
 def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Say hi"}]}]
     request = {"messages": messages, "max_tokens": 10, "temperature": 0}
@@ -169,17 +207,40 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
      400, "invalid_request", "Stream options can only be defined when `stream=True`."),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "unknown_model", "gpt-4"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "invalid_request", "max_tokens"),
+    # OpenAI's and vLLM's words for a request too long for the context, which LiteLLM and CrewAI match
+    ("/v1/completions", {"prompt": "hello " * 4093, "max_tokens": 5}, 400, "invalid_request",
+     "This model's maximum context length is 4096 tokens. However, you requested 4099 tokens (4094 in the prompt, 5 for max_tokens)."),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "invalid_request",
+     "This model's maximum context length is 4096 tokens. However, the prompt has 5009 tokens"),
 ])
 def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says):
     got, ctype, raw = call(frontend, "POST", path, body)
     error = json.loads(raw)["error"]
     assert (got, ctype, error["code"]) == (status, "application/json", code), raw
+    assert list(error) == ["message", "type", "param", "code"] and error["param"] is None  # OpenAI's and vLLM's error object
     assert says in error["message"]
 
 
-def test_bad_http_gets_status_codes(frontend):
-    assert call(frontend, "GET", "/v1/completions")[0] == 405
+def test_bad_http_gets_status_codes(stack, frontend):
+    def allowed(addr: tuple[str, int], method: str, path: str) -> tuple[int, str | None]:
+        conn = http.client.HTTPConnection(*addr, timeout=60)
+        try:
+            conn.request(method, path)
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status, resp.getheader("Allow")
+        finally:
+            conn.close()
+
+    # a 405 names the methods the path takes (RFC 9110 15.5.6; vLLM's server does), in both frontends
+    assert allowed(frontend, "GET", "/v1/completions") == (405, "POST")
+    assert allowed(frontend, "DELETE", "/ping") == (405, "GET, POST")
+    metrics = re.search(r"http://([\d.]+):(\d+)/metrics", stack.frontend_urls().get("metrics-0", ""))
+    assert metrics and allowed((metrics.group(1), int(metrics.group(2))), "DELETE", "/metrics") == (405, "GET")
     assert call(frontend, "GET", "/v2/anything")[0] == 404
+    with socket.create_connection(frontend, timeout=10) as s:  # a digit int() does not read (was a 500)
+        s.sendall("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ²\r\n\r\n".encode("latin-1"))
+        assert s.recv(4096).startswith(b"HTTP/1.1 400 ")
     with socket.create_connection(frontend, timeout=10) as s:  # a body announced far above the limit is refused unread
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
@@ -188,7 +249,7 @@ def test_bad_http_gets_status_codes(frontend):
     status, ctype, raw = call(frontend, "POST", "/v1/completions", b"x" * (9 << 20))
     assert (status, ctype) == (413, "application/json"), raw
     assert json.loads(raw)["error"] == {"message": f"request body of {9 << 20} bytes exceeds this server's limit of {8 << 20} bytes (8 MiB)",
-                                        "type": "invalid_request_error", "code": None}
+                                        "type": "invalid_request_error", "param": None, "code": None}
 
 
 def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stack, frontend):
@@ -241,6 +302,7 @@ def test_a_chunked_request_body_is_read_as_uvicorn_reads_it(frontend):
     assert send(b"%x\r\n" % (9 << 20) + b"x" * 100).startswith(b"HTTP/1.1 413 ")  # refused unread
     bad = send(b"zz\r\nhello\r\n0\r\n\r\n")
     assert bad.startswith(b"HTTP/1.1 400 ") and b"malformed chunk size 'zz'" in bad
+    assert send(b"f" * 5000 + b"\r\n").startswith(b"HTTP/1.1 400 ")  # was a 500: its 413 message spelt the size
 
 
 def test_a_client_expecting_100_continue_gets_it_before_sending_its_body(frontend):
@@ -280,6 +342,24 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     assert len(gone) == 1 and gone[0]["path"] == "/v1/completions" and gone[0]["request_id"]
     assert [e["request_id"] for e in log_events(stack, "openai_client_gone")] == [gone[0]["request_id"]]
     assert {e["status"] for e in log_events(stack, "http_request")} >= {200, 400, 404, 405, 413, 499}
+
+
+def test_bytes_after_the_request_neither_cancel_it_nor_lose_its_answer(frontend):
+    """A client that pipelines its next request, or ends its body with a stray CRLF (which servers
+    should tolerate, RFC 9112 2.2), still gets the answer, then ``Connection: close`` (it sends the
+    next request again, as pipelining clients do). Any byte after the request was taken for a
+    hang-up: the request was cancelled and the connection closed without an answer."""
+    body = json.dumps({"prompt": [785, 6722, 315], "max_tokens": 3, "temperature": 0}).encode()
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    whole = json.loads(call(frontend, "POST", "/v1/completions", body)[2])["choices"][0]["text"]
+    for extra in (request, b"\r\n"):
+        with socket.create_connection(frontend, timeout=30) as s:
+            s.sendall(request + extra)
+            answer = b""
+            while data := s.recv(65536):
+                answer += data
+        assert answer.startswith(b"HTTP/1.1 200 OK") and b"Connection: close\r\n" in answer, (extra, answer[:300])
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"] == whole
 
 
 # ---------------------------------------------------------------- log-probabilities and n choices
