@@ -57,8 +57,9 @@ def test_cancel_right_behind_the_request_is_answered_at_once(stack):
 def test_a_placement_made_after_the_cancel_is_cancelled_once_the_scheduler_answers(stack):
     """The scheduler missed the cancel and places the request later: its KV must be freed.
 
-    The ordering is forced by standing in for the scheduler (the real one is stopped):
-    the submit is held until the client has its `cancelled`, then answered with a placement.
+    The ordering is forced by standing in for the scheduler (the real one is stopped): the
+    cancel is sent once the submit has arrived, and the submit is held until the client has
+    its `cancelled`, then answered with a placement.
     """
     scheduler = next(r for r in stack.replicas if r.role == "scheduler")
     stack.stop_replica(scheduler)
@@ -74,8 +75,14 @@ def test_a_placement_made_after_the_cancel_is_cancelled_once_the_scheduler_answe
 
             await bus.subscribe(subjects.SUBMIT, submits.put, queue=subjects.SCHEDULER_QUEUE, concurrent=False)
             await bus.subscribe(subjects.CTL_CANCEL, on_cancel, concurrent=False)
-            replies = await _request_then_cancel(client, "late")
+            # The cancel goes out once the submit has arrived: sent right behind the request, it could reach
+            # the gateway before the request left admission (a loaded machine), and nothing was submitted.
+            nc = bus.nc
+            replies = await nc.subscribe(nc.new_inbox())
+            request = GenerateRequest(prompt="hi", max_tokens=4, temperature=0, request_id="late")
+            await nc.publish(subjects.GENERATE, encode_public(request), reply=replies.subject)
             submit = await asyncio.wait_for(submits.get(), 5)
+            await client.cancel("late")
             job = unpack(submit.data, SubmitJob).job
             reply = decode_public((await replies.next_msg(timeout=5)).data, GenerateReply)  # the submit is unanswered
             answered_at = time.monotonic()
