@@ -11,8 +11,10 @@
   (vLLM's flags), chat answers split into ``tool_calls``, ``reasoning_content`` and content
   (`services.openai.tool_parsing`); without them ``tools`` need ``tool_choice`` "none";
 * ``GET /v1/models`` from ``llm.models`` (vLLM's model cards, ``max_model_len`` the context);
-* ``GET /health`` and vLLM's ``GET``/``POST /ping``: 200 when the stack answers ``llm.models``,
-  else 503; ``GET /version``: moebus' version.
+* ``GET /health`` and vLLM's ``GET``/``POST /ping``: 200 when the stack can serve (a gateway
+  answers ``llm.models``, and a scheduler, a prefill instance and a decode rank that take new
+  work were heard within ``--health-expiry`` seconds: `services.openai.readiness`), else 503
+  naming what is missing; ``GET /version``: moebus' version.
 
 The frontend is stateless (run as many as needed; each is one more NATS client): every
 request gets its own moebus request id (one per choice), so a client that closes its
@@ -36,12 +38,14 @@ import time
 import uuid
 from collections.abc import Awaitable
 
+from schemas import subjects
 from schemas.api import Usage
 from services import http
 from services.client import Client, GenerateError
 from services.common import moebus_version
 from services.openai import protocol
 from services.openai.choices import Choices, choice_requests
+from services.openai.readiness import StackReadiness
 from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
 from shared.bus import connect
 from shared.logging import LEVELS, configure_logging, get_logger
@@ -62,11 +66,13 @@ CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 class OpenAIFrontend:
     """Routes one HTTP request per connection to the stack through ``client``."""
 
-    def __init__(self, client: Client, max_n: int = 16, max_prompts: int = 64, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
-        """``tool_call_parser`` ("hermes") / ``reasoning_parser`` ("qwen3"): chat answers are parsed
-        for tool calls (requests may then use ``tools`` with ``tool_choice`` "auto") / reasoning."""
+    def __init__(self, client: Client, readiness: StackReadiness, max_n: int = 16, max_prompts: int = 64,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+        """``readiness``: the heartbeats heard (``/health``); ``tool_call_parser`` ("hermes") /
+        ``reasoning_parser`` ("qwen3"): chat answers are parsed for tool calls (requests may then use
+        ``tools`` with ``tool_choice`` "auto") / reasoning."""
         self.client = client
+        self.readiness = readiness
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.max_n = max_n
@@ -140,6 +146,11 @@ class OpenAIFrontend:
         return 200
 
     async def _health(self, writer: asyncio.StreamWriter) -> int:
+        missing = self.readiness.missing(time.monotonic())
+        if missing:
+            why = f"no {', '.join(missing)} heard in the last {self.readiness.expiry_s:g} s that takes new work"
+            await http.respond(writer, 503, f"unavailable: {why}\n".encode(), "text/plain")
+            return 503
         try:
             await self.client.models(timeout=2.0)
         except Exception as e:  # noqa: BLE001 - any failure means not healthy
@@ -276,12 +287,14 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[i
     return None
 
 
-async def serve(url: str, host: str, port: int, max_n: int, max_prompts: int, tool_call_parser: str | None = None,
-                reasoning_parser: str | None = None) -> None:
+async def serve(url: str, host: str, port: int, max_n: int, max_prompts: int, health_expiry_s: float,
+                tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
     async with connect(url, "moebus-openai") as bus:
+        readiness = StackReadiness(health_expiry_s)
+        await bus.subscribe(subjects.HEARTBEAT_ALL, readiness.on_message, concurrent=False)
         # No deadline of the frontend's own: the gateway's (a request's timeout_ms, else its
         # default_timeout_ms) ends a request, and keepalives tell a gateway that died.
-        frontend = OpenAIFrontend(Client(bus, timeout=None), max_n, max_prompts, tool_call_parser, reasoning_parser)
+        frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, max_n, max_prompts, tool_call_parser, reasoning_parser)
         await http.listen("openai", frontend.handle, host, port, "/v1", url)
 
 
@@ -290,6 +303,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     http.frontend_arguments(ap, default_port=8000)
     ap.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for; each is a request to the stack")
     ap.add_argument("--max-prompts", type=int, default=64, help="the most prompts one /v1/completions request may batch")
+    ap.add_argument("--health-expiry", type=float, default=2.0, metavar="SECONDS",
+                    help="/health fails once no scheduler, prefill instance or decode rank was heard this long "
+                         "(default 2.0: the gateway's stage_expiry_s)")
     # vLLM's flags and names, so a vLLM command line for Qwen3 carries over
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help="parse chat answers for tool calls, so requests may give tools (tool_choice \"auto\"); needs --tool-call-parser")
@@ -303,6 +319,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--max-n must be in [1, 128] (OpenAI's bound), got {a.max_n}")
     if a.max_prompts < 1:
         ap.error(f"--max-prompts must be at least 1, got {a.max_prompts}")
+    if not a.health_expiry > 0:
+        ap.error(f"--health-expiry must be positive, got {a.health_expiry}")
     if os.environ.get("MOEBUS_LOG_LEVEL", "info").lower() not in LEVELS:  # as the services' log_level setting
         ap.error(f"MOEBUS_LOG_LEVEL={os.environ['MOEBUS_LOG_LEVEL']!r} must be one of {', '.join(LEVELS)}")
     return a
@@ -312,5 +330,5 @@ def main(argv: list[str]) -> int:
     a = _parse(argv)
     json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
     configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
-    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.max_n, a.max_prompts, a.tool_call_parser, a.reasoning_parser),
+    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.max_n, a.max_prompts, a.health_expiry, a.tool_call_parser, a.reasoning_parser),
                              a.host, a.port)
