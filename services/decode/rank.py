@@ -13,7 +13,8 @@ and the gateway hears why.
 The rank also watches the heartbeats of the gateways it serves (`PeerLiveness`): a
 gateway silent for `gateway_expiry_s` of time the rank was listening, or restarted, can
 no longer read its requests' tokens, so they are dropped and their pages freed instead
-of decoding on to their deadlines.
+of decoding on to their deadlines (the gateway still gets `unavailable` for each: one that
+was only stalled reads it when it resumes).
 """
 
 from __future__ import annotations
@@ -318,13 +319,19 @@ class DecodeRank:
         self.gateways.heard(unpack(msg.data, Heartbeat), time.monotonic())
 
     async def _drop_orphans(self) -> None:
-        """Free the requests (running or reserved) of gateways that stopped: nobody reads their tokens."""
+        """Free the requests (running or reserved) of gateways that stopped: nobody reads their tokens.
+
+        The gateway is told all the same: one that was only stalled (not dead) reads the error once
+        it resumes and fails the request at once, instead of waiting for tokens until its deadline;
+        a dead one's subject has no subscriber, and NATS drops the message."""
         now = time.monotonic()
+        reason = f"the decode rank dropped the request: its gateway restarted or was silent for {self.settings.gateway_expiry_s:g}s"
         for entry in [e for e in self.running.values() if self.gateways.stopped(gateway_key(e.job.gateway), e.gateway_started_at, now)]:
             self._finish(entry)
             log.info("decode_orphaned", request_id=entry.job.request_id, gateway=entry.job.gateway, tokens=len(entry.seq.output_ids))
+            await self._send_error(entry.job.gateway, entry.job.request_id, "unavailable", reason)
         for res in [r for r in self.reserved.values() if self.gateways.stopped(gateway_key(r.gateway), r.gateway_started_at, now)]:
-            await self._drop_reservation(res, None, f"gateway {res.gateway} stopped")
+            await self._drop_reservation(res, "unavailable", reason)
 
     async def _fail_all(self, code: ErrorCode, message: str) -> None:
         for entry in list(self.running.values()):
