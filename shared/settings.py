@@ -174,6 +174,9 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     cuda_graphs: bool = True  # on CUDA (kernel path): decode steps as CUDA-graph replays per batch x page bucket; ignored on CPU
     cuda_graphs_max: Positive = 64  # graphs captured at most per rank; a step needing another bucket runs eagerly
     gateway_expiry_s: Seconds = 5.0  # a gateway silent this long (while the rank listens) has its requests dropped here
+    # A lockstep step running longer than this means a rank of the instance is hung: this rank
+    # withholds its heartbeats until the step ends, so that watchers count it gone.
+    stall_s: Seconds = 60.0
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.dp, "dp")
