@@ -48,6 +48,10 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class SubmitJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     job: Job
+    # Unix time after which the gateway no longer waits for the answer (it has answered its client
+    # `unavailable`): a scheduler that gets to the submit later (it was stalled) refuses it instead
+    # of placing work nobody reads. 0: no bound.
+    reply_by: float = 0.0
 
 
 class Placement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -147,8 +147,11 @@ class Heartbeater:
     (draining, KV pages, queue lengths, ...), as keyword arguments.
     """
 
-    def __init__(self, bus: Bus, settings: ServiceSettings, role: Role, status: Callable[[], dict[str, Any]], rank: int = 0) -> None:
+    def __init__(self, bus: Bus, settings: ServiceSettings, role: Role, status: Callable[[], dict[str, Any]], rank: int = 0,
+                 withhold: Callable[[], bool] | None = None) -> None:
+        """`withhold`: while it returns True no beat goes out (the process runs but cannot serve)."""
         self.bus = bus
+        self.withhold = withhold
         self.interval = settings.heartbeat_interval_s
         self.status = status
         self.role: Role = role
@@ -189,7 +192,8 @@ class Heartbeater:
                             loop_cpu_s=round(loop_cpu - last_loop_cpu, 3), process_cpu_s=round(cpu - last_cpu, 3))
             last, last_cpu, last_loop_cpu = now, cpu, loop_cpu
             try:
-                await self.beat()
+                if self.withhold is None or not self.withhold():
+                    await self.beat()
             except Exception:
                 log.exception("heartbeat_failed", role=self.role)
             await asyncio.sleep(self.interval)

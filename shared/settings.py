@@ -148,6 +148,9 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     transfer_timeout_s: Seconds = 30.0
     warmup: bool = True  # run dummy prompts through every rank (compiling its kernels) before it reports ready
     gateway_expiry_s: Seconds = 5.0  # a gateway silent this long (while the leader listens) has its queued tasks dropped
+    # A batch (its broadcast, forward and collectives) running longer than this means a rank is hung:
+    # the leader withholds its heartbeats until the batch ends, so that watchers count the instance gone.
+    stall_s: Seconds = 60.0
     prefix_caching: bool = True  # reuse the KV pages of prompt prefixes this instance computed before (shared.prefix_cache)
 
     def __post_init__(self) -> None:
@@ -171,6 +174,9 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     cuda_graphs: bool = True  # on CUDA (kernel path): decode steps as CUDA-graph replays per batch x page bucket; ignored on CPU
     cuda_graphs_max: Positive = 64  # graphs captured at most per rank; a step needing another bucket runs eagerly
     gateway_expiry_s: Seconds = 5.0  # a gateway silent this long (while the rank listens) has its requests dropped here
+    # A lockstep step running longer than this means a rank of the instance is hung: this rank
+    # withholds its heartbeats until the step ends, so that watchers count it gone.
+    stall_s: Seconds = 60.0
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.dp, "dp")

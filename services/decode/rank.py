@@ -13,7 +13,9 @@ and the gateway hears why.
 The rank also watches the heartbeats of the gateways it serves (`PeerLiveness`): a
 gateway silent for `gateway_expiry_s` of time the rank was listening, or restarted, can
 no longer read its requests' tokens, so they are dropped and their pages freed instead
-of decoding on to their deadlines.
+of decoding on to their deadlines (the gateway still gets `unavailable` for each: one that
+was only stalled reads it when it resumes). A lockstep step that has run `stall_s` (a rank of
+the instance hung) withholds this rank's heartbeats until it ends (`_stalled`).
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ class DecodeRank:
         self.work = asyncio.Event()
         self.draining = False
         self.step_paths: Counter[str] = Counter()  # steps of this rank's sequences by forward path (heartbeat)
-        self.heartbeater = Heartbeater(bus, settings, "decode", self._status, rank=rank)
+        self.step_started: float | None = None  # when the lockstep step under way began (monotonic; None: between steps)
+        self.stall_logged = False
+        self.heartbeater = Heartbeater(bus, settings, "decode", self._status, rank=rank, withhold=self._stalled)
         self.gateways = PeerLiveness(("decode", settings.instance, rank), settings.heartbeat_interval_s, settings.gateway_expiry_s,
                                      time.monotonic(), roles=("gateway",))
 
@@ -106,7 +110,9 @@ class DecodeRank:
             want_exit = self.draining and not self.running and not self.reserved
             self.work.clear()  # before the snapshot: a start arriving after it wakes the idle wait
             batch = list(self.running.values())
+            self.step_started, self.stall_logged = time.monotonic(), False
             result = await asyncio.to_thread(self.lockstep.step, [r.seq for r in batch], want_exit)
+            self.step_started = None
             if result.state is GroupState.EXIT:
                 return
             if result.state is GroupState.IDLE:
@@ -125,6 +131,19 @@ class DecodeRank:
             await self._publish(batch, result.outputs, result.compute_ms, result.path)
             await self._expire_deadlines()
             await self._drop_orphans()
+
+    def _stalled(self) -> bool:
+        """Whether the step under way has run past `stall_s`: a rank of the instance is hung (the
+        others wait for it in every step's collectives). Its heartbeats still going out, gateways
+        would wait for this rank's requests until their deadlines and schedulers would place more
+        here; withheld, the gateways fail them as `unavailable` after `stage_expiry_s` and the
+        schedulers drop the rank until it beats again."""
+        if self.step_started is None or time.monotonic() - self.step_started < self.settings.stall_s:
+            return False
+        if not self.stall_logged:
+            self.stall_logged = True
+            log.error("decode_stalled", request_ids=list(self.running), stall_s=self.settings.stall_s)
+        return True
 
     async def drain(self) -> None:
         """Stop taking reservations; `run` finishes the running sequences and returns."""
@@ -318,13 +337,19 @@ class DecodeRank:
         self.gateways.heard(unpack(msg.data, Heartbeat), time.monotonic())
 
     async def _drop_orphans(self) -> None:
-        """Free the requests (running or reserved) of gateways that stopped: nobody reads their tokens."""
+        """Free the requests (running or reserved) of gateways that stopped: nobody reads their tokens.
+
+        The gateway is told all the same: one that was only stalled (not dead) reads the error once
+        it resumes and fails the request at once, instead of waiting for tokens until its deadline;
+        a dead one's subject has no subscriber, and NATS drops the message."""
         now = time.monotonic()
+        reason = f"the decode rank dropped the request: its gateway restarted or was silent for {self.settings.gateway_expiry_s:g}s"
         for entry in [e for e in self.running.values() if self.gateways.stopped(gateway_key(e.job.gateway), e.gateway_started_at, now)]:
             self._finish(entry)
             log.info("decode_orphaned", request_id=entry.job.request_id, gateway=entry.job.gateway, tokens=len(entry.seq.output_ids))
+            await self._send_error(entry.job.gateway, entry.job.request_id, "unavailable", reason)
         for res in [r for r in self.reserved.values() if self.gateways.stopped(gateway_key(r.gateway), r.gateway_started_at, now)]:
-            await self._drop_reservation(res, None, f"gateway {res.gateway} stopped")
+            await self._drop_reservation(res, "unavailable", reason)
 
     async def _fail_all(self, code: ErrorCode, message: str) -> None:
         for entry in list(self.running.values()):

@@ -355,7 +355,9 @@ class Gateway:
 
     async def _ask_scheduler(self, job: Job, deadline: Deadline) -> Placement:
         try:
-            ack = await self.bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=deadline.timeout(cap=self.settings.submit_timeout_s))
+            timeout = deadline.timeout(cap=self.settings.submit_timeout_s)
+            submit = SubmitJob(job=job, reply_by=time.time() + timeout)
+            ack = await self.bus.request(subjects.SUBMIT, submit, SubmitAck, timeout=timeout)
         except NoResponders as e:
             raise Failed("unavailable", "no scheduler is running") from e
         except PayloadTooLarge as e:  # never sent: no scheduler could take it, retrying will not help

@@ -35,6 +35,11 @@ class Refused(Exception):
         self.code = code
 
 
+def _past(reply_by: float) -> bool:
+    """Whether the gateway has stopped waiting for the answer to a submit (`SubmitJob.reply_by`)."""
+    return bool(reply_by) and time.time() > reply_by
+
+
 class Scheduler:
     def __init__(self, settings: SchedulerSettings, bus: Bus) -> None:
         self.settings = settings
@@ -91,14 +96,15 @@ class Scheduler:
         """Every submit gets a SubmitAck: a placement or a typed error (a gateway left without one
         would wait out its submit timeout and then call the scheduler gone)."""
         try:
-            job = unpack(msg.data, SubmitJob).job
+            submit = unpack(msg.data, SubmitJob)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("bad_submit", error=str(e))
             await msg.respond(pack(SubmitAck(request_id="", error_code="invalid_request", error_message=f"malformed SubmitJob: {e}")))
             return
+        job = submit.job
         with bind_request(request_id=job.request_id):
             try:
-                placement = await self.place(job)
+                placement = await self.place(job, submit.reply_by)
                 ack = SubmitAck(request_id=job.request_id, placement=placement)
             except Refused as e:
                 log.info("refused", code=e.code, reason=str(e))
@@ -108,8 +114,9 @@ class Scheduler:
                 ack = SubmitAck(request_id=job.request_id, error_code="internal", error_message=f"scheduler: {type(e).__name__}: {e}")
             await msg.respond(pack(ack))
 
-    async def place(self, job: Job) -> Placement:
-        """Reserve KV on a decode rank, hand the task to a prefill instance; wait (bounded) for room."""
+    async def place(self, job: Job, reply_by: float = 0.0) -> Placement:
+        """Reserve KV on a decode rank, hand the task to a prefill instance; wait (bounded) for room.
+        `reply_by`: the Unix time at which the gateway stops waiting for the answer (0: no bound)."""
         deadline = Deadline(job.deadline)
         if deadline.expired:
             raise Refused("timeout", "deadline passed before scheduling")
@@ -123,10 +130,14 @@ class Scheduler:
             while True:
                 if job.request_id in self.cancelled:
                     raise Refused("cancelled", "cancelled while waiting for capacity")
+                if _past(reply_by):
+                    # This scheduler was stalled (or the submit slow to come): the gateway has answered
+                    # its client, and its cancel may have come before the submit and been ignored.
+                    raise Refused("unavailable", "the gateway stopped waiting for this submit")
                 placement = await self._try_place(job)
-                if placement is not None and job.request_id in self.cancelled:
-                    # Cancelled while we reserved: whoever cancelled (e.g. a gateway whose submit timed
-                    # out) has forgotten the request and will not cancel again after our answer.
+                if placement is not None and (job.request_id in self.cancelled or _past(reply_by)):
+                    # Cancelled while we reserved, or the gateway's wait ended meanwhile: either way it
+                    # has forgotten the request and will not cancel again after our answer.
                     await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "cancelled while being placed")))
                     raise Refused("cancelled", "cancelled while being placed")
                 if placement is not None:
