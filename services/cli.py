@@ -8,6 +8,8 @@ that `moebus request` does not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 
 from shared.bus import Unreachable
@@ -45,10 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     try:
-        return int(module.main(rest) or 0)
+        code = int(module.main(rest) or 0)
+        sys.stdout.flush()  # a reader gone shows here (below), not as "Exception ignored" at exit
+        return code
     except Unreachable as e:  # no NATS server within connect_timeout_s: the message says all, a traceback nothing more
         print(f"moebus {name}: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `moebus status | head`: the reader has what it wanted
+        # Python flushes stdout again at exit, into the same closed pipe: point it at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # what a command killed by SIGPIPE exits with, as `yes | head` does
 
 
 if __name__ == "__main__":

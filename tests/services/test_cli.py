@@ -209,3 +209,28 @@ def test_up_takes_the_compose_knobs_and_moebus_model_from_the_environment(tiny_m
     assert next(s for s in specs if s.name == "decode").env["MOEBUS_DECODE_MAX_BATCH"] == "64"
     monkeypatch.setenv("MOEBUS_MODEL", str(tiny_model))  # `moebus up` served the embedded tiny model instead
     assert up_arguments([]).model == str(tiny_model) and up_arguments(["--model", "/x"]).model == "/x"
+
+
+def test_status_into_a_reader_that_stops_early_exits_quietly(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """`moebus status | head -1`: printing into the closed pipe was a BrokenPipeError traceback."""
+    from schemas.internal import Heartbeat
+    from shared.bus import pack
+
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+    status = subprocess.Popen([sys.executable, "-m", "services.cli", "status", "--url", url, "--wait", "1.5"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    status.stdout.close()  # the reader is gone before the first line
+
+    async def beat() -> None:  # processes for it to list, more than one pipe buffer's worth of lines
+        async with connect(url, "test-status") as bus:
+            for _ in range(12):
+                for i in range(200):
+                    hb = Heartbeat(role="decode", instance=f"decode-{i}", rank=0, model="tiny", version="0.1", started_at=time.time())
+                    await bus.publish(f"ctl.heartbeat.decode.decode-{i}.0", pack(hb))
+                await asyncio.sleep(0.2)
+
+    asyncio.run(beat())
+    err = status.stderr.read()
+    assert status.wait(timeout=30) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
