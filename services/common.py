@@ -139,6 +139,32 @@ def stop_event() -> asyncio.Event:
     return event
 
 
+class StepWatch:
+    """When the step a group of ranks is in began (every rank takes part: one hung rank blocks the
+    others in it); a step running past ``stall_s`` is a stall, which a `Heartbeater`'s ``withhold``
+    reads so that watchers count the process gone. ``on_stall`` runs once per stalled step (its log)."""
+
+    def __init__(self, stall_s: float, on_stall: Callable[[], None]) -> None:
+        self.stall_s = stall_s
+        self.on_stall = on_stall
+        self.started: float | None = None  # monotonic; None between steps
+        self.reported = False
+
+    def begin(self) -> None:
+        self.started, self.reported = time.monotonic(), False
+
+    def end(self) -> None:
+        self.started = None
+
+    def stalled(self) -> bool:
+        if self.started is None or time.monotonic() - self.started < self.stall_s:
+            return False
+        if not self.reported:
+            self.reported = True
+            self.on_stall()
+        return True
+
+
 class Heartbeater:
     """Publishes this process's heartbeat on ctl.heartbeat.<role>.<instance>.<rank> every `heartbeat_interval_s`.
 

@@ -15,7 +15,7 @@ gateway silent for `gateway_expiry_s` of time the rank was listening, or restart
 no longer read its requests' tokens, so they are dropped and their pages freed instead
 of decoding on to their deadlines (the gateway still gets `unavailable` for each: one that
 was only stalled reads it when it resumes). A lockstep step that has run `stall_s` (a rank of
-the instance hung) withholds this rank's heartbeats until it ends (`_stalled`).
+the instance hung) withholds this rank's heartbeats until it ends (`StepWatch`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
-from services.common import Heartbeater, cancel_applies, decode_stage
+from services.common import Heartbeater, StepWatch, cancel_applies, decode_stage
 from services.decode.lockstep import GroupState, Lockstep
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params, top_candidates
@@ -82,9 +82,13 @@ class DecodeRank:
         self.work = asyncio.Event()
         self.draining = False
         self.step_paths: Counter[str] = Counter()  # steps of this rank's sequences by forward path (heartbeat)
-        self.step_started: float | None = None  # when the lockstep step under way began (monotonic; None: between steps)
-        self.stall_logged = False
-        self.heartbeater = Heartbeater(bus, settings, "decode", self._status, rank=rank, withhold=self._stalled)
+        # A lockstep step past stall_s: a rank of the instance is hung (the others wait for it in every step's
+        # collectives). Its heartbeats still going out, gateways would wait for this rank's requests until their
+        # deadlines and schedulers would place more here; withheld, the gateways fail them as `unavailable`
+        # after `stage_expiry_s` and the schedulers drop the rank until it beats again.
+        self.stall_watch = StepWatch(settings.stall_s, lambda: log.error("decode_stalled", request_ids=list(self.running),
+                                                                   stall_s=settings.stall_s))
+        self.heartbeater = Heartbeater(bus, settings, "decode", self._status, rank=rank, withhold=self.stall_watch.stalled)
         self.gateways = PeerLiveness(("decode", settings.instance, rank), settings.heartbeat_interval_s, settings.gateway_expiry_s,
                                      time.monotonic(), roles=("gateway",))
 
@@ -110,9 +114,9 @@ class DecodeRank:
             want_exit = self.draining and not self.running and not self.reserved
             self.work.clear()  # before the snapshot: a start arriving after it wakes the idle wait
             batch = list(self.running.values())
-            self.step_started, self.stall_logged = time.monotonic(), False
+            self.stall_watch.begin()
             result = await asyncio.to_thread(self.lockstep.step, [r.seq for r in batch], want_exit)
-            self.step_started = None
+            self.stall_watch.end()
             if result.state is GroupState.EXIT:
                 return
             if result.state is GroupState.IDLE:
@@ -131,19 +135,6 @@ class DecodeRank:
             await self._publish(batch, result.outputs, result.compute_ms, result.path)
             await self._expire_deadlines()
             await self._drop_orphans()
-
-    def _stalled(self) -> bool:
-        """Whether the step under way has run past `stall_s`: a rank of the instance is hung (the
-        others wait for it in every step's collectives). Its heartbeats still going out, gateways
-        would wait for this rank's requests until their deadlines and schedulers would place more
-        here; withheld, the gateways fail them as `unavailable` after `stage_expiry_s` and the
-        schedulers drop the rank until it beats again."""
-        if self.step_started is None or time.monotonic() - self.step_started < self.settings.stall_s:
-            return False
-        if not self.stall_logged:
-            self.stall_logged = True
-            log.error("decode_stalled", request_ids=list(self.running), stall_s=self.settings.stall_s)
-        return True
 
     async def drain(self) -> None:
         """Stop taking reservations; `run` finishes the running sequences and returns."""

@@ -49,7 +49,7 @@ was listening, or restarted, is dropped (`prefill_orphaned`) instead of run: nob
 left to read its tokens, and its decode rank frees the reservation on its own.
 
 Only the leader is on the bus. A step of the group (a batch, or an idle tick's broadcast) that
-has run `stall_s` means a rank is hung: the leader withholds its heartbeats (`_stalled`) until
+has run `stall_s` means a rank is hung: the leader withholds its heartbeats (`StepWatch`) until
 the step ends, so that gateways and schedulers count the instance gone.
 """
 
@@ -69,7 +69,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, PrefillTask, StageError, StartDecode, TokenBatch, TransferStats
-from services.common import Heartbeater, cancel_applies, prefill_stage, release_reservation
+from services.common import Heartbeater, StepWatch, cancel_applies, prefill_stage, release_reservation
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import prompt_candidates, sampling_params, top_candidates
 from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
@@ -190,10 +190,13 @@ class PrefillGroup:
         self.transfer_metrics = TransferMetrics()  # this rank's senders
         self.group_transfers = TransferStats()  # every rank's senders, summed after each batch (the leader's heartbeat)
         self.queue_time = Buckets(QUEUE_BOUNDS_S)  # the leader's: seconds from a task's arrival to the batch that takes it
-        self.batch_under_way: list[Planned] = []  # the leader's step under way, and when it began (monotonic; None: between steps)
-        self.batch_started: float | None = None
-        self.stall_logged = False
-        self.heartbeater = Heartbeater(bus, settings, "prefill", self._status, withhold=self._stalled) if bus is not None else None
+        # The leader's step under way (a batch, or an idle tick's broadcast: every rank takes part). Past stall_s a
+        # rank is hung: its heartbeats still going out, gateways would wait for its requests until their deadlines
+        # and schedulers would queue more here; withheld, the gateways fail them as `unavailable` after
+        # `stage_expiry_s` and the schedulers drop the instance until it beats again.
+        self.batch_under_way: list[Planned] = []
+        self.stall_watch = StepWatch(settings.stall_s, self._log_stall)
+        self.heartbeater = Heartbeater(bus, settings, "prefill", self._status, withhold=self.stall_watch.stalled) if bus is not None else None
 
     # ------------------------------------------------------------ leader: NATS side
 
@@ -204,18 +207,9 @@ class PrefillGroup:
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
         self.heartbeater.start()
 
-    def _stalled(self) -> bool:
-        """Whether the batch under way has run past `stall_s`: a rank is hung (in a collective, or a
-        forward). Its heartbeats still going out, gateways would wait for its requests until their
-        deadlines and schedulers would queue more here; withheld, the gateways fail them as
-        `unavailable` after `stage_expiry_s` and the schedulers drop the instance until it beats again."""
-        if self.batch_started is None or time.monotonic() - self.batch_started < self.settings.stall_s:
-            return False
-        if not self.stall_logged:
-            self.stall_logged = True
-            log.error("prefill_stalled", request_ids=[p.task.job.request_id for p in self.batch_under_way], queued=len(self.queue),
-                      stall_s=self.settings.stall_s)
-        return True
+    def _log_stall(self) -> None:
+        log.error("prefill_stalled", request_ids=[p.task.job.request_id for p in self.batch_under_way], queued=len(self.queue),
+                  stall_s=self.settings.stall_s)
 
     def _status(self) -> dict[str, Any]:
         """The leader's heartbeat fields: the whole group's queue and KV sends (every rank's shards)."""
@@ -339,8 +333,9 @@ class PrefillGroup:
                 if self.draining and drain_deadline is None:
                     drain_deadline = Deadline.after(self.settings.drain_timeout_s)
                 batch = await self._take_batch(drain_deadline)
-                # Each step, an idle tick's empty broadcast too, waits for every rank: `_stalled` times it.
-                self.batch_under_way, self.batch_started, self.stall_logged = batch or [], time.monotonic(), False
+                # Each step, an idle tick's empty broadcast too, waits for every rank: `stall_watch` times it.
+                self.batch_under_way = batch or []
+                self.stall_watch.begin()
             planned = batch  # the leader's, to fail its requests if the group breaks before there are outcomes
             try:
                 if self.world > 1:
@@ -348,7 +343,7 @@ class PrefillGroup:
                 if batch is None:
                     return
                 if not batch:
-                    self.batch_started = None
+                    self.stall_watch.end()
                     continue
                 outcomes, times = await self._prefill(batch)
             except Exception as e:
@@ -367,7 +362,7 @@ class PrefillGroup:
                 await self._report(outcomes)
                 times.plan_ms, times.report_ms = self.plan_ms, (time.perf_counter() - reporting) * 1000
                 self._log_batch(outcomes, times)
-                self.batch_started = None
+                self.stall_watch.end()
             self.in_flight_tokens = 0
 
     def _broadcast(self, batch: list[Planned] | None) -> list[Planned] | None:

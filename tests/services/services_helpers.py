@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import re
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -15,9 +16,9 @@ from typing import Any, TypeVar
 import pytest
 
 from schemas import subjects
-from schemas.api import GenerateChunk, GenerateRequest
+from schemas.api import GenerateChunk, GenerateRequest, GenerateResponse
 from schemas.internal import Heartbeat
-from services.client import Client
+from services.client import Client, GenerateError
 from services.launch import EPHEMERAL_FRONTENDS, REPO_ROOT, LocalStack, ServiceSpec, load_compose
 from shared.bus import Bus, connect, unpack
 from shared.settings import NatsServerSettings
@@ -134,6 +135,24 @@ def all_kv_free(watch: HeartbeatWatch) -> bool:
     decode = watch.live("decode")
     return bool(decode) and all(hb.kv_free_pages == hb.kv_total_pages and hb.batch_size == 0 for hb in decode)
 
+
+
+def rank1_pid(stack: LocalStack, role: str) -> int:
+    """Rank 1 of the first `role` instance of a two-rank group: its supervisor starts rank 0 first (services/ranks.py)."""
+    supervisor = next(r for r in stack.replicas if r.role == role).proc.pid
+    out = subprocess.run(["pgrep", "-P", str(supervisor), "-f", "spawn_main"], capture_output=True, text=True, check=True).stdout
+    return max(int(pid) for pid in out.split())
+
+
+async def served_again(client: Client, within_s: float) -> GenerateResponse:
+    """A small request answered once the stack serves again (after a stall): `unavailable` until then, within `within_s`."""
+    until = time.monotonic() + within_s
+    while True:
+        try:
+            return await client.generate(GenerateRequest(prompt="after", max_tokens=4, temperature=0, timeout_ms=10_000))
+        except GenerateError as e:
+            assert e.code == "unavailable" and time.monotonic() < until, e
+            await asyncio.sleep(0.5)
 
 METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
 METRIC_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from schemas.api import GenerateRequest
 from services.client import GenerateError
 
-from services_helpers import all_kv_free, log_events, run, session, stack_fixture
+from services_helpers import all_kv_free, log_events, rank1_pid, run, served_again, session, stack_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -31,18 +30,12 @@ DEADLINE_S = 20.0
 stack = stack_fixture("split-nodes.yml", scale={"gateway": 1, "scheduler": 1}, env={"MOEBUS_DECODE_STALL_S": str(STALL_S)})
 
 
-def _rank1_pid(supervisor_pid: int) -> int:
-    """Rank 1 of the decode instance: the supervisor starts rank 0 first (services/ranks.py)."""
-    out = subprocess.run(["pgrep", "-P", str(supervisor_pid), "-f", "spawn_main"], capture_output=True, text=True, check=True).stdout
-    return max(int(pid) for pid in out.split())
-
-
 def _rank1_expired(stack) -> bool:  # type: ignore[no-untyped-def]
     return any(e.get("member") == ["decode", "decode-0", 1] for e in log_events(stack, "member_expired"))
 
 
 def test_a_rank_waiting_on_a_hung_peer_fails_its_requests_as_unavailable_before_their_deadline(stack):
-    rank1 = _rank1_pid(next(r for r in stack.replicas if r.role == "decode").proc.pid)
+    rank1 = rank1_pid(stack, "decode")
 
     async def go() -> tuple[GenerateError, float]:
         async with session(stack.url) as (client, watch):
@@ -59,14 +52,7 @@ def test_a_rank_waiting_on_a_hung_peer_fails_its_requests_as_unavailable_before_
                 waited = time.monotonic() - started
             finally:
                 os.kill(rank1, signal.SIGCONT)
-            until = time.monotonic() + 20  # the step ends, the ranks beat again and serve
-            while True:
-                try:
-                    reply = await client.generate(GenerateRequest(prompt="after", max_tokens=4, temperature=0, timeout_ms=10_000))
-                    break
-                except GenerateError as e:
-                    assert e.code == "unavailable" and time.monotonic() < until, e
-                    await asyncio.sleep(0.5)
+            reply = await served_again(client, 20)  # the step ends, the ranks beat again and serve
             assert reply.usage.completion_tokens == 4
             watch.latest.clear()  # judge by heartbeats sent from now on
             await watch.wait_for(lambda w: len(w.live("decode")) == 2 and all_kv_free(w), 10, "both ranks, every KV page free")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -23,7 +22,7 @@ import pytest
 from schemas.api import GenerateRequest
 from services.client import GenerateError
 
-from services_helpers import all_kv_free, log_events, run, session, stack_fixture
+from services_helpers import all_kv_free, log_events, rank1_pid, run, served_again, session, stack_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +32,8 @@ DEADLINE_S = 20.0
 stack = stack_fixture("split-nodes.yml", scale={"gateway": 1, "scheduler": 1}, env={"MOEBUS_PREFILL_STALL_S": str(STALL_S)})
 
 
-def _follower_pid(supervisor_pid: int) -> int:
-    """Rank 1 of the prefill group: the supervisor starts rank 0 first (services/ranks.py)."""
-    out = subprocess.run(["pgrep", "-P", str(supervisor_pid), "-f", "spawn_main"], capture_output=True, text=True, check=True).stdout
-    return max(int(pid) for pid in out.split())
-
-
 def test_a_hung_tp_follower_fails_its_requests_as_unavailable_before_their_deadline(stack):
-    follower = _follower_pid(next(r for r in stack.replicas if r.role == "prefill").proc.pid)
+    follower = rank1_pid(stack, "prefill")
 
     async def go() -> tuple[GenerateError, float]:
         async with session(stack.url) as (client, watch):
@@ -55,14 +48,7 @@ def test_a_hung_tp_follower_fails_its_requests_as_unavailable_before_their_deadl
                 waited = time.monotonic() - started
             finally:
                 os.kill(follower, signal.SIGCONT)
-            until = time.monotonic() + 20  # the stuck batch ends, the leader beats again and serves
-            while True:
-                try:
-                    reply = await client.generate(GenerateRequest(prompt="after", max_tokens=4, temperature=0, timeout_ms=10_000))
-                    break
-                except GenerateError as e:
-                    assert e.code == "unavailable" and time.monotonic() < until, e
-                    await asyncio.sleep(0.5)
+            reply = await served_again(client, 20)  # the stuck batch ends, the leader beats again and serves
             assert reply.usage.completion_tokens == 4
             watch.latest.clear()  # judge by heartbeats sent from now on
             await watch.wait_for(all_kv_free, 10, "every KV page free")
