@@ -13,7 +13,10 @@ Our dtypes: bf16, FP8 with 128x128 block scales, and bf16 activations x
 MXFP8 weights (E4M3 + E8M0 per 32, dequantized inside the kernel).
 Peers, same process and inputs: ``torch._grouped_mm`` (bf16; for MXFP8 on the
 dequantized weights) and ``torch._scaled_grouped_mm`` (FP8 rowwise scales, a
-coarser scaling than our 128x128 blocks; recorded where it runs).  Also measured: a device-to-device
+coarser scaling than our 128x128 blocks; recorded where it runs); and for prefill cuBLAS on one
+dense GEMM of the same total shape (``dense_peers``: same FLOPs, one weight matrix, no grouping;
+FP8 with our block scales where ``torch._scaled_mm`` takes them, and with per-tensor scales), the
+printed ``dense_tflops`` being the one in our format.  Also measured: a device-to-device
 copy, a dense bf16 GEMM and a dense FP8 GEMM (``torch._scaled_mm``) as ceilings, the fused gate_up+SwiGLU against the
 plain gate_up GEMM, and the activation quantizer.  Each of our cases is
 spot-checked against an fp32 matmul of two experts.
@@ -188,11 +191,65 @@ def ceilings(timer: Timer) -> dict[str, float]:
     return out
 
 
+def dense_peers(x_bf16: torch.Tensor, w_bf16: torch.Tensor, fp8: tuple[torch.Tensor, torch.Tensor] | None,
+                w_fp8: tuple[torch.Tensor, torch.Tensor] | None, timer: Timer) -> dict[str, dict[str, float]]:
+    """cuBLAS on one dense GEMM of the grouped case's total shape (all T rows times expert 0's weights).
+
+    Same FLOPs and output, but one weight matrix read instead of E and no grouping: how fast
+    this GPU's own library runs the shape itself.  bf16: ``x @ w.T``.  FP8 (``fp8`` = our
+    activations and their 1x128 scales, ``w_fp8`` = expert 0's E4M3 weights and 128x128
+    scales): ``torch._scaled_mm`` with those block scales where this torch and cuBLAS take
+    them (the scale layouts it may accept are tried in turn; the first that runs and is right,
+    against an fp32 matmul of the first rows, is timed and its error recorded), and with
+    per-tensor scales of 1 (timing only: the cheapest FP8 GEMM cuBLAS has, on the same bytes).
+    """
+    flops = 2.0 * x_bf16.shape[0] * w_bf16.shape[0] * w_bf16.shape[1]
+    runs: dict[str, object] = {}
+    errs: dict[str, float] = {}
+    if fp8 is None:
+        runs["dense_bf16_cublas"] = lambda: x_bf16 @ w_bf16.T
+    else:
+        (xq, xs), (wq, ws) = fp8, w_fp8
+        xs_k = xs[:, : -(-xq.shape[1] // 128)]  # the quantizer pads its scale rows
+        ref = (xq[:64].float() * xs_k[:64].repeat_interleave(128, -1)[:, : xq.shape[1]]) @ (
+            wq.float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[: wq.shape[0], : wq.shape[1]]).T
+        # Some layouts are taken but misread (a 9% error on K = 768 with the weight scales K-block-minor):
+        # the first whose result is right within FP8's error is timed.
+        ws_pad = torch.zeros(ws.shape[0], -(-ws.shape[1] // 4) * 4, device="cuda")  # K blocks to 16-byte rows
+        ws_pad[:, : ws.shape[1]] = ws
+        layouts = [(sa, sb) for sa in (xs_k.t().contiguous().t(), xs_k.contiguous(), xs_k)
+                   for sb in (ws.t(), ws.t().contiguous(), ws_pad[:, : ws.shape[1]].t())]
+        for sa, sb in layouts:
+            fn = lambda sa=sa, sb=sb: torch._scaled_mm(xq, wq.T, sa, sb, out_dtype=torch.bfloat16)  # noqa: E731
+            try:
+                got = fn()[:64].float()
+            except Exception as exc:  # noqa: BLE001 - a scale layout this build refuses: try the next
+                print(f"  dense block-scaled _scaled_mm refused scales strided {sa.stride()} / {sb.stride()}: "
+                      f"{str(exc)[:160]}", file=sys.stderr)
+                continue
+            err = ((got - ref).norm() / ref.norm()).item()
+            print(f"  dense block-scaled _scaled_mm, scales strided {sa.stride()} / {sb.stride()}: rel err {err:.1e}",
+                  file=sys.stderr)
+            if err < 1e-2:
+                runs["dense_fp8_block128_cublas"] = fn
+                errs["dense_fp8_block128_cublas"] = err
+                break
+        one = torch.ones((), device="cuda")
+        runs["dense_fp8_tensorwise_cublas"] = lambda: torch._scaled_mm(xq, wq.T, one, one, out_dtype=torch.bfloat16)
+    peers: dict[str, dict[str, float]] = {}
+    for name, fn in runs.items():
+        us, clocks = timer(fn)
+        peers[name] = {"latency_us": us, "tflops": flops / us / 1e6, **clocks}
+        if name in errs:
+            peers[name]["rel_err"] = errs[name]
+    return peers
+
+
 def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer, weights: dict,
              tile_m: int | None = None, tile_n: int | None = None, with_peers: bool = True) -> dict:
     """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights).
 
-    ``with_peers=False`` leaves out torch's grouped GEMMs (a tile A/B whose other side timed them).
+    ``with_peers=False`` leaves out the peers (a tile A/B whose other side timed them).
     """
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
@@ -255,14 +312,18 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
         except Exception as exc:  # recorded, not fatal: the peer may not exist on this build/GPU
             peers["torch._scaled_grouped_mm_rowwise"] = {"error": 1.0}
             print(f"  torch._scaled_grouped_mm failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+    if with_peers and not masked and not mxfp8:
+        peers.update(dense_peers(x_bf16, w_bf16[0], (xq, xs) if fp8 else None, (w[0], ws[0]) if fp8 else None, timer))
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
             "dtype": {"bf16": "bf16", "fp8": "fp8_block128", "mxfp8": "bf16_x_mxfp8"}[dtype],
             "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto",
             "timing": timer.mode}
     record(BENCH, case, metrics, peers)
     peer = next(iter(peers.values()), {})
+    dense = peers.get("dense_fp8_block128_cublas" if fp8 else "dense_bf16_cublas", {})
     return {**case, **metrics, "peer_latency_us": peer.get("latency_us", float("nan")),
-            "speedup_vs_peer": peer.get("latency_us", float("nan")) / us}
+            "speedup_vs_peer": peer.get("latency_us", float("nan")) / us,
+            "dense_tflops": dense.get("tflops", float("nan"))}
 
 
 def run_swiglu_case(model: str, phase: str, m: int, fp8: bool, timer: Timer, weights: dict) -> dict:
@@ -407,10 +468,11 @@ def run(args: argparse.Namespace, timers: list[Timer]) -> int:
                   f"{row['latency_us']:.1f} us {row['tflops']:.0f} TFLOP/s {row.get('weight_tbps', float('nan')):.2f} TB/s "
                   f"(all bytes {row.get('hbm_tbps', float('nan')):.2f}) "
                   f"at {row.get('sm_mhz_mean', float('nan')):.0f} MHz {row.get('power_w_mean', float('nan')):.0f} W; "
-                  f"peer {row['peer_latency_us']:.1f} us err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
+                  f"peer {row['peer_latency_us']:.1f} us dense {row.get('dense_tflops', float('nan')):.0f} TFLOP/s "
+                  f"err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
 
     print_table(rows, ["model", "proj", "phase", "tokens_per_expert", "dtype", "timing", "latency_us", "tflops",
-                       "weight_tbps", "hbm_tbps", "sm_mhz_mean", "peer_latency_us", "speedup_vs_peer"])
+                       "weight_tbps", "hbm_tbps", "sm_mhz_mean", "peer_latency_us", "speedup_vs_peer", "dense_tflops"])
     return 0
 
 
