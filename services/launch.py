@@ -434,7 +434,8 @@ async def _demo_request(url: str) -> None:
     print("(the tiny demo model has random weights: the text is gibberish, the pipeline is real)")
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
+    """The arguments of `moebus up` (`argv` without the command name)."""
     ap = argparse.ArgumentParser(prog="moebus up", description="start nats-server and a compose stack as local processes")
     ap.add_argument("--model", default=os.environ.get("MOEBUS_MODEL"),
                     help="checkpoint directory (default: $MOEBUS_MODEL, else the embedded tiny model, created on first use)")
@@ -450,7 +451,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    a = _parse(argv)
+    a = parse_up_arguments(argv)
     scale = {}
     for item in a.scale:
         name, sep, n = item.partition("=")

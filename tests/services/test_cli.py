@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, check_shadowed_settings, load_compose
-from services.launch import _parse as up_arguments
+from services.launch import parse_up_arguments
 from shared.bus import connect
 
 pytestmark = pytest.mark.slow
@@ -208,7 +208,7 @@ def test_up_takes_the_compose_knobs_and_moebus_model_from_the_environment(tiny_m
     check_shadowed_settings(specs, env, DEFAULT_STACK)  # the same value through the file's knob: accepted
     assert next(s for s in specs if s.name == "decode").env["MOEBUS_DECODE_MAX_BATCH"] == "64"
     monkeypatch.setenv("MOEBUS_MODEL", str(tiny_model))  # `moebus up` served the embedded tiny model instead
-    assert up_arguments([]).model == str(tiny_model) and up_arguments(["--model", "/x"]).model == "/x"
+    assert parse_up_arguments([]).model == str(tiny_model) and parse_up_arguments(["--model", "/x"]).model == "/x"
 
 
 def test_status_into_a_reader_that_stops_early_exits_quietly(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
