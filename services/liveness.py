@@ -31,6 +31,24 @@ def gateway_key(instance: str) -> MemberKey:
     return ("gateway", instance, 0)
 
 
+class LatestHeartbeats:
+    """The latest heartbeat of every process heard within `expiry_s`: what the bus says the stack is
+    now (the frontend's readiness and the metrics page read it; no judging of our own hearing, a
+    process that stopped beating simply leaves)."""
+
+    def __init__(self, expiry_s: float) -> None:
+        self.expiry_s = expiry_s
+        self._latest: dict[MemberKey, tuple[float, Heartbeat]] = {}  # process -> (heard at, its heartbeat)
+
+    def record(self, hb: Heartbeat, now: float) -> None:
+        self._latest[member_key(hb)] = (now, hb)
+
+    def live(self, now: float) -> list[Heartbeat]:
+        """The processes heard within `expiry_s` of `now` (the others are forgotten), by (role, instance, rank)."""
+        self._latest = {key: seen for key, seen in self._latest.items() if now - seen[0] <= self.expiry_s}
+        return [hb for _, (_, hb) in sorted(self._latest.items())]
+
+
 class Hearing:
     """Since when this process has been hearing its own heartbeats come back."""
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from schemas import subjects
 from schemas.internal import Heartbeat, Histogram, LatencySummary, PrefixCacheStats, TransferStats
 from services import http
+from services.liveness import LatestHeartbeats
 from shared.bus import connect, unpack
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -192,20 +193,17 @@ class Exporter:
     """The latest heartbeat of every process heard within `expiry_s`, and the HTTP side."""
 
     def __init__(self, expiry_s: float) -> None:
-        self.expiry_s = expiry_s
-        self.latest: dict[tuple[str, str, int], tuple[float, Heartbeat]] = {}
+        self.heartbeats = LatestHeartbeats(expiry_s)
 
     async def on_heartbeat(self, msg) -> None:  # type: ignore[no-untyped-def]
         """Keep `msg`'s heartbeat as its process's latest; one that is malformed raises (the bus logs
         `handler_failed`) and the process keeps its previous one, so the page always renders."""
         hb = unpack(msg.data, Heartbeat)
         check_histograms(hb)
-        self.latest[(hb.role, hb.instance, hb.rank)] = (time.monotonic(), hb)
+        self.heartbeats.record(hb, time.monotonic())
 
     def page(self) -> str:
-        now = time.monotonic()
-        self.latest = {key: (at, hb) for key, (at, hb) in self.latest.items() if now - at <= self.expiry_s}
-        return render([hb for _, hb in sorted(self.latest.values(), key=lambda x: (x[1].role, x[1].instance, x[1].rank))], time.time())
+        return render(self.heartbeats.live(time.monotonic()), time.time())
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One exchange: GET /metrics gets the page, anything else 404/405."""

@@ -3,8 +3,8 @@
 A gateway answering ``llm.models`` is not enough: with no decode rank, prefill instance or
 scheduler alive every request fails, and a load balancer must stop sending traffic there (as
 vLLM's ``/health`` fails once its engine died). The frontend listens to the heartbeats
-(``ctl.heartbeat.>``) and keeps, per process, when it last heard it and whether it was
-draining; the stack can serve while each role on a request's path has a process heard within
+(``ctl.heartbeat.>``) and keeps each process's latest one (``LatestHeartbeats``, which the
+metrics page reads too); the stack can serve while each role on a request's path has a process heard within
 ``expiry_s`` that takes new work (a prefill instance: its leader, rank 0, which takes the tasks).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from schemas.internal import Heartbeat
-from services.liveness import MemberKey, member_key
+from services.liveness import LatestHeartbeats
 from shared.bus import unpack
 
 REQUIRED_ROLES = ("gateway", "scheduler", "prefill", "decode")
@@ -24,10 +24,10 @@ class StackReadiness:
 
     def __init__(self, expiry_s: float) -> None:
         self.expiry_s = expiry_s
-        self.heard: dict[MemberKey, tuple[float, bool]] = {}  # process -> (last heard, monotonic; draining)
+        self.heartbeats = LatestHeartbeats(expiry_s)
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        self.heard[member_key(hb)] = (now, hb.draining)
+        self.heartbeats.record(hb, now)
 
     async def on_message(self, msg) -> None:  # type: ignore[no-untyped-def]
         """A heartbeat from the bus (``ctl.heartbeat.>``)."""
@@ -35,6 +35,5 @@ class StackReadiness:
 
     def missing(self, now: float) -> list[str]:
         """The roles (of ``REQUIRED_ROLES``) with no process heard within ``expiry_s`` that takes new work."""
-        self.heard = {key: seen for key, seen in self.heard.items() if now - seen[0] <= self.expiry_s}
-        serving = {role for (role, _, rank), (_, draining) in self.heard.items() if not draining and (role != "prefill" or rank == 0)}
+        serving = {hb.role for hb in self.heartbeats.live(now) if not hb.draining and (hb.role != "prefill" or hb.rank == 0)}
         return [role for role in REQUIRED_ROLES if role not in serving]
