@@ -288,6 +288,7 @@ class Gateway:
                     raise Failed("unavailable", f"{e} (lost on the way from the decode rank)") from e
                 if ttft_ms is None and completion.token_ids:
                     ttft_ms = (time.monotonic() - arrival) * 1000
+                    self.counters.first_token(ttft_ms)
                 if stream and (delta or completion.finished):
                     await send(self._chunk(job, chunks, delta, completion, arrival, queue_ms, ttft_ms))
                     chunks += 1

@@ -3,13 +3,16 @@
 Every final reply the gateway sends is counted once, under its outcome: the finish
 reason of a completed request ("stop", "length") or the error code of a failed one
 (including the typed rejections of malformed input). Latencies are kept for the most
-recent `window` completed requests only, so the percentiles describe the stack as it
+recent `window` requests only, so the percentiles describe the stack as it
 runs now rather than since it started; they are computed when a heartbeat is built
 (twice a second), not per request.
 
-The same finished requests also go into cumulative histograms since start (shared/histogram.py,
+The same requests also go into cumulative histograms since start (shared/histogram.py,
 which has their bucket bounds), which Prometheus can add up over gateway replicas and over any
-time window (`moebus metrics` renders them).
+time window (`moebus metrics` renders them). Time to first token is counted when the first
+token reaches the gateway, as vLLM counts it: a long generation's shows while it runs, and a
+request cancelled or failed after its first token has one. Everything else is counted at the
+final reply of a completed request.
 """
 
 from __future__ import annotations
@@ -63,15 +66,19 @@ class RequestCounters:
             self.finished(obj.finish_reason, obj.usage.prompt_tokens, obj.usage.completion_tokens, obj.timing.ttft_ms, obj.timing.total_ms,
                           obj.timing.queue_ms)
 
+    def first_token(self, ttft_ms: float) -> None:
+        """A request's first token reached the gateway, `ttft_ms` after the request did."""
+        self.ttft_ms.append(ttft_ms)
+        self.ttft_s.observe(ttft_ms / 1000)
+
     def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float, total_ms: float,
                  queue_ms: float) -> None:
-        """A completed request: its finish reason, token counts, time to first token, total time and
-        time to placement (`Timing`'s fields)."""
+        """A completed request: its finish reason, token counts, time to first token (for the time
+        per output token after it; `first_token` counted it), total time and time to placement
+        (`Timing`'s fields)."""
         self.outcomes[finish_reason] += 1
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
-        self.ttft_ms.append(ttft_ms)
-        self.ttft_s.observe(ttft_ms / 1000)
         self.e2e_s.observe(total_ms / 1000)
         self.queue_s.observe(queue_ms / 1000)
         self.prompt_hist.observe(prompt_tokens)

@@ -301,6 +301,41 @@ def test_moebus_metrics_serves_every_process_to_a_prometheus_scrape(stack):
     assert re.search(r'^moebus_decode_steps_total\{.*path="eager"\} \d+$', page, re.M)
 
 
+def test_time_to_first_token_is_counted_when_the_first_token_comes(stack):
+    """As vLLM counts it: a stream's time to first token is in the gateway's heartbeat while the
+    stream still runs, and stays counted once when the request is then cancelled (it was counted
+    at the final reply of completed requests only: a dashboard saw long generations' TTFT at their
+    end and never that of requests abandoned after their first token)."""
+
+    def gateway(watch) -> Heartbeat | None:  # type: ignore[no-untyped-def]
+        live = watch.live("gateway")
+        return live[0] if len(live) == 1 and live[0].requests is not None else None
+
+    def ttft_count(watch) -> int:  # type: ignore[no-untyped-def]
+        hb = gateway(watch)
+        return hb.requests.ttft_seconds.count if hb and hb.requests.ttft_seconds else 0
+
+    async def scenario() -> None:
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: gateway(w) is not None and gateway(w).in_flight == 0, 30, "an idle gateway")
+            before, cancelled = ttft_count(watch), gateway(watch).requests.outcomes.get("cancelled", 0)
+            stream = client.stream(GenerateRequest(prompt=PROMPTS[0], max_tokens=4000, ignore_eos=True, request_id="ttft-live"))
+            first = await anext(stream)
+            assert first.token_ids and first.finish_reason is None
+            await watch.wait_for(lambda w: ttft_count(w) == before + 1, 10, "the running stream's TTFT in the heartbeat")
+            hb = gateway(watch)
+            assert hb.in_flight == 1 and hb.requests.outcomes.get("cancelled", 0) == cancelled  # still streaming
+            await client.cancel("ttft-live")
+            with pytest.raises(GenerateError) as ended:
+                async for _ in stream:
+                    pass
+            assert ended.value.code == "cancelled"
+            await watch.wait_for(lambda w: gateway(w).requests.outcomes.get("cancelled", 0) == cancelled + 1, 10, "the cancel counted")
+            assert ttft_count(watch) == before + 1
+
+    run(scenario())
+
+
 GATEWAY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
                       "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens")
 

@@ -26,6 +26,8 @@ def _response(finish: str, prompt: int, completion: int, ttft: float, total: flo
 
 def test_every_final_reply_is_counted_once_by_outcome():
     counters = RequestCounters(max_context=4096)
+    counters.first_token(10.0)
+    counters.first_token(5.0)
     counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0))
     counters.reply(GenerateChunk(request_id="s", index=0, text="a", token_ids=[1]))  # not the last chunk
     counters.reply(GenerateChunk(request_id="s", index=1, text="b", token_ids=[2], finish_reason="stop", usage=Usage(3, 2),
@@ -36,6 +38,7 @@ def test_every_final_reply_is_counted_once_by_outcome():
     stats = counters.stats()
     assert stats.outcomes == {"length": 1, "stop": 1, "overloaded": 1, "invalid_request": 2}
     assert (stats.prompt_tokens, stats.completion_tokens) == (8, 6)
+    # time to first token comes from first_token only (not again from the final replies' timing)
     assert stats.ttft is not None and stats.ttft.count == 2 and stats.ttft.p50_ms == 5.0 and stats.ttft.p99_ms == 10.0
     # time per output token after the first: (40 - 10) / 3 and (7 - 5) / 1
     assert stats.tpot is not None and sorted((stats.tpot.p50_ms, stats.tpot.p99_ms)) == [2.0, 10.0]
@@ -46,6 +49,7 @@ def test_latency_percentiles_are_nearest_rank_over_the_latest_window():
     samples = [rng.expovariate(1 / 50) for _ in range(3000)]
     counters = RequestCounters(max_context=4096, window=1000)
     for ttft in samples:
+        counters.first_token(ttft)
         counters.finished("length", 1, 1, ttft, ttft, 0.0)
     stats = counters.stats()
     window = np.array(samples[-1000:])
@@ -69,20 +73,24 @@ def test_histogram_buckets_are_cumulative_with_values_on_a_bound_in_its_bucket()
     assert buckets.snapshot().buckets == [2, 5, 6] and buckets.snapshot().count == 8  # totals since start, never reset
 
 
-def test_finished_requests_fill_the_histograms_and_failures_do_not():
+def test_finished_requests_fill_the_histograms_first_tokens_the_ttft_one_and_failures_nothing():
     counters = RequestCounters(max_context=4096)
+    counters.first_token(10.0)
     counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0, queue=1.0))  # tpot (40 - 10) / 3 = 10 ms: on the 0.01 bound
+    counters.first_token(2560_000.0)
     counters.reply(_response("stop", 300, 1, ttft=2560_000.0, total=7680_001.0, queue=2560_001.0))  # one token: no tpot
     counters.reply(ErrorReply(error=ErrorInfo("overloaded", "full")))
+    counters.first_token(1.0)  # a request that got its first token and then failed: its TTFT counts, nothing else
+    counters.reply(ErrorReply(error=ErrorInfo("cancelled", "client left")))
     stats = counters.stats()
 
     def at(h: Histogram | None, bound: float) -> int:
         assert h is not None
         return h.buckets[h.bounds.index(bound)]
 
-    assert stats.ttft_seconds.count == stats.e2e_seconds.count == stats.queue_seconds.count == 2  # type: ignore[union-attr]
-    assert at(stats.ttft_seconds, 0.005) == 0 and at(stats.ttft_seconds, 0.01) == 1 and at(stats.ttft_seconds, 2560.0) == 2
-    assert stats.ttft_seconds.sum == pytest.approx(0.01 + 2560.0)  # type: ignore[union-attr]
+    assert stats.e2e_seconds.count == stats.queue_seconds.count == 2 and stats.ttft_seconds.count == 3  # type: ignore[union-attr]
+    assert at(stats.ttft_seconds, 0.001) == 1 and at(stats.ttft_seconds, 0.005) == 1 and at(stats.ttft_seconds, 0.01) == 2
+    assert at(stats.ttft_seconds, 2560.0) == 3 and stats.ttft_seconds.sum == pytest.approx(0.001 + 0.01 + 2560.0)  # type: ignore[union-attr]
     assert at(stats.e2e_seconds, 0.3) == 1 and at(stats.e2e_seconds, 7680.0) == 1  # 7680.001 s: only in +Inf
     assert at(stats.queue_seconds, 0.001) == 1 and at(stats.queue_seconds, 2560.0) == 1 and stats.queue_seconds.sum == pytest.approx(2560.002)  # type: ignore[union-attr]
     assert stats.tpot_seconds is not None and stats.tpot_seconds.count == 1
