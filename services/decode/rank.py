@@ -5,6 +5,14 @@ Each rank is addressable on its own subjects (`decode.<instance>.<rank>.reserve`
 (so NATS, UCX completions and heartbeats keep flowing) in lockstep with the other
 ranks of the instance.
 
+While its batch stays the same, the worker thread runs step after step (`_chain`): it hands
+each step's tokens to the event loop, which publishes them while the next step computes. Going
+back to the loop between steps put two thread wake-ups and the publishing between every two
+forwards: time outside the model that every token paid. The chain ends, and the loop rebuilds
+the batch, when a sequence finishes, is cancelled or passes its deadline, when the loop sets
+`work` (a start, a cancel, a drain, an orphaned request, a token it could not publish), or when
+the group goes idle.
+
 A reservation holds the pages the transfer fills (the prompt) plus room for
 `max_tokens`, so a running sequence never needs pages mid-flight. It ends in one of:
 `StartDecode` (the sequence runs), cancel, or its lease — then every page is freed
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +42,7 @@ from schemas import subjects
 from schemas.api import ErrorCode
 from schemas.internal import Cancel, Heartbeat, Job, KVReservation, ReserveKV, StageError, StartDecode, TokenBatch
 from services.common import Heartbeater, StepWatch, cancel_applies, decode_stage
-from services.decode.lockstep import GroupState, Lockstep
+from services.decode.lockstep import GroupState, Lockstep, StepResult
 from services.liveness import PeerLiveness, gateway_key
 from services.model_rank import sampling_params, top_candidates
 from shared.bus import Bus, BusError, Deadline, pack, unpack
@@ -79,7 +88,7 @@ class DecodeRank:
         self.reserved: dict[str, Reservation] = {}
         self.running: dict[str, Running] = {}
         self._drops: set[asyncio.Task[None]] = set()  # reservations being dropped from a lease timer (held until done)
-        self.work = asyncio.Event()
+        self.work = asyncio.Event()  # the batch must change: a start, a cancel, a drain (also ends a `_chain`)
         self.draining = False
         self.step_paths: Counter[str] = Counter()  # steps of this rank's sequences by forward path (heartbeat)
         # A lockstep step past stall_s: a rank of the instance is hung (the others wait for it in every step's
@@ -115,7 +124,7 @@ class DecodeRank:
             self.work.clear()  # before the snapshot: a start arriving after it wakes the idle wait
             batch = list(self.running.values())
             self.stall_watch.begin()
-            result = await asyncio.to_thread(self.lockstep.step, [r.seq for r in batch], want_exit)
+            result = await self._steps(batch, want_exit)
             self.stall_watch.end()
             if result.state is GroupState.EXIT:
                 return
@@ -130,11 +139,49 @@ class DecodeRank:
                     pass
                 continue
             idle_polls = 0
-            if batch:
-                self.step_paths[result.path] += 1
-            await self._publish(batch, result.outputs, result.compute_ms, result.path)
+            await self._publish(batch, result, self._tokens(batch, result), final=True)
             await self._expire_deadlines()
             await self._drop_orphans()
+
+    async def _steps(self, batch: list[Running], want_exit: bool) -> StepResult:
+        """Steps of ``batch`` in a worker thread (`_chain`) until its last one, which is returned;
+        the tokens of those before it are published here while the chain goes on."""
+        loop = asyncio.get_running_loop()
+        handed: asyncio.Queue[tuple[StepResult, list[TokenBatch]] | None] = asyncio.Queue()
+
+        def hand_off(item: tuple[StepResult, list[TokenBatch]] | None) -> None:
+            loop.call_soon_threadsafe(handed.put_nowait, item)
+
+        chain = asyncio.ensure_future(asyncio.to_thread(self._chain, batch, want_exit, hand_off))
+        while (item := await handed.get()) is not None:  # in step order; None: the chain ended
+            await self._publish(batch, *item, final=False)
+            if any(self._orphaned()):
+                self.work.set()  # dropped once the chain ends
+        return await chain
+
+    def _chain(self, batch: list[Running], want_exit: bool, hand_off: Callable[[tuple[StepResult, list[TokenBatch]] | None], None]) -> StepResult:
+        """Lockstep steps of ``batch`` (in a worker thread) while it may stay the same; each step's
+        result but the last goes to ``hand_off`` with its tokens, built here (a token's position is
+        that of its step); the last is returned, then ``hand_off(None)``. In a group every rank
+        still takes part in every step: a rank's steps are in the same order whether its loop or
+        its chain runs them."""
+        seqs = [r.seq for r in batch]
+        try:
+            while True:
+                result = self.lockstep.step(seqs, want_exit)
+                if result.state is not GroupState.STEPPED or not self._batch_stays(batch, result):
+                    return result
+                hand_off((result, self._tokens(batch, result)))
+                self.stall_watch.begin()  # each step of a chain is watched on its own
+        finally:
+            hand_off(None)
+
+    def _batch_stays(self, batch: list[Running], result: StepResult) -> bool:
+        """Whether the next step may run ``batch`` as it is, without the loop (`_chain`)."""
+        if self.work.is_set() or self.draining or any(out.finish_reason is not None for out in result.outputs):
+            return False
+        now = time.time()
+        return all(r.cancelled is None and r.job.deadline >= now for r in batch)
 
     async def drain(self) -> None:
         """Stop taking reservations; `run` finishes the running sequences and returns."""
@@ -279,38 +326,57 @@ class DecodeRank:
             await self._drop_reservation(res, None, cancel.reason)
         elif (entry := self.running.get(cancel.request_id)) is not None:
             entry.cancelled = cancel.reason  # freed after the step in flight, in _publish
+            self.work.set()  # ends a chain of steps (`_chain`)
 
     # ------------------------------------------------------------ after a step
 
-    async def _publish(self, batch: list[Running], outputs: list, compute_ms: float, path: str) -> None:
-        for entry, out in zip(batch, outputs, strict=True):
-            rid = entry.job.request_id
-            entry.steps[path] += 1
-            if entry.cancelled is not None:
-                self._finish(entry)
-                log.info("decode_cancelled", request_id=rid, reason=entry.cancelled)
-                continue
-            batch_msg = TokenBatch(
-                request_id=rid,
+    @staticmethod
+    def _tokens(batch: list[Running], result: StepResult) -> list[TokenBatch]:
+        """Each sequence's token of the step just run (its position: the sequence's output so far)."""
+        return [
+            TokenBatch(
+                request_id=entry.job.request_id,
                 start=len(entry.seq.output_ids) - 1,
                 token_ids=[out.token_id],
                 logprobs=[out.logprob] if out.logprob is not None else None,
                 top_logprobs=top_candidates(out),
                 finish_reason=out.finish_reason,  # type: ignore[arg-type]
-                compute_ms=compute_ms,
+                compute_ms=result.compute_ms,
             )
+            for entry, out in zip(batch, result.outputs, strict=True)
+        ]
+
+    async def _publish(self, batch: list[Running], result: StepResult, tokens: list[TokenBatch], final: bool) -> None:
+        """Send a step's tokens. ``final``: the chain's last step, the batch is the loop's again:
+        finished, cancelled and unpublishable sequences are freed. Before that their sequences may
+        still be in a step: a cancelled one gets no more tokens, one whose token cannot go out is
+        cancelled, and both are freed after the chain (`work`)."""
+        if batch:
+            self.step_paths[result.path] += 1
+        for entry, token in zip(batch, tokens, strict=True):
+            rid = entry.job.request_id
+            entry.steps[result.path] += 1
+            if entry.cancelled is not None:
+                if final:
+                    self._finish(entry)
+                    log.info("decode_cancelled", request_id=rid, reason=entry.cancelled)
+                continue
             try:
-                await self.bus.publish(subjects.tokens(entry.job.gateway, rid), pack(batch_msg))
+                await self.bus.publish(subjects.tokens(entry.job.gateway, rid), pack(token))
             except BusError as e:
                 # NATS has been away for long (its outbound buffer is full): this token is lost, so the
                 # request cannot complete (its gateway fails what was in flight when it reconnects).
                 # Free it rather than decode on for nobody, and keep the rank serving.
-                self._finish(entry)
                 log.warning("decode_publish_failed", request_id=rid, error=str(e))
+                if final:
+                    self._finish(entry)
+                else:
+                    entry.cancelled = f"its token could not be published: {e}"
+                    self.work.set()
                 continue
-            if out.finish_reason is not None:
+            if token.finish_reason is not None:
                 self._finish(entry)
-                log.info("decode_finished", request_id=rid, finish_reason=out.finish_reason, tokens=len(entry.seq.output_ids),
+                log.info("decode_finished", request_id=rid, finish_reason=token.finish_reason, tokens=len(entry.seq.output_ids),
                          steps=dict(entry.steps))
 
     def _finish(self, entry: Running) -> None:
@@ -333,14 +399,24 @@ class DecodeRank:
         The gateway is told all the same: one that was only stalled (not dead) reads the error once
         it resumes and fails the request at once, instead of waiting for tokens until its deadline;
         a dead one's subject has no subscriber, and NATS drops the message."""
-        now = time.monotonic()
         reason = f"the decode rank dropped the request: its gateway restarted or was silent for {self.settings.gateway_expiry_s:g}s"
-        for entry in [e for e in self.running.values() if self.gateways.stopped(gateway_key(e.job.gateway), e.gateway_started_at, now)]:
+        running, reserved = self._orphaned()
+        for entry in running:
             self._finish(entry)
             log.info("decode_orphaned", request_id=entry.job.request_id, gateway=entry.job.gateway, tokens=len(entry.seq.output_ids))
             await self._send_error(entry.job.gateway, entry.job.request_id, "unavailable", reason)
-        for res in [r for r in self.reserved.values() if self.gateways.stopped(gateway_key(r.gateway), r.gateway_started_at, now)]:
+        for res in reserved:
             await self._drop_reservation(res, "unavailable", reason)
+
+    def _orphaned(self) -> tuple[list[Running], list[Reservation]]:
+        """The running requests and the reservations whose gateway stopped (`_drop_orphans`)."""
+        now = time.monotonic()
+
+        def stopped(gateway: str, started_at: float) -> bool:
+            return self.gateways.stopped(gateway_key(gateway), started_at, now)
+
+        return [e for e in self.running.values() if stopped(e.job.gateway, e.gateway_started_at)], \
+            [r for r in self.reserved.values() if stopped(r.gateway, r.gateway_started_at)]
 
     async def _fail_all(self, code: ErrorCode, message: str) -> None:
         for entry in list(self.running.values()):

@@ -52,6 +52,19 @@ from shared.settings import GatewaySettings
 
 log = get_logger(__name__)
 
+# A prompt of at most this many characters (or token ids) is admitted on the event loop: tokenizing
+# 256 characters took ~75 us on the 2-core CPU host of bench/control_plane.py, 1024 ~250 us, while
+# the worker thread's round trip took ~0.4 ms there (the gateway's threads sleep between requests).
+INLINE_ADMISSION_MAX = 512
+
+
+def _admitted_inline(req: GenerateRequest) -> bool:
+    """Whether admission is cheap enough for the event loop (`Gateway._admit`): token ids or a prompt
+    within `INLINE_ADMISSION_MAX`. Chat messages go through the chat template (its cost depends on
+    the template and the tools): on the worker thread, as longer prompts."""
+    prompt = req.input_ids if req.input_ids is not None else req.prompt
+    return prompt is not None and len(prompt) <= INLINE_ADMISSION_MAX
+
 
 def _from_serving_stage(flight: Flight, error: StageError) -> bool:
     """Whether ``error`` comes from the gateway or a stage serving the request. A decode rank that
@@ -243,7 +256,8 @@ class Gateway:
 
     async def _admit(self, req: GenerateRequest, arrival: float) -> Admitted:
         """Admission on a worker thread: tokenizing (and templating) a long prompt takes up to ~0.5 s,
-        and meanwhile the gateway keeps relaying every other request's tokens.
+        and meanwhile the gateway keeps relaying every other request's tokens. A short prompt is
+        admitted on the loop (`_admitted_inline`): the thread's round trip would cost more than it.
 
         The request id (a fresh one if the client gave none) is taken (``admitting``) before the
         thread starts, so a cancel or a shutdown arriving during admission is kept and answered once
@@ -255,7 +269,10 @@ class Gateway:
             raise Rejected("invalid_request", f"request_id {request_id!r} is already in flight")
         self.admitting[request_id] = None
         try:
-            admitted = await asyncio.to_thread(self.admission.admit, req, self.id, arrival)
+            if _admitted_inline(req):
+                admitted = self.admission.admit(req, self.id, arrival)
+            else:
+                admitted = await asyncio.to_thread(self.admission.admit, req, self.id, arrival)
         finally:
             ended = self.admitting.pop(request_id)
         if ended is not None:

@@ -550,7 +550,9 @@ class PrefillGroup:
         settling = time.perf_counter()
         times.transfer_ms = (settling - started) * 1000 - compute_ms
         # A failure from here on (a collective, the pages' release) leaves the group untrusted: `run` stops it.
-        *delivered, computed = await asyncio.to_thread(self._agree, [f is None for f in failures] + [forward_error is None])
+        flags = [f is None for f in failures] + [forward_error is None]
+        # Alone, the flags are already agreed: no thread hop between the forward and the first token.
+        *delivered, computed = await asyncio.to_thread(self._agree, flags) if self.world > 1 else flags
         self._give_back(planned, page_tables, computed)
         for seq in seqs:
             seq.page_table = []

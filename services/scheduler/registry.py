@@ -5,6 +5,11 @@ Between heartbeats the scheduler adds what it has itself placed there (`pending_
 so that a burst of requests does not all land on the member that looked emptiest
 half a second ago. The next heartbeat replaces the estimate with the member's own
 numbers; the decode rank's reservation stays the source of truth (it may refuse).
+The estimate only grows between heartbeats (it cannot see the requests that finished
+meanwhile): where short requests turn over faster than the ranks beat, it reaches a
+rank's batch cap while the rank has room. So when the estimate leaves no decode rank, a
+rank whose last heartbeat alone shows room is asked all the same, until it refuses
+(`Member.refused`, until its next heartbeat), instead of the request waiting for that heartbeat.
 
 A decode rank that missed a reservation reply is a suspect (`Suspicion`, kept by key, not on
 its `Member`: the next heartbeat replaces the Member, and a rank's heartbeats may go on while
@@ -38,6 +43,7 @@ class Member:
     pending_pages: int = 0
     pending_batch: int = 0
     pending_tokens: int = 0
+    refused: bool = False  # refused a reservation since this heartbeat: asked again only by the estimate
 
     @property
     def free_pages(self) -> int:
@@ -103,12 +109,13 @@ class Registry:
         return [m for m in self.members.values() if m.hb.role == role and not m.hb.draining]
 
     def decode_candidates(self, num_tokens: int) -> list[Member]:
-        """Decode ranks, not suspect, with room for `num_tokens` of KV and a batch below their cap, most free KV first."""
-        fits = [
-            m
-            for m in self.of_role("decode")
-            if not self.is_suspect(m) and m.batch < m.hb.max_batch and m.free_pages >= m.pages_for(num_tokens)
-        ]
+        """Decode ranks, not suspect, with room for `num_tokens` of KV and a batch below their cap by
+        the estimate, most free KV first; when none has, those with room by their last heartbeat alone
+        that have not refused since (module doc)."""
+        live = [m for m in self.of_role("decode") if not self.is_suspect(m)]
+        fits = [m for m in live if m.batch < m.hb.max_batch and m.free_pages >= m.pages_for(num_tokens)]
+        if not fits:
+            fits = [m for m in live if not m.refused and m.hb.batch_size < m.hb.max_batch and m.hb.kv_free_pages >= m.pages_for(num_tokens)]
         return sorted(fits, key=lambda m: (-m.free_pages, m.batch, m.hb.instance, m.hb.rank))
 
     def prefill_for(self, input_ids: Sequence[int], slack_tokens: int) -> Member | None:

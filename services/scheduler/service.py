@@ -241,5 +241,6 @@ class Scheduler:
         if not reply.ok or reply.descriptor is None:
             log.info("reserve_refused", decode=f"{decode.hb.instance}/{decode.hb.rank}", reason=reply.reason)
             decode.pending_pages = decode.hb.kv_free_pages  # looks full until it says otherwise
+            decode.refused = True
             return None
         return reply

@@ -1,12 +1,14 @@
 """The gateway admits requests on a worker thread (tokenizing a long prompt takes up to ~0.5 s):
 meanwhile it keeps answering, and a cancel, a duplicate id or a shutdown that arrives while a
 request is still being admitted is not lost. Real nats-server and gateway; the admission of one
-request id waits on a gate the test opens, so every ordering below is forced, not timed."""
+request id waits on a gate the test opens, so every ordering below is forced, not timed. A short
+prompt is admitted on the event loop (the thread's round trip costs more than its tokenizing)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from schemas import subjects
 from schemas.api import ErrorReply, GenerateRequest
 from services.client import Client
 from services.gateway.admission import Admission, Admitted, ModelInfo
-from services.gateway.service import Gateway
+from services.gateway.service import INLINE_ADMISSION_MAX, Gateway
 from shared.bus import connect
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
@@ -22,6 +24,7 @@ from shared.settings import GatewaySettings
 from services_helpers import until_listened
 
 GATED = "gated"
+LONG_PROMPT = "hi " * (INLINE_ADMISSION_MAX // 3 + 1)  # admitted on the worker thread
 
 
 class GatedAdmission(Admission):
@@ -58,7 +61,7 @@ async def _gated_request(nats_server, tiny_model: Path, tokenizer: Tokenizer, in
         await gateway.start()
         await until_listened(client_bus, subjects.GENERATE)
         client = Client(client_bus, keepalive_s=None)
-        gated = asyncio.create_task(client.send_raw(b'{"prompt": "hi", "request_id": "gated"}', timeout=20))
+        gated = asyncio.create_task(client.send_raw(json.dumps({"prompt": LONG_PROMPT, "request_id": GATED}).encode(), timeout=20))
         await _until(lambda: GATED in gateway.admitting, "the gated request is in admission")
         yield gateway, admission, client, gated
 
@@ -100,3 +103,46 @@ def test_a_shutdown_during_admission_answers_unavailable(nats_server, tiny_model
     reply, in_flight = asyncio.run(go())
     assert isinstance(reply, ErrorReply) and reply.error.code == "unavailable" and "shut down" in reply.error.message, reply
     assert in_flight == 0
+
+
+class ThreadRecordingAdmission(Admission):
+    """Admission that records on which thread it ran, by request id."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.threads: dict[str, int] = {}
+
+    def admit(self, req: GenerateRequest, gateway_id: str, arrival: float | None = None) -> Admitted:
+        self.threads[req.request_id or ""] = threading.get_ident()
+        return super().admit(req, gateway_id, arrival)
+
+
+def test_a_short_prompt_is_admitted_on_the_event_loop_a_long_one_and_chat_on_a_worker_thread(nats_server, tiny_model: Path, tokenizer: Tokenizer):
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny", nats_url=url, instance="gw-inline")
+    admission = ThreadRecordingAdmission(settings, ModelInfo.load(settings), tokenizer)
+    requests = {
+        "short": {"prompt": "hi" * (INLINE_ADMISSION_MAX // 2)},  # at the bound
+        "ids": {"input_ids": [1, 2, 3]},
+        "long": {"prompt": "h" * (INLINE_ADMISSION_MAX + 1)},
+        "chat": {"messages": [{"role": "user", "content": "hi"}]},
+    }
+
+    async def go():  # type: ignore[no-untyped-def]
+        async with connect(url, "gateway") as bus, connect(url, "client") as client_bus:
+            gateway = Gateway(settings, bus, admission, tokenizer)
+            await gateway.start()
+            await until_listened(client_bus, subjects.GENERATE)
+            client = Client(client_bus, keepalive_s=None)
+            # No scheduler runs: each admitted request is then refused `unavailable`.
+            replies = {rid: await client.send_raw(json.dumps({**body, "request_id": rid}).encode()) for rid, body in requests.items()}
+            await gateway.drain()
+            return replies
+
+    loop_thread = threading.get_ident()  # asyncio.run runs the gateway's loop on this thread
+    replies = asyncio.run(go())
+    for rid, reply in replies.items():
+        assert isinstance(reply, ErrorReply) and reply.error.code == "unavailable", (rid, reply)
+    on_loop = {rid: admission.threads[rid] == loop_thread for rid in requests}
+    assert on_loop == {"short": True, "ids": True, "long": False, "chat": False}

@@ -89,8 +89,9 @@ class PairingGroup(PrefillGroup):
         return batch
 
 
-class BrokenAgreementGroup(PrefillGroup):
-    """The real group, whose ranks' agreement after the forward raises for a batch of the `POISON` prompt."""
+class BrokenReleaseGroup(PrefillGroup):
+    """The real group, whose release of the pages after the forward raises for a batch of the `POISON`
+    prompt (as a collective failing there would on a TP group: a group of one rank has none)."""
 
     poisoned = False
 
@@ -98,10 +99,10 @@ class BrokenAgreementGroup(PrefillGroup):
         self.poisoned = any(p.task.job.input_ids == POISON for p in planned)
         return await super()._prefill(planned)
 
-    def _agree(self, ok: list[bool]) -> list[bool]:
+    def _give_back(self, planned, page_tables, computed):  # type: ignore[no-untyped-def]
         if self.poisoned:
-            raise RuntimeError("injected: the group's all-reduce failed")
-        return super()._agree(ok)
+            raise RuntimeError("injected: the pages' release failed")
+        return super()._give_back(planned, page_tables, computed)
 
 
 @contextlib.asynccontextmanager
@@ -189,16 +190,16 @@ def test_a_request_that_cannot_be_prepared_fails_alone_and_the_rest_of_its_batch
 
 def test_a_batch_that_leaves_the_group_untrusted_fails_its_request_before_the_instance_stops(stack, tiny_model):
     async def go():  # type: ignore[no-untyped-def]
-        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, group_cls=BrokenAgreementGroup) as (_, serving):
+        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, group_cls=BrokenReleaseGroup) as (_, serving):
             error, elapsed = await poisoned_request(client)
             await decode_pages_freed(watch, 5)
-            with pytest.raises(RuntimeError, match="injected: the group's all-reduce failed"):
+            with pytest.raises(RuntimeError, match="injected: the pages' release failed"):
                 await asyncio.wait_for(serving, 5)
             return error, elapsed
 
     error, elapsed = run(go())
     assert error.code == "internal" and error.message.startswith(f"prefill:{INSTANCE}"), error
-    assert "prefill instance failed: RuntimeError: injected: the group's all-reduce failed" in error.message, error.message
+    assert "prefill instance failed: RuntimeError: injected: the pages' release failed" in error.message, error.message
     assert elapsed < 5.0
 
 

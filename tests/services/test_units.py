@@ -439,6 +439,25 @@ def test_decode_placement_prefers_free_kv_and_respects_caps():
     assert reg.suspect(("decode", "nobody", 0)) is None
 
 
+def test_a_decode_rank_the_estimate_counts_full_is_asked_while_its_heartbeat_shows_room_until_it_refuses():
+    """The scheduler's estimate only grows between heartbeats (it cannot see requests that finished):
+    at the cap by the estimate but with room by its last heartbeat, a rank is still a candidate, after
+    the ranks with room by the estimate, until it refuses; its next heartbeat makes it one again."""
+    reg = Registry(expiry_s=10, model="m")
+    reg.update(hb("decode", "a", kv_total_pages=100, kv_free_pages=90, page_size=16, batch_size=1, max_batch=4))
+    reg.update(hb("decode", "b", kv_total_pages=100, kv_free_pages=90, page_size=16, batch_size=4, max_batch=4))  # full by its heartbeat
+    a = reg.members[("decode", "a", 0)]
+    a.pending_batch = 3  # placed since its heartbeat: 4 by the estimate
+    assert [m.hb.instance for m in reg.decode_candidates(16)] == ["a"]
+    reg.update(hb("decode", "c", kv_total_pages=100, kv_free_pages=50, page_size=16, batch_size=0, max_batch=4))
+    assert [m.hb.instance for m in reg.decode_candidates(16)] == ["c"]  # room by the estimate comes first
+    del reg.members[("decode", "c", 0)]
+    a.pending_pages, a.refused = a.hb.kv_free_pages, True  # as `Scheduler._reserve` records a refusal
+    assert reg.decode_candidates(16) == []
+    reg.update(hb("decode", "a", kv_total_pages=100, kv_free_pages=90, page_size=16, batch_size=3, max_batch=4))
+    assert [m.hb.instance for m in reg.decode_candidates(16)] == ["a"]
+
+
 def test_a_suspect_decode_rank_stays_suspect_across_heartbeats_until_it_restarts():
     """The suspicion is kept by key: the heartbeat that replaces the Member (its reservations may
     stall while it beats on) does not clear it; a new process (another started_at) is not suspect."""
