@@ -416,9 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     case = {"server": Path(a.stack).name if a.up else server, "api": api, "model": model.name if model else None, "requests": a.requests,
             "input_len": a.input_len, "prefix_len": a.prefix_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
             "rate": "inf" if math.isinf(a.rate) else a.rate, "max_concurrency": a.max_concurrency, "seed": a.seed, "errors": errors}
-    if with_peer:
+    if a.up or with_peer:  # what the stack's decode (or the peer's runner) ran with
         case["decode"] = {"device": settings.device, "dtype": settings.dtype, "dp": settings.dp, "max_batch": settings.max_batch,
-                          "page_size": settings.page_size, "cuda_graphs": settings.cuda_graphs}
+                          "page_size": settings.page_size, "kv_pages": settings.kv_pages, "cuda_graphs": settings.cuda_graphs}
     record("serving", case, metrics, {"in_process_runner": peer_metrics} if peer_metrics else None)
     rows = [{"system": f"server ({api} API)", **metrics}] + ([{"system": "in-process runner", **peer_metrics}] if peer_metrics else [])
     print_table(rows, ["system", "completed", "failed", "requests_per_s", "output_tokens_per_s", "cached_share", "ttft_p50_ms", "ttft_p99_ms",

@@ -89,6 +89,9 @@ def test_a_small_run_through_a_real_stack_and_the_in_process_peer(api, tmp_path,
             "--max-concurrency", "4", "--rate", "40"]
     assert main(args + (["--no-peer"] if api == "openai" else [])) == 0
     line = json.loads((tmp_path / "serving.jsonl").read_text().splitlines()[-1])
+    # the line says what the stack's decode ran with, peer or not (a run without one recorded nothing)
+    decode = line["case"]["decode"]
+    assert decode["device"] == "auto" and decode["max_batch"] > 0 and decode["kv_pages"] > 0 and decode["dtype"]
     server = line["metrics"]
     measured = [server] + ([line["peers"]["in_process_runner"]] if api == "native" else [])
     for m in measured:
