@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from services.common import stop_event
+from services.common import freeze_startup_heap, stop_event
 from shared.bus import Unreachable
 
 MAX_HEADER_BYTES = 64 << 10
@@ -218,6 +218,7 @@ async def listen(name: str, handler: Handler, host: str, port: int, path: str, u
     async with server:
         bound = server.sockets[0].getsockname()
         print(f"moebus {name}: serving http://{bound[0]}:{bound[1]}{path} for the stack on {url}", flush=True)
+        freeze_startup_heap()
         await stop.wait()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common import parse_settings, require_bus, stop_event
+from services.common import freeze_startup_heap, parse_settings, require_bus, stop_event
 from services.decode.rank import DecodeRank
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.ranks import run_group
@@ -54,6 +54,7 @@ async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world
             decode = DecodeRank(settings, bus, runner, receiver, rank, world)
             await decode.start()
             log.info("decode_ready", kv_pages=settings.kv_pages, max_batch=settings.max_batch, device=str(runner.cache.device))
+            freeze_startup_heap()
             await run_until_stopped(decode, stop)
     finally:
         worker.close()

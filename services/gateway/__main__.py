@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common import parse_settings, stop_event
+from services.common import freeze_startup_heap, parse_settings, stop_event
 from services.gateway.admission import Admission, ModelInfo
 from services.gateway.service import Gateway
 from shared.bus import connect
@@ -24,6 +24,7 @@ async def serve(settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenize
         gateway = Gateway(settings, bus, admission, tokenizer)
         await gateway.start()
         log.info("gateway_ready", model=settings.model_name)
+        freeze_startup_heap()
         await stop.wait()
         log.info("gateway_draining", in_flight=len(gateway.flights))
         await gateway.drain()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import sys
 
-from services.common import parse_settings, require_bus, stop_event
+from services.common import freeze_startup_heap, parse_settings, require_bus, stop_event
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.prefill.group import PrefillGroup
 from services.ranks import run_group
@@ -42,6 +42,7 @@ async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, worl
             if bus is not None:
                 await group.start()
             log.info("prefill_ready", tp=world, device=str(runner.cache.device))
+            freeze_startup_heap()
             await run_until_stopped(group, stop)
     finally:
         worker.close()

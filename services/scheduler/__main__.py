@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common import parse_settings, stop_event
+from services.common import freeze_startup_heap, parse_settings, stop_event
 from services.scheduler.service import Scheduler
 from shared.bus import connect
 from shared.logging import get_logger
@@ -20,6 +20,7 @@ async def serve(settings: SchedulerSettings) -> None:
         scheduler = Scheduler(settings, bus)
         await scheduler.start()
         log.info("scheduler_ready")
+        freeze_startup_heap()
         await stop.wait()
         log.info("scheduler_draining", waiting=scheduler.waiting)
         await scheduler.stop()
