@@ -141,8 +141,10 @@ def stop_event() -> asyncio.Event:
 
 
 def freeze_startup_heap() -> None:
-    """Take what the process holds once it is ready to serve (its imports: torch's alone are ~190k
+    """Take what the process holds when it starts serving (its imports: torch's alone are ~190k
     objects, settings, tokenizer, model) out of the garbage collector's sight (`gc.freeze`).
+    Called before the service connects: the collection that comes first blocks for as long as one
+    full collection, and would delay the subscriptions nats-py has yet to send.
     A full collection walks every tracked object and runs on the event loop, so it stalled every
     request in flight: 40-90 ms per collection in a scheduler on the 2-core CPU host of
     bench/control_plane.py, its placements' p99 at concurrency 64. Startup objects live as long

@@ -214,11 +214,11 @@ async def listen(name: str, handler: Handler, host: str, port: int, path: str, u
     """Serve ``handler`` on ``host:port`` until SIGTERM / SIGINT; print the address first
     (`moebus up` and tests read it from there)."""
     stop = stop_event()
+    freeze_startup_heap()
     server = await asyncio.start_server(handler, host, port)
     async with server:
         bound = server.sockets[0].getsockname()
         print(f"moebus {name}: serving http://{bound[0]}:{bound[1]}{path} for the stack on {url}", flush=True)
-        freeze_startup_heap()
         await stop.wait()
 
 

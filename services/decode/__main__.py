@@ -47,6 +47,7 @@ def use_cuda_graphs(runner: ModelRunner, settings: DecodeSettings) -> None:
 async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world: int) -> None:
     run_threads_on_device(runner.cache.device)
     stop = stop_event()
+    freeze_startup_heap()
     worker = await TransferWorker.create()
     receiver = KVReceiver(worker, runner.cache)
     try:
@@ -54,7 +55,6 @@ async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world
             decode = DecodeRank(settings, bus, runner, receiver, rank, world)
             await decode.start()
             log.info("decode_ready", kv_pages=settings.kv_pages, max_batch=settings.max_batch, device=str(runner.cache.device))
-            freeze_startup_heap()
             await run_until_stopped(decode, stop)
     finally:
         worker.close()

@@ -19,12 +19,12 @@ log = get_logger(__name__)
 
 async def serve(settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenizer) -> None:
     stop = stop_event()
+    freeze_startup_heap()
     admission = Admission(settings, model, tokenizer)
     async with connect(settings.nats_url, f"gateway-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
         gateway = Gateway(settings, bus, admission, tokenizer)
         await gateway.start()
         log.info("gateway_ready", model=settings.model_name)
-        freeze_startup_heap()
         await stop.wait()
         log.info("gateway_draining", in_flight=len(gateway.flights))
         await gateway.drain()

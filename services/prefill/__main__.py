@@ -32,6 +32,7 @@ def run_rank(settings: PrefillSettings, rank: int, world: int, dist_port: int) -
 async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, world: int) -> None:
     run_threads_on_device(runner.cache.device)
     stop = stop_event()  # peers: the leader decides when the group stops
+    freeze_startup_heap()
     worker = await TransferWorker.create()
     layout = runner.cache.layout
     prepare_direct_writes(runner.cache.device, layout.dtype, layout.head_dim)  # the first KV transfer compiles nothing
@@ -42,7 +43,6 @@ async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, worl
             if bus is not None:
                 await group.start()
             log.info("prefill_ready", tp=world, device=str(runner.cache.device))
-            freeze_startup_heap()
             await run_until_stopped(group, stop)
     finally:
         worker.close()

@@ -16,11 +16,11 @@ log = get_logger(__name__)
 
 async def serve(settings: SchedulerSettings) -> None:
     stop = stop_event()
+    freeze_startup_heap()
     async with connect(settings.nats_url, f"scheduler-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
         scheduler = Scheduler(settings, bus)
         await scheduler.start()
         log.info("scheduler_ready")
-        freeze_startup_heap()
         await stop.wait()
         log.info("scheduler_draining", waiting=scheduler.waiting)
         await scheduler.stop()

@@ -1,4 +1,4 @@
-"""A service that is ready to serve has frozen its startup heap (`services.common.freeze_startup_heap`),
+"""A service that serves has frozen its startup heap (`services.common.freeze_startup_heap`),
 so that the garbage collector's full collections no longer walk its imports on the event loop.
 
 Runs the scheduler's and the HTTP frontends' own entry points in this process, against a real
@@ -52,4 +52,4 @@ def test_ready_service_has_frozen_its_startup_heap(entry: str, nats_server: tupl
         frozen = asyncio.run(_until_frozen(ENTRIES[entry](f"nats://127.0.0.1:{nats_server[0]}")))
     finally:
         gc.unfreeze()  # the rest of the test session collects as before
-    assert frozen > 10_000, f"the {entry}, ready, froze {frozen} objects (its imports alone are more)"
+    assert frozen > 10_000, f"the {entry}, serving, froze {frozen} objects (its imports alone are more)"
