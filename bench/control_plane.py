@@ -170,6 +170,8 @@ async def placements(url: str, total: int, concurrency: int, decode_ranks: int) 
             latencies.append((time.perf_counter() - started) * 1000)
             return ack.placement is not None
 
+        while not await bus.has_listener(subjects.SUBMIT, b"", wait_s=1.0):  # the scheduler's start varies with the box's load
+            await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)  # the scheduler has seen the stand-ins' heartbeats
         await closed_loop(range(-100, 0), concurrency, submit)  # warm up
         latencies.clear()
@@ -188,7 +190,6 @@ def run_scheduler_bench(total: int, concurrency: int, decode_ranks: int) -> dict
     command = [sys.executable, "-m", "services.cli", "scheduler", "--nats-url", url, "--set", "model_name=bench", "--set", "log_level=warning", "--set", "max_queued=100000"]
     scheduler = subprocess.Popen(command)
     try:
-        time.sleep(1.5)
         return asyncio.run(placements(url, total, concurrency, decode_ranks))
     finally:
         scheduler.terminate()
