@@ -1,10 +1,11 @@
-"""What every service process shares: command line -> settings, signals, heartbeats, stage names and cancels."""
+"""What every service process shares: command line -> settings, signals, its heap once serving, heartbeats, stage names and cancels."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import gc
 import signal
 import time
 from collections.abc import Callable
@@ -137,6 +138,21 @@ def stop_event() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, event.set)
     return event
+
+
+def freeze_startup_heap() -> None:
+    """Take what the process holds when it starts serving (its imports: torch's alone are ~190k
+    objects, settings, tokenizer, model) out of the garbage collector's sight (`gc.freeze`).
+    Called before the service connects.
+    A full collection walks every tracked object and runs on the event loop, so it stalled every
+    request in flight: 40-90 ms per collection in a scheduler on the 2-core CPU host of
+    bench/control_plane.py, its placements' p99 at concurrency 64. Startup objects live as long
+    as the process; frozen, they are no longer walked (nor ever freed, which they would not be)."""
+    # The young generations' garbage is freed first; not the old one's: a full collection here cost
+    # 0.1-1.7 s of a scheduler's start on that host (measured from its spawn to its subscription),
+    # for 30 objects freed.
+    gc.collect(1)
+    gc.freeze()
 
 
 class StepWatch:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from services.common import stop_event
+from services.common import freeze_startup_heap, stop_event
 from shared.bus import Unreachable
 
 MAX_HEADER_BYTES = 64 << 10
@@ -214,6 +214,7 @@ async def listen(name: str, handler: Handler, host: str, port: int, path: str, u
     """Serve ``handler`` on ``host:port`` until SIGTERM / SIGINT; print the address first
     (`moebus up` and tests read it from there)."""
     stop = stop_event()
+    freeze_startup_heap()
     server = await asyncio.start_server(handler, host, port)
     async with server:
         bound = server.sockets[0].getsockname()

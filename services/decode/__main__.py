@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common import parse_settings, require_bus, stop_event
+from services.common import freeze_startup_heap, parse_settings, require_bus, stop_event
 from services.decode.rank import DecodeRank
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.ranks import run_group
@@ -47,6 +47,7 @@ def use_cuda_graphs(runner: ModelRunner, settings: DecodeSettings) -> None:
 async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world: int) -> None:
     run_threads_on_device(runner.cache.device)
     stop = stop_event()
+    freeze_startup_heap()
     worker = await TransferWorker.create()
     receiver = KVReceiver(worker, runner.cache)
     try:

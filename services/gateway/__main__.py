@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common import parse_settings, stop_event
+from services.common import freeze_startup_heap, parse_settings, stop_event
 from services.gateway.admission import Admission, ModelInfo
 from services.gateway.service import Gateway
 from shared.bus import connect
@@ -19,6 +19,7 @@ log = get_logger(__name__)
 
 async def serve(settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenizer) -> None:
     stop = stop_event()
+    freeze_startup_heap()
     admission = Admission(settings, model, tokenizer)
     async with connect(settings.nats_url, f"gateway-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
         gateway = Gateway(settings, bus, admission, tokenizer)

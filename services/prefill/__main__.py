@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import sys
 
-from services.common import parse_settings, require_bus, stop_event
+from services.common import freeze_startup_heap, parse_settings, require_bus, stop_event
 from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
 from services.prefill.group import PrefillGroup
 from services.ranks import run_group
@@ -32,6 +32,7 @@ def run_rank(settings: PrefillSettings, rank: int, world: int, dist_port: int) -
 async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, world: int) -> None:
     run_threads_on_device(runner.cache.device)
     stop = stop_event()  # peers: the leader decides when the group stops
+    freeze_startup_heap()
     worker = await TransferWorker.create()
     layout = runner.cache.layout
     prepare_direct_writes(runner.cache.device, layout.dtype, layout.head_dim)  # the first KV transfer compiles nothing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common import parse_settings, stop_event
+from services.common import freeze_startup_heap, parse_settings, stop_event
 from services.scheduler.service import Scheduler
 from shared.bus import connect
 from shared.logging import get_logger
@@ -16,6 +16,7 @@ log = get_logger(__name__)
 
 async def serve(settings: SchedulerSettings) -> None:
     stop = stop_event()
+    freeze_startup_heap()
     async with connect(settings.nats_url, f"scheduler-{settings.instance}", connect_timeout=settings.connect_timeout_s, drain_timeout=settings.drain_timeout_s) as bus:
         scheduler = Scheduler(settings, bus)
         await scheduler.start()
