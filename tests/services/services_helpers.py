@@ -91,6 +91,14 @@ def stack_fixture(compose: str, scale: dict[str, int] | None = None, env: dict[s
     return fixture
 
 
+async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll `condition` every 10 ms until it holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting until {what}"
+        await asyncio.sleep(0.01)
+
+
 class HeartbeatWatch:
     """The latest heartbeat of every (role, instance, rank), and a way to wait for a condition."""
 

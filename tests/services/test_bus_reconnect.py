@@ -7,22 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
 from services.launch import start_nats_server
 from services.ranks import free_port
-from services_helpers import until_listened
+from services_helpers import until, until_listened
 from shared.bus import Deadline, PayloadTooLarge, Reconnected, connect
 from shared.settings import NatsServerSettings
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server, tmp_path):

@@ -23,6 +23,8 @@ from shared.model.tiny import make_tiny
 from shared.settings import DecodeSettings
 from shared.transfer import KVReceiver, TransferWorker
 
+from services_helpers import until
+
 pytestmark = pytest.mark.slow
 os.environ.setdefault("UCX_TLS", "tcp,self")
 
@@ -62,13 +64,6 @@ class Tokens:
         return last if isinstance(last, StageError) or (isinstance(last, TokenBatch) and last.finish_reason is not None) else None
 
 
-async def _until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"still waiting after {WAIT_S:g}s: {what}"
-        await asyncio.sleep(0.01)
-
-
 def test_starts_cancels_and_deadlines_change_a_running_batch_at_the_next_step(tmp_path, nats_server):
     port, _ = nats_server
     model = make_tiny(tmp_path / "tiny", seed=3)
@@ -87,25 +82,25 @@ def test_starts_cancels_and_deadlines_change_a_running_batch_at_the_next_step(tm
             loop = asyncio.create_task(rank.run())
             try:
                 _run(rank, runner, _job("long", ENDLESS))
-                await _until(lambda: len(tokens.messages.get("long", [])) >= 3, "the long request's first tokens")
+                await until(lambda: len(tokens.messages.get("long", [])) >= 3, "the long request's first tokens", WAIT_S)
 
                 # A request that starts beside it joins the batch and finishes first.
                 _run(rank, runner, _job("short", 4))
-                await _until(lambda: tokens.ended("short") is not None, "the short request to finish")
+                await until(lambda: tokens.ended("short") is not None, "the short request to finish", WAIT_S)
                 assert tokens.ended("long") is None and "long" in rank.running
                 short = tokens.messages["short"]
                 assert [m.start for m in short] == [1, 2, 3] and short[-1].finish_reason == "length", short  # type: ignore[union-attr]
 
                 # A request whose deadline passes mid-batch fails with `timeout` at the next step.
                 _run(rank, runner, _job("late", ENDLESS, deadline_s=0.5))
-                await _until(lambda: tokens.ended("late") is not None, "the late request to time out")
+                await until(lambda: tokens.ended("late") is not None, "the late request to time out", WAIT_S)
                 late = tokens.ended("late")
                 assert isinstance(late, StageError) and late.code == "timeout", late
                 assert tokens.ended("long") is None and "long" in rank.running
 
                 # A cancel ends the long one at the next step: freed, every page back.
                 await gateway.publish(subjects.CTL_CANCEL, pack(Cancel("long", "client cancelled")))
-                await _until(lambda: not rank.running, "the cancelled request to be freed")
+                await until(lambda: not rank.running, "the cancelled request to be freed", WAIT_S)
                 assert runner.cache.allocator.num_free == free_before
                 assert tokens.ended("long") is None and not loop.done(), loop
             finally:

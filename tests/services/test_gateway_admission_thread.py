@@ -21,7 +21,7 @@ from shared.bus import connect
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
-from services_helpers import until_listened
+from services_helpers import until, until_listened
 
 GATED = "gated"
 LONG_PROMPT = "hi " * (INLINE_ADMISSION_MAX // 3 + 1)  # admitted on the worker thread
@@ -40,14 +40,6 @@ class GatedAdmission(Admission):
         return super().admit(req, gateway_id, arrival)
 
 
-async def _until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
-
-
 @contextlib.asynccontextmanager
 async def _gated_request(nats_server, tiny_model: Path, tokenizer: Tokenizer, instance: str, drain_timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
     """A real gateway whose admission of request ``GATED``, sent at once, is held on its worker thread:
@@ -62,7 +54,7 @@ async def _gated_request(nats_server, tiny_model: Path, tokenizer: Tokenizer, in
         await until_listened(client_bus, subjects.GENERATE)
         client = Client(client_bus, keepalive_s=None)
         gated = asyncio.create_task(client.send_raw(json.dumps({"prompt": LONG_PROMPT, "request_id": GATED}).encode(), timeout=20))
-        await _until(lambda: GATED in gateway.admitting, "the gated request is in admission")
+        await until(lambda: GATED in gateway.admitting, "the gated request is in admission")
         yield gateway, admission, client, gated
 
 
@@ -74,7 +66,7 @@ def test_a_cancel_during_admission_is_answered_and_the_gateway_keeps_answering(n
             other = await client.send_raw(b'{"prompt": "hi", "request_id": "other", "max_tokens": 0}')
             duplicate = await client.send_raw(b'{"prompt": "hi", "request_id": "gated"}')
             await client.cancel(GATED, "changed my mind")
-            await _until(lambda: gateway.admitting.get(GATED) is not None, "the cancel reached the request in admission")
+            await until(lambda: gateway.admitting.get(GATED) is not None, "the cancel reached the request in admission")
             admission.gate.set()
             reply = await gated
             in_flight = len(gateway.flights) + len(gateway.admitting)
@@ -94,7 +86,7 @@ def test_a_shutdown_during_admission_answers_unavailable(nats_server, tiny_model
     async def go():  # type: ignore[no-untyped-def]
         async with _gated_request(nats_server, tiny_model, tokenizer, "gw-thread-drain", drain_timeout_s=0.2) as (gateway, admission, _, gated):
             draining = asyncio.create_task(gateway.drain())
-            await _until(lambda: gateway.admitting.get(GATED) is not None, "the shutdown reached the request in admission")
+            await until(lambda: gateway.admitting.get(GATED) is not None, "the shutdown reached the request in admission")
             admission.gate.set()
             reply = await gated
             await asyncio.wait_for(draining, 10)
