@@ -95,9 +95,15 @@ class Epilogue:
             # Element i (gate, column c) pairs with element i + size/2 (up, column
             # c + half): the accumulator's last mode walks 8-column blocks.  The
             # result replaces the gate half, which is the output tile.
+            # silu(g) = g * rcp(1 + exp(-g)) with the approximate reciprocal (the
+            # denominator is >= 1, inf for g << 0, where both give -0): an IEEE
+            # division (div.rn.f32) here made the fused decode kernel slower than the
+            # plain GEMM, Qwen3-30B gate_up FP8 at 16 tokens/expert 133.6 us against
+            # 99.8 with rcp.approx and 103.5 for the GEMM alone (one H200, same call;
+            # bench/grouped_gemm_findings.md, "The fused SwiGLU's division").
             for i in cutlass.range_constexpr(size // 2):
                 g = acc[i]
-                acc[i] = g / (1.0 + cute.math.exp(-g, fastmath=True)) * acc[i + size // 2]
+                acc[i] = g * cute.arch.rcp_approx(1.0 + cute.math.exp(-g, fastmath=True)) * acc[i + size // 2]
         if cutlass.const_expr(cfg.row_weights):
             r_lo = row0 + tCcC[0][0]
             r_hi = row0 + tCcC[2][0]
