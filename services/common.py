@@ -134,13 +134,16 @@ def stop_event() -> asyncio.Event:
 
 
 def freeze_startup_heap() -> None:
-    """Take what the process holds when it starts serving (its imports: torch's alone are ~190k
-    objects, settings, tokenizer, model) out of the garbage collector's sight (`gc.freeze`).
-    Called before the service connects.
-    A full collection walks every tracked object and runs on the event loop, so it stalled every
-    request in flight: 40-90 ms per collection in a scheduler on the 2-core CPU host of
-    bench/control_plane.py, its placements' p99 at concurrency 64. Startup objects live as long
-    as the process; frozen, they are no longer walked (nor ever freed, which they would not be)."""
+    """Take what the process holds when it starts serving (its imports, settings, tokenizer, model)
+    out of the garbage collector's sight (`gc.freeze`). Called before the service connects.
+    A full collection walks every tracked object and runs on the event loop, stalling every
+    request in flight. With torch imported (a model rank; the control plane too before it stopped
+    importing it) that is ~192k objects: 40-90 ms per collection in a scheduler on the 2-core CPU
+    host of bench/control_plane.py, its placements' p99 at concurrency 64. A torch-free scheduler
+    still holds ~32k objects at start, 5-6 ms per full collection on that host, about its median
+    placement at concurrency 64, against 0.1 ms for this call once (bench/control_plane_start.py).
+    Startup objects live as long as the process; frozen, they are no longer walked (nor ever
+    freed, which they would not be)."""
     # The young generations' garbage is freed first; not the old one's: a full collection here cost
     # 0.1-1.7 s of a scheduler's start on that host (measured from its spawn to its subscription),
     # for 30 objects freed.
