@@ -141,7 +141,7 @@ def freeze_startup_heap() -> None:
     importing it) that is ~192k objects: 40-90 ms per collection in a scheduler on the 2-core CPU
     host of bench/control_plane.py, its placements' p99 at concurrency 64. A torch-free scheduler
     still holds ~32k objects at start, 5-6 ms per full collection on that host, about its median
-    placement at concurrency 64, against 0.1 ms for this call once (bench/control_plane_start.py).
+    placement at concurrency 64, against 0.16 ms for this call once (bench/control_plane_start.py).
     Startup objects live as long as the process; frozen, they are no longer walked (nor ever
     freed, which they would not be)."""
     # The young generations' garbage is freed first; not the old one's: a full collection here cost
