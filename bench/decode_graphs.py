@@ -21,7 +21,7 @@ import torch
 from bench.results import print_table, record
 from bench.timing import time_step
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.model.tiny import make_tiny
 
 BENCH = "decode_graphs"

@@ -68,7 +68,7 @@ from services.warmup import warm_up_decode
 from shared.bus import connect
 from shared.model.config import ModelConfig
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.settings import DecodeSettings, PrefillSettings, S, load_settings
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")

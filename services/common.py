@@ -1,10 +1,15 @@
-"""What every service process shares: command line -> settings, signals, its heap once serving, heartbeats, stage names and cancels."""
+"""What every service process shares: command line -> settings, signals, its heap once serving, heartbeats, stage names and cancels.
+
+The control-plane processes (gateway, scheduler, the HTTP frontends) import this module and never
+torch: nothing here may import the model runtime (weights, kernels, parallel), which the model
+ranks reach through services/model_rank.py (tests/services/test_control_plane_imports.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import signal
 import time
@@ -18,13 +23,12 @@ from shared.bus import Bus, BusError, connect, pack
 from shared.logging import configure_logging, get_logger
 from shared.model.config import ModelConfig
 from shared.model.errors import CheckpointError, ConfigError, ShardingError
-from shared.model.weights import SafetensorsCheckpoint, check_shardable
-from shared.parallel import Topology
-from shared.settings import SERVICES, DecodeSettings, PrefillSettings, ServiceSettings, SettingsError, load_settings
+from shared.settings import SERVICES, ServiceSettings, SettingsError, load_settings
 
 log = get_logger(__name__)
 
 
+@functools.cache  # the installed distribution's metadata, read once per process
 def moebus_version() -> str:
     try:
         return version("moebus")
@@ -62,11 +66,21 @@ async def release_reservation(bus: Bus, request_id: str, decode_instance: str, d
         log.warning("release_not_sent", request_id=request_id, decode=cancel.stage, error=str(e))
 
 
-def parse_settings(service: str, argv: list[str], needs_model: str = "") -> ServiceSettings:
+def check_model_config(settings: ServiceSettings) -> None:
+    """Read the checkpoint's config.json: `ConfigError` for no such directory, not a checkpoint, or
+    an architecture moebus does not run (what the gateway checks; `parse_settings`' default)."""
+    ModelConfig.from_dir(settings.model)
+
+
+def parse_settings(service: str, argv: list[str], needs_model: str = "",
+                   check_model: Callable[[ServiceSettings], None] = check_model_config) -> ServiceSettings:
     """`moebus <service> [--config FILE] [--nats-url URL] [--model DIR] [--instance ID] [--set FIELD=VALUE ...]`.
 
     `needs_model`: why the service needs a checkpoint; when given, a missing --model
-    (or MOEBUS_MODEL) is a usage error saying so.
+    (or MOEBUS_MODEL) is a usage error saying so, and so is a checkpoint `check_model` refuses
+    (`ConfigError`, `CheckpointError`, `ShardingError`). The model ranks pass
+    `services.model_rank.check_rank_checkpoint`, which also reads their weight files: it
+    lives with the code that imports torch, which the other services never import.
     """
     parser = argparse.ArgumentParser(prog=f"moebus {service}", description=f"run a {service}")
     parser.add_argument("--config", help="TOML settings file (see shared/settings.py)")
@@ -89,34 +103,13 @@ def parse_settings(service: str, argv: list[str], needs_model: str = "") -> Serv
         parser.error(f"--model DIR (or MOEBUS_MODEL) is required: {needs_model}")
     if needs_model:
         try:
-            check_checkpoint(settings)
+            check_model(settings)
         except ShardingError as e:
             parser.error(f"model {settings.model!r} cannot be split over this instance's ranks: {e}")
         except (ConfigError, CheckpointError) as e:
             parser.error(f"model {settings.model!r} is not a checkpoint moebus serves: {e}")
     configure_logging(service, settings.log_level, settings.log_json, instance=settings.instance)
     return settings
-
-
-def check_checkpoint(settings: ServiceSettings) -> None:
-    """Read the checkpoint's config.json (`ConfigError`: no such directory, not a checkpoint, an
-    architecture moebus does not run) and, for model ranks, its weight files' headers (`CheckpointError`)
-    and whether tp/dp splits its heads and experts (`ShardingError`): a wrong setting stops the service
-    before any rank starts, not one rank deep inside its weight loading while the others wait at the rendezvous."""
-    config = ModelConfig.from_dir(settings.model)
-    if isinstance(settings, PrefillSettings | DecodeSettings):
-        SafetensorsCheckpoint(settings.model)  # the weight files exist and their headers read (`CheckpointError`)
-    if isinstance(settings, PrefillSettings):
-        topology = Topology.prefill(settings.tp, 0)
-    elif isinstance(settings, DecodeSettings):
-        topology = Topology.decode(settings.dp, 0)
-    else:
-        return
-    try:
-        check_shardable(config, topology.shard())
-    except ShardingError as e:
-        field = "tp" if isinstance(settings, PrefillSettings) else "dp"
-        raise ShardingError(f"{field}={topology.world_size}: {e}") from e
 
 
 def require_bus(service: str, settings: ServiceSettings) -> None:
@@ -141,13 +134,16 @@ def stop_event() -> asyncio.Event:
 
 
 def freeze_startup_heap() -> None:
-    """Take what the process holds when it starts serving (its imports: torch's alone are ~190k
-    objects, settings, tokenizer, model) out of the garbage collector's sight (`gc.freeze`).
-    Called before the service connects.
-    A full collection walks every tracked object and runs on the event loop, so it stalled every
-    request in flight: 40-90 ms per collection in a scheduler on the 2-core CPU host of
-    bench/control_plane.py, its placements' p99 at concurrency 64. Startup objects live as long
-    as the process; frozen, they are no longer walked (nor ever freed, which they would not be)."""
+    """Take what the process holds when it starts serving (its imports, settings, tokenizer, model)
+    out of the garbage collector's sight (`gc.freeze`). Called before the service connects.
+    A full collection walks every tracked object and runs on the event loop, stalling every
+    request in flight. With torch imported (a model rank; the control plane too before it stopped
+    importing it) that is ~192k objects: 40-90 ms per collection in a scheduler on the 2-core CPU
+    host of bench/control_plane.py, its placements' p99 at concurrency 64. A torch-free scheduler
+    still holds ~32k objects at start, 5-6 ms per full collection on that host, about its median
+    placement at concurrency 64, against 0.16 ms for this call once (bench/control_plane_start.py).
+    Startup objects live as long as the process; frozen, they are no longer walked (nor ever
+    freed, which they would not be)."""
     # The young generations' garbage is freed first; not the old one's: a full collection here cost
     # 0.1-1.7 s of a scheduler's start on that host (measured from its spawn to its subscription),
     # for 30 objects freed.

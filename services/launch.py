@@ -183,15 +183,18 @@ def default_cache_dir() -> Path:
 
 
 def ensure_tiny_model(cache_dir: Path) -> Path:
-    """The embedded demo checkpoint: created once (atomically) with shared.model.tiny."""
-    from shared.model.tiny import make_tiny
-
+    """The embedded demo checkpoint: created once (atomically) by `moebus make-tiny` in a child
+    process. Writing weights takes torch, which the launcher, alive for the whole stack, never
+    imports (`StackError` if the child fails; it said why on stderr)."""
     target = cache_dir / "tiny-qwen3-moe"
     if (target / "config.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
-    make_tiny(tmp)
+    made = subprocess.run([sys.executable, "-m", "services.cli", "make-tiny", "--out", str(tmp)], stdout=subprocess.DEVNULL)
+    if made.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise StackError(f"`moebus make-tiny --out {tmp}` failed (exit {made.returncode}): no demo model")
     try:
         tmp.rename(target)
     except OSError:  # another process created it first

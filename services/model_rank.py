@@ -1,10 +1,11 @@
 """What the model-running ranks (a prefill TP rank, a decode DP rank) share.
 
-Start-up of one rank process (logging, device, environment, process group, the
-model runner), its serve-drain-close lifecycle, and a request's sampling
-parameters in the runtime's terms. Supervising the rank processes is
-services/ranks.py's job; this module imports torch and the model runtime, which
-the supervisor and `moebus up` do not need.
+The check of the instance's checkpoint before any rank starts, start-up of one rank
+process (logging, device, environment, process group, the model runner), its
+serve-drain-close lifecycle, and a request's sampling parameters in the runtime's
+terms. Supervising the rank processes is services/ranks.py's job; this module
+imports torch and the model runtime, which services/ranks.py, `moebus up` and the
+control-plane services (services/common.py) do not import.
 """
 
 from __future__ import annotations
@@ -19,12 +20,34 @@ import torch
 
 from schemas.internal import Job, TopCandidates
 from shared.logging import configure_logging, get_logger
+from shared.model.config import ModelConfig
+from shared.model.errors import ShardingError
 from shared.model.runner import ModelRunner, StepOutput
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
+from shared.model.weights import SafetensorsCheckpoint, check_shardable
 from shared.parallel import Topology, init_distributed
-from shared.settings import DecodeSettings, PrefillSettings
+from shared.settings import DecodeSettings, PrefillSettings, ServiceSettings
 
 log = get_logger(__name__)
+
+
+def check_rank_checkpoint(settings: ServiceSettings) -> None:
+    """The model ranks' `services.common.parse_settings` check: the checkpoint's config.json
+    (`ConfigError`), its weight files' headers (`CheckpointError`) and whether tp/dp splits its heads
+    and experts (`ShardingError`): a wrong setting stops the instance before any rank starts, not
+    one rank deep inside its weight loading while the others wait at the rendezvous."""
+    config = ModelConfig.from_dir(settings.model)
+    SafetensorsCheckpoint(settings.model)  # the weight files exist and their headers read
+    if isinstance(settings, PrefillSettings):
+        field, topology = "tp", Topology.prefill(settings.tp, 0)
+    elif isinstance(settings, DecodeSettings):
+        field, topology = "dp", Topology.decode(settings.dp, 0)
+    else:
+        raise TypeError(f"{type(settings).__name__} is not the settings of a prefill or decode instance")
+    try:
+        check_shardable(config, topology.shard())
+    except ShardingError as e:
+        raise ShardingError(f"{field}={topology.world_size}: {e}") from e
 
 
 def resolve_device(device: str, rank: int, gpus: Sequence[int] = ()) -> str:

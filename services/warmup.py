@@ -46,7 +46,7 @@ from services.decode.lockstep import GroupState, Lockstep
 from shared.logging import get_logger
 from shared.model.layers import prepare_decode_attention
 from shared.model.runner import ModelRunner, SequenceState
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.settings import DecodeSettings, PrefillSettings
 
 log = get_logger(__name__)

@@ -1,10 +1,8 @@
 """Automatic prefix caching: KV pages of earlier prompts reused by later prompts that start alike.
 
 A prefill rank keeps the *full* KV pages its prompts filled after they are done, indexed by
-a chained hash: page ``i`` of a prompt is keyed by ``blake2b(key of page i - 1, token ids of
-page i)`` (the first page's parent is the empty key). A key therefore names a whole prefix,
-not one page's tokens: the same tokens after a different prefix never match, because their
-K/V differ. Partial pages (a prompt's tail) are never cached: their free slots would be
+their chained keys (`shared.prefix_keys.page_keys`: a key names a page's whole prefix, not one
+page's tokens). Partial pages (a prompt's tail) are never cached: their free slots would be
 written by the next owner.
 
 A later prompt whose leading full pages have cached keys takes those pages (`match`,
@@ -27,41 +25,21 @@ Pages and their owners:
 allocation fail that would have succeeded without it, which is also why the cache needs no
 size bound of its own (it holds only pages nobody else wants yet).
 
-Keys are computed with blake2b (128 bits) over the token ids as little-endian int64, so
-every process computes the same keys: the ranks of a TP group, each holding its own KV heads
-of the same pages, find the same pages under the same key (whether a rank still holds a page
-depends on its own evictions: the prefill group agrees on what each prompt reuses). Hashing a prompt of 1152 tokens takes ~0.1 ms, so a
-caller that needs its keys for several operations hashes once (`page_keys`) and passes them
-along. Disabled (``enabled=False``), `match` finds nothing and
+Every rank of a TP group computes the same keys, so each finds its own KV heads of the same
+pages under the same key (whether a rank still holds a page depends on its own evictions: the
+prefill group agrees on what each prompt reuses). A caller that needs a prompt's keys for
+several operations hashes once (`page_keys`) and passes them along. Disabled (``enabled=False``), `match` finds nothing and
 `release` frees every page: the allocator behaves as without a cache.
 """
 
 from __future__ import annotations
 
-import hashlib
-import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from schemas.internal import PrefixCacheStats
 from shared.kvcache import InvalidPages, OutOfPages, PageAllocator
-
-KEY_BYTES = 16
-
-
-def page_keys(token_ids: Sequence[int], page_size: int) -> list[bytes]:
-    """The chained key of every full page of ``token_ids`` (module doc), in order."""
-    tokens = array("q", token_ids)  # int64, packed once for every page
-    if sys.byteorder != "little":
-        tokens.byteswap()
-    raw, step = tokens.tobytes(), page_size * tokens.itemsize
-    keys: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) // page_size * step, step):
-        parent = hashlib.blake2b(parent + raw[start : start + step], digest_size=KEY_BYTES).digest()
-        keys.append(parent)
-    return keys
+from shared.prefix_keys import page_keys
 
 
 class PrefixCache:

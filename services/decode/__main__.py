@@ -7,7 +7,7 @@ import sys
 
 from services.common import freeze_startup_heap, parse_settings, require_bus, stop_event
 from services.decode.rank import DecodeRank
-from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
+from services.model_rank import check_rank_checkpoint, run_threads_on_device, run_until_stopped, start_model_rank
 from services.ranks import run_group
 from services.warmup import warm_up_decode
 from shared.bus import connect
@@ -62,7 +62,7 @@ async def _serve(settings: DecodeSettings, runner: ModelRunner, rank: int, world
 
 
 def main(argv: list[str]) -> int:
-    settings = parse_settings("decode", argv, needs_model="the decode ranks run the model")
+    settings = parse_settings("decode", argv, needs_model="the decode ranks run the model", check_model=check_rank_checkpoint)
     assert isinstance(settings, DecodeSettings)
     require_bus("decode", settings)
     return run_group(run_rank, settings, settings.dp, settings.dist_port, settings.drain_timeout_s)

@@ -16,7 +16,7 @@ from typing import Any
 from schemas.api import ChatMessage, ErrorCode, GenerateRequest, Tool
 from schemas.internal import Job, SamplingSpec
 from shared.model.config import GenerationConfig, ModelConfig
-from shared.model.sampling import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
+from shared.model.sampling_params import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
 from shared.model.tokenizer import RESERVED_TEMPLATE_VARIABLES, InvalidPromptError, Tokenizer
 from shared.settings import GatewaySettings
 

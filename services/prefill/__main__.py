@@ -7,7 +7,7 @@ import contextlib
 import sys
 
 from services.common import freeze_startup_heap, parse_settings, require_bus, stop_event
-from services.model_rank import run_threads_on_device, run_until_stopped, start_model_rank
+from services.model_rank import check_rank_checkpoint, run_threads_on_device, run_until_stopped, start_model_rank
 from services.prefill.group import PrefillGroup
 from services.ranks import run_group
 from services.warmup import warm_up_prefill
@@ -50,7 +50,7 @@ async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, worl
 
 
 def main(argv: list[str]) -> int:
-    settings = parse_settings("prefill", argv, needs_model="the prefill ranks run the model")
+    settings = parse_settings("prefill", argv, needs_model="the prefill ranks run the model", check_model=check_rank_checkpoint)
     assert isinstance(settings, PrefillSettings)
     require_bus("prefill", settings)
     return run_group(run_rank, settings, settings.tp, settings.dist_port, settings.drain_timeout_s)

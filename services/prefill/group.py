@@ -76,7 +76,8 @@ from shared.bus import Bus, BusError, Deadline, PayloadTooLarge, pack, unpack
 from shared.histogram import QUEUE_BOUNDS_S, Buckets
 from shared.logging import bind_request, get_logger
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
-from shared.prefix_cache import PrefixCache, page_keys
+from shared.prefix_cache import PrefixCache
+from shared.prefix_keys import page_keys
 from shared.settings import PrefillSettings
 from shared.transfer import KVSender, LayerReports, LayoutMismatch, TransferError, TransferMetrics, TransferWorker, kv_head_shard
 

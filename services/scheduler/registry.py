@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from schemas.internal import Heartbeat
 from services.liveness import Hearing, MemberKey
-from shared.prefix_cache import page_keys
+from shared.prefix_keys import page_keys
 
 
 @dataclass
@@ -146,5 +146,5 @@ def _least_loaded(prefill: list[Member]) -> Member | None:
 
 def affinity_score(instance: str, first_page_key: bytes) -> bytes:
     """Rendezvous score of a prefill instance for a prompt whose first KV page has key
-    ``first_page_key`` (``shared.prefix_cache.page_keys``): the highest wins."""
+    ``first_page_key`` (``shared.prefix_keys.page_keys``): the highest wins."""
     return hashlib.blake2b(first_page_key + instance.encode(), digest_size=8).digest()

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from shared.model.errors import ConfigError, UnsupportedModel
-from shared.model.quant_formats import MX_BLOCK
+
+# This module is what the control plane (gateway, scheduler, frontends) knows of a model, and
+# those processes never import torch: it imports nothing of the runtime (quant_formats, kernels).
+# Hence the OCP MX spec's block size stated here, not imported: `kernels.grouped_gemm_mxfp8.MX_BLOCK`
+# is the same number, which the kernels' arithmetic and the MXFP8 checkpoint writer use
+# (tests/model/runtime/test_mxfp8_loading.py checks that the two agree).
+MX_BLOCK = 32
 
 MOE_ARCH = "Qwen3MoeForCausalLM"
 DENSE_ARCH = "Qwen3ForCausalLM"

@@ -19,7 +19,7 @@ from shared.kvcache import KVCacheError
 from shared.model.config import GenerationConfig
 from shared.model.errors import ModelError
 from shared.model.runner import ModelRunner
-from shared.model.sampling import InvalidSamplingParams, SamplingParams
+from shared.model.sampling_params import InvalidSamplingParams, SamplingParams
 from shared.model.tiny import DTYPES
 from shared.model.tokenizer import Tokenizer, TokenizerError
 

@@ -32,7 +32,8 @@ from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
 from shared.model.config import GenerationConfig
 from shared.model.cuda_graphs import DecodeGraphs, EventLog
 from shared.model.model import ForwardBatch, LayerCallback, Qwen3Model, SequenceChunk
-from shared.model.sampling import PromptLogprobs, Sampler, SamplingParams, TopLogprobs, prompt_logprobs, top_logprobs
+from shared.model.sampling import PromptLogprobs, Sampler, TopLogprobs, prompt_logprobs, request_generator, top_logprobs
+from shared.model.sampling_params import SamplingParams
 from shared.parallel import Collectives, Topology
 
 
@@ -116,7 +117,7 @@ class ModelRunner:
             token_ids=[*prompt_ids, *output_ids],
             page_table=list(page_table),
             num_cached=num_cached,
-            generator=params.generator(self.cache.device),
+            generator=request_generator(params, self.cache.device),
         )
 
     def prefill(self, seqs: Sequence[SequenceState], on_layer_done: LayerCallback | None = None) -> list[StepOutput]:

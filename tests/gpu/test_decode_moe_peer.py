@@ -60,7 +60,7 @@ def _prefill_logits(runner, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def _greedy(runner, prompts: list[list[int]], join_at: list[int]) -> list[list[int]]:
-    from shared.model.sampling import SamplingParams
+    from shared.model.sampling_params import SamplingParams
 
     seqs: list = [None] * len(prompts)
     for step in range(STEPS):  # every rank runs every step, with or without sequences

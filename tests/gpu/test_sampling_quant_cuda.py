@@ -16,7 +16,8 @@ from shared.model.quant_formats import (
     quantize_block_fp8,
     quantize_mxfp8,
 )
-from shared.model.sampling import Sampler, SamplingParams, adjust_logits, make_generator, prompt_logprobs
+from shared.model.sampling import Sampler, adjust_logits, make_generator, prompt_logprobs, request_generator
+from shared.model.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -33,7 +34,7 @@ def test_seeded_rows_reproduce_regardless_of_batch_on_cuda() -> None:
     params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=100 + i) for i in range(8)]
     logits = _logits(8, 0)
     alone = [
-        int(Sampler().sample(logits[i : i + 1], [p], [p.generator(DEV)])[0])
+        int(Sampler().sample(logits[i : i + 1], [p], [request_generator(p, DEV)])[0])
         for i, p in enumerate(params)
     ]
     order = [5, 2, 7, 0, 1, 6, 3, 4]
@@ -42,7 +43,7 @@ def test_seeded_rows_reproduce_regardless_of_batch_on_cuda() -> None:
     for i in order:
         batch_params += [params[i], filler]
         batch_rows += [i, (i + 1) % 8]
-    tokens, _ = Sampler().sample(logits[batch_rows], batch_params, [p.generator(DEV) for p in batch_params])
+    tokens, _ = Sampler().sample(logits[batch_rows], batch_params, [request_generator(p, DEV) for p in batch_params])
     assert [int(tokens[2 * k]) for k in range(8)] == [alone[i] for i in order]
 
 
@@ -54,7 +55,7 @@ def test_logit_bias_bans_and_min_p_on_cuda_match_the_cpu() -> None:
     banned = [(), (top[1], 5), (), ()]
     on_gpu = adjust_logits(logits, params, None, banned)
     torch.testing.assert_close(on_gpu.cpu(), adjust_logits(logits.cpu(), params, None, banned), rtol=0, atol=0)
-    tokens, _ = Sampler().sample(logits, params, [p.generator(DEV) for p in params], banned=banned)
+    tokens, _ = Sampler().sample(logits, params, [request_generator(p, DEV) for p in params], banned=banned)
     assert int(tokens[0]) == 7 and int(tokens[1]) != top[1] and int(tokens[3]) != top[3]
     # min_p 0.5 at temperature 1: only tokens within log(2) of the row's best logit survive
     assert logits[2, int(tokens[2])] >= logits[2].max() - torch.log(torch.tensor(2.0, device=DEV))
@@ -69,7 +70,7 @@ def test_masks_greedy_and_logprobs_on_cuda() -> None:
         + [SamplingParams(temperature=1.0, top_p=1e-6, seed=i) for i in range(16)]
         + [SamplingParams(temperature=1.0, top_k=20, top_p=0.5, seed=i) for i in range(16)]
     )
-    generators = [p.generator(DEV) for p in params]
+    generators = [request_generator(p, DEV) for p in params]
     tokens, logprobs = Sampler(default_generator=make_generator(0, DEV)).sample(logits, params, generators)
     assert tokens.device.type == "cuda"
     argmax = logits.float().argmax(dim=-1)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from shared.model.sampling import (MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PROMPT_ROWS_PER_PASS, InvalidSamplingParams, Sampler, SamplingParams, adjust_logits,
-                                    make_generator, prompt_logprobs, top_logprobs)
+from shared.model.sampling import PROMPT_ROWS_PER_PASS, Sampler, adjust_logits, make_generator, prompt_logprobs, request_generator, top_logprobs
+from shared.model.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
 
 VOCAB = 97
 
@@ -21,7 +21,7 @@ def _random_logits(batch: int, seed: int = 0) -> torch.Tensor:
 def test_greedy_is_argmax_and_ignores_generators() -> None:
     logits = _random_logits(6)
     params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=i) for i in range(6)]
-    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params])
+    tokens, logprobs = Sampler().sample(logits, params, [request_generator(p) for p in params])
     assert torch.equal(tokens, logits.argmax(dim=-1))
     assert tokens.dtype == torch.int64
     assert logprobs is None
@@ -32,7 +32,7 @@ def _draw_sequence(params: SamplingParams, position: int, others: list[SamplingP
     of a batch whose other rows are `others` (their logits differ every step)."""
     sampler = Sampler(default_generator=make_generator(12345 + position))
     batch = others[:position] + [params] + others[position:]
-    generators = [p.generator() for p in batch]
+    generators = [request_generator(p) for p in batch]
     out = []
     for step in range(steps):
         logits = _random_logits(len(batch), seed=1000 + step + 7 * position)
@@ -123,7 +123,7 @@ def test_logit_bias_shifts_logits_for_greedy_and_sampled_rows_and_not_the_logpro
     params = [SamplingParams(temperature=0.0, logprobs=True, logit_bias={low: 100}),
               SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0, seed=4, logit_bias={int(logits[2].argmax()): -100})]
-    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params])
+    tokens, logprobs = Sampler().sample(logits, params, [request_generator(p) for p in params])
     assert int(tokens[0]) == low  # +100 lifts the least likely token over every other
     assert int(tokens[1]) == int(logits[1].argmax())  # a row without a bias is untouched
     assert logprobs is not None  # the chosen token's logprob is of the raw logits (module doc)
@@ -178,7 +178,7 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
         SamplingParams(temperature=1.0, seed=3),
         SamplingParams(temperature=1.0, logprobs=True),
     ]
-    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params])
+    tokens, logprobs = Sampler().sample(logits, params, [request_generator(p) for p in params])
     assert logprobs is not None and logprobs.dtype == torch.float32
     expected = torch.log_softmax(logits.double(), dim=-1)[torch.arange(5), tokens]
     torch.testing.assert_close(logprobs.double(), expected, rtol=0, atol=1e-5)
@@ -285,7 +285,7 @@ def test_top_logprobs_are_the_raw_log_softmax_topk_of_the_rows_that_ask() -> Non
               SamplingParams(temperature=0, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS),
               SamplingParams(temperature=1.3, top_k=4, seed=2, logprobs=True, top_logprobs=1)]
     histories = [([3, 4], [int(raw[0].argmax()), 9])] * 4
-    tokens, logprobs = Sampler().sample(logits, params, [p.generator() for p in params], histories)
+    tokens, logprobs = Sampler().sample(logits, params, [request_generator(p) for p in params], histories)
     assert torch.equal(logits, raw)  # sampling leaves the caller's raw logits alone
     tops = top_logprobs(logits, params)
     assert tops[1] is None

@@ -21,7 +21,7 @@ from services.prefill.group import Outcome, Planned, PrefillGroup
 from shared.bus import pack
 from shared.model.model import LayerCallback
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.parallel import Topology, init_distributed
 from services.ranks import free_port
 from shared.settings import PrefillSettings

@@ -11,7 +11,7 @@ import pytest
 
 from services.warmup import decode_warmup_batches, warm_up_decode
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.settings import DecodeSettings, SettingsError, load_settings
 
 MAX_BATCH = 6

@@ -49,7 +49,7 @@ from schemas.api import GenerateRequest
 from services.launch import LocalStack
 from shared.model.offline import generate as offline_generate
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.model.tiny import make_tiny
 from shared.model.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ import torch
 from kernels.grouped_gemm import TILE_BUCKET_BOUNDS
 from services.warmup import WarmupFailed, decode_warmup_batches, prefill_warmup_lengths, warm_up_decode, warm_up_prefill
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.settings import DecodeSettings, PrefillSettings
 
 PROMPT = [11, 4051, 9, 77, 1203, 5, 88]

@@ -8,7 +8,7 @@ import torch
 
 from shared.model.model import ForwardBatch, SequenceChunk
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.parallel import Topology, init_distributed
 
 PAGE_SIZE = 4

@@ -19,7 +19,7 @@ from runtime_helpers import random_prompts, rel_err
 from shared.model.cuda_graphs import DecodeGraphs, ForwardPath, graphs_unsupported, powers_of_two_up_to, smallest_bucket
 from shared.model.model import ForwardBatch, SequenceChunk
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 NAME = "gqa2_top2_nonorm_sharded"  # MoE: padded rows are routed and computed too
 PAGE = 4

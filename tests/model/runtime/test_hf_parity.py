@@ -9,7 +9,7 @@ from runtime_helpers import CONFIGS, DEVICES, hf_model, random_prompts, rel_err
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 

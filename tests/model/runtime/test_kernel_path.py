@@ -50,7 +50,7 @@ from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.model.quantize import quantize_checkpoint
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 from shared.model.weights import FusedGateUp, dequantize_dense, load_weights, prepare_for_kernels
 
 KERNEL_SHAPES = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2, moe_intermediate=128)

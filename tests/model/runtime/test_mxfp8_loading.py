@@ -15,8 +15,10 @@ import torch
 from runtime_helpers import agreement, median_token_rel_err, random_prompts
 from safetensors import safe_open
 
+from kernels import grouped_gemm_mxfp8
 from kernels.grouped_gemm_mxfp8 import kernel_scale_layout
 from shared.kvcache import KVLayout, PagedKVCache
+from shared.model import config as model_config
 from shared.model.config import ModelConfig, Mxfp8Quantization
 from shared.model.errors import ShardingError, UnsupportedModel
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -55,6 +57,12 @@ def test_mxfp8_config_is_read(checkpoints):
     _, mx, _, _ = checkpoints
     q = ModelConfig.from_dir(mx).quantization
     assert isinstance(q, Mxfp8Quantization) and q.block_size == 32 and "lm_head" in q.modules_to_not_convert
+
+
+def test_the_config_reader_and_the_kernels_agree_on_the_mxfp8_block():
+    # The config states the block itself (it is read by processes that do not import the kernels);
+    # a checkpoint `moebus quantize` writes with the kernels' block must read back.
+    assert model_config.MX_BLOCK == grouped_gemm_mxfp8.MX_BLOCK
 
 
 @pytest.mark.parametrize("block_size", [16, 64, None])

@@ -12,8 +12,9 @@ from runtime_helpers import GPU, random_prompts
 
 from shared.kvcache import InvalidPages, OutOfPages, PageAllocator
 from shared.model.runner import ModelRunner, StepOutput
-from shared.model.sampling import SamplingParams
-from shared.prefix_cache import PrefixCache, page_keys
+from shared.model.sampling_params import SamplingParams
+from shared.prefix_cache import PrefixCache
+from shared.prefix_keys import page_keys
 
 PS = 4  # page size of these tests
 

@@ -9,7 +9,7 @@ from runtime_helpers import random_prompts, rel_err
 from shared.kvcache import OutOfPages
 from shared.model.model import ForwardBatch, SequenceChunk
 from shared.model.runner import ModelRunner
-from shared.model.sampling import SamplingParams
+from shared.model.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 NAME = "gqa2_top2_nonorm_sharded"
