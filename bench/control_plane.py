@@ -18,7 +18,9 @@ Three measurements:
    client on NATS, as ``POST /v1/completions`` on one kept HTTP connection (``http_kept_*``:
    a pooling client, the openai SDK) and on a new connection each (``http_*``: curl, a client
    without a pool), each timed by its client from send to answer (`bench.openai_client`); the
-   peer is the native path in the same run.
+   peer is the native path in the same run. Then its own HTTP cost per request, which the
+   completions' run-to-run spread hides: ``GET /version`` (answered without the stack) on
+   one kept connection and on a new connection each, alternating.
 
     python -m bench.control_plane [--requests 64] [--placements 2000] [--parts overhead frontend scheduler]
 """
@@ -115,6 +117,27 @@ async def frontend_overhead(url: str, frontend: str, requests: int, max_tokens: 
             "kept_saves_p50_ms": statistics.median(n - k for n, k in zip(new_ms, kept_ms))}
 
 
+def frontend_http_cost(frontend: str, requests: int) -> dict[str, float]:
+    """Client-side latency of ``GET /version`` (the frontend answers it without the stack) on one
+    kept connection and on a new connection each, alternating request by request: the frontend's
+    own per-request HTTP cost (read, answer, and for a new connection its accept and close, with
+    the client's connect) with and without connection reuse."""
+    kept, new = OpenAIConnection(frontend, 60.0), OpenAIConnection(frontend, 60.0, keep_alive=False)
+    timed: dict[OpenAIConnection, list[float]] = {kept: [], new: []}
+    for i in range(requests + 10):  # the first 10 of each warm up
+        for conn in (kept, new) if i % 2 else (new, kept):
+            started = time.perf_counter()
+            conn.version()
+            if i >= 10:
+                timed[conn].append((time.perf_counter() - started) * 1e6)
+    kept.close()
+    if kept.connections != 1 or new.connections != requests + 10:
+        raise RuntimeError(f"{kept.connections} connection(s) for the kept arm (1 expected), {new.connections} for the new-connection arm ({requests + 10})")
+    return {"version_kept_p50_us": statistics.median(timed[kept]), "version_kept_p99_us": percentile(timed[kept], 99),
+            "version_new_p50_us": statistics.median(timed[new]), "version_new_p99_us": percentile(timed[new], 99),
+            "kept_saves_p50_us": statistics.median(n - k for n, k in zip(timed[new], timed[kept]))}
+
+
 async def stand_in_members(bus: Bus, decode_ranks: int, model: str) -> None:
     """Decode ranks and a prefill instance that only do their control-plane part."""
     layout = KVTransferLayout(num_layers=2, page_size=16, kv_heads=2, head_dim=16, dtype="float32")
@@ -208,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--placements", type=int, default=2000)
+    ap.add_argument("--http-requests", type=int, default=1000, help="GET /version requests per arm (frontend part)")
     ap.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which measurements to run (default: all)")
     a = ap.parse_args(argv)
@@ -230,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                         "max_tokens": a.max_tokens, "client": "bench.openai_client"}
                 frontend = asyncio.run(frontend_overhead(stack.url, stack.frontend_urls()["openai-0"], a.requests, a.max_tokens))
                 record("control_plane", case, frontend, {"native_nats_client": {"latency_p50_ms": frontend["native_p50_ms"]}})
+                case = {"what": "openai_frontend_http", "stack": "single-node", "path": "/version", "requests": a.http_requests, "client": "bench.openai_client"}
+                http_cost = frontend_http_cost(stack.frontend_urls()["openai-0"], a.http_requests)
+                record("control_plane", case, http_cost)
         finally:
             stack.stop()
         if rows:
@@ -239,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         if "frontend" in a.parts:
             print_table([frontend], ["native_p50_ms", "native_p99_ms", "http_p50_ms", "http_p99_ms", "added_p50_ms", "http_kept_p50_ms",
                                      "http_kept_p99_ms", "added_kept_p50_ms", "kept_saves_p50_ms"])
+            print()
+            print_table([http_cost], list(http_cost))
             print()
 
     if "scheduler" in a.parts:

@@ -39,17 +39,22 @@ class OpenAIConnection:
         url = urllib.parse.urlsplit(base_url)
         connection = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         self.conn = connection(url.hostname or "127.0.0.1", url.port, timeout=timeout_s)
-        self.prefix = url.path.rstrip("/")
+        self.prefix = url.path.rstrip("/")  # the API's, e.g. /v1
         self.keep_alive = keep_alive
         self.connections = 0  # TCP connections opened so far
 
     def models(self) -> list[dict[str, Any]]:
         """``GET /models``' model cards."""
-        return self._request("GET", "/models", None, lambda resp: json.loads(resp.read())["data"])
+        return self._request("GET", self.prefix + "/models", None, lambda resp: json.loads(resp.read())["data"])
+
+    def version(self) -> str:
+        """vLLM's ``GET /version`` (at the server's root): the cheapest request, which a frontend
+        answers without the engine behind it (`bench.control_plane` times its HTTP cost with it)."""
+        return self._request("GET", "/version", None, lambda resp: json.loads(resp.read())["version"])
 
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """A unary ``POST /completions``' answer."""
-        return self._request("POST", "/completions", body, lambda resp: json.loads(resp.read()))
+        return self._request("POST", self.prefix + "/completions", body, lambda resp: json.loads(resp.read()))
 
     def stream(self, body: dict[str, Any], on_event: Callable[[dict[str, Any]], None]) -> None:
         """A streamed ``POST /completions`` (``body`` says ``"stream": true``): ``on_event`` gets each
@@ -61,7 +66,7 @@ class OpenAIConnection:
                     raise OpenAIError(str(event["error"].get("code") or "error"), str(event["error"].get("message")))
                 on_event(event)
 
-        self._request("POST", "/completions", body, events)
+        self._request("POST", self.prefix + "/completions", body, events)
 
     def close(self) -> None:
         self.conn.close()
@@ -74,7 +79,7 @@ class OpenAIConnection:
             if not reused:
                 self.connections += 1
             try:
-                self.conn.request(method, self.prefix + path, payload, headers)
+                self.conn.request(method, path, payload, headers)
                 resp = self.conn.getresponse()
             except STALE:
                 self.conn.close()
