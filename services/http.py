@@ -155,8 +155,10 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     conn.keep = conn.chunked = conn.head_sent = False  # an error before the request is whole closes the connection
     first, conn.start = conn.start, b""
     try:
-        # The first byte is no CR or LF, so the end of the head cannot straddle it.
-        head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
+        # The first byte is no CR or LF, so the end of the head cannot straddle it. (asyncio.timeout,
+        # not wait_for: no task per read, on the path of every request once its first byte is in.)
+        async with asyncio.timeout(HEADER_TIMEOUT_S):
+            head = first + await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
         raise HttpError(413, "request headers too large") from None
     except asyncio.IncompleteReadError:
@@ -189,7 +191,8 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
             await writer.drain()
         read = reader.readexactly(length) if length is not None else _chunked_body(reader, max_body, limit)
         try:
-            body = await asyncio.wait_for(read, BODY_TIMEOUT_S)
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                body = await read
         except asyncio.IncompleteReadError:
             raise HttpError(400, "connection closed before the request body ended") from None
         except asyncio.LimitOverrunError:

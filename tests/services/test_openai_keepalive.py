@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from services_helpers import log_events, run, session, stack_fixture
+from services_helpers import log_events, run, session, stack_fixture, until
 
 pytestmark = pytest.mark.slow
 
@@ -154,8 +154,11 @@ def test_unary_and_streamed_requests_share_one_connection(stack, frontend):
     finally:
         conn.close()
     assert all(len(set(t)) == 1 and t[0] for t in texts.values()), texts  # greedy: the stream says what the unary answer says
-    logged = {e["request_id"]: e["client"] for e in log_events(stack, "http_request") if str(e.get("request_id")).startswith("keep-")}
-    assert set(logged) == {f"keep-{n}" for n in (0, 1, 2, 3, 5)} and len(set(logged.values())) == 1, logged
+    def logged() -> dict[str, str]:
+        return {e["request_id"]: e["client"] for e in log_events(stack, "http_request") if str(e.get("request_id")).startswith("keep-")}
+
+    run(until(lambda: len(logged()) == 5, "the frontend logged the 5 completions (each once answered)"))
+    assert set(logged()) == {f"keep-{n}" for n in (0, 1, 2, 3, 5)} and len(set(logged().values())) == 1, logged()
 
 
 def test_connection_close_and_http_1_0_are_honoured(frontend):
@@ -230,8 +233,11 @@ def test_client_leaving_mid_stream_on_a_kept_connection_cancels_its_request(stac
     while run(cancelled_so_far()) == before:
         assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
         time.sleep(0.5)
-    gone = [e for e in log_events(stack, "http_request") if e.get("request_id") == "keep-gone"]
-    assert [e["status"] for e in gone] == [499]
+    def gone() -> list[int]:  # logged after the cancel went out, so maybe after the gateway counted it
+        return [e["status"] for e in log_events(stack, "http_request") if e.get("request_id") == "keep-gone"]
+
+    run(until(lambda: bool(gone()), "the frontend logged the request"))
+    assert gone() == [499]
     assert "keep-gone" in [e["request_id"] for e in log_events(stack, "openai_client_gone")]
 
 
