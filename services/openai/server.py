@@ -274,6 +274,10 @@ async def _unless_disconnected(conn: http.Connection, answer: Awaitable[int]) ->
     finally:
         gone.cancel()
     if answering.done():
+        # A reset wakes the answer's write and the watch in the same turn of the loop: an answer that
+        # failed writing is a client gone too (its requests must be cancelled, not left to the stack).
+        if isinstance(answering.exception(), ConnectionError):
+            return None
         return answering.result()
     answering.cancel()
     try:

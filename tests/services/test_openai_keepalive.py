@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -207,9 +208,11 @@ def test_pipelined_requests_are_answered_in_order(frontend):
     assert sse(got[1][2])[-1] == "[DONE]"
 
 
-def test_client_leaving_mid_stream_on_a_kept_connection_cancels_its_request(stack, frontend):
+@pytest.mark.parametrize("leaving", ["close", "reset"])
+def test_client_leaving_mid_stream_on_a_kept_connection_cancels_its_request(stack, frontend, leaving):
     """A stream (chunked: its first chunk's size line precedes the event) on a connection that
-    already carried a request: the client closing it cancels the request, logged 499."""
+    already carried a request: the client closing it, or resetting it (SO_LINGER 0: an RST, which
+    the frontend's writes can see before its watch does), cancels the request, logged 499."""
     async def cancelled_so_far() -> int:
         async with session(stack.url) as (_, watch):
             await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 10, "the gateway")
@@ -222,23 +225,25 @@ def test_client_leaving_mid_stream_on_a_kept_connection_cancels_its_request(stac
         first.begin()
         assert first.status == 200 and json.loads(first.read())["choices"]
         s.sendall(request_bytes("/v1/completions", {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True},
-                                "X-Request-Id: keep-gone\r\n"))
+                                f"X-Request-Id: keep-gone-{leaving}\r\n"))
         received = b""
         while b"data: " not in received:
             data = s.recv(65536)
             assert data, f"connection closed before any event: {received!r}"
             received += data
         assert b"Transfer-Encoding: chunked\r\n" in received and re.search(rb"\r\n\r\n[0-9a-f]+\r\ndata: ", received), received[:500]
+        if leaving == "reset":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     deadline = time.monotonic() + 20
     while run(cancelled_so_far()) == before:
         assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
         time.sleep(0.5)
     def gone() -> list[int]:  # logged after the cancel went out, so maybe after the gateway counted it
-        return [e["status"] for e in log_events(stack, "http_request") if e.get("request_id") == "keep-gone"]
+        return [e["status"] for e in log_events(stack, "http_request") if e.get("request_id") == f"keep-gone-{leaving}"]
 
     run(until(lambda: bool(gone()), "the frontend logged the request"))
     assert gone() == [499]
-    assert "keep-gone" in [e["request_id"] for e in log_events(stack, "openai_client_gone")]
+    assert f"keep-gone-{leaving}" in [e["request_id"] for e in log_events(stack, "openai_client_gone")]
 
 
 def test_idle_timeout_and_request_limit_close_a_kept_connection(own_frontend):
