@@ -14,19 +14,21 @@ Three measurements:
    so the number is the scheduler's own rate: decode choice, the reservation round
    trip, the prefill task, the ack.
 3. **What the OpenAI-compatible frontend adds** (`moebus openai`, the stack's `openai`
-   service): the same unary completions, one at a time, sent alternately through the
-   native client on NATS and as ``POST /v1/completions`` over HTTP, each timed by its
-   client from send to answer; the peer is the native path in the same run.
+   service): the same unary completions, one at a time, sent in turn through the native
+   client on NATS, as ``POST /v1/completions`` on one kept HTTP connection (``http_kept_*``:
+   a pooling client, the openai SDK) and on a new connection each (``http_*``: curl, a client
+   without a pool), each timed by its client from send to answer (`bench.openai_client`); the
+   peer is the native path in the same run. Then its own HTTP cost per request, which the
+   completions' run-to-run spread hides: ``GET /version`` (answered without the stack) on
+   one kept connection and on a new connection each, alternating.
 
-    python -m bench.control_plane [--requests 64] [--placements 2000]
+    python -m bench.control_plane [--requests 64] [--placements 2000] [--parts overhead frontend scheduler]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import re
 import statistics
 import subprocess
 import sys
@@ -35,12 +37,14 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from bench.openai_client import OpenAIConnection
 from bench.results import print_table, record
 from schemas import subjects
 from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.client import Client
+from services.http import KeepAlive
 from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, start_nats_server
 from services.ranks import free_port
 from shared.bus import Bus, connect, pack, unpack
@@ -77,40 +81,68 @@ async def overhead(url: str, requests: int, concurrency: int, max_tokens: int) -
     }
 
 
-async def http_completion(host: str, port: int, body: bytes) -> dict:
-    """One ``POST /v1/completions`` on a fresh connection (the frontend answers one request per connection)."""
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    answer = await reader.read()  # until the server closes
-    writer.close()
-    head, _, payload = answer.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200 "):
-        raise RuntimeError(f"frontend answered {answer[:300]!r}")
-    return json.loads(payload)
-
-
 async def frontend_overhead(url: str, frontend: str, requests: int, max_tokens: int) -> dict[str, float]:
-    """Client-side latency of the same completions via NATS and via the HTTP frontend, interleaved."""
-    host, port = re.match(r"http://([^:/]+):(\d+)", frontend).groups()  # type: ignore[union-attr]
-    native_ms, http_ms = [], []
+    """Client-side latency of the same completions via NATS, via the HTTP frontend on one kept
+    connection, and via the HTTP frontend on a new connection each, interleaved request by request.
+    The HTTP requests are blocking calls on this event loop's thread (no thread hop in their time):
+    nothing else runs meanwhile, the native client is idle between its requests."""
+    native_ms, kept_ms, new_ms = [], [], []
+    kept, new = OpenAIConnection(frontend, 60.0), OpenAIConnection(frontend, 60.0, keep_alive=False)
     async with connect(url, "bench") as bus:
         client = Client(bus)
-        for i in range(requests + 1):  # the first pair warms both paths up
+        for i in range(requests + 1):  # the first round warms every path up (and opens the kept connection)
             prompt = f"{i} {PROMPT}"
             started = time.perf_counter()
             native = await client.generate(GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0))
             native_s = time.perf_counter() - started
-            started = time.perf_counter()
-            body = await http_completion(host, int(port), json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode())
-            http_s = time.perf_counter() - started
-            if body["choices"][0]["text"] != native.text:
-                raise RuntimeError(f"request {i}: the frontend answered {body['choices'][0]['text']!r}, the native API {native.text!r}")
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            times = {}
+            for conn in (kept, new) if i % 2 else (new, kept):  # neither HTTP arm always follows the native request
+                started = time.perf_counter()
+                text = conn.complete(body)["choices"][0]["text"]
+                times[conn] = time.perf_counter() - started
+                if text != native.text:
+                    raise RuntimeError(f"request {i}: the frontend answered {text!r}, the native API {native.text!r}")
             if i:
                 native_ms.append(native_s * 1e3)
-                http_ms.append(http_s * 1e3)
+                kept_ms.append(times[kept] * 1e3)
+                new_ms.append(times[new] * 1e3)
+    kept.close()
+    check_connections(kept.connections, new.connections, requests + 1)
     return {"native_p50_ms": statistics.median(native_ms), "native_p99_ms": percentile(native_ms, 99),
-            "http_p50_ms": statistics.median(http_ms), "http_p99_ms": percentile(http_ms, 99),
-            "added_p50_ms": statistics.median(h - n for h, n in zip(http_ms, native_ms))}
+            "http_p50_ms": statistics.median(new_ms), "http_p99_ms": percentile(new_ms, 99),
+            "added_p50_ms": statistics.median(h - n for h, n in zip(new_ms, native_ms)),
+            "http_kept_p50_ms": statistics.median(kept_ms), "http_kept_p99_ms": percentile(kept_ms, 99),
+            "added_kept_p50_ms": statistics.median(h - n for h, n in zip(kept_ms, native_ms)),
+            "kept_saves_p50_ms": statistics.median(n - k for n, k in zip(new_ms, kept_ms))}
+
+
+def check_connections(kept: int, new: int, requests: int) -> None:
+    """The kept arm reused its connection (up to the frontend's default request limit per
+    connection, after which it is closed and reopened) and the other did not."""
+    if kept != -(-requests // KeepAlive.max_requests) or new != requests:
+        raise RuntimeError(f"{requests} requests per arm: {kept} connection(s) for the kept arm (expected {-(-requests // KeepAlive.max_requests)}), "
+                           f"{new} for the new-connection arm")
+
+
+def frontend_http_cost(frontend: str, requests: int) -> dict[str, float]:
+    """Client-side latency of ``GET /version`` (the frontend answers it without the stack) on one
+    kept connection and on a new connection each, alternating request by request: the frontend's
+    own per-request HTTP cost (read, answer, and for a new connection its accept and close, with
+    the client's connect) with and without connection reuse."""
+    kept, new = OpenAIConnection(frontend, 60.0), OpenAIConnection(frontend, 60.0, keep_alive=False)
+    timed: dict[OpenAIConnection, list[float]] = {kept: [], new: []}
+    for i in range(requests + 10):  # the first 10 of each warm up
+        for conn in (kept, new) if i % 2 else (new, kept):
+            started = time.perf_counter()
+            conn.version()
+            if i >= 10:
+                timed[conn].append((time.perf_counter() - started) * 1e6)
+    kept.close()
+    check_connections(kept.connections, new.connections, requests + 10)
+    return {"version_kept_p50_us": statistics.median(timed[kept]), "version_kept_p99_us": percentile(timed[kept], 99),
+            "version_new_p50_us": statistics.median(timed[new]), "version_new_p99_us": percentile(timed[new], 99),
+            "kept_saves_p50_us": statistics.median(n - k for n, k in zip(timed[new], timed[kept]))}
 
 
 async def stand_in_members(bus: Bus, decode_ranks: int, model: str) -> None:
@@ -198,42 +230,61 @@ def run_scheduler_bench(total: int, concurrency: int, decode_ranks: int) -> dict
         nats.wait(10)
 
 
+PARTS = ("overhead", "frontend", "scheduler")  # measurements 1, 3 and 2 of the docstring
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--placements", type=int, default=2000)
+    ap.add_argument("--http-requests", type=int, default=1000, help="GET /version requests per arm (frontend part)")
     ap.add_argument("--model", help="checkpoint (default: the embedded tiny model)")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which measurements to run (default: all)")
     a = ap.parse_args(argv)
 
-    rows = []
-    model = Path(a.model) if a.model else ensure_tiny_model(default_cache_dir())
-    specs = load_compose(DEFAULT_STACK, {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS})
-    stack = LocalStack(specs, model, Path(tempfile.mkdtemp(prefix="bench-cp-")), extra_env={"MOEBUS_LOG_LEVEL": "warning"})
-    stack.start()
-    try:
-        for concurrency in (1, 16):
-            case = {"what": "request_overhead", "stack": "single-node", "model": model.name, "concurrency": concurrency, "requests": a.requests, "max_tokens": a.max_tokens}
-            metrics = asyncio.run(overhead(stack.url, a.requests, concurrency, a.max_tokens))
-            record("control_plane", case, metrics)
-            rows.append({**case, **metrics})
-        case = {"what": "openai_frontend", "stack": "single-node", "model": model.name, "concurrency": 1, "requests": a.requests, "max_tokens": a.max_tokens}
-        frontend = asyncio.run(frontend_overhead(stack.url, stack.frontend_urls()["openai-0"], a.requests, a.max_tokens))
-        record("control_plane", case, frontend, {"native_nats_client": {"latency_p50_ms": frontend["native_p50_ms"]}})
-    finally:
-        stack.stop()
-    print_table(rows, ["concurrency", "outside_compute_p50_ms", "outside_compute_p99_ms", "outside_compute_per_token_p50_ms", "ttft_p50_ms", "total_p50_ms"])
-    print()
-    print_table([frontend], ["native_p50_ms", "native_p99_ms", "http_p50_ms", "http_p99_ms", "added_p50_ms"])
+    if "overhead" in a.parts or "frontend" in a.parts:
+        rows = []
+        model = Path(a.model) if a.model else ensure_tiny_model(default_cache_dir())
+        specs = load_compose(DEFAULT_STACK, {"MOEBUS_MODEL": str(model), **EPHEMERAL_FRONTENDS})
+        stack = LocalStack(specs, model, Path(tempfile.mkdtemp(prefix="bench-cp-")), extra_env={"MOEBUS_LOG_LEVEL": "warning"})
+        stack.start()
+        try:
+            for concurrency in (1, 16) if "overhead" in a.parts else ():
+                case = {"what": "request_overhead", "stack": "single-node", "model": model.name, "concurrency": concurrency, "requests": a.requests,
+                        "max_tokens": a.max_tokens}
+                metrics = asyncio.run(overhead(stack.url, a.requests, concurrency, a.max_tokens))
+                record("control_plane", case, metrics)
+                rows.append({**case, **metrics})
+            if "frontend" in a.parts:
+                case = {"what": "openai_frontend", "stack": "single-node", "model": model.name, "concurrency": 1, "requests": a.requests,
+                        "max_tokens": a.max_tokens, "client": "bench.openai_client"}
+                frontend = asyncio.run(frontend_overhead(stack.url, stack.frontend_urls()["openai-0"], a.requests, a.max_tokens))
+                record("control_plane", case, frontend, {"native_nats_client": {"latency_p50_ms": frontend["native_p50_ms"]}})
+                case = {"what": "openai_frontend_http", "stack": "single-node", "path": "/version", "requests": a.http_requests, "client": "bench.openai_client"}
+                http_cost = frontend_http_cost(stack.frontend_urls()["openai-0"], a.http_requests)
+                record("control_plane", case, http_cost)
+        finally:
+            stack.stop()
+        if rows:
+            print_table(rows, ["concurrency", "outside_compute_p50_ms", "outside_compute_p99_ms", "outside_compute_per_token_p50_ms", "ttft_p50_ms",
+                               "total_p50_ms"])
+            print()
+        if "frontend" in a.parts:
+            print_table([frontend], ["native_p50_ms", "native_p99_ms", "http_p50_ms", "http_p99_ms", "added_p50_ms", "http_kept_p50_ms",
+                                     "http_kept_p99_ms", "added_kept_p50_ms", "kept_saves_p50_ms"])
+            print()
+            print_table([http_cost], list(http_cost))
+            print()
 
-    sched_rows = []
-    for concurrency in (1, 64):
-        case = {"what": "scheduler_placements", "schedulers": 1, "decode_ranks": 8, "concurrency": concurrency, "submissions": a.placements}
-        metrics = run_scheduler_bench(a.placements, concurrency, decode_ranks=8)
-        record("control_plane", case, metrics)
-        sched_rows.append({**case, **metrics})
-    print()
-    print_table(sched_rows, ["concurrency", "placements_per_s", "submit_p50_ms", "submit_p99_ms"])
+    if "scheduler" in a.parts:
+        sched_rows = []
+        for concurrency in (1, 64):
+            case = {"what": "scheduler_placements", "schedulers": 1, "decode_ranks": 8, "concurrency": concurrency, "submissions": a.placements}
+            metrics = run_scheduler_bench(a.placements, concurrency, decode_ranks=8)
+            record("control_plane", case, metrics)
+            sched_rows.append({**case, **metrics})
+        print_table(sched_rows, ["concurrency", "placements_per_s", "submit_p50_ms", "submit_p99_ms"])
     return 0
 
 

@@ -48,9 +48,8 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from bench.openai_client import OpenAIConnection, OpenAIError
 from bench.results import print_table, record
 from schemas.api import GenerateRequest
 from services.client import Client, GenerateError
@@ -216,56 +216,58 @@ async def run_native(url: str, work: Workload, max_concurrency: int, timeout_s: 
 async def run_openai(base_url: str, work: Workload, max_concurrency: int, timeout_s: float) -> tuple[list[Timeline], float]:
     """The workload as streamed ``/v1/completions`` requests to an OpenAI-compatible server at
     `base_url` (``moebus openai``, or another engine's, e.g. vLLM's or SGLang's: the same
-    client measures both), the model named as its ``/v1/models`` lists first."""
+    client measures both), the model named as its ``/v1/models`` lists first. Each of the
+    ``max_concurrency`` sending threads keeps its connection (`bench.openai_client`): a pool of
+    at most that many, as a pooling client (the openai SDK, aiohttp's connector) holds."""
     loop = asyncio.get_running_loop()
+    local = threading.local()
+    opened: list[OpenAIConnection] = []
+
+    def connection() -> OpenAIConnection:
+        if not hasattr(local, "conn"):
+            local.conn = OpenAIConnection(base_url, timeout_s)
+            opened.append(local.conn)
+        return local.conn
+
     with ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="bench-http") as pool:
-        model = await loop.run_in_executor(pool, served_model, base_url, timeout_s)
-        await loop.run_in_executor(pool, openai_stream, base_url, model, work.prompts[0][:8], 2, timeout_s, Timeline(0.0))
+        try:
+            model = (await loop.run_in_executor(pool, lambda: connection().models()))[0]["id"]
+            await loop.run_in_executor(pool, openai_stream, connection, model, work.prompts[0][:8], 2, Timeline(0.0))
 
-        async def send(i: int, timeline: Timeline) -> None:
-            await loop.run_in_executor(pool, openai_stream, base_url, model, work.prompts[i], work.output_lens[i], timeout_s, timeline)
+            async def send(i: int, timeline: Timeline) -> None:
+                await loop.run_in_executor(pool, openai_stream, connection, model, work.prompts[i], work.output_lens[i], timeline)
 
-        return await drive(work, max_concurrency, send)
-
-
-def served_model(base_url: str, timeout_s: float) -> str:
-    with urllib.request.urlopen(base_url.rstrip("/") + "/models", timeout=timeout_s) as resp:
-        return json.load(resp)["data"][0]["id"]
+            return await drive(work, max_concurrency, send)
+        finally:
+            for conn in opened:
+                conn.close()
 
 
-def openai_stream(base_url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float, timeline: Timeline) -> None:
-    """One streamed completion (blocking: run in a thread), its chunks timed into `timeline`; the
-    token count is the usage chunk's (a chunk's text may hold several tokens)."""
-    url = urllib.parse.urlsplit(base_url)
+def openai_stream(connection: Callable[[], OpenAIConnection], model: str, prompt: list[int], max_tokens: int, timeline: Timeline) -> None:
+    """One streamed completion on this thread's connection (blocking: run in a thread), its
+    chunks timed into `timeline`; the token count is the usage chunk's (a chunk's text may hold
+    several tokens)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    connection = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-    conn = connection(url.hostname or "127.0.0.1", url.port, timeout=timeout_s)
+    usage = None
+
+    def on_event(event: dict) -> None:
+        nonlocal usage
+        if any(choice.get("text") for choice in event.get("choices", [])):
+            timeline.add(time.perf_counter(), 1)
+        usage = (event.get("usage") or {}).get("completion_tokens", usage)
+        timeline.cached_tokens = ((event.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", timeline.cached_tokens)
+
     try:
-        conn.request("POST", url.path.rstrip("/") + "/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            timeline.error = f"http_{resp.status}"
-            return
-        usage = None
-        for line in resp:  # server-sent events, one "data: ..." line each
-            data = line.removeprefix(b"data: ").strip()
-            if not line.startswith(b"data: ") or data == b"[DONE]":
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                timeline.error = str(event["error"].get("code") or "error")
-                return
-            if any(choice.get("text") for choice in event.get("choices", [])):
-                timeline.add(time.perf_counter(), 1)
-            usage = (event.get("usage") or {}).get("completion_tokens", usage)
-            timeline.cached_tokens = ((event.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", timeline.cached_tokens)
-        if usage is not None and timeline.tokens:
-            timeline.tokens = usage
+        connection().stream(body, on_event)
+    except OpenAIError as e:
+        timeline.error = e.code
+        return
     except (OSError, http.client.HTTPException, ValueError) as e:
         timeline.error = type(e).__name__
-    finally:
-        conn.close()
+        return
+    if usage is not None and timeline.tokens:
+        timeline.tokens = usage
 
 
 # ---------------------------------------------------------------- the peer: one runner, this process

@@ -1,13 +1,25 @@
 """Just enough HTTP/1.1 for the stack's small HTTP faces (`moebus metrics`, `moebus openai`).
 
-One request per connection: the server reads a request line, headers and a body of
-``Content-Length`` bytes (or a chunked one), answers, and closes the connection
-(``Connection: close``), which every HTTP client handles. A streamed answer (server-sent events) has no length: it ends
-when the connection closes. Malformed or oversize requests raise `HttpError` with the
-status to answer (413 for a body over the frontend's limit, before reading it); after
-answering one, `linger` lets the client finish sending. Nothing here knows about routes.
-The frontends' shared command line (``--url``, ``--host``, ``--port``) and life cycle
-(listen, print the address, serve until SIGTERM/SIGINT, say "stopped") are here too.
+Connections persist (RFC 9112 9.3), as uvicorn's do, so clients that pool them (the openai SDK
+over httpx, aiohttp-based benchmark tools, Prometheus) pay no new connection per request: an
+HTTP/1.1 request keeps its connection unless it says ``Connection: close``; an HTTP/1.0 one
+closes it unless it says ``Connection: keep-alive`` and its answer has a length (a stream to an
+HTTP/1.0 client, which knows no chunked framing, ends by closing the connection). The requests of
+one connection are served in order, one at a time: pipelined ones wait in the input buffer. An
+answer with a body carries ``Content-Length``; a server-sent-event stream on a kept connection
+is sent ``Transfer-Encoding: chunked`` and ends with the zero-length chunk, on one that closes it
+ends with the connection. A kept connection is closed after ``KeepAlive.idle_s`` without a new
+request, or after ``KeepAlive.max_requests`` requests (that answer says ``Connection: close``).
+
+The server reads a request line, headers and a body of ``Content-Length`` bytes (or a chunked
+one). Malformed or oversize requests raise `HttpError` with the status to answer (413 for a body
+over the frontend's limit, before reading it); `refuse` answers one and closes the connection,
+lingering so that the client can finish sending. At SIGTERM / SIGINT the server stops accepting,
+closes the idle connections at once and lets the requests in flight finish (up to ``DRAIN_S``),
+their answers saying ``Connection: close``. Nothing here knows about routes.
+The frontends' shared command line (``--url``, ``--host``, ``--port``, the keep-alive limits)
+and life cycle (listen, print the address, serve until SIGTERM/SIGINT, drain, say "stopped")
+are here too.
 """
 
 from __future__ import annotations
@@ -33,6 +45,9 @@ BODY_TIMEOUT_S = 30.0
 # this much time passed in all (nginx's lingering close, with its default times).
 LINGER_PAUSE_S = 5.0
 LINGER_TOTAL_S = 30.0
+# At stop, requests in flight get this long to finish (a compose stack's stop grace period is 10 s);
+# what is still running then is dropped with the process (its client sees the connection close).
+DRAIN_S = 8.0
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
            409: "Conflict", 411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
@@ -58,13 +73,92 @@ class Request:
     body: bytes
 
 
-async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_body: int,
-                       limit: str = "this server's limit") -> Request:
-    """The next request on ``reader``; `HttpError` for a malformed, slow or oversize one (a body
-    over ``max_body``: 413 naming ``limit``). A client that waits for ``100 Continue`` before its
-    body (``Expect: 100-continue``, curl for larger bodies) gets it once the announced length is accepted."""
+@dataclass(frozen=True)
+class KeepAlive:
+    """How long a kept connection waits for its next request (uvicorn's ``--timeout-keep-alive``
+    and its default, 5 s, which vLLM serves with: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``; a new
+    connection's first request gets ``HEADER_TIMEOUT_S``), and how many requests it carries before its answer says
+    ``Connection: close`` (nginx's ``keepalive_requests``, 1000: a client then reconnects, so
+    that connections spread again over the replicas behind a TCP load balancer)."""
+
+    idle_s: float = 5.0
+    max_requests: int = 1000
+
+
+class _Reader(asyncio.StreamReader):
+    """A StreamReader whose ``ended`` event says that the client's input ended (its close, a
+    half-close, or a reset) without reading what it sent before: a request pipelined behind the
+    one being answered stays in the buffer for its turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        self.ended.set()
+
+    def set_exception(self, exc: BaseException) -> None:
+        super().set_exception(exc)
+        self.ended.set()
+
+
+class Connection:
+    """One client connection, between its requests and during one: ``keep`` says whether it stays
+    open after the answer being written (the request asked so, the server is not stopping, the
+    connection's request limit is not reached), ``chunked`` whether that answer is a chunked
+    stream, ``head_sent`` whether its head is out (an error can then no longer be answered)."""
+
+    def __init__(self, reader: _Reader, writer: asyncio.StreamWriter, server: Server) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.server = server
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)  # host:port, for the access log
+        self.keep = False
+        self.http10 = False
+        self.chunked = False
+        self.head_sent = False
+        self.served = 0  # requests answered before the current one
+        self.idle = False  # waiting for its next request: the server closes it at once when it stops
+        self.start = b""  # the next request's first byte, read while waiting for it
+
+    def keeps(self) -> bool:
+        """Whether the answer being written may keep the connection (decided as its head goes out:
+        a stop that began while the request ran makes it ``Connection: close``)."""
+        self.keep = self.keep and not self.server.closing
+        return self.keep
+
+    async def next_request(self, wait_s: float) -> bool:
+        """Waits for the first byte of the next request, skipping the empty lines before it
+        (RFC 9112 2.2: a stray CRLF after a body); False when the client closed the connection or
+        sent nothing for ``wait_s`` seconds, or the server stops."""
+        self.idle = True
+        try:
+            async with asyncio.timeout(wait_s):
+                while (byte := await self.reader.read(1)) in (b"\r", b"\n"):
+                    pass
+        except (TimeoutError, ConnectionError):
+            return False
+        finally:
+            self.idle = False
+        self.start = byte
+        return bool(byte) and not self.server.closing  # closed by the stop while its byte was on the way: dropped with it
+
+
+async def read_request(conn: Connection, max_body: int, limit: str = "this server's limit") -> Request:
+    """The request on ``conn`` whose first byte `Connection.next_request` read; `HttpError` for a
+    malformed, slow or oversize one (a body over ``max_body``: 413 naming ``limit``). A client that
+    waits for ``100 Continue`` before its body (``Expect: 100-continue``, curl for larger bodies)
+    gets it once the announced length is accepted. Sets ``conn.keep`` (see `Connection`)."""
+    reader, writer = conn.reader, conn.writer
+    conn.keep = conn.chunked = conn.head_sent = False  # an error before the request is whole closes the connection
+    first, conn.start = conn.start, b""
     try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
+        # The first byte is no CR or LF, so the end of the head cannot straddle it. (asyncio.timeout,
+        # not wait_for: no task per read, on the path of every request once its first byte is in.)
+        async with asyncio.timeout(HEADER_TIMEOUT_S):
+            head = first + await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
         raise HttpError(413, "request headers too large") from None
     except asyncio.IncompleteReadError:
@@ -86,7 +180,9 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             headers[name.strip().lower()] = value.strip()
     body = b""
     chunked = "chunked" in headers.get("transfer-encoding", "").lower()  # it overrides Content-Length (RFC 9112 6.3)
-    if chunked or parts[0] in ("POST", "PUT", "PATCH"):
+    # A body is read whenever one is announced, whatever the method: on a kept connection, one left
+    # unread would be taken for the next request.
+    if chunked or "content-length" in headers or parts[0] in ("POST", "PUT", "PATCH"):
         length = None if chunked else _content_length(headers)
         if length is not None and length > max_body:
             raise HttpError(413, _too_large(length, max_body, limit))
@@ -95,13 +191,18 @@ async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             await writer.drain()
         read = reader.readexactly(length) if length is not None else _chunked_body(reader, max_body, limit)
         try:
-            body = await asyncio.wait_for(read, BODY_TIMEOUT_S)
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                body = await read
         except asyncio.IncompleteReadError:
             raise HttpError(400, "connection closed before the request body ended") from None
         except asyncio.LimitOverrunError:
             raise HttpError(400, "malformed chunked body: a chunk size line without its CRLF") from None
         except TimeoutError:
             raise HttpError(408, f"request body not received within {BODY_TIMEOUT_S:g} s") from None
+    options = {token.strip().lower() for token in headers.get("connection", "").split(",")}
+    conn.http10 = parts[2] == "HTTP/1.0"
+    wants = "keep-alive" in options if conn.http10 else "close" not in options
+    conn.keep = wants and conn.served + 1 < conn.server.keep_alive.max_requests
     return Request(parts[0], parts[1].split("?", 1)[0], headers, body)
 
 
@@ -143,7 +244,7 @@ async def _chunked_body(reader: asyncio.StreamReader, max_body: int, limit: str)
             raise HttpError(400, "malformed chunked body: a chunk does not end with CRLF")
 
 
-async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def linger(conn: Connection) -> None:
     """After answering a refused request: say no more is coming, then read and drop what the
     client still sends (see ``LINGER_*``). Its body may be unread (a 413 is answered before it):
     a connection closed with unread input is reset, and a client still sending its body (one
@@ -152,38 +253,61 @@ async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LINGER_TOTAL_S
     with contextlib.suppress(ConnectionError, TimeoutError):
-        writer.write_eof()
-        while (left := deadline - loop.time()) > 0 and await asyncio.wait_for(reader.read(1 << 16), min(LINGER_PAUSE_S, left)):
+        conn.writer.write_eof()
+        while (left := deadline - loop.time()) > 0 and await asyncio.wait_for(conn.reader.read(1 << 16), min(LINGER_PAUSE_S, left)):
             pass
+
+
+async def refuse(conn: Connection, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+    """Answer a request that failed (an `HttpError`) and close the connection, lingering: what
+    follows the request in its input (its unread body, say) cannot be told from a next request."""
+    conn.keep = False
+    await respond(conn, status, body, content_type, headers)
+    await linger(conn)
 
 
 def _header_lines(headers: dict[str, str] | None) -> str:
     return "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
 
 
-async def respond(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+async def respond(conn: Connection, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
     """A complete response with its length (and ``headers``, whose values hold no line breaks)."""
     head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\n{_header_lines(headers)}Connection: close\r\n\r\n")
-    writer.write(head.encode() + body)
-    await writer.drain()
+            f"Content-Length: {len(body)}\r\n{_header_lines(headers)}Connection: {'keep-alive' if conn.keeps() else 'close'}\r\n\r\n")
+    conn.head_sent = True
+    conn.writer.write(head.encode() + body)
+    await conn.writer.drain()
 
 
-async def respond_json(writer: asyncio.StreamWriter, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
-    await respond(writer, status, json.dumps(payload).encode(), "application/json", headers)
+async def respond_json(conn: Connection, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+    await respond(conn, status, json.dumps(payload).encode(), "application/json", headers)
 
 
-async def start_events(writer: asyncio.StreamWriter, headers: dict[str, str] | None = None) -> None:
-    """The head of a server-sent-events stream; `send_event` writes its events."""
-    writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(headers)}"
-                 "Connection: close\r\n\r\n".encode())
-    await writer.drain()
+async def start_events(conn: Connection, headers: dict[str, str] | None = None) -> None:
+    """The head of a server-sent-events stream; `send_event` writes its events, `end_events` ends
+    it. Chunked on a connection that stays open (HTTP/1.0 has no chunked framing: such a stream
+    ends with the connection)."""
+    conn.keep = conn.keep and not conn.http10
+    conn.chunked = conn.keeps()
+    framing = "Transfer-Encoding: chunked\r\nConnection: keep-alive" if conn.chunked else "Connection: close"
+    conn.head_sent = True
+    conn.writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(headers)}"
+                      f"{framing}\r\n\r\n".encode())
+    await conn.writer.drain()
 
 
-async def send_event(writer: asyncio.StreamWriter, data: str) -> None:
+async def send_event(conn: Connection, data: str) -> None:
     """One ``data:`` event (``data`` holds no newline: JSON or a marker such as ``[DONE]``)."""
-    writer.write(f"data: {data}\n\n".encode())
-    await writer.drain()
+    event = f"data: {data}\n\n".encode()
+    conn.writer.write(b"%x\r\n%b\r\n" % (len(event), event) if conn.chunked else event)
+    await conn.writer.drain()
+
+
+async def end_events(conn: Connection) -> None:
+    """The end of a stream: its zero-length chunk, when chunked (else the connection's close ends it)."""
+    if conn.chunked:
+        conn.writer.write(b"0\r\n\r\n")
+        await conn.writer.drain()
 
 
 async def close(writer: asyncio.StreamWriter) -> None:
@@ -192,7 +316,47 @@ async def close(writer: asyncio.StreamWriter) -> None:
         await writer.wait_closed()
 
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Handler = Callable[[Connection], Awaitable[None]]  # reads one request on the connection (read_request) and answers it
+
+
+class Server:
+    """Runs ``handle`` for each request of each connection, in order, one at a time per connection,
+    while the connection is kept (see `KeepAlive`); `drain` stops it."""
+
+    def __init__(self, handle: Handler, keep_alive: KeepAlive) -> None:
+        self.handle = handle
+        self.keep_alive = keep_alive
+        self.closing = False
+        self.connections: dict[Connection, asyncio.Task[None]] = {}
+
+    def protocol(self) -> asyncio.StreamReaderProtocol:
+        """A new connection's protocol (what `asyncio.start_server` makes, with a `_Reader`)."""
+        return asyncio.StreamReaderProtocol(_Reader(), self._serve)
+
+    async def _serve(self, reader: _Reader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(reader, writer, self)
+        self.connections[conn] = asyncio.current_task()  # type: ignore[assignment]
+        try:
+            wait_s = HEADER_TIMEOUT_S  # a new connection's first request, then the keep-alive time between requests
+            while await conn.next_request(wait_s):
+                await self.handle(conn)
+                if not conn.keep:
+                    break
+                conn.served += 1
+                wait_s = self.keep_alive.idle_s
+        finally:
+            del self.connections[conn]
+            await close(writer)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop keeping connections: close the idle ones now, let the requests in flight finish
+        (their answers say ``Connection: close``) for up to ``timeout_s``."""
+        self.closing = True
+        for conn in list(self.connections):
+            if conn.idle:
+                conn.writer.close()  # its wait for a request ends (end of input)
+        if self.connections:
+            await asyncio.wait(list(self.connections.values()), timeout=timeout_s)
 
 
 def frontend_arguments(ap: argparse.ArgumentParser, default_port: int) -> None:
@@ -201,25 +365,38 @@ def frontend_arguments(ap: argparse.ArgumentParser, default_port: int) -> None:
                     help="NATS URL (printed by `moebus up`; default $MOEBUS_NATS_URL, else the local default)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=default_port, help="TCP port (0: any free one, printed at start)")
+    ap.add_argument("--timeout-keep-alive", type=float, default=KeepAlive.idle_s, metavar="SECONDS",
+                    help=f"close a kept connection after this long without a request (uvicorn's flag and default, {KeepAlive.idle_s:g}, as vLLM's)")
+    ap.add_argument("--keep-alive-requests", type=int, default=KeepAlive.max_requests, metavar="N",
+                    help=f"close a connection after its N-th request (nginx's keepalive_requests, default {KeepAlive.max_requests}; 1: no keep-alive)")
 
 
 def parse_frontend(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if not 0 <= a.port <= 65535:
         ap.error(f"--port must be in [0, 65535], got {a.port}")
+    if not a.timeout_keep_alive > 0:
+        ap.error(f"--timeout-keep-alive must be positive, got {a.timeout_keep_alive}")
+    if a.keep_alive_requests < 1:
+        ap.error(f"--keep-alive-requests must be at least 1, got {a.keep_alive_requests}")
+    a.keep_alive = KeepAlive(a.timeout_keep_alive, a.keep_alive_requests)
     return a
 
 
-async def listen(name: str, handler: Handler, host: str, port: int, path: str, url: str) -> None:
-    """Serve ``handler`` on ``host:port`` until SIGTERM / SIGINT; print the address first
-    (`moebus up` and tests read it from there)."""
+async def listen(name: str, handle: Handler, host: str, port: int, path: str, url: str, keep_alive: KeepAlive) -> None:
+    """Serve ``handle`` on ``host:port`` until SIGTERM / SIGINT, then drain (`Server.drain`);
+    print the address first (`moebus up` and tests read it from there)."""
     stop = stop_event()
     freeze_startup_heap()
-    server = await asyncio.start_server(handler, host, port)
-    async with server:
-        bound = server.sockets[0].getsockname()
+    server = Server(handle, keep_alive)
+    listening = await asyncio.get_running_loop().create_server(server.protocol, host, port)
+    try:
+        bound = listening.sockets[0].getsockname()
         print(f"moebus {name}: serving http://{bound[0]}:{bound[1]}{path} for the stack on {url}", flush=True)
         await stop.wait()
+    finally:
+        listening.close()  # no new connections
+    await server.drain(DRAIN_S)
 
 
 def run_frontend(name: str, serve: Coroutine[Any, Any, None], host: str, port: int) -> int:

@@ -16,7 +16,6 @@ they started (a restart starts them again, which Prometheus' `rate()` handles).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from collections.abc import Iterator
 
@@ -205,30 +204,28 @@ class Exporter:
     def page(self) -> str:
         return render(self.heartbeats.live(time.monotonic()), time.time())
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One exchange: GET /metrics gets the page, anything else 404/405."""
+    async def handle(self, conn: http.Connection) -> None:
+        """One request of ``conn`` (Prometheus keeps its connection between scrapes): GET /metrics
+        gets the page, anything else 404/405."""
         try:
             try:
-                req = await http.read_request(reader, writer, max_body=0)
+                req = await http.read_request(conn, max_body=0)
                 if req.method != "GET":
                     raise http.HttpError(405, "only GET /metrics", {"Allow": "GET"})
                 if req.path != "/metrics":
                     raise http.HttpError(404, "see /metrics")
-                await http.respond(writer, 200, self.page().encode(), CONTENT_TYPE)
+                await http.respond(conn, 200, self.page().encode(), CONTENT_TYPE)
             except http.HttpError as e:
-                await http.respond(writer, e.status, f"{e.message}\n".encode(), "text/plain", e.headers)
-                await http.linger(reader, writer)
+                await http.refuse(conn, e.status, f"{e.message}\n".encode(), "text/plain", e.headers)
         except ConnectionError:
-            pass  # a client that went away
-        finally:
-            await http.close(writer)
+            conn.keep = False  # a client that went away
 
 
-async def serve(url: str, host: str, port: int, expiry_s: float) -> None:
+async def serve(url: str, host: str, port: int, expiry_s: float, keep_alive: http.KeepAlive = http.KeepAlive()) -> None:
     exporter = Exporter(expiry_s)
     async with connect(url, "moebus-metrics") as bus:
         await bus.subscribe(subjects.HEARTBEAT_ALL, exporter.on_heartbeat, concurrent=False)
-        await http.listen("metrics", exporter.handle, host, port, "/metrics", url)
+        await http.listen("metrics", exporter.handle, host, port, "/metrics", url, keep_alive)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -243,4 +240,4 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = _parse(argv)
-    return http.run_frontend("metrics", serve(a.url, a.host, a.port, a.expiry), a.host, a.port)
+    return http.run_frontend("metrics", serve(a.url, a.host, a.port, a.expiry, a.keep_alive), a.host, a.port)

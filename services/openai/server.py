@@ -64,7 +64,7 @@ CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
 class OpenAIFrontend:
-    """Routes one HTTP request per connection to the stack through ``client``."""
+    """Routes each HTTP request of a connection to the stack through ``client``."""
 
     def __init__(self, client: Client, readiness: StackReadiness, max_n: int = 16, max_prompts: int = 64,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
@@ -87,15 +87,16 @@ class OpenAIFrontend:
             self._served_model = models.models[0].id
         return self._served_model
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One request per connection (`services.http`), logged once answered (``http_request``:
-        path, status, request id, milliseconds; status 499 when the client left first)."""
+    async def handle(self, conn: http.Connection) -> None:
+        """One request of ``conn`` (`services.http` calls it for each, in order), logged once
+        answered (``http_request``: path, status, request id, milliseconds from its first byte;
+        status 499 when the client left first)."""
         started = time.perf_counter()
         method = path = request_id = None
         status = 0
         try:
             try:
-                req = await http.read_request(reader, writer, *self._body_limit())
+                req = await http.read_request(conn, *self._body_limit())
                 method, path = req.method, req.path
                 allowed = ROUTES.get(req.path)
                 if allowed is None:
@@ -103,30 +104,31 @@ class OpenAIFrontend:
                 if req.method not in allowed:
                     raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}", {"Allow": ", ".join(allowed)})
                 if req.path == "/v1/models":
-                    status = await self._models(writer)
+                    status = await self._models(conn)
                 elif req.path in ("/health", "/ping"):
-                    status = await self._health(writer)
+                    status = await self._health(conn)
                 elif req.path == "/version":
-                    await http.respond_json(writer, 200, {"version": moebus_version()})
+                    await http.respond_json(conn, 200, {"version": moebus_version()})
                     status = 200
                 else:
                     request_id = req.headers.get("x-request-id") or uuid.uuid4().hex
-                    status = await self._generate(reader, writer, req, request_id)
+                    status = await self._generate(conn, req, request_id)
             except http.HttpError as e:
                 status = e.status
-                await http.respond_json(writer, e.status, {"error": {"message": e.message, "type": "invalid_request_error", "param": None, "code": None}},
-                                        e.headers)
-                await http.linger(reader, writer)
+                error = {"error": {"message": e.message, "type": "invalid_request_error", "param": None, "code": None}}
+                await http.refuse(conn, e.status, json.dumps(error).encode(), "application/json", e.headers)
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate
+            conn.keep = False
         except Exception as e:  # noqa: BLE001 - a bug here: answer 500 and log it instead of dropping the connection
             status = 500
             log.exception("http_request_failed", path=path, request_id=request_id)
-            with contextlib.suppress(Exception):
-                await _error(writer, "internal", f"{type(e).__name__}: {e}", _id_header(request_id))
+            conn.keep = False
+            if not conn.head_sent:  # else the answer (a stream) is cut short: the client sees it unfinished
+                with contextlib.suppress(Exception):
+                    await _error(conn, "internal", f"{type(e).__name__}: {e}", _id_header(request_id))
         finally:
-            await http.close(writer)
-            log.info("http_request", method=method, path=path, status=status, request_id=request_id,
+            log.info("http_request", method=method, path=path, status=status, request_id=request_id, client=conn.peer,
                      ms=round((time.perf_counter() - started) * 1e3, 2))
 
     def _body_limit(self) -> tuple[int, str]:
@@ -136,32 +138,32 @@ class OpenAIFrontend:
         bus_limit = self.client.bus.nc.max_payload
         return (MAX_BODY_BYTES, "this server's limit") if MAX_BODY_BYTES <= bus_limit else (bus_limit, "the NATS server's max_payload")
 
-    async def _models(self, writer: asyncio.StreamWriter) -> int:
+    async def _models(self, conn: http.Connection) -> int:
         try:
             models = await self.client.models()
         except Exception as e:  # noqa: BLE001 - no model list (timeout, no responders): the stack is not answering
-            return await _error(writer, "unavailable", f"llm.models did not answer: {e}")
+            return await _error(conn, "unavailable", f"llm.models did not answer: {e}")
         data = [_model_card(m.id, m.max_context) for m in models.models]
-        await http.respond_json(writer, 200, {"object": "list", "data": data})
+        await http.respond_json(conn, 200, {"object": "list", "data": data})
         return 200
 
-    async def _health(self, writer: asyncio.StreamWriter) -> int:
+    async def _health(self, conn: http.Connection) -> int:
         missing = self.readiness.missing(time.monotonic())
         if missing:
             why = f"no {', '.join(missing)} heard in the last {self.readiness.expiry_s:g} s that takes new work"
-            await http.respond(writer, 503, f"unavailable: {why}\n".encode(), "text/plain")
+            await http.respond(conn, 503, f"unavailable: {why}\n".encode(), "text/plain")
             return 503
         try:
             await self.client.models(timeout=2.0)
         except Exception as e:  # noqa: BLE001 - any failure means not healthy
-            await http.respond(writer, 503, f"unavailable: {e}\n".encode(), "text/plain")
+            await http.respond(conn, 503, f"unavailable: {e}\n".encode(), "text/plain")
             return 503
-        await http.respond(writer, 200, b"ok\n", "text/plain")
+        await http.respond(conn, 200, b"ok\n", "text/plain")
         return 200
 
-    async def _generate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, req: http.Request, request_id: str) -> int:
+    async def _generate(self, conn: http.Connection, req: http.Request, request_id: str) -> int:
         if not CLIENT_REQUEST_ID.match(request_id):
-            return await _error(writer, "invalid_request", f"X-Request-Id: use 1-100 letters, digits, '-' or '_' (it becomes the request's id), "
+            return await _error(conn, "invalid_request", f"X-Request-Id: use 1-100 letters, digits, '-' or '_' (it becomes the request's id), "
                                 f"got {request_id[:120]!r}")
         headers = {"X-Request-Id": request_id}
         chat = req.path == "/v1/chat/completions"
@@ -173,14 +175,14 @@ class OpenAIFrontend:
                 gens = protocol.completion_requests(body, request_id, self.max_prompts)  # type: ignore[arg-type]
             n = protocol.check_n(body, self.max_n)
         except protocol.InvalidRequest as e:
-            return await _error(writer, "invalid_request", str(e), headers)
+            return await _error(conn, "invalid_request", str(e), headers)
         gen = gens[0]
         model = gen.model
         if model is None and gen.stream:
             try:
                 model = await self.served_model()
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
-                return await _error(writer, "unavailable", f"llm.models did not answer: {e}", headers)
+                return await _error(conn, "unavailable", f"llm.models did not answer: {e}", headers)
         echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
         parse_tools = chat and self.tool_call_parser is not None and protocol.calls_tools(body)  # type: ignore[arg-type]
         # An answer that continues the caller's last message is content (Qwen3's template closes the
@@ -191,24 +193,25 @@ class OpenAIFrontend:
                                  echo_only=not chat and protocol.echo_only(body))  # type: ignore[arg-type]
         choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        answer = self._stream(writer, choices, shapes, include_usage, headers) if gen.stream else self._unary(writer, choices, shapes, headers)
-        status = await _unless_disconnected(reader, answer)
+        answer = self._stream(conn, choices, shapes, include_usage, headers) if gen.stream else self._unary(conn, choices, shapes, headers)
+        status = await _unless_disconnected(conn, answer)
         if status is None:
+            conn.keep = False
             for choice_id in choices.ids:
                 await self.client.cancel(choice_id, "the HTTP client closed its connection")
             log.info("openai_client_gone", request_id=request_id)
             return CLIENT_GONE
         return status
 
-    async def _unary(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes, headers: dict[str, str]) -> int:
+    async def _unary(self, conn: http.Connection, choices: Choices, shapes: protocol.Shapes, headers: dict[str, str]) -> int:
         try:
             responses = await choices.responses()
         except GenerateError as e:
-            return await _error(writer, e.code, e.message, headers)
-        await http.respond_json(writer, 200, shapes.response(responses), headers)
+            return await _error(conn, e.code, e.message, headers)
+        await http.respond_json(conn, 200, shapes.response(responses), headers)
         return 200
 
-    async def _stream(self, writer: asyncio.StreamWriter, choices: Choices, shapes: protocol.Shapes, include_usage: bool,
+    async def _stream(self, conn: http.Connection, choices: Choices, shapes: protocol.Shapes, include_usage: bool,
                       headers: dict[str, str]) -> int:
         """200 once the stream began (a later error is its last event), else the error's status.
         The choices' chunks interleave as they come, each naming its choice's index."""
@@ -217,22 +220,23 @@ class OpenAIFrontend:
         try:
             async for index, chunk in choices.chunks():
                 if not started:
-                    await http.start_events(writer, headers)
+                    await http.start_events(conn, headers)
                     started = True
                     for i in range(len(choices.ids)):
                         if (first := shapes.first_chunk(i)) is not None:
-                            await http.send_event(writer, json.dumps(first))
+                            await http.send_event(conn, json.dumps(first))
                 if (event := shapes.chunk(chunk, index)) is not None:
-                    await http.send_event(writer, json.dumps(event))
+                    await http.send_event(conn, json.dumps(event))
                 if chunk.usage is not None:
                     usages[index] = chunk.usage
             if include_usage:
-                await http.send_event(writer, json.dumps(shapes.usage_chunk(protocol.merged_usage([usages[i] for i in sorted(usages)], shapes.n))))
+                await http.send_event(conn, json.dumps(shapes.usage_chunk(protocol.merged_usage([usages[i] for i in sorted(usages)], shapes.n))))
         except GenerateError as e:
             if not started:
-                return await _error(writer, e.code, e.message, headers)
-            await http.send_event(writer, json.dumps(protocol.error_body(e.code, e.message)[1]))
-        await http.send_event(writer, "[DONE]")
+                return await _error(conn, e.code, e.message, headers)
+            await http.send_event(conn, json.dumps(protocol.error_body(e.code, e.message)[1]))
+        await http.send_event(conn, "[DONE]")
+        await http.end_events(conn)
         return 200
 
 
@@ -247,10 +251,10 @@ def _model_card(model: str, max_context: int) -> dict[str, object]:
             "max_model_len": max_context, "permission": [permission]}
 
 
-async def _error(writer: asyncio.StreamWriter, code: str, message: str, headers: dict[str, str] | None = None) -> int:
+async def _error(conn: http.Connection, code: str, message: str, headers: dict[str, str] | None = None) -> int:
     """Answer with the OpenAI error object of a moebus error code; its HTTP status."""
     status, body = protocol.error_body(code, message)
-    await http.respond_json(writer, status, body, headers)
+    await http.respond_json(conn, status, body, headers)
     return status
 
 
@@ -259,25 +263,21 @@ def _id_header(request_id: str | None) -> dict[str, str] | None:
     return {"X-Request-Id": request_id} if request_id is not None and CLIENT_REQUEST_ID.match(request_id) else None
 
 
-async def _client_gone(reader: asyncio.StreamReader) -> None:
-    """Returns once the client closed its connection (end of input, or a reset). What it sends
-    after its request (a pipelined next request, a stray CRLF after the body) is dropped: the
-    answer closes the connection (``Connection: close``), so such a client sends it again."""
-    with contextlib.suppress(ConnectionError):
-        while await reader.read(1 << 16):
-            pass
-
-
-async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[int]) -> int | None:
+async def _unless_disconnected(conn: http.Connection, answer: Awaitable[int]) -> int | None:
     """Run ``answer`` (its status); stop it if the client closes its connection first (None
-    then)."""
+    then: end of input, or a reset). What it sends meanwhile (a pipelined next request, a stray
+    CRLF after the body) stays unread, for the connection's next turn."""
     answering = asyncio.ensure_future(answer)
-    gone = asyncio.ensure_future(_client_gone(reader))
+    gone = asyncio.ensure_future(conn.reader.ended.wait())
     try:
         await asyncio.wait({answering, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
     if answering.done():
+        # A reset wakes the answer's write and the watch in the same turn of the loop: an answer that
+        # failed writing is a client gone too (its requests must be cancelled, not left to the stack).
+        if isinstance(answering.exception(), ConnectionError):
+            return None
         return answering.result()
     answering.cancel()
     try:
@@ -288,14 +288,14 @@ async def _unless_disconnected(reader: asyncio.StreamReader, answer: Awaitable[i
 
 
 async def serve(url: str, host: str, port: int, max_n: int, max_prompts: int, health_expiry_s: float,
-                tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                tool_call_parser: str | None = None, reasoning_parser: str | None = None, keep_alive: http.KeepAlive = http.KeepAlive()) -> None:
     async with connect(url, "moebus-openai") as bus:
         readiness = StackReadiness(health_expiry_s)
         await bus.subscribe(subjects.HEARTBEAT_ALL, readiness.on_message, concurrent=False)
         # No deadline of the frontend's own: the gateway's (a request's timeout_ms, else its
         # default_timeout_ms) ends a request, and keepalives tell a gateway that died.
         frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, max_n, max_prompts, tool_call_parser, reasoning_parser)
-        await http.listen("openai", frontend.handle, host, port, "/v1", url)
+        await http.listen("openai", frontend.handle, host, port, "/v1", url, keep_alive)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -330,5 +330,6 @@ def main(argv: list[str]) -> int:
     a = _parse(argv)
     json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
     configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
-    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.max_n, a.max_prompts, a.health_expiry, a.tool_call_parser, a.reasoning_parser),
+    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.max_n, a.max_prompts, a.health_expiry, a.tool_call_parser, a.reasoning_parser,
+                                                   a.keep_alive),
                              a.host, a.port)

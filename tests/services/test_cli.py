@@ -113,6 +113,8 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
         (["scheduler"], {"MOEBUS_HEARTBEAT_INTERVAL": "2"}, 2, "MOEBUS_HEARTBEAT_INTERVAL: no service has a field"),
         (["openai", "--port", "0"], {"MOEBUS_LOG_LEVEL": "verbose"}, 2, "MOEBUS_LOG_LEVEL='verbose' must be one of debug, info"),
+        (["openai", "--timeout-keep-alive", "0"], {}, 2, "--timeout-keep-alive must be positive, got 0.0"),
+        (["metrics", "--keep-alive-requests", "0"], {}, 2, "--keep-alive-requests must be at least 1, got 0"),
         # A runtime switch passes the settings: this one gets as far as dialling NATS.
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_DECODE_WARMUP": "false"}, 1, "no NATS server answered"),
         (["scheduler"], {}, 1, "moebus scheduler: no NATS server answered at nats://127.0.0.1:1 within 0.5s"),  # exit 1, no traceback either

@@ -34,13 +34,13 @@ async def _until_frozen(entry: Coroutine[Any, Any, None], timeout_s: float = 10.
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def _no_route(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    writer.close()
+async def _no_route(conn: http.Connection) -> None:
+    conn.keep = False
 
 
 ENTRIES: dict[str, Callable[[str], Coroutine[Any, Any, None]]] = {
     "scheduler": lambda url: serve_scheduler(SchedulerSettings(nats_url=url, model_name="heap", instance="heap")),
-    "http frontend": lambda url: http.listen("openai", _no_route, "127.0.0.1", 0, "/v1", url),
+    "http frontend": lambda url: http.listen("openai", _no_route, "127.0.0.1", 0, "/v1", url, http.KeepAlive()),
 }
 
 

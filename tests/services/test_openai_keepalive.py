@@ -1,0 +1,323 @@
+"""Persistent connections of `moebus openai` against a real stack (compose/single-node.yml, tiny
+model, real nats-server), as clients that pool connections use them (the openai SDK over httpx,
+aiohttp-based benchmark tools): several requests, unary and streamed, over one connection (a
+stream then chunked), ``Connection: close`` and HTTP/1.0 honoured, pipelined requests answered
+in order, the idle timeout and the request limit, a client that leaves mid-stream on a kept
+connection still cancelling its request, and the stop (SIGTERM) closing idle connections at once
+while the request in flight finishes, its answer saying ``Connection: close``."""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services_helpers import log_events, run, session, stack_fixture, until
+
+pytestmark = pytest.mark.slow
+
+stack = stack_fixture("single-node.yml")
+
+PROMPT = [785, 6722, 315]
+
+
+@pytest.fixture(scope="module")
+def frontend(stack) -> tuple[str, int]:
+    """The compose file's `openai` service (default keep-alive settings)."""
+    match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
+    assert match, stack.frontend_urls()
+    return match.group(1), int(match.group(2))
+
+
+class Frontend:
+    """A `moebus openai` process of its own, with the given flags, logging JSON to ``log``."""
+
+    def __init__(self, url: str, log: Path, *flags: str) -> None:
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "openai", "--url", url, "--port", "0", *flags],
+                                     stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=os.environ | {"MOEBUS_LOG_JSON": "1"})
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        match = re.search(r"http://([\d.]+):(\d+)/v1", line)
+        assert match, f"no address printed: {line!r} ({log.read_text()[-2000:]})"
+        self.addr = match.group(1), int(match.group(2))
+
+    def events(self, event: str) -> list[dict]:
+        return [e for line in self.log.read_text().splitlines() if line.startswith("{") and (e := json.loads(line)).get("event") == event]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def own_frontend(stack, tmp_path) -> Iterator[Callable[..., Frontend]]:
+    started: list[Frontend] = []
+
+    def start(*flags: str) -> Frontend:
+        started.append(Frontend(stack.url, tmp_path / f"openai-{len(started)}.log", *flags))
+        return started[-1]
+
+    yield start
+    for f in started:
+        f.stop()
+
+
+def request_bytes(path: str, body: dict, headers: str = "", version: str = "HTTP/1.1") -> bytes:
+    payload = json.dumps(body).encode()
+    return f"POST {path} {version}\r\nHost: x\r\nContent-Type: application/json\r\n{headers}Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+
+
+class _Unclosable(io.BytesIO):
+    def close(self) -> None:  # http.client closes a response's file once read: the next answers follow in it
+        pass
+
+
+def answers(raw: bytes, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """``count`` answers read one after another from ``raw`` by http.client (its framing:
+    Content-Length, chunked, or to the end), each (status, headers, body)."""
+    buffer = _Unclosable(raw)
+
+    class Sock:
+        def makefile(self, mode: str) -> io.BytesIO:
+            return buffer
+
+    out = []
+    for _ in range(count):
+        resp = http.client.HTTPResponse(Sock())  # type: ignore[arg-type]
+        resp.begin()
+        out.append((resp.status, dict(resp.getheaders()), resp.read()))
+    assert buffer.read() == b"", "bytes after the last answer"
+    return out
+
+
+def read_to_close(s: socket.socket) -> bytes:
+    raw = b""
+    while data := s.recv(65536):
+        raw += data
+    return raw
+
+
+def sse(raw: bytes) -> list[str]:
+    chunks = raw.decode().split("\n\n")
+    assert chunks[-1] == "" and all(c.startswith("data: ") for c in chunks[:-1]), raw[:300]
+    return [c.removeprefix("data: ") for c in chunks[:-1]]
+
+
+def test_unary_and_streamed_requests_share_one_connection(stack, frontend):
+    """Chat and completions, unary and streamed, a model list, over ONE http.client connection:
+    every answer right (each stream's text is its unary answer's), streams chunked and ended by
+    the zero-length chunk (http.client reads them whole), the client's socket never replaced, and
+    the frontend's access log names the same client address and port for every request."""
+    conn = http.client.HTTPConnection(*frontend, timeout=60)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    completion = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    sock = None
+    texts: dict[str, list[str]] = {}
+    try:
+        for n, (path, body, stream) in enumerate([("/v1/completions", completion, False), ("/v1/chat/completions", chat, True),
+                                                  ("/v1/completions", completion, True), ("/v1/chat/completions", chat, False),
+                                                  ("/v1/models", None, False), ("/v1/completions", completion, False)]):
+            headers = {"Content-Type": "application/json", "X-Request-Id": f"keep-{n}"}
+            payload = None if body is None else json.dumps(body | ({"stream": True} if stream else {})).encode()
+            conn.request("GET" if body is None else "POST", path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+            assert resp.status == 200 and resp.getheader("Connection") == "keep-alive", (path, resp.status, raw[:300])
+            assert resp.getheader("Transfer-Encoding") == ("chunked" if stream else None)
+            assert resp.getheader("Content-Length") == (None if stream else str(len(raw)))
+            sock = sock or conn.sock
+            assert conn.sock is sock, f"request {n} ({path}) went over a new connection"
+            if body is None:
+                assert json.loads(raw)["object"] == "list"
+                continue
+            if stream:
+                events = sse(raw)
+                assert events[-1] == "[DONE]"
+                deltas = [json.loads(e)["choices"][0] for e in events[:-1]]
+                text = "".join(d.get("text") or d.get("delta", {}).get("content") or "" for d in deltas)
+            else:
+                choice = json.loads(raw)["choices"][0]
+                text = choice.get("text", choice.get("message", {}).get("content"))
+            texts.setdefault(path, []).append(text)
+    finally:
+        conn.close()
+    assert all(len(set(t)) == 1 and t[0] for t in texts.values()), texts  # greedy: the stream says what the unary answer says
+    def logged() -> dict[str, str]:
+        return {e["request_id"]: e["client"] for e in log_events(stack, "http_request") if str(e.get("request_id")).startswith("keep-")}
+
+    run(until(lambda: len(logged()) == 5, "the frontend logged the 5 completions (each once answered)"))
+    assert set(logged()) == {f"keep-{n}" for n in (0, 1, 2, 3, 5)} and len(set(logged().values())) == 1, logged()
+
+
+def test_connection_close_and_http_1_0_are_honoured(frontend):
+    """A kept connection's request that says ``Connection: close`` gets its answer, then the
+    close; HTTP/1.0 closes unless it asks ``keep-alive``, and a stream to it is not chunked (HTTP/1.0
+    has no chunked framing) and ends with the connection."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(request_bytes("/v1/completions", body))
+        first = http.client.HTTPResponse(s)  # nothing follows its answer before the next request: it reads no further
+        first.begin()
+        assert (first.status, first.getheader("Connection")) == (200, "keep-alive") and json.loads(first.read())["choices"]
+        s.sendall(request_bytes("/v1/completions", body, "Connection: close\r\n"))
+        [(status, headers, raw)] = answers(read_to_close(s), 1)
+        assert (status, headers["Connection"]) == (200, "close") and json.loads(raw)["choices"]
+
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(request_bytes("/v1/completions", body, version="HTTP/1.0"))
+        [(status, headers, raw)] = answers(read_to_close(s), 1)
+        assert (status, headers["Connection"]) == (200, "close")
+
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(request_bytes("/v1/completions", body, "Connection: keep-alive\r\n", version="HTTP/1.0"))
+        first = http.client.HTTPResponse(s)
+        first.begin()
+        assert (first.status, first.getheader("Connection")) == (200, "keep-alive") and json.loads(first.read())["choices"]
+        s.sendall(request_bytes("/v1/completions", body | {"stream": True}, "Connection: keep-alive\r\n", version="HTTP/1.0"))
+        raw = read_to_close(s)
+        assert b"Transfer-Encoding" not in raw.split(b"\r\n\r\n", 1)[0] and b"Connection: close\r\n" in raw, raw[:300]
+        assert sse(raw.split(b"\r\n\r\n", 1)[1])[-1] == "[DONE]"
+
+
+def test_pipelined_requests_are_answered_in_order(frontend):
+    """Three requests written at once (unary, streamed, unary with ``Connection: close``): three
+    answers, in the requests' order, nothing lost; the stream's chunked framing parsed by http.client."""
+    bodies = [{"prompt": PROMPT, "max_tokens": 3, "temperature": 0}, {"prompt": "Count:", "max_tokens": 5, "temperature": 0, "stream": True},
+              {"prompt": "Hello", "max_tokens": 2, "temperature": 0}]
+    with socket.create_connection(frontend, timeout=60) as s:
+        s.sendall(request_bytes("/v1/completions", bodies[0], "X-Request-Id: pipe-0\r\n")
+                  + request_bytes("/v1/completions", bodies[1], "X-Request-Id: pipe-1\r\n")
+                  + request_bytes("/v1/completions", bodies[2], "X-Request-Id: pipe-2\r\nConnection: close\r\n"))
+        got = answers(read_to_close(s), 3)
+    assert [(status, headers["X-Request-Id"]) for status, headers, _ in got] == [(200, "pipe-0"), (200, "pipe-1"), (200, "pipe-2")]
+    assert [headers.get("Transfer-Encoding") for _, headers, _ in got] == [None, "chunked", None]
+    assert json.loads(got[0][2])["usage"]["completion_tokens"] == 3 and json.loads(got[2][2])["usage"]["completion_tokens"] == 2
+    assert sse(got[1][2])[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("leaving", ["close", "reset"])
+def test_client_leaving_mid_stream_on_a_kept_connection_cancels_its_request(stack, frontend, leaving):
+    """A stream (chunked: its first chunk's size line precedes the event) on a connection that
+    already carried a request: the client closing it, or resetting it (SO_LINGER 0: an RST, which
+    the frontend's writes can see before its watch does), cancels the request, logged 499."""
+    async def cancelled_so_far() -> int:
+        async with session(stack.url) as (_, watch):
+            await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 10, "the gateway")
+            return watch.live("gateway")[0].requests.outcomes.get("cancelled", 0)
+
+    before = run(cancelled_so_far())
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(request_bytes("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}))
+        first = http.client.HTTPResponse(s)
+        first.begin()
+        assert first.status == 200 and json.loads(first.read())["choices"]
+        s.sendall(request_bytes("/v1/completions", {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True},
+                                f"X-Request-Id: keep-gone-{leaving}\r\n"))
+        received = b""
+        while b"data: " not in received:
+            data = s.recv(65536)
+            assert data, f"connection closed before any event: {received!r}"
+            received += data
+        assert b"Transfer-Encoding: chunked\r\n" in received and re.search(rb"\r\n\r\n[0-9a-f]+\r\ndata: ", received), received[:500]
+        if leaving == "reset":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 20
+    while run(cancelled_so_far()) == before:
+        assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
+        time.sleep(0.5)
+    def gone() -> list[int]:  # logged after the cancel went out, so maybe after the gateway counted it
+        return [e["status"] for e in log_events(stack, "http_request") if e.get("request_id") == f"keep-gone-{leaving}"]
+
+    run(until(lambda: bool(gone()), "the frontend logged the request"))
+    assert gone() == [499]
+    assert f"keep-gone-{leaving}" in [e["request_id"] for e in log_events(stack, "openai_client_gone")]
+
+
+def test_idle_timeout_and_request_limit_close_a_kept_connection(own_frontend):
+    """``--timeout-keep-alive 1``: a kept connection still takes a request after 0.3 s idle, and is
+    closed by the server about 1 s after its last answer; ``--keep-alive-requests 3``: the third
+    of three pipelined requests is answered ``Connection: close`` and the connection ends."""
+    f = own_frontend("--timeout-keep-alive", "1", "--keep-alive-requests", "3")
+    with socket.create_connection(f.addr, timeout=30) as s:
+        s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = http.client.HTTPResponse(s)
+        resp.begin()
+        assert (resp.status, resp.getheader("Connection")) == (200, "keep-alive") and resp.read()
+        time.sleep(0.3)
+        s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = http.client.HTTPResponse(s)
+        resp.begin()
+        assert (resp.status, resp.getheader("Connection")) == (200, "keep-alive") and resp.read()
+        answered = time.monotonic()
+        assert s.recv(1) == b""  # the server closes the idle connection
+        idle = time.monotonic() - answered
+    assert 0.8 < idle < 4.0, idle
+    with socket.create_connection(f.addr, timeout=30) as s:
+        s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+        got = answers(read_to_close(s), 3)
+    assert [(status, headers["Connection"]) for status, headers, _ in got] == [(200, "keep-alive"), (200, "keep-alive"), (200, "close")]
+
+
+def test_stop_closes_idle_connections_and_finishes_the_request_in_flight(own_frontend):
+    """SIGTERM: an idle kept connection is closed at once; a unary request in flight is answered
+    (200, ``Connection: close``), then the process exits 0."""
+    f = own_frontend("--timeout-keep-alive", "60")
+    idle = socket.create_connection(f.addr, timeout=30)
+    busy = socket.create_connection(f.addr, timeout=60)
+    body = {"prompt": "Count slowly:", "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+    try:
+        started = time.monotonic()
+        idle.sendall(request_bytes("/v1/completions", body))
+        resp = http.client.HTTPResponse(idle)
+        resp.begin()
+        assert resp.status == 200 and resp.getheader("Connection") == "keep-alive" and resp.read()
+        # The request in flight at the stop: about 2.5 s of tokens at this box's pace (timed just now),
+        # so that it has not ended 0.5 s later and ends within the frontend's 8 s of drain.
+        tokens = min(3000, max(100, round(50 * 2.5 / (time.monotonic() - started))))
+        busy.sendall(request_bytes("/v1/completions", body | {"max_tokens": tokens}, "X-Request-Id: drained\r\n"))
+        time.sleep(0.5)
+        f.proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        assert idle.recv(1) == b"" and time.monotonic() - stopped < 2.0  # closed at once, not after 60 s
+        [(status, headers, raw)] = answers(read_to_close(busy), 1)
+        assert (status, headers["Connection"]) == (200, "close"), raw[:300]
+        assert json.loads(raw)["usage"]["completion_tokens"] == tokens
+        assert f.proc.wait(30) == 0 and "stopped" in f.proc.stdout.read()  # type: ignore[union-attr]
+        assert [e["status"] for e in f.events("http_request") if e.get("request_id") == "drained"] == [200]
+    finally:
+        idle.close()
+        busy.close()
+
+
+def test_the_benchmarks_client_keeps_its_connection_and_reopens_one_closed_idle(own_frontend):
+    """`bench.openai_client` (bench.serving's and bench.control_plane's client): back-to-back
+    requests share one connection; after the server closed it idle (``--timeout-keep-alive 0.3``),
+    the next request is sent again on a new one instead of failing."""
+    from bench.openai_client import OpenAIConnection
+
+    f = own_frontend("--timeout-keep-alive", "0.3")
+    conn = OpenAIConnection(f"http://{f.addr[0]}:{f.addr[1]}/v1", 60.0)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        texts = [conn.complete(body)["choices"][0]["text"] for _ in range(3)]
+        events: list[dict] = []
+        conn.stream(body | {"stream": True}, events.append)
+        assert conn.connections == 1 and len(set(texts)) == 1
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == texts[0]
+        time.sleep(1.0)  # the server closes the idle connection
+        assert conn.complete(body)["choices"][0]["text"] == texts[0] and conn.connections == 2
+    finally:
+        conn.close()
