@@ -21,7 +21,7 @@ import torch
 from schemas.api import ChatMessage, GenerateRequest
 from services.client import GenerateError
 from services.common import moebus_version
-from services_helpers import log_events, run, session, stack_fixture
+from services_helpers import log_events, run, session, stack_fixture, until
 
 pytestmark = pytest.mark.slow
 
@@ -338,6 +338,9 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
         assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
         time.sleep(0.5)
     # The frontend's access log: every request once, this one as 499 (client gone) with its request id.
+    # Its line is written when the request's handler has unwound, which may come after the gateway's
+    # heartbeat counted the cancel: wait for it rather than read the log once.
+    run(until(lambda: any(e["status"] == 499 for e in log_events(stack, "http_request")), "the frontend logged the 499"))
     gone = [e for e in log_events(stack, "http_request") if e["status"] == 499]
     assert len(gone) == 1 and gone[0]["path"] == "/v1/completions" and gone[0]["request_id"]
     assert [e["request_id"] for e in log_events(stack, "openai_client_gone")] == [gone[0]["request_id"]]
