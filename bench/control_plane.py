@@ -44,11 +44,10 @@ from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.client import Client
-from services.http import KeepAlive
 from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, start_nats_server
 from services.ranks import free_port
 from shared.bus import Bus, connect, pack, unpack
-from shared.settings import NatsServerSettings
+from shared.settings import NatsServerSettings, OpenAISettings
 
 PROMPT = "Mixture-of-experts models route each token to a few experts, which"
 
@@ -120,8 +119,9 @@ async def frontend_overhead(url: str, frontend: str, requests: int, max_tokens: 
 def check_connections(kept: int, new: int, requests: int) -> None:
     """The kept arm reused its connection (up to the frontend's default request limit per
     connection, after which it is closed and reopened) and the other did not."""
-    if kept != -(-requests // KeepAlive.max_requests) or new != requests:
-        raise RuntimeError(f"{requests} requests per arm: {kept} connection(s) for the kept arm (expected {-(-requests // KeepAlive.max_requests)}), "
+    expected = -(-requests // OpenAISettings().keep_alive_requests)
+    if kept != expected or new != requests:
+        raise RuntimeError(f"{requests} requests per arm: {kept} connection(s) for the kept arm (expected {expected}), "
                            f"{new} for the new-connection arm")
 
 

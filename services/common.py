@@ -13,9 +13,9 @@ import functools
 import gc
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypeVar
 
 from schemas import subjects
 from schemas.internal import Cancel, Heartbeat, Role
@@ -23,7 +23,7 @@ from shared.bus import Bus, BusError, connect, pack
 from shared.logging import configure_logging, get_logger
 from shared.model.config import ModelConfig
 from shared.model.errors import CheckpointError, ConfigError, ShardingError
-from shared.settings import SERVICES, ServiceSettings, SettingsError, load_settings
+from shared.settings import SERVICES, ProcessSettings, ServiceSettings, SettingsError, load_settings
 
 log = get_logger(__name__)
 
@@ -72,6 +72,18 @@ def check_model_config(settings: ServiceSettings) -> None:
     ModelConfig.from_dir(settings.model)
 
 
+S = TypeVar("S", bound=ProcessSettings)
+
+
+def load_or_exit(parser: argparse.ArgumentParser, cls: type[S], service: str, config_file: str | None, overrides: Mapping[str, object]) -> S:
+    """`service`'s settings (`load_settings`: the TOML file, the environment, then ``overrides`` from
+    the command line); a bad one is a usage error (exit 2) naming it and its source."""
+    try:
+        return load_settings(cls, service, config_file, overrides)
+    except SettingsError as e:
+        parser.error(str(e))
+
+
 def parse_settings(service: str, argv: list[str], needs_model: str = "",
                    check_model: Callable[[ServiceSettings], None] = check_model_config) -> ServiceSettings:
     """`moebus <service> [--config FILE] [--nats-url URL] [--model DIR] [--instance ID] [--set FIELD=VALUE ...]`.
@@ -95,10 +107,9 @@ def parse_settings(service: str, argv: list[str], needs_model: str = "",
         if not sep:
             parser.error(f"--set expects FIELD=VALUE, got {item!r}")
         overrides[key.replace("-", "_")] = value
-    try:
-        settings = load_settings(SERVICES[service], service, args.config, overrides)
-    except SettingsError as e:
-        parser.error(str(e))
+    cls = SERVICES[service]
+    assert issubclass(cls, ServiceSettings), f"{service} is an HTTP frontend: its settings come from services.http.parse_frontend"
+    settings = load_or_exit(parser, cls, service, args.config, overrides)
     if needs_model and not settings.model:
         parser.error(f"--model DIR (or MOEBUS_MODEL) is required: {needs_model}")
     if needs_model:

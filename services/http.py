@@ -17,9 +17,9 @@ over the frontend's limit, before reading it); `refuse` answers one and closes t
 lingering so that the client can finish sending. At SIGTERM / SIGINT the server stops accepting,
 closes the idle connections at once and lets the requests in flight finish (up to ``DRAIN_S``),
 their answers saying ``Connection: close``. Nothing here knows about routes.
-The frontends' shared command line (``--url``, ``--host``, ``--port``, the keep-alive limits)
-and life cycle (listen, print the address, serve until SIGTERM/SIGINT, drain, say "stopped")
-are here too.
+The frontends' shared command line (``--config``, ``--url``, ``--host``, ``--port``, the keep-alive
+limits: flags over their `shared.settings.FrontendSettings`) and life cycle (listen, print the
+address, serve until SIGTERM/SIGINT, drain, say "stopped") are here too.
 """
 
 from __future__ import annotations
@@ -28,15 +28,18 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import string
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from services.common import freeze_startup_heap, stop_event
+import msgspec
+
+from services.common import freeze_startup_heap, load_or_exit, stop_event
 from shared.bus import Unreachable
+from shared.logging import configure_logging
+from shared.settings import FrontendSettings
 
 MAX_HEADER_BYTES = 64 << 10
 HEADER_TIMEOUT_S = 10.0
@@ -75,14 +78,12 @@ class Request:
 
 @dataclass(frozen=True)
 class KeepAlive:
-    """How long a kept connection waits for its next request (uvicorn's ``--timeout-keep-alive``
-    and its default, 5 s, which vLLM serves with: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``; a new
-    connection's first request gets ``HEADER_TIMEOUT_S``), and how many requests it carries before its answer says
-    ``Connection: close`` (nginx's ``keepalive_requests``, 1000: a client then reconnects, so
-    that connections spread again over the replicas behind a TCP load balancer)."""
+    """How long a kept connection waits for its next request (a new connection's first request gets
+    ``HEADER_TIMEOUT_S``), and how many requests it carries before its answer says ``Connection: close``;
+    a frontend's from its settings (`FrontendSettings.timeout_keep_alive_s`, ``keep_alive_requests``)."""
 
-    idle_s: float = 5.0
-    max_requests: int = 1000
+    idle_s: float
+    max_requests: int
 
 
 class _Reader(asyncio.StreamReader):
@@ -359,47 +360,50 @@ class Server:
             await asyncio.wait(list(self.connections.values()), timeout=timeout_s)
 
 
-def frontend_arguments(ap: argparse.ArgumentParser, default_port: int) -> None:
-    """``--url``, ``--host`` and ``--port`` of a frontend (`parse_frontend` checks the port)."""
-    ap.add_argument("--url", default=os.environ.get("MOEBUS_NATS_URL", "nats://127.0.0.1:4222"),
-                    help="NATS URL (printed by `moebus up`; default $MOEBUS_NATS_URL, else the local default)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    ap.add_argument("--port", type=int, default=default_port, help="TCP port (0: any free one, printed at start)")
-    ap.add_argument("--timeout-keep-alive", type=float, default=KeepAlive.idle_s, metavar="SECONDS",
-                    help=f"close a kept connection after this long without a request (uvicorn's flag and default, {KeepAlive.idle_s:g}, as vLLM's)")
-    ap.add_argument("--keep-alive-requests", type=int, default=KeepAlive.max_requests, metavar="N",
-                    help=f"close a connection after its N-th request (nginx's keepalive_requests, default {KeepAlive.max_requests}; 1: no keep-alive)")
+F = TypeVar("F", bound=FrontendSettings)
 
 
-def parse_frontend(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    a = ap.parse_args(argv)
-    if not 0 <= a.port <= 65535:
-        ap.error(f"--port must be in [0, 65535], got {a.port}")
-    if not a.timeout_keep_alive > 0:
-        ap.error(f"--timeout-keep-alive must be positive, got {a.timeout_keep_alive}")
-    if a.keep_alive_requests < 1:
-        ap.error(f"--keep-alive-requests must be at least 1, got {a.keep_alive_requests}")
-    a.keep_alive = KeepAlive(a.timeout_keep_alive, a.keep_alive_requests)
-    return a
+def frontend_arguments(ap: argparse.ArgumentParser, cls: type[FrontendSettings]) -> None:
+    """``--config`` and the flags every frontend has. A flag's ``dest`` is its settings field and
+    its default None: absent, the file, the environment or the field's default decides (`parse_frontend`)."""
+    default = {f.name: f.default for f in msgspec.structs.fields(cls)}
+    ap.add_argument("--config", metavar="FILE", help="TOML settings file (see shared/settings.py)")
+    ap.add_argument("--url", dest="nats_url", metavar="URL", help=f"NATS URL (printed by `moebus up`; default: nats_url of $MOEBUS_NATS_URL or the TOML file, else {default['nats_url']})")
+    ap.add_argument("--host", dest="http_host", metavar="HOST", help=f"address to listen on (0.0.0.0 for every interface; default {default['http_host']})")
+    ap.add_argument("--port", type=int, help=f"TCP port (0: any free one, printed at start; default {default['port']})")
+    ap.add_argument("--timeout-keep-alive", dest="timeout_keep_alive_s", type=float, metavar="SECONDS",
+                    help=f"close a kept connection after this long without a request (uvicorn's flag and default, {default['timeout_keep_alive_s']:g}, as vLLM's)")
+    ap.add_argument("--keep-alive-requests", type=int, metavar="N",
+                    help=f"close a connection after its N-th request (nginx's keepalive_requests, default {default['keep_alive_requests']}; 1: no keep-alive)")
 
 
-async def listen(name: str, handle: Handler, host: str, port: int, path: str, url: str, keep_alive: KeepAlive) -> None:
-    """Serve ``handle`` on ``host:port`` until SIGTERM / SIGINT, then drain (`Server.drain`);
+def parse_frontend(ap: argparse.ArgumentParser, cls: type[F], service: str, argv: list[str]) -> F:
+    """The frontend's settings: its flags (every one a field, `frontend_arguments`) over
+    ``MOEBUS_<SERVICE>_<FIELD>`` / ``MOEBUS_<FIELD>`` over the TOML file, as every service reads
+    them (a bad one: a usage error, exit 2); its logging configured from them."""
+    flags = vars(ap.parse_args(argv))
+    settings = load_or_exit(ap, cls, service, flags.pop("config"), flags)
+    configure_logging(service, settings.log_level, settings.log_json)
+    return settings
+
+
+async def listen(name: str, handle: Handler, path: str, settings: FrontendSettings) -> None:
+    """Serve ``handle`` on ``settings``' host and port until SIGTERM / SIGINT, then drain (`Server.drain`);
     print the address first (`moebus up` and tests read it from there)."""
     stop = stop_event()
     freeze_startup_heap()
-    server = Server(handle, keep_alive)
-    listening = await asyncio.get_running_loop().create_server(server.protocol, host, port)
+    server = Server(handle, KeepAlive(settings.timeout_keep_alive_s, settings.keep_alive_requests))
+    listening = await asyncio.get_running_loop().create_server(server.protocol, settings.http_host, settings.port)
     try:
         bound = listening.sockets[0].getsockname()
-        print(f"moebus {name}: serving http://{bound[0]}:{bound[1]}{path} for the stack on {url}", flush=True)
+        print(f"moebus {name}: serving http://{bound[0]}:{bound[1]}{path} for the stack on {settings.nats_url}", flush=True)
         await stop.wait()
     finally:
         listening.close()  # no new connections
     await server.drain(DRAIN_S)
 
 
-def run_frontend(name: str, serve: Coroutine[Any, Any, None], host: str, port: int) -> int:
+def run_frontend(name: str, serve: Coroutine[Any, Any, None], settings: FrontendSettings) -> int:
     """Run a frontend's ``serve`` to its end: 0 after a clean stop, 1 (with the reason on stderr)
     when NATS does not answer or the port cannot be bound."""
     try:
@@ -408,7 +412,7 @@ def run_frontend(name: str, serve: Coroutine[Any, Any, None], host: str, port: i
         print(f"moebus {name}: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the port is taken or not ours to bind
-        print(f"moebus {name}: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        print(f"moebus {name}: cannot listen on {settings.http_host}:{settings.port}: {e}", file=sys.stderr)
         return 1
     print(f"moebus {name}: stopped", flush=True)
     return 0

@@ -55,7 +55,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
 ROLES = ("gateway", "scheduler", "prefill", "decode")  # services that heartbeat
 FRONTENDS = ("openai", "metrics")  # HTTP faces of the stack: NATS clients, no heartbeat
-# Compose variables for a stack started by a test or a benchmark: frontends on this host, any free port.
+# The frontends' address settings, which the compose files pass on to them, for a stack started by a
+# test or a benchmark: this host, any free port.
 EPHEMERAL_FRONTENDS = {"MOEBUS_HTTP_HOST": "127.0.0.1", "MOEBUS_OPENAI_PORT": "0", "MOEBUS_METRICS_PORT": "0"}
 BUS_SERVICE = "nats"
 

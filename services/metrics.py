@@ -8,9 +8,11 @@ lookups, hits and evictions, a gateway's requests by outcome, tokens and latency
 histograms of its finished requests since start (time to first token, time per output token, end-to-end
 latency, time to placement, prompt and completion tokens) and a prefill instance's of its tasks' queue
 time, which sum over replicas and rate over any window: `histogram_quantile(0.99, sum by (le) (rate(moebus_gateway_time_to_first_token_seconds_bucket[5m])))`.
-Every series carries `role`, `instance` and `rank`; a process silent for `--expiry` seconds is dropped from the page, so a dead
+Every series carries `role`, `instance` and `rank`; a process silent for `expiry_s` seconds (`--expiry`) is dropped from the page, so a dead
 replica's series end instead of freezing. Counters are the processes' own totals since
 they started (a restart starts them again, which Prometheus' `rate()` handles).
+Configured by `shared.settings.MetricsSettings`: the `[metrics]` table of the TOML file,
+`MOEBUS_METRICS_<FIELD>` / `MOEBUS_<FIELD>` variables, the flags over both.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from schemas.internal import Heartbeat, Histogram, LatencySummary, PrefixCacheSt
 from services import http
 from services.liveness import LatestHeartbeats
 from shared.bus import connect, unpack
+from shared.settings import MetricsSettings
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # (name, type, help) of every family, in page order.
@@ -221,23 +224,22 @@ class Exporter:
             conn.keep = False  # a client that went away
 
 
-async def serve(url: str, host: str, port: int, expiry_s: float, keep_alive: http.KeepAlive = http.KeepAlive()) -> None:
-    exporter = Exporter(expiry_s)
-    async with connect(url, "moebus-metrics") as bus:
+async def serve(settings: MetricsSettings) -> None:
+    exporter = Exporter(settings.expiry_s)
+    async with connect(settings.nats_url, "moebus-metrics", connect_timeout=settings.connect_timeout_s) as bus:
         await bus.subscribe(subjects.HEARTBEAT_ALL, exporter.on_heartbeat, concurrent=False)
-        await http.listen("metrics", exporter.handle, host, port, "/metrics", url, keep_alive)
+        await http.listen("metrics", exporter.handle, "/metrics", settings)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def _parse(argv: list[str]) -> MetricsSettings:
+    """`MetricsSettings` from the flags over the environment and the TOML file (every flag sets its field)."""
     ap = argparse.ArgumentParser(prog="moebus metrics", description="serve a running stack's heartbeats as Prometheus metrics")
-    http.frontend_arguments(ap, default_port=9464)
-    ap.add_argument("--expiry", type=float, default=5.0, help="seconds after its last heartbeat a process leaves the page")
-    a = http.parse_frontend(ap, argv)
-    if a.expiry <= 0:
-        ap.error(f"--expiry must be positive, got {a.expiry}")
-    return a
+    http.frontend_arguments(ap, MetricsSettings)
+    ap.add_argument("--expiry", dest="expiry_s", type=float, metavar="SECONDS",
+                    help=f"seconds after its last heartbeat a process leaves the page (default {MetricsSettings().expiry_s:g})")
+    return http.parse_frontend(ap, MetricsSettings, "metrics", argv)
 
 
 def main(argv: list[str]) -> int:
-    a = _parse(argv)
-    return http.run_frontend("metrics", serve(a.url, a.host, a.port, a.expiry, a.keep_alive), a.host, a.port)
+    settings = _parse(argv)
+    return http.run_frontend("metrics", serve(settings), settings)

@@ -1,4 +1,4 @@
-"""Typed settings, one msgspec struct per service, from a TOML file and the environment.
+"""Typed settings, one msgspec struct per service and HTTP frontend, from a TOML file and the environment.
 
 Sources, later ones win:
 1. TOML file (`--config FILE` or `MOEBUS_CONFIG`): top-level keys apply to every
@@ -12,7 +12,11 @@ a top-level key or table of the file that no service has, a key in a `[<service>
 service lacks, and a `MOEBUS_*` variable that is no service's field, no `MOEBUS_<SERVICE>_<FIELD>`
 of that service, nor one of the `OTHER_VARIABLES` read elsewhere. Values from the environment are
 strings and are converted to the field's type; lists are written as JSON. Sizes, counts and
-durations are bounded (`Meta`), so a zero or negative one stops the service at start naming the field.
+durations are bounded (`Meta`), so a zero or negative one stops the service at start naming the field
+and where its value came from.
+
+The HTTP frontends (`moebus openai`, `moebus metrics`) are services here too: `[openai]`,
+`MOEBUS_METRICS_PORT`, and the shared keys they have (`nats_url`, `log_level`, `http_host`, ...).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ OTHER_VARIABLES = frozenset({
     "MOEBUS_CONFIG",  # the TOML file (this module)
     "MOEBUS_NATS_MAX_PAYLOAD",  # the local nats-server's config (NatsServerSettings)
     "MOEBUS_CACHE_DIR",  # moebus up: the tiny model and the logs
-    "MOEBUS_HTTP_HOST", "MOEBUS_OPENAI_PORT", "MOEBUS_METRICS_PORT", "MOEBUS_IMAGE",  # compose-file interpolation
+    "MOEBUS_IMAGE",  # compose-file interpolation
     "MOEBUS_KERNELS", "MOEBUS_DECODE_ATTENTION", "MOEBUS_KV_CUDA_IPC",  # kernels.ops, shared.model.layers, shared.transfer.cuda_ipc
     "MOEBUS_RESULTS_DIR", "MOEBUS_COMMIT", "MOEBUS_TINY_DIR",  # bench/ and test tooling
 })
@@ -78,18 +82,25 @@ def default_instance_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
 
-class ServiceSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields every service has."""
+class ProcessSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields of every process on the stack's bus: the services and the HTTP frontends."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    log_level: LogLevel = "info"
+    log_json: bool | None = None  # None: JSON when stderr is not a terminal
+    # Every service beats this often: set it alike for all. The expiries below (the frontends' too,
+    # which only listen to the beats) are judged against it.
+    heartbeat_interval_s: Seconds = 0.5
+    connect_timeout_s: Seconds = 30.0  # at start, how long to wait for the NATS server before exiting with an error
+
+
+class ServiceSettings(ProcessSettings, kw_only=True):
+    """Fields every service of the request path (gateway, scheduler, prefill, decode) has."""
+
     model: str = ""  # checkpoint directory (config.json, tokenizer, weights)
     model_name: str = ""  # name served on llm.models; default: the directory's name
     instance: str = ""  # id in subjects and heartbeats; default: hostname-pid-random
-    log_level: LogLevel = "info"
-    log_json: bool | None = None  # None: JSON when stderr is not a terminal
-    heartbeat_interval_s: Seconds = 0.5  # every service beats this often: set it alike for all (the expiries below assume so)
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # SIGTERM: how long in-flight work may take to finish
-    connect_timeout_s: Seconds = 30.0  # at start, how long to wait for the NATS server before exiting with an error
 
 
 class GatewaySettings(ServiceSettings, kw_only=True):
@@ -183,6 +194,55 @@ class DecodeSettings(ServiceSettings, kw_only=True):
         _check_expiry(self.gateway_expiry_s, self.heartbeat_interval_s, "gateway_expiry_s")
 
 
+class FrontendSettings(ProcessSettings, kw_only=True):
+    """Fields of the HTTP frontends (`moebus openai`, `moebus metrics`): NATS clients of the stack,
+    with no model, no instance id and no heartbeat of their own."""
+
+    http_host: str = "127.0.0.1"  # address to listen on; 0.0.0.0: every interface (the compose files' containers)
+    port: Port  # TCP port; 0: any free one (printed at start). Each frontend has its own default.
+    # A kept connection idle this long is closed: uvicorn's --timeout-keep-alive and default, which
+    # vLLM serves with (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a new connection's first request gets longer.
+    timeout_keep_alive_s: Seconds = 5.0
+    # A connection is closed after this many requests (its last answer says so): nginx's
+    # keepalive_requests, so that clients reconnect and spread again over the replicas behind a
+    # TCP load balancer. 1: no keep-alive.
+    keep_alive_requests: Positive = 1000
+
+
+ToolCallParser = Literal["hermes"]  # Qwen3's <tool_call> JSON blocks (vLLM's name)
+ReasoningParser = Literal["qwen3"]  # Qwen3's text up to </think> (vLLM's name)
+
+
+class OpenAISettings(FrontendSettings, kw_only=True):
+    """`moebus openai`; the tool and reasoning parsers take vLLM's names, so a vLLM command line for Qwen3 carries over."""
+
+    port: Port = 8000
+    max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 16  # choices (n) one request may ask for, each a request to the stack; OpenAI's bound
+    max_prompts: Positive = 64  # prompts one /v1/completions request may batch
+    # /health fails once no scheduler, prefill instance or decode rank taking work was heard this
+    # long: the gateway's stage_expiry_s, after which it fails their requests.
+    health_expiry_s: Seconds = 2.0
+    enable_auto_tool_choice: bool = False  # parse chat answers for tool calls, so requests may give tools (tool_choice "auto")
+    tool_call_parser: ToolCallParser | None = None  # the model's tool-call format; goes with enable_auto_tool_choice
+    reasoning_parser: ReasoningParser | None = None  # give the model's reasoning as reasoning_content; None: off
+
+    def __post_init__(self) -> None:
+        _check_expiry(self.health_expiry_s, self.heartbeat_interval_s, "health_expiry_s")
+        if self.enable_auto_tool_choice != (self.tool_call_parser is not None):  # vLLM's pair of flags: one alone is a half-written command line
+            raise ValueError(f"enable_auto_tool_choice={self.enable_auto_tool_choice} and tool_call_parser={self.tool_call_parser!r} go together"
+                             " (e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
+
+
+class MetricsSettings(FrontendSettings, kw_only=True):
+    """`moebus metrics`."""
+
+    port: Port = 9464
+    expiry_s: Seconds = 5.0  # a process this long after its last heartbeat leaves the page
+
+    def __post_init__(self) -> None:
+        _check_expiry(self.expiry_s, self.heartbeat_interval_s, "expiry_s")
+
+
 # nats-server refuses a max_payload above its max_pending (64 MiB); below its own default (1 MiB)
 # a stack would only refuse more replies.
 NATS_MAX_PAYLOAD_RANGE = (1 << 20, 64 << 20)
@@ -215,14 +275,16 @@ def nats_server_settings(max_payload: int | str | None = None, env: Mapping[str,
         raise SettingsError(f"nats-server settings ({source}): {e}") from e
 
 
-SERVICES: dict[str, type[ServiceSettings]] = {
+SERVICES: dict[str, type[ProcessSettings]] = {
     "gateway": GatewaySettings,
     "scheduler": SchedulerSettings,
     "prefill": PrefillSettings,
     "decode": DecodeSettings,
+    "openai": OpenAISettings,
+    "metrics": MetricsSettings,
 }
 
-S = TypeVar("S", bound=ServiceSettings)
+S = TypeVar("S", bound=ProcessSettings)
 
 
 def load_settings(
@@ -235,6 +297,11 @@ def load_settings(
     env = os.environ if env is None else env
     fields = _fields(cls)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # field -> where its value came from, for the error naming it
+
+    def take(name: str, value: Any, source: str) -> None:
+        values[name] = value
+        sources[name] = source
 
     path = config_file or env.get("MOEBUS_CONFIG")
     if path:
@@ -243,31 +310,38 @@ def load_settings(
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise SettingsError(f"config file {path}: {e}") from e
         _check_file_keys(doc, path)
-        values.update({k: v for k, v in doc.items() if k in fields})
+        for name, value in doc.items():
+            if name in fields:
+                take(name, value, f"{name} = {value!r} in config file {path}")
         section = doc.get(service, {})
         unknown = sorted(set(section) - fields)
         if unknown:
             raise SettingsError(f"config file {path}: unknown key(s) in [{service}]: {', '.join(unknown)}")
-        values.update(section)
+        for name, value in section.items():
+            take(name, value, f"{name} = {value!r} in [{service}] of config file {path}")
 
     _check_variables(env)
     prefix = f"MOEBUS_{service.upper()}_"
     for name in fields:
-        if (raw := env.get(f"MOEBUS_{name.upper()}")) is not None:
-            values[name] = _from_env(raw)
+        if (raw := env.get(var := f"MOEBUS_{name.upper()}")) is not None:
+            take(name, _from_env(raw), f"{var}={raw!r}")
     for var, raw in env.items():
         if var.startswith(prefix) and var not in OTHER_VARIABLES:
-            values[var[len(prefix) :].lower()] = _from_env(raw)
+            take(var[len(prefix) :].lower(), _from_env(raw), f"{var}={raw!r}")
 
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            take(name, value, f"{name}={value!r} on the command line")
     try:
         settings = msgspec.convert(values, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise SettingsError(f"{service} settings: {e}") from e
+        field = re.search(r"at `\$\.(\w+)", str(e))  # msgspec's path of the offending value: `$.port`, `$.gpus[0]`
+        source = sources.get(field.group(1)) if field else None
+        raise SettingsError(f"{service} settings: {source + ': ' if source else ''}{e}") from e
     return _fill_defaults(settings)
 
 
-def _fields(cls: type[ServiceSettings]) -> set[str]:
+def _fields(cls: type[ProcessSettings]) -> set[str]:
     return {f.name for f in msgspec.structs.fields(cls)}
 
 
@@ -313,6 +387,8 @@ def _from_env(raw: str) -> Any:
 
 
 def _fill_defaults(settings: S) -> S:
+    if not isinstance(settings, ServiceSettings):  # a frontend: no instance id, no model
+        return settings
     if not settings.instance:
         settings.instance = default_instance_id()
     if not _NAME.match(settings.instance):

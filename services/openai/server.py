@@ -24,6 +24,8 @@ is that id (``cmpl-<id>`` / ``chatcmpl-<id>``, and in the stack's logs), and eve
 the completion endpoints names its id in an ``X-Request-Id`` header, errors included.
 Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
 after a stream started is sent as a last ``data:`` event, as vLLM does.
+Configured by `shared.settings.OpenAISettings`: the ``[openai]`` table of the TOML file,
+``MOEBUS_OPENAI_<FIELD>`` / ``MOEBUS_<FIELD>`` variables, the flags over both.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import re
 import time
 import uuid
@@ -48,7 +49,8 @@ from services.openai.choices import Choices, choice_requests
 from services.openai.readiness import StackReadiness
 from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
 from shared.bus import connect
-from shared.logging import LEVELS, configure_logging, get_logger
+from shared.logging import get_logger
+from shared.settings import OpenAISettings
 
 log = get_logger(__name__)
 
@@ -287,49 +289,36 @@ async def _unless_disconnected(conn: http.Connection, answer: Awaitable[int]) ->
     return None
 
 
-async def serve(url: str, host: str, port: int, max_n: int, max_prompts: int, health_expiry_s: float,
-                tool_call_parser: str | None = None, reasoning_parser: str | None = None, keep_alive: http.KeepAlive = http.KeepAlive()) -> None:
-    async with connect(url, "moebus-openai") as bus:
-        readiness = StackReadiness(health_expiry_s)
+async def serve(settings: OpenAISettings) -> None:
+    async with connect(settings.nats_url, "moebus-openai", connect_timeout=settings.connect_timeout_s) as bus:
+        readiness = StackReadiness(settings.health_expiry_s)
         await bus.subscribe(subjects.HEARTBEAT_ALL, readiness.on_message, concurrent=False)
         # No deadline of the frontend's own: the gateway's (a request's timeout_ms, else its
         # default_timeout_ms) ends a request, and keepalives tell a gateway that died.
-        frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, max_n, max_prompts, tool_call_parser, reasoning_parser)
-        await http.listen("openai", frontend.handle, host, port, "/v1", url, keep_alive)
+        frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, settings.max_n, settings.max_prompts, settings.tool_call_parser,
+                                  settings.reasoning_parser)
+        await http.listen("openai", frontend.handle, "/v1", settings)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def _parse(argv: list[str]) -> OpenAISettings:
+    """`OpenAISettings` from the flags over the environment and the TOML file (every flag sets its field)."""
     ap = argparse.ArgumentParser(prog="moebus openai", description="serve an OpenAI-compatible HTTP API for a running stack")
-    http.frontend_arguments(ap, default_port=8000)
-    ap.add_argument("--max-n", type=int, default=16, help="the most choices (n) one request may ask for; each is a request to the stack")
-    ap.add_argument("--max-prompts", type=int, default=64, help="the most prompts one /v1/completions request may batch")
-    ap.add_argument("--health-expiry", type=float, default=2.0, metavar="SECONDS",
+    http.frontend_arguments(ap, OpenAISettings)
+    default = OpenAISettings()
+    ap.add_argument("--max-n", type=int, metavar="N", help=f"the most choices (n) one request may ask for, each a request to the stack (default {default.max_n})")
+    ap.add_argument("--max-prompts", type=int, metavar="N", help=f"the most prompts one /v1/completions request may batch (default {default.max_prompts})")
+    ap.add_argument("--health-expiry", dest="health_expiry_s", type=float, metavar="SECONDS",
                     help="/health fails once no scheduler, prefill instance or decode rank was heard this long "
-                         "(default 2.0: the gateway's stage_expiry_s)")
+                         f"(default {default.health_expiry_s:g}: the gateway's stage_expiry_s)")
     # vLLM's flags and names, so a vLLM command line for Qwen3 carries over
-    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+    ap.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                     help="parse chat answers for tool calls, so requests may give tools (tool_choice \"auto\"); needs --tool-call-parser")
     ap.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the model's tool-call format (hermes: Qwen3's <tool_call> JSON blocks)")
     ap.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                     help="give the model's reasoning as reasoning_content (qwen3: text up to </think>); default off")
-    a = http.parse_frontend(ap, argv)
-    if a.enable_auto_tool_choice != (a.tool_call_parser is not None):
-        ap.error("--enable-auto-tool-choice and --tool-call-parser go together (e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
-    if not 1 <= a.max_n <= 128:
-        ap.error(f"--max-n must be in [1, 128] (OpenAI's bound), got {a.max_n}")
-    if a.max_prompts < 1:
-        ap.error(f"--max-prompts must be at least 1, got {a.max_prompts}")
-    if not a.health_expiry > 0:
-        ap.error(f"--health-expiry must be positive, got {a.health_expiry}")
-    if os.environ.get("MOEBUS_LOG_LEVEL", "info").lower() not in LEVELS:  # as the services' log_level setting
-        ap.error(f"MOEBUS_LOG_LEVEL={os.environ['MOEBUS_LOG_LEVEL']!r} must be one of {', '.join(LEVELS)}")
-    return a
+    return http.parse_frontend(ap, OpenAISettings, "openai", argv)
 
 
 def main(argv: list[str]) -> int:
-    a = _parse(argv)
-    json_logs = os.environ.get("MOEBUS_LOG_JSON")  # as the services read it (compose sets it)
-    configure_logging("openai", os.environ.get("MOEBUS_LOG_LEVEL", "info"), None if json_logs is None else json_logs.lower() in ("1", "true", "yes"))
-    return http.run_frontend("openai", serve(a.url, a.host, a.port, a.max_n, a.max_prompts, a.health_expiry, a.tool_call_parser, a.reasoning_parser,
-                                                   a.keep_alive),
-                             a.host, a.port)
+    settings = _parse(argv)
+    return http.run_frontend("openai", serve(settings), settings)

@@ -29,13 +29,15 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
+
+from shared.settings import ReasoningParser, ToolCallParser
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
-REASONING_PARSERS = ("qwen3",)
-TOOL_CALL_PARSERS = ("hermes",)
+REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
+TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 
 
 def reasoning_on(chat_template_kwargs: dict[str, Any] | None) -> bool:

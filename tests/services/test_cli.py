@@ -112,9 +112,9 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
         (["prefill", "--model", str(no_weights)], {}, 2, r"not a checkpoint moebus serves: expected model.safetensors.index.json or exactly one \*.safetensors file, found 0"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
         (["scheduler"], {"MOEBUS_HEARTBEAT_INTERVAL": "2"}, 2, "MOEBUS_HEARTBEAT_INTERVAL: no service has a field"),
-        (["openai", "--port", "0"], {"MOEBUS_LOG_LEVEL": "verbose"}, 2, "MOEBUS_LOG_LEVEL='verbose' must be one of debug, info"),
-        (["openai", "--timeout-keep-alive", "0"], {}, 2, "--timeout-keep-alive must be positive, got 0.0"),
-        (["metrics", "--keep-alive-requests", "0"], {}, 2, "--keep-alive-requests must be at least 1, got 0"),
+        (["openai", "--port", "0"], {"MOEBUS_LOG_LEVEL": "verbose"}, 2, r"openai settings: MOEBUS_LOG_LEVEL='verbose': Expected `str` matching .* at `\$\.log_level`"),
+        (["openai", "--timeout-keep-alive", "0"], {}, 2, r"timeout_keep_alive_s=0.0 on the command line: Expected `float` > 0.0"),
+        (["metrics", "--keep-alive-requests", "0"], {}, 2, r"keep_alive_requests=0 on the command line: Expected `int` >= 1"),
         # A runtime switch passes the settings: this one gets as far as dialling NATS.
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_DECODE_WARMUP": "false"}, 1, "no NATS server answered"),
         (["scheduler"], {}, 1, "moebus scheduler: no NATS server answered at nats://127.0.0.1:1 within 0.5s"),  # exit 1, no traceback either
@@ -132,7 +132,7 @@ def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tm
                         env={**os.environ, "MOEBUS_DECODE_KV_PAGES": "0"}, capture_output=True, text=True, timeout=180)
     assert up.returncode == 1, up.stdout + up.stderr
     # Not only "exited with 2; see <log>": the reason, from the log's last line.
-    assert re.search(r"exited with 2: moebus \w+: error: \w+ settings: Expected `int` >= 1 - at `\$\.kv_pages`", up.stderr), up.stderr
+    assert re.search(r"exited with 2: moebus \w+: error: \w+ settings: MOEBUS_DECODE_KV_PAGES='0': Expected `int` >= 1 - at `\$\.kv_pages`", up.stderr), up.stderr
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
 
 

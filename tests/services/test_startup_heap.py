@@ -16,7 +16,7 @@ import pytest
 
 from services import http
 from services.scheduler.__main__ import serve as serve_scheduler
-from shared.settings import SchedulerSettings
+from shared.settings import OpenAISettings, SchedulerSettings
 
 
 async def _until_frozen(entry: Coroutine[Any, Any, None], timeout_s: float = 10.0) -> int:
@@ -40,7 +40,7 @@ async def _no_route(conn: http.Connection) -> None:
 
 ENTRIES: dict[str, Callable[[str], Coroutine[Any, Any, None]]] = {
     "scheduler": lambda url: serve_scheduler(SchedulerSettings(nats_url=url, model_name="heap", instance="heap")),
-    "http frontend": lambda url: http.listen("openai", _no_route, "127.0.0.1", 0, "/v1", url, http.KeepAlive()),
+    "http frontend": lambda url: http.listen("openai", _no_route, "/v1", OpenAISettings(nats_url=url, port=0)),
 }
 
 

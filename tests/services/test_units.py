@@ -20,8 +20,8 @@ from services.model_rank import sampling_params
 from services.openai import protocol
 from services.scheduler.registry import Registry
 from shared.model.tokenizer import Tokenizer
-from shared.settings import (DecodeSettings, GatewaySettings, NatsServerSettings, PrefillSettings, SchedulerSettings, SettingsError, load_settings,
-                             nats_server_settings)
+from shared.settings import (DecodeSettings, GatewaySettings, MetricsSettings, NatsServerSettings, OpenAISettings, PrefillSettings,
+                             SchedulerSettings, SettingsError, load_settings, nats_server_settings)
 
 
 # ---------------------------------------------------------------- admission
@@ -258,6 +258,65 @@ def test_settings_place_the_ranks_of_an_instance_on_listed_gpus():
         load_settings(PrefillSettings, "prefill", env={"MOEBUS_PREFILL_TP": "2", "MOEBUS_PREFILL_GPUS": "[1, 1]"})
 
 
+def test_http_frontends_read_their_settings_as_the_services_do(tmp_path: Path):
+    """`moebus openai` and `moebus metrics` took flags only: their [openai] / [metrics] tables, MOEBUS_OPENAI_PORT
+    and the shared nats_url / log_level / MOEBUS_HTTP_HOST were ignored."""
+    config = tmp_path / "moebus.toml"
+    config.write_text('nats_url = "nats://from-file:1"\nlog_level = "debug"\nmax_batch = 7\n'  # max_batch: decode's, no typo here
+                      '[openai]\nport = 8100\nmax_n = 4\nenable_auto_tool_choice = true\ntool_call_parser = "hermes"\n'
+                      '[metrics]\nexpiry_s = 9.0\n[decode]\nkv_pages = 64\n')
+    env = {"MOEBUS_HTTP_HOST": "0.0.0.0", "MOEBUS_OPENAI_MAX_PROMPTS": "8", "MOEBUS_OPENAI_HEALTH_EXPIRY_S": "3", "MOEBUS_METRICS_PORT": "9500",
+           "MOEBUS_MODEL": "/m/qwen", "MOEBUS_DECODE_MAX_BATCH": "9"}  # the stack's one environment: other services' fields pass
+    openai = load_settings(OpenAISettings, "openai", config, overrides={"max_n": 2, "reasoning_parser": None}, env=env)
+    assert (openai.nats_url, openai.log_level, openai.http_host, openai.port, openai.max_n, openai.max_prompts, openai.health_expiry_s,
+            openai.enable_auto_tool_choice, openai.tool_call_parser, openai.reasoning_parser) == \
+        ("nats://from-file:1", "debug", "0.0.0.0", 8100, 2, 8, 3.0, True, "hermes", None)
+    metrics = load_settings(MetricsSettings, "metrics", config, env=env)
+    assert (metrics.nats_url, metrics.http_host, metrics.port, metrics.expiry_s, metrics.keep_alive_requests) == \
+        ("nats://from-file:1", "0.0.0.0", 9500, 9.0, 1000)
+    # The other services read the same file and environment: the frontends' tables and variables are no typos for them.
+    assert load_settings(DecodeSettings, "decode", config, env=env).kv_pages == 64
+    defaults = (load_settings(OpenAISettings, "openai", env={}), load_settings(MetricsSettings, "metrics", env={}))
+    assert [(s.http_host, s.port, s.timeout_keep_alive_s) for s in defaults] == [("127.0.0.1", 8000, 5.0), ("127.0.0.1", 9464, 5.0)]
+    # Flags set fields by name; `None` (a flag not given) leaves the field to the other sources.
+    assert load_settings(MetricsSettings, "metrics", overrides={"port": 0, "expiry_s": None}, env={"MOEBUS_METRICS_EXPIRY_S": "7"}).expiry_s == 7.0
+
+
+def test_http_frontend_settings_refuse_bad_values_and_typos_naming_their_source(tmp_path: Path):
+    for cls, service, env, error in [
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_PORT": "abc"}, r"^openai settings: MOEBUS_OPENAI_PORT='abc': Expected `int`, got `str` - at `\$\.port`$"),
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_MAX_N": "129"}, r"MOEBUS_OPENAI_MAX_N='129': Expected `int` <= 128 - at `\$\.max_n`"),
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_TOOL_CALL_PARSER": "mistral"}, r"Invalid enum value 'mistral' - at `\$\.tool_call_parser`"),
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_KEEP_ALIVE_REQUESTS": "0"}, r"Expected `int` >= 1 - at `\$\.keep_alive_requests`"),
+        (OpenAISettings, "openai", {"MOEBUS_LOG_LEVEL": "verbose"}, r"MOEBUS_LOG_LEVEL='verbose': .* at `\$\.log_level`"),
+        (MetricsSettings, "metrics", {"MOEBUS_METRICS_PORT": "65536"}, r"^metrics settings: MOEBUS_METRICS_PORT='65536': Expected `int` <= 65535"),
+        (MetricsSettings, "metrics", {"MOEBUS_TIMEOUT_KEEP_ALIVE_S": "0"}, r"MOEBUS_TIMEOUT_KEEP_ALIVE_S='0': Expected `float` > 0.0"),
+        # The expiries are judged against the stack's heartbeat interval, as the gateway's and the scheduler's are.
+        (OpenAISettings, "openai", {"MOEBUS_HEARTBEAT_INTERVAL_S": "1"}, "health_expiry_s=2 must be at least 3 x heartbeat_interval_s=1"),
+        (MetricsSettings, "metrics", {"MOEBUS_METRICS_EXPIRY_S": "1"}, "expiry_s=1 must be at least 3 x heartbeat_interval_s=0.5"),
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_ENABLE_AUTO_TOOL_CHOICE": "true"}, "enable_auto_tool_choice=True and tool_call_parser=None go together"),
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_PROT": "1"}, "MOEBUS_OPENAI_PROT: OpenAISettings has no field 'prot'"),
+        (GatewaySettings, "gateway", {"MOEBUS_METRICS_EXPIRY": "5"}, "MOEBUS_METRICS_EXPIRY: MetricsSettings has no field 'expiry'"),  # every service says so
+        (MetricsSettings, "metrics", {"MOEBUS_HTTP_HOTS": "0.0.0.0"}, "MOEBUS_HTTP_HOTS: no service has a field 'http_hots'"),
+        # The services' own fields are no settings of a frontend: each is refused by name, not ignored.
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_INSTANCE": "a"}, "MOEBUS_OPENAI_INSTANCE: OpenAISettings has no field 'instance'"),
+    ]:
+        with pytest.raises(SettingsError, match=error):
+            load_settings(cls, service, env=env)
+    config = tmp_path / "moebus.toml"
+    for text, cls, service, error in [
+        ("[openai]\nmax_n = 0\n", OpenAISettings, "openai", rf"^openai settings: max_n = 0 in \[openai\] of config file {config}: Expected `int` >= 1"),
+        ("http_host = 1\n", MetricsSettings, "metrics", rf"^metrics settings: http_host = 1 in config file {config}: Expected `str`, got `int`"),
+        ("[metrics]\nexpiry = 5\n", MetricsSettings, "metrics", r"unknown key\(s\) in \[metrics\]: expiry"),
+        ("[openapi]\nport = 1\n", SchedulerSettings, "scheduler", "unknown top-level key 'openapi'"),
+    ]:
+        config.write_text(text)
+        with pytest.raises(SettingsError, match=error):
+            load_settings(cls, service, config, env={})
+    with pytest.raises(SettingsError, match=r"^openai settings: port=-1 on the command line: Expected `int` >= 0"):
+        load_settings(OpenAISettings, "openai", overrides={"port": -1}, env={})
+
+
 # ---------------------------------------------------------------- compose files
 
 
@@ -269,8 +328,13 @@ def test_compose_files_parse_into_local_services():
     single = {s.name: s for s in load_compose(REPO_ROOT / "compose" / "single-node.yml", env={"MOEBUS_OPENAI_PORT": "8123"})}
     roles = ("gateway", "scheduler", "prefill", "decode", "openai", "metrics")
     assert [single[n].role for n in roles] == list(roles)
-    # The HTTP frontends' address comes from the environment, as docker compose reads it.
-    assert single["openai"].args == ["--host", "0.0.0.0", "--port", "8123"] and single["metrics"].args[-1] == "9464"
+    # The HTTP frontends' address comes from the environment, as docker compose reads it, and reaches them as their settings.
+    for compose in ("single-node.yml", "split-nodes.yml"):
+        specs = {s.name: s for s in load_compose(REPO_ROOT / "compose" / compose, env={"MOEBUS_OPENAI_PORT": "8123"})}
+        openai = load_settings(OpenAISettings, "openai", env=specs["openai"].env)
+        metrics = load_settings(MetricsSettings, "metrics", env=specs["metrics"].env)
+        assert (openai.http_host, openai.port, metrics.http_host, metrics.port) == ("0.0.0.0", 8123, "0.0.0.0", 9464), compose
+        assert specs["openai"].args == specs["metrics"].args == [], compose
 
 
 def test_nats_max_payload_is_typed_and_bounded_by_nats_servers_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
