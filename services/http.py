@@ -15,7 +15,7 @@ The server reads a request line, headers and a body of ``Content-Length`` bytes 
 one). Malformed or oversize requests raise `HttpError` with the status to answer (413 for a body
 over the frontend's limit, before reading it); `refuse` answers one and closes the connection,
 lingering so that the client can finish sending. At SIGTERM / SIGINT the server stops accepting,
-closes the idle connections at once and lets the requests in flight finish (up to ``DRAIN_S``),
+closes the idle connections at once and lets the requests in flight finish (up to the settings' ``drain_timeout_s``),
 their answers saying ``Connection: close``. Nothing here knows about routes.
 The frontends' shared command line (``--config``, ``--url``, ``--host``, ``--port``, the keep-alive
 limits: flags over their `shared.settings.FrontendSettings`) and life cycle (listen, print the
@@ -38,8 +38,10 @@ import msgspec
 
 from services.common import freeze_startup_heap, load_or_exit, stop_event
 from shared.bus import Unreachable
-from shared.logging import configure_logging
+from shared.logging import configure_logging, get_logger
 from shared.settings import FrontendSettings
+
+log = get_logger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10
 HEADER_TIMEOUT_S = 10.0
@@ -48,9 +50,6 @@ BODY_TIMEOUT_S = 30.0
 # this much time passed in all (nginx's lingering close, with its default times).
 LINGER_PAUSE_S = 5.0
 LINGER_TOTAL_S = 30.0
-# At stop, requests in flight get this long to finish (a compose stack's stop grace period is 10 s);
-# what is still running then is dropped with the process (its client sees the connection close).
-DRAIN_S = 8.0
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
            409: "Conflict", 411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
@@ -357,7 +356,9 @@ class Server:
             if conn.idle:
                 conn.writer.close()  # its wait for a request ends (end of input)
         if self.connections:
-            await asyncio.wait(list(self.connections.values()), timeout=timeout_s)
+            _, running = await asyncio.wait(list(self.connections.values()), timeout=timeout_s)
+            if running:  # cut with the process: their clients see the connection close
+                log.warning("drain_timed_out", requests_in_flight=len(running), timeout_s=timeout_s)
 
 
 F = TypeVar("F", bound=FrontendSettings)
@@ -375,6 +376,8 @@ def frontend_arguments(ap: argparse.ArgumentParser, cls: type[FrontendSettings])
                     help=f"close a kept connection after this long without a request (uvicorn's flag and default, {default['timeout_keep_alive_s']:g}, as vLLM's)")
     ap.add_argument("--keep-alive-requests", type=int, metavar="N",
                     help=f"close a connection after its N-th request (nginx's keepalive_requests, default {default['keep_alive_requests']}; 1: no keep-alive)")
+    ap.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="SECONDS",
+                    help=f"at SIGTERM / SIGINT, how long the requests in flight may take to finish (default {default['drain_timeout_s']:g})")
 
 
 def parse_frontend(ap: argparse.ArgumentParser, cls: type[F], service: str, argv: list[str]) -> F:
@@ -400,7 +403,7 @@ async def listen(name: str, handle: Handler, path: str, settings: FrontendSettin
         await stop.wait()
     finally:
         listening.close()  # no new connections
-    await server.drain(DRAIN_S)
+    await server.drain(settings.drain_timeout_s)
 
 
 def run_frontend(name: str, serve: Coroutine[Any, Any, None], settings: FrontendSettings) -> int:

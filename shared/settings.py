@@ -92,6 +92,9 @@ class ProcessSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # which only listen to the beats) are judged against it.
     heartbeat_interval_s: Seconds = 0.5
     connect_timeout_s: Seconds = 30.0  # at start, how long to wait for the NATS server before exiting with an error
+    # SIGTERM: how long in-flight work may take to finish (a frontend's requests in flight; what still
+    # runs then is cut, logged as `drain_timed_out`). Below the compose files' stop_grace_period (30 s).
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
 
 
 class ServiceSettings(ProcessSettings, kw_only=True):
@@ -100,7 +103,6 @@ class ServiceSettings(ProcessSettings, kw_only=True):
     model: str = ""  # checkpoint directory (config.json, tokenizer, weights)
     model_name: str = ""  # name served on llm.models; default: the directory's name
     instance: str = ""  # id in subjects and heartbeats; default: hostname-pid-random
-    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # SIGTERM: how long in-flight work may take to finish
 
 
 class GatewaySettings(ServiceSettings, kw_only=True):

@@ -285,7 +285,7 @@ def test_stop_closes_idle_connections_and_finishes_the_request_in_flight(own_fro
         resp.begin()
         assert resp.status == 200 and resp.getheader("Connection") == "keep-alive" and resp.read()
         # The request in flight at the stop: about 2.5 s of tokens at this box's pace (timed just now),
-        # so that it has not ended 0.5 s later and ends within the frontend's 8 s of drain.
+        # so that it has not ended 0.5 s later and ends within the frontend's 10 s of drain (drain_timeout_s).
         tokens = min(3000, max(100, round(50 * 2.5 / (time.monotonic() - started))))
         busy.sendall(request_bytes("/v1/completions", body | {"max_tokens": tokens}, "X-Request-Id: drained\r\n"))
         time.sleep(0.5)
@@ -300,6 +300,29 @@ def test_stop_closes_idle_connections_and_finishes_the_request_in_flight(own_fro
     finally:
         idle.close()
         busy.close()
+
+
+def test_a_request_outlasting_the_drain_timeout_is_cut_and_logged(own_frontend):
+    """``--drain-timeout 1`` (the setting ``drain_timeout_s``): a request that would run ~15 s more is
+    cut about 1 s after SIGTERM (its connection closes without an answer), the cut is logged as
+    ``drain_timed_out`` and the process exits 0 -- it does not wait for the request."""
+    f = own_frontend("--drain-timeout", "1")
+    body = {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with socket.create_connection(f.addr, timeout=30) as busy:
+        busy.sendall(request_bytes("/v1/completions", body))
+        received = b""
+        while b"data: " not in received:  # the stream has begun
+            data = busy.recv(65536)
+            assert data, received
+            received += data
+        f.proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        received += read_to_close(busy)
+        cut_after = time.monotonic() - stopped
+    assert 0.8 < cut_after < 5.0, cut_after
+    assert b"data: [DONE]" not in received
+    assert f.proc.wait(30) == 0 and "stopped" in f.proc.stdout.read()  # type: ignore[union-attr]
+    assert [(e["requests_in_flight"], e["timeout_s"]) for e in f.events("drain_timed_out")] == [(1, 1.0)]
 
 
 def test_the_benchmarks_client_keeps_its_connection_and_reopens_one_closed_idle(own_frontend):
