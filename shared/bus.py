@@ -147,9 +147,14 @@ def encode_public(obj: Any, ctype: str = JSON) -> bytes:
 
 
 def decode_public(data: bytes, type_: type[T] | Any, ctype: str = JSON) -> T:
-    """Decode and validate; raises msgspec.DecodeError / msgspec.ValidationError."""
+    """Decode and validate; raises msgspec.DecodeError / msgspec.ValidationError. A payload nested
+    deeper than msgspec can follow (a value of a free-form field, e.g. ``chat_template_kwargs``,
+    a thousand arrays deep) is a DecodeError too: msgspec raises RecursionError for it."""
     decoder = _msgpack_decoder(type_) if ctype == MSGPACK else _json_decoder(type_)
-    return decoder.decode(data)
+    try:
+        return decoder.decode(data)
+    except RecursionError as e:
+        raise msgspec.DecodeError(f"nested too deeply ({e})") from None
 
 
 def pack(obj: Any) -> bytes:
