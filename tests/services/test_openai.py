@@ -213,6 +213,15 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
      "This model's maximum context length is 4096 tokens. However, you requested 4099 tokens (4094 in the prompt, 5 for max_tokens)."),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "invalid_request",
      "This model's maximum context length is 4096 tokens. However, the prompt has 5009 tokens"),
+    # Each of these three was a 500: msgspec's RecursionError; a template variable nested too deep for
+    # the chat template (the gateway's `internal`); json.loads, which let a lone surrogate into a
+    # request the frontend then could not encode.
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, "invalid_request", "request body: nested too deeply"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": ' + b"[" * 900 + b"]" * 900 + b"}}",
+     400, "invalid_request", "x: nested deeper than 64 levels"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]}]},
+     400, "invalid_request", "messages[1].tool_calls[0].function.arguments: not JSON"),
 ])
 def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says):
     got, ctype, raw = call(frontend, "POST", path, body)
