@@ -190,8 +190,12 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     target = cache_dir / "tiny-qwen3-moe"
     if (target / "config.json").exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
+    except OSError as e:  # not writable (a read-only home in a container), or not a directory
+        raise StackError(f"cannot write the demo model into the cache directory {cache_dir}: {e.strerror or e} "
+                         "(set MOEBUS_CACHE_DIR to a writable directory, or give --model)") from None
     made = subprocess.run([sys.executable, "-m", "services.cli", "make-tiny", "--out", str(tmp)], stdout=subprocess.DEVNULL)
     if made.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -290,7 +294,11 @@ class LocalStack:
     def start(self, ready_timeout: float = 180.0, stop_requested: Callable[[], bool] = lambda: False) -> None:
         """Start nats-server and every replica and wait until they are ready; `StartInterrupted`
         as soon as ``stop_requested()`` says so (loading a large checkpoint takes minutes)."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StackError(f"cannot create the log directory {self.log_dir}: {e.strerror or e} (--log-dir, or MOEBUS_CACHE_DIR "
+                             "for the default one under it)") from None
         self.port = self.port or free_port()
         self.start_nats()
         for spec in self.specs:

@@ -136,6 +136,21 @@ def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tm
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
 
 
+def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny_model: Path):
+    """A MOEBUS_CACHE_DIR or --log-dir that cannot be a directory (under a file here; a read-only home in a
+    container alike) ended `moebus up` with a Python traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    demo = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0"], env={**os.environ, "MOEBUS_CACHE_DIR": str(a_file / "cache")},
+                          capture_output=True, text=True, timeout=60)
+    assert demo.returncode == 2 and "Traceback" not in demo.stderr, demo.stderr
+    assert f"moebus up: cannot write the demo model into the cache directory {a_file / 'cache'}: Not a directory" in demo.stderr, demo.stderr
+    logs = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(a_file / "logs")],
+                          capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 1 and "Traceback" not in logs.stderr, logs.stderr
+    assert f"moebus up: cannot create the log directory {a_file / 'logs'}: Not a directory" in logs.stderr, logs.stderr
+
+
 def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_model: Path):
     """SIGTERM (or Ctrl-C) while the stack starts (a large checkpoint loads for minutes) stops it then;
     it used to be noticed only once the stack was ready, or after --ready-timeout."""
