@@ -171,15 +171,18 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     parts = lines[0].split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise HttpError(400, f"malformed request line {lines[0][:100]!r}")
-    headers = {}
+    headers: dict[str, str] = {}
     for line in lines[1:]:
         if line:
             name, sep, value = line.partition(":")
             if not sep:
                 raise HttpError(400, f"malformed header line {line[:100]!r}")
-            headers[name.strip().lower()] = value.strip()
+            name, value = name.strip().lower(), value.strip()
+            if name in headers and name in _FRAMING_HEADERS:
+                value = _repeated_framing_header(name, headers[name], value)
+            headers[name] = value
     body = b""
-    chunked = "chunked" in headers.get("transfer-encoding", "").lower()  # it overrides Content-Length (RFC 9112 6.3)
+    chunked = _chunked(headers)
     # A body is read whenever one is announced, whatever the method: on a kept connection, one left
     # unread would be taken for the next request.
     if chunked or "content-length" in headers or parts[0] in ("POST", "PUT", "PATCH"):
@@ -202,8 +205,41 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     options = {token.strip().lower() for token in headers.get("connection", "").split(",")}
     conn.http10 = parts[2] == "HTTP/1.0"
     wants = "keep-alive" in options if conn.http10 else "close" not in options
-    conn.keep = wants and conn.served + 1 < conn.server.keep_alive.max_requests
+    # Both framings at once may be a smuggling attempt (a proxy in front may have framed the body by
+    # Content-Length, and would take the rest for a next request): RFC 9112 6.3 has the server close
+    # the connection after answering it.
+    smuggled = chunked and "content-length" in headers
+    conn.keep = wants and not smuggled and conn.served + 1 < conn.server.keep_alive.max_requests
     return Request(parts[0], parts[1].split("?", 1)[0], headers, body)
+
+
+# The headers that frame a request's body: when sent twice, the copies must agree (Content-Length)
+# or form one list (Transfer-Encoding), never the last one silently winning.
+_FRAMING_HEADERS = ("content-length", "transfer-encoding")
+
+
+def _repeated_framing_header(name: str, first: str, again: str) -> str:
+    """The value of framing header ``name`` sent again (``first``, then ``again``); `HttpError` 400
+    for two different Content-Lengths: the body's end is ambiguous (RFC 9112 6.3, an unrecoverable
+    error), and the frontend used the last one where a proxy may have used the first."""
+    if name == "transfer-encoding":
+        return f"{first}, {again}"  # one list, in order (RFC 9110 5.3)
+    if first != again:
+        raise HttpError(400, f"conflicting Content-Length headers ({first[:40]!r} and {again[:40]!r})")
+    return first
+
+
+def _chunked(headers: dict[str, str]) -> bool:
+    """Whether the body is chunked (Transfer-Encoding, which overrides Content-Length, RFC 9112 6.3);
+    `HttpError` 400 for any other transfer coding: this server decodes none, and a body whose final
+    coding is not chunked has no length it could read (RFC 9112 6.3: 400, then close)."""
+    value = headers.get("transfer-encoding")
+    if value is None:
+        return False
+    codings = [c.strip().lower() for c in value.split(",") if c.strip()]
+    if codings != ["chunked"]:
+        raise HttpError(400, f"Transfer-Encoding {value[:60]!r}: only chunked is supported")
+    return True
 
 
 def _content_length(headers: dict[str, str]) -> int:

@@ -192,6 +192,32 @@ def test_connection_close_and_http_1_0_are_honoured(frontend):
         assert sse(raw.split(b"\r\n\r\n", 1)[1])[-1] == "[DONE]"
 
 
+def test_an_ambiguous_body_length_is_refused_or_closes_the_connection(frontend):
+    """Bodies a proxy in front could frame otherwise than the frontend (request smuggling, RFC 9112
+    6.3): two different Content-Lengths were framed by the last one and the rest of the body read as a
+    next request on the kept connection; Content-Length with chunked kept the connection; a transfer
+    coding other than chunked was a 411 (with a Content-Length, the body was framed by it)."""
+    payload = json.dumps({"prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    chunked = f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n"
+    sent = {
+        "two lengths": f"{head}Content-Length: {len(payload)}\r\nContent-Length: 5\r\n\r\n".encode() + payload,
+        "gzip": f"{head}Transfer-Encoding: gzip\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload,
+        "chunked, then gzip": f"{head}Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n".encode() + chunked,
+        "length and chunked": f"{head}Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + chunked,
+    }
+    got = {}
+    for name, raw in sent.items():
+        with socket.create_connection(frontend, timeout=30) as s:
+            s.sendall(raw)
+            [(status, headers, body)] = answers(read_to_close(s), 1)  # one answer, then the close: nothing read as a next request
+            got[name] = status, headers["Connection"], json.loads(body)
+    assert got["two lengths"][:2] == (400, "close") and "conflicting Content-Length headers" in got["two lengths"][2]["error"]["message"]
+    for name in ("gzip", "chunked, then gzip"):
+        assert got[name][:2] == (400, "close") and "only chunked is supported" in got[name][2]["error"]["message"], got[name]
+    assert got["length and chunked"][:2] == (200, "close") and got["length and chunked"][2]["usage"]["completion_tokens"] == 2  # framed by chunked
+
+
 def test_pipelined_requests_are_answered_in_order(frontend):
     """Three requests written at once (unary, streamed, unary with ``Connection: close``): three
     answers, in the requests' order, nothing lost; the stream's chunked framing parsed by http.client."""
