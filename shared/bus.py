@@ -23,6 +23,7 @@ from nats.aio.client import Client as NATSClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import Error as NATSError
 from nats.errors import TimeoutError as NATSTimeoutError
 
 from shared.logging import get_logger
@@ -350,10 +351,12 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
         # Once connected, reconnect forever (a restarted server is waited for); but nats-py
         # applies the same unbounded retry to the *first* connect, which would then hang
         # silently on a wrong URL: bound that one by the connect timeout.
+        # A comma-separated list of servers (a cluster's seeds) as the nats CLI and the Go client take it.
+        servers = [server.strip() for server in url.split(",")]
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
-                    url,
+                    servers,
                     name=name,
                     error_cb=on_error,
                     reconnected_cb=on_reconnected,
@@ -366,6 +369,8 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
             )
         except asyncio.TimeoutError as e:
             raise Unreachable(f"no NATS server answered at {url} within {connect_timeout:g}s") from e
+        except NATSError as e:  # raised at once for a URL nats-py cannot use ('', 'nats://', tls:// without a context)
+            raise Unreachable(f"cannot connect to {url!r}: {e} (a NATS URL is e.g. nats://127.0.0.1:4222; several: separated by commas)") from None
         connected = True
 
         async def close() -> None:

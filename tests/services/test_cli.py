@@ -251,3 +251,22 @@ def test_status_into_a_reader_that_stops_early_exits_quietly(nats_server: tuple[
     err = status.stderr.read()
     assert status.wait(timeout=30) == 128 + signal.SIGPIPE, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_nats_url_list_connects_and_a_bad_url_is_named(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """A cluster's seeds as the nats CLI takes them ('nats://a:4222,nats://b:4222') and a URL nats-py cannot
+    parse ('', 'nats://') each ended every command (status, request, the services) in a nats.errors.Error
+    traceback. The list now connects to a server of it; a bad URL is a one-line error naming it."""
+    port, _ = nats_server
+
+    def status(url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "services.cli", "status", "--url", url, "--wait", "0.5"], capture_output=True, text=True,
+                              timeout=60)
+
+    listed = status(f"nats://127.0.0.1:1, nats://127.0.0.1:{port}")  # the first server listens nowhere
+    assert listed.returncode == 1 and "Traceback" not in listed.stderr, listed.stderr
+    assert "no heartbeat on" in listed.stderr, listed.stderr  # connected: nothing serves on that bare server
+    for bad in ("", "nats://"):
+        refused = status(bad)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.startswith(f"moebus status: cannot connect to {bad!r}: nats: invalid hostname in connect url"), refused.stderr
