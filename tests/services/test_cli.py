@@ -270,3 +270,19 @@ def test_a_nats_url_list_connects_and_a_bad_url_is_named(nats_server: tuple[int,
         refused = status(bad)
         assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
         assert refused.stderr.startswith(f"moebus status: cannot connect to {bad!r}: nats: invalid hostname in connect url"), refused.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    ([b"--prompt", b"hi", b"--temperature", b"nan"], "argument --temperature: expected a finite number, got 'nan'"),
+    ([b"--prompt", b"hi", b"--logit-bias", b"5=inf"], "argument --logit-bias: expected ID=BIAS (e.g. 1234=-100), got '5=inf'"),
+    ([b"--prompt", b"caf\xe9"], "argument --prompt: not UTF-8 text: 'caf\\udce9' (use a UTF-8 locale, or --input-ids)"),
+    ([b"--chat", b"hi", b"--stop", b"\xff"], "argument --stop: not UTF-8 text"),
+])
+def test_request_refuses_arguments_no_request_can_carry(args: list[bytes], says: str):
+    """`moebus request --temperature nan` sent temperature null over JSON (msgspec's nan) and ran at the
+    default temperature; a Latin-1 byte in --prompt (from a shell in another encoding) was a
+    UnicodeEncodeError traceback. Both are usage errors now, before any connection."""
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"services.cli", b"request", b"--url", b"nats://127.0.0.1:1", *args],
+                          capture_output=True, timeout=60)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2 and "Traceback" not in err and says in err, err
