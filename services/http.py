@@ -16,7 +16,8 @@ one). Malformed or oversize requests raise `HttpError` with the status to answer
 over the frontend's limit, before reading it); `refuse` answers one and closes the connection,
 lingering so that the client can finish sending. At SIGTERM / SIGINT the server stops accepting,
 closes the idle connections at once and lets the requests in flight finish (up to the settings' ``drain_timeout_s``),
-their answers saying ``Connection: close``. Nothing here knows about routes.
+their answers saying ``Connection: close``; then it tells the handlers of those still running to
+end their answers with an error (``Server.cut``). Nothing here knows about routes.
 The frontends' shared command line (``--config``, ``--url``, ``--host``, ``--port``, the keep-alive
 limits: flags over their `shared.settings.FrontendSettings`) and life cycle (listen, print the
 address, serve until SIGTERM/SIGINT, drain, say "stopped") are here too.
@@ -50,6 +51,9 @@ BODY_TIMEOUT_S = 30.0
 # this much time passed in all (nginx's lingering close, with its default times).
 LINGER_PAUSE_S = 5.0
 LINGER_TOTAL_S = 30.0
+# At stop, the handlers of requests still running when the drain ends (`Server.cut`) get this long
+# to end their answers with an error (an answer a client does not read is dropped with the process).
+CUT_S = 1.5
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
            409: "Conflict", 411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
@@ -363,6 +367,7 @@ class Server:
         self.handle = handle
         self.keep_alive = keep_alive
         self.closing = False
+        self.cut = asyncio.Event()  # set when the drain ran out: the requests still running end now (`drain`)
         self.connections: dict[Connection, asyncio.Task[None]] = {}
 
     def protocol(self) -> asyncio.StreamReaderProtocol:
@@ -380,21 +385,31 @@ class Server:
                     break
                 conn.served += 1
                 wait_s = self.keep_alive.idle_s
+        except asyncio.CancelledError:
+            pass  # the end of the drain (`drain`): the connection closes, nothing to report (asyncio logs a cancelled one's task)
         finally:
             del self.connections[conn]
             await close(writer)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop keeping connections: close the idle ones now, let the requests in flight finish
-        (their answers say ``Connection: close``) for up to ``timeout_s``."""
+        (their answers say ``Connection: close``) for up to ``timeout_s``; then set ``cut``, for
+        their handlers to end their answers with an error (a client gets an answer, not a closed
+        connection), and after `CUT_S` more cancel what still runs."""
         self.closing = True
         for conn in list(self.connections):
             if conn.idle:
                 conn.writer.close()  # its wait for a request ends (end of input)
         if self.connections:
             _, running = await asyncio.wait(list(self.connections.values()), timeout=timeout_s)
-            if running:  # cut with the process: their clients see the connection close
+            if running:  # their handlers end each answer with an error now: a client gets one, not a closed connection
                 log.warning("drain_timed_out", requests_in_flight=len(running), timeout_s=timeout_s)
+                self.cut.set()
+                await asyncio.wait(running, timeout=CUT_S)
+        left = list(self.connections.values())
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
 
 F = TypeVar("F", bound=FrontendSettings)

@@ -328,27 +328,50 @@ def test_stop_closes_idle_connections_and_finishes_the_request_in_flight(own_fro
         busy.close()
 
 
-def test_a_request_outlasting_the_drain_timeout_is_cut_and_logged(own_frontend):
-    """``--drain-timeout 1`` (the setting ``drain_timeout_s``): a request that would run ~15 s more is
-    cut about 1 s after SIGTERM (its connection closes without an answer), the cut is logged as
-    ``drain_timed_out`` and the process exits 0 -- it does not wait for the request."""
+def test_a_request_outlasting_the_drain_timeout_is_cut_with_an_error_and_logged(stack, own_frontend):
+    """``--drain-timeout 1`` (the setting ``drain_timeout_s``), two requests that would run minutes more:
+    about 1 s after SIGTERM they are cut, the cut is logged as ``drain_timed_out`` and the process exits
+    0 -- it does not wait for them. Cut, a unary request got no answer at all (the connection closed:
+    'Remote end closed connection without response'), a stream stopped mid-chunk, and the frontend's
+    log had a CancelledError traceback per request (Ctrl-C of `moebus up` did that to every request in
+    flight). Now the unary one is a 503 `unavailable`, the stream's last event that error before
+    [DONE], and both requests are cancelled at the stack."""
     f = own_frontend("--drain-timeout", "1")
-    body = {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with socket.create_connection(f.addr, timeout=30) as busy:
-        busy.sendall(request_bytes("/v1/completions", body))
+    body = {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}  # minutes of tokens on this box
+    unary = socket.create_connection(f.addr, timeout=60)
+    streamed = socket.create_connection(f.addr, timeout=60)
+    try:
+        unary.sendall(request_bytes("/v1/completions", body, "X-Request-Id: cut-unary\r\n"))
+        streamed.sendall(request_bytes("/v1/completions", body | {"stream": True}, "X-Request-Id: cut-stream\r\n"))
         received = b""
         while b"data: " not in received:  # the stream has begun
-            data = busy.recv(65536)
+            data = streamed.recv(65536)
             assert data, received
             received += data
         f.proc.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
-        received += read_to_close(busy)
+        [(status, headers, raw)] = answers(read_to_close(unary), 1)
+        assert (status, headers["Connection"], headers["X-Request-Id"]) == (503, "close", "cut-unary"), raw[:300]
+        error = json.loads(raw)["error"]
+        assert error["code"] == "unavailable" and error["message"].startswith("moebus openai stopped before this request ended"), error
+        [(status, headers, raw)] = answers(received + read_to_close(streamed), 1)  # chunked to its last chunk
         cut_after = time.monotonic() - stopped
+        assert status == 200 and headers["Transfer-Encoding"] == "chunked"
+        events = sse(raw)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "unavailable", events[-3:]
+    finally:
+        unary.close()
+        streamed.close()
     assert 0.8 < cut_after < 5.0, cut_after
-    assert b"data: [DONE]" not in received
     assert f.proc.wait(30) == 0 and "stopped" in f.proc.stdout.read()  # type: ignore[union-attr]
-    assert [(e["requests_in_flight"], e["timeout_s"]) for e in f.events("drain_timed_out")] == [(1, 1.0)]
+    assert [(e["requests_in_flight"], e["timeout_s"]) for e in f.events("drain_timed_out")] == [(2, 1.0)]
+    assert "Traceback" not in f.log.read_text()
+    assert sorted((e["request_id"], e["status"]) for e in f.events("http_request")) == [("cut-stream", 200), ("cut-unary", 503)]
+
+    def cancelled() -> set[str]:
+        return {e["request_id"] for e in log_events(stack, "request_failed") if e["code"] == "cancelled"}
+
+    run(until(lambda: {"cut-unary", "cut-stream"} <= cancelled(), "the gateway ending both requests cancelled"))
 
 
 def test_the_benchmarks_client_keeps_its_connection_and_reopens_one_closed_idle(own_frontend):
