@@ -272,6 +272,19 @@ class Replica:
     proc: subprocess.Popen[bytes]
     log_path: Path
 
+    def ended(self) -> str:
+        """How the ended process ended, for `moebus up` to report: its exit status and the last line it
+        wrote (where a service says why it stopped), or the signal that killed it (the OOM killer's
+        SIGKILL, a kill -9), after which its last line is only whatever it logged before."""
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"{self.instance} was killed by {name}; see {self.log_path}"
+        return f"{self.instance} exited with {code}: {last_line(self.log_path)}; see {self.log_path}"
+
 
 @dataclass
 class LocalStack:
@@ -377,7 +390,7 @@ class LocalStack:
                 # `moebus up` reports it.
                 dead = [r for r in self.replicas if r.proc.poll() is not None and r.role in ROLES]
                 if dead:
-                    raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}: {last_line(dead[0].log_path)}; see {dead[0].log_path}")
+                    raise StackError(dead[0].ended())
                 if expected <= seen:
                     try:
                         reply = await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
@@ -514,7 +527,7 @@ def main(argv: list[str]) -> int:
             for r in stack.replicas:
                 if r.proc.poll() is not None and r.instance not in reported:
                     reported.add(r.instance)
-                    print(f"moebus up: {r.instance} exited with {r.proc.returncode}: {last_line(r.log_path)}; see {r.log_path}", file=sys.stderr, flush=True)
+                    print(f"moebus up: {r.ended()}", file=sys.stderr, flush=True)
     except StartInterrupted:
         print("moebus up: stop requested before the stack was ready", flush=True)
     except StackError as e:

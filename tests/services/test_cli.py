@@ -178,6 +178,31 @@ def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_mode
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
 
 
+def test_up_names_the_signal_that_killed_a_service(tmp_path: Path, tiny_model: Path):
+    """A replica killed by a signal (kill -9, the OOM killer) was reported as 'exited with -9: <its last
+    log line>', a line that says nothing about why it ended (e.g. its decode_ready event)."""
+    compose = tmp_path / "scheduler-only.yml"
+    compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')  # no gateway: never ready
+    log_dir = tmp_path / "logs"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
+                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
+            assert time.monotonic() < deadline and up.poll() is None, "the scheduler did not start"
+            time.sleep(0.1)
+        scheduler = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
+        assert len(scheduler) == 1, scheduler
+        os.kill(int(scheduler[0]), signal.SIGKILL)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 1, err
+    assert f"moebus up: scheduler-0 was killed by SIGKILL; see {log_dir / 'scheduler-0.log'}" in err, err
+
+
 def test_up_refuses_a_nats_port_in_use_instead_of_joining_that_bus(tmp_path: Path, tiny_model: Path,
                                                                     nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
     """A second `moebus up` on the port of a running stack's nats-server (both on the default 4222): its own
