@@ -311,3 +311,13 @@ def test_request_refuses_arguments_no_request_can_carry(args: list[bytes], says:
                           capture_output=True, timeout=60)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 2 and "Traceback" not in err and says in err, err
+
+
+@pytest.mark.parametrize("wait", ["nan", "inf", "0"])
+def test_status_refuses_a_wait_that_is_no_positive_duration(nats_server: tuple[int, list[subprocess.Popen[bytes]]], wait: str):
+    """`moebus status --wait nan` passed the check (nan <= 0 is false), listened for no time and said
+    'no moebus process serves there' of a serving stack; --wait inf listened forever."""
+    port, _ = nats_server
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "status", "--url", f"nats://127.0.0.1:{port}", "--wait", wait],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and f"--wait must be a positive number of seconds, got {float(wait)}" in proc.stderr, proc.stderr
