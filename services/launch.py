@@ -104,29 +104,32 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise StackError(f"{path}: {e}") from e
-    services = (doc or {}).get("services")
+    services = doc.get("services") if isinstance(doc, dict) else None
     if not isinstance(services, dict) or not services:
-        raise StackError(f"{path}: no `services` mapping")
+        raise StackError(f"{path}: no `services` mapping (not a docker compose file?)")
     specs = []
     for name, svc in services.items():
         if name == BUS_SERVICE:
             continue
+        if not isinstance(svc, dict):
+            raise StackError(f"{path}: service {name!r} must be a mapping, got {svc!r}")
         command = svc.get("command")
         if isinstance(command, str):
             command = shlex.split(command)
-        if not command or command[0] != "moebus" or len(command) < 2 or command[1] not in ROLES + FRONTENDS:
+        if not isinstance(command, list) or len(command) < 2 or command[0] != "moebus" or command[1] not in ROLES + FRONTENDS:
             raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES + FRONTENDS)}> ...`, got {command!r}")
-        raw_env = svc.get("environment") or {}
-        if isinstance(raw_env, list):
-            raw_env = dict(item.split("=", 1) for item in raw_env)
-        replicas = ((svc.get("deploy") or {}).get("replicas")) or 1
+        raw_env = _environment(svc.get("environment") or {}, f"{path}: service {name!r}")
+        deploy = svc.get("deploy") or {}
+        replicas = str((scale or {}).get(name, _interpolate(str((deploy.get("replicas") if isinstance(deploy, dict) else None) or 1), env)))
+        if not isinstance(deploy, dict) or not replicas.isdigit():
+            raise StackError(f"{path}: service {name!r}: deploy.replicas must be a count, got {svc.get('deploy')!r}")
         specs.append(
             ServiceSpec(
                 name=name,
                 role=command[1],
                 args=[_interpolate(str(a), env) for a in command[2:]],
                 env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
-                replicas=int((scale or {}).get(name, _interpolate(str(replicas), env))),
+                replicas=int(replicas),
                 env_knobs={str(k): knob for k, v in raw_env.items() if (knob := _knob(str(v)))},
             )
         )
@@ -134,6 +137,17 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
     if unknown:
         raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
     return specs
+
+
+def _environment(raw: Any, where: str) -> dict[Any, Any]:
+    """A service's ``environment``: a mapping, or compose's list of ``NAME=VALUE`` entries. A bare
+    ``NAME`` entry (compose: pass the caller's value on) is left out: every process of `moebus up`
+    inherits the caller's environment already."""
+    if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        return dict(item.split("=", 1) for item in raw if "=" in item)
+    if not isinstance(raw, dict):
+        raise StackError(f"{where}: environment must be a mapping or a list of NAME=VALUE, got {raw!r}")
+    return raw
 
 
 # Variables `moebus up` sets for every process itself (README: it overrides them).
@@ -477,6 +491,9 @@ def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_up_arguments(argv)
+    if not 0 < a.ready_timeout < float("inf"):  # nan included: the stack was reported "not ready after nans" at once
+        print(f"moebus up: --ready-timeout must be a positive number of seconds, got {a.ready_timeout}", file=sys.stderr)
+        return 2
     scale = {}
     for item in a.scale:
         name, sep, n = item.partition("=")

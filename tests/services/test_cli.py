@@ -321,3 +321,35 @@ def test_status_refuses_a_wait_that_is_no_positive_duration(nats_server: tuple[i
     proc = subprocess.run([sys.executable, "-m", "services.cli", "status", "--url", f"nats://127.0.0.1:{port}", "--wait", wait],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and f"--wait must be a positive number of seconds, got {float(wait)}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("text, says", [
+    ("root:x:0:0:root:/root:/bin/bash\n", "no `services` mapping (not a docker compose file?)"),  # --stack /etc/passwd: a YAML string
+    ("- a\n- b\n", "no `services` mapping"),
+    ("services:\n  gateway: 5\n", "service 'gateway' must be a mapping, got 5"),
+    ("services:\n  gateway:\n    command: 5\n", "service 'gateway': command must be `moebus <"),
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    environment: 5\n", "environment must be a mapping or a list of NAME=VALUE, got 5"),
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    deploy: {replicas: abc}\n", "deploy.replicas must be a count"),
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    deploy: 7\n", "deploy.replicas must be a count"),
+])
+def test_up_names_what_is_wrong_with_a_compose_file(tmp_path: Path, text: str, says: str):
+    """A --stack file that is YAML but not a compose file of moebus services (/etc/passwd; a service
+    that is no mapping; a replicas count that is none) was an AttributeError or ValueError traceback."""
+    stack = tmp_path / "stack.yml"
+    stack.write_text(text)
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(stack), "--log-dir", str(tmp_path / "logs")],
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "Traceback" not in up.stderr and f"moebus up: {stack}: " in up.stderr and says in up.stderr, up.stderr
+
+
+def test_compose_environment_lists_take_name_only_entries_from_the_callers_environment(tmp_path: Path):
+    """Compose's `- NAME` entry (pass the caller's value on) was a ValueError at `dict()`: every process
+    of `moebus up` inherits the caller's environment, so it is left out of the service's own."""
+    stack = tmp_path / "stack.yml"
+    stack.write_text("services:\n  gateway:\n    command: [moebus, gateway]\n    environment: [HF_TOKEN, MOEBUS_LOG_JSON=true]\n")
+    assert load_compose(stack, {})[0].env == {"MOEBUS_LOG_JSON": "true"}
+
+
+def test_up_refuses_a_ready_timeout_that_is_no_positive_duration():
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--ready-timeout", "nan"], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "moebus up: --ready-timeout must be a positive number of seconds, got nan" in up.stderr, up.stderr
