@@ -298,7 +298,10 @@ class Bus:
                     if deadline.expired:
                         raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
                     if silence_s is not None and time.monotonic() - last_reply >= silence_s:
-                        raise Silent(f"no reply on {subject} for {silence_s:g}s: the responder stopped answering") from e
+                        # Say which side went quiet: with this connection down (the server gone, reconnecting) the
+                        # responder may be fine, and whoever reads the error (an HTTP client, an operator) looks there.
+                        why = "the responder stopped answering" if self.nc.is_connected else "this process's NATS connection is down (reconnecting)"
+                        raise Silent(f"no reply on {subject} for {silence_s:g}s: {why}") from e
                     continue
                 last_reply = time.monotonic()
                 if msg.headers and msg.headers.get("Status") == "503":
