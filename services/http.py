@@ -56,7 +56,7 @@ LINGER_TOTAL_S = 30.0
 CUT_S = 1.5
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-           409: "Conflict", 411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
+           409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
@@ -188,9 +188,10 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     body = b""
     chunked = _chunked(headers)
     # A body is read whenever one is announced, whatever the method: on a kept connection, one left
-    # unread would be taken for the next request.
-    if chunked or "content-length" in headers or parts[0] in ("POST", "PUT", "PATCH"):
-        length = None if chunked else _content_length(headers)
+    # unread would be taken for the next request. A request that announces none has none (RFC 9112
+    # 6.3), a POST too: `curl -X POST .../ping` (vLLM's probe) sends no Content-Length, and was a 411.
+    if chunked or "content-length" in headers:
+        length = None if chunked else _content_length(headers["content-length"])
         if length is not None and length > max_body:
             raise HttpError(413, _too_large(length, max_body, limit))
         if headers.get("expect", "").lower() == "100-continue":
@@ -246,10 +247,7 @@ def _chunked(headers: dict[str, str]) -> bool:
     return True
 
 
-def _content_length(headers: dict[str, str]) -> int:
-    length_text = headers.get("content-length")
-    if length_text is None:
-        raise HttpError(411, "a request body needs Content-Length (or Transfer-Encoding: chunked)")
+def _content_length(length_text: str) -> int:
     if not (length_text.isascii() and length_text.isdigit()):  # isdigit alone takes '²', which int() refuses
         raise HttpError(400, f"bad Content-Length {length_text[:40]!r}")
     return int(length_text)

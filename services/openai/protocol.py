@@ -182,6 +182,8 @@ class InvalidRequest(ValueError):
 
 
 def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> CompletionRequest | ChatCompletionRequest:
+    if not body:  # msgspec would say "Input data was truncated"
+        raise InvalidRequest("request body: empty; send the endpoint's JSON object (with Content-Length, or chunked)")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.DecodeError as e:

@@ -393,3 +393,17 @@ def test_the_benchmarks_client_keeps_its_connection_and_reopens_one_closed_idle(
         assert conn.complete(body)["choices"][0]["text"] == texts[0] and conn.connections == 2
     finally:
         conn.close()
+
+
+def test_a_request_without_a_length_has_no_body(frontend):
+    """RFC 9112 6.3: a request with neither Content-Length nor Transfer-Encoding has an empty body. A
+    POST so sent (`curl -X POST http://host:8000/ping`, vLLM's probe) was refused 411 Length Required
+    and its connection closed; now /ping answers it, and a completions request is a 400 naming the
+    empty body, the connection kept for the next request."""
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(b"POST /ping HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        got = answers(read_to_close(s), 3)
+    assert [(status, headers["Connection"]) for status, headers, _ in got] == [(200, "keep-alive"), (400, "keep-alive"), (200, "close")]
+    assert json.loads(got[1][2])["error"]["message"].startswith("request body: empty;"), got[1][2]
