@@ -290,7 +290,9 @@ async def linger(conn: Connection) -> None:
     would get the reset instead of the answer."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LINGER_TOTAL_S
-    with contextlib.suppress(ConnectionError, TimeoutError):
+    # OSError, not only ConnectionError: shutting down the write side of a socket the client already
+    # reset raises ENOTCONN, a plain OSError (a client that sent part of a request and left).
+    with contextlib.suppress(OSError, TimeoutError):
         conn.writer.write_eof()
         while (left := deadline - loop.time()) > 0 and await asyncio.wait_for(conn.reader.read(1 << 16), min(LINGER_PAUSE_S, left)):
             pass

@@ -407,3 +407,24 @@ def test_a_request_without_a_length_has_no_body(frontend):
         got = answers(read_to_close(s), 3)
     assert [(status, headers["Connection"]) for status, headers, _ in got] == [(200, "keep-alive"), (400, "keep-alive"), (200, "close")]
     assert json.loads(got[1][2])["error"]["message"].startswith("request body: empty;"), got[1][2]
+
+
+def test_a_client_leaving_mid_headers_logs_no_error(own_frontend):
+    """A client that sends part of a request and closes (a TLS hello to the plain port, a port scanner,
+    a load balancer's half-open probe): its 400 was written, then the lingering close's shutdown hit
+    the peer's reset (OSError ENOTCONN, no ConnectionError), and the frontend logged
+    http_request_failed with a traceback at error level. Some of 20 such clients hit it on main."""
+    f = own_frontend()
+    for _ in range(20):
+        with socket.create_connection(f.addr, timeout=10) as s:
+            s.sendall(bytes.fromhex("16030100a5010000a10303") + bytes(100))  # a TLS ClientHello's start: no request line end
+            s.shutdown(socket.SHUT_WR)
+    assert version_status(f.addr) == 200  # and it serves on
+    assert f.events("http_request_failed") == [] and "Traceback" not in f.log.read_text()
+
+
+def version_status(addr: tuple[str, int]) -> int:
+    with socket.create_connection(addr, timeout=30) as s:
+        s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        [(status, _, _)] = answers(read_to_close(s), 1)
+    return status
