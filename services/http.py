@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import string
 import sys
@@ -466,7 +467,11 @@ def run_frontend(name: str, serve: Coroutine[Any, Any, None], settings: Frontend
         print(f"moebus {name}: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the port is taken or not ours to bind
-        print(f"moebus {name}: cannot listen on {settings.http_host}:{settings.port}: {e}", file=sys.stderr)
+        # A second `moebus up` (its own NATS port from --port 0) meets the first one's frontends on
+        # their default ports: say how to move this one.
+        hint = (f"; another process listens there: pick another port with --port or MOEBUS_{name.upper()}_PORT (0: any free one)"
+                if e.errno == errno.EADDRINUSE else "")
+        print(f"moebus {name}: cannot listen on {settings.http_host}:{settings.port}: {e}{hint}", file=sys.stderr)
         return 1
     print(f"moebus {name}: stopped", flush=True)
     return 0

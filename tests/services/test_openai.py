@@ -42,6 +42,8 @@ def test_frontend_on_a_taken_port_exits_with_a_clear_error(stack, frontend):
     proc = subprocess.run([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", str(frontend[1])],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{frontend[1]}" in proc.stderr
+    # what a second `moebus up` (--port 0) printed for its frontends on the first one's ports, without saying what to do
+    assert "another process listens there: pick another port with --port or MOEBUS_OPENAI_PORT (0: any free one)" in proc.stderr, proc.stderr
 
 
 def call(addr: tuple[str, int], method: str, path: str, body: object | None = None) -> tuple[int, str, bytes]:
