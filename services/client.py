@@ -131,34 +131,53 @@ class Client:
 def _bias_entry(text: str) -> tuple[int, float]:
     token, _, bias = text.partition("=")
     try:
-        return int(token), float(bias)
-    except ValueError:
+        return int(token), _finite(bias)
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 1234=-100), got {text!r}") from None
+
+
+def _finite(text: str) -> float:
+    """A number argument; nan and inf are refused here: JSON has no such numbers, and msgspec would
+    send them as null, the field's default, so ``--temperature nan`` ran at the default temperature."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _utf8(text: str) -> str:
+    """A text argument. Python hands over bytes that are no UTF-8 (a shell in another encoding) as
+    lone surrogates, which no request can encode (a UnicodeEncodeError traceback)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not UTF-8 text: {text!r} (use a UTF-8 locale, or --input-ids)") from None
+    return text
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus request", description="send one request to a running moebus stack")
     ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="raw prompt text")
-    src.add_argument("--chat", help="one user message; the model's chat template is applied")
+    src.add_argument("--prompt", type=_utf8, help="raw prompt text")
+    src.add_argument("--chat", type=_utf8, help="one user message; the model's chat template is applied")
     src.add_argument("--input-ids", type=lambda s: [int(t) for t in s.split(",")], help="comma-separated token ids")
-    ap.add_argument("--model")
+    ap.add_argument("--model", type=_utf8)
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float)
-    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--temperature", type=_finite)
+    ap.add_argument("--top-p", type=_finite)
     ap.add_argument("--top-k", type=int)
     ap.add_argument("--seed", type=int)
-    ap.add_argument("--presence-penalty", type=float, default=0.0)
-    ap.add_argument("--frequency-penalty", type=float, default=0.0)
-    ap.add_argument("--repetition-penalty", type=float)
-    ap.add_argument("--min-p", type=float)
+    ap.add_argument("--presence-penalty", type=_finite, default=0.0)
+    ap.add_argument("--frequency-penalty", type=_finite, default=0.0)
+    ap.add_argument("--repetition-penalty", type=_finite)
+    ap.add_argument("--min-p", type=_finite)
     ap.add_argument("--min-tokens", type=int, default=0, help="EOS and stop strings cannot end generation before this many tokens")
     ap.add_argument("--logit-bias", action="append", default=[], type=_bias_entry, metavar="ID=BIAS",
                     help="add BIAS (-100..100) to token ID's logit (repeatable)")
     ap.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens whatever the model's end-of-sequence token")
-    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--stop", action="append", default=[], type=_utf8, help="stop string (repeatable)")
     ap.add_argument("--logprobs", action="store_true", help="show each generated token's log-probability")
     ap.add_argument("--top-logprobs", type=int, default=0, metavar="K", help="also the K most likely tokens at each position (implies --logprobs)")
     ap.add_argument("--timeout-ms", type=int)

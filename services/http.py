@@ -16,7 +16,8 @@ one). Malformed or oversize requests raise `HttpError` with the status to answer
 over the frontend's limit, before reading it); `refuse` answers one and closes the connection,
 lingering so that the client can finish sending. At SIGTERM / SIGINT the server stops accepting,
 closes the idle connections at once and lets the requests in flight finish (up to the settings' ``drain_timeout_s``),
-their answers saying ``Connection: close``. Nothing here knows about routes.
+their answers saying ``Connection: close``; then it tells the handlers of those still running to
+end their answers with an error (``Server.cut``). Nothing here knows about routes.
 The frontends' shared command line (``--config``, ``--url``, ``--host``, ``--port``, the keep-alive
 limits: flags over their `shared.settings.FrontendSettings`) and life cycle (listen, print the
 address, serve until SIGTERM/SIGINT, drain, say "stopped") are here too.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import string
 import sys
@@ -50,9 +52,12 @@ BODY_TIMEOUT_S = 30.0
 # this much time passed in all (nginx's lingering close, with its default times).
 LINGER_PAUSE_S = 5.0
 LINGER_TOTAL_S = 30.0
+# At stop, the handlers of requests still running when the drain ends (`Server.cut`) get this long
+# to end their answers with an error (an answer a client does not read is dropped with the process).
+CUT_S = 1.5
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-           409: "Conflict", 411: "Length Required", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
+           409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
@@ -171,19 +176,23 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     parts = lines[0].split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise HttpError(400, f"malformed request line {lines[0][:100]!r}")
-    headers = {}
+    headers: dict[str, str] = {}
     for line in lines[1:]:
         if line:
             name, sep, value = line.partition(":")
             if not sep:
                 raise HttpError(400, f"malformed header line {line[:100]!r}")
-            headers[name.strip().lower()] = value.strip()
+            name, value = name.strip().lower(), value.strip()
+            if name in headers and name in _FRAMING_HEADERS:
+                value = _repeated_framing_header(name, headers[name], value)
+            headers[name] = value
     body = b""
-    chunked = "chunked" in headers.get("transfer-encoding", "").lower()  # it overrides Content-Length (RFC 9112 6.3)
+    chunked = _chunked(headers)
     # A body is read whenever one is announced, whatever the method: on a kept connection, one left
-    # unread would be taken for the next request.
-    if chunked or "content-length" in headers or parts[0] in ("POST", "PUT", "PATCH"):
-        length = None if chunked else _content_length(headers)
+    # unread would be taken for the next request. A request that announces none has none (RFC 9112
+    # 6.3), a POST too: `curl -X POST .../ping` (vLLM's probe) sends no Content-Length, and was a 411.
+    if chunked or "content-length" in headers:
+        length = None if chunked else _content_length(headers["content-length"])
         if length is not None and length > max_body:
             raise HttpError(413, _too_large(length, max_body, limit))
         if headers.get("expect", "").lower() == "100-continue":
@@ -202,14 +211,44 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     options = {token.strip().lower() for token in headers.get("connection", "").split(",")}
     conn.http10 = parts[2] == "HTTP/1.0"
     wants = "keep-alive" in options if conn.http10 else "close" not in options
-    conn.keep = wants and conn.served + 1 < conn.server.keep_alive.max_requests
+    # Both framings at once may be a smuggling attempt (a proxy in front may have framed the body by
+    # Content-Length, and would take the rest for a next request): RFC 9112 6.3 has the server close
+    # the connection after answering it.
+    smuggled = chunked and "content-length" in headers
+    conn.keep = wants and not smuggled and conn.served + 1 < conn.server.keep_alive.max_requests
     return Request(parts[0], parts[1].split("?", 1)[0], headers, body)
 
 
-def _content_length(headers: dict[str, str]) -> int:
-    length_text = headers.get("content-length")
-    if length_text is None:
-        raise HttpError(411, "a request body needs Content-Length (or Transfer-Encoding: chunked)")
+# The headers that frame a request's body: when sent twice, the copies must agree (Content-Length)
+# or form one list (Transfer-Encoding), never the last one silently winning.
+_FRAMING_HEADERS = ("content-length", "transfer-encoding")
+
+
+def _repeated_framing_header(name: str, first: str, again: str) -> str:
+    """The value of framing header ``name`` sent again (``first``, then ``again``); `HttpError` 400
+    for two different Content-Lengths: the body's end is ambiguous (RFC 9112 6.3, an unrecoverable
+    error), and the frontend used the last one where a proxy may have used the first."""
+    if name == "transfer-encoding":
+        return f"{first}, {again}"  # one list, in order (RFC 9110 5.3)
+    if first != again:
+        raise HttpError(400, f"conflicting Content-Length headers ({first[:40]!r} and {again[:40]!r})")
+    return first
+
+
+def _chunked(headers: dict[str, str]) -> bool:
+    """Whether the body is chunked (Transfer-Encoding, which overrides Content-Length, RFC 9112 6.3);
+    `HttpError` 400 for any other transfer coding: this server decodes none, and a body whose final
+    coding is not chunked has no length it could read (RFC 9112 6.3: 400, then close)."""
+    value = headers.get("transfer-encoding")
+    if value is None:
+        return False
+    codings = [c.strip().lower() for c in value.split(",") if c.strip()]
+    if codings != ["chunked"]:
+        raise HttpError(400, f"Transfer-Encoding {value[:60]!r}: only chunked is supported")
+    return True
+
+
+def _content_length(length_text: str) -> int:
     if not (length_text.isascii() and length_text.isdigit()):  # isdigit alone takes '²', which int() refuses
         raise HttpError(400, f"bad Content-Length {length_text[:40]!r}")
     return int(length_text)
@@ -252,7 +291,9 @@ async def linger(conn: Connection) -> None:
     would get the reset instead of the answer."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LINGER_TOTAL_S
-    with contextlib.suppress(ConnectionError, TimeoutError):
+    # OSError, not only ConnectionError: shutting down the write side of a socket the client already
+    # reset raises ENOTCONN, a plain OSError (a client that sent part of a request and left).
+    with contextlib.suppress(OSError, TimeoutError):
         conn.writer.write_eof()
         while (left := deadline - loop.time()) > 0 and await asyncio.wait_for(conn.reader.read(1 << 16), min(LINGER_PAUSE_S, left)):
             pass
@@ -327,6 +368,7 @@ class Server:
         self.handle = handle
         self.keep_alive = keep_alive
         self.closing = False
+        self.cut = asyncio.Event()  # set when the drain ran out: the requests still running end now (`drain`)
         self.connections: dict[Connection, asyncio.Task[None]] = {}
 
     def protocol(self) -> asyncio.StreamReaderProtocol:
@@ -344,21 +386,31 @@ class Server:
                     break
                 conn.served += 1
                 wait_s = self.keep_alive.idle_s
+        except asyncio.CancelledError:
+            pass  # the end of the drain (`drain`): the connection closes, nothing to report (asyncio logs a cancelled one's task)
         finally:
             del self.connections[conn]
             await close(writer)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop keeping connections: close the idle ones now, let the requests in flight finish
-        (their answers say ``Connection: close``) for up to ``timeout_s``."""
+        (their answers say ``Connection: close``) for up to ``timeout_s``; then set ``cut``, for
+        their handlers to end their answers with an error (a client gets an answer, not a closed
+        connection), and after `CUT_S` more cancel what still runs."""
         self.closing = True
         for conn in list(self.connections):
             if conn.idle:
                 conn.writer.close()  # its wait for a request ends (end of input)
         if self.connections:
             _, running = await asyncio.wait(list(self.connections.values()), timeout=timeout_s)
-            if running:  # cut with the process: their clients see the connection close
+            if running:  # their handlers end each answer with an error now: a client gets one, not a closed connection
                 log.warning("drain_timed_out", requests_in_flight=len(running), timeout_s=timeout_s)
+                self.cut.set()
+                await asyncio.wait(running, timeout=CUT_S)
+        left = list(self.connections.values())
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
 
 F = TypeVar("F", bound=FrontendSettings)
@@ -415,7 +467,11 @@ def run_frontend(name: str, serve: Coroutine[Any, Any, None], settings: Frontend
         print(f"moebus {name}: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the port is taken or not ours to bind
-        print(f"moebus {name}: cannot listen on {settings.http_host}:{settings.port}: {e}", file=sys.stderr)
+        # A second `moebus up` (its own NATS port from --port 0) meets the first one's frontends on
+        # their default ports: say how to move this one.
+        hint = (f"; another process listens there: pick another port with --port or MOEBUS_{name.upper()}_PORT (0: any free one)"
+                if e.errno == errno.EADDRINUSE else "")
+        print(f"moebus {name}: cannot listen on {settings.http_host}:{settings.port}: {e}{hint}", file=sys.stderr)
         return 1
     print(f"moebus {name}: stopped", flush=True)
     return 0

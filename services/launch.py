@@ -104,29 +104,32 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise StackError(f"{path}: {e}") from e
-    services = (doc or {}).get("services")
+    services = doc.get("services") if isinstance(doc, dict) else None
     if not isinstance(services, dict) or not services:
-        raise StackError(f"{path}: no `services` mapping")
+        raise StackError(f"{path}: no `services` mapping (not a docker compose file?)")
     specs = []
     for name, svc in services.items():
         if name == BUS_SERVICE:
             continue
+        if not isinstance(svc, dict):
+            raise StackError(f"{path}: service {name!r} must be a mapping, got {svc!r}")
         command = svc.get("command")
         if isinstance(command, str):
             command = shlex.split(command)
-        if not command or command[0] != "moebus" or len(command) < 2 or command[1] not in ROLES + FRONTENDS:
+        if not isinstance(command, list) or len(command) < 2 or command[0] != "moebus" or command[1] not in ROLES + FRONTENDS:
             raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES + FRONTENDS)}> ...`, got {command!r}")
-        raw_env = svc.get("environment") or {}
-        if isinstance(raw_env, list):
-            raw_env = dict(item.split("=", 1) for item in raw_env)
-        replicas = ((svc.get("deploy") or {}).get("replicas")) or 1
+        raw_env = _environment(svc.get("environment") or {}, f"{path}: service {name!r}")
+        deploy = svc.get("deploy") or {}
+        replicas = str((scale or {}).get(name, _interpolate(str((deploy.get("replicas") if isinstance(deploy, dict) else None) or 1), env)))
+        if not isinstance(deploy, dict) or not replicas.isdigit():
+            raise StackError(f"{path}: service {name!r}: deploy.replicas must be a count, got {svc.get('deploy')!r}")
         specs.append(
             ServiceSpec(
                 name=name,
                 role=command[1],
                 args=[_interpolate(str(a), env) for a in command[2:]],
                 env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
-                replicas=int((scale or {}).get(name, _interpolate(str(replicas), env))),
+                replicas=int(replicas),
                 env_knobs={str(k): knob for k, v in raw_env.items() if (knob := _knob(str(v)))},
             )
         )
@@ -134,6 +137,17 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
     if unknown:
         raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
     return specs
+
+
+def _environment(raw: Any, where: str) -> dict[Any, Any]:
+    """A service's ``environment``: a mapping, or compose's list of ``NAME=VALUE`` entries. A bare
+    ``NAME`` entry (compose: pass the caller's value on) is left out: every process of `moebus up`
+    inherits the caller's environment already."""
+    if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        return dict(item.split("=", 1) for item in raw if "=" in item)
+    if not isinstance(raw, dict):
+        raise StackError(f"{where}: environment must be a mapping or a list of NAME=VALUE, got {raw!r}")
+    return raw
 
 
 # Variables `moebus up` sets for every process itself (README: it overrides them).
@@ -190,8 +204,12 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     target = cache_dir / "tiny-qwen3-moe"
     if (target / "config.json").exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=cache_dir))
+    except OSError as e:  # not writable (a read-only home in a container), or not a directory
+        raise StackError(f"cannot write the demo model into the cache directory {cache_dir}: {e.strerror or e} "
+                         "(set MOEBUS_CACHE_DIR to a writable directory, or give --model)") from None
     made = subprocess.run([sys.executable, "-m", "services.cli", "make-tiny", "--out", str(tmp)], stdout=subprocess.DEVNULL)
     if made.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -268,6 +286,19 @@ class Replica:
     proc: subprocess.Popen[bytes]
     log_path: Path
 
+    def ended(self) -> str:
+        """How the ended process ended, for `moebus up` to report: its exit status and the last line it
+        wrote (where a service says why it stopped), or the signal that killed it (the OOM killer's
+        SIGKILL, a kill -9), after which its last line is only whatever it logged before."""
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"{self.instance} was killed by {name}; see {self.log_path}"
+        return f"{self.instance} exited with {code}: {last_line(self.log_path)}; see {self.log_path}"
+
 
 @dataclass
 class LocalStack:
@@ -290,7 +321,11 @@ class LocalStack:
     def start(self, ready_timeout: float = 180.0, stop_requested: Callable[[], bool] = lambda: False) -> None:
         """Start nats-server and every replica and wait until they are ready; `StartInterrupted`
         as soon as ``stop_requested()`` says so (loading a large checkpoint takes minutes)."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StackError(f"cannot create the log directory {self.log_dir}: {e.strerror or e} (--log-dir, or MOEBUS_CACHE_DIR "
+                             "for the default one under it)") from None
         self.port = self.port or free_port()
         self.start_nats()
         for spec in self.specs:
@@ -369,7 +404,7 @@ class LocalStack:
                 # `moebus up` reports it.
                 dead = [r for r in self.replicas if r.proc.poll() is not None and r.role in ROLES]
                 if dead:
-                    raise StackError(f"{dead[0].instance} exited with {dead[0].proc.returncode}: {last_line(dead[0].log_path)}; see {dead[0].log_path}")
+                    raise StackError(dead[0].ended())
                 if expected <= seen:
                     try:
                         reply = await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
@@ -456,6 +491,9 @@ def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_up_arguments(argv)
+    if not 0 < a.ready_timeout < float("inf"):  # nan included: the stack was reported "not ready after nans" at once
+        print(f"moebus up: --ready-timeout must be a positive number of seconds, got {a.ready_timeout}", file=sys.stderr)
+        return 2
     scale = {}
     for item in a.scale:
         name, sep, n = item.partition("=")
@@ -506,7 +544,7 @@ def main(argv: list[str]) -> int:
             for r in stack.replicas:
                 if r.proc.poll() is not None and r.instance not in reported:
                     reported.add(r.instance)
-                    print(f"moebus up: {r.instance} exited with {r.proc.returncode}: {last_line(r.log_path)}; see {r.log_path}", file=sys.stderr, flush=True)
+                    print(f"moebus up: {r.ended()}", file=sys.stderr, flush=True)
     except StartInterrupted:
         print("moebus up: stop requested before the stack was ready", flush=True)
     except StackError as e:

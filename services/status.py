@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 
@@ -143,8 +144,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--wait", type=float, default=1.5, help="seconds to listen (at least two heartbeat intervals)")
     ap.add_argument("--json", action="store_true", help="print each process's latest heartbeat as a JSON line")
     a = ap.parse_args(argv)
-    if a.wait <= 0:
-        ap.error(f"--wait must be positive, got {a.wait}")
+    if not 0 < a.wait < math.inf:  # nan too: it listened for nothing and then said no process serves
+        ap.error(f"--wait must be a positive number of seconds, got {a.wait}")
     return a
 
 

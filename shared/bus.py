@@ -23,6 +23,7 @@ from nats.aio.client import Client as NATSClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import Error as NATSError
 from nats.errors import TimeoutError as NATSTimeoutError
 
 from shared.logging import get_logger
@@ -147,9 +148,14 @@ def encode_public(obj: Any, ctype: str = JSON) -> bytes:
 
 
 def decode_public(data: bytes, type_: type[T] | Any, ctype: str = JSON) -> T:
-    """Decode and validate; raises msgspec.DecodeError / msgspec.ValidationError."""
+    """Decode and validate; raises msgspec.DecodeError / msgspec.ValidationError. A payload nested
+    deeper than msgspec can follow (a value of a free-form field, e.g. ``chat_template_kwargs``,
+    a thousand arrays deep) is a DecodeError too: msgspec raises RecursionError for it."""
     decoder = _msgpack_decoder(type_) if ctype == MSGPACK else _json_decoder(type_)
-    return decoder.decode(data)
+    try:
+        return decoder.decode(data)
+    except RecursionError as e:
+        raise msgspec.DecodeError(f"nested too deeply ({e})") from None
 
 
 def pack(obj: Any) -> bytes:
@@ -292,7 +298,10 @@ class Bus:
                     if deadline.expired:
                         raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
                     if silence_s is not None and time.monotonic() - last_reply >= silence_s:
-                        raise Silent(f"no reply on {subject} for {silence_s:g}s: the responder stopped answering") from e
+                        # Say which side went quiet: with this connection down (the server gone, reconnecting) the
+                        # responder may be fine, and whoever reads the error (an HTTP client, an operator) looks there.
+                        why = "the responder stopped answering" if self.nc.is_connected else "this process's NATS connection is down (reconnecting)"
+                        raise Silent(f"no reply on {subject} for {silence_s:g}s: {why}") from e
                     continue
                 last_reply = time.monotonic()
                 if msg.headers and msg.headers.get("Status") == "503":
@@ -345,10 +354,12 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
         # Once connected, reconnect forever (a restarted server is waited for); but nats-py
         # applies the same unbounded retry to the *first* connect, which would then hang
         # silently on a wrong URL: bound that one by the connect timeout.
+        # A comma-separated list of servers (a cluster's seeds) as the nats CLI and the Go client take it.
+        servers = [server.strip() for server in url.split(",")]
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
-                    url,
+                    servers,
                     name=name,
                     error_cb=on_error,
                     reconnected_cb=on_reconnected,
@@ -361,6 +372,8 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
             )
         except asyncio.TimeoutError as e:
             raise Unreachable(f"no NATS server answered at {url} within {connect_timeout:g}s") from e
+        except NATSError as e:  # raised at once for a URL nats-py cannot use ('', 'nats://', tls:// without a context)
+            raise Unreachable(f"cannot connect to {url!r}: {e} (a NATS URL is e.g. nats://127.0.0.1:4222; several: separated by commas)") from None
         connected = True
 
         async def close() -> None:

@@ -42,7 +42,6 @@ OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (``param`` null) wi
 from __future__ import annotations
 
 import functools
-import json
 import time
 from typing import Any, ClassVar, Literal
 
@@ -183,10 +182,14 @@ class InvalidRequest(ValueError):
 
 
 def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> CompletionRequest | ChatCompletionRequest:
+    if not body:  # msgspec would say "Input data was truncated"
+        raise InvalidRequest("request body: empty; send the endpoint's JSON object (with Content-Length, or chunked)")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"request body: {e}") from None
+    except RecursionError as e:  # msgspec's answer to a value of a free-form field nested a thousand deep
+        raise InvalidRequest(f"request body: nested too deeply ({e})") from None
 
 
 def _check_unsupported(unsupported: dict[str, bool]) -> None:
@@ -308,14 +311,15 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
 
 def _arguments(arguments: str | dict[str, Any] | None, where: str) -> dict[str, Any]:
     """A call's arguments as an object, as vLLM hands them to the chat template (OpenAI sends
-    JSON text; none is {})."""
+    JSON text; none is {}). Parsed as strictly as the body: ``json.loads`` let a lone surrogate
+    (``"\\ud800"``) through, which no request to the stack can encode (a 500)."""
     if isinstance(arguments, dict):
         return arguments
     if not arguments:
         return {}
     try:
-        parsed = json.loads(arguments)
-    except ValueError as e:
+        parsed = msgspec.json.decode(arguments)
+    except (msgspec.DecodeError, RecursionError) as e:
         raise InvalidRequest(f"{where}: not JSON ({e})") from None
     if not isinstance(parsed, dict):
         raise InvalidRequest(f"{where}: must be a JSON object, got {type(parsed).__name__}")

@@ -38,6 +38,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable
+from typing import Literal
 
 from schemas import subjects
 from schemas.api import Usage
@@ -196,13 +197,18 @@ class OpenAIFrontend:
         choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(conn, choices, shapes, include_usage, headers) if gen.stream else self._unary(conn, choices, shapes, headers)
-        status = await _unless_disconnected(conn, answer)
-        if status is None:
+        status = await _unless_ended(conn, answer)
+        if status == "gone":
             conn.keep = False
             for choice_id in choices.ids:
                 await self.client.cancel(choice_id, "the HTTP client closed its connection")
             log.info("openai_client_gone", request_id=request_id)
             return CLIENT_GONE
+        if status == "cut":
+            for choice_id in choices.ids:
+                await self.client.cancel(choice_id, "moebus openai is stopping")
+            log.info("openai_request_cut", request_id=request_id)
+            return await _cut(conn, headers)
         return status
 
     async def _unary(self, conn: http.Connection, choices: Choices, shapes: protocol.Shapes, headers: dict[str, str]) -> int:
@@ -265,28 +271,44 @@ def _id_header(request_id: str | None) -> dict[str, str] | None:
     return {"X-Request-Id": request_id} if request_id is not None and CLIENT_REQUEST_ID.match(request_id) else None
 
 
-async def _unless_disconnected(conn: http.Connection, answer: Awaitable[int]) -> int | None:
-    """Run ``answer`` (its status); stop it if the client closes its connection first (None
-    then: end of input, or a reset). What it sends meanwhile (a pipelined next request, a stray
-    CRLF after the body) stays unread, for the connection's next turn."""
+async def _unless_ended(conn: http.Connection, answer: Awaitable[int]) -> int | Literal["gone", "cut"]:
+    """Run ``answer`` (its status); stop it if the client closes its connection first ("gone":
+    end of input, or a reset) or the server's drain at stop runs out ("cut", `http.Server.drain`).
+    What the client sends meanwhile (a pipelined next request, a stray CRLF after the body) stays
+    unread, for the connection's next turn."""
     answering = asyncio.ensure_future(answer)
     gone = asyncio.ensure_future(conn.reader.ended.wait())
+    cut = asyncio.ensure_future(conn.server.cut.wait())
     try:
-        await asyncio.wait({answering, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({answering, gone, cut}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        cut.cancel()
     if answering.done():
         # A reset wakes the answer's write and the watch in the same turn of the loop: an answer that
         # failed writing is a client gone too (its requests must be cancelled, not left to the stack).
         if isinstance(answering.exception(), ConnectionError):
-            return None
+            return "gone"
         return answering.result()
     answering.cancel()
     try:
         await answering
     except asyncio.CancelledError:
         pass
-    return None
+    return "gone" if conn.reader.ended.is_set() else "cut"
+
+
+async def _cut(conn: http.Connection, headers: dict[str, str]) -> int:
+    """End the answer of a request the frontend's stop cut (its drain ran out): a 503 ``unavailable``,
+    or, for a stream already under way, that error as its last event before ``[DONE]``, as for an
+    error from the stack. The client can tell it from an answer cut short, and retry elsewhere."""
+    message = "moebus openai stopped before this request ended (its drain_timeout_s ran out); retry it"
+    if not conn.head_sent:
+        return await _error(conn, "unavailable", message, headers)
+    await http.send_event(conn, json.dumps(protocol.error_body("unavailable", message)[1]))
+    await http.send_event(conn, "[DONE]")
+    await http.end_events(conn)
+    return 200
 
 
 async def serve(settings: OpenAISettings) -> None:

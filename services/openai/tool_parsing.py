@@ -106,14 +106,20 @@ def _reject_constant(name: str) -> None:
 
 def tool_call(block: str) -> ToolCall | None:
     """The call a ``<tool_call>`` block's text holds: a JSON object with a string ``name`` and an
-    object ``arguments`` (Qwen3's hermes format); None for anything else."""
+    object ``arguments`` (Qwen3's hermes format); None for anything else. The text is the model's,
+    so anything may be in it: JSON nested past Python's recursion limit, or a number past a
+    float's range (``1e999`` reads as inf, which no JSON can write back) is no call either."""
     try:
         call = json.loads(block, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)):
         return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+    try:
+        arguments = json.dumps(call["arguments"], ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", call["name"], arguments)
 
 
 class ChatOutputParser:

@@ -31,6 +31,9 @@ from tokenizers import Tokenizer as HfTokenizer
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# How deep a request's data (chat_template_kwargs, tools, tool call arguments) may nest on its way into
+# the template: JSON Schemas of real tools nest a few levels; a thousand exhaust Python's recursion limit.
+MAX_TEMPLATE_DEPTH = 64
 # Arguments apply_chat_template passes to the template itself (and jinja's render takes "self"):
 # extra template variables may not use them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"self", "messages", "tools", "documents", "add_generation_prompt"})
@@ -375,14 +378,20 @@ def _token_content(entry: Any) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
-def _plain(value: Any, where: str) -> Any:
-    """JSON-like data only: the template sees nothing with methods it could abuse."""
+def _plain(value: Any, where: str, depth: int = 0, top: str | None = None) -> Any:
+    """JSON-like data only: the template sees nothing with methods it could abuse. Nested at most
+    ``MAX_TEMPLATE_DEPTH`` levels below ``top`` (the value the caller named, ``where`` at depth 0):
+    deeper data (a request's ``chat_template_kwargs`` or tool schema) would exhaust the interpreter's
+    recursion limit, here or in the template's ``tojson``."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    top = where if top is None else top
+    if isinstance(value, (Mapping, list, tuple)) and depth >= MAX_TEMPLATE_DEPTH:
+        raise ChatTemplateError(f"{top}: nested deeper than {MAX_TEMPLATE_DEPTH} levels")
     if isinstance(value, Mapping):
-        return {str(key): _plain(item, f"{where}.{key}") for key, item in value.items()}
+        return {str(key): _plain(item, f"{where}.{key}", depth + 1, top) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return [_plain(item, f"{where}[{i}]", depth + 1, top) for i, item in enumerate(value)]
     # subclasses (enums, numpy scalars...) carry extra methods: back to the base type
     if isinstance(value, str):
         return str.__str__(value)

@@ -13,7 +13,7 @@ import pytest
 from services.launch import start_nats_server
 from services.ranks import free_port
 from services_helpers import until, until_listened
-from shared.bus import Deadline, PayloadTooLarge, Reconnected, connect
+from shared.bus import Deadline, PayloadTooLarge, Reconnected, Silent, connect
 from shared.settings import NatsServerSettings
 
 
@@ -53,6 +53,25 @@ def test_a_stream_due_across_a_server_restart_fails_with_reconnected(nats_server
     assert reconnects == 1
     assert failed_after < 5.0  # the stream's deadline was 60 s
     assert echo == b"ping"
+
+
+def test_a_stream_silent_because_the_server_is_gone_says_so(nats_server):
+    """With the NATS server gone (moebus openai in front of a stack whose nats-server stopped), every
+    request failed after its keepalive silence with 'the responder stopped answering': the
+    gateway was blamed for this process's own lost connection."""
+    port, procs = nats_server
+
+    async def scenario() -> str:
+        async with connect(f"nats://127.0.0.1:{port}", "caller") as caller:
+            procs[0].kill()
+            procs[0].wait()
+            await until(lambda: not caller.nc.is_connected, "the connection noticed the server gone")
+            with pytest.raises(Silent) as failed:
+                async for _ in caller.stream("llm.generate", b"{}", lambda m: True, Deadline.after(30.0), silence_s=0.5):
+                    pass
+            return str(failed.value)
+
+    assert asyncio.run(scenario()) == "no reply on llm.generate for 0.5s: this process's NATS connection is down (reconnecting)"
 
 
 def test_a_message_above_max_payload_is_refused_with_a_typed_error_and_the_connection_stays(nats_server):

@@ -136,6 +136,21 @@ def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tm
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
 
 
+def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny_model: Path):
+    """A MOEBUS_CACHE_DIR or --log-dir that cannot be a directory (under a file here; a read-only home in a
+    container alike) ended `moebus up` with a Python traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    demo = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0"], env={**os.environ, "MOEBUS_CACHE_DIR": str(a_file / "cache")},
+                          capture_output=True, text=True, timeout=60)
+    assert demo.returncode == 2 and "Traceback" not in demo.stderr, demo.stderr
+    assert f"moebus up: cannot write the demo model into the cache directory {a_file / 'cache'}: Not a directory" in demo.stderr, demo.stderr
+    logs = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(a_file / "logs")],
+                          capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 1 and "Traceback" not in logs.stderr, logs.stderr
+    assert f"moebus up: cannot create the log directory {a_file / 'logs'}: Not a directory" in logs.stderr, logs.stderr
+
+
 def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_model: Path):
     """SIGTERM (or Ctrl-C) while the stack starts (a large checkpoint loads for minutes) stops it then;
     it used to be noticed only once the stack was ready, or after --ready-timeout."""
@@ -161,6 +176,31 @@ def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_mode
     assert took < 20, f"moebus up stopped {took:.0f}s after SIGTERM"
     assert "scheduler_stopped" in (log_dir / "scheduler-0.log").read_text()  # drained, not killed
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
+
+
+def test_up_names_the_signal_that_killed_a_service(tmp_path: Path, tiny_model: Path):
+    """A replica killed by a signal (kill -9, the OOM killer) was reported as 'exited with -9: <its last
+    log line>', a line that says nothing about why it ended (e.g. its decode_ready event)."""
+    compose = tmp_path / "scheduler-only.yml"
+    compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')  # no gateway: never ready
+    log_dir = tmp_path / "logs"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
+                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
+            assert time.monotonic() < deadline and up.poll() is None, "the scheduler did not start"
+            time.sleep(0.1)
+        scheduler = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
+        assert len(scheduler) == 1, scheduler
+        os.kill(int(scheduler[0]), signal.SIGKILL)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 1, err
+    assert f"moebus up: scheduler-0 was killed by SIGKILL; see {log_dir / 'scheduler-0.log'}" in err, err
 
 
 def test_up_refuses_a_nats_port_in_use_instead_of_joining_that_bus(tmp_path: Path, tiny_model: Path,
@@ -236,3 +276,80 @@ def test_status_into_a_reader_that_stops_early_exits_quietly(nats_server: tuple[
     err = status.stderr.read()
     assert status.wait(timeout=30) == 128 + signal.SIGPIPE, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_a_nats_url_list_connects_and_a_bad_url_is_named(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """A cluster's seeds as the nats CLI takes them ('nats://a:4222,nats://b:4222') and a URL nats-py cannot
+    parse ('', 'nats://') each ended every command (status, request, the services) in a nats.errors.Error
+    traceback. The list now connects to a server of it; a bad URL is a one-line error naming it."""
+    port, _ = nats_server
+
+    def status(url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "services.cli", "status", "--url", url, "--wait", "0.5"], capture_output=True, text=True,
+                              timeout=60)
+
+    listed = status(f"nats://127.0.0.1:1, nats://127.0.0.1:{port}")  # the first server listens nowhere
+    assert listed.returncode == 1 and "Traceback" not in listed.stderr, listed.stderr
+    assert "no heartbeat on" in listed.stderr, listed.stderr  # connected: nothing serves on that bare server
+    for bad in ("", "nats://"):
+        refused = status(bad)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.startswith(f"moebus status: cannot connect to {bad!r}: nats: invalid hostname in connect url"), refused.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    ([b"--prompt", b"hi", b"--temperature", b"nan"], "argument --temperature: expected a finite number, got 'nan'"),
+    ([b"--prompt", b"hi", b"--logit-bias", b"5=inf"], "argument --logit-bias: expected ID=BIAS (e.g. 1234=-100), got '5=inf'"),
+    ([b"--prompt", b"caf\xe9"], "argument --prompt: not UTF-8 text: 'caf\\udce9' (use a UTF-8 locale, or --input-ids)"),
+    ([b"--chat", b"hi", b"--stop", b"\xff"], "argument --stop: not UTF-8 text"),
+])
+def test_request_refuses_arguments_no_request_can_carry(args: list[bytes], says: str):
+    """`moebus request --temperature nan` sent temperature null over JSON (msgspec's nan) and ran at the
+    default temperature; a Latin-1 byte in --prompt (from a shell in another encoding) was a
+    UnicodeEncodeError traceback. Both are usage errors now, before any connection."""
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"services.cli", b"request", b"--url", b"nats://127.0.0.1:1", *args],
+                          capture_output=True, timeout=60)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2 and "Traceback" not in err and says in err, err
+
+
+@pytest.mark.parametrize("wait", ["nan", "inf", "0"])
+def test_status_refuses_a_wait_that_is_no_positive_duration(nats_server: tuple[int, list[subprocess.Popen[bytes]]], wait: str):
+    """`moebus status --wait nan` passed the check (nan <= 0 is false), listened for no time and said
+    'no moebus process serves there' of a serving stack; --wait inf listened forever."""
+    port, _ = nats_server
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "status", "--url", f"nats://127.0.0.1:{port}", "--wait", wait],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and f"--wait must be a positive number of seconds, got {float(wait)}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("text, says", [
+    ("root:x:0:0:root:/root:/bin/bash\n", "no `services` mapping (not a docker compose file?)"),  # --stack /etc/passwd: a YAML string
+    ("- a\n- b\n", "no `services` mapping"),
+    ("services:\n  gateway: 5\n", "service 'gateway' must be a mapping, got 5"),
+    ("services:\n  gateway:\n    command: 5\n", "service 'gateway': command must be `moebus <"),
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    environment: 5\n", "environment must be a mapping or a list of NAME=VALUE, got 5"),
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    deploy: {replicas: abc}\n", "deploy.replicas must be a count"),
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    deploy: 7\n", "deploy.replicas must be a count"),
+])
+def test_up_names_what_is_wrong_with_a_compose_file(tmp_path: Path, text: str, says: str):
+    """A --stack file that is YAML but not a compose file of moebus services (/etc/passwd; a service
+    that is no mapping; a replicas count that is none) was an AttributeError or ValueError traceback."""
+    stack = tmp_path / "stack.yml"
+    stack.write_text(text)
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(stack), "--log-dir", str(tmp_path / "logs")],
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "Traceback" not in up.stderr and f"moebus up: {stack}: " in up.stderr and says in up.stderr, up.stderr
+
+
+def test_compose_environment_lists_take_name_only_entries_from_the_callers_environment(tmp_path: Path):
+    """Compose's `- NAME` entry (pass the caller's value on) was a ValueError at `dict()`: every process
+    of `moebus up` inherits the caller's environment, so it is left out of the service's own."""
+    stack = tmp_path / "stack.yml"
+    stack.write_text("services:\n  gateway:\n    command: [moebus, gateway]\n    environment: [HF_TOKEN, MOEBUS_LOG_JSON=true]\n")
+    assert load_compose(stack, {})[0].env == {"MOEBUS_LOG_JSON": "true"}
+
+
+def test_up_refuses_a_ready_timeout_that_is_no_positive_duration():
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--ready-timeout", "nan"], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "moebus up: --ready-timeout must be a positive number of seconds, got nan" in up.stderr, up.stderr

@@ -42,6 +42,8 @@ def test_frontend_on_a_taken_port_exits_with_a_clear_error(stack, frontend):
     proc = subprocess.run([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", str(frontend[1])],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{frontend[1]}" in proc.stderr
+    # what a second `moebus up` (--port 0) printed for its frontends on the first one's ports, without saying what to do
+    assert "another process listens there: pick another port with --port or MOEBUS_OPENAI_PORT (0: any free one)" in proc.stderr, proc.stderr
 
 
 def call(addr: tuple[str, int], method: str, path: str, body: object | None = None) -> tuple[int, str, bytes]:
@@ -213,6 +215,15 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
      "This model's maximum context length is 4096 tokens. However, you requested 4099 tokens (4094 in the prompt, 5 for max_tokens)."),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "invalid_request",
      "This model's maximum context length is 4096 tokens. However, the prompt has 5009 tokens"),
+    # Each of these three was a 500: msgspec's RecursionError; a template variable nested too deep for
+    # the chat template (the gateway's `internal`); json.loads, which let a lone surrogate into a
+    # request the frontend then could not encode.
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, "invalid_request", "request body: nested too deeply"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": ' + b"[" * 900 + b"]" * 900 + b"}}",
+     400, "invalid_request", "x: nested deeper than 64 levels"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]}]},
+     400, "invalid_request", "messages[1].tool_calls[0].function.arguments: not JSON"),
 ])
 def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says):
     got, ctype, raw = call(frontend, "POST", path, body)

@@ -192,6 +192,32 @@ def test_connection_close_and_http_1_0_are_honoured(frontend):
         assert sse(raw.split(b"\r\n\r\n", 1)[1])[-1] == "[DONE]"
 
 
+def test_an_ambiguous_body_length_is_refused_or_closes_the_connection(frontend):
+    """Bodies a proxy in front could frame otherwise than the frontend (request smuggling, RFC 9112
+    6.3): two different Content-Lengths were framed by the last one and the rest of the body read as a
+    next request on the kept connection; Content-Length with chunked kept the connection; a transfer
+    coding other than chunked was a 411 (with a Content-Length, the body was framed by it)."""
+    payload = json.dumps({"prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    chunked = f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n"
+    sent = {
+        "two lengths": f"{head}Content-Length: {len(payload)}\r\nContent-Length: 5\r\n\r\n".encode() + payload,
+        "gzip": f"{head}Transfer-Encoding: gzip\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload,
+        "chunked, then gzip": f"{head}Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n".encode() + chunked,
+        "length and chunked": f"{head}Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + chunked,
+    }
+    got = {}
+    for name, raw in sent.items():
+        with socket.create_connection(frontend, timeout=30) as s:
+            s.sendall(raw)
+            [(status, headers, body)] = answers(read_to_close(s), 1)  # one answer, then the close: nothing read as a next request
+            got[name] = status, headers["Connection"], json.loads(body)
+    assert got["two lengths"][:2] == (400, "close") and "conflicting Content-Length headers" in got["two lengths"][2]["error"]["message"]
+    for name in ("gzip", "chunked, then gzip"):
+        assert got[name][:2] == (400, "close") and "only chunked is supported" in got[name][2]["error"]["message"], got[name]
+    assert got["length and chunked"][:2] == (200, "close") and got["length and chunked"][2]["usage"]["completion_tokens"] == 2  # framed by chunked
+
+
 def test_pipelined_requests_are_answered_in_order(frontend):
     """Three requests written at once (unary, streamed, unary with ``Connection: close``): three
     answers, in the requests' order, nothing lost; the stream's chunked framing parsed by http.client."""
@@ -302,27 +328,50 @@ def test_stop_closes_idle_connections_and_finishes_the_request_in_flight(own_fro
         busy.close()
 
 
-def test_a_request_outlasting_the_drain_timeout_is_cut_and_logged(own_frontend):
-    """``--drain-timeout 1`` (the setting ``drain_timeout_s``): a request that would run ~15 s more is
-    cut about 1 s after SIGTERM (its connection closes without an answer), the cut is logged as
-    ``drain_timed_out`` and the process exits 0 -- it does not wait for the request."""
+def test_a_request_outlasting_the_drain_timeout_is_cut_with_an_error_and_logged(stack, own_frontend):
+    """``--drain-timeout 1`` (the setting ``drain_timeout_s``), two requests that would run minutes more:
+    about 1 s after SIGTERM they are cut, the cut is logged as ``drain_timed_out`` and the process exits
+    0 -- it does not wait for them. Cut, a unary request got no answer at all (the connection closed:
+    'Remote end closed connection without response'), a stream stopped mid-chunk, and the frontend's
+    log had a CancelledError traceback per request (Ctrl-C of `moebus up` did that to every request in
+    flight). Now the unary one is a 503 `unavailable`, the stream's last event that error before
+    [DONE], and both requests are cancelled at the stack."""
     f = own_frontend("--drain-timeout", "1")
-    body = {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with socket.create_connection(f.addr, timeout=30) as busy:
-        busy.sendall(request_bytes("/v1/completions", body))
+    body = {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}  # minutes of tokens on this box
+    unary = socket.create_connection(f.addr, timeout=60)
+    streamed = socket.create_connection(f.addr, timeout=60)
+    try:
+        unary.sendall(request_bytes("/v1/completions", body, "X-Request-Id: cut-unary\r\n"))
+        streamed.sendall(request_bytes("/v1/completions", body | {"stream": True}, "X-Request-Id: cut-stream\r\n"))
         received = b""
         while b"data: " not in received:  # the stream has begun
-            data = busy.recv(65536)
+            data = streamed.recv(65536)
             assert data, received
             received += data
         f.proc.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
-        received += read_to_close(busy)
+        [(status, headers, raw)] = answers(read_to_close(unary), 1)
+        assert (status, headers["Connection"], headers["X-Request-Id"]) == (503, "close", "cut-unary"), raw[:300]
+        error = json.loads(raw)["error"]
+        assert error["code"] == "unavailable" and error["message"].startswith("moebus openai stopped before this request ended"), error
+        [(status, headers, raw)] = answers(received + read_to_close(streamed), 1)  # chunked to its last chunk
         cut_after = time.monotonic() - stopped
+        assert status == 200 and headers["Transfer-Encoding"] == "chunked"
+        events = sse(raw)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "unavailable", events[-3:]
+    finally:
+        unary.close()
+        streamed.close()
     assert 0.8 < cut_after < 5.0, cut_after
-    assert b"data: [DONE]" not in received
     assert f.proc.wait(30) == 0 and "stopped" in f.proc.stdout.read()  # type: ignore[union-attr]
-    assert [(e["requests_in_flight"], e["timeout_s"]) for e in f.events("drain_timed_out")] == [(1, 1.0)]
+    assert [(e["requests_in_flight"], e["timeout_s"]) for e in f.events("drain_timed_out")] == [(2, 1.0)]
+    assert "Traceback" not in f.log.read_text()
+    assert sorted((e["request_id"], e["status"]) for e in f.events("http_request")) == [("cut-stream", 200), ("cut-unary", 503)]
+
+    def cancelled() -> set[str]:
+        return {e["request_id"] for e in log_events(stack, "request_failed") if e["code"] == "cancelled"}
+
+    run(until(lambda: {"cut-unary", "cut-stream"} <= cancelled(), "the gateway ending both requests cancelled"))
 
 
 def test_the_benchmarks_client_keeps_its_connection_and_reopens_one_closed_idle(own_frontend):
@@ -344,3 +393,38 @@ def test_the_benchmarks_client_keeps_its_connection_and_reopens_one_closed_idle(
         assert conn.complete(body)["choices"][0]["text"] == texts[0] and conn.connections == 2
     finally:
         conn.close()
+
+
+def test_a_request_without_a_length_has_no_body(frontend):
+    """RFC 9112 6.3: a request with neither Content-Length nor Transfer-Encoding has an empty body. A
+    POST so sent (`curl -X POST http://host:8000/ping`, vLLM's probe) was refused 411 Length Required
+    and its connection closed; now /ping answers it, and a completions request is a 400 naming the
+    empty body, the connection kept for the next request."""
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(b"POST /ping HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        got = answers(read_to_close(s), 3)
+    assert [(status, headers["Connection"]) for status, headers, _ in got] == [(200, "keep-alive"), (400, "keep-alive"), (200, "close")]
+    assert json.loads(got[1][2])["error"]["message"].startswith("request body: empty;"), got[1][2]
+
+
+def test_a_client_leaving_mid_headers_logs_no_error(own_frontend):
+    """A client that sends part of a request and closes (a TLS hello to the plain port, a port scanner,
+    a load balancer's half-open probe): its 400 was written, then the lingering close's shutdown hit
+    the peer's reset (OSError ENOTCONN, no ConnectionError), and the frontend logged
+    http_request_failed with a traceback at error level. Some of 20 such clients hit it on main."""
+    f = own_frontend()
+    for _ in range(20):
+        with socket.create_connection(f.addr, timeout=10) as s:
+            s.sendall(bytes.fromhex("16030100a5010000a10303") + bytes(100))  # a TLS ClientHello's start: no request line end
+            s.shutdown(socket.SHUT_WR)
+    assert version_status(f.addr) == 200  # and it serves on
+    assert f.events("http_request_failed") == [] and "Traceback" not in f.log.read_text()
+
+
+def version_status(addr: tuple[str, int]) -> int:
+    with socket.create_connection(addr, timeout=30) as s:
+        s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        [(status, _, _)] = answers(read_to_close(s), 1)
+    return status

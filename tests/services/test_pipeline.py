@@ -450,6 +450,14 @@ BAD_INPUTS = [
     (b'{"input_ids": [999999999]}', "vocabulary"),
     (b'{"prompt": "hi", "temperature": -1}', "temperature"),
     (b'{"prompt": "hi", "top_p": 0}', "top_p"),
+    (json.dumps({"prompt": "hi", "stop": [f"s{i}" for i in range(301)]}).encode(), "stop: at most 300 strings, got 301"),
+    # Free-form values nested deeper than msgspec (or the chat template) can follow: msgspec's
+    # RecursionError left the first without an answer (the client waited out its timeout), the
+    # template's the second with `internal`.
+    (b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": ' + b"[" * 100000 + b"]" * 100000 + b"}}",
+     "malformed json: nested too deeply"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": ' + b"[" * 900 + b"]" * 900 + b"}}",
+     "x: nested deeper than 64 levels"),
 ]
 
 

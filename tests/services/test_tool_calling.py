@@ -84,6 +84,19 @@ def test_streaming_split_anywhere_gives_the_unary_answer(name):
     assert summary(streamed(list(text), reasoning, tools)) == expected
 
 
+@pytest.mark.parametrize("block", [
+    '<tool_call>\n{"name": "f", "arguments": {"x": ' + "[" * 1100 + "]" * 1100 + '}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"x": 1e999}}\n</tool_call>',
+])
+def test_a_block_no_json_can_carry_back_stays_content(block):
+    """The model writes the block, so anything may be in it. JSON nested past Python's recursion
+    limit raised RecursionError out of the parser (a 500, or a stream cut short); 1e999 became the
+    call's arguments as '{"x": Infinity}', which is no JSON for the client's parser."""
+    expected = ("", block, [])
+    assert summary(parse_answer(block, False, True)) == expected
+    assert summary(streamed([block[:7], block[7:40], block[40:]], False, True)) == expected
+
+
 def test_unicode_arguments_stay_unescaped_json_text():
     call = parse_answer('<tool_call>\n{"name": "f", "arguments": {"city": "Zürich"}}\n</tool_call>', False, True).tool_calls[0]
     assert call.arguments == '{"city": "Zürich"}'  # as vLLM re-serialises them (ensure_ascii off)
