@@ -221,6 +221,9 @@ class OpenAISettings(FrontendSettings, kw_only=True):
     port: Port = 8000
     max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 16  # choices (n) one request may ask for, each a request to the stack; OpenAI's bound
     max_prompts: Positive = 64  # prompts one /v1/completions request may batch
+    # choices (n x prompts) one request may ask for, each a request to the stack: as many as the scheduler's
+    # max_queued (256 by default) at most, else one request could fill its queue and push every other client into 503s
+    max_choices: Positive = 256
     # /health fails once no scheduler, prefill instance or decode rank taking work was heard this
     # long: the gateway's stage_expiry_s, after which it fails their requests.
     health_expiry_s: Seconds = 2.0

@@ -70,7 +70,7 @@ class OpenAIFrontend:
     """Routes each HTTP request of a connection to the stack through ``client``."""
 
     def __init__(self, client: Client, readiness: StackReadiness, max_n: int = 16, max_prompts: int = 64,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, max_choices: int = 256) -> None:
         """``readiness``: the heartbeats heard (``/health``); ``tool_call_parser`` ("hermes") /
         ``reasoning_parser`` ("qwen3"): chat answers are parsed for tool calls (requests may then use
         ``tools`` with ``tool_choice`` "auto") / reasoning."""
@@ -80,6 +80,7 @@ class OpenAIFrontend:
         self.reasoning_parser = reasoning_parser
         self.max_n = max_n
         self.max_prompts = max_prompts
+        self.max_choices = max_choices
         self._served_model: str | None = None  # from llm.models, once it answered
 
     async def served_model(self) -> str:
@@ -177,6 +178,9 @@ class OpenAIFrontend:
             else:
                 gens = protocol.completion_requests(body, request_id, self.max_prompts)  # type: ignore[arg-type]
             n = protocol.check_n(body, self.max_n)
+            if n * len(gens) > self.max_choices:
+                raise protocol.InvalidRequest(f"n x prompts = {n} x {len(gens)} = {n * len(gens)} choices; this server takes at most "
+                                              f"{self.max_choices} per request (its max_choices, --max-choices): each choice is a request to the stack")
         except protocol.InvalidRequest as e:
             return await _error(conn, "invalid_request", str(e), headers)
         gen = gens[0]
@@ -318,7 +322,7 @@ async def serve(settings: OpenAISettings) -> None:
         # No deadline of the frontend's own: the gateway's (a request's timeout_ms, else its
         # default_timeout_ms) ends a request, and keepalives tell a gateway that died.
         frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, settings.max_n, settings.max_prompts, settings.tool_call_parser,
-                                  settings.reasoning_parser)
+                                  settings.reasoning_parser, settings.max_choices)
         await http.listen("openai", frontend.handle, "/v1", settings)
 
 
@@ -329,6 +333,8 @@ def _parse(argv: list[str]) -> OpenAISettings:
     default = OpenAISettings()
     ap.add_argument("--max-n", type=int, metavar="N", help=f"the most choices (n) one request may ask for, each a request to the stack (default {default.max_n})")
     ap.add_argument("--max-prompts", type=int, metavar="N", help=f"the most prompts one /v1/completions request may batch (default {default.max_prompts})")
+    ap.add_argument("--max-choices", type=int, metavar="N",
+                    help=f"the most choices (n x prompts) one request may ask for, each a request to the stack (default {default.max_choices})")
     ap.add_argument("--health-expiry", dest="health_expiry_s", type=float, metavar="SECONDS",
                     help="/health fails once no scheduler, prefill instance or decode rank was heard this long "
                          f"(default {default.health_expiry_s:g}: the gateway's stage_expiry_s)")

@@ -194,6 +194,8 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     ("/v1/chat/completions", {"messages": "hi"}, 400, "invalid_request", "request body: Expected `array`, got `str` - at `$.messages`"),
     ("/v1/completions", {"prompt": "hi", "best_off": 2}, 400, "invalid_request", "best_off"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "invalid_request", "n must be in [1, 16]"),
+    # n x prompts past max_choices (256): one request would fill the scheduler's queue (max_queued 256)
+    ("/v1/completions", {"prompt": ["hi"] * 17, "n": 16, "max_tokens": 1}, 400, "invalid_request", "n x prompts = 16 x 17 = 272 choices"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "invalid_request", "not supported by moebus: best_of"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_request", "top_logprobs must be an integer in [0, 20], got 21"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "invalid_request",
