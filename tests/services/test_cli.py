@@ -151,19 +151,29 @@ def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny
     assert f"moebus up: cannot create the log directory {a_file / 'logs'}: Not a directory" in logs.stderr, logs.stderr
 
 
+def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int) -> tuple[subprocess.Popen, Path]:
+    """`moebus up` of a stack of one scheduler (no gateway: llm.models never answers, so it never gets
+    ready), once the scheduler has started; (the `moebus up` process, its log directory)."""
+    compose = tmp_path / "scheduler-only.yml"
+    compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')
+    log_dir = tmp_path / "logs"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
+                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    deadline = time.monotonic() + 60
+    while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
+        if time.monotonic() > deadline or up.poll() is not None:
+            up.kill()
+            up.wait()
+            raise AssertionError("the scheduler did not start")
+        time.sleep(0.1)
+    return up, log_dir
+
+
 def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_model: Path):
     """SIGTERM (or Ctrl-C) while the stack starts (a large checkpoint loads for minutes) stops it then;
     it used to be noticed only once the stack was ready, or after --ready-timeout."""
-    compose = tmp_path / "scheduler-only.yml"
-    compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')  # no gateway: llm.models never answers
-    log_dir = tmp_path / "logs"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
-                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
-            assert time.monotonic() < deadline and up.poll() is None, "the scheduler did not start"
-            time.sleep(0.1)
         up.send_signal(signal.SIGTERM)
         asked = time.monotonic()
         output, _ = up.communicate(timeout=120)
@@ -181,16 +191,8 @@ def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_mode
 def test_up_names_the_signal_that_killed_a_service(tmp_path: Path, tiny_model: Path):
     """A replica killed by a signal (kill -9, the OOM killer) was reported as 'exited with -9: <its last
     log line>', a line that says nothing about why it ended (e.g. its decode_ready event)."""
-    compose = tmp_path / "scheduler-only.yml"
-    compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')  # no gateway: never ready
-    log_dir = tmp_path / "logs"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
-                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
-            assert time.monotonic() < deadline and up.poll() is None, "the scheduler did not start"
-            time.sleep(0.1)
         scheduler = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
         assert len(scheduler) == 1, scheduler
         os.kill(int(scheduler[0]), signal.SIGKILL)
