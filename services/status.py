@@ -63,11 +63,18 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _failed_and_cancelled(failures: dict[str, int]) -> tuple[dict[str, int], int]:
+    """A transfer's failures by cause, apart from those cancelled (a client that hung up, a request that
+    ended): those are shown on their own, so that a healthy stack under normal cancels does not look faulty."""
+    return {cause: n for cause, n in failures.items() if cause != "cancelled"}, failures.get("cancelled", 0)
+
+
 def _transfers(role: str, t: TransferStats | None) -> str:
     if t is None:
         return ""
     rate = f" {_bytes(t.bytes_total / t.seconds_total)}/s" if t.seconds_total > 0 else ""
-    failed = f" failed[{_counts(t.failures)}]" if t.failures else ""
+    failures, cancelled = _failed_and_cancelled(t.failures)
+    failed = (f" failed[{_counts(failures)}]" if failures else "") + (f" cancelled={cancelled}" if cancelled else "")
     return f"kv_{'sent' if role == 'prefill' else 'received'}={t.completed} ({_bytes(t.bytes_total)}{rate}){failed}"
 
 
@@ -128,13 +135,14 @@ def summary_lines(members: list[Heartbeat]) -> list[str]:
         total = sum(hb.kv_total_pages for hb in decode)
         used = total - sum(hb.kv_free_pages for hb in decode)
         received = [hb.transfer for hb in decode if hb.transfer is not None]
-        failures: dict[str, int] = {}
+        every: dict[str, int] = {}
         for t in received:
             for cause, n in t.failures.items():
-                failures[cause] = failures.get(cause, 0) + n
+                every[cause] = every.get(cause, 0) + n
+        failures, cancelled = _failed_and_cancelled(every)
         lines.append(f"decode: {len(decode)} ranks, batch {sum(hb.batch_size for hb in decode)}/{sum(hb.max_batch for hb in decode)}, "
                      f"kv pages {used}/{total} in use; kv received {sum(t.completed for t in received)} "
-                     f"({_bytes(sum(t.bytes_total for t in received))}), transfer failures: {_counts(failures)}")
+                     f"({_bytes(sum(t.bytes_total for t in received))}), transfer failures: {_counts(failures)}, cancelled: {cancelled}")
     return lines
 
 

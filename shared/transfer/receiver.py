@@ -526,6 +526,8 @@ class KVReceiver:
             _wake(res)
         if landed:
             log.info("kv.released_unclaimed", request_id=res.request_id, cause=error.cause, reason=str(error))
+        elif state is _State.CANCELLED:  # its owner ended the request (a client that hung up): not a fault to warn of
+            log.info("kv.receive_cancelled", request_id=res.request_id, reason=str(error))
         else:
             log.warning("kv.receive_failed", request_id=res.request_id, cause=error.cause, error=str(error))
         if state is not _State.CANCELLED:

@@ -118,7 +118,7 @@ def test_status_lines_show_each_process_and_the_totals():
                   requests=RequestCounters(max_context=4096).stats()),
         Heartbeat(role="decode", instance="d0", rank=1, model="tiny", version="1", started_at=now - 3700, kv_total_pages=100, kv_free_pages=60,
                   batch_size=3, max_batch=32, decode_steps={"graph_replay": 9, "eager": 1},
-                  transfer=TransferStats(completed=4, bytes_total=2_000_000_000, seconds_total=0.01, failures={"timeout": 1})),
+                  transfer=TransferStats(completed=4, bytes_total=2_000_000_000, seconds_total=0.01, failures={"timeout": 1, "cancelled": 2})),
         Heartbeat(role="prefill", instance="p0", rank=0, model="tiny", version="1", started_at=now - 5, queued_requests=1, queued_tokens=30,
                   prefix_cache=PrefixCacheStats(lookups=4, hits=3, lookup_tokens=400, hit_tokens=300, evictions=2, cached_pages=12, evictable_pages=9)),
     ]
@@ -130,11 +130,15 @@ def test_status_lines_show_each_process_and_the_totals():
     assert "queued=1 (30 tok)  prefix_hits=3/4 75% tok cached_pages=12 (9 evictable) evicted=2" in prefill
     assert gateway.split()[:5] == ["gateway", "gw", "0", "tiny", "1m15s"] and "in_flight=2" in gateway
     assert decode.split()[:6] == ["decode", "d0", "1", "tiny", "1h01m", "serving"]
-    assert "batch=3/32 kv_pages=40/100" in decode and "kv_received=4 (2.0GB 200.0GB/s) failed[timeout=1]" in decode
+    assert "batch=3/32 kv_pages=40/100" in decode and "kv_received=4 (2.0GB 200.0GB/s) failed[timeout=1] cancelled=2" in decode
     assert "steps[eager=1 graph_replay=9]" in decode
     totals = "\n".join(summary_lines(members))
     assert "requests: 0 answered" in totals and "ttft -" in totals
-    assert "decode: 1 ranks, batch 3/32, kv pages 40/100 in use; kv received 4 (2.0GB), transfer failures: timeout=1" in totals
+    assert "decode: 1 ranks, batch 3/32, kv pages 40/100 in use; kv received 4 (2.0GB), transfer failures: timeout=1, cancelled: 2" in totals
+    # cancels alone are no failures
+    only_cancels = msgspec.structs.replace(members[1], transfer=msgspec.structs.replace(members[1].transfer, failures={"cancelled": 3}))
+    assert "kv_received=4 (2.0GB 200.0GB/s) cancelled=3" in member_line(only_cancels, now)
+    assert "transfer failures: -, cancelled: 3" in "\n".join(summary_lines([only_cancels]))
 
 
 @pytest.mark.parametrize("command", ["request --prompt hi", "status"])
