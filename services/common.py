@@ -119,6 +119,8 @@ def parse_settings(service: str, argv: list[str], needs_model: str = "",
             parser.error(f"model {settings.model!r} cannot be split over this instance's ranks: {e}")
         except (ConfigError, CheckpointError) as e:
             parser.error(f"model {settings.model!r} is not a checkpoint moebus serves: {e}")
+        except SettingsError as e:  # a runtime switch of the ranks (services.model_rank.check_rank_checkpoint)
+            parser.error(str(e))
     configure_logging(service, settings.log_level, settings.log_json, instance=settings.instance)
     return settings
 

@@ -18,15 +18,17 @@ from typing import Any, Protocol
 
 import torch
 
+from kernels.ops import kernel_mode
 from schemas.internal import Job, TopCandidates
 from shared.logging import configure_logging, get_logger
 from shared.model.config import ModelConfig
 from shared.model.errors import ShardingError
+from shared.model.layers import decode_attention_mode
 from shared.model.runner import ModelRunner, StepOutput
 from shared.model.sampling_params import SamplingParams
 from shared.model.weights import SafetensorsCheckpoint, check_shardable
 from shared.parallel import Topology, init_distributed
-from shared.settings import DecodeSettings, PrefillSettings, ServiceSettings
+from shared.settings import DecodeSettings, PrefillSettings, ServiceSettings, SettingsError
 
 log = get_logger(__name__)
 
@@ -36,6 +38,13 @@ def check_rank_checkpoint(settings: ServiceSettings) -> None:
     (`ConfigError`), its weight files' headers (`CheckpointError`) and whether tp/dp splits its heads
     and experts (`ShardingError`): a wrong setting stops the instance before any rank starts, not
     one rank deep inside its weight loading while the others wait at the rendezvous."""
+    # The runtime switches of the model ranks (environment variables, not settings fields): a typo stops
+    # the instance here on any device, not only once a CUDA rank reads the switch while building its model.
+    try:
+        kernel_mode()
+        decode_attention_mode()
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
     config = ModelConfig.from_dir(settings.model)
     SafetensorsCheckpoint(settings.model)  # the weight files exist and their headers read
     if isinstance(settings, PrefillSettings):

@@ -135,13 +135,18 @@ DECODE_ATTENTION_ENV = "MOEBUS_DECODE_ATTENTION"  # "kernel" (default) or "sdpa"
 DECODE_ATTENTION_MODES = ("kernel", "sdpa")
 
 
-def decode_attention_kernel(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `paged_attention_sdpa` runs decode batches of this shape through the paged decode
-    attention kernel: on CUDA, for shapes the kernel takes, unless ``MOEBUS_DECODE_ATTENTION=sdpa``."""
+def decode_attention_mode() -> str:
+    """The mode ``MOEBUS_DECODE_ATTENTION`` names (``kernel`` when unset); ValueError for any other value."""
     mode = os.environ.get(DECODE_ATTENTION_ENV, "kernel").strip().lower() or "kernel"
     if mode not in DECODE_ATTENTION_MODES:
         raise ValueError(f"{DECODE_ATTENTION_ENV}={os.environ[DECODE_ATTENTION_ENV]!r} is not one of {', '.join(DECODE_ATTENTION_MODES)}")
-    return mode == "kernel" and device.type == "cuda" and kernel_supports(q_heads, kv_heads, head_dim, page_size, dtype) is None
+    return mode
+
+
+def decode_attention_kernel(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `paged_attention_sdpa` runs decode batches of this shape through the paged decode
+    attention kernel: on CUDA, for shapes the kernel takes, unless ``MOEBUS_DECODE_ATTENTION=sdpa``."""
+    return decode_attention_mode() == "kernel" and device.type == "cuda" and kernel_supports(q_heads, kv_heads, head_dim, page_size, dtype) is None
 
 
 def prepare_decode_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> bool:

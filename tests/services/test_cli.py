@@ -117,6 +117,9 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
         (["metrics", "--keep-alive-requests", "0"], {}, 2, r"keep_alive_requests=0 on the command line: Expected `int` >= 1"),
         # A runtime switch passes the settings: this one gets as far as dialling NATS.
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_DECODE_WARMUP": "false"}, 1, "no NATS server answered"),
+        # ... and a typo in one stops a model instance at start on any device (it was read only on CUDA).
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_ATTENTION": "spda"}, 2, "MOEBUS_DECODE_ATTENTION='spda' is not one of kernel, sdpa"),
+        (["prefill", "--model", str(tiny_model)], {"MOEBUS_KERNELS": "ref"}, 2, "MOEBUS_KERNELS='ref' is not one of auto, reference"),
         (["scheduler"], {}, 1, "moebus scheduler: no NATS server answered at nats://127.0.0.1:1 within 0.5s"),  # exit 1, no traceback either
     ]
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env={**os.environ, **unreachable, **env},
