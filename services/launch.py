@@ -49,7 +49,7 @@ from schemas.api import ModelList
 from schemas.internal import Heartbeat
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
-from shared.settings import NatsServerSettings, SettingsError, nats_server_settings
+from shared.settings import SERVICES, NatsServerSettings, SettingsError, load_settings, nats_server_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
@@ -482,6 +482,7 @@ def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--stack", default=str(DEFAULT_STACK), help="docker compose file describing the stack")
     ap.add_argument("--nats-max-payload", type=int, metavar="BYTES",
                     help="largest NATS message, 1 MiB to 64 MiB (default: $MOEBUS_NATS_MAX_PAYLOAD, else 8 MiB)")
+    ap.add_argument("--config", metavar="FILE", help="TOML settings file of every service (passed on as $MOEBUS_CONFIG; default: $MOEBUS_CONFIG)")
     ap.add_argument("--scale", action="append", default=[], metavar="SERVICE=N", help="replicas of a service (overrides deploy.replicas)")
     ap.add_argument("--log-dir", help="where service logs go (default: a new directory under the cache dir)")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
@@ -503,6 +504,12 @@ def main(argv: list[str]) -> int:
         scale[name] = int(n)
     cache = default_cache_dir()
     try:
+        if a.config:
+            # Read here as every service will read it (bad keys and values are named now, not by each
+            # service's exit), then handed to the services as the variable they read it from.
+            for service, cls in SERVICES.items():
+                load_settings(cls, service, a.config, env={})
+            os.environ["MOEBUS_CONFIG"] = str(Path(a.config).resolve())
         if a.model:
             model = Path(a.model).resolve()
         else:

@@ -154,14 +154,14 @@ def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny
     assert f"moebus up: cannot create the log directory {a_file / 'logs'}: Not a directory" in logs.stderr, logs.stderr
 
 
-def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int) -> tuple[subprocess.Popen, Path]:
+def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int, *flags: str) -> tuple[subprocess.Popen, Path]:
     """`moebus up` of a stack of one scheduler (no gateway: llm.models never answers, so it never gets
     ready), once the scheduler has started; (the `moebus up` process, its log directory)."""
     compose = tmp_path / "scheduler-only.yml"
     compose.write_text('services:\n  scheduler:\n    command: ["moebus", "scheduler"]\n')
     log_dir = tmp_path / "logs"
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
-                           "--log-dir", str(log_dir), "--ready-timeout", "90"], stdout=subprocess.PIPE, stderr=stderr, text=True)
+                           "--log-dir", str(log_dir), "--ready-timeout", "90", *flags], stdout=subprocess.PIPE, stderr=stderr, text=True)
     deadline = time.monotonic() + 60
     while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
         if time.monotonic() > deadline or up.poll() is not None:
@@ -170,6 +170,26 @@ def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int) -> 
             raise AssertionError("the scheduler did not start")
         time.sleep(0.1)
     return up, log_dir
+
+
+def test_up_hands_its_config_file_to_every_service_and_refuses_a_bad_one_at_once(tmp_path: Path, tiny_model: Path):
+    """`moebus up --config FILE`: a file no service could start with is named before anything starts;
+    a good one reaches the services (as MOEBUS_CONFIG). `moebus up` had no such flag."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[scheduler]\nmax_queud = 3\n")
+    refused = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--config", str(bad),
+                              "--log-dir", str(tmp_path / "refused")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "unknown key(s) in [scheduler]: max_queud" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()  # nothing was started
+    good = tmp_path / "good.toml"
+    good.write_text("[scheduler]\nlog_json = false\n")  # its log, a file, would be JSON lines by default
+    up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.STDOUT, "--config", str(good))
+    try:
+        log = (log_dir / "scheduler-0.log").read_text()
+        assert "scheduler_ready" in log and not log.startswith("{"), log
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.communicate(timeout=60)
 
 
 def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_model: Path):
