@@ -79,12 +79,22 @@ class ServiceSpec:
     args: list[str]  # after `moebus <role>`
     env: dict[str, str]
     replicas: int
+    restart: str = "no"  # compose's restart policy, which `moebus up` applies as docker compose does (`restarts`)
     # The variable each `environment` value is interpolated from, where the value is one `${VAR}` /
     # `${VAR:-default}` (e.g. MOEBUS_DECODE_MAX_BATCH -> DECODE_MAX_BATCH): the knob the file offers.
     env_knobs: dict[str, str] = field(default_factory=dict)
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+RESTART_POLICIES = ("no", "on-failure", "always", "unless-stopped")
+RESTART_MAX_DELAY_S = 30.0  # a replica that keeps failing is restarted after 1, 2, 4, ... s, then every 30 s
+
+
+def restarts(policy: str, returncode: int) -> bool:
+    """Whether a replica that ended with ``returncode`` is started again under compose's ``restart`` policy
+    (``unless-stopped`` and ``always`` alike: `moebus up` stops replicas only when it stops)."""
+    return policy in ("always", "unless-stopped") or (policy == "on-failure" and returncode != 0)
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
@@ -123,6 +133,9 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
         replicas = str((scale or {}).get(name, _interpolate(str((deploy.get("replicas") if isinstance(deploy, dict) else None) or 1), env)))
         if not isinstance(deploy, dict) or not replicas.isdigit():
             raise StackError(f"{path}: service {name!r}: deploy.replicas must be a count, got {svc.get('deploy')!r}")
+        restart = str(svc.get("restart", "no"))
+        if restart not in RESTART_POLICIES:
+            raise StackError(f"{path}: service {name!r}: restart must be one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
         specs.append(
             ServiceSpec(
                 name=name,
@@ -130,6 +143,7 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
                 args=[_interpolate(str(a), env) for a in command[2:]],
                 env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
                 replicas=int(replicas),
+                restart=restart,
                 env_knobs={str(k): knob for k, v in raw_env.items() if (knob := _knob(str(v)))},
             )
         )
@@ -365,6 +379,11 @@ class LocalStack:
         self.replicas.append(replica)
         return replica
 
+    def restart_replica(self, replica: Replica) -> Replica:
+        """Start an ended replica again, as the same instance (its log goes on in the same file)."""
+        self.replicas.remove(replica)
+        return self.start_replica(replica.service, replica.index)
+
     def expected(self) -> set[tuple[str, str]]:
         return {(r.role, r.instance) for r in self.replicas if r.proc.poll() is None and r.role in ROLES}
 
@@ -473,6 +492,33 @@ async def _demo_request(url: str) -> None:
     print("(the tiny demo model has random weights: the text is gibberish, the pipeline is real)")
 
 
+def _serve(stack: LocalStack, stop_requested: Callable[[], bool]) -> None:
+    """Until a stop is requested: report each replica that ends, and start it again where its service's
+    ``restart`` policy says so, after 1, 2, 4, ... up to `RESTART_MAX_DELAY_S` seconds (docker compose's backoff)."""
+    reported: set[str] = set()
+    pending: dict[str, tuple[float, Replica]] = {}  # instance -> (when to start it again, the ended replica)
+    restarted: dict[str, int] = {}
+    while not stop_requested():
+        time.sleep(0.2)
+        now = time.monotonic()
+        for r in list(stack.replicas):
+            if r.proc.poll() is None or r.instance in pending or r.instance in reported:
+                continue
+            print(f"moebus up: {r.ended()}", file=sys.stderr, flush=True)
+            policy = stack.spec(r.service).restart
+            if restarts(policy, r.proc.returncode):
+                delay = min(RESTART_MAX_DELAY_S, 2.0 ** restarted.get(r.instance, 0))
+                pending[r.instance] = (now + delay, r)
+                print(f"moebus up: restarting {r.instance} in {delay:g}s (restart: {policy})", file=sys.stderr, flush=True)
+            else:
+                reported.add(r.instance)
+        for instance, (at, r) in list(pending.items()):
+            if now >= at:
+                del pending[instance]
+                restarted[instance] = restarted.get(instance, 0) + 1
+                stack.restart_replica(r)
+
+
 def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
     """The arguments of `moebus up` (`argv` without the command name)."""
     ap = argparse.ArgumentParser(prog="moebus up", description="start nats-server and a compose stack as local processes")
@@ -545,13 +591,7 @@ def main(argv: list[str]) -> int:
         if a.demo:
             asyncio.run(_demo_request(stack.url))
         print("moebus up: serving; Ctrl-C stops the stack", flush=True)
-        reported: set[str] = set()
-        while not stopping:
-            time.sleep(0.2)
-            for r in stack.replicas:
-                if r.proc.poll() is not None and r.instance not in reported:
-                    reported.add(r.instance)
-                    print(f"moebus up: {r.ended()}", file=sys.stderr, flush=True)
+        _serve(stack, lambda: stopping)
     except StartInterrupted:
         print("moebus up: stop requested before the stack was ready", flush=True)
     except StackError as e:

@@ -172,6 +172,42 @@ def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int, *fl
     return up, log_dir
 
 
+def test_up_restarts_a_killed_service_under_restart_on_failure(tmp_path: Path, tiny_model: Path):
+    """compose's `restart: on-failure` (the repository's compose files set it): a replica killed while the
+    stack serves is started again, as the same instance, after a backoff; without it (`restart: no`,
+    test_up_names_the_signal_that_killed_a_service) it stays gone. `moebus up` restarted nothing before."""
+    compose = tmp_path / "restarting.yml"
+    compose.write_text('services:\n'
+                       '  gateway:\n    command: ["moebus", "gateway"]\n    restart: on-failure\n'
+                       '  scheduler:\n    command: ["moebus", "scheduler"]\n    restart: on-failure\n'
+                       '  prefill:\n    command: ["moebus", "prefill"]\n'
+                       '  decode:\n    command: ["moebus", "decode"]\n')
+    log_dir = tmp_path / "serving"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
+                           "--log-dir", str(log_dir), "--ready-timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "serving; Ctrl-C" not in up.stdout.readline():  # type: ignore[union-attr]
+            assert time.monotonic() < deadline and up.poll() is None, "the stack did not get ready"
+        first = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
+        assert len(first) == 1, first
+        os.kill(int(first[0]), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (log_dir / "scheduler-0.log").read_text().count("scheduler_ready") < 2:
+            assert time.monotonic() < deadline and up.poll() is None, "the scheduler was not started again"
+            time.sleep(0.1)
+        again = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
+        assert len(again) == 1 and again != first, (first, again)
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode == 0, err
+    assert "scheduler-0 was killed by SIGKILL" in err and "restarting scheduler-0 in 1s (restart: on-failure)" in err, err
+
+
 def test_up_hands_its_config_file_to_every_service_and_refuses_a_bad_one_at_once(tmp_path: Path, tiny_model: Path):
     """`moebus up --config FILE`: a file no service could start with is named before anything starts;
     a good one reaches the services (as MOEBUS_CONFIG). `moebus up` had no such flag."""
