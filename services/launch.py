@@ -89,6 +89,7 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 RESTART_POLICIES = ("no", "on-failure", "always", "unless-stopped")
 RESTART_MAX_DELAY_S = 30.0  # a replica that keeps failing is restarted after 1, 2, 4, ... s, then every 30 s
+RESTART_RESET_S = 10.0  # ... and after 1 s again once it ran this long (docker's rule): a rare crash is no crash loop
 
 
 def restarts(policy: str, returncode: int) -> bool:
@@ -299,6 +300,7 @@ class Replica:
     instance: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
 
     def ended(self) -> str:
         """How the ended process ended, for `moebus up` to report: its exit status and the last line it
@@ -494,7 +496,8 @@ async def _demo_request(url: str) -> None:
 
 def _serve(stack: LocalStack, stop_requested: Callable[[], bool]) -> None:
     """Until a stop is requested: report each replica that ends, and start it again where its service's
-    ``restart`` policy says so, after 1, 2, 4, ... up to `RESTART_MAX_DELAY_S` seconds (docker compose's backoff)."""
+    ``restart`` policy says so, after 1, 2, 4, ... up to `RESTART_MAX_DELAY_S` seconds, from 1 s again for a
+    replica that ran `RESTART_RESET_S` (docker compose's backoff)."""
     reported: set[str] = set()
     pending: dict[str, tuple[float, Replica]] = {}  # instance -> (when to start it again, the ended replica)
     restarted: dict[str, int] = {}
@@ -507,6 +510,8 @@ def _serve(stack: LocalStack, stop_requested: Callable[[], bool]) -> None:
             print(f"moebus up: {r.ended()}", file=sys.stderr, flush=True)
             policy = stack.spec(r.service).restart
             if restarts(policy, r.proc.returncode):
+                if now - r.started_at >= RESTART_RESET_S:
+                    restarted[r.instance] = 0
                 delay = min(RESTART_MAX_DELAY_S, 2.0 ** restarted.get(r.instance, 0))
                 pending[r.instance] = (now + delay, r)
                 print(f"moebus up: restarting {r.instance} in {delay:g}s (restart: {policy})", file=sys.stderr, flush=True)
