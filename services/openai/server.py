@@ -244,11 +244,8 @@ class OpenAIFrontend:
             if include_usage:
                 await http.send_event(conn, json.dumps(shapes.usage_chunk(protocol.merged_usage([usages[i] for i in sorted(usages)], shapes.n))))
         except GenerateError as e:
-            if not started:
-                return await _error(conn, e.code, e.message, headers)
-            await http.send_event(conn, json.dumps(protocol.error_body(e.code, e.message)[1]))
-        await http.send_event(conn, "[DONE]")
-        await http.end_events(conn)
+            return await _fail(conn, e.code, e.message, headers)
+        await _end_stream(conn)
         return 200
 
 
@@ -306,13 +303,22 @@ async def _cut(conn: http.Connection, headers: dict[str, str]) -> int:
     """End the answer of a request the frontend's stop cut (its drain ran out): a 503 ``unavailable``,
     or, for a stream already under way, that error as its last event before ``[DONE]``, as for an
     error from the stack. The client can tell it from an answer cut short, and retry elsewhere."""
-    message = "moebus openai stopped before this request ended (its drain_timeout_s ran out); retry it"
+    return await _fail(conn, "unavailable", "moebus openai stopped before this request ended (its drain_timeout_s ran out); retry it", headers)
+
+
+async def _fail(conn: http.Connection, code: str, message: str, headers: dict[str, str]) -> int:
+    """End an answer with an error: its own status while nothing was sent, else (a stream under way)
+    the error as the stream's last event, as vLLM does; the status the answer got."""
     if not conn.head_sent:
-        return await _error(conn, "unavailable", message, headers)
-    await http.send_event(conn, json.dumps(protocol.error_body("unavailable", message)[1]))
+        return await _error(conn, code, message, headers)
+    await http.send_event(conn, json.dumps(protocol.error_body(code, message)[1]))
+    await _end_stream(conn)
+    return 200
+
+
+async def _end_stream(conn: http.Connection) -> None:
     await http.send_event(conn, "[DONE]")
     await http.end_events(conn)
-    return 200
 
 
 async def serve(settings: OpenAISettings) -> None:
