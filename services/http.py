@@ -295,8 +295,10 @@ async def linger(conn: Connection) -> None:
     # reset raises ENOTCONN, a plain OSError (a client that sent part of a request and left).
     with contextlib.suppress(OSError, TimeoutError):
         conn.writer.write_eof()
-        while (left := deadline - loop.time()) > 0 and await asyncio.wait_for(conn.reader.read(1 << 16), min(LINGER_PAUSE_S, left)):
-            pass
+        while (left := deadline - loop.time()) > 0:
+            async with asyncio.timeout(min(LINGER_PAUSE_S, left)):
+                if not await conn.reader.read(1 << 16):
+                    break
 
 
 async def refuse(conn: Connection, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:

@@ -284,7 +284,15 @@ class Bus:
         while it was down are gone, and waiting on would last until the deadline).
         """
         inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
+        # Replies go into a queue of ours, read under asyncio.timeout: nats-py's next_msg waits with
+        # asyncio.wait_for, which on Python 3.11 returns a reply that arrives in the same turn of the
+        # event loop as a cancel and drops the cancel, so a cancelled reader read on to the stream's end.
+        replies: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def take(msg: Msg) -> None:
+            replies.put_nowait(msg)
+
+        sub = await self.nc.subscribe(inbox, cb=take)
         reconnects = self.reconnects
         try:
             await self.publish(subject, payload, headers, reply=inbox)
@@ -293,8 +301,9 @@ class Bus:
                 if self.reconnects != reconnects:
                     raise Reconnected(f"the NATS connection was re-established while replies on {subject} were due; some may have been lost")
                 try:
-                    msg = await sub.next_msg(timeout=deadline.timeout(RECONNECT_CHECK_S))
-                except NATSTimeoutError as e:
+                    async with asyncio.timeout(deadline.timeout(RECONNECT_CHECK_S)):
+                        msg = await replies.get()
+                except TimeoutError as e:
                     if deadline.expired:
                         raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
                     if silence_s is not None and time.monotonic() - last_reply >= silence_s:
@@ -357,8 +366,8 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
         # A comma-separated list of servers (a cluster's seeds) as the nats CLI and the Go client take it.
         servers = [server.strip() for server in url.split(",")]
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(
+            async with asyncio.timeout(connect_timeout):
+                nc = await nats.connect(
                     servers,
                     name=name,
                     error_cb=on_error,
@@ -367,10 +376,8 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25,
-                ),
-                timeout=connect_timeout,
-            )
-        except asyncio.TimeoutError as e:
+                )
+        except TimeoutError as e:
             raise Unreachable(f"no NATS server answered at {url} within {connect_timeout:g}s") from e
         except NATSError as e:  # raised at once for a URL nats-py cannot use ('', 'nats://', tls:// without a context)
             raise Unreachable(f"cannot connect to {url!r}: {e} (a NATS URL is e.g. nats://127.0.0.1:4222; several: separated by commas)") from None

@@ -134,7 +134,8 @@ class DecodeRank:
                 idle_polls += 1
                 idle_s = min(self.settings.idle_poll_ms, 2.0 ** min(idle_polls, 8)) / 1000 if self.lockstep.world > 1 else 0.25
                 try:
-                    await asyncio.wait_for(self.work.wait(), idle_s)
+                    async with asyncio.timeout(idle_s):
+                        await self.work.wait()
                 except TimeoutError:
                     pass
                 continue

@@ -408,7 +408,8 @@ class Gateway:
         """The next token batch; Failed on stage error, cancel, deadline, or a serving stage gone silent."""
         while True:
             try:
-                msg = await asyncio.wait_for(flight.inbox.get(), deadline.timeout(cap=0.25))
+                async with asyncio.timeout(deadline.timeout(cap=0.25)):
+                    msg = await flight.inbox.get()
             except TimeoutError:
                 if deadline.expired:
                     raise Failed("timeout", f"deadline of {flight.admitted.timeout_s:g}s passed") from None

@@ -267,7 +267,8 @@ class PrefillGroup:
                     return None
             self.arrived.clear()
             try:
-                await asyncio.wait_for(self.arrived.wait(), IDLE_TICK_S)
+                async with asyncio.timeout(IDLE_TICK_S):
+                    await self.arrived.wait()
             except TimeoutError:
                 return []
         self._drop_orphans()

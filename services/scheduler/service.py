@@ -147,7 +147,8 @@ class Scheduler:
                     break
                 async with self.capacity_changed:
                     try:
-                        await asyncio.wait_for(self.capacity_changed.wait(), wait_until.timeout(cap=0.25))
+                        async with asyncio.timeout(wait_until.timeout(cap=0.25)):
+                            await self.capacity_changed.wait()
                     except TimeoutError:
                         pass
         finally:

@@ -473,7 +473,8 @@ class KVReceiver:
         be sending into it (the lease ended, plus a margin)."""
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(recv, max(lease_ends_at, loop.time()) + _ABANDONED_RECV_GRACE_S - loop.time())
+            async with asyncio.timeout_at(max(lease_ends_at, loop.time()) + _ABANDONED_RECV_GRACE_S):
+                await recv
         except (TimeoutError, UCXError, asyncio.CancelledError):
             pass
         finally:

@@ -386,7 +386,8 @@ class KVSender:
             return
         header = ShardHeader(desc.request_id, desc.transfer_id, self._heads.start, self._heads.end, 0, desc.layout.num_layers, desc.num_tokens, 0, desc.layout.dtype, kind="stopped")
         try:
-            await asyncio.wait_for(self._worker.send(desc.worker_address, header_tag(desc.transfer_id), encode_header(header)), _STOPPED_NOTICE_S)
+            async with asyncio.timeout(_STOPPED_NOTICE_S):
+                await self._worker.send(desc.worker_address, header_tag(desc.transfer_id), encode_header(header))
         except (TimeoutError, UCXError) as e:
             log.warning("kv.stopped_notice_failed", request_id=desc.request_id, error=f"{type(e).__name__}: {e}")
 
