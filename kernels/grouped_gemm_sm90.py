@@ -132,6 +132,14 @@ def scale_vector(cfg: GroupedGemmConfig) -> int:
     return 4 if math.ceil(cfg.k / SCALE_BLOCK) % 4 == 0 else 1
 
 
+def tma_tile(op: cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp | cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp,
+             tensor: cute.Tensor, smem_layout: cute.Layout | cute.ComposedLayout,
+             tile: tuple[int, int]) -> cute.nvgpu.cpasync.TmaInfo:
+    """The TMA atom and TMA tensor (a pair) that move ``tile`` of ``tensor`` by ``op`` to or from one
+    stage of ``smem_layout``, whose last mode counts the stages (or output buffers)."""
+    return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_layout, (None, None, 0)), tile)
+
+
 @dataclass(frozen=True)
 class ScaleStaging:
     """Shared-memory staging of an FP8 192-wide tile's scales (``_stage_scales``, ``_fp8_one_partial``).
@@ -338,38 +346,20 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), self.buffer_chunks
         )
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mA,
-            cute.slice_(self.a_smem_layout, (None, None, 0)),
-            (cfg.tile_m, self.tile_k),
-        )
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mB,
-            cute.slice_(self.b_smem_layout, (None, None, 0)),
-            (cfg.tile_n, self.tile_k),
-        )
+        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_a, tma_a = tma_tile(load, mA, self.a_smem_layout, (cfg.tile_m, self.tile_k))
+        tma_atom_b, tma_b = tma_tile(load, mB, self.b_smem_layout, (cfg.tile_n, self.tile_k))
         # MXFP8: per stage a (tile_n, MX_SCALE_BOX) byte box of the scales, row-major and unswizzled
         # (otherwise B's atom and tensor stand in, never used).
         self.sf_smem_layout = cute.make_layout((cfg.tile_n, MX_SCALE_BOX, self.stages),
                                                stride=(MX_SCALE_BOX, 1, cfg.tile_n * MX_SCALE_BOX))
         tma_atom_c, tma_c = tma_atom_b, tma_b  # stand-ins where the output is not stored by TMA
         if cutlass.const_expr(self.tma_store):
-            tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-                mC,
-                cute.slice_(self.epi_smem_layout, (None, None, 0)),
-                (cfg.tile_m, EPI_N),
-            )
+            tma_atom_c, tma_c = tma_tile(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, self.epi_smem_layout,
+                                         (cfg.tile_m, EPI_N))
         tma_atom_sf, tma_sf = tma_atom_b, tma_b
         if cutlass.const_expr(cfg.mxfp8):
-            tma_atom_sf, tma_sf = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mSFB,
-                cute.slice_(self.sf_smem_layout, (None, None, 0)),
-                (cfg.tile_n, MX_SCALE_BOX),
-            )
+            tma_atom_sf, tma_sf = tma_tile(load, mSFB, self.sf_smem_layout, (cfg.tile_n, MX_SCALE_BOX))
 
         @cute.struct
         class SharedStorage:
