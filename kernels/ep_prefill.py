@@ -33,7 +33,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from kernels._cute_comm import VEC_BYTES, gptr, load_i32, load_vec_f32, store_i32, store_vec_f32
+from kernels._cute_comm import VEC_BYTES, gptr, grid_stride, load_i32, load_vec_f32, store_i32, store_vec_f32
 
 THREADS = 256
 MAX_LOCAL_EXPERTS = 1024
@@ -115,11 +115,8 @@ def ep_combine_reference(y: torch.Tensor, row_of: torch.Tensor, topk_weights: to
 
 @cute.kernel
 def _count_kernel(topk_ids: Int64, n_entries: Int32, expert_start: Int32, num_local: Int32, counts: Int64):
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    nthr, _, _ = cute.arch.block_dim()
-    nblk, _, _ = cute.arch.grid_dim()
-    for i in cutlass.range(bid * nthr + tid, n_entries, nblk * nthr):
+    first, stride = grid_stride()
+    for i in cutlass.range(first, n_entries, stride):
         le = load_i32(topk_ids + Int64(i) * 4) - expert_start
         if le >= 0 and le < num_local:
             cute.arch.atomic_add(gptr(Int32, counts + Int64(le) * 4, 4), Int32(1), sem="relaxed", scope="gpu")
