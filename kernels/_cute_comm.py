@@ -189,14 +189,6 @@ def store_vec_f32(addr: Int64, frag, dtype: cutlass.Constexpr, vec: cutlass.Cons
 
 
 @cute.jit
-def copy_vec(src: Int64, dst: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Copy one full 16-byte vector (no conversion)."""
-    s = cute.make_tensor(gptr(dtype, src), cute.make_layout(vec))
-    d = cute.make_tensor(gptr(dtype, dst), cute.make_layout(vec))
-    d.store(s.load())
-
-
-@cute.jit
 def load_vec(addr: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr, valid: Int32, align: cutlass.Constexpr = 16):
     """Load ``vec`` elements at ``addr`` unconverted (for copies); elements at index >= ``valid`` read as 0."""
     frag = cute.make_rmem_tensor((vec,), dtype)

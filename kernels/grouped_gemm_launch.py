@@ -11,7 +11,6 @@ CUDA-graph capturable and never synchronise with the host.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 

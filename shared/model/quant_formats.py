@@ -29,7 +29,7 @@ import torch
 
 from kernels import grouped_gemm_mxfp8 as _mx
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, quantize_act_reference
-from kernels.grouped_gemm_mxfp8 import E8M0_BIAS, MX_BLOCK
+from kernels.grouped_gemm_mxfp8 import MX_BLOCK
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = FP8_MAX
@@ -195,11 +195,6 @@ def quantize_mxfp8(w: torch.Tensor, block_size: int = MX_BLOCK) -> Mxfp8Weight:
         raise QuantFormatError(f"MXFP8 quantization needs at least a 1-D tensor and block_size > 0, got {block_size}")
     weight, scale = _mx.quantize_mxfp8(w, block_size)
     return Mxfp8Weight(weight=weight, scale_e8m0=scale, block_size=block_size)
-
-
-def e8m0_to_float(scale_e8m0: torch.Tensor) -> torch.Tensor:
-    """Biased E8M0 exponents (uint8) to their fp32 power-of-two values."""
-    return torch.exp2(scale_e8m0.float() - E8M0_BIAS)
 
 
 def dequantize_mxfp8(
