@@ -59,6 +59,16 @@ def store_i32(addr: Int64, value: Int32):
 
 
 @cute.jit
+def load_f32(addr: Int64) -> Float32:
+    return cute.arch.load(gptr(Float32, addr, 4), Float32)
+
+
+@cute.jit
+def store_f32(addr: Int64, value: Float32):
+    cute.arch.store(gptr(Float32, addr, 4), value)
+
+
+@cute.jit
 def peer_base(table: Int64, q) -> Int64:
     """Base address of rank ``q``'s peer buffer, read from the device pointer table."""
     return load_i64(table + Int64(q) * 8)

@@ -62,10 +62,12 @@ from kernels._cute_comm import (
     VEC_BYTES,
     finish_launch,
     gptr,
+    load_f32,
     load_i32,
     load_vec_f32,
     peer_base,
     read_epoch,
+    store_f32,
     store_i32,
     store_vec_f32,
     wait_at_least,
@@ -302,8 +304,7 @@ def _dispatch_send_kernel(
         if tid < topk:
             entry = Int64(t) * topk + tid
             store_i32(peer + disp_ids_off + (token_row * topk + tid) * 4, load_i32(topk_ids + entry * 4))
-            cute.arch.store(gptr(Float32, peer + disp_w_off + (token_row * topk + tid) * 4, 4),
-                            cute.arch.load(gptr(Float32, topk_weights + entry * 4, 4), Float32))
+            store_f32(peer + disp_w_off + (token_row * topk + tid) * 4, load_f32(topk_weights + entry * 4))
         if hit != 0:
             dst_x = peer + disp_x_off + token_row * (hidden * psz)
             dst_scales = peer + disp_scales_off + token_row * (groups * 4)
@@ -323,7 +324,7 @@ def _dispatch_send_kernel(
                     if c < hidden:
                         store_vec_f32(dst_x + c, qv, cutlass.Float8E4M3FN, VEC, VEC, align=8)
                         if tid % 16 == 0:
-                            cute.arch.store(gptr(Float32, dst_scales + Int64(c // FP8_GROUP) * 4, 4), scale)
+                            store_f32(dst_scales + Int64(c // FP8_GROUP) * 4, scale)
                 elif c < hidden:
                     store_vec_f32(dst_x + c * 2, v, BFloat16, VEC, VEC)
     cute.arch.sync_threads()
@@ -382,10 +383,10 @@ def _dispatch_recv_kernel(
                         store_16b(recv_x + rows[j] * row_bytes + b, words)
         if cutlass.const_expr(fp8):
             for g in cutlass.range(tid, groups, THREADS):
-                s = cute.arch.load(gptr(Float32, mine + disp_scales_off + (token_row * groups + g) * 4, 4), Float32)
+                s = load_f32(mine + disp_scales_off + (token_row * groups + g) * 4)
                 for j in cutlass.range_constexpr(topk):
                     if rows[j] >= 0:
-                        cute.arch.store(gptr(Float32, recv_scales + (rows[j] * groups + g) * 4, 4), s)
+                        store_f32(recv_scales + (rows[j] * groups + g) * 4, s)
         cute.arch.sync_threads()  # row_of of this token is rewritten only by the next round
 
 
@@ -404,7 +405,7 @@ def _combine_send_kernel(
     for t in cutlass.range(bid // world, n, cpp):
         token_row = Int64(src) * max_tokens + t
         rows = [Int64(load_i32(row_of + (token_row * topk + j) * 4)) for j in range(topk)]
-        ws = [cute.arch.load(gptr(Float32, mine + disp_w_off + (token_row * topk + j) * 4, 4), Float32) for j in range(topk)]
+        ws = [load_f32(mine + disp_w_off + (token_row * topk + j) * 4) for j in range(topk)]
         used = Int32(0)
         for j in cutlass.range_constexpr(topk):
             if rows[j] >= 0:

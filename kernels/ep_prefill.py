@@ -33,7 +33,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from kernels._cute_comm import VEC_BYTES, gptr, grid_stride, load_i32, load_vec_f32, store_i32, store_vec_f32
+from kernels._cute_comm import VEC_BYTES, gptr, grid_stride, load_f32, load_i32, load_vec_f32, store_i32, store_vec_f32
 
 THREADS = 256
 MAX_LOCAL_EXPERTS = 1024
@@ -185,7 +185,7 @@ def _combine_kernel(
     row_bytes = Int64(hidden) * esz
     for t in cutlass.range(bid, n_tokens, nblk):
         srcs = [load_i32(row_of + (Int64(t) * topk + j) * 4) for j in range(topk)]
-        ws = [cute.arch.load(gptr(Float32, weights + (Int64(t) * topk + j) * 4, 4), Float32) for j in range(topk)]
+        ws = [load_f32(weights + (Int64(t) * topk + j) * 4) for j in range(topk)]
         for h in cutlass.range(tid * vec, hidden, nthr * vec):
             acc = cute.make_rmem_tensor((vec,), Float32)
             acc.fill(0.0)
