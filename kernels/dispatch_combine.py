@@ -77,8 +77,6 @@ from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, qua
 # The FP8 payload is the activation format of kernels.act_quant (one scale per token
 # per 128 channels, amax * fl(1/448)); its reference is that module's.
 FP8_GROUP = QUANT_BLOCK
-E4M3_MAX = FP8_MAX
-INV_E4M3_MAX = INV_FP8_MAX
 quantize_per_token_group = quantize_act_reference
 SRC_RANK_SHIFT = 24
 THREADS = 256
@@ -317,10 +315,10 @@ def _dispatch_send_kernel(
                     amax = Float32(0.0)
                     for i in cutlass.range_constexpr(VEC):
                         amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
-                    scale = cute.arch.fmax(_amax_16_lanes(amax), Float32(AMAX_FLOOR)) * Float32(INV_E4M3_MAX)
+                    scale = cute.arch.fmax(_amax_16_lanes(amax), Float32(AMAX_FLOOR)) * Float32(INV_FP8_MAX)
                     qv = cute.make_rmem_tensor((VEC,), Float32)
                     for i in cutlass.range_constexpr(VEC):
-                        qv[i] = cute.arch.fmin(cute.arch.fmax(v[i] / scale, Float32(-E4M3_MAX)), Float32(E4M3_MAX))
+                        qv[i] = cute.arch.fmin(cute.arch.fmax(v[i] / scale, Float32(-FP8_MAX)), Float32(FP8_MAX))
                     if c < hidden:
                         store_vec_f32(dst_x + c, qv, cutlass.Float8E4M3FN, VEC, VEC, align=8)
                         if tid % 16 == 0:

@@ -32,7 +32,6 @@ from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, qua
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK
 
 FP8_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = FP8_MAX
 WEIGHT_BLOCK = (128, 128)
 ACT_GROUP = QUANT_BLOCK
 # The arithmetic of MXFP8 and of the activation format is defined once, in kernels/
@@ -65,7 +64,7 @@ def _pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     # torch's float->float8_e4m3fn cast does not saturate (out of range becomes
     # NaN), so clamp first; the scales keep values in range up to rounding anyway.
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 # --------------------------------------------------------------------------- block FP8
