@@ -156,7 +156,7 @@ def grid_stride() -> tuple[Int32, Int32]:
 @cute.jit
 def warp_row() -> tuple[Int32, Int32]:
     """(row, lane) of the calling thread in a warp-per-row kernel launched with
-    ``row_grid(rows)`` CTAs of ``32 * ROW_WARPS`` threads."""
+    ``row_launch(rows)``: CTAs of ``32 * ROW_WARPS`` threads."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     return bid * ROW_WARPS + tid // 32, cute.arch.lane_idx()
