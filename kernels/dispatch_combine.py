@@ -49,6 +49,7 @@ one row, weighted by the first of those slots.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -73,6 +74,9 @@ from kernels._cute_comm import (
     wait_at_least,
 )
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, quantize_act_reference
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 # The FP8 payload is the activation format of kernels.act_quant (one scale per token
 # per 128 channels, amax * fl(1/448)); its reference is that module's.
@@ -129,7 +133,8 @@ class DispatchCombineReference:
         dist.all_to_all_single(recv, send_counts, group=self.group)
         return recv.tolist()
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Returns ``(recv_x, recv_scales | None, expert_counts, recv_src)``."""
         n, k, dev = int(num_tokens.reshape(-1)[0]), self.topk, x.device
         ids = topk_ids[:n].long()
@@ -505,7 +510,7 @@ def _launch_combine_recv(
 
 
 @functools.cache
-def compile_kernels(world: int, rank: int, num_experts: int, hidden: int, topk: int, payload: str):
+def compile_kernels(world: int, rank: int, num_experts: int, hidden: int, topk: int, payload: str) -> tuple[JitCompiledFunction, ...]:
     """The four compiled launches for one configuration (cached per process; token
     counts and grid sizes are run-time arguments, so one compilation serves them all)."""
     from kernels._cute_runtime import dummy_stream
@@ -645,7 +650,8 @@ class DispatchCombine:
         return out
 
 
-def make_dispatch_combine(group: dist.ProcessGroup, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16", device: torch.device | None = None):
+def make_dispatch_combine(group: dist.ProcessGroup, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16", device: torch.device | None = None
+                          ) -> DispatchCombine | DispatchCombineReference:
     """The peer-memory implementation on CUDA devices, the torch reference elsewhere."""
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     if device.type == "cuda":

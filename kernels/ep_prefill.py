@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -34,6 +35,9 @@ import torch
 from cutlass import Float32, Int32, Int64
 
 from kernels._cute_comm import VEC_BYTES, gptr, grid_stride, load_f32, load_i32, load_vec_f32, store_i32, store_vec_f32
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 256
 MAX_LOCAL_EXPERTS = 1024
@@ -228,7 +232,7 @@ _CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16
 
 
 @functools.cache
-def compile_select(dtype: torch.dtype, topk: int):
+def compile_select(dtype: torch.dtype, topk: int) -> JitCompiledFunction:
     from kernels._cute_runtime import dummy_stream
 
     z, i = Int64(0), Int32(0)
@@ -236,7 +240,7 @@ def compile_select(dtype: torch.dtype, topk: int):
 
 
 @functools.cache
-def compile_combine(dtype: torch.dtype, topk: int):
+def compile_combine(dtype: torch.dtype, topk: int) -> JitCompiledFunction:
     from kernels._cute_runtime import dummy_stream
 
     z, i = Int64(0), Int32(0)
