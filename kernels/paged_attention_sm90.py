@@ -56,13 +56,13 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels._cute_comm import load_f32, load_i32, load_i64, store_f32
+from kernels.paged_attention import TILE
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 128
 WARPS = THREADS // 32
-TILE = 16  # tokens per MMA tile (the n of Q @ K^T, the k of P @ V)
 ROWS = 16  # query rows of an MMA tile: the most query heads per KV head the kernel takes
 MASKED = -1.0e30  # score of a masked key and the running max of a warp with no tile (finite: no inf - inf)
 LOG2E = 1.4426950408889634
