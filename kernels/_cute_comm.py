@@ -59,6 +59,16 @@ def store_i32(addr: Int64, value: Int32):
 
 
 @cute.jit
+def load_f32(addr: Int64) -> Float32:
+    return cute.arch.load(gptr(Float32, addr, 4), Float32)
+
+
+@cute.jit
+def store_f32(addr: Int64, value: Float32):
+    cute.arch.store(gptr(Float32, addr, 4), value)
+
+
+@cute.jit
 def peer_base(table: Int64, q) -> Int64:
     """Base address of rank ``q``'s peer buffer, read from the device pointer table."""
     return load_i64(table + Int64(q) * 8)
@@ -146,7 +156,7 @@ def grid_stride() -> tuple[Int32, Int32]:
 @cute.jit
 def warp_row() -> tuple[Int32, Int32]:
     """(row, lane) of the calling thread in a warp-per-row kernel launched with
-    ``row_grid(rows)`` CTAs of ``32 * ROW_WARPS`` threads."""
+    ``row_launch(rows)``: CTAs of ``32 * ROW_WARPS`` threads."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     return bid * ROW_WARPS + tid // 32, cute.arch.lane_idx()
@@ -186,14 +196,6 @@ def store_vec_f32(addr: Int64, frag, dtype: cutlass.Constexpr, vec: cutlass.Cons
         for e in cutlass.range_constexpr(vec):
             if e < valid:
                 g[e] = frag[e].to(dtype)
-
-
-@cute.jit
-def copy_vec(src: Int64, dst: Int64, dtype: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Copy one full 16-byte vector (no conversion)."""
-    s = cute.make_tensor(gptr(dtype, src), cute.make_layout(vec))
-    d = cute.make_tensor(gptr(dtype, dst), cute.make_layout(vec))
-    d.store(s.load())
 
 
 @cute.jit

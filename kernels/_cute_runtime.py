@@ -22,7 +22,7 @@ def ensure_target_arch() -> None:
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
 
 
-def dummy_stream():
+def dummy_stream() -> CUstream:
     """A stream placeholder for `cute.compile` (only its type matters)."""
     import cuda.bindings.driver as cuda_driver
 

@@ -14,6 +14,7 @@ layout the FP8 grouped GEMM's 16-byte scale copies read); the padding stays unwr
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -23,6 +24,9 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from kernels._cute_runtime import launch_stream
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, scale_row_stride
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 WARPS_PER_CTA = 8
 
@@ -98,7 +102,7 @@ _GMEM = cute.AddressSpace.gmem
 _COMPILED: dict[tuple[int, bool], object] = {}
 
 
-def compiled_quantizer(k: int, masked: bool = False):
+def compiled_quantizer(k: int, masked: bool = False) -> JitCompiledFunction:
     """Compiled quantizer for rows of ``k`` channels, plain or masked (cached; compiles without a
     GPU under CUTE_DSL_ARCH)."""
     key = (k, masked)

@@ -9,6 +9,7 @@ algorithm and launches these."""
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -32,6 +33,9 @@ from kernels._cute_comm import (
     store_vec,
     wait_written_v4,
 )
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 512  # threads per CTA of the one-shot kernels and the two-shot
 # Barrier steps one launch may use: flag value = epoch * FLAG_STEPS + step, step >= 1.
@@ -392,7 +396,7 @@ def _launch_two_shot(
 
 
 @functools.cache
-def compile_one_shot(dtype: torch.dtype, world: int, rank: int):
+def compile_one_shot(dtype: torch.dtype, world: int, rank: int) -> JitCompiledFunction:
     """Compile (once per process) the one-shot kernel for a dtype, world size and rank."""
     from kernels._cute_runtime import dummy_stream
 
@@ -403,7 +407,7 @@ def compile_one_shot(dtype: torch.dtype, world: int, rank: int):
 
 
 @functools.cache
-def compile_lamport(dtype: torch.dtype, world: int, rank: int, two_shot: bool):
+def compile_lamport(dtype: torch.dtype, world: int, rank: int, two_shot: bool) -> JitCompiledFunction:
     """Compile (once per process) a data-as-flag kernel, one-shot or two-shot, for a dtype, world size and rank."""
     from kernels._cute_runtime import dummy_stream
 
@@ -415,7 +419,7 @@ def compile_lamport(dtype: torch.dtype, world: int, rank: int, two_shot: bool):
 
 
 @functools.cache
-def compile_two_shot(dtype: torch.dtype, world: int, rank: int):
+def compile_two_shot(dtype: torch.dtype, world: int, rank: int) -> JitCompiledFunction:
     """Compile (once per process) the two-shot kernel for a dtype, world size and rank."""
     from kernels._cute_runtime import dummy_stream
 

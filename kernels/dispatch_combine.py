@@ -49,6 +49,7 @@ one row, weighted by the first of those slots.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -62,21 +63,24 @@ from kernels._cute_comm import (
     VEC_BYTES,
     finish_launch,
     gptr,
+    load_f32,
     load_i32,
     load_vec_f32,
     peer_base,
     read_epoch,
+    store_f32,
     store_i32,
     store_vec_f32,
     wait_at_least,
 )
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, quantize_act_reference
 
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
+
 # The FP8 payload is the activation format of kernels.act_quant (one scale per token
 # per 128 channels, amax * fl(1/448)); its reference is that module's.
 FP8_GROUP = QUANT_BLOCK
-E4M3_MAX = FP8_MAX
-INV_E4M3_MAX = INV_FP8_MAX
 quantize_per_token_group = quantize_act_reference
 SRC_RANK_SHIFT = 24
 THREADS = 256
@@ -129,7 +133,8 @@ class DispatchCombineReference:
         dist.all_to_all_single(recv, send_counts, group=self.group)
         return recv.tolist()
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Returns ``(recv_x, recv_scales | None, expert_counts, recv_src)``."""
         n, k, dev = int(num_tokens.reshape(-1)[0]), self.topk, x.device
         ids = topk_ids[:n].long()
@@ -302,8 +307,7 @@ def _dispatch_send_kernel(
         if tid < topk:
             entry = Int64(t) * topk + tid
             store_i32(peer + disp_ids_off + (token_row * topk + tid) * 4, load_i32(topk_ids + entry * 4))
-            cute.arch.store(gptr(Float32, peer + disp_w_off + (token_row * topk + tid) * 4, 4),
-                            cute.arch.load(gptr(Float32, topk_weights + entry * 4, 4), Float32))
+            store_f32(peer + disp_w_off + (token_row * topk + tid) * 4, load_f32(topk_weights + entry * 4))
         if hit != 0:
             dst_x = peer + disp_x_off + token_row * (hidden * psz)
             dst_scales = peer + disp_scales_off + token_row * (groups * 4)
@@ -316,14 +320,14 @@ def _dispatch_send_kernel(
                     amax = Float32(0.0)
                     for i in cutlass.range_constexpr(VEC):
                         amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
-                    scale = cute.arch.fmax(_amax_16_lanes(amax), Float32(AMAX_FLOOR)) * Float32(INV_E4M3_MAX)
+                    scale = cute.arch.fmax(_amax_16_lanes(amax), Float32(AMAX_FLOOR)) * Float32(INV_FP8_MAX)
                     qv = cute.make_rmem_tensor((VEC,), Float32)
                     for i in cutlass.range_constexpr(VEC):
-                        qv[i] = cute.arch.fmin(cute.arch.fmax(v[i] / scale, Float32(-E4M3_MAX)), Float32(E4M3_MAX))
+                        qv[i] = cute.arch.fmin(cute.arch.fmax(v[i] / scale, Float32(-FP8_MAX)), Float32(FP8_MAX))
                     if c < hidden:
                         store_vec_f32(dst_x + c, qv, cutlass.Float8E4M3FN, VEC, VEC, align=8)
                         if tid % 16 == 0:
-                            cute.arch.store(gptr(Float32, dst_scales + Int64(c // FP8_GROUP) * 4, 4), scale)
+                            store_f32(dst_scales + Int64(c // FP8_GROUP) * 4, scale)
                 elif c < hidden:
                     store_vec_f32(dst_x + c * 2, v, BFloat16, VEC, VEC)
     cute.arch.sync_threads()
@@ -382,10 +386,10 @@ def _dispatch_recv_kernel(
                         store_16b(recv_x + rows[j] * row_bytes + b, words)
         if cutlass.const_expr(fp8):
             for g in cutlass.range(tid, groups, THREADS):
-                s = cute.arch.load(gptr(Float32, mine + disp_scales_off + (token_row * groups + g) * 4, 4), Float32)
+                s = load_f32(mine + disp_scales_off + (token_row * groups + g) * 4)
                 for j in cutlass.range_constexpr(topk):
                     if rows[j] >= 0:
-                        cute.arch.store(gptr(Float32, recv_scales + (rows[j] * groups + g) * 4, 4), s)
+                        store_f32(recv_scales + (rows[j] * groups + g) * 4, s)
         cute.arch.sync_threads()  # row_of of this token is rewritten only by the next round
 
 
@@ -404,7 +408,7 @@ def _combine_send_kernel(
     for t in cutlass.range(bid // world, n, cpp):
         token_row = Int64(src) * max_tokens + t
         rows = [Int64(load_i32(row_of + (token_row * topk + j) * 4)) for j in range(topk)]
-        ws = [cute.arch.load(gptr(Float32, mine + disp_w_off + (token_row * topk + j) * 4, 4), Float32) for j in range(topk)]
+        ws = [load_f32(mine + disp_w_off + (token_row * topk + j) * 4) for j in range(topk)]
         used = Int32(0)
         for j in cutlass.range_constexpr(topk):
             if rows[j] >= 0:
@@ -506,7 +510,7 @@ def _launch_combine_recv(
 
 
 @functools.cache
-def compile_kernels(world: int, rank: int, num_experts: int, hidden: int, topk: int, payload: str):
+def compile_kernels(world: int, rank: int, num_experts: int, hidden: int, topk: int, payload: str) -> tuple[JitCompiledFunction, ...]:
     """The four compiled launches for one configuration (cached per process; token
     counts and grid sizes are run-time arguments, so one compilation serves them all)."""
     from kernels._cute_runtime import dummy_stream
@@ -646,7 +650,8 @@ class DispatchCombine:
         return out
 
 
-def make_dispatch_combine(group: dist.ProcessGroup, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16", device: torch.device | None = None):
+def make_dispatch_combine(group: dist.ProcessGroup, num_experts: int, max_tokens: int, hidden: int, topk: int, payload: str = "bf16", device: torch.device | None = None
+                          ) -> DispatchCombine | DispatchCombineReference:
     """The peer-memory implementation on CUDA devices, the torch reference elsewhere."""
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     if device.type == "cuda":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -33,7 +34,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from kernels._cute_comm import VEC_BYTES, gptr, load_i32, load_vec_f32, store_i32, store_vec_f32
+from kernels._cute_comm import VEC_BYTES, gptr, grid_stride, load_f32, load_i32, load_vec_f32, store_i32, store_vec_f32
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 256
 MAX_LOCAL_EXPERTS = 1024
@@ -115,11 +119,8 @@ def ep_combine_reference(y: torch.Tensor, row_of: torch.Tensor, topk_weights: to
 
 @cute.kernel
 def _count_kernel(topk_ids: Int64, n_entries: Int32, expert_start: Int32, num_local: Int32, counts: Int64):
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    nthr, _, _ = cute.arch.block_dim()
-    nblk, _, _ = cute.arch.grid_dim()
-    for i in cutlass.range(bid * nthr + tid, n_entries, nblk * nthr):
+    first, stride = grid_stride()
+    for i in cutlass.range(first, n_entries, stride):
         le = load_i32(topk_ids + Int64(i) * 4) - expert_start
         if le >= 0 and le < num_local:
             cute.arch.atomic_add(gptr(Int32, counts + Int64(le) * 4, 4), Int32(1), sem="relaxed", scope="gpu")
@@ -188,7 +189,7 @@ def _combine_kernel(
     row_bytes = Int64(hidden) * esz
     for t in cutlass.range(bid, n_tokens, nblk):
         srcs = [load_i32(row_of + (Int64(t) * topk + j) * 4) for j in range(topk)]
-        ws = [cute.arch.load(gptr(Float32, weights + (Int64(t) * topk + j) * 4, 4), Float32) for j in range(topk)]
+        ws = [load_f32(weights + (Int64(t) * topk + j) * 4) for j in range(topk)]
         for h in cutlass.range(tid * vec, hidden, nthr * vec):
             acc = cute.make_rmem_tensor((vec,), Float32)
             acc.fill(0.0)
@@ -231,7 +232,7 @@ _CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16
 
 
 @functools.cache
-def compile_select(dtype: torch.dtype, topk: int):
+def compile_select(dtype: torch.dtype, topk: int) -> JitCompiledFunction:
     from kernels._cute_runtime import dummy_stream
 
     z, i = Int64(0), Int32(0)
@@ -239,7 +240,7 @@ def compile_select(dtype: torch.dtype, topk: int):
 
 
 @functools.cache
-def compile_combine(dtype: torch.dtype, topk: int):
+def compile_combine(dtype: torch.dtype, topk: int) -> JitCompiledFunction:
     from kernels._cute_runtime import dummy_stream
 
     z, i = Int64(0), Int32(0)

@@ -34,7 +34,7 @@ import torch
 
 from kernels.act_quant import QUANT_BLOCK
 
-SWIGLU_BLOCK = 64  # must equal grouped_gemm_sm90.SWIGLU_BLOCK (checked in tests)
+SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows (the Hopper kernel's SwiGLU tiles too)
 FP8_DTYPE = torch.float8_e4m3fn
 # Tile buckets by tokens per expert, each a separately compiled kernel (see
 # grouped_gemm_launch.choose_config; a service warm-up runs a batch past every bound, see

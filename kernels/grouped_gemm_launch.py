@@ -11,9 +11,9 @@ CUDA-graph capturable and never synchronise with the host.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
+from typing import TYPE_CHECKING
 
 import cutlass
 import cutlass.cute as cute
@@ -26,6 +26,9 @@ from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_W
                                   SMALL_TILE_MAX_TOKENS_PER_EXPERT)
 from kernels.grouped_gemm_mxfp8 import kernel_scale_layout
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90, scale_vector
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 _CACHE: dict[GroupedGemmConfig, object] = {}
 _LOCK = threading.Lock()
@@ -144,12 +147,12 @@ def _compile_args(cfg: GroupedGemmConfig) -> list:
     ]
 
 
-def compile_kernel(cfg: GroupedGemmConfig, options: str = ""):
+def compile_kernel(cfg: GroupedGemmConfig, options: str = "") -> JitCompiledFunction:
     """Compile ``cfg`` now (no GPU needed under CUTE_DSL_ARCH=sm_90a); ``options`` go to ``cute.compile``."""
     return cute.compile(GroupedGemmSm90(cfg), *_compile_args(cfg), options=options)
 
 
-def compiled_kernel(cfg: GroupedGemmConfig):
+def compiled_kernel(cfg: GroupedGemmConfig) -> JitCompiledFunction:
     """The cached compiled kernel for ``cfg`` (compiled on first use)."""
     with _LOCK:
         fn = _CACHE.get(cfg)

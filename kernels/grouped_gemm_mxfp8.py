@@ -25,12 +25,12 @@ import math
 import torch
 
 from kernels import grouped_gemm as gg
+from kernels.act_quant import FP8_MAX
 
 MX_BLOCK = 32
 SCALE_ROW_ALIGN = 16  # bytes: TMA needs a row pitch and a start address that are multiples of 16
 E4M3_EMAX = 8  # exponent of E4M3's largest normal: 448 = 1.75 * 2^8 (OCP MX "emax_elem")
 E8M0_BIAS = 127
-FP8_MAX = 448.0
 
 
 def quantize_mxfp8(w: torch.Tensor, block_size: int = MX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

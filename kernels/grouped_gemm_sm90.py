@@ -61,11 +61,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.act_quant import scale_row_stride
+from kernels.grouped_gemm import SWIGLU_BLOCK
 from kernels.grouped_gemm_sm90_epilogue import EPI_N, STORE_WARPS, Epilogue
-from kernels.grouped_gemm_mxfp8 import scale_row_bytes
-from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_BLOCK, MX_SCALE_BOX, SCALE_BLOCK, ScaledMainloops
+from kernels.grouped_gemm_mxfp8 import MX_BLOCK, scale_row_bytes
+from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_SCALE_BOX, SCALE_BLOCK, ScaledMainloops
 
-SWIGLU_BLOCK = 64  # gate/up rows are interleaved in blocks of this many rows
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
 SCALE_WARP = 1  # the producer warpgroup's warp that stages FP8 scales (0 issues TMA, STORE_WARPS store)
 
@@ -130,6 +130,14 @@ def scale_vector(cfg: GroupedGemmConfig) -> int:
     if not cfg.fp8 or cfg.tile_n != 192:
         return 1
     return 4 if math.ceil(cfg.k / SCALE_BLOCK) % 4 == 0 else 1
+
+
+def tma_tile(op: cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp | cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp,
+             tensor: cute.Tensor, smem_layout: cute.Layout | cute.ComposedLayout,
+             tile: tuple[int, int]) -> cute.nvgpu.cpasync.TmaInfo:
+    """The TMA atom and TMA tensor (a pair) that move ``tile`` of ``tensor`` by ``op`` to or from one
+    stage of ``smem_layout``, whose last mode counts the stages (or output buffers)."""
+    return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_layout, (None, None, 0)), tile)
 
 
 @dataclass(frozen=True)
@@ -338,38 +346,20 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), self.buffer_chunks
         )
-        tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mA,
-            cute.slice_(self.a_smem_layout, (None, None, 0)),
-            (cfg.tile_m, self.tile_k),
-        )
-        tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-            mB,
-            cute.slice_(self.b_smem_layout, (None, None, 0)),
-            (cfg.tile_n, self.tile_k),
-        )
+        load = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_a, tma_a = tma_tile(load, mA, self.a_smem_layout, (cfg.tile_m, self.tile_k))
+        tma_atom_b, tma_b = tma_tile(load, mB, self.b_smem_layout, (cfg.tile_n, self.tile_k))
         # MXFP8: per stage a (tile_n, MX_SCALE_BOX) byte box of the scales, row-major and unswizzled
         # (otherwise B's atom and tensor stand in, never used).
         self.sf_smem_layout = cute.make_layout((cfg.tile_n, MX_SCALE_BOX, self.stages),
                                                stride=(MX_SCALE_BOX, 1, cfg.tile_n * MX_SCALE_BOX))
         tma_atom_c, tma_c = tma_atom_b, tma_b  # stand-ins where the output is not stored by TMA
         if cutlass.const_expr(self.tma_store):
-            tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-                mC,
-                cute.slice_(self.epi_smem_layout, (None, None, 0)),
-                (cfg.tile_m, EPI_N),
-            )
+            tma_atom_c, tma_c = tma_tile(cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC, self.epi_smem_layout,
+                                         (cfg.tile_m, EPI_N))
         tma_atom_sf, tma_sf = tma_atom_b, tma_b
         if cutlass.const_expr(cfg.mxfp8):
-            tma_atom_sf, tma_sf = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mSFB,
-                cute.slice_(self.sf_smem_layout, (None, None, 0)),
-                (cfg.tile_n, MX_SCALE_BOX),
-            )
+            tma_atom_sf, tma_sf = tma_tile(load, mSFB, self.sf_smem_layout, (cfg.tile_n, MX_SCALE_BOX))
 
         @cute.struct
         class SharedStorage:

@@ -21,8 +21,11 @@ import cutlass.pipeline as pipeline
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-SCALE_BLOCK = 128  # FP8 block-scale granularity along K (and N for weights)
-MX_BLOCK = 32  # MXFP8: one E8M0 weight scale per 32 values along K
+from kernels.act_quant import QUANT_BLOCK
+from kernels.grouped_gemm_mxfp8 import MX_BLOCK
+
+# FP8 block-scale granularity along K (the activations' quantization blocks) and N (the weights' 128x128 blocks).
+SCALE_BLOCK = QUANT_BLOCK
 MX_B_BUFFERS = 3  # MXFP8: dequantized bf16 weight tiles (see _mainloop_mx for why three)
 MX_SCALE_BOX = 16  # MXFP8: bytes of each scale row per TMA box (TMA's smallest inner box), 8 stages' worth
 _BAR_WG_TURN = (5, 6)  # named barrier of each consumer warpgroup's WGMMA issue turn (FP8, 192-wide tiles)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -31,6 +32,9 @@ from cutlass import Int16, Int32, Int64
 
 from kernels._cute_comm import gptr, load_i32, load_i64
 from kernels.kv_copy import LAUNCH_PARAMS, VECTOR_BYTES, KVCopyError
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 # Launch shape: on 2x H200 every shape from 128 threads x 8 loads to 512 x 4, 1 to 16 CTAs per SM,
 # wrote 350-367 GB/s over NVLink at 6k and 32k tokens (TP=1 and 2-head shards; 1024 x 2:
@@ -130,7 +134,7 @@ def compile_args(stream: cuda_driver.CUstream) -> tuple:
 
 
 @functools.cache
-def compile_kv_copy(vector_bytes: int):
+def compile_kv_copy(vector_bytes: int) -> JitCompiledFunction:
     """The kernel for ``vector_bytes``-wide accesses, compiled once per process (no GPU needed)."""
     from kernels._cute_runtime import dummy_stream
 

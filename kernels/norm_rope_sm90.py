@@ -24,6 +24,7 @@ token count.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -33,6 +34,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from kernels._cute_comm import load_i64, load_vec_f32, row_launch, store_vec_f32, warp_row
 from kernels._cute_runtime import dummy_stream, launch_stream
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 VEC = 8  # bf16 values per 16-byte vector
 
@@ -167,21 +171,21 @@ def _launch_qkv_norm_rope_store(qkv: Int64, q_weight: Int64, k_weight: Int64, co
 
 
 @functools.cache
-def compiled_add_rms_norm(hidden: int, residual: bool):
+def compiled_add_rms_norm(hidden: int, residual: bool) -> JitCompiledFunction:
     """Compiled add + RMSNorm for rows of ``hidden`` (cached; compiles without a GPU under CUTE_DSL_ARCH)."""
     z = Int64(0)
     return cute.compile(_launch_add_rms_norm, z, z, z, z, z, Int32(1), Float32(1e-6), dummy_stream(), hidden, residual)
 
 
 @functools.cache
-def compiled_qk_norm_rope(head_dim: int):
+def compiled_qk_norm_rope(head_dim: int) -> JitCompiledFunction:
     """Compiled per-head RMSNorm + RoPE for heads of ``head_dim`` (64 or 128)."""
     z = Int64(0)
     return cute.compile(_launch_qk_norm_rope, z, z, z, z, z, Int32(1), Int32(1), Float32(1e-6), dummy_stream(), head_dim)
 
 
 @functools.cache
-def compiled_qkv_norm_rope_store(head_dim: int, q_heads: int, kv_heads: int, page_size: int):
+def compiled_qkv_norm_rope_store(head_dim: int, q_heads: int, kv_heads: int, page_size: int) -> JitCompiledFunction:
     """Compiled fused q/k norm + RoPE + K/V store for one attention layout."""
     z = Int64(0)
     return cute.compile(_launch_qkv_norm_rope_store, z, z, z, z, z, z, z, z, z, Int32(1), Float32(1e-6), dummy_stream(),

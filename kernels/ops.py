@@ -22,12 +22,18 @@ MODE_ENV = "MOEBUS_KERNELS"
 MODES = ("auto", "reference")
 
 
+def env_mode(variable: str, modes: tuple[str, ...]) -> str:
+    """The mode the environment variable ``variable`` names, ``modes[0]`` when it is unset or empty;
+    ValueError naming the variable and ``modes`` for any other value (a typo must not pick a path)."""
+    mode = os.environ.get(variable, modes[0]).strip().lower() or modes[0]
+    if mode not in modes:
+        raise ValueError(f"{variable}={os.environ[variable]!r} is not one of {', '.join(modes)}")
+    return mode
+
+
 def kernel_mode() -> str:
     """The mode ``MOEBUS_KERNELS`` names (``auto`` when unset)."""
-    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{MODE_ENV}={os.environ[MODE_ENV]!r} is not one of {', '.join(MODES)}")
-    return mode
+    return env_mode(MODE_ENV, MODES)
 
 
 def use_kernels(device: torch.device | str) -> bool:

@@ -33,7 +33,7 @@ import torch
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_GROUP = 16  # query heads per KV head: the 16 rows of the kernel's MMA tile
 HEAD_DIMS = (64, 128)  # the fragment layout takes multiples of 64; larger ones would spill the accumulator
-TILE = 16  # tokens per MMA tile
+TILE = 16  # tokens per MMA tile of the kernel (the n of Q @ K^T, the k of P @ V)
 # Split rule (flash-decoding): enough CTAs for this many per SM, but no split shorter than
 # MIN_TILES_PER_SPLIT tiles (each split writes fp32 partials that a second kernel merges).
 CTAS_PER_SM_TARGET = 4

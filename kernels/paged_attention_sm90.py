@@ -44,6 +44,7 @@ level at 512 (32.0 / 60.0 vs 31.9 / 59.7) and 3-4% slower at 4k (162 / 305 vs 15
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -54,11 +55,14 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from kernels._cute_comm import gptr
+from kernels._cute_comm import load_f32, load_i32, load_i64, store_f32
+from kernels.paged_attention import TILE
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 THREADS = 128
 WARPS = THREADS // 32
-TILE = 16  # tokens per MMA tile (the n of Q @ K^T, the k of P @ V)
 ROWS = 16  # query rows of an MMA tile: the most query heads per KV head the kernel takes
 MASKED = -1.0e30  # score of a masked key and the running max of a warp with no tile (finite: no inf - inf)
 LOG2E = 1.4426950408889634
@@ -124,20 +128,10 @@ def _load_index(addr: Int64, index_bytes: cutlass.Constexpr) -> Int64:
     """One int32 or int64 entry of a page table or length vector."""
     value = Int64(0)
     if cutlass.const_expr(index_bytes == 8):
-        value = cute.arch.load(gptr(Int64, addr, 8), Int64)
+        value = load_i64(addr)
     else:
-        value = Int64(cute.arch.load(gptr(Int32, addr, 4), Int32))
+        value = Int64(load_i32(addr))
     return value
-
-
-@cute.jit
-def _load_f32(addr: Int64) -> Float32:
-    return cute.arch.load(gptr(Float32, addr, 4), Float32)
-
-
-@cute.jit
-def _store_f32(addr: Int64, value: Float32):
-    cute.arch.store(gptr(Float32, addr, 4), value)
 
 
 @dsl_user_op
@@ -311,10 +305,10 @@ def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
             _store_bf16(out + ((Int64(seq) * q_heads + Int64(head * group + row)) * head_dim + dim) * 2, value * inv)
         else:
             part = ((Int64(seq) * kv_heads + Int64(head)) * splits + Int64(split)) * group + Int64(row)
-            _store_f32(part_o + (part * head_dim + dim) * 4, value)
+            store_f32(part_o + (part * head_dim + dim) * 4, value)
             if dim == 0:
-                _store_f32(part_ml + part * 8, m_all)
-                _store_f32(part_ml + part * 8 + 4, total)
+                store_f32(part_ml + part * 8, m_all)
+                store_f32(part_ml + part * 8 + 4, total)
 
 
 @cute.kernel
@@ -327,13 +321,13 @@ def _combine_kernel(part_o: Int64, part_ml: Int64, out: Int64, kv_heads: Int32, 
     base = (Int64(seq) * kv_heads + Int64(head)) * splits * group + Int64(row)  # partial of split s: base + s * group
     m_all = Float32(MASKED)
     for s in cutlass.range(splits):
-        m_all = cute.arch.fmax(m_all, _load_f32(part_ml + (base + Int64(s) * group) * 8))
+        m_all = cute.arch.fmax(m_all, load_f32(part_ml + (base + Int64(s) * group) * 8))
     total, value = Float32(0.0), Float32(0.0)
     for s in cutlass.range(splits):
         part = base + Int64(s) * group
-        f = _exp2(_load_f32(part_ml + part * 8) - m_all)
-        total = total + f * _load_f32(part_ml + part * 8 + 4)
-        value = value + f * _load_f32(part_o + (part * head_dim + dim) * 4)
+        f = _exp2(load_f32(part_ml + part * 8) - m_all)
+        total = total + f * load_f32(part_ml + part * 8 + 4)
+        value = value + f * load_f32(part_o + (part * head_dim + dim) * 4)
     inv = Float32(0.0)
     if total > 0.0:
         inv = 1.0 / total
@@ -372,7 +366,7 @@ def _compiled(key: tuple, build):
         return _CACHE[key]
 
 
-def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, len_bytes: int, options: str = ""):
+def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, len_bytes: int, options: str = "") -> JitCompiledFunction:
     """The split kernel of one head shape, page size and index widths, compiled once per process (no GPU
     needed); ``options`` go to ``cute.compile`` (and bypass the cache)."""
     from kernels._cute_runtime import dummy_stream
@@ -385,7 +379,7 @@ def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, 
     return _compiled(("split", group, head_dim, page_size, table_bytes, len_bytes), lambda: cute.compile(_launch_split, *args))
 
 
-def compiled_combine(group: int, head_dim: int, options: str = ""):
+def compiled_combine(group: int, head_dim: int, options: str = "") -> JitCompiledFunction:
     """The combine kernel of one head shape, compiled once per process."""
     from kernels._cute_runtime import dummy_stream
 

@@ -12,6 +12,7 @@ token count.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import cuda.bindings.driver as cuda_driver
 import cutlass
@@ -21,6 +22,9 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from kernels._cute_comm import gptr, load_vec_f32, row_launch, warp_row
 from kernels._cute_runtime import dummy_stream, launch_stream
+
+if TYPE_CHECKING:
+    from cutlass.base_dsl.jit_executor import JitCompiledFunction
 
 
 
@@ -93,7 +97,7 @@ def _launch_route(logits: Int64, weights_out: Int64, ids_out: Int64, rows: Int32
 
 
 @functools.cache
-def compiled_route(experts: int, top_k: int, renormalize: bool):
+def compiled_route(experts: int, top_k: int, renormalize: bool) -> JitCompiledFunction:
     """Compiled router for ``experts`` (a multiple of 32, at most 256) and ``top_k`` (cached;
     compiles without a GPU under CUTE_DSL_ARCH)."""
     z = Int64(0)

@@ -1,6 +1,7 @@
 """`moebus up`: nats-server plus the services of a compose file, as local processes.
 
-    moebus up [--model DIR] [--port P] [--stack compose/single-node.yml] [--scale decode=2] [--nats-max-payload BYTES] [--demo]
+    moebus up [--model DIR] [--port P] [--stack compose/single-node.yml] [--scale decode=2] [--config FILE]
+              [--nats-max-payload BYTES] [--log-dir DIR] [--ready-timeout S] [--demo]
 
 The compose file is the single description of a stack (DESIGN §7): the same file
 `docker compose up` runs on GPU nodes is read here, and each service's `command`
@@ -14,12 +15,15 @@ local checkpoint. Besides the services that heartbeat (`ROLES`), a stack may run
 frontends (`moebus openai`, `moebus metrics`): they listen on 127.0.0.1 unless
 `MOEBUS_HTTP_HOST` is set, their addresses are printed once the stack is up, and one
 that cannot start (its port taken) is reported without stopping the stack. `${VAR}` / `${VAR:-default}` in the file are interpolated from the
-environment, as docker compose does.
+environment, as docker compose does. `--config FILE` is checked here against every service's
+settings before anything starts and handed to the services as `MOEBUS_CONFIG`.
 
-Without `--model` the stack serves the embedded tiny checkpoint, created on first
+Without `--model` (or `$MOEBUS_MODEL`) the stack serves the embedded tiny checkpoint, created on first
 use in the cache directory (`$MOEBUS_CACHE_DIR`, else `~/.cache/moebus`).
-`moebus up` returns once every replica heartbeats and `llm.models` answers, prints
-the NATS URL, and serves until Ctrl-C / SIGTERM, which drains and stops everything.
+`moebus up` is ready once every replica heartbeats and `llm.models` answers: it prints
+the NATS URL, and serves until Ctrl-C / SIGTERM, which drains and stops everything. While it
+serves, a replica that ends is reported and, where its service's compose `restart` policy says so,
+started again after a backoff (`_serve`).
 """
 
 from __future__ import annotations

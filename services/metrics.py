@@ -21,6 +21,8 @@ import argparse
 import time
 from collections.abc import Iterator
 
+from nats.aio.msg import Msg
+
 from schemas import subjects
 from schemas.internal import Heartbeat, Histogram, LatencySummary, PrefixCacheStats, TransferStats
 from services import http
@@ -197,7 +199,7 @@ class Exporter:
     def __init__(self, expiry_s: float) -> None:
         self.heartbeats = LatestHeartbeats(expiry_s)
 
-    async def on_heartbeat(self, msg) -> None:  # type: ignore[no-untyped-def]
+    async def on_heartbeat(self, msg: Msg) -> None:
         """Keep `msg`'s heartbeat as its process's latest; one that is malformed raises (the bus logs
         `handler_failed`) and the process keeps its previous one, so the page always renders."""
         hb = unpack(msg.data, Heartbeat)

@@ -74,10 +74,6 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
-
     def alloc(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")

@@ -75,10 +75,6 @@ class Topology:
         return self.world_size if self.layout == "prefill" else 1
 
     @property
-    def dp_size(self) -> int:
-        return self.world_size if self.layout == "decode" else 1
-
-    @property
     def ep_size(self) -> int:
         return self.world_size
 

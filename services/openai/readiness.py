@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+from nats.aio.msg import Msg
+
 from schemas.internal import Heartbeat
 from services.liveness import LatestHeartbeats
 from shared.bus import unpack
@@ -29,7 +31,7 @@ class StackReadiness:
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         self.heartbeats.record(hb, now)
 
-    async def on_message(self, msg) -> None:  # type: ignore[no-untyped-def]
+    async def on_message(self, msg: Msg) -> None:
         """A heartbeat from the bus (``ctl.heartbeat.>``)."""
         self.on_heartbeat(unpack(msg.data, Heartbeat), time.monotonic())
 

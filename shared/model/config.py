@@ -22,8 +22,8 @@ from shared.model.errors import ConfigError, UnsupportedModel
 # This module is what the control plane (gateway, scheduler, frontends) knows of a model, and
 # those processes never import torch: it imports nothing of the runtime (quant_formats, kernels).
 # Hence the OCP MX spec's block size stated here, not imported: `kernels.grouped_gemm_mxfp8.MX_BLOCK`
-# is the same number, which the kernels' arithmetic and the MXFP8 checkpoint writer use
-# (tests/model/runtime/test_mxfp8_loading.py checks that the two agree).
+# is the same number, the one the kernels (reference and Hopper GEMM) and the MXFP8 checkpoint
+# writer import (tests/model/runtime/test_mxfp8_loading.py checks that the two agree).
 MX_BLOCK = 32
 
 MOE_ARCH = "Qwen3MoeForCausalLM"

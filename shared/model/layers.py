@@ -28,7 +28,6 @@ alone takes SDPA's faster causal kernel).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import grouped_moe
+from kernels.ops import env_mode
 from kernels.paged_attention import kernel_supports, paged_decode_attention, prepare_paged_decode_attention
 from shared.kvcache import PagedKVCache
 from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
@@ -137,10 +137,7 @@ DECODE_ATTENTION_MODES = ("kernel", "sdpa")
 
 def decode_attention_mode() -> str:
     """The mode ``MOEBUS_DECODE_ATTENTION`` names (``kernel`` when unset); ValueError for any other value."""
-    mode = os.environ.get(DECODE_ATTENTION_ENV, "kernel").strip().lower() or "kernel"
-    if mode not in DECODE_ATTENTION_MODES:
-        raise ValueError(f"{DECODE_ATTENTION_ENV}={os.environ[DECODE_ATTENTION_ENV]!r} is not one of {', '.join(DECODE_ATTENTION_MODES)}")
-    return mode
+    return env_mode(DECODE_ATTENTION_ENV, DECODE_ATTENTION_MODES)
 
 
 def decode_attention_kernel(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device) -> bool:

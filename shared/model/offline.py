@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any, TextIO
 
 import torch
 
@@ -26,7 +27,8 @@ from shared.model.tokenizer import Tokenizer, TokenizerError
 PAGE_SIZE = 16
 
 
-def generate(model_dir: str, prompt: str, *, chat: bool, params: SamplingParams, dtype: torch.dtype, device: str, stream=None) -> dict:
+def generate(model_dir: str, prompt: str, *, chat: bool, params: SamplingParams, dtype: torch.dtype, device: str,
+             stream: TextIO | None = None) -> dict[str, Any]:
     """Generate for ``prompt``; writes text pieces to ``stream`` as they complete, if given."""
     tokenizer = Tokenizer.from_dir(model_dir)
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt

@@ -29,10 +29,9 @@ import torch
 
 from kernels import grouped_gemm_mxfp8 as _mx
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, quantize_act_reference
-from kernels.grouped_gemm_mxfp8 import E8M0_BIAS, MX_BLOCK
+from kernels.grouped_gemm_mxfp8 import MX_BLOCK
 
 FP8_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = FP8_MAX
 WEIGHT_BLOCK = (128, 128)
 ACT_GROUP = QUANT_BLOCK
 # The arithmetic of MXFP8 and of the activation format is defined once, in kernels/
@@ -65,7 +64,7 @@ def _pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     # torch's float->float8_e4m3fn cast does not saturate (out of range becomes
     # NaN), so clamp first; the scales keep values in range up to rounding anyway.
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 # --------------------------------------------------------------------------- block FP8
@@ -195,11 +194,6 @@ def quantize_mxfp8(w: torch.Tensor, block_size: int = MX_BLOCK) -> Mxfp8Weight:
         raise QuantFormatError(f"MXFP8 quantization needs at least a 1-D tensor and block_size > 0, got {block_size}")
     weight, scale = _mx.quantize_mxfp8(w, block_size)
     return Mxfp8Weight(weight=weight, scale_e8m0=scale, block_size=block_size)
-
-
-def e8m0_to_float(scale_e8m0: torch.Tensor) -> torch.Tensor:
-    """Biased E8M0 exponents (uint8) to their fp32 power-of-two values."""
-    return torch.exp2(scale_e8m0.float() - E8M0_BIAS)
 
 
 def dequantize_mxfp8(

@@ -7,7 +7,6 @@ import torch
 
 from kernels import grouped_gemm as gg
 from kernels import grouped_gemm_mxfp8 as mx
-from kernels import grouped_gemm_sm90 as sm90
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK, dequantize_mxfp8, grouped_gemm_mxfp8, quantize_mxfp8
 
 FP8 = torch.float8_e4m3fn
@@ -76,10 +75,6 @@ def test_kernel_scale_layout_pads_rows_to_16_bytes_only_where_needed():
     shifted = torch.empty(s48.numel() + 1, dtype=torch.uint8)[1:].view(s48.shape).copy_(s48)  # misaligned start
     moved = mx.kernel_scale_layout(shifted)
     assert moved.data_ptr() % 16 == 0 and torch.equal(moved, s48)
-
-
-def test_kernel_mx_block_matches_the_format():
-    assert sm90.MX_BLOCK == MX_BLOCK
 
 
 def test_bad_mxfp8_inputs_raise():

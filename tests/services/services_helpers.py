@@ -145,6 +145,13 @@ def all_kv_free(watch: HeartbeatWatch) -> bool:
 
 
 
+async def cancelled_requests(url: str) -> int:
+    """The requests the stack's one gateway has counted as cancelled so far (from its heartbeat)."""
+    async with session(url) as (_, watch):
+        await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 10, "the gateway")
+        return watch.live("gateway")[0].requests.outcomes.get("cancelled", 0)
+
+
 def rank1_pid(stack: LocalStack, role: str) -> int:
     """Rank 1 of the first `role` instance of a two-rank group: its supervisor starts rank 0 first (services/ranks.py)."""
     supervisor = next(r for r in stack.replicas if r.role == role).proc.pid

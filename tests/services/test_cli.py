@@ -154,6 +154,13 @@ def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny
     assert f"moebus up: cannot create the log directory {a_file / 'logs'}: Not a directory" in logs.stderr, logs.stderr
 
 
+def _kill_if_running(up: subprocess.Popen) -> None:
+    """Kill a `moebus up` that a failed check left running, and reap it."""
+    if up.poll() is None:
+        up.kill()
+        up.wait()
+
+
 def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int, *flags: str) -> tuple[subprocess.Popen, Path]:
     """`moebus up` of a stack of one scheduler (no gateway: llm.models never answers, so it never gets
     ready), once the scheduler has started; (the `moebus up` process, its log directory)."""
@@ -165,8 +172,7 @@ def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int, *fl
     deadline = time.monotonic() + 60
     while "scheduler_ready" not in ((log_dir / "scheduler-0.log").read_text() if (log_dir / "scheduler-0.log").exists() else ""):
         if time.monotonic() > deadline or up.poll() is not None:
-            up.kill()
-            up.wait()
+            _kill_if_running(up)
             raise AssertionError("the scheduler did not start")
         time.sleep(0.1)
     return up, log_dir
@@ -208,9 +214,7 @@ def test_up_restarts_a_killed_service_under_restart_on_failure(tmp_path: Path, t
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=60)
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        _kill_if_running(up)
     assert up.returncode == 0, err
     assert err.count("scheduler-0 was killed by SIGKILL") == 3, err
     delays = re.findall(r"restarting scheduler-0 in (\S+) \(restart: on-failure\)", err)
@@ -247,9 +251,7 @@ def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_mode
         output, _ = up.communicate(timeout=120)
         took = time.monotonic() - asked
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        _kill_if_running(up)
     assert up.returncode == 0 and "stop requested before the stack was ready" in output and "ready." not in output, output
     assert took < 20, f"moebus up stopped {took:.0f}s after SIGTERM"
     assert "scheduler_stopped" in (log_dir / "scheduler-0.log").read_text()  # drained, not killed
@@ -266,9 +268,7 @@ def test_up_names_the_signal_that_killed_a_service(tmp_path: Path, tiny_model: P
         os.kill(int(scheduler[0]), signal.SIGKILL)
         _, err = up.communicate(timeout=60)
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        _kill_if_running(up)
     assert up.returncode == 1, err
     assert f"moebus up: scheduler-0 was killed by SIGKILL; see {log_dir / 'scheduler-0.log'}" in err, err
 

@@ -15,8 +15,7 @@ import pytest
 
 from schemas import subjects
 from schemas.internal import Cancel, Job, SamplingSpec, StageError, StartDecode, TokenBatch, TokenMessage
-from services.decode.rank import DecodeRank, Reservation, Running
-from services.model_rank import sampling_params
+from services.decode.rank import DecodeRank, Reservation
 from shared.bus import Bus, connect, pack, unpack
 from shared.model.runner import ModelRunner
 from shared.model.tiny import make_tiny

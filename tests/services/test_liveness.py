@@ -10,7 +10,6 @@ processes with SIGSTOP, as a starved or paused host does, with margins of second
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time

@@ -22,7 +22,7 @@ import torch
 from schemas.api import ChatMessage, GenerateRequest
 from services.client import GenerateError
 from services.common import moebus_version
-from services_helpers import log_events, run, session, stack_fixture, until
+from services_helpers import cancelled_requests, log_events, run, session, stack_fixture, until
 
 pytestmark = pytest.mark.slow
 
@@ -337,17 +337,12 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     """The request of a client that closes its connection mid-stream is cancelled in the stack (the
     gateway ends it `cancelled` and counts it so), and the frontend logs it once, as 499. Traced by
     its own X-Request-Id, so that neither the other tests' requests nor their order matter."""
-    async def cancelled_so_far() -> int:
-        async with session(stack.url) as (_, watch):
-            await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 10, "the gateway")
-            return watch.live("gateway")[0].requests.outcomes.get("cancelled", 0)
-
     def ends_of(request_id: str) -> list[dict]:
         """The gateway's last word on the request: `request_failed` (with its code) or `completed`."""
         return [e for name in ("request_failed", "completed") for e in log_events(stack, name) if e.get("request_id") == request_id]
 
     request_id = f"hangup-{uuid.uuid4().hex[:12]}"
-    before = run(cancelled_so_far())
+    before = run(cancelled_requests(stack.url))
     # 3000 tokens take the tiny model ~15 s here: the hang-up comes long before the request could end.
     body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
     with socket.create_connection(frontend, timeout=30) as s:
@@ -364,7 +359,7 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     run(until(lambda: ends_of(request_id), "the gateway ended the request", timeout=20))
     assert [(e["event"], e.get("code")) for e in ends_of(request_id)] == [("request_failed", "cancelled")], ends_of(request_id)
     deadline = time.monotonic() + 10  # the gateway's next heartbeats count it
-    while run(cancelled_so_far()) == before:
+    while run(cancelled_requests(stack.url)) == before:
         assert time.monotonic() < deadline, "the gateway ended the request cancelled but its heartbeats never counted it"
         time.sleep(0.2)
     # The frontend's access log: this request once, as 499 (client gone). Its line is written when the

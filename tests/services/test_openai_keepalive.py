@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from services_helpers import log_events, run, session, stack_fixture, until
+from services_helpers import cancelled_requests, log_events, run, stack_fixture, until
 
 pytestmark = pytest.mark.slow
 
@@ -239,12 +239,7 @@ def test_client_leaving_mid_stream_on_a_kept_connection_cancels_its_request(stac
     """A stream (chunked: its first chunk's size line precedes the event) on a connection that
     already carried a request: the client closing it, or resetting it (SO_LINGER 0: an RST, which
     the frontend's writes can see before its watch does), cancels the request, logged 499."""
-    async def cancelled_so_far() -> int:
-        async with session(stack.url) as (_, watch):
-            await watch.wait_for(lambda w: len(w.live("gateway")) == 1, 10, "the gateway")
-            return watch.live("gateway")[0].requests.outcomes.get("cancelled", 0)
-
-    before = run(cancelled_so_far())
+    before = run(cancelled_requests(stack.url))
     with socket.create_connection(frontend, timeout=30) as s:
         s.sendall(request_bytes("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}))
         first = http.client.HTTPResponse(s)
@@ -261,7 +256,7 @@ def test_client_leaving_mid_stream_on_a_kept_connection_cancels_its_request(stac
         if leaving == "reset":
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     deadline = time.monotonic() + 20
-    while run(cancelled_so_far()) == before:
+    while run(cancelled_requests(stack.url)) == before:
         assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
         time.sleep(0.5)
     def gone() -> list[int]:  # logged after the cancel went out, so maybe after the gateway counted it

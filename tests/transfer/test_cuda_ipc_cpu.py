@@ -20,6 +20,8 @@ from shared.transfer import cuda_ipc
 from shared.transfer.receiver import DIRECT_WRITE_GRACE_S
 from shared.transfer.worker import encode_header, header_tag
 
+from local_worker import local_worker
+
 if not torch.cuda.is_available():
     os.environ.setdefault("UCX_TLS", "tcp,self")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -67,8 +69,7 @@ def test_cpu_receiver_offers_no_export_and_senders_take_ucx():
     falls back to UCX (logged with the reason) and the KV still lands."""
 
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2), cuda_ipc=True)
             assert rx.cuda_ipc_export is None and rx.reserve("plain", 20, 5.0).cuda_ipc is None
             rx.cancel("plain")
@@ -94,8 +95,6 @@ def test_cpu_receiver_offers_no_export_and_senders_take_ucx():
                 KVSender(worker, _cache(), desc, [3, 5], kv_head_shard(0, 1, HEADS), timeout_s=5.0)
             rx.cancel("bad-pages")
             assert rx.num_free_pages == 8
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
@@ -118,8 +117,7 @@ async def _until(predicate, timeout: float) -> float:
 
 def test_landed_headers_complete_a_direct_request():
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             rx.cuda_ipc_export = _export("elsewhere")  # as a GPU receiver's: reservations may have direct writers
             desc = rx.reserve("d", 20, 5.0)
@@ -137,16 +135,13 @@ def test_landed_headers_complete_a_direct_request():
             with pytest.raises(Exception, match="no CUDA IPC export"):
                 await plain.wait_complete("no-export", 5.0)
             assert plain.num_free_pages == 8
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
 
 def test_cancelled_direct_reservation_quarantines_pages_until_every_head_is_quiet():
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             rx.cuda_ipc_export = _export("elsewhere")
             desc = rx.reserve("c", 20, 30.0)
@@ -172,16 +167,13 @@ def test_cancelled_direct_reservation_quarantines_pages_until_every_head_is_quie
             await _header(worker, desc, (0, 4), "chunk", (0, 1))
             await _until(lambda: rx._reservations["ucx-sender"].announced[0].all(), 5.0)
             assert rx.cancel("ucx-sender") and rx.num_free_pages == 8 and rx.num_quarantined_pages == 0
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
 
 def test_expired_or_failed_direct_reservations_free_pages_only_after_lease_plus_grace():
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             rx.cuda_ipc_export = _export("elsewhere")
             lease = 0.3
@@ -208,7 +200,5 @@ def test_expired_or_failed_direct_reservations_free_pages_only_after_lease_plus_
             assert rx.num_quarantined_pages == 2
             await rx.close()
             assert rx.num_free_pages == 8 and rx.num_quarantined_pages == 0
-        finally:
-            worker.close()
 
     asyncio.run(main())

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from shared.kvcache import KVLayout, PagedKVCache
-from shared.transfer import KVReceiver, KVSender, LayerReports, StagingPool, TransferWorker, kv_head_shard
+from shared.transfer import KVReceiver, KVSender, LayerReports, StagingPool, kv_head_shard
 from shared.transfer.shard import chunk_nbytes
+
+from local_worker import local_worker
 
 if not torch.cuda.is_available():
     os.environ.setdefault("UCX_TLS", "tcp,self")
@@ -25,8 +27,7 @@ _CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torc
 @pytest.mark.parametrize("device", ["cpu", _CUDA])
 def test_senders_attached_before_during_and_after_the_forward_all_send_every_layer(device):
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             layers, heads, tokens, dim = 6, 2, 19, 8
             ref = torch.randn(layers, 2, heads, tokens, dim, device=device).to(torch.bfloat16)
             decode = PagedKVCache(KVLayout(layers, 24, heads, 4, dim, torch.bfloat16), device)
@@ -68,7 +69,5 @@ def test_senders_attached_before_during_and_after_the_forward_all_send_every_lay
                 for layer in range(layers):
                     k, v = decode.read(layer, got, tokens)
                     assert torch.equal(k, ref[layer, 0]) and torch.equal(v, ref[layer, 1]), (request_id, layer)
-        finally:
-            worker.close()
 
     asyncio.run(main())

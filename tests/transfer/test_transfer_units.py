@@ -15,9 +15,11 @@ import torch
 
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout, ShardHeader
 from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
-from shared.transfer import KVHeadShard, KVReceiver, KVSender, LayoutMismatch, ProtocolError, StagingPool, TransferError, TransferRecord, TransferTimeout, TransferWorker, UnknownTransfer, kv_head_shard
+from shared.transfer import KVHeadShard, KVReceiver, KVSender, LayoutMismatch, ProtocolError, StagingPool, TransferError, TransferRecord, TransferTimeout, UnknownTransfer, kv_head_shard
 from shared.transfer.shard import chunk_nbytes, chunk_view, pack_layers, scatter_layers
 from shared.transfer.worker import data_tag, decode_header, encode_header, header_tag
+
+from local_worker import local_worker
 
 if not torch.cuda.is_available():  # with a GPU, UCX keeps its default transports (cuda_ipc, cuda_copy)
     os.environ.setdefault("UCX_TLS", "tcp,self")
@@ -137,8 +139,7 @@ def _cache(heads: int = 4, pages: int = 8, page_size: int = 16) -> PagedKVCache:
 
 def test_receiver_rejects_bad_reservations_and_expires_leases():
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             cache = _cache()
             rx = KVReceiver(worker, cache, staging=StagingPool(32768, 2))
             with pytest.raises(OutOfPages):
@@ -160,8 +161,6 @@ def test_receiver_rejects_bad_reservations_and_expires_leases():
             with pytest.raises(UnknownTransfer):
                 await rx.wait_complete("never", 1.0)
             assert rx.metrics.snapshot()["failures"] == {"lease_expired": 1}
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
@@ -172,8 +171,7 @@ def test_landed_kv_let_go_unclaimed_is_not_a_transfer_failure():
     completed transfer and no failure. A cancel while KV is still arriving is a failure."""
 
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             desc = rx.reserve("landed", 20, 5.0)
             sender = KVSender(worker, _cache(heads=4), desc, [0, 1], KVHeadShard(0, 4, True), timeout_s=5.0)
@@ -192,16 +190,13 @@ def test_landed_kv_let_go_unclaimed_is_not_a_transfer_failure():
             stats = rx.metrics.stats()
             assert (stats.completed, stats.failures) == (1, {"cancelled": 1}), stats
             assert stats.bytes_total == chunk_nbytes(2, 4, 20, 8, torch.bfloat16)
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
 
 def test_sender_rejects_layouts_that_cannot_map():
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             desc = rx.reserve("r", 20, 5.0)
             shard = kv_head_shard(0, 2, 4)
@@ -214,8 +209,6 @@ def test_sender_rejects_layouts_that_cannot_map():
             with pytest.raises(LayoutMismatch, match="dtype"):
                 KVSender(worker, PagedKVCache(KVLayout(2, 8, 2, 16, 8, torch.float16)), desc, [0, 1], shard, timeout_s=1.0)
             rx.cancel("r")
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
@@ -249,8 +242,7 @@ def test_overlapping_shards_fail_the_request_with_protocol_error():
     """Two senders claiming the same heads: the receiver fails the request and frees its pages."""
 
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
             desc = rx.reserve("dup", 20, 5.0)
             shard = KVHeadShard(0, 2, True)
@@ -264,8 +256,6 @@ def test_overlapping_shards_fail_the_request_with_protocol_error():
             assert all(s.staging.in_use_bytes == 0 for s in senders)
             # Chunks this small go eagerly (UCX buffers them), so senders may finish; either way typed.
             assert all(isinstance(o, (TransferRecord, TransferError)) for o in outcomes), outcomes
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
@@ -275,8 +265,7 @@ def test_late_chunk_after_lease_end_lands_in_quarantined_staging_not_pages():
     out of the pool until UCX is done with it, and the freed pages are never written."""
 
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             cache = _cache(heads=4)
             rx = KVReceiver(worker, cache, staging=StagingPool(1 << 20, 2))
             desc = rx.reserve("late", 20, 0.3)
@@ -296,8 +285,6 @@ def test_late_chunk_after_lease_end_lands_in_quarantined_staging_not_pages():
                 await asyncio.sleep(0.02)
             assert rx.staging.in_use_buffers == 0  # freed by the late receive, well before the 2 s margin
             assert all(bool((pool == 5.0).all()) for pool in cache.pools)
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
@@ -308,8 +295,7 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
     on CUDA this runs the pack stream / group events / scatter stream paths end to end."""
 
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             layers, heads, tokens, dim = 6, 2, 21, 8
             ref = torch.randn(layers, 2, heads, tokens, dim, device=device).to(torch.bfloat16)
             decode = PagedKVCache(KVLayout(layers, 8, heads, 4, dim, torch.bfloat16), device)
@@ -341,16 +327,13 @@ def test_layers_reported_out_of_order_from_another_thread_still_complete_exactly
             for layer in range(layers):
                 k, v = decode.read(layer, got, tokens)
                 assert torch.equal(k, ref[layer, 0]) and torch.equal(v, ref[layer, 1])
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
 
 def test_announced_chunk_that_never_comes_frees_its_staging_after_the_lease_margin():
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             rx = KVReceiver(worker, _cache(heads=4), staging=StagingPool(1 << 20, 2))
             desc = rx.reserve("ghost", 20, 0.2)
             nbytes = chunk_nbytes(2, 4, 20, 8, torch.bfloat16)
@@ -361,8 +344,6 @@ def test_announced_chunk_that_never_comes_frees_its_staging_after_the_lease_marg
             assert rx.staging.in_use_buffers == 1 and rx.num_free_pages == 8
             await asyncio.sleep(2.5)  # the lease ended ~0 s ago; the margin is 2 s
             assert rx.staging.in_use_buffers == 0
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
@@ -372,8 +353,7 @@ def test_senders_share_the_workers_send_pool_and_return_it_after_failures():
     registered once); every outcome - success, cancel, deadline - gives its slots back."""
 
     async def main():
-        worker = await TransferWorker.create(send_slot_bytes=4096, send_slots=2)
-        try:
+        async with local_worker(send_slot_bytes=4096, send_slots=2) as worker:
             layers, heads, tokens, dim = 2, 4, 20, 8
             rx = KVReceiver(worker, _cache(heads=heads, pages=24), staging=StagingPool(1 << 20, 2))
             local = _cache(heads=heads)
@@ -410,8 +390,6 @@ def test_senders_share_the_workers_send_pool_and_return_it_after_failures():
             await grown.send_all()
             await rx.wait_complete("big", 5.0)
             assert grown.staging.in_use_buffers == 0
-        finally:
-            worker.close()
 
     asyncio.run(main())
 
@@ -421,8 +399,7 @@ def test_chunks_take_the_layers_ready_when_a_slot_is_free():
     idle in between goes one layer per chunk (nothing waits for a chunk to fill up)."""
 
     async def main():
-        worker = await TransferWorker.create()
-        try:
+        async with local_worker() as worker:
             layers, heads, tokens, dim = 6, 2, 24, 8
             ref = torch.randn(layers, 2, heads, tokens, dim).to(torch.bfloat16)
             decode = PagedKVCache(KVLayout(layers, 16, heads, 8, dim, torch.bfloat16))
@@ -447,7 +424,5 @@ def test_chunks_take_the_layers_ready_when_a_slot_is_free():
                 got = torch.tensor(await rx.wait_complete(rid, 5.0))
                 assert all(torch.equal(torch.stack(decode.read(layer, got, tokens)), ref[layer]) for layer in range(layers))
                 decode.allocator.free(got.tolist())
-        finally:
-            worker.close()
 
     asyncio.run(main())

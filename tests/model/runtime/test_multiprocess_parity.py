@@ -4,14 +4,13 @@ give the same logits (fp32, <= 1e-4) and greedy tokens as one process."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from mp_workers import run_rank
 from runtime_helpers import GPU, random_prompts, rel_err
 
+from services.ranks import free_port
 from shared.model.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
@@ -20,12 +19,6 @@ SHARDED = dict(layers=3, heads=8, kv_heads=2, experts=8, top_k=2, norm_topk_prob
 PROMPTS = random_prompts([6, 9, 3], seed=11)
 JOIN_AT = [0, 0, 5]
 MAX_TOKENS = [20, 8, 20]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
