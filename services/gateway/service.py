@@ -131,7 +131,8 @@ class Gateway:
 
     async def drain(self) -> None:
         """SIGTERM: take no new requests, let in-flight ones finish, fail what is left."""
-        await self._generate_sub.unsubscribe()
+        await self.bus.stop_taking(self._generate_sub, self.settings.drain_timeout_s)
+        await asyncio.sleep(0)  # the handlers of the requests it still delivered register (`admitting`) in their first step
         deadline = Deadline.after(self.settings.drain_timeout_s)
         while (self.flights or self.admitting) and not deadline.expired:
             await asyncio.sleep(0.05)
