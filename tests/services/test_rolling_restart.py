@@ -28,9 +28,7 @@ from services_helpers import HeartbeatWatch, all_kv_free, log_events, run, sessi
 pytestmark = pytest.mark.slow
 
 ROLES = ("gateway", "scheduler", "prefill", "decode")
-# A scheduler waits up to 8 s for capacity instead of 1 s (the gateway's submit timeout, 10 s, stays above):
-# the burst below must not be answered `overloaded` by a 2-core host, where that would hide nothing.
-stack = stack_fixture("single-node.yml", {**{role: 2 for role in ROLES}, "metrics": 0}, env={"MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "8000"})
+stack = stack_fixture("single-node.yml", {**{role: 2 for role in ROLES}, "metrics": 0})
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Mixture-of-experts models route each token to"]
 MAX_TOKENS = 12
@@ -84,6 +82,26 @@ def openai_completion(addr: tuple[str, int], prompt: str) -> tuple[int, dict]:
         return resp.status, json.loads(resp.read())
     finally:
         conn.close()
+
+
+def health(addr: tuple[str, int]) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+async def health_fails(addr: tuple[str, int], within_s: float) -> tuple[int, str]:
+    """`moebus openai`'s /health, asked until it fails or ``within_s`` passed: its last answer."""
+    until = time.monotonic() + within_s
+    while True:
+        status, body = await asyncio.to_thread(health, addr)
+        if status != 200 or time.monotonic() > until:
+            return status, body
+        await asyncio.sleep(0.05)
 
 
 async def openai_worker(addr: tuple[str, int], load: Load, stop: asyncio.Event) -> None:
@@ -180,7 +198,7 @@ def test_a_gateway_behind_on_its_socket_still_answers_every_request_routed_to_it
     """SIGTERM reaches a gateway whose queue-group subscription still has requests the server routed
     to it but the process has not read (here: it was stopped for 1 s, as a busy event loop would
     lag). Its drain must answer them: before, it unsubscribed, which discards such messages, and
-    each of those clients waited for an answer nobody was writing (58 of these 100 requests failed
+    each of those clients waited for an answer nobody was writing (58 of 100 such requests failed
     `unavailable` once the client's keepalive wait ran out)."""
     victim = next(r for r in stack.replicas if r.role == "gateway" and r.index == 0)
 
@@ -190,9 +208,9 @@ def test_a_gateway_behind_on_its_socket_still_answers_every_request_routed_to_it
             errors: list[str] = []
 
             async def one(i: int) -> None:
-                # Long stop strings make each request ~1 KB, so that those routed to the stopped
+                # Long stop strings make each request ~1.7 KB, so that those routed to the stopped
                 # gateway fill more than one read of its socket (nats-py reads 32 KB at a time).
-                req = GenerateRequest(prompt=f"request {i}", max_tokens=1, temperature=0, stop=["x" * 200] * 4)
+                req = GenerateRequest(prompt=f"request {i}", max_tokens=1, temperature=0, stop=["x" * 400] * 4)
                 try:
                     await client.generate(req)
                     outcomes["ok"] += 1
@@ -202,7 +220,7 @@ def test_a_gateway_behind_on_its_socket_still_answers_every_request_routed_to_it
 
             os.kill(victim.proc.pid, signal.SIGSTOP)
             try:
-                requests = [asyncio.ensure_future(one(i)) for i in range(100)]
+                requests = [asyncio.ensure_future(one(i)) for i in range(60)]
                 await asyncio.sleep(1.0)
                 victim.proc.send_signal(signal.SIGTERM)
             finally:
@@ -216,4 +234,81 @@ def test_a_gateway_behind_on_its_socket_still_answers_every_request_routed_to_it
 
     outcomes, errors, exit_code = run(go())
     assert exit_code == 0
-    assert outcomes == {"ok": 100}, f"{outcomes}: {Counter(errors).most_common(5)}"
+    # Every request answered: served, or refused `overloaded` by a scheduler with no room within its
+    # queue_wait_ms for the burst (an answer too); one left without an answer fails `unavailable`.
+    assert sum(outcomes.values()) == 60 and set(outcomes) <= {"ok", "overloaded"}, f"{outcomes}: {Counter(errors).most_common(5)}"
+
+
+# What a new request gets once no replica of a role is left: the gateway's `unavailable` error with this reason.
+NO_REPLICA = {"gateway": "no responder on llm.generate", "scheduler": "no scheduler is running",
+              "prefill": "no prefill instance is registered", "decode": "no decode instance is registered"}
+
+
+@dataclass
+class Drained:
+    """What the drain of a role's last replicas looked like from outside."""
+
+    finished: list[list[int]]  # the tokens of the requests in flight at SIGTERM, streamed and unary
+    health: tuple[int, str]  # `moebus openai`'s /health once they drain
+    refused: tuple[str, str]  # (code, message) of a new request meanwhile, over NATS
+    http_status: int  # the same through `moebus openai`
+    exit_codes: list[int]
+
+
+def test_the_last_replicas_of_a_role_finish_their_requests_and_new_ones_get_unavailable(stack: LocalStack):
+    """Both replicas of a role stopped together (SIGTERM), so none is left to take over, while requests
+    run: /health fails at once, those requests finish in full during the drain, and a new one is
+    refused `unavailable` naming what is missing (HTTP 503 through `moebus openai`): at once for the
+    gateways and schedulers, after the scheduler's `queue_wait_ms` for the model instances, never at a
+    deadline. Each role's replicas are started again before the next role's go (decode last: the
+    stack ends there). Before the draining heartbeats of the gateway and the scheduler, /health
+    answered 200 while they drained (a gateway beat on as serving; a scheduler just went silent,
+    which /health notices once its last beat is `health_expiry_s` old)."""
+    match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
+    assert match, "the openai frontend printed no address"
+    addr = (match.group(1), int(match.group(2)))
+    long = GenerateRequest(prompt=PROMPTS[2], max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def go() -> tuple[list[int], dict[str, Drained]]:
+        seen = {}
+        async with session(stack.url) as (client, watch):
+            reference = (await client.generate(long)).token_ids
+
+            async def streamed() -> list[int]:
+                return [t async for c in client.stream(long) for t in c.token_ids]
+
+            async def unary() -> list[int]:
+                return (await client.generate(long)).token_ids
+
+            for role in ROLES:
+                running = [asyncio.ensure_future(streamed()), asyncio.ensure_future(unary())]
+                await watch.wait_for(lambda w: sum(hb.batch_size for hb in w.live("decode")) >= 2, 20, "both requests decoding")
+                victims = [r for r in stack.replicas if r.role == role]
+                for r in victims:
+                    r.proc.send_signal(signal.SIGTERM)
+                healthy = await health_fails(addr, 1.0)
+                await asyncio.sleep(0.2)  # the schedulers have the draining heartbeats too
+                try:
+                    await client.generate(GenerateRequest(prompt="new", max_tokens=4, temperature=0))
+                    refused = ("ok", "")
+                except GenerateError as e:
+                    refused = (e.code, e.message)
+                http_status, _ = await asyncio.to_thread(openai_completion, addr, "new")
+                finished = list(await asyncio.gather(*running))
+                exit_codes = [await asyncio.to_thread(r.proc.wait, 30) for r in victims]
+                seen[role] = Drained(finished, healthy, refused, http_status, exit_codes)
+                if role != ROLES[-1]:
+                    since = time.time()
+                    restarted = [stack.restart_replica(r) for r in victims]
+                    await watch.wait_for(lambda w: serving_again(w, restarted, since), 120, f"the {role}s serving again")
+        return reference, seen
+
+    reference, seen = run(go())
+    for role, drained in seen.items():
+        assert drained.health[0] == 503 and f"no {role} heard" in drained.health[1], (role, drained.health)
+        assert drained.finished == [reference, reference], f"{role}: a request in flight at SIGTERM did not finish in full"
+        assert drained.exit_codes == [0, 0], (role, drained.exit_codes)
+        # The stack's own answer, not the client giving up on silence (also `unavailable`, another message).
+        code, message = drained.refused
+        assert code == "unavailable" and NO_REPLICA[role] in message, (role, code, message)
+        assert drained.http_status == 503, (role, drained.http_status)
