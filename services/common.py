@@ -230,6 +230,14 @@ class Heartbeater:
     async def beat(self) -> None:
         await self.bus.publish(subjects.heartbeat(self.role, self.instance, self.rank), pack(self.heartbeat()))
 
+    async def announce(self) -> None:
+        """One beat now, between the regular ones (the state changed: draining, final counts); a
+        failure is logged, not raised, so that the caller's drain goes on."""
+        try:
+            await self.beat()
+        except Exception:
+            log.exception("heartbeat_failed", role=self.role)
+
     async def _loop(self) -> None:
         # A beat more than two intervals after the last one went out late: watchers may soon
         # count this process as gone. The CPU times over the gap say why: loop_cpu_s close to

@@ -322,12 +322,27 @@ class Bus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def drain(self, timeout: float = 10.0) -> None:
-        """Stop taking messages, let in-flight handlers finish (up to `timeout`), flush, close."""
-        for sub in self._subs:
+    async def stop_taking(self, sub: Subscription, timeout: float = 10.0) -> None:
+        """End ``sub`` without losing what was already routed to it. The server may have sent it
+        messages this process has not read yet (its socket, nats-py's buffers): a plain unsubscribe
+        drops them, and a request among them (a client's `llm.generate` to a gateway in a queue
+        group, a gateway's submit to a scheduler) then waits out its deadline for an answer nobody
+        is writing. Draining tells the server to stop, waits for its answer (by then every message
+        routed here has arrived) and hands them to the handler (each in its task when concurrent).
+        With no answer within ``timeout`` (the connection down: nothing more arrives either) it
+        unsubscribes."""
+        if sub in self._subs:
+            self._subs.remove(sub)
+        try:
+            await asyncio.wait_for(sub.drain(), timeout)
+        except Exception:  # noqa: BLE001 - closed, reconnecting, already ended, or no answer in time
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        self._subs.clear()
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Stop taking messages (`stop_taking`), let in-flight handlers finish (up to `timeout`), flush, close."""
+        subs, self._subs = self._subs, []
+        await asyncio.gather(*(self.stop_taking(sub, timeout) for sub in subs))
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
             for task in pending:

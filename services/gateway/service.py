@@ -116,7 +116,9 @@ class Gateway:
         self.liveness = PeerLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic(),
                                      roles=("prefill", "decode"))
         self.counters = RequestCounters(admission.model.max_context)
-        self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"in_flight": len(self.flights), "requests": self.counters.stats()})
+        self.draining = False
+        self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"draining": self.draining, "in_flight": len(self.flights),
+                                                                         "requests": self.counters.stats()})
         self._generate_sub: Any = None
 
     async def start(self) -> None:
@@ -130,8 +132,15 @@ class Gateway:
         self.heartbeater.start()
 
     async def drain(self) -> None:
-        """SIGTERM: take no new requests, let in-flight ones finish, fail what is left."""
-        await self._generate_sub.unsubscribe()
+        """SIGTERM: take no new requests, let in-flight ones finish, fail what is left.
+
+        The heartbeats say so at once (`draining`: `moebus status`, `moebus_draining`, and the HTTP
+        frontend's /health, which fails once no gateway takes new requests), and a last one after
+        the drain carries the final counts, those of the requests that ended since the last beat."""
+        self.draining = True
+        await self.heartbeater.announce()
+        await self.bus.stop_taking(self._generate_sub, self.settings.drain_timeout_s)
+        await asyncio.sleep(0)  # the handlers of the requests it still delivered register (`admitting`) in their first step
         deadline = Deadline.after(self.settings.drain_timeout_s)
         while (self.flights or self.admitting) and not deadline.expired:
             await asyncio.sleep(0.05)
@@ -142,6 +151,7 @@ class Gateway:
         while self.flights or self.admitting:
             await asyncio.sleep(0.01)
         await self.heartbeater.stop()
+        await self.heartbeater.announce()
 
     # ------------------------------------------------------------ bus handlers
 

@@ -52,7 +52,9 @@ class Scheduler:
         self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
         self.waiting_ids: set[str] = set()
         self.suspects = SuspectRanks(settings, bus, self.registry)
-        self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"queued_requests": self.waiting, "suspect_ranks": self.suspects.names()})
+        self.draining = False
+        self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"draining": self.draining, "queued_requests": self.waiting,
+                                                                           "suspect_ranks": self.suspects.names()})
         self._expiry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -63,6 +65,11 @@ class Scheduler:
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())  # kept: the loop holds tasks weakly
 
     async def stop(self) -> None:
+        """SIGTERM: say `draining` (the HTTP frontend's /health fails at once when no other scheduler
+        is left, instead of once the heartbeats expire), stop beating; the bus drain then answers the
+        submits already sent here."""
+        self.draining = True
+        await self.heartbeater.announce()
         await self.heartbeater.stop()
         await self.suspects.stop()
         if self._expiry is not None:
