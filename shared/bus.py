@@ -334,7 +334,8 @@ class Bus:
         if sub in self._subs:
             self._subs.remove(sub)
         try:
-            await asyncio.wait_for(sub.drain(), timeout)
+            async with asyncio.timeout(timeout):
+                await sub.drain()
         except Exception:  # noqa: BLE001 - closed, reconnecting, already ended, or no answer in time
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

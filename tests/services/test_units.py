@@ -570,3 +570,18 @@ def test_every_schema_struct_forbids_unknown_fields_and_schemas_import_only_msgs
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 assert all(n.split(".")[0] in ("msgspec", "schemas", "__future__", "typing") for n in names), (path, names)
+
+
+def test_no_asyncio_wait_for_outside_tests():
+    """On Python 3.11 (supported), `asyncio.wait_for` returns a result that arrives in the same turn of
+    the event loop as a cancel and drops the cancel: the task runs on (tests/services/test_stream_cancel.py
+    shows what that did to a hung-up client's stream). `async with asyncio.timeout(...)` keeps it."""
+    import ast
+
+    found = []
+    for package in ("services", "shared", "schemas", "kernels", "bench"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name) and node.value.id == "asyncio":
+                    found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert found == [], f"asyncio.wait_for (use asyncio.timeout): {found}"
