@@ -85,7 +85,7 @@ class Client:
 
     async def send_raw(self, payload: bytes, headers: dict[str, str] | None = None, timeout: float = 10.0) -> GenerateReply:
         """Send arbitrary bytes on llm.generate and decode the first reply (for malformed-input checks)."""
-        msg = await self.bus.nc.request(subjects.GENERATE, payload, timeout=timeout, headers=headers)
+        msg = await self.bus.nats_request(subjects.GENERATE, payload, timeout, headers)
         return decode_public(msg.data, GenerateReply, MSGPACK if (headers or {}).get(CONTENT_TYPE) == MSGPACK else JSON)
 
     async def _replies(self, req: GenerateRequest) -> AsyncIterator[GenerateResponse | GenerateChunk]:
@@ -124,7 +124,7 @@ class Client:
         await self.bus.publish(subjects.CANCEL, encode_public(CancelRequest(request_id, reason), self.ctype), self._headers())
 
     async def models(self, timeout: float = 5.0) -> ModelList:
-        msg = await self.bus.nc.request(subjects.MODELS, b"", timeout=timeout, headers=self._headers())
+        msg = await self.bus.nats_request(subjects.MODELS, b"", timeout, self._headers())
         return decode_public(msg.data, ModelList, self.ctype)
 
 

@@ -432,7 +432,7 @@ class LocalStack:
                     raise StackError(dead[0].ended())
                 if expected <= seen:
                     try:
-                        reply = await bus.nc.request(subjects.MODELS, b"", timeout=1.0)
+                        reply = await bus.nats_request(subjects.MODELS, b"", 1.0)
                     except Exception:
                         pass
                     else:

@@ -232,6 +232,19 @@ class Bus:
     def _too_large(self, subject: str, payload: bytes) -> PayloadTooLarge:
         return PayloadTooLarge(f"a message of {len(payload)} bytes on {subject} exceeds the NATS server's max_payload of {self.nc.max_payload} bytes")
 
+    async def nats_request(self, subject: str, payload: bytes, timeout: float, headers: dict[str, str] | None = None) -> Msg:
+        """nats-py's request-reply (its errors unchanged), without losing a cancel: nats-py waits for
+        the reply with asyncio.wait_for, which on Python 3.11 returns a reply that arrives in the same
+        turn of the event loop as a cancel and drops the cancel. A cancel requested meanwhile and not
+        delivered is raised here (3.11's `Task.cancelling` counts it)."""
+        task = asyncio.current_task()
+        assert task is not None
+        cancels = task.cancelling()
+        msg = await self.nc.request(subject, payload, timeout=timeout, headers=headers)
+        if task.cancelling() > cancels:
+            raise asyncio.CancelledError
+        return msg
+
     async def has_listener(self, subject: str, payload: bytes, headers: dict[str, str] | None = None, wait_s: float = 1.0) -> bool:
         """Deliver `payload` on `subject` and tell whether anything subscribes to it.
 
@@ -241,7 +254,7 @@ class Bus:
         failure (this connection down or reconnecting): unknown is not "gone".
         """
         try:
-            await self.nc.request(subject, payload, timeout=wait_s, headers=headers)
+            await self.nats_request(subject, payload, wait_s, headers)
         except MaxPayloadError as e:
             raise self._too_large(subject, payload) from e
         except NoRespondersError:
@@ -254,7 +267,7 @@ class Bus:
         """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout / size / bad reply."""
         payload = pack(obj)
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout)
+            msg = await self.nats_request(subject, payload, timeout)
         except MaxPayloadError as e:
             raise self._too_large(subject, payload) from e
         except NoRespondersError as e:

@@ -1,4 +1,5 @@
-"""A task reading a reply stream (`Client.stream` over `Bus.stream`) stops when it is cancelled, also
+"""A task reading a reply stream (`Client.stream` over `Bus.stream`), or waiting for one reply
+(`Bus.nats_request`, under `Bus.request` and `Client.models`), stops when it is cancelled, also
 when a reply arrives in the same turn of the event loop as the cancel. nats-py's `next_msg`, which
 `Bus.stream` used, waits with `asyncio.wait_for`; on Python 3.11 that returns such a reply and drops
 the cancel, so the reader went on to the stream's end: the OpenAI frontend, cancelling the stream of
@@ -15,7 +16,7 @@ from schemas import subjects
 from schemas.api import GenerateChunk, GenerateRequest
 from services.client import Client
 from services_helpers import until_listened
-from shared.bus import connect, decode_public, encode_public
+from shared.bus import Bus, connect, decode_public, encode_public
 
 CHUNKS = 20_000  # far more than a reader gets through before its cancel: only a reader that missed it reads on
 TRIALS = 40
@@ -66,3 +67,38 @@ def test_a_cancelled_stream_reader_stops_even_when_a_reply_arrives_with_the_canc
 
     missed = asyncio.run(scenario())
     assert missed == [], f"cancelled readers that read on: trials {missed} of {TRIALS}"
+
+
+def test_a_cancelled_requester_stops_even_when_the_reply_arrives_with_the_cancel(nats_server):
+    """A task that asks again and again (a poll loop) and is cancelled: nats-py's request() waits with
+    asyncio.wait_for too, and a cancel that met a reply was dropped, so the loop went on forever."""
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+
+    async def scenario() -> list[int]:
+        async with connect(url, "responder") as responder, connect(url, "caller") as bus:
+            async def echo(msg) -> None:  # type: ignore[no-untyped-def]
+                await msg.respond(b"pong")
+
+            await responder.subscribe("test.echo", echo)
+            await until_listened(bus, "test.echo")
+            rng = random.Random(11)
+            missed = []
+            for trial in range(TRIALS):
+                async def poll(caller: Bus) -> None:
+                    while True:
+                        await caller.nats_request("test.echo", b"ping", 5.0)
+
+                poller = asyncio.ensure_future(poll(bus))
+                await asyncio.sleep(rng.uniform(0.005, 0.05))
+                poller.cancel()
+                done, _ = await asyncio.wait({poller}, timeout=2.0)
+                if not done:
+                    missed.append(trial)
+                    while not poller.done():
+                        poller.cancel()
+                        await asyncio.wait({poller}, timeout=0.5)
+            return missed
+
+    missed = asyncio.run(scenario())
+    assert missed == [], f"cancelled pollers that went on asking: trials {missed} of {TRIALS}"
