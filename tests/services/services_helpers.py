@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import math
 import re
@@ -61,6 +62,25 @@ def start_specs(specs: list[ServiceSpec], model: Path, log_dir: Path, env: dict[
 def start_stack(tiny_model: Path, log_dir: Path, compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None,
                 nats: NatsServerSettings | None = None) -> LocalStack:
     return start_specs(compose_specs(compose, tiny_model, scale), tiny_model, log_dir, env, nats)
+
+
+def frontend_address(stack: LocalStack, replica: str = "openai-0") -> tuple[str, int]:
+    """(host, port) of one of the stack's HTTP frontends (`moebus openai`, `moebus metrics`), from the address it printed."""
+    urls = stack.frontend_urls()
+    match = re.search(r"http://([\d.]+):(\d+)/", urls.get(replica, ""))
+    assert match, f"{replica} printed no address: {urls}"
+    return match.group(1), int(match.group(2))
+
+
+def health(addr: tuple[str, int]) -> tuple[int, str]:
+    """(status, body) of the frontend's GET /health."""
+    conn = http.client.HTTPConnection(*addr, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
 
 
 def log_events(stack: LocalStack, event: str) -> list[dict[str, Any]]:

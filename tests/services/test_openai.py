@@ -22,7 +22,7 @@ import torch
 from schemas.api import ChatMessage, GenerateRequest
 from services.client import GenerateError
 from services.common import moebus_version
-from services_helpers import cancelled_requests, log_events, run, session, stack_fixture, until
+from services_helpers import cancelled_requests, frontend_address, log_events, run, session, stack_fixture, until
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +32,7 @@ stack = stack_fixture("single-node.yml")  # its `openai` service is what these t
 @pytest.fixture(scope="module")
 def frontend(stack) -> tuple[str, int]:
     """The compose file's `openai` service of the running stack (on a free port)."""
-    urls = stack.frontend_urls()
-    match = re.search(r"http://([\d.]+):(\d+)/v1", urls.get("openai-0", ""))
-    assert match, f"the openai frontend printed no address: {urls}"
-    return match.group(1), int(match.group(2))
+    return frontend_address(stack)
 
 
 def test_frontend_on_a_taken_port_exits_with_a_clear_error(stack, frontend):
@@ -249,8 +246,7 @@ def test_bad_http_gets_status_codes(stack, frontend):
     # a 405 names the methods the path takes (RFC 9110 15.5.6; vLLM's server does), in both frontends
     assert allowed(frontend, "GET", "/v1/completions") == (405, "POST")
     assert allowed(frontend, "DELETE", "/ping") == (405, "GET, POST")
-    metrics = re.search(r"http://([\d.]+):(\d+)/metrics", stack.frontend_urls().get("metrics-0", ""))
-    assert metrics and allowed((metrics.group(1), int(metrics.group(2))), "DELETE", "/metrics") == (405, "GET")
+    assert allowed(frontend_address(stack, "metrics-0"), "DELETE", "/metrics") == (405, "GET")
     assert call(frontend, "GET", "/v2/anything")[0] == 404
     with socket.create_connection(frontend, timeout=10) as s:  # a digit int() does not read (was a 500)
         s.sendall("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ²\r\n\r\n".encode("latin-1"))

@@ -4,27 +4,15 @@ decode instance, then with one that joins, then with it stopped again."""
 
 from __future__ import annotations
 
-import http.client
-import re
 import time
 
 import pytest
 
-from services_helpers import stack_fixture
+from services_helpers import frontend_address, health, stack_fixture
 
 pytestmark = pytest.mark.slow
 
 stack = stack_fixture("single-node.yml", scale={"decode": 0})
-
-
-def health(addr: tuple[str, int]) -> tuple[int, str]:
-    conn = http.client.HTTPConnection(*addr, timeout=30)
-    try:
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
-    finally:
-        conn.close()
 
 
 def wait_health(addr: tuple[str, int], status: int, timeout: float = 60.0) -> str:
@@ -38,10 +26,7 @@ def wait_health(addr: tuple[str, int], status: int, timeout: float = 60.0) -> st
 
 
 def test_health_fails_while_no_decode_rank_serves_and_recovers_when_one_joins(stack):
-    urls = stack.frontend_urls()
-    match = re.search(r"http://([\d.]+):(\d+)/v1", urls.get("openai-0", ""))
-    assert match, urls
-    addr = (match.group(1), int(match.group(2)))
+    addr = frontend_address(stack)
     # The gateway answers llm.models (what /health checked alone), but every request would fail.
     status, body = health(addr)
     assert status == 503 and "no decode heard in the last 2 s" in body, body

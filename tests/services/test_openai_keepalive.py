@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from services_helpers import cancelled_requests, log_events, run, stack_fixture, until
+from services_helpers import cancelled_requests, frontend_address, log_events, run, stack_fixture, until
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +36,7 @@ PROMPT = [785, 6722, 315]
 @pytest.fixture(scope="module")
 def frontend(stack) -> tuple[str, int]:
     """The compose file's `openai` service (default keep-alive settings)."""
-    match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
-    assert match, stack.frontend_urls()
-    return match.group(1), int(match.group(2))
+    return frontend_address(stack)
 
 
 class Frontend:

@@ -11,7 +11,6 @@ import contextlib
 import http.client
 import json
 import os
-import re
 import signal
 import time
 from collections import Counter
@@ -24,7 +23,7 @@ from schemas.api import GenerateRequest
 from services.client import Client, GenerateError
 from services.launch import LocalStack, Replica
 
-from services_helpers import HeartbeatWatch, all_kv_free, log_events, run, session, stack_fixture
+from services_helpers import HeartbeatWatch, all_kv_free, frontend_address, health, log_events, run, session, stack_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +37,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def frontend(stack: LocalStack) -> tuple[str, int]:
     """The stack's `moebus openai` (the compose file's `openai` service, on a free port)."""
-    match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
-    assert match, "the openai frontend printed no address"
-    return match.group(1), int(match.group(2))
+    return frontend_address(stack)
 
 
 @dataclass
@@ -89,16 +86,6 @@ def openai_completion(addr: tuple[str, int], prompt: str) -> tuple[int, dict]:
         conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
-
-
-def health(addr: tuple[str, int]) -> tuple[int, str]:
-    conn = http.client.HTTPConnection(*addr, timeout=10)
-    try:
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode()
     finally:
         conn.close()
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 
 import pytest
 
 from schemas.api import GenerateRequest
 from services.client import GenerateError
-from services_helpers import run, session, stack_fixture
+from services_helpers import frontend_address, run, session, stack_fixture
 from shared.model.config import GenerationConfig
 
 pytestmark = pytest.mark.slow
@@ -57,9 +56,7 @@ def test_bad_controls_are_typed_errors(stack):
 
 def _openai_completion(stack, body: dict) -> dict:  # type: ignore[no-untyped-def]
     """POST ``body`` (prompt PROMPT_IDS unless it says otherwise) to the stack's /v1/completions; the 200 answer."""
-    match = re.search(r"http://([\d.]+):(\d+)/v1", stack.frontend_urls().get("openai-0", ""))
-    assert match, "the openai frontend printed no address"
-    conn = http.client.HTTPConnection(match.group(1), int(match.group(2)), timeout=60)
+    conn = http.client.HTTPConnection(*frontend_address(stack), timeout=60)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT_IDS} | body), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
