@@ -61,8 +61,9 @@ from bench.openai_client import OpenAIConnection, OpenAIError
 from bench.results import print_table, record
 from schemas.api import GenerateRequest
 from services.client import Client, GenerateError
+from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, load_compose
 from services.decode.__main__ import use_cuda_graphs
-from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose
+from services.launch import LocalStack, default_cache_dir, ensure_tiny_model
 from services.model_rank import resolve_device
 from services.warmup import warm_up_decode
 from shared.bus import connect
