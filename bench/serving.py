@@ -22,7 +22,7 @@ never share the device; against a running server after the measurement, while it
 With ``--up`` and the prefill service logging at info (``MOEBUS_PREFILL_LOG_LEVEL=info``; the
 stack's services log warnings only otherwise), the run also reports its prefill batches from
 the leader's ``prefill_batch`` events: how many, their mean requests and computed tokens, and
-the mean milliseconds per batch of each phase (``services.prefill.group.BatchTimes``: plan,
+the mean milliseconds per batch of each phase (``services.prefill.batch.BatchTimes``: plan,
 pages, senders, forward, transfer, settle, report), as ``prefill_*`` metrics.
 
 The client is the native one (``llm.generate`` on NATS) or, with ``--api openai`` or
