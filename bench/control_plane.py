@@ -44,7 +44,8 @@ from schemas.api import GenerateRequest
 from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.client import Client
-from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose, start_nats_server
+from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, load_compose
+from services.launch import LocalStack, default_cache_dir, ensure_tiny_model, start_nats_server
 from services.ranks import free_port
 from shared.bus import Bus, connect, pack, unpack
 from shared.settings import NatsServerSettings, OpenAISettings

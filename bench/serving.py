@@ -22,7 +22,7 @@ never share the device; against a running server after the measurement, while it
 With ``--up`` and the prefill service logging at info (``MOEBUS_PREFILL_LOG_LEVEL=info``; the
 stack's services log warnings only otherwise), the run also reports its prefill batches from
 the leader's ``prefill_batch`` events: how many, their mean requests and computed tokens, and
-the mean milliseconds per batch of each phase (``services.prefill.group.BatchTimes``: plan,
+the mean milliseconds per batch of each phase (``services.prefill.batch.BatchTimes``: plan,
 pages, senders, forward, transfer, settle, report), as ``prefill_*`` metrics.
 
 The client is the native one (``llm.generate`` on NATS) or, with ``--api openai`` or
@@ -61,8 +61,9 @@ from bench.openai_client import OpenAIConnection, OpenAIError
 from bench.results import print_table, record
 from schemas.api import GenerateRequest
 from services.client import Client, GenerateError
+from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, load_compose
 from services.decode.__main__ import use_cuda_graphs
-from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, LocalStack, default_cache_dir, ensure_tiny_model, load_compose
+from services.launch import LocalStack, default_cache_dir, ensure_tiny_model
 from services.model_rank import resolve_device
 from services.warmup import warm_up_decode
 from shared.bus import connect

@@ -3,19 +3,16 @@
     moebus up [--model DIR] [--port P] [--stack compose/single-node.yml] [--scale decode=2] [--config FILE]
               [--nats-max-payload BYTES] [--log-dir DIR] [--ready-timeout S] [--demo]
 
-The compose file is the single description of a stack (DESIGN §7): the same file
-`docker compose up` runs on GPU nodes is read here, and each service's `command`
-(`moebus <role> ...`), `environment` and `deploy.replicas` (or `--scale NAME=N`)
-become local processes. Container-only parts (image, volumes, device reservations,
-networks, ports) are ignored; the service named `nats` is replaced by a local nats-server
-bound to 127.0.0.1 (its config file written from `NatsServerSettings`: `max_payload` from
-`--nats-max-payload` or `MOEBUS_NATS_MAX_PAYLOAD`, 8 MiB by default, as the compose files
-configure theirs), and `MOEBUS_NATS_URL` / `MOEBUS_MODEL` point at it and at the
-local checkpoint. Besides the services that heartbeat (`ROLES`), a stack may run the HTTP
-frontends (`moebus openai`, `moebus metrics`): they listen on 127.0.0.1 unless
-`MOEBUS_HTTP_HOST` is set, their addresses are printed once the stack is up, and one
-that cannot start (its port taken) is reported without stopping the stack. `${VAR}` / `${VAR:-default}` in the file are interpolated from the
-environment, as docker compose does. `--config FILE` is checked here against every service's
+The compose file is the single description of a stack (DESIGN §7); `services.compose` reads it into
+one `ServiceSpec` per service, and each replica of each (`deploy.replicas`, or `--scale NAME=N`)
+becomes a local process, `moebus <role> ...` with the service's `environment`. The service named
+`nats` is replaced by a local nats-server bound to 127.0.0.1 (its config file written from
+`NatsServerSettings`: `max_payload` from `--nats-max-payload` or `MOEBUS_NATS_MAX_PAYLOAD`, 8 MiB by
+default, as the compose files configure theirs), and `MOEBUS_NATS_URL` / `MOEBUS_MODEL` point at it
+and at the local checkpoint. Besides the services that heartbeat (`ROLES`), a stack may run the HTTP
+frontends (`moebus openai`, `moebus metrics`): they listen on 127.0.0.1 unless `MOEBUS_HTTP_HOST` is
+set, their addresses are printed once the stack is up, and one that cannot start (its port taken) is
+reported without stopping the stack. `--config FILE` is checked here against every service's
 settings before anything starts and handed to the services as `MOEBUS_CONFIG`.
 
 Without `--model` (or `$MOEBUS_MODEL`) the stack serves the embedded tiny checkpoint, created on first
@@ -32,7 +29,6 @@ import argparse
 import asyncio
 import os
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -46,150 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from schemas import subjects
 from schemas.api import ModelList
 from schemas.internal import Heartbeat
+from services.compose import DEFAULT_STACK, FRONTENDS, ROLES, ServiceSpec, StackError, check_shadowed_settings, load_compose
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
 from shared.settings import SERVICES, NatsServerSettings, SettingsError, load_settings, nats_server_settings
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
-ROLES = ("gateway", "scheduler", "prefill", "decode")  # services that heartbeat
-FRONTENDS = ("openai", "metrics")  # HTTP faces of the stack: NATS clients, no heartbeat
-# The frontends' address settings, which the compose files pass on to them, for a stack started by a
-# test or a benchmark: this host, any free port.
-EPHEMERAL_FRONTENDS = {"MOEBUS_HTTP_HOST": "127.0.0.1", "MOEBUS_OPENAI_PORT": "0", "MOEBUS_METRICS_PORT": "0"}
-BUS_SERVICE = "nats"
-
-
-class StackError(RuntimeError):
-    """The compose file or the stack is unusable; the message says which part."""
-
 
 class StartInterrupted(Exception):
     """A stop was asked for (Ctrl-C, SIGTERM) while the stack was starting."""
-
-
-# ---------------------------------------------------------------- compose file
-
-
-@dataclass
-class ServiceSpec:
-    name: str
-    role: str
-    args: list[str]  # after `moebus <role>`
-    env: dict[str, str]
-    replicas: int
-    restart: str = "no"  # compose's restart policy, which `moebus up` applies as docker compose does (`restarts`)
-    # The variable each `environment` value is interpolated from, where the value is one `${VAR}` /
-    # `${VAR:-default}` (e.g. MOEBUS_DECODE_MAX_BATCH -> DECODE_MAX_BATCH): the knob the file offers.
-    env_knobs: dict[str, str] = field(default_factory=dict)
-
-
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
-
-RESTART_POLICIES = ("no", "on-failure", "always", "unless-stopped")
-RESTART_MAX_DELAY_S = 30.0  # a replica that keeps failing is restarted after 1, 2, 4, ... s, then every 30 s
-RESTART_RESET_S = 10.0  # ... and after 1 s again once it ran this long (docker's rule): a rare crash is no crash loop
-
-
-def restarts(policy: str, returncode: int) -> bool:
-    """Whether a replica that ended with ``returncode`` is started again under compose's ``restart`` policy
-    (``unless-stopped`` and ``always`` alike: `moebus up` stops replicas only when it stops)."""
-    return policy in ("always", "unless-stopped") or (policy == "on-failure" and returncode != 0)
-
-
-def _interpolate(value: str, env: dict[str, str]) -> str:
-    return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
-
-
-def _knob(value: str) -> str | None:
-    """The variable a compose value is, when it is one `${VAR}` / `${VAR:-default}` and nothing else."""
-    m = _VAR.fullmatch(value.strip())
-    return m.group(1) if m else None
-
-
-def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
-    """The moebus services of a compose file (the `nats` service excluded)."""
-    env = dict(os.environ) if env is None else env
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise StackError(f"{path}: {e}") from e
-    services = doc.get("services") if isinstance(doc, dict) else None
-    if not isinstance(services, dict) or not services:
-        raise StackError(f"{path}: no `services` mapping (not a docker compose file?)")
-    specs = []
-    for name, svc in services.items():
-        if name == BUS_SERVICE:
-            continue
-        if not isinstance(svc, dict):
-            raise StackError(f"{path}: service {name!r} must be a mapping, got {svc!r}")
-        command = svc.get("command")
-        if isinstance(command, str):
-            command = shlex.split(command)
-        if not isinstance(command, list) or len(command) < 2 or command[0] != "moebus" or command[1] not in ROLES + FRONTENDS:
-            raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES + FRONTENDS)}> ...`, got {command!r}")
-        raw_env = _environment(svc.get("environment") or {}, f"{path}: service {name!r}")
-        deploy = svc.get("deploy") or {}
-        replicas = str((scale or {}).get(name, _interpolate(str((deploy.get("replicas") if isinstance(deploy, dict) else None) or 1), env)))
-        if not isinstance(deploy, dict) or not replicas.isdigit():
-            raise StackError(f"{path}: service {name!r}: deploy.replicas must be a count, got {svc.get('deploy')!r}")
-        restart = str(svc.get("restart", "no"))
-        if restart not in RESTART_POLICIES:
-            raise StackError(f"{path}: service {name!r}: restart must be one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
-        specs.append(
-            ServiceSpec(
-                name=name,
-                role=command[1],
-                args=[_interpolate(str(a), env) for a in command[2:]],
-                env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
-                replicas=int(replicas),
-                restart=restart,
-                env_knobs={str(k): knob for k, v in raw_env.items() if (knob := _knob(str(v)))},
-            )
-        )
-    unknown = set(scale or {}) - {s.name for s in specs}
-    if unknown:
-        raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
-    return specs
-
-
-def _environment(raw: Any, where: str) -> dict[Any, Any]:
-    """A service's ``environment``: a mapping, or compose's list of ``NAME=VALUE`` entries. A bare
-    ``NAME`` entry (compose: pass the caller's value on) is left out: every process of `moebus up`
-    inherits the caller's environment already."""
-    if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
-        return dict(item.split("=", 1) for item in raw if "=" in item)
-    if not isinstance(raw, dict):
-        raise StackError(f"{where}: environment must be a mapping or a list of NAME=VALUE, got {raw!r}")
-    return raw
-
-
-# Variables `moebus up` sets for every process itself (README: it overrides them).
-_SET_BY_UP = ("MOEBUS_NATS_URL", "MOEBUS_MODEL", "MOEBUS_INSTANCE")
-
-
-def check_shadowed_settings(specs: list[ServiceSpec], environ: dict[str, str], path: str | Path) -> None:
-    """Refuse a `MOEBUS_*` setting of the caller's environment that a service's `environment` in the
-    compose file sets to another value: that service would never see it (the file's value wins, as
-    under docker compose, where the caller's environment reaches a container only through the
-    file's `${VAR}`s). The error names the file's knob for it, or says to edit the file."""
-    problems = []
-    for spec in specs:
-        for key, value in spec.env.items():
-            mine = environ.get(key)
-            if not key.startswith("MOEBUS_") or key in _SET_BY_UP or mine is None or mine == value:
-                continue
-            knob = spec.env_knobs.get(key)
-            fix = f"set {knob}={mine} instead" if knob else f"edit {path} to change it"
-            problems.append(f"{key}={mine} is in your environment, but {path} sets {key}={value} for {spec.name}, "
-                            f"which wins; {fix}")
-    if problems:
-        raise StackError("; ".join(problems))
 
 
 # ---------------------------------------------------------------- processes
@@ -496,6 +359,16 @@ async def _demo_request(url: str) -> None:
         assert last is not None and last.usage is not None and last.timing is not None
         print(f"\n[finish={last.finish_reason} completion_tokens={last.usage.completion_tokens} ttft={last.timing.ttft_ms:.1f}ms total={last.timing.total_ms:.1f}ms]")
     print("(the tiny demo model has random weights: the text is gibberish, the pipeline is real)")
+
+
+RESTART_MAX_DELAY_S = 30.0  # a replica that keeps failing is restarted after 1, 2, 4, ... s, then every 30 s
+RESTART_RESET_S = 10.0  # ... and after 1 s again once it ran this long (docker's rule): a rare crash is no crash loop
+
+
+def restarts(policy: str, returncode: int) -> bool:
+    """Whether a replica that ended with ``returncode`` is started again under compose's ``restart`` policy
+    (``unless-stopped`` and ``always`` alike: `moebus up` stops replicas only when it stops)."""
+    return policy in ("always", "unless-stopped") or (policy == "on-failure" and returncode != 0)
 
 
 def _serve(stack: LocalStack, stop_requested: Callable[[], bool]) -> None:

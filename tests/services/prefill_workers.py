@@ -17,7 +17,8 @@ from nats.aio.msg import Msg
 
 from schemas.internal import Job, Placement, PrefillTask, SamplingSpec
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
-from services.prefill.group import Outcome, Planned, PrefillGroup
+from services.prefill.batch import Outcome, Planned
+from services.prefill.group import PrefillGroup
 from shared.bus import pack
 from shared.model.model import LayerCallback
 from shared.model.runner import ModelRunner, SequenceState, StepOutput
@@ -82,7 +83,7 @@ def summary(outcome: Outcome) -> list[Any]:
 
 
 def tp_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    """One rank of a TP group running batches through `PrefillGroup._prefill` (rank 1's runner
+    """One rank of a TP group running batches through `BatchRunner.prefill` (rank 1's runner
     refuses `POISON`, once holds pages the leader does not, and once lacks cached pages the
     leader has); what each rank saw goes to
     ``out_dir/rank<r>.json``."""
@@ -95,7 +96,7 @@ def tp_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
         group = PrefillGroup(PrefillSettings(instance="p", tp=world, warmup=False), runner, None, rank, world, None)  # type: ignore[arg-type]  # no KV leaves
 
         def run(*prompts: list[int]) -> list[Outcome]:
-            outcomes, _ = asyncio.run(group._prefill([planned(f"r{len(seen)}-{i}", ids) for i, ids in enumerate(prompts)]))
+            outcomes, _ = asyncio.run(group.batch_runner.prefill([planned(f"r{len(seen)}-{i}", ids) for i, ids in enumerate(prompts)]))
             return outcomes
 
         (poisoned,) = run(POISON)  # rank 1 cannot prepare it, rank 0 can
@@ -109,7 +110,7 @@ def tp_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
         diverging = list(range(300, 340))
         if rank == 0:  # the leader alone has this prompt's 2 full pages cached, and plans to reuse them: rank 1 finds none
             group.prefix.release(diverging, group.prefix.alloc(3), 0, computed=True)
-        (outcome,), _ = asyncio.run(group._prefill([planned("diverging", diverging, cached_pages=2)]))
+        (outcome,), _ = asyncio.run(group.batch_runner.prefill([planned("diverging", diverging, cached_pages=2)]))
         seen["diverged"] = [*summary(outcome), outcome.cached_tokens, group.prefix.cached_pages, group.prefix.allocator.num_free]
     finally:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(seen))
@@ -133,7 +134,7 @@ def tp_short_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str
             return [group.prefix.cached_pages, group.prefix.allocator.num_free, len(group.prefix.match(shared))]
 
         def run(batch: list[Planned]) -> list[Outcome]:
-            outcomes, _ = asyncio.run(group._prefill(batch))
+            outcomes, _ = asyncio.run(group.batch_runner.prefill(batch))
             return outcomes
 
         run([planned("warm", shared)])  # every rank caches its 2 full pages: 30 pages free, 2 evictable

@@ -20,7 +20,8 @@ from schemas import subjects
 from schemas.api import GenerateChunk, GenerateRequest, GenerateResponse
 from schemas.internal import Heartbeat
 from services.client import Client, GenerateError
-from services.launch import EPHEMERAL_FRONTENDS, REPO_ROOT, LocalStack, ServiceSpec, load_compose
+from services.compose import EPHEMERAL_FRONTENDS, REPO_ROOT, ServiceSpec, load_compose
+from services.launch import LocalStack
 from shared.bus import Bus, connect, unpack
 from shared.settings import NatsServerSettings
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launch import DEFAULT_STACK, EPHEMERAL_FRONTENDS, check_shadowed_settings, load_compose
+from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, check_shadowed_settings, load_compose
 from services.launch import parse_up_arguments
 from shared.bus import connect
 

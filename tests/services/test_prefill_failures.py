@@ -39,6 +39,7 @@ from schemas.api import GenerateRequest
 from services.client import Client, GenerateError
 from services.launch import LocalStack
 from services.model_rank import prepare_rank_environment
+from services.prefill.batch import BatchRunner
 from services.prefill.group import PrefillGroup
 from shared.bus import connect
 from shared.model.runner import ModelRunner
@@ -63,13 +64,24 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         stack.stop()
 
 
-class UnplannableGroup(PrefillGroup):
-    """The real group, whose leader cannot hash the `POISON` prompt's page keys while it plans a batch."""
+def running_batches_on(batch_runner_cls: type[BatchRunner]) -> type[PrefillGroup]:
+    """The real group, whose batches run on ``batch_runner_cls`` (a `BatchRunner` with a fault injected)."""
 
-    def _page_keys(self, task):  # type: ignore[no-untyped-def]
+    class Group(PrefillGroup):
+        def __init__(self, settings, runner, worker, rank, world, bus) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(settings, runner, worker, rank, world, bus)
+            self.batch_runner = batch_runner_cls(settings, runner, worker, rank, world, self.prefix)
+
+    return Group
+
+
+class UnplannableBatches(BatchRunner):
+    """The real batch runner, which cannot hash the `POISON` prompt's page keys while the leader plans a batch."""
+
+    def prompt_keys(self, task):  # type: ignore[no-untyped-def]
         if task.job.input_ids == POISON:
             raise RuntimeError("injected: the page keys cannot be hashed")
-        return super()._page_keys(task)
+        return super().prompt_keys(task)
 
 
 class PairingGroup(PrefillGroup):
@@ -89,15 +101,15 @@ class PairingGroup(PrefillGroup):
         return batch
 
 
-class BrokenReleaseGroup(PrefillGroup):
-    """The real group, whose release of the pages after the forward raises for a batch of the `POISON`
+class BrokenReleaseBatches(BatchRunner):
+    """The real batch runner, whose release of the pages after the forward raises for a batch of the `POISON`
     prompt (as a collective failing there would on a TP group: a group of one rank has none)."""
 
     poisoned = False
 
-    async def _prefill(self, planned):  # type: ignore[no-untyped-def]
+    async def prefill(self, planned):  # type: ignore[no-untyped-def]
         self.poisoned = any(p.task.job.input_ids == POISON for p in planned)
-        return await super()._prefill(planned)
+        return await super().prefill(planned)
 
     def _give_back(self, planned, page_tables, computed):  # type: ignore[no-untyped-def]
         if self.poisoned:
@@ -149,7 +161,7 @@ async def decode_pages_freed(watch: HeartbeatWatch, timeout: float) -> None:
 
 @pytest.mark.parametrize(("runner_cls", "group_cls", "expected"), [
     (PoisonedRunner, PrefillGroup, "prefill could not prepare the request: RuntimeError: injected: sequence"),
-    (ModelRunner, UnplannableGroup, "prefill could not plan the request: RuntimeError: injected: the page keys cannot be hashed"),
+    (ModelRunner, running_batches_on(UnplannableBatches), "prefill could not plan the request: RuntimeError: injected: the page keys cannot be hashed"),
     (FailingForwardRunner, PrefillGroup, "prefill forward failed: RuntimeError: injected: the forward failed"),
 ], ids=["prepare", "plan", "forward"])
 def test_a_request_that_fails_in_prefill_gets_internal_and_the_instance_serves_on(stack, tiny_model, tokenizer, hf_greedy, runner_cls, group_cls, expected):
@@ -190,7 +202,7 @@ def test_a_request_that_cannot_be_prepared_fails_alone_and_the_rest_of_its_batch
 
 def test_a_batch_that_leaves_the_group_untrusted_fails_its_request_before_the_instance_stops(stack, tiny_model):
     async def go():  # type: ignore[no-untyped-def]
-        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, group_cls=BrokenReleaseGroup) as (_, serving):
+        async with session(stack.url) as (client, watch), prefill_instance(stack.url, tiny_model, watch, group_cls=running_batches_on(BrokenReleaseBatches)) as (_, serving):
             error, elapsed = await poisoned_request(client)
             await decode_pages_freed(watch, 5)
             with pytest.raises(RuntimeError, match="injected: the pages' release failed"):

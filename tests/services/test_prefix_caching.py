@@ -23,7 +23,8 @@ from schemas.internal import Heartbeat, Job, Placement, PrefillTask, PrefixCache
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.metrics import render
 from services.openai.protocol import merged_usage
-from services.prefill.group import Outcome, Planned, PrefillGroup
+from services.prefill.batch import Outcome, Planned
+from services.prefill.group import PrefillGroup
 from services.scheduler.registry import Registry
 from shared.bus import pack, unpack
 from shared.kvcache import KVLayout, PagedKVCache
@@ -245,13 +246,13 @@ def test_prompt_logprob_tasks_reuse_nothing_and_a_rank_reuses_no_more_than_the_p
     group = group_on(tiny_model, 16)
     cache_prompt(group, shared + [1])
     planned = [Planned(unpack(task("x", shared + [2], kv_dtype="bfloat16").data, PrefillTask), 2)]
-    ((outcome,), _) = asyncio.run(group._prefill(planned))
+    ((outcome,), _) = asyncio.run(group.batch_runner.prefill(planned))
     assert outcome.output is not None and outcome.cached_tokens == 2 * PAGE
     assert group.prefix.cached_pages == group.prefix.evictable_pages == 3 and group.prefix.allocator.num_free == 13
 
 
 def test_a_failed_forward_caches_nothing_and_a_computed_batch_caches_its_full_pages(tiny_model):
-    """The group's batch path (`_prefill`, one rank): whether a batch's pages enter the cache
+    """The group's batch path (`BatchRunner.prefill`, one rank): whether a batch's pages enter the cache
     follows its forward alone. The decode layout here is refused (another dtype: LayoutMismatch),
     so no KV leaves either batch."""
     group = group_on(tiny_model, 16)
@@ -259,7 +260,7 @@ def test_a_failed_forward_caches_nothing_and_a_computed_batch_caches_its_full_pa
 
     def prefill(request_id: str) -> Outcome:
         planned = [Planned(unpack(task(request_id, prompt, kv_dtype="bfloat16").data, PrefillTask), 0)]
-        ((outcome,), _) = asyncio.run(group._prefill(planned))
+        ((outcome,), _) = asyncio.run(group.batch_runner.prefill(planned))
         return outcome
 
     attn = group.runner.model.weights.layers[1].attn

@@ -15,7 +15,7 @@ from schemas.internal import Heartbeat, TokenBatch
 from services.gateway.admission import Admission, ModelInfo, Rejected
 from services.gateway.completion import Completion, TokensLost
 from services import launch
-from services.launch import REPO_ROOT, StackError, load_compose
+from services.compose import REPO_ROOT, StackError, _interpolate, load_compose
 from services.model_rank import sampling_params
 from services.openai import protocol
 from services.scheduler.registry import Registry
@@ -362,9 +362,9 @@ def test_compose_files_configure_nats_as_moebus_up_does(compose: str):
     (mount,) = nats["configs"]
     assert nats["command"][:2] == ["-c", mount["target"]]
     content = doc["configs"][mount["source"]]["content"]
-    assert launch._interpolate(content, {}) == launch.nats_config(NatsServerSettings())
+    assert _interpolate(content, {}) == launch.nats_config(NatsServerSettings())
     raised = {"MOEBUS_NATS_MAX_PAYLOAD": str(32 << 20)}
-    assert launch._interpolate(content, raised) == launch.nats_config(nats_server_settings(env=raised))
+    assert _interpolate(content, raised) == launch.nats_config(nats_server_settings(env=raised))
 
 
 def test_compose_errors_name_the_problem(tmp_path: Path):

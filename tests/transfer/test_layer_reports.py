@@ -1,5 +1,5 @@
 """LayerReports: senders built before, during and after a forward all get every layer once
-(the forward reports from its own thread, as services/prefill/group.py runs it), and their
+(the forward reports from its own thread, as services/prefill/batch.py runs it), and their
 KV lands exactly (real UCX worker in this process; on CUDA with the forward's events)."""
 
 from __future__ import annotations

@@ -1,0 +1,148 @@
+"""The compose file of a stack, as `moebus up` (`services.launch`) and the tests and benchmarks that
+start stacks read it.
+
+The compose file is the single description of a stack (DESIGN §7): the same file `docker compose up`
+runs on GPU nodes is read here into one `ServiceSpec` per moebus service, from its `command`
+(`moebus <role> ...`), `environment`, `deploy.replicas` (or a `--scale NAME=N` override) and `restart`
+policy. Container-only parts (image, volumes, device reservations, networks, ports) are ignored, and
+so is the service named `nats` (`moebus up` runs a local nats-server in its place). `${VAR}` /
+`${VAR:-default}` in the file are interpolated from the environment, as docker compose does. A file
+that is no compose file of moebus services, or a value it cannot use, is a `StackError` naming the
+file, the service and the part; so is a `MOEBUS_*` setting of the caller's environment that the
+file would override (`check_shadowed_settings`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
+ROLES = ("gateway", "scheduler", "prefill", "decode")  # services that heartbeat
+FRONTENDS = ("openai", "metrics")  # HTTP faces of the stack: NATS clients, no heartbeat
+# The frontends' address settings, which the compose files pass on to them, for a stack started by a
+# test or a benchmark: this host, any free port.
+EPHEMERAL_FRONTENDS = {"MOEBUS_HTTP_HOST": "127.0.0.1", "MOEBUS_OPENAI_PORT": "0", "MOEBUS_METRICS_PORT": "0"}
+BUS_SERVICE = "nats"
+
+
+class StackError(RuntimeError):
+    """The compose file or the stack is unusable; the message says which part."""
+
+
+@dataclass
+class ServiceSpec:
+    """One moebus service of a compose file, interpolated: `moebus up` starts ``replicas`` processes of it."""
+
+    name: str
+    role: str
+    args: list[str]  # after `moebus <role>`
+    env: dict[str, str]
+    replicas: int
+    restart: str = "no"  # compose's restart policy, which `moebus up` applies as docker compose does (`services.launch.restarts`)
+    # The variable each `environment` value is interpolated from, where the value is one `${VAR}` /
+    # `${VAR:-default}` (e.g. MOEBUS_DECODE_MAX_BATCH -> DECODE_MAX_BATCH): the knob the file offers.
+    env_knobs: dict[str, str] = field(default_factory=dict)
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+RESTART_POLICIES = ("no", "on-failure", "always", "unless-stopped")
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+
+
+def _knob(value: str) -> str | None:
+    """The variable a compose value is, when it is one `${VAR}` / `${VAR:-default}` and nothing else."""
+    m = _VAR.fullmatch(value.strip())
+    return m.group(1) if m else None
+
+
+def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
+    """The moebus services of a compose file (the `nats` service excluded)."""
+    env = dict(os.environ) if env is None else env
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise StackError(f"{path}: {e}") from e
+    services = doc.get("services") if isinstance(doc, dict) else None
+    if not isinstance(services, dict) or not services:
+        raise StackError(f"{path}: no `services` mapping (not a docker compose file?)")
+    specs = []
+    for name, svc in services.items():
+        if name == BUS_SERVICE:
+            continue
+        if not isinstance(svc, dict):
+            raise StackError(f"{path}: service {name!r} must be a mapping, got {svc!r}")
+        command = svc.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if not isinstance(command, list) or len(command) < 2 or command[0] != "moebus" or command[1] not in ROLES + FRONTENDS:
+            raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES + FRONTENDS)}> ...`, got {command!r}")
+        raw_env = _environment(svc.get("environment") or {}, f"{path}: service {name!r}")
+        deploy = svc.get("deploy") or {}
+        replicas = str((scale or {}).get(name, _interpolate(str((deploy.get("replicas") if isinstance(deploy, dict) else None) or 1), env)))
+        if not isinstance(deploy, dict) or not replicas.isdigit():
+            raise StackError(f"{path}: service {name!r}: deploy.replicas must be a count, got {svc.get('deploy')!r}")
+        restart = str(svc.get("restart", "no"))
+        if restart not in RESTART_POLICIES:
+            raise StackError(f"{path}: service {name!r}: restart must be one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
+        specs.append(
+            ServiceSpec(
+                name=name,
+                role=command[1],
+                args=[_interpolate(str(a), env) for a in command[2:]],
+                env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
+                replicas=int(replicas),
+                restart=restart,
+                env_knobs={str(k): knob for k, v in raw_env.items() if (knob := _knob(str(v)))},
+            )
+        )
+    unknown = set(scale or {}) - {s.name for s in specs}
+    if unknown:
+        raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
+    return specs
+
+
+def _environment(raw: Any, where: str) -> dict[Any, Any]:
+    """A service's ``environment``: a mapping, or compose's list of ``NAME=VALUE`` entries. A bare
+    ``NAME`` entry (compose: pass the caller's value on) is left out: every process of `moebus up`
+    inherits the caller's environment already."""
+    if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        return dict(item.split("=", 1) for item in raw if "=" in item)
+    if not isinstance(raw, dict):
+        raise StackError(f"{where}: environment must be a mapping or a list of NAME=VALUE, got {raw!r}")
+    return raw
+
+
+# Variables `moebus up` sets for every process itself (README: it overrides them).
+_SET_BY_UP = ("MOEBUS_NATS_URL", "MOEBUS_MODEL", "MOEBUS_INSTANCE")
+
+
+def check_shadowed_settings(specs: list[ServiceSpec], environ: dict[str, str], path: str | Path) -> None:
+    """Refuse a `MOEBUS_*` setting of the caller's environment that a service's `environment` in the
+    compose file sets to another value: that service would never see it (the file's value wins, as
+    under docker compose, where the caller's environment reaches a container only through the
+    file's `${VAR}`s). The error names the file's knob for it, or says to edit the file."""
+    problems = []
+    for spec in specs:
+        for key, value in spec.env.items():
+            mine = environ.get(key)
+            if not key.startswith("MOEBUS_") or key in _SET_BY_UP or mine is None or mine == value:
+                continue
+            knob = spec.env_knobs.get(key)
+            fix = f"set {knob}={mine} instead" if knob else f"edit {path} to change it"
+            problems.append(f"{key}={mine} is in your environment, but {path} sets {key}={value} for {spec.name}, "
+                            f"which wins; {fix}")
+    if problems:
+        raise StackError("; ".join(problems))
+
