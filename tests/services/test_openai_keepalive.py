@@ -513,3 +513,23 @@ def test_a_client_reading_slowly_is_not_cut(own_frontend):
     assert status == 200 and len(raw) > 500_000 and len(json.loads(raw)["choices"][0]["logprobs"]["tokens"]) == 901
     assert f.events("openai_client_stalled") == []
     assert sorted((e["request_id"], e["status"]) for e in f.events("http_request")) == [("slow-stream", 200), ("slow-unary", 200)]
+
+
+def test_the_stop_ends_though_a_client_stopped_reading(stack, own_frontend):
+    """``--drain-timeout 1`` (send_timeout_s its 60 s): SIGTERM while a unary answer larger than the
+    kernel's largest send buffer waits for a client that never reads. The drain ran out, the handler
+    was cancelled mid-write, and the connection's close waited for the client to take the rest of
+    the answer: the process never exited. Now that connection is aborted and the process exits 0."""
+    f = own_frontend("--drain-timeout", "1")
+    wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    n = wmem_max // 600_000 + 2
+    body = {"prompt": list(range(10, 910)), "max_tokens": 1, "temperature": 0, "logprobs": 20, "echo": True, "n": n}
+    with stalled_client(f.addr, request_bytes("/v1/completions", body, "X-Request-Id: stop-stalled\r\n")):
+        def completed() -> int:
+            return sum(str(e.get("request_id")).startswith("stop-stalled-") for e in log_events(stack, "completed"))
+
+        run(until(lambda: completed() == n, "the stack answered every choice", timeout=60))
+        time.sleep(2)  # the frontend builds the answer and writes it: its write waits for the client
+        f.proc.send_signal(signal.SIGTERM)
+        assert f.proc.wait(30) == 0 and "stopped" in f.proc.stdout.read()  # type: ignore[union-attr]
+    assert [e["requests_in_flight"] for e in f.events("drain_timed_out")] == [1]
