@@ -10,6 +10,9 @@ answer with a body carries ``Content-Length``; a server-sent-event stream on a k
 is sent ``Transfer-Encoding: chunked`` and ends with the zero-length chunk, on one that closes it
 ends with the connection. A kept connection is closed after ``KeepAlive.idle_s`` without a new
 request, or after ``KeepAlive.max_requests`` requests (that answer says ``Connection: close``).
+Every write (`send`) waits until the kernel has the bytes; a client that takes none of them for the
+settings' ``send_timeout_s`` (nginx's ``send_timeout``: it stopped reading without closing) has its
+connection reset, and the handler's write raises `ClientStalled`.
 
 The server reads a request line, headers and a body of ``Content-Length`` bytes (or a chunked
 one). Malformed or oversize requests raise `HttpError` with the status to answer (413 for a body
@@ -19,7 +22,7 @@ closes the idle connections at once and lets the requests in flight finish (up t
 their answers saying ``Connection: close``; then it tells the handlers of those still running to
 end their answers with an error (``Server.cut``). Nothing here knows about routes.
 The frontends' shared command line (``--config``, ``--url``, ``--host``, ``--port``, the keep-alive
-limits: flags over their `shared.settings.FrontendSettings`) and life cycle (listen, print the
+limits, the send timeout: flags over their `shared.settings.FrontendSettings`) and life cycle (listen, print the
 address, serve until SIGTERM/SIGINT, drain, say "stopped") are here too.
 """
 
@@ -29,9 +32,13 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
+import socket
 import string
+import struct
 import sys
+import termios
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -59,6 +66,14 @@ CUT_S = 1.5
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
            409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
+
+
+class ClientStalled(ConnectionError):
+    """The client took no byte of its answer for the server's ``send_timeout_s``: its connection was
+    reset (`send`). A ConnectionError, as for a client that hung up: the answer cannot reach it."""
+
+    def __init__(self, send_timeout_s: float) -> None:
+        super().__init__(f"the client took no bytes for {send_timeout_s:g} s (send_timeout_s)")
 
 
 class HttpError(Exception):
@@ -112,12 +127,17 @@ class Connection:
     """One client connection, between its requests and during one: ``keep`` says whether it stays
     open after the answer being written (the request asked so, the server is not stopping, the
     connection's request limit is not reached), ``chunked`` whether that answer is a chunked
-    stream, ``head_sent`` whether its head is out (an error can then no longer be answered)."""
+    stream, ``head_sent`` whether its head is out (an error can then no longer be answered),
+    ``stalled`` whether the client stopped taking its answer (`send` reset the connection)."""
 
     def __init__(self, reader: _Reader, writer: asyncio.StreamWriter, server: Server) -> None:
         self.reader = reader
         self.writer = writer
         self.server = server
+        # A write waits until the transport handed every byte to the kernel (the default lets 64 KiB
+        # wait in the process): an answer is out when its handler returns, and the close has nothing
+        # left to send (`close`).
+        writer.transport.set_write_buffer_limits(high=0)
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)  # host:port, for the access log
         self.keep = False
@@ -127,6 +147,12 @@ class Connection:
         self.served = 0  # requests answered before the current one
         self.idle = False  # waiting for its next request: the server closes it at once when it stops
         self.start = b""  # the next request's first byte, read while waiting for it
+        self.stalled = False
+        # What `send` measures a client's progress by: bytes written, bytes it took (acknowledged) as
+        # last seen, and since when it has taken nothing of what is written (the event loop's clock).
+        self.written = 0
+        self.taken = 0
+        self.taken_at = 0.0
 
     def keeps(self) -> bool:
         """Whether the answer being written may keep the connection (decided as its head goes out:
@@ -196,8 +222,7 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
         if length is not None and length > max_body:
             raise HttpError(413, _too_large(length, max_body, limit))
         if headers.get("expect", "").lower() == "100-continue":
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            await writer.drain()
+            await send(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
         read = reader.readexactly(length) if length is not None else _chunked_body(reader, max_body, limit)
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
@@ -318,8 +343,7 @@ async def respond(conn: Connection, status: int, body: bytes, content_type: str,
     head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(body)}\r\n{_header_lines(headers)}Connection: {'keep-alive' if conn.keeps() else 'close'}\r\n\r\n")
     conn.head_sent = True
-    conn.writer.write(head.encode() + body)
-    await conn.writer.drain()
+    await send(conn, head.encode() + body)
 
 
 async def respond_json(conn: Connection, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
@@ -334,27 +358,76 @@ async def start_events(conn: Connection, headers: dict[str, str] | None = None) 
     conn.chunked = conn.keeps()
     framing = "Transfer-Encoding: chunked\r\nConnection: keep-alive" if conn.chunked else "Connection: close"
     conn.head_sent = True
-    conn.writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(headers)}"
-                      f"{framing}\r\n\r\n".encode())
-    await conn.writer.drain()
+    await send(conn, f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(headers)}"
+                     f"{framing}\r\n\r\n".encode())
 
 
 async def send_event(conn: Connection, data: str) -> None:
     """One ``data:`` event (``data`` holds no newline: JSON or a marker such as ``[DONE]``)."""
     event = f"data: {data}\n\n".encode()
-    conn.writer.write(b"%x\r\n%b\r\n" % (len(event), event) if conn.chunked else event)
-    await conn.writer.drain()
+    await send(conn, b"%x\r\n%b\r\n" % (len(event), event) if conn.chunked else event)
 
 
 async def end_events(conn: Connection) -> None:
     """The end of a stream: its zero-length chunk, when chunked (else the connection's close ends it)."""
     if conn.chunked:
-        conn.writer.write(b"0\r\n\r\n")
-        await conn.writer.drain()
+        await send(conn, b"0\r\n\r\n")
+
+
+async def send(conn: Connection, data: bytes) -> None:
+    """Write ``data`` and wait until the kernel has it, however slowly the client reads;
+    `ClientStalled`, the connection reset, once bytes written wait untaken for the server's
+    ``send_timeout_s``: nginx's ``send_timeout``, counted from the last byte the client took (its
+    acknowledgement), not for a write nor the whole answer. The kernel's send buffer grows to MiBs
+    (4 MiB, Linux's default tcp_wmem), more than a stream of thousands of tokens: a client that takes
+    nothing is seen by the writes after it, whether or not they have to wait for room."""
+    loop = asyncio.get_running_loop()
+    if conn.taken == conn.written:  # it had taken everything: its time runs from these bytes
+        conn.taken_at = loop.time()
+    conn.writer.write(data)
+    conn.written += len(data)
+    while True:
+        unsent = _unsent(conn.writer)
+        now = loop.time()
+        if conn.written - unsent > conn.taken:
+            conn.taken, conn.taken_at = conn.written - unsent, now
+        waited = now - conn.taken_at
+        if unsent and waited >= conn.server.send_timeout_s:
+            break
+        if not conn.writer.transport.get_write_buffer_size():
+            await conn.writer.drain()  # the kernel has it all: no wait, but the error of a lost connection
+            return
+        try:
+            async with asyncio.timeout(conn.server.send_timeout_s - waited):
+                await conn.writer.drain()
+            return
+        except TimeoutError:
+            pass
+    conn.stalled = True
+    # A reset, not a close: the close of a socket whose unsent bytes nobody takes keeps them, and the
+    # socket, in the kernel until its retries run out (nginx's reset_timedout_connection).
+    with contextlib.suppress(OSError):
+        conn.writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.writer.transport.abort()
+    raise ClientStalled(conn.server.send_timeout_s)
+
+
+def _unsent(writer: asyncio.StreamWriter) -> int:
+    """The bytes written that the client did not take: the transport's buffer, and the kernel's
+    send queue (TIOCOUTQ, Linux: bytes it sent or holds that the client did not acknowledge)."""
+    fd = writer.get_extra_info("socket").fileno()  # -1 once the connection is lost: its next drain raises
+    queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0] if fd >= 0 else 0
+    return writer.transport.get_write_buffer_size() + queued
 
 
 async def close(writer: asyncio.StreamWriter) -> None:
-    writer.close()
+    """Close the connection; one whose answer is still in the transport's buffer (its handler
+    cancelled in `send`, at the end of the stop's drain) is aborted: a close would wait for a client
+    that may never take it."""
+    if writer.transport.get_write_buffer_size():
+        writer.transport.abort()
+    else:
+        writer.close()
     with contextlib.suppress(ConnectionError):
         await writer.wait_closed()
 
@@ -366,9 +439,11 @@ class Server:
     """Runs ``handle`` for each request of each connection, in order, one at a time per connection,
     while the connection is kept (see `KeepAlive`); `drain` stops it."""
 
-    def __init__(self, handle: Handler, keep_alive: KeepAlive) -> None:
+    def __init__(self, handle: Handler, keep_alive: KeepAlive, send_timeout_s: float) -> None:
+        """``send_timeout_s``: a client that takes no byte of its answer this long is cut (`send`)."""
         self.handle = handle
         self.keep_alive = keep_alive
+        self.send_timeout_s = send_timeout_s
         self.closing = False
         self.cut = asyncio.Event()  # set when the drain ran out: the requests still running end now (`drain`)
         self.connections: dict[Connection, asyncio.Task[None]] = {}
@@ -432,6 +507,9 @@ def frontend_arguments(ap: argparse.ArgumentParser, cls: type[FrontendSettings])
                     help=f"close a connection after its N-th request (nginx's keepalive_requests, default {default['keep_alive_requests']}; 1: no keep-alive)")
     ap.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="SECONDS",
                     help=f"at SIGTERM / SIGINT, how long the requests in flight may take to finish (default {default['drain_timeout_s']:g})")
+    ap.add_argument("--send-timeout", dest="send_timeout_s", type=float, metavar="SECONDS",
+                    help=f"reset a connection whose client takes no byte of its answer this long, and cancel its request "
+                         f"(nginx's send_timeout and default, {default['send_timeout_s']:g})")
 
 
 def parse_frontend(ap: argparse.ArgumentParser, cls: type[F], service: str, argv: list[str]) -> F:
@@ -449,7 +527,7 @@ async def listen(name: str, handle: Handler, path: str, settings: FrontendSettin
     print the address first (`moebus up` and tests read it from there)."""
     stop = stop_event()
     freeze_startup_heap()
-    server = Server(handle, KeepAlive(settings.timeout_keep_alive_s, settings.keep_alive_requests))
+    server = Server(handle, KeepAlive(settings.timeout_keep_alive_s, settings.keep_alive_requests), settings.send_timeout_s)
     listening = await asyncio.get_running_loop().create_server(server.protocol, settings.http_host, settings.port)
     try:
         bound = listening.sockets[0].getsockname()

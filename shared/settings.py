@@ -209,6 +209,10 @@ class FrontendSettings(ProcessSettings, kw_only=True):
     # keepalive_requests, so that clients reconnect and spread again over the replicas behind a
     # TCP load balancer. 1: no keep-alive.
     keep_alive_requests: Positive = 1000
+    # A client that takes no byte of its answer this long (it stopped reading without closing: a hung
+    # process, a laptop asleep behind a NAT) has its connection reset and its request cancelled:
+    # nginx's send_timeout and default. Counted between two bytes taken, so a slow reader is not cut.
+    send_timeout_s: Seconds = 60.0
 
 
 ToolCallParser = Literal["hermes"]  # Qwen3's <tool_call> JSON blocks (vLLM's name)

@@ -60,7 +60,9 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/v1/models": ("GET",), "/health": ("GET",),
     "/version": ("GET",), "/ping": ("GET", "POST"),  # vLLM's: POST too, as SageMaker probes it
 }
-CLIENT_GONE = 499  # logged status of a request whose client closed the connection first (nginx's convention)
+# Logged status of a request whose client closed the connection first (nginx's convention), or
+# stopped taking its answer (http.ClientStalled): either way the client left the answer unread.
+CLIENT_GONE = 499
 # A client's X-Request-Id: the gateway's request id syntax (1-128 letters, digits, '-', '_'), with
 # room for the "-<choice>" suffix of n choices and batched prompts.
 CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
@@ -94,7 +96,8 @@ class OpenAIFrontend:
     async def handle(self, conn: http.Connection) -> None:
         """One request of ``conn`` (`services.http` calls it for each, in order), logged once
         answered (``http_request``: path, status, request id, milliseconds from its first byte;
-        status 499 when the client left first)."""
+        status 499 when the client left first or stopped reading, the latter logged as
+        ``openai_client_stalled`` too)."""
         started = time.perf_counter()
         method = path = request_id = None
         status = 0
@@ -132,6 +135,8 @@ class OpenAIFrontend:
                 with contextlib.suppress(Exception):
                     await _error(conn, "internal", f"{type(e).__name__}: {e}", _id_header(request_id))
         finally:
+            if conn.stalled:
+                log.warning("openai_client_stalled", request_id=request_id, path=path, client=conn.peer, send_timeout_s=conn.server.send_timeout_s)
             log.info("http_request", method=method, path=path, status=status, request_id=request_id, client=conn.peer,
                      ms=round((time.perf_counter() - started) * 1e3, 2))
 
@@ -202,11 +207,14 @@ class OpenAIFrontend:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         answer = self._stream(conn, choices, shapes, include_usage, headers) if gen.stream else self._unary(conn, choices, shapes, headers)
         status = await _unless_ended(conn, answer)
-        if status == "gone":
+        if status in ("gone", "stalled"):
             conn.keep = False
+            why = ("the HTTP client closed its connection" if status == "gone"
+                   else f"the HTTP client took no bytes of its answer for {conn.server.send_timeout_s:g} s (send_timeout_s)")
             for choice_id in choices.ids:
-                await self.client.cancel(choice_id, "the HTTP client closed its connection")
-            log.info("openai_client_gone", request_id=request_id)
+                await self.client.cancel(choice_id, why)
+            if status == "gone":  # a stalled client is logged by `handle`, as on every route
+                log.info("openai_client_gone", request_id=request_id)
             return CLIENT_GONE
         if status == "cut":
             for choice_id in choices.ids:
@@ -272,9 +280,10 @@ def _id_header(request_id: str | None) -> dict[str, str] | None:
     return {"X-Request-Id": request_id} if request_id is not None and CLIENT_REQUEST_ID.match(request_id) else None
 
 
-async def _unless_ended(conn: http.Connection, answer: Awaitable[int]) -> int | Literal["gone", "cut"]:
+async def _unless_ended(conn: http.Connection, answer: Awaitable[int]) -> int | Literal["gone", "stalled", "cut"]:
     """Run ``answer`` (its status); stop it if the client closes its connection first ("gone":
-    end of input, or a reset) or the server's drain at stop runs out ("cut", `http.Server.drain`).
+    end of input, or a reset), stops taking the answer ("stalled": its connection reset, `http.send`)
+    or the server's drain at stop runs out ("cut", `http.Server.drain`).
     What the client sends meanwhile (a pipelined next request, a stray CRLF after the body) stays
     unread, for the connection's next turn."""
     answering = asyncio.ensure_future(answer)
@@ -289,7 +298,7 @@ async def _unless_ended(conn: http.Connection, answer: Awaitable[int]) -> int | 
         # A reset wakes the answer's write and the watch in the same turn of the loop: an answer that
         # failed writing is a client gone too (its requests must be cancelled, not left to the stack).
         if isinstance(answering.exception(), ConnectionError):
-            return "gone"
+            return "stalled" if conn.stalled else "gone"
         return answering.result()
     answering.cancel()
     try:

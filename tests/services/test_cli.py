@@ -115,6 +115,7 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
         (["openai", "--port", "0"], {"MOEBUS_LOG_LEVEL": "verbose"}, 2, r"openai settings: MOEBUS_LOG_LEVEL='verbose': Expected `str` matching .* at `\$\.log_level`"),
         (["openai", "--timeout-keep-alive", "0"], {}, 2, r"timeout_keep_alive_s=0.0 on the command line: Expected `float` > 0.0"),
         (["metrics", "--keep-alive-requests", "0"], {}, 2, r"keep_alive_requests=0 on the command line: Expected `int` >= 1"),
+        (["openai", "--send-timeout", "0"], {}, 2, r"send_timeout_s=0.0 on the command line: Expected `float` > 0.0"),
         # A runtime switch passes the settings: this one gets as far as dialling NATS.
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_DECODE_WARMUP": "false"}, 1, "no NATS server answered"),
         # ... and a typo in one stops a model instance at start on any device (it was read only on CUDA).

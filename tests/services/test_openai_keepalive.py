@@ -421,3 +421,113 @@ def version_status(addr: tuple[str, int]) -> int:
         s.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         [(status, _, _)] = answers(read_to_close(s), 1)
     return status
+
+
+def stalled_client(addr: tuple[str, int], request: bytes, rcvbuf: int = 4096) -> socket.socket:
+    """A client that sends ``request`` and reads nothing yet (or never: a hung process, a laptop asleep
+    behind a NAT): its receive buffer, set before it connects, is the window it offers."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(30)
+    s.connect(addr)
+    s.sendall(request)
+    return s
+
+
+def ended(s: socket.socket) -> bool:
+    """Whether the server ended the connection (its close, or a reset), read to its end."""
+    try:
+        while s.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_a_client_that_stops_reading_is_cut_after_send_timeout_and_its_request_cancelled(stack, own_frontend):
+    """``--send-timeout 1``: a stream that would run 15 s and more, then a unary answer larger than the
+    kernel's largest send buffer (echoed prompt logprobs, n choices of about 650 kB each), each to a
+    client that never reads. The stream's whole answer went into the kernel's send buffer (it grows to
+    MiBs) and was logged 200, the connection left to the kernel; the unary answer's write waited for
+    the client forever, its connection and handler held, nothing logged. Now each is reset once the
+    client took no byte for 1 s, logged ``openai_client_stalled`` with its request id and 499 in the
+    access log, the stream's request cancelled at the stack; other clients are served meanwhile."""
+    f = own_frontend("--send-timeout", "1")
+    before = run(cancelled_requests(stack.url))
+    stream = {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}  # 15 s and more here
+    wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])  # the kernel's largest send buffer (Linux)
+    # After the stream, whose KV would leave too little for these choices.
+    unary = {"prompt": list(range(10, 910)), "max_tokens": 1, "temperature": 0, "logprobs": 20, "echo": True, "n": wmem_max // 600_000 + 2}
+
+    def stalled() -> list[str]:
+        return [e["request_id"] for e in f.events("openai_client_stalled")]
+
+    with stalled_client(f.addr, request_bytes("/v1/completions", stream, "X-Request-Id: stalled-stream\r\n")) as s:
+        with socket.create_connection(f.addr, timeout=60) as other:  # meanwhile
+            other.sendall(request_bytes("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}, "Connection: close\r\n"))
+            [(status, _, raw)] = answers(read_to_close(other), 1)
+            assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+        assert version_status(f.addr) == 200
+        run(until(lambda: stalled() == ["stalled-stream"], "the frontend cut the stream's client", timeout=30))
+        assert ended(s)
+    with stalled_client(f.addr, request_bytes("/v1/completions", unary, "X-Request-Id: stalled-unary\r\n")) as s:
+        run(until(lambda: stalled() == ["stalled-stream", "stalled-unary"], "the frontend cut the unary answer's client", timeout=30))
+        assert ended(s)
+    assert [e["send_timeout_s"] for e in f.events("openai_client_stalled")] == [1.0, 1.0]
+    assert [(e["request_id"], e["status"]) for e in f.events("http_request") if str(e["request_id"]).startswith("stalled-")] == \
+        [("stalled-stream", 499), ("stalled-unary", 499)]
+
+    def cancelled() -> set[str]:
+        return {e["request_id"] for e in log_events(stack, "request_failed") if e["code"] == "cancelled"}
+
+    run(until(lambda: "stalled-stream" in cancelled(), "the gateway ending the stalled stream's request cancelled", timeout=20))
+    deadline = time.monotonic() + 10  # and its heartbeats counting it
+    while run(cancelled_requests(stack.url)) == before:
+        assert time.monotonic() < deadline, "the gateway never counted the request cancelled"
+        time.sleep(0.2)
+    assert version_status(f.addr) == 200 and f.events("http_request_failed") == [] and "Traceback" not in f.log.read_text()
+
+
+def test_a_client_reading_slowly_is_not_cut(own_frontend):
+    """``--send-timeout 1`` and clients that read a piece, then pause 0.1 s: a stream of 400 tokens
+    through a 4 KiB receive buffer, read over seconds (the client takes bytes, with pauses, all along),
+    and a 650 kB unary answer, one write. Both come whole, nothing cut: the timeout runs from the last
+    byte the client took, not for a write nor an answer."""
+    f = own_frontend("--send-timeout", "1")
+    stream = {"prompt": "Count slowly:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    unary = {"prompt": list(range(10, 910)), "max_tokens": 1, "temperature": 0, "logprobs": 20, "echo": True}
+    got = {}
+    for request_id, body, rcvbuf in [("slow-stream", stream, 4096), ("slow-unary", unary, 1 << 17)]:
+        raw = b""
+        with stalled_client(f.addr, request_bytes("/v1/completions", body, f"X-Request-Id: {request_id}\r\nConnection: close\r\n"), rcvbuf) as s:
+            while data := s.recv(rcvbuf):
+                raw += data
+                time.sleep(0.1)
+        [got[request_id]] = answers(raw, 1)
+    status, _, raw = got["slow-stream"]
+    events = sse(raw)
+    assert status == 200 and events[-1] == "[DONE]" and sum(bool(json.loads(e)["choices"]) for e in events[:-1]) == 400, events[-3:]
+    status, _, raw = got["slow-unary"]
+    assert status == 200 and len(raw) > 500_000 and len(json.loads(raw)["choices"][0]["logprobs"]["tokens"]) == 901
+    assert f.events("openai_client_stalled") == []
+    assert sorted((e["request_id"], e["status"]) for e in f.events("http_request")) == [("slow-stream", 200), ("slow-unary", 200)]
+
+
+def test_the_stop_ends_though_a_client_stopped_reading(stack, own_frontend):
+    """``--drain-timeout 1`` (send_timeout_s its 60 s): SIGTERM while a unary answer larger than the
+    kernel's largest send buffer waits for a client that never reads. The drain ran out, the handler
+    was cancelled mid-write, and the connection's close waited for the client to take the rest of
+    the answer: the process never exited. Now that connection is aborted and the process exits 0."""
+    f = own_frontend("--drain-timeout", "1")
+    wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    n = wmem_max // 600_000 + 2
+    body = {"prompt": list(range(10, 910)), "max_tokens": 1, "temperature": 0, "logprobs": 20, "echo": True, "n": n}
+    with stalled_client(f.addr, request_bytes("/v1/completions", body, "X-Request-Id: stop-stalled\r\n")):
+        def completed() -> int:
+            return sum(str(e.get("request_id")).startswith("stop-stalled-") for e in log_events(stack, "completed"))
+
+        run(until(lambda: completed() == n, "the stack answered every choice", timeout=60))
+        time.sleep(2)  # the frontend builds the answer and writes it: its write waits for the client
+        f.proc.send_signal(signal.SIGTERM)
+        assert f.proc.wait(30) == 0 and "stopped" in f.proc.stdout.read()  # type: ignore[union-attr]
+    assert [e["requests_in_flight"] for e in f.events("drain_timed_out")] == [1]

@@ -277,7 +277,8 @@ def test_http_frontends_read_their_settings_as_the_services_do(tmp_path: Path):
     # The other services read the same file and environment: the frontends' tables and variables are no typos for them.
     assert load_settings(DecodeSettings, "decode", config, env=env).kv_pages == 64
     defaults = (load_settings(OpenAISettings, "openai", env={}), load_settings(MetricsSettings, "metrics", env={}))
-    assert [(s.http_host, s.port, s.timeout_keep_alive_s) for s in defaults] == [("127.0.0.1", 8000, 5.0), ("127.0.0.1", 9464, 5.0)]
+    assert [(s.http_host, s.port, s.timeout_keep_alive_s, s.send_timeout_s) for s in defaults] == \
+        [("127.0.0.1", 8000, 5.0, 60.0), ("127.0.0.1", 9464, 5.0, 60.0)]  # send_timeout_s: nginx's send_timeout
     # Flags set fields by name; `None` (a flag not given) leaves the field to the other sources.
     assert load_settings(MetricsSettings, "metrics", overrides={"port": 0, "expiry_s": None}, env={"MOEBUS_METRICS_EXPIRY_S": "7"}).expiry_s == 7.0
 
@@ -291,6 +292,7 @@ def test_http_frontend_settings_refuse_bad_values_and_typos_naming_their_source(
         (OpenAISettings, "openai", {"MOEBUS_LOG_LEVEL": "verbose"}, r"MOEBUS_LOG_LEVEL='verbose': .* at `\$\.log_level`"),
         (MetricsSettings, "metrics", {"MOEBUS_METRICS_PORT": "65536"}, r"^metrics settings: MOEBUS_METRICS_PORT='65536': Expected `int` <= 65535"),
         (MetricsSettings, "metrics", {"MOEBUS_TIMEOUT_KEEP_ALIVE_S": "0"}, r"MOEBUS_TIMEOUT_KEEP_ALIVE_S='0': Expected `float` > 0.0"),
+        (OpenAISettings, "openai", {"MOEBUS_OPENAI_SEND_TIMEOUT_S": "-1"}, r"MOEBUS_OPENAI_SEND_TIMEOUT_S='-1': Expected `float` > 0.0 - at `\$\.send_timeout_s`"),
         # The expiries are judged against the stack's heartbeat interval, as the gateway's and the scheduler's are.
         (OpenAISettings, "openai", {"MOEBUS_HEARTBEAT_INTERVAL_S": "1"}, "health_expiry_s=2 must be at least 3 x heartbeat_interval_s=1"),
         (MetricsSettings, "metrics", {"MOEBUS_METRICS_EXPIRY_S": "1"}, "expiry_s=1 must be at least 3 x heartbeat_interval_s=0.5"),
