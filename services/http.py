@@ -68,6 +68,10 @@ REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not All
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
+# The ioctl that reads a socket's unacknowledged send bytes (Linux; None where termios lacks it).
+_TIOCOUTQ = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
+
+
 class ClientStalled(ConnectionError):
     """The client took no byte of its answer for the server's ``send_timeout_s``: its connection was
     reset (`send`). A ConnectionError, as for a client that hung up: the answer cannot reach it."""
@@ -182,7 +186,7 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     malformed, slow or oversize one (a body over ``max_body``: 413 naming ``limit``). A client that
     waits for ``100 Continue`` before its body (``Expect: 100-continue``, curl for larger bodies)
     gets it once the announced length is accepted. Sets ``conn.keep`` (see `Connection`)."""
-    reader, writer = conn.reader, conn.writer
+    reader = conn.reader
     conn.keep = conn.chunked = conn.head_sent = False  # an error before the request is whole closes the connection
     first, conn.start = conn.start, b""
     try:
@@ -414,9 +418,14 @@ async def send(conn: Connection, data: bytes) -> None:
 
 def _unsent(writer: asyncio.StreamWriter) -> int:
     """The bytes written that the client did not take: the transport's buffer, and the kernel's
-    send queue (TIOCOUTQ, Linux: bytes it sent or holds that the client did not acknowledge)."""
+    send queue (TIOCOUTQ, Linux: bytes it sent or holds that the client did not acknowledge).
+    Where the kernel does not say (other systems), only the transport's buffer counts: a stalled
+    client is then seen once the kernel's buffer is full and the writes wait."""
+    queued = 0
     fd = writer.get_extra_info("socket").fileno()  # -1 once the connection is lost: its next drain raises
-    queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0] if fd >= 0 else 0
+    if fd >= 0 and _TIOCOUTQ is not None:
+        with contextlib.suppress(OSError):
+            queued = struct.unpack("i", fcntl.ioctl(fd, _TIOCOUTQ, b"\0\0\0\0"))[0]
     return writer.transport.get_write_buffer_size() + queued
 
 
