@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import gc
 import signal
@@ -24,6 +23,7 @@ from shared.logging import configure_logging, get_logger
 from shared.model.config import ModelConfig
 from shared.model.errors import CheckpointError, ConfigError, ShardingError
 from shared.settings import SERVICES, ProcessSettings, ServiceSettings, SettingsError, load_settings
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -260,6 +260,4 @@ class Heartbeater:
     async def stop(self) -> None:
         """Stop beating; a final heartbeat with draining=True was the caller's job."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)

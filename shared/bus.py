@@ -27,7 +27,7 @@ from nats.errors import Error as NATSError
 from nats.errors import TimeoutError as NATSTimeoutError
 
 from shared.logging import get_logger
-from shared.tasks import spawn
+from shared.tasks import no_lost_cancel, spawn
 
 T = TypeVar("T")
 log = get_logger(__name__)
@@ -236,14 +236,9 @@ class Bus:
         """nats-py's request-reply (its errors unchanged), without losing a cancel: nats-py waits for
         the reply with asyncio.wait_for, which on Python 3.11 returns a reply that arrives in the same
         turn of the event loop as a cancel and drops the cancel. A cancel requested meanwhile and not
-        delivered is raised here (3.11's `Task.cancelling` counts it)."""
-        task = asyncio.current_task()
-        assert task is not None
-        cancels = task.cancelling()
-        msg = await self.nc.request(subject, payload, timeout=timeout, headers=headers)
-        if task.cancelling() > cancels:
-            raise asyncio.CancelledError
-        return msg
+        delivered is raised here (`no_lost_cancel`)."""
+        with no_lost_cancel():
+            return await self.nc.request(subject, payload, timeout=timeout, headers=headers)
 
     async def has_listener(self, subject: str, payload: bytes, headers: dict[str, str] | None = None, wait_s: float = 1.0) -> bool:
         """Deliver `payload` on `subject` and tell whether anything subscribes to it.

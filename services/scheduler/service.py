@@ -9,7 +9,6 @@ Waiting is bounded twice: at most `max_queued` requests wait, each for at most
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import msgspec
@@ -25,6 +24,7 @@ from services.scheduler.suspects import SuspectRanks
 from shared.bus import BadReply, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.settings import SchedulerSettings
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -73,9 +73,7 @@ class Scheduler:
         await self.heartbeater.stop()
         await self.suspects.stop()
         if self._expiry is not None:
-            self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
+            await cancel_and_wait(self._expiry)
 
     async def _expire_loop(self) -> None:
         while True:

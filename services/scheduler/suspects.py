@@ -18,7 +18,6 @@ the registry (silent past the heartbeat expiry) is forgotten here too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 
@@ -31,6 +30,7 @@ from services.scheduler.registry import Member, Registry, Suspicion
 from shared.bus import Bus, BusError
 from shared.logging import get_logger
 from shared.settings import SchedulerSettings
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -66,12 +66,7 @@ class SuspectRanks:
         self._probes[key] = asyncio.get_running_loop().create_task(self._probe_until_back(key, suspicion))  # kept: the loop holds tasks weakly
 
     async def stop(self) -> None:
-        tasks = list(self._probes.values())  # each removes itself as it ends
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._probes.values())  # each removes itself as it ends (the arguments are a copy)
 
     async def _probe_until_back(self, key: MemberKey, suspicion: Suspicion) -> None:
         unbind_contextvars("request_id")  # the task started with the context of the request that met the miss
