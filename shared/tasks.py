@@ -48,11 +48,19 @@ def no_lost_cancel() -> Iterator[None]:
 
 
 async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
-    """Cancel ``tasks`` and wait until each ended; their CancelledError is theirs, not raised here
-    (any other exception is). A cancel of the caller meanwhile is raised once they ended."""
+    """Cancel ``tasks`` and wait until every one ended. Their CancelledError is theirs, not raised
+    here; the first other exception one of them ended with is, once all ended. A cancel of the
+    caller meanwhile is raised once they ended."""
     for task in tasks:
         task.cancel()
+    errors: list[Exception] = []
     with no_lost_cancel():
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as e:  # noqa: BLE001 - raised below, once every task ended
+                errors.append(e)
+    if errors:
+        raise errors[0]

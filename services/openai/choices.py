@@ -20,6 +20,7 @@ import msgspec
 
 from schemas.api import GenerateChunk, GenerateRequest, GenerateResponse
 from services.client import Client
+from shared.tasks import cancel_and_wait
 
 _SEEDS = 2**64
 
@@ -89,8 +90,5 @@ class Choices:
 
 
 async def _stop(tasks: list[asyncio.Future]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+    with contextlib.suppress(Exception):  # the first failure was raised already (`responses`, `chunks`): the others add nothing
+        await cancel_and_wait(*tasks)

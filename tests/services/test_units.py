@@ -591,3 +591,26 @@ def test_no_asyncio_wait_for_nor_nats_request_outside_tests():
                         and node.value.attr == "nc" and path != REPO_ROOT / "shared" / "bus.py"):
                     found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} nc.request (use Bus.nats_request)")
     assert found == [], found
+
+
+def test_no_suppressed_cancel_around_an_await_outside_shared_tasks():
+    """``task.cancel(); with suppress(CancelledError): await task`` swallows a cancel of the task that
+    waits too: that cancel reaches the awaited task and comes back as its CancelledError, and the
+    waiting task runs on (tests/services/test_stop_cancel.py). `shared.tasks.cancel_and_wait` keeps it."""
+    import ast
+
+    found = []
+    for package in ("services", "shared", "schemas", "kernels", "bench"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            if path == REPO_ROOT / "shared" / "tasks.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.With, ast.AsyncWith)):
+                    continue
+                for item in node.items:
+                    call = item.context_expr
+                    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "suppress"
+                            and any(isinstance(a, ast.Attribute) and a.attr == "CancelledError" for a in call.args)
+                            and any(isinstance(n, ast.Await) for stmt in node.body for n in ast.walk(stmt))):
+                        found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} suppress(CancelledError) around an await (use cancel_and_wait)")
+    assert found == [], found
