@@ -187,7 +187,7 @@ class DecodeRank:
     async def drain(self) -> None:
         """Stop taking reservations; `run` finishes the running sequences and returns."""
         self.draining = True
-        await self.heartbeater.beat()
+        await self.heartbeater.announce()
         self.work.set()
 
     async def close(self) -> None:

@@ -149,7 +149,7 @@ class PrefillGroup:
     async def drain(self) -> None:
         self.draining = True
         if self.heartbeater is not None:
-            await self.heartbeater.beat()
+            await self.heartbeater.announce()
         self.arrived.set()
 
     async def close(self) -> None:

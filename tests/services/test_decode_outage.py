@@ -2,7 +2,9 @@
 CPU model, a real KV receiver over UCX (tcp). While the server is away nats-py holds outgoing
 messages in its 2 MiB outbound buffer; once that is full a publish fails. The rank must then
 free the requests whose tokens could not go out (their gateways fail them on reconnect) and
-keep running, not die with the error (it did: helper 56's review)."""
+keep running, not die with the error (it did: helper 56's review); and a stop (SIGTERM: `drain`)
+during the outage must still end its loop: its drain sent a heartbeat that failed the same way, and
+the error left the loop running and the process to die with a traceback."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def test_a_decode_rank_frees_the_requests_it_cannot_publish_and_keeps_running(tm
     model = make_tiny(tmp_path / "tiny", seed=3)
     settings = DecodeSettings(nats_url=f"nats://127.0.0.1:{port}", instance="d0", warmup=False, kv_pages=4096, max_batch=REQUESTS)
 
-    async def scenario() -> tuple[BaseException | None, int, int, int]:
+    async def scenario() -> tuple[BaseException | None, int, int, int, BaseException | None, bool]:
         async with connect(settings.nats_url, "decode-test") as bus:
             runner = ModelRunner.from_dir(model, num_pages=settings.kv_pages, page_size=settings.page_size, device="cpu")
             worker = await TransferWorker.create()
@@ -62,13 +64,21 @@ def test_a_decode_rank_frees_the_requests_it_cannot_publish_and_keeps_running(tm
             await asyncio.sleep(0.5)  # the loop goes on, idle
             error = loop.exception() if loop.done() else None
             left, free_after = len(rank.running), runner.cache.allocator.num_free
+            drain_error = None
+            try:
+                await rank.drain()  # the server still away: the outbound buffer is still full
+            except Exception as e:  # noqa: BLE001 - reported below
+                drain_error = e
+            await asyncio.wait({loop}, timeout=10.0)
+            stopped = loop.done()
             loop.cancel()
             await rank.receiver.close()
             worker.close()
-            return error, left, free_before, free_after
+            return error, left, free_before, free_after, drain_error, stopped
 
-    error, left, free_before, free_after = asyncio.run(scenario())
+    error, left, free_before, free_after, drain_error, stopped = asyncio.run(scenario())
     assert error is None, f"the decode loop died during the outage: {error!r}"
     assert left == 0, f"{left} requests still running although their tokens could not be published"
     assert free_after == free_before, "the freed requests' pages did not come back"
-
+    assert drain_error is None, f"the drain failed during the outage: {drain_error!r}"
+    assert stopped, "the decode loop did not end after the drain"
