@@ -16,8 +16,11 @@ slowdown, at most 73 C) and in bursts 1930-1980 MHz.  NVML's SM clock is the
 clock set at the moment of the sample, not the clock averaged over a kernel:
 ncu (``--clock-control none``) measured single grouped-GEMM launches at an
 effective 1.54-1.61 GHz (cycles over duration) where NVML samples of similar
-short runs read 1980.  Read the recorded clocks as an upper bound; NVML's power
-figure is itself averaged over a past period and lags short windows.
+short runs read 1980, and clock stamps inside one launch (``clock64`` over
+``%globaltimer``, a scratch probe, branch ``s29-probe``) put the FP8 grouped GEMM of
+Qwen3-30B down at 1.56 GHz (375 tokens per expert) and 1.61 GHz (2048) in the bench's
+bursts, whose lines say NVML's 1980.  Read the recorded clocks as an upper bound; NVML's
+power figure is itself averaged over a past period and lags short windows.
 """
 
 from __future__ import annotations

@@ -464,7 +464,7 @@ def run(args: argparse.Namespace, timers: list[Timer]) -> int:
             print(f"[{time.perf_counter() - t0:6.1f}s] {name} tile={tile_m or 'auto'}x{tile_n or 'auto'} {timer.mode}: "
                   f"{row['latency_us']:.1f} us {row['tflops']:.0f} TFLOP/s {row.get('weight_tbps', float('nan')):.2f} TB/s "
                   f"(all bytes {row.get('hbm_tbps', float('nan')):.2f}) "
-                  f"at {row.get('sm_mhz_mean', float('nan')):.0f} MHz {row.get('power_w_mean', float('nan')):.0f} W; "
+                  f"NVML {row.get('sm_mhz_mean', float('nan')):.0f} MHz {row.get('power_w_mean', float('nan')):.0f} W; "
                   f"peer {row['peer_latency_us']:.1f} us dense {row.get('dense_tflops', float('nan')):.0f} TFLOP/s "
                   f"err {row.get('spot_rel_err', float('nan')):.1e}", flush=True)
 

@@ -42,7 +42,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 # tiles, above it 128-row tiles.  bf16 prefill (contiguous layout) of experts with at most
 # MID_TILE_MAX_WEIGHT_ELEMENTS weights each (N * K: Qwen3-30B's, not Qwen3-235B's) takes
 # 128x192 tiles up to MID_TILE_MAX_TOKENS_PER_EXPERT, 128x256 above; FP8 prefill above it
-# stores its full output tiles by TMA.
+# stores its full output tiles by TMA, and bf16 x MXFP8 prefill above it takes 192x128 tiles.
 SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64
 MID_TILE_MAX_TOKENS_PER_EXPERT = 512
 MID_TILE_MAX_WEIGHT_ELEMENTS = 1 << 22

@@ -50,7 +50,11 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
       Qwen3-30B shapes ran 3-4% faster with 128x192, the Qwen3-235B shapes (6-12 Mi
       weights) up to 5% slower under sustained load; from 768 tokens on 128x192 was
       mostly level or slower.  The masked (decode) layout keeps 128x256.
-    * MXFP8 weights and the SwiGLU interleave fix N at 128.
+    * MXFP8 weights and the SwiGLU interleave fix N at 128; MXFP8 prefill (contiguous, no SwiGLU)
+      above MID_TILE_MAX_TOKENS_PER_EXPERT takes 192-row tiles, whose third consumer warpgroup
+      adds WGMMA work to each stage's conversion (see ``_mainloop_mx``): +8..+17% on the four
+      Qwen3 shapes at 375 and 2048 tokens per expert on one H200.  Not below that bound,
+      where an expert's last tile can be mostly padding (129-192 tokens: 192 rows for 129).
 
     bf16 128x192 and 128x256 tiles of the contiguous layout up to MID_TILE_MAX_TOKENS_PER_EXPERT hand
     their output to the store warps in two halves (``split_output``), which gives 128x192
@@ -64,9 +68,12 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
 
     ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
     """
-    tile_m = tile_m or (64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128)
+    if not tile_m:
+        tile_m = 64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128
+        if mxfp8 and not masked and not swiglu and tokens_per_expert > MID_TILE_MAX_TOKENS_PER_EXPERT:
+            tile_m = 192
     if not tile_n:
-        if tile_m != 128 or mxfp8 or swiglu:
+        if tile_m == 64 or mxfp8 or swiglu:
             tile_n = 128
         elif fp8:
             tile_n = 192

@@ -79,7 +79,7 @@ class GroupedGemmConfig:
     k: int
     masked: bool  # masked [E, max_tokens, K] layout, else contiguous
     fp8: bool  # E4M3 operands with 1x128 / 128x128 fp32 block scales
-    tile_m: int  # 64 (one consumer warpgroup) or 128 (two)
+    tile_m: int  # 64 (one consumer warpgroup), 128 (two) or, bf16 x MXFP8 without SwiGLU, 192 (three)
     tile_n: int  # 64 / 128 / 192 / 256 (bf16), 128 / 192 (FP8), 128 (MXFP8, SwiGLU)
     swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
     row_weights: bool = False  # multiply output row r by weights[r]
@@ -92,8 +92,8 @@ class GroupedGemmConfig:
 
     def validate(self) -> None:
         elem_bytes = 1 if self.fp8 else 2
-        if self.tile_m not in (64, 128):
-            raise ValueError(f"tile_m must be 64 or 128, got {self.tile_m}")
+        if self.tile_m not in (64, 128, 192) or (self.tile_m == 192 and not (self.mxfp8 and not self.swiglu)):
+            raise ValueError(f"tile_m must be 64 or 128 (192 only for bf16 x MXFP8 without SwiGLU), got {self.tile_m}")
         if (self.tile_n not in (64, 128, 192, 256) or (self.fp8 and self.tile_n not in (128, 192))
                 or (self.mxfp8 and self.tile_n != 128)):
             raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 128/192, mxfp8 128; bf16 64/128/192/256)")
@@ -275,7 +275,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.turns = self.fp8_turns or self.bf16_turns
         self.tma_store = cfg.tma_store
         self.producer_regs = 40
-        self.consumer_regs = 232 if self.num_consumer_wg == 2 else 240
+        # setmaxnreg budgets of 65536 registers: three consumer warpgroups (MXFP8 192-row tiles) get 152 each
+        self.consumer_regs = {1: 240, 2: 232, 3: 152}[self.num_consumer_wg]
 
     def _make_tiled_mma(self) -> cute.TiledMma:
         """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem."""

@@ -44,11 +44,23 @@ class ScaledMainloops:
         row with two warpgroups: exactly one 32-value scale block) from the
         TMA stage into a bf16 buffer, ``q * 2^(e - 127)`` (exact in bf16),
         then a barrier over the consumer threads, then the WGMMAs of that stage.
+        192-row tiles (prefill above MID_TILE_MAX_TOKENS_PER_EXPERT) have a third
+        consumer warpgroup that converts nothing: a stage's conversion, the same
+        as a 128-row tile's, then feeds 1.5 times the WGMMA work.  One H200, burst,
+        against 128-row tiles in the same call (18d998c990c2+wg3mx, forced tiles): all
+        four Qwen3 prefill shapes +8..+17% at 375 and 2048 tokens per expert
+        (235B gate_up at 2048: 409-414 -> 478-479 TFLOP/s), with three pipeline
+        stages instead of five.
         The conversion of stage k overlaps stage k-1's WGMMAs, which stay in
         flight (``wait_group(1)``).  Three bf16 buffers: buffer k % 3 was last
         read by stage k-3's WGMMAs, which every warpgroup retired (its
         ``wait_group(1)`` in stage k-2) before the barrier of stage k-1 that
-        this thread has passed; two buffers would race with the other
+        this thread has passed (k counts the CTA's stages over all its tiles, the
+        pipeline state's count: with the tile's own K index the ring restarted at
+        buffer 0 each tile, so a tile of 3j + 1 stages, as Qwen3-235B gate_up's 64,
+        ended on buffer 0 and the next tile's first conversion could overwrite it
+        under the other warpgroup's last WGMMAs, whose epilogue does not wait for
+        this one's); two buffers would race with the other
         warpgroup's WGMMAs of stage k-2.
 
         The E8M0 bytes come with the stage: the producer's TMA brings, on the
@@ -88,7 +100,10 @@ class ScaledMainloops:
         """
         cfg = self.cfg
         threads = 128 * self.num_consumer_wg
-        segs_per_row = threads // cfg.tile_n
+        # 192-row tiles: the first two warpgroups convert (a row's two 32-value segments), the third waits at the barrier
+        converters = min(threads, 256)
+        converting = mma_tidx < converters if cutlass.const_expr(converters < threads) else True
+        segs_per_row = converters // cfg.tile_n
         seg = self.tile_k // segs_per_row  # 32 or 64 values
         row = mma_tidx // segs_per_row
         seg_idx = mma_tidx - row * segs_per_row
@@ -99,13 +114,14 @@ class ScaledMainloops:
         barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=threads)
         acc.fill(0.0)
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
-            buf = k_tile % MX_B_BUFFERS
+            buf = read_state.count % MX_B_BUFFERS  # the CTA's stage count, not the tile's: see the docstring
             mainloop.consumer_wait(read_state)
-            e_lo, e_hi = self._mx_scales(sSF16[(row, k_tile % stages_per_box, read_state.index)], seg_idx,
-                                         blocks_per_seg)
-            src = cute.local_tile(sBq[(row, None, read_state.index)], (seg,), (seg_idx,))
-            dst = cute.local_tile(sBmma[(row, None, buf)], (seg,), (seg_idx,))
-            self._dequant_segment(src, dst, e_lo, e_hi, seg)
+            if converting:
+                e_lo, e_hi = self._mx_scales(sSF16[(row, k_tile % stages_per_box, read_state.index)], seg_idx,
+                                             blocks_per_seg)
+                src = cute.local_tile(sBq[(row, None, read_state.index)], (seg,), (seg_idx,))
+                dst = cute.local_tile(sBmma[(row, None, buf)], (seg,), (seg_idx,))
+                self._dequant_segment(src, dst, e_lo, e_hi, seg)
             # Generic-proxy smem writes that the tensor cores (async proxy) read next.
             cute.arch.fence_proxy("async.shared", space="cta")
             barrier.arrive_and_wait()

@@ -339,7 +339,8 @@ def _mx_weights(E: int, N: int, K: int, gen: torch.Generator):
 # taken as is; 752 (24 bytes, K tail) is copied when "masked_k752" passes a view one byte into its storage, and
 # taken as is when "contiguous_rowweighted_k752" passes the padded layout itself.
 @pytest.mark.parametrize("kind", ["contiguous", "contiguous_rowweighted", "masked", "swiglu", "many_tiles",
-                                  "contiguous_k1520", "masked_k752", "contiguous_rowweighted_k752"])
+                                  "contiguous_k1520", "masked_k752", "contiguous_rowweighted_k752", "large",
+                                  "large_rowweighted_k752"])
 def test_mxfp8_weights_dequantized_in_kernel(kind):
     """bf16 x MXFP8 (dequantized in shared memory inside the kernel) against the fp32 reference on the same weights."""
     from kernels import grouped_gemm_mxfp8 as mx
@@ -355,16 +356,19 @@ def test_mxfp8_weights_dequantized_in_kernel(kind):
     else:
         counts = torch.tensor({"contiguous": [0, 300, 1, 129, 0, 700],  # 128-row tiles (two warpgroups)
                                "contiguous_rowweighted": [0, 37, 1, 130, 0, 64],  # 64-row tiles
+                               # above the mid bound (avg 555): 192-row tiles, experts ending inside a tile
+                               "large": [0, 1300, 1, 700, 0, 1333],
+                               "large_rowweighted": [193, 1100, 1, 191, 0, 1845],
                                "many_tiles": [300, 280, 0, 513, 300, 1, 300, 299]}[kind])
         groups = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
         x = torch.randn(int(groups[-1]), K, generator=gen, device=DEV).bfloat16()
     q, s = _mx_weights(E, N, K, gen)
     if k_override and masked:  # a view one byte into its storage: the launcher copies it into aligned rows
         s = torch.empty(s.numel() + 1, dtype=s.dtype, device=DEV)[1:].view(s.shape).copy_(s)
-    elif k_override and kind == "contiguous_rowweighted":
+    elif k_override and kind.endswith("rowweighted"):
         s = mx.kernel_scale_layout(s)
         assert not s.is_contiguous()  # 32-byte rows holding 24 scales
-    rw = torch.rand(x.shape[:-1], generator=gen, device=DEV) if kind == "contiguous_rowweighted" else None
+    rw = torch.rand(x.shape[:-1], generator=gen, device=DEV) if kind.endswith("rowweighted") else None
     if kind == "swiglu":
         qi, si = mx.interleave_gate_up_mxfp8(q, s)
         out = torch.full((E, M, N // 2), float("nan"), dtype=torch.bfloat16, device=DEV)

@@ -42,6 +42,7 @@ COMPILE_CASES = [
 ]
 MXFP8_CASES = [  # (masked, tile_m, swiglu, row_weights): bf16 x MXFP8 weights dequantized in the kernel
     (False, 128, False, False),
+    (False, 192, False, True),  # prefill above the mid bound: three consumer warpgroups, two converting
     (True, 64, True, True),
 ]
 
@@ -102,6 +103,8 @@ def test_grouped_gemm_mxfp8_compiles_for_sm90a(masked, tile_m, swiglu, row_weigh
         "e4m3 -> bf16 by byte permute and exact bf16x2 scaling": "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx,
         "proxy fence before the mma reads": "fence.proxy.async.shared::cta" in ptx,
         "no local memory": ".local" not in ptx,
+        # every consumer warpgroup hands its rows to the store warps on its own barriers (4 + 4w)
+        "store-warp handoff": all(f"bar.arrive {4 + 4 * w}, 192" in ptx for w in range(tile_m // 64)),
     }
     assert all(found.values()), found
 
@@ -146,6 +149,10 @@ def test_config_rejects_unsupported_shapes():
     with pytest.raises(ValueError, match="exclude each other"):
         sm90.GroupedGemmConfig(num_experts=2, n=128, k=128, masked=False, fp8=True, tile_m=128, tile_n=128,
                                mxfp8=True).validate()
+    for fp8, mxfp8, swiglu in ((False, False, False), (True, False, False), (False, True, True)):
+        with pytest.raises(ValueError, match="192 only for bf16 x MXFP8"):
+            sm90.GroupedGemmConfig(num_experts=2, n=256, k=128, masked=False, fp8=fp8, tile_m=192, tile_n=128,
+                                   mxfp8=mxfp8, swiglu=swiglu).validate()
     with pytest.raises(ValueError, match="16 for MXFP8"):
         sm90.GroupedGemmConfig(num_experts=2, n=128, k=104, masked=False, fp8=False, tile_m=128, tile_n=128,
                                mxfp8=True).validate()
@@ -190,8 +197,12 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     assert [tile(t, masked=True) for t in (small, small + 1, mid, mid + 1)] == [(64, 128)] + [(128, 256)] * 3
     # FP8: one 128-row tile width at every size; SwiGLU and MXFP8 weights fix N at 128
     assert [tile(t, fp8=True) for t in (small, small + 1, mid + 1)] == [(64, 128), (128, 192), (128, 192)]
-    for kind in ({"swiglu": True}, {"mxfp8": True}, {"swiglu": True, "fp8": True}):
+    for kind in ({"swiglu": True}, {"mxfp8": True, "masked": True}, {"swiglu": True, "fp8": True},
+                 {"swiglu": True, "mxfp8": True}):
         assert {tile(t, **kind) for t in (small, small + 1, mid + 1)} == {(64, 128), (128, 128)}
+    # MXFP8 prefill above the mid bound: 192-row tiles (a third warpgroup of WGMMA work per converted stage)
+    assert [tile(t, mxfp8=True) for t in (small, small + 1, mid, mid + 0.5)] == [(64, 128), (128, 128), (128, 128),
+                                                                                 (192, 128)]
 
     def split(tokens: float, *, masked: bool = False, fp8: bool = False, swiglu: bool = False, n: int = 2048,
               k: int = 768) -> bool:
