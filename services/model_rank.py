@@ -29,6 +29,7 @@ from shared.model.sampling_params import SamplingParams
 from shared.model.weights import SafetensorsCheckpoint, check_shardable
 from shared.parallel import Topology, init_distributed
 from shared.settings import DecodeSettings, PrefillSettings, ServiceSettings, SettingsError
+from shared.tasks import cancel_and_wait, no_lost_cancel
 
 log = get_logger(__name__)
 
@@ -149,14 +150,30 @@ class RankLoop(Protocol):
 
 async def run_until_stopped(rank_loop: RankLoop, stop: asyncio.Event) -> None:
     """Run `rank_loop` until `stop` is set (SIGTERM/SIGINT) or its loop ends, then drain,
-    wait for the loop to end (the whole group drained) and close it."""
+    wait for the loop to end (the whole group drained) and close it.
+
+    The rank is closed (its heartbeats stopped, its KV receiver closed) however this ends: also when
+    its loop raised (after the drain, which still says `draining` to the schedulers), when the drain
+    raised, or when the caller is cancelled; a loop still running then is cancelled and waited for
+    first. The error that ended it is what propagates, so the rank process still exits non-zero
+    with it logged (should the close fail too, the close's error propagates with it as its context)."""
     loop = asyncio.get_running_loop().create_task(rank_loop.run())
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([loop, stopped], return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()  # the loop ended on its own: nobody waits for a signal any more
-    await rank_loop.drain()
-    await loop
-    await rank_loop.close()
+    try:
+        # `await loop` hands a cancel of ours to the loop, which may end without raising it.
+        with no_lost_cancel():
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait([loop, stopped], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()  # the loop ended on its own (or we are cancelled): nobody waits for a signal any more
+            await rank_loop.drain()
+            await loop
+    finally:
+        try:
+            if not loop.done():  # the drain raised, or we were cancelled: the loop must not outlive its rank
+                await cancel_and_wait(loop)
+        finally:
+            await rank_loop.close()
 
 
 def sampling_params(job: Job) -> SamplingParams:

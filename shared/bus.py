@@ -79,6 +79,9 @@ class PayloadTooLarge(BusError):
 
 # How often a stream of replies checks whether the connection was re-established meanwhile.
 RECONNECT_CHECK_S = 0.25
+# A drain cancels the handlers still running at its timeout and gives their cleanup this long to
+# end before the connection closes (a handler that ignores its cancel is logged and left).
+HANDLER_CANCEL_S = 2.0
 
 
 # ---------------------------------------------------------------- deadlines
@@ -210,7 +213,7 @@ class Bus:
 
         async def dispatch(msg: Msg) -> None:
             if concurrent:
-                spawn(self._tasks, run(msg))
+                spawn(self._tasks, run(msg)).set_name(msg.subject)  # named: a drain that has to cancel it says which
             else:
                 await run(msg)
 
@@ -330,6 +333,17 @@ class Bus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
+    async def _cancel_handlers(self, running: set[asyncio.Task[None]], timeout: float) -> None:
+        """Cancel the handlers that outlived the drain's `timeout` and wait, at most `HANDLER_CANCEL_S`,
+        for them to end: their cleanup (a `finally` that answers its requester or releases what it
+        holds) runs while the connection is still open, not after it closed. Each is logged."""
+        for task in running:
+            log.warning("handler_cancelled", client=self.name, subject=task.get_name(), drain_timeout_s=timeout)
+            task.cancel()
+        _, stuck = await asyncio.wait(running, timeout=HANDLER_CANCEL_S)
+        for task in stuck:
+            log.error("handler_ignored_cancel", client=self.name, subject=task.get_name(), waited_s=HANDLER_CANCEL_S)
+
     async def stop_taking(self, sub: Subscription, timeout: float = 10.0) -> None:
         """End ``sub`` without losing what was already routed to it. The server may have sent it
         messages this process has not read yet (its socket, nats-py's buffers): a plain unsubscribe
@@ -349,13 +363,14 @@ class Bus:
                 await sub.unsubscribe()
 
     async def drain(self, timeout: float = 10.0) -> None:
-        """Stop taking messages (`stop_taking`), let in-flight handlers finish (up to `timeout`), flush, close."""
+        """Stop taking messages (`stop_taking`), let in-flight handlers finish (up to `timeout`),
+        cancel those still running and wait for them (`_cancel_handlers`), flush, close."""
         subs, self._subs = self._subs, []
         await asyncio.gather(*(self.stop_taking(sub, timeout) for sub in subs))
         if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
-            for task in pending:
-                task.cancel()
+            _, running = await asyncio.wait(set(self._tasks), timeout=timeout)
+            if running:
+                await self._cancel_handlers(running, timeout)
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.drain()

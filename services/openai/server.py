@@ -52,6 +52,7 @@ from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, r
 from shared.bus import connect
 from shared.logging import get_logger
 from shared.settings import OpenAISettings
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -285,7 +286,11 @@ async def _unless_ended(conn: http.Connection, answer: Awaitable[int]) -> int | 
     end of input, or a reset), stops taking the answer ("stalled": its connection reset, `http.send`)
     or the server's drain at stop runs out ("cut", `http.Server.drain`).
     What the client sends meanwhile (a pipelined next request, a stray CRLF after the body) stays
-    unread, for the connection's next turn."""
+    unread, for the connection's next turn.
+    A cancel of the connection's task (the last resort of `http.Server.drain`, `CUT_S` after the
+    cut) ends the answer too and is raised once the answer ended: a plain ``await`` of the cancelled
+    answer took that cancel for the answer's own CancelledError and swallowed it, and the handler
+    carried on as if only cut."""
     answering = asyncio.ensure_future(answer)
     gone = asyncio.ensure_future(conn.reader.ended.wait())
     cut = asyncio.ensure_future(conn.server.cut.wait())
@@ -294,17 +299,15 @@ async def _unless_ended(conn: http.Connection, answer: Awaitable[int]) -> int | 
     finally:
         gone.cancel()
         cut.cancel()
-    if answering.done():
+        answered = answering.done()
+        if not answered:  # the client left, the drain cut it, or this task is cancelled: the answer ends here
+            await cancel_and_wait(answering)
+    if answered:
         # A reset wakes the answer's write and the watch in the same turn of the loop: an answer that
         # failed writing is a client gone too (its requests must be cancelled, not left to the stack).
         if isinstance(answering.exception(), ConnectionError):
             return "stalled" if conn.stalled else "gone"
         return answering.result()
-    answering.cancel()
-    try:
-        await answering
-    except asyncio.CancelledError:
-        pass
     return "gone" if conn.reader.ended.is_set() else "cut"
 
 

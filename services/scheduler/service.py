@@ -3,7 +3,9 @@
 State is only the registry (from heartbeats) plus the requests waiting for capacity,
 so a restarted scheduler is placing again one heartbeat interval after it starts.
 Waiting is bounded twice: at most `max_queued` requests wait, each for at most
-`queue_wait_ms` (or its own deadline); after that the answer is `overloaded`.
+`queue_wait_ms` (or its own deadline); after that the answer is `overloaded`. A stopping
+scheduler bounds it a third time: what still waits when its `drain_timeout_s` runs out is
+answered `unavailable` before the scheduler closes its connection.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from schemas import subjects
 from schemas.api import ErrorCode
@@ -53,27 +56,52 @@ class Scheduler:
         self.waiting_ids: set[str] = set()
         self.suspects = SuspectRanks(settings, bus, self.registry)
         self.draining = False
+        self.drain_deadline: Deadline | None = None  # set by `stop`: the submits still waiting then are answered `unavailable`
+        self._none_waiting = asyncio.Event()  # no submit in `place`: a stop waits for this
+        self._none_waiting.set()
+        self._submit_sub: Subscription | None = None
         self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"draining": self.draining, "queued_requests": self.waiting,
                                                                            "suspect_ranks": self.suspects.names()})
         self._expiry: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.HEARTBEAT_ALL, self._on_heartbeat, concurrent=False)
-        await self.bus.subscribe(subjects.SUBMIT, self._on_submit, queue=subjects.SCHEDULER_QUEUE)
+        self._submit_sub = await self.bus.subscribe(subjects.SUBMIT, self._on_submit, queue=subjects.SCHEDULER_QUEUE)
         await self.bus.subscribe(subjects.CTL_CANCEL, self._on_cancel, concurrent=False)
         self.heartbeater.start()
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())  # kept: the loop holds tasks weakly
 
     async def stop(self) -> None:
         """SIGTERM: say `draining` (the HTTP frontend's /health fails at once when no other scheduler
-        is left, instead of once the heartbeats expire), stop beating; the bus drain then answers the
-        submits already sent here."""
+        is left, instead of once the heartbeats expire), leave the schedulers' queue group (the
+        submits already routed here are still answered: `Bus.stop_taking`), and wait until every
+        submit here is answered: placed, refused as usual, or, still waiting for capacity when
+        `drain_timeout_s` runs out, `unavailable`. Those answers go out before the bus drain, whose
+        timeout would otherwise cancel a submit waiting past it (`queue_wait_ms` the longer) unanswered.
+        Then stop beating."""
         self.draining = True
+        self.drain_deadline = Deadline.after(self.settings.drain_timeout_s)
         await self.heartbeater.announce()
+        if self._submit_sub is not None:
+            await self.bus.stop_taking(self._submit_sub, self.settings.drain_timeout_s)
+        async with self.capacity_changed:
+            self.capacity_changed.notify_all()  # the submits waiting take the drain's deadline now
+        await self._answered()
         await self.heartbeater.stop()
         await self.suspects.stop()
         if self._expiry is not None:
             await cancel_and_wait(self._expiry)
+
+    async def _answered(self) -> None:
+        """Until no submit is in `place`. Each ends at the drain's deadline, or soon after when a
+        placement was under way then (its reservation requests, each bounded by `reserve_timeout_ms`).
+        Bounded all the same, at twice `drain_timeout_s`: the bus drain has what is left."""
+        await asyncio.sleep(0)  # the submits `stop_taking` handed on start, each counting as waiting in its first step
+        try:
+            async with asyncio.timeout(2 * self.settings.drain_timeout_s):
+                await self._none_waiting.wait()
+        except TimeoutError:
+            log.warning("submits_unanswered_at_stop", waiting=self.waiting, timeout_s=2 * self.settings.drain_timeout_s)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -130,6 +158,7 @@ class Scheduler:
             raise Refused("overloaded", f"{self.waiting} requests already waiting for capacity")
         wait_until = Deadline(min(job.deadline, time.time() + self.settings.queue_wait_ms / 1000))
         self.waiting += 1
+        self._none_waiting.clear()
         self.waiting_ids.add(job.request_id)
         try:
             while True:
@@ -150,14 +179,20 @@ class Scheduler:
                     return placement
                 if wait_until.expired:
                     break
+                if self.drain_deadline is not None and self.drain_deadline.expired:
+                    raise Refused("unavailable", f"scheduler {self.settings.instance} stopped before capacity came for this request "
+                                                 f"(its drain_timeout_s of {self.settings.drain_timeout_s:g} s ran out); retry")
+                until = wait_until if self.drain_deadline is None else Deadline(min(wait_until.at, self.drain_deadline.at))
                 async with self.capacity_changed:
                     try:
-                        async with asyncio.timeout(wait_until.timeout(cap=0.25)):
+                        async with asyncio.timeout(until.timeout(cap=0.25)):
                             await self.capacity_changed.wait()
                     except TimeoutError:
                         pass
         finally:
             self.waiting -= 1
+            if not self.waiting:
+                self._none_waiting.set()
             self.waiting_ids.discard(job.request_id)
             self.cancelled.discard(job.request_id)
         if deadline.expired:
