@@ -558,7 +558,8 @@ def run_frontend(name: str, serve: Coroutine[Any, Any, None], settings: Frontend
     except OSError as e:  # the port is taken or not ours to bind
         # A second `moebus up` (its own NATS port from --port 0) meets the first one's frontends on
         # their default ports: say how to move this one.
-        hint = (f"; another process listens there: pick another port with --port or MOEBUS_{name.upper()}_PORT (0: any free one)"
+        hint = (f"; another process listens there: pick another port with MOEBUS_{name.upper()}_PORT (0: any free one), "
+                f"or `moebus {name} --port` when run alone (`moebus up --port` is the NATS port)"
                 if e.errno == errno.EADDRINUSE else "")
         print(f"moebus {name}: cannot listen on {settings.http_host}:{settings.port}: {e}{hint}", file=sys.stderr)
         return 1

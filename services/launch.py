@@ -346,11 +346,25 @@ class LocalStack:
 DEMO_PROMPT = "Mixture-of-experts models route each token to"
 
 
+def moebus_command() -> str:
+    """How to run `moebus` from the user's shell: plain `moebus` when that is on PATH (an activated
+    venv, a system install), else this interpreter's console script by path (after `make demo` the
+    venv is not activated, and a bare `moebus` in a printed hint is not found)."""
+    script = Path(sysconfig.get_paths()["scripts"]) / "moebus"
+    on_path = shutil.which("moebus")
+    if on_path is not None and (not script.exists() or Path(on_path).resolve() == script.resolve()):
+        return "moebus"
+    if not script.exists():
+        return f"{sys.executable} -m services.cli"
+    relative = os.path.relpath(script)
+    return str(script) if relative.startswith("..") else relative
+
+
 async def _demo_request(url: str) -> None:
     from schemas.api import GenerateRequest
     from services.client import Client
 
-    print(f"\n$ moebus request --url {url} --prompt {DEMO_PROMPT!r} --max-tokens 24 --stream")
+    print(f"\n$ {moebus_command()} request --url {url} --prompt {DEMO_PROMPT!r} --max-tokens 24 --stream")
     async with connect(url, "moebus-demo") as bus:
         last = None
         async for chunk in Client(bus).stream(GenerateRequest(prompt=DEMO_PROMPT, max_tokens=24, temperature=0.0)):
@@ -469,7 +483,7 @@ def main(argv: list[str]) -> int:
         print(f"moebus up: ready. NATS at {stack.url}  (model {', '.join(stack.served)}, max_payload {nats.max_payload} bytes)", flush=True)
         for instance, url in stack.frontend_urls().items():
             print(f"  {instance}: {url}", flush=True)
-        print(f"  try: moebus request --url {stack.url} --prompt 'hi' --stream", flush=True)
+        print(f"  try: {moebus_command()} request --url {stack.url} --prompt 'hi' --stream", flush=True)
         if a.demo:
             asyncio.run(_demo_request(stack.url))
         print("moebus up: serving; Ctrl-C stops the stack", flush=True)

@@ -85,11 +85,15 @@ class Admission:
             raise Rejected("unknown_model", f"model {req.model!r} is not served here; available: [{self.model.name!r}]")
         if req.request_id is not None and not _REQUEST_ID.match(req.request_id):
             raise Rejected("invalid_request", "request_id: use 1-128 letters, digits, '-' or '_'")
-        if req.max_tokens is not None and not 1 <= req.max_tokens <= self.max_tokens_limit:
-            # Past the setting (not the context) say which knob it is: vLLM has no such bound, so its clients ask for more.
-            by_setting = req.max_tokens > self.max_tokens_limit and self.max_tokens_limit == self.settings.max_tokens_limit
-            why = " (gateway.max_tokens_limit: a decode rank reserves KV for prompt + max_tokens up front)" if by_setting else ""
-            raise Rejected("invalid_request", f"max_tokens must be in [1, {self.max_tokens_limit}]{why}, got {req.max_tokens}")
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise Rejected("invalid_request", f"max_tokens must be in [1, {self.max_tokens_limit}], got {req.max_tokens}")
+        # Past the setting say which knob it is: vLLM has no such bound, so its clients ask for more.
+        # Past the context (where it binds first), `_max_tokens` refuses it once the prompt is counted,
+        # in the words clients match (LiteLLM's ContextWindowExceededError), as vLLM does.
+        by_setting = self.max_tokens_limit == self.settings.max_tokens_limit
+        if req.max_tokens is not None and req.max_tokens > self.max_tokens_limit and by_setting:
+            raise Rejected("invalid_request", f"max_tokens must be in [1, {self.max_tokens_limit}] (gateway.max_tokens_limit: a decode rank "
+                                              f"reserves KV for prompt + max_tokens up front), got {req.max_tokens}")
         if req.timeout_ms is not None and not 0 < req.timeout_ms <= self.settings.max_timeout_ms:
             raise Rejected("invalid_request", f"timeout_ms must be in [1, {self.settings.max_timeout_ms}], got {req.timeout_ms}")
         if any(not s for s in req.stop):

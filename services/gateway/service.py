@@ -230,7 +230,7 @@ class Gateway:
                 raise Rejected("invalid_request", str(e)) from e
             if len(self.flights) + len(self.admitting) >= self.settings.max_in_flight:
                 raise Rejected("overloaded", f"gateway {self.id} has {len(self.flights) + len(self.admitting)} requests in flight")
-            admitted = await self._admit(req, arrival)
+            admitted, pinger = await self._admit(req, arrival, replies, keepalive_s)
         except Rejected as e:
             await self._refuse(send, e.code, str(e), req.request_id)
             return
@@ -243,7 +243,6 @@ class Gateway:
         flight = Flight(admitted)
         self.flights[request_id] = flight
         with bind_request(request_id=request_id):
-            pinger = asyncio.create_task(replies.keep_alive(keepalive_s, request_id, lambda: self._client_gone(flight))) if keepalive_s else None
             try:
                 await self._serve(flight, req.stream, send_result, arrival_mono)
             except Failed as e:
@@ -264,7 +263,8 @@ class Gateway:
         log.info("rejected", request_id=request_id or None, code=code, reason=reason)
         await send(ErrorReply(error=ErrorInfo(code, reason), request_id=request_id))
 
-    async def _admit(self, req: GenerateRequest, arrival: float) -> Admitted:
+    async def _admit(self, req: GenerateRequest, arrival: float, replies: Replies,
+                     keepalive_s: float | None) -> tuple[Admitted, asyncio.Task[None] | None]:
         """Admission on a worker thread: tokenizing (and templating) a long prompt takes up to ~0.5 s,
         and meanwhile the gateway keeps relaying every other request's tokens. A short prompt is
         admitted on the loop (`_admitted_inline`): the thread's round trip would cost more than it.
@@ -272,29 +272,43 @@ class Gateway:
         The request id (a fresh one if the client gave none) is taken (``admitting``) before the
         thread starts, so a cancel or a shutdown arriving during admission is kept and answered once
         admission returns, and a second request with the same id is refused at once.
+        The client's keepalives (``keepalive_s``) start then too, and the task sending them is returned
+        for the request's end to stop: a client hears nothing else until admission ends, and took the
+        gateway for dead after three silent intervals while a prompt near the body limit was
+        tokenized (seconds), answering 503 `unavailable` where the gateway was about to say 400.
         """
         request_id = req.request_id or uuid.uuid4().hex
         req = msgspec.structs.replace(req, request_id=request_id)
         if request_id in self.flights or request_id in self.admitting:
             raise Rejected("invalid_request", f"request_id {request_id!r} is already in flight")
         self.admitting[request_id] = None
+        pinger = asyncio.create_task(replies.keep_alive(keepalive_s, request_id, lambda: self._client_gone(request_id))) if keepalive_s else None
         try:
-            if _admitted_inline(req):
-                admitted = self.admission.admit(req, self.id, arrival)
-            else:
-                admitted = await asyncio.to_thread(self.admission.admit, req, self.id, arrival)
-        finally:
-            ended = self.admitting.pop(request_id)
-        if ended is not None:
-            raise Rejected(ended.code, f"{ended.stage}: {ended.message}")
-        return admitted
+            try:
+                if _admitted_inline(req):
+                    admitted = self.admission.admit(req, self.id, arrival)
+                else:
+                    admitted = await asyncio.to_thread(self.admission.admit, req, self.id, arrival)
+            finally:
+                ended = self.admitting.pop(request_id)
+            if ended is not None:
+                raise Rejected(ended.code, f"{ended.stage}: {ended.message}")
+        except BaseException:
+            if pinger is not None:
+                pinger.cancel()
+            raise
+        return admitted, pinger
 
-    def _client_gone(self, flight: Flight) -> None:
-        """Nothing subscribes to the request's reply subject any more (`Replies.keep_alive`)."""
-        request_id = flight.admitted.job.request_id
+    def _client_gone(self, request_id: str) -> None:
+        """Nothing subscribes to the request's reply subject any more (`Replies.keep_alive`): a request
+        still in admission is answered so once admission returns (as a cancel), a running one is aborted."""
         log.info("client_gone", request_id=request_id)
-        flight.abort(StageError(request_id=request_id, code="cancelled", stage=f"gateway:{self.id}",
-                                message="the client went away: nothing subscribes to its reply subject any more"))
+        error = StageError(request_id=request_id, code="cancelled", stage=f"gateway:{self.id}",
+                           message="the client went away: nothing subscribes to its reply subject any more")
+        if request_id in self.admitting:
+            self.admitting[request_id] = error
+        elif (flight := self.flights.get(request_id)) is not None:
+            flight.abort(error)
 
     async def _serve(self, flight: Flight, stream: bool, send: Any, arrival: float) -> None:
         job = flight.admitted.job

@@ -50,6 +50,7 @@ import msgspec
 from schemas.api import ChatMessage, GenerateChunk, GenerateRequest, GenerateResponse, Tool, ToolCall, ToolCallFunction, ToolFunction, Usage
 from services.openai.logprobs import CompletionLogprobs, chat_logprobs
 from services.openai.tool_parsing import ChatOutputParser, parse_answer
+from shared.model.sampling_params import MAX_TOP_LOGPROBS
 
 # moebus error code -> (HTTP status, OpenAI error type)
 ERRORS: dict[str, tuple[int, str]] = {
@@ -260,6 +261,8 @@ def completion_requests(req: CompletionRequest, request_id: str, max_prompts: in
     ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too; ``echo`` for the
     prompt's tokens and, with ``logprobs``, their logprobs: ``prompt_logprobs``)."""
     _check_unsupported({"suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:  # named as the client sent it, not as moebus's top_logprobs
+        raise InvalidRequest(f"logprobs (alternatives per token) must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
     logprobs = {} if req.logprobs is None else {"logprobs": True, "top_logprobs": req.logprobs}
     if req.echo:
         logprobs["prompt_logprobs"] = req.logprobs or 0

@@ -201,7 +201,26 @@ class Scheduler:
             raise Refused("unavailable", "no decode instance is registered")
         if not self.registry.of_role("prefill"):
             raise Refused("unavailable", "no prefill instance is registered")
-        raise Refused("overloaded", f"no capacity within {self.settings.queue_wait_ms} ms")
+        raise Refused("overloaded", self._no_capacity(job))
+
+    def _no_capacity(self, job: Job) -> str:
+        """Why no decode rank took `job` within `queue_wait_ms`, by their last heartbeats: full batches, or too
+        little free KV for prompt + max_tokens, which a rank reserves up front (a vLLM user expects the
+        request to queue, and looks for the knob: max_tokens, the batch, the KV pages)."""
+        decode = self.registry.of_role("decode")
+        num_tokens = len(job.input_ids) + job.max_tokens
+        full = [m for m in decode if m.hb.batch_size >= m.hb.max_batch]
+        short = [m for m in decode if m not in full and m.hb.kv_free_pages < m.pages_for(num_tokens)]
+        why = []
+        if full:
+            why.append(f"{len(full)} of {len(decode)} decode ranks at their max batch ({', '.join(sorted({str(m.hb.max_batch) for m in full}))})")
+        if short:
+            most = max(m.hb.kv_free_pages * m.hb.page_size for m in short)
+            why.append(f"{len(short)} of {len(decode)} without free KV for prompt + max_tokens = {num_tokens} tokens, "
+                       f"reserved up front (at most {most} tokens free)")
+        if not why:
+            why.append("the decode ranks with room refused the reservation or did not answer it")
+        return f"no capacity within {self.settings.queue_wait_ms} ms: {'; '.join(why)}"
 
     def _check_fits_anywhere(self, job: Job) -> None:
         """A request larger than every decode rank's whole KV cache would only wait and fail: say so now."""

@@ -177,7 +177,12 @@ class Tokenizer:
             raise InvalidPromptError(f"prompt must be a string, got {type(text).__name__}")
         if not text:
             raise EmptyPromptError("prompt is empty")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: it lets go of the GIL while it tokenizes (tokenizers' binding holds
+        # it through `encode`), so the gateway's event loop keeps relaying every other request's tokens
+        # and its heartbeats while a worker thread tokenizes a long prompt (an 8 MB one took 4-5 s on
+        # the 2-core CPU host, all of it with the loop stopped: streams stalled, and the frontend failed
+        # requests as `unavailable` for want of the gateway's keepalives).
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

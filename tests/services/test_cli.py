@@ -54,6 +54,11 @@ def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path)
         assert "finish=length completion_tokens=24" in output, output
         assert "(model Qwen/Qwen3-30B-A3B, max_payload" in output, output  # the id requests name, not the directory's
         url = next(line.split("NATS at ")[1].split()[0] for line in lines if "NATS at " in line)
+        # The hints name a `moebus` this shell can run: on PATH, else the venv's script by path (after
+        # `make demo` the venv is not activated and a bare `moebus` is not found).
+        for hint in [line.split("try: ")[1] for line in lines if "try: " in line] + [line[2:] for line in lines if line.startswith("$ ")]:
+            command = hint.split()[0]
+            assert shutil.which(command, path=env.get("PATH")) or Path(command).is_file(), hint
         assert (tmp_path / "cache" / "tiny-qwen3-moe" / "config.json").exists()
         # The NATS server took its max_payload from the environment, through the config file in the log directory.
         assert f"max_payload {16 << 20} bytes" in output and (tmp_path / "logs" / "nats-server.conf").read_text() == f"max_payload: {16 << 20}\n"

@@ -41,9 +41,11 @@ class GatedAdmission(Admission):
 
 
 @contextlib.asynccontextmanager
-async def _gated_request(nats_server, tiny_model: Path, tokenizer: Tokenizer, instance: str, drain_timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+async def _gated_request(nats_server, tiny_model: Path, tokenizer: Tokenizer, instance: str, drain_timeout_s: float = 10.0,  # type: ignore[no-untyped-def]
+                         keepalive_s: float | None = None):
     """A real gateway whose admission of request ``GATED``, sent at once, is held on its worker thread:
-    yields (gateway, its admission, a client, the task awaiting ``GATED``'s reply)."""
+    yields (gateway, its admission, a client, the task awaiting ``GATED``'s reply: a plain NATS request,
+    or with ``keepalive_s`` a `Client` asking for keepalives that often, whose `generate` it awaits)."""
     port, _ = nats_server
     url = f"nats://127.0.0.1:{port}"
     settings = GatewaySettings(model=str(tiny_model), model_name="tiny", nats_url=url, instance=instance, drain_timeout_s=drain_timeout_s)
@@ -53,7 +55,11 @@ async def _gated_request(nats_server, tiny_model: Path, tokenizer: Tokenizer, in
         await gateway.start()
         await until_listened(client_bus, subjects.GENERATE)
         client = Client(client_bus, keepalive_s=None)
-        gated = asyncio.create_task(client.send_raw(json.dumps({"prompt": LONG_PROMPT, "request_id": GATED}).encode(), timeout=20))
+        if keepalive_s is None:
+            gated = asyncio.create_task(client.send_raw(json.dumps({"prompt": LONG_PROMPT, "request_id": GATED}).encode(), timeout=20))
+        else:
+            keeping = Client(client_bus, timeout=None, keepalive_s=keepalive_s)
+            gated = asyncio.create_task(keeping.generate(GenerateRequest(prompt=LONG_PROMPT, request_id=GATED)))
         await until(lambda: GATED in gateway.admitting, "the gated request is in admission")
         yield gateway, admission, client, gated
 
@@ -94,6 +100,32 @@ def test_a_shutdown_during_admission_answers_unavailable(nats_server, tiny_model
 
     reply, in_flight = asyncio.run(go())
     assert isinstance(reply, ErrorReply) and reply.error.code == "unavailable" and "shut down" in reply.error.message, reply
+    assert in_flight == 0
+
+
+def test_a_request_in_admission_gets_keepalives_and_is_dropped_once_its_client_left(nats_server, tiny_model: Path, tokenizer: Tokenizer):
+    """A client that asks for keepalives hears them from the moment its request is taken, admission
+    included: they started only once admission ended, so a prompt whose tokenizing outlasted three
+    intervals (one near the 8 MiB body limit took 4-7 s on the 2-core CPU host) was given up as
+    `unavailable` by the OpenAI frontend's client (2 s keepalives) while the gateway was about to
+    refuse it (400). And a client that leaves meanwhile is noticed then, as when its request runs."""
+    async def go():  # type: ignore[no-untyped-def]
+        async with _gated_request(nats_server, tiny_model, tokenizer, "gw-thread-keepalive", keepalive_s=0.2) as (gateway, admission, _, gated):
+            try:
+                await asyncio.sleep(2.0)  # ten intervals in admission; without keepalives the client gives up after three
+                assert not gated.done(), f"the client gave up during admission: {gated.exception()!r}"
+                gated.cancel()  # the client leaves: nothing listens on its reply subject any more
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gated
+                await until(lambda: gateway.admitting.get(GATED) is not None, "the gateway saw the client leave during admission")
+                left = gateway.admitting[GATED]
+            finally:
+                admission.gate.set()
+            await gateway.drain()
+            return left, len(gateway.flights) + len(gateway.admitting)
+
+    left, in_flight = asyncio.run(go())
+    assert left is not None and left.code == "cancelled" and "the client went away" in left.message, left
     assert in_flight == 0
 
 

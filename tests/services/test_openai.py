@@ -40,7 +40,9 @@ def test_frontend_on_a_taken_port_exits_with_a_clear_error(stack, frontend):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{frontend[1]}" in proc.stderr
     # what a second `moebus up` (--port 0) printed for its frontends on the first one's ports, without saying what to do
-    assert "another process listens there: pick another port with --port or MOEBUS_OPENAI_PORT (0: any free one)" in proc.stderr, proc.stderr
+    # (`moebus up --port` is its NATS port: the hint says so rather than send the user there)
+    assert ("another process listens there: pick another port with MOEBUS_OPENAI_PORT (0: any free one), "
+            "or `moebus openai --port` when run alone (`moebus up --port` is the NATS port)") in proc.stderr, proc.stderr
 
 
 def call(addr: tuple[str, int], method: str, path: str, body: object | None = None) -> tuple[int, str, bytes]:
@@ -194,7 +196,10 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     # n x prompts past max_choices (256): one request would fill the scheduler's queue (max_queued 256)
     ("/v1/completions", {"prompt": ["hi"] * 17, "n": 16, "max_tokens": 1}, 400, "invalid_request", "n x prompts = 16 x 17 = 272 choices"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "invalid_request", "not supported by moebus: best_of"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_request", "top_logprobs must be an integer in [0, 20], got 21"),
+    # completions' `logprobs` is the number of alternatives: named as sent (it is moebus's top_logprobs)
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_request", "logprobs (alternatives per token) must be an integer in [0, 20], got 21"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "invalid_request",
+     "logprobs (alternatives per token) must be an integer in [0, 20], got -1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "invalid_request",
      "top_logprobs must be an integer in [0, 20], got 21"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "invalid_request",
@@ -214,6 +219,10 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
      "This model's maximum context length is 4096 tokens. However, you requested 4099 tokens (4094 in the prompt, 5 for max_tokens)."),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "invalid_request",
      "This model's maximum context length is 4096 tokens. However, the prompt has 5009 tokens"),
+    # max_tokens past the context alone (the tiny model's 4096, which gateway.max_tokens_limit, 4096, does not
+    # undercut): the same words, as vLLM's; it was "max_tokens must be in [1, 4095], got 4096", which LiteLLM misses
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4096}, 400, "invalid_request",
+     "This model's maximum context length is 4096 tokens. However, you requested 4097 tokens (1 in the prompt, 4096 for max_tokens)."),
     # Each of these three was a 500: msgspec's RecursionError; a template variable nested too deep for
     # the chat template (the gateway's `internal`); json.loads, which let a lone surrogate into a
     # request the frontend then could not encode.
@@ -230,6 +239,34 @@ def test_bad_requests_get_openai_errors(frontend, path, body, status, code, says
     assert (got, ctype, error["code"]) == (status, "application/json", code), raw
     assert list(error) == ["message", "type", "param", "code"] and error["param"] is None  # OpenAI's and vLLM's error object
     assert says in error["message"]
+
+
+def test_a_short_request_is_answered_while_a_long_prompt_is_tokenized(frontend):
+    """The gateway tokenizes a long prompt on a worker thread so that the rest keep flowing. tokenizers'
+    `encode` held the GIL for all of it: a prompt near the 8 MiB body limit (1.38M tokens, 4-5 s on the
+    2-core CPU host) stopped the gateway's event loop, so a short request sent meanwhile was answered
+    only after the long one's refusal (and every stream through that gateway stalled as long)."""
+    body = json.dumps({"prompt": "hello world " * 690_000, "max_tokens": 5}).encode()
+    answered: dict[str, float] = {}
+
+    def long_prompt() -> bytes:
+        with socket.create_connection(frontend, timeout=120) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+            raw = b"".join(iter(lambda: s.recv(1 << 16), b""))
+        answered["long"] = time.monotonic()
+        return raw
+
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(long_prompt)
+        time.sleep(0.5)  # its body is in and the gateway tokenizes it (~0.1 s after sending, seconds of work)
+        status, _, raw = call(frontend, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        answered["short"] = time.monotonic()
+        assert status == 200, raw
+        head, _, error = refused.result().partition(b"\r\n\r\n")
+    # and the long prompt gets its 400: its tokenizing (seconds) no longer outlasts the keepalives
+    # the frontend's client waits for (three 2 s intervals), which made it a 503 `unavailable`
+    assert head.startswith(b"HTTP/1.1 400 ") and b"This model's maximum context length is 4096 tokens" in error, head + error[:300]
+    assert answered["short"] < answered["long"], "the short request waited for the long prompt's tokenization"
 
 
 def test_bad_http_gets_status_codes(stack, frontend):

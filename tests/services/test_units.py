@@ -95,8 +95,12 @@ def test_max_tokens_left_unset_takes_what_the_context_leaves_up_to_the_limit(tin
         admitted(3, 41)  # the setting's bound, named: vLLM's clients know no such limit
     wide = GatewaySettings(model=str(tiny_model), model_name="tiny", max_context=100, max_tokens_limit=400)
     bound_by_context = Admission(wide, ModelInfo.load(wide), Tokenizer.from_dir(tiny_model))
-    with pytest.raises(Rejected, match=r"max_tokens must be in \[1, 99\], got 100$"):
+    # Past the context (a bound the setting does not reach) it is a request too long for the context,
+    # in the words LiteLLM matches, as vLLM says it; it was "max_tokens must be in [1, 99], got 100".
+    with pytest.raises(Rejected, match=r"^This model's maximum context length is 100 tokens\. However, you requested 101 tokens \(1 in the prompt, 100 for max_tokens\)"):
         bound_by_context.admit(GenerateRequest(input_ids=[5], max_tokens=100), "gw")
+    with pytest.raises(Rejected, match=r"^max_tokens must be in \[1, 99\], got 0$"):
+        bound_by_context.admit(GenerateRequest(input_ids=[5], max_tokens=0), "gw")
     openai = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
     assert protocol.chat_request(openai, "r3").max_tokens is None
 

@@ -1,0 +1,56 @@
+"""A request refused `overloaded` says why no decode rank took it: full batches, or too little free KV
+for prompt + max_tokens (reserved up front, where vLLM would queue the request). Before, the answer
+was "no capacity within 1000 ms" whatever the cause (helper 85's trial: a 64-prompt batch of
+max_tokens 128 on an idle demo stack got just that).
+
+Real nats-server and scheduler; the decode ranks and the prefill instance are heartbeats on the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from schemas import subjects
+from schemas.internal import Heartbeat, Job, SamplingSpec, SubmitAck, SubmitJob
+from services.scheduler.service import Scheduler
+from shared.bus import connect, pack, unpack
+from shared.settings import SchedulerSettings
+
+from services_helpers import run, until_listened
+
+
+def _heartbeat(role: str, instance: str, **fields) -> Heartbeat:  # type: ignore[no-untyped-def]
+    return Heartbeat(role=role, instance=instance, rank=0, model="m", version="v", started_at=time.time(), page_size=16, **fields)
+
+
+def test_an_overloaded_answer_names_the_full_batches_and_the_short_kv(nats_server) -> None:  # type: ignore[no-untyped-def]
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+    job = Job(request_id="too-big-now", gateway="gw", input_ids=list(range(1, 21)), max_tokens=100,
+              sampling=SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, seed=None), stop_token_ids=[], logprobs=False,
+              deadline=time.time() + 30)  # 120 tokens: 8 pages of 16
+
+    async def go() -> SubmitAck:
+        async with connect(url, "scheduler") as bus, connect(url, "peers") as peers:
+            scheduler = Scheduler(SchedulerSettings(nats_url=url, instance="sched-full", queue_wait_ms=300), bus)
+            await scheduler.start()
+            try:
+                await until_listened(peers, subjects.SUBMIT)
+                beats = [_heartbeat("decode", "busy", kv_total_pages=1000, kv_free_pages=900, batch_size=8, max_batch=8),
+                         _heartbeat("decode", "short", kv_total_pages=1000, kv_free_pages=5, batch_size=3, max_batch=8),
+                         _heartbeat("prefill", "pa")]
+                for hb in beats:
+                    await peers.publish(subjects.heartbeat(hb.role, hb.instance, 0), pack(hb))
+                for _ in range(200):
+                    if len(scheduler.registry.members) == len(beats):
+                        break
+                    await asyncio.sleep(0.01)
+                reply = await peers.nats_request(subjects.SUBMIT, pack(SubmitJob(job=job)), timeout=10)
+                return unpack(reply.data, SubmitAck)
+            finally:
+                await scheduler.stop()
+
+    ack = run(go())
+    assert ack.placement is None and ack.error_code == "overloaded", ack
+    assert ack.error_message == ("no capacity within 300 ms: 1 of 2 decode ranks at their max batch (8); 1 of 2 without "
+                                 "free KV for prompt + max_tokens = 120 tokens, reserved up front (at most 80 tokens free)"), ack
