@@ -67,6 +67,12 @@ class Hearing:
                 self.listening_since = now  # deaf until now: silence counts from here
             self.own_heard_at = now
 
+    def unsure_for(self, expiry_s: float, now: float) -> float:
+        """Seconds until we have listened for `expiry_s` since our last deaf spell (or our start):
+        before that, a process we have not heard from may be one whose next beat is still due,
+        so its absence says nothing yet. 0.0 once we have."""
+        return max(0.0, self.listening_since + expiry_s - now)
+
     def silence(self, last_heard: float, now: float) -> float:
         """How long a member last heard at `last_heard` has been silent while we listened;
         0.0 while our own beats are overdue (we hear nobody, so we judge nobody: a watcher

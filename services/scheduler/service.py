@@ -1,7 +1,9 @@
 """Scheduler: places each request on a decode rank (KV reserved there) and a prefill instance.
 
 State is only the registry (from heartbeats) plus the requests waiting for capacity,
-so a restarted scheduler is placing again one heartbeat interval after it starts.
+so a restarted scheduler is placing again one heartbeat interval after it starts. Until it has
+listened for `heartbeat_expiry_s`, a role it has heard no member of is not yet absent: a request
+waits out that roll call before it is answered `unavailable` for it.
 Waiting is bounded twice: at most `max_queued` requests wait, each for at most
 `queue_wait_ms` (or its own deadline); after that the answer is `overloaded`. A stopping
 scheduler bounds it a third time: what still waits when its `drain_timeout_s` runs out is
@@ -178,7 +180,13 @@ class Scheduler:
                     self.placed += 1
                     return placement
                 if wait_until.expired:
-                    break
+                    unsure_s = self._unsure_of_absence()
+                    if not unsure_s or deadline.expired:
+                        break
+                    # No member of a role yet, heard for too short a time to call it absent (a scheduler just started
+                    # or back from a deaf spell): wait for the roll call rather than answer `unavailable` for a role
+                    # whose beats are on their way, as a restarted scheduler did under load.
+                    wait_until = Deadline(min(job.deadline, time.time() + unsure_s))
                 if self.drain_deadline is not None and self.drain_deadline.expired:
                     raise Refused("unavailable", f"scheduler {self.settings.instance} stopped before capacity came for this request "
                                                  f"(its drain_timeout_s of {self.settings.drain_timeout_s:g} s ran out); retry")
@@ -202,6 +210,14 @@ class Scheduler:
         if not self.registry.of_role("prefill"):
             raise Refused("unavailable", "no prefill instance is registered")
         raise Refused("overloaded", self._no_capacity(job))
+
+    def _unsure_of_absence(self) -> float:
+        """Seconds this scheduler must still listen before a role with no registered member counts as absent
+        (one `heartbeat_expiry_s` since it started listening: every live member beats within it); 0.0 when
+        every role has a member or it has listened that long."""
+        if self.registry.of_role("decode") and self.registry.of_role("prefill"):
+            return 0.0
+        return self.hearing.unsure_for(self.settings.heartbeat_expiry_s, time.monotonic())
 
     def _no_capacity(self, job: Job) -> str:
         """Why no decode rank took `job` within `queue_wait_ms`, by their last heartbeats: full batches, or too
