@@ -318,6 +318,8 @@ class Bus:
                     if deadline.expired:
                         raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
                     if silence_s is not None and time.monotonic() - last_reply >= silence_s:
+                        if await self._replies_unread(sub, replies, deadline.timeout(cap=silence_s)):
+                            continue  # the silence was our own event loop's stall, not the responder's
                         # Say which side went quiet: with this connection down (the server gone, reconnecting) the
                         # responder may be fine, and whoever reads the error (an HTTP client, an operator) looks there.
                         why = "the responder stopped answering" if self.nc.is_connected else "this process's NATS connection is down (reconnecting)"
@@ -332,6 +334,21 @@ class Bus:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _replies_unread(self, sub: Subscription, replies: asyncio.Queue[Msg], timeout: float) -> bool:
+        """Whether replies to `sub` have reached this process and wait to be read. When our own event loop
+        stalled (CPU starvation, a long synchronous call) for longer than the silence allowed, it resumes
+        with the timeout of `stream`'s wait and the replies waiting in the socket due in the same turn,
+        and the timeout runs first: the responder looked silent while its keepalives sat unread. A PING /
+        PONG round trip reads everything the server sent before the PONG into the subscription."""
+        if not self.nc.is_connected:
+            return False
+        try:
+            with no_lost_cancel():  # nats-py's flush waits with asyncio.wait_for (see `nats_request`)
+                await self.nc.flush(timeout)
+        except NATSError:
+            return False
+        return not replies.empty() or sub.pending_msgs > 0
 
     async def _cancel_handlers(self, running: set[asyncio.Task[None]], timeout: float) -> None:
         """Cancel the handlers that outlived the drain's `timeout` and wait, at most `HANDLER_CANCEL_S`,
