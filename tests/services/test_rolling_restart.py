@@ -234,6 +234,11 @@ def test_a_gateway_behind_on_its_socket_still_answers_every_request_routed_to_it
     assert sum(outcomes.values()) == BURST and set(outcomes) <= {"ok", "overloaded"}, f"{outcomes}: {Counter(errors).most_common(5)}"
 
 
+def decoding(watch: HeartbeatWatch, since: float) -> int:
+    """The requests the decode ranks hold by the heartbeats heard from them after ``since`` (monotonic)."""
+    return sum(hb.batch_size for key, hb in watch.latest.items() if key[0] == "decode" and watch.seen_at[key] > since)
+
+
 # What a new request gets once no replica of a role is left: the gateway's `unavailable` error with this reason.
 NO_REPLICA = {"gateway": "no responder on llm.generate", "scheduler": "no scheduler is running",
               "prefill": "no prefill instance is registered", "decode": "no decode instance is registered"}
@@ -266,15 +271,31 @@ def test_the_last_replicas_of_a_role_finish_their_requests_and_new_ones_get_unav
         async with session(stack.url) as (client, watch):
             reference = (await client.generate(long)).token_ids
 
+            first_token = asyncio.Event()
+
             async def streamed() -> list[int]:
-                return [t async for c in client.stream(long) for t in c.token_ids]
+                tokens = []
+                async for c in client.stream(long):
+                    tokens += c.token_ids
+                    first_token.set()
+                return tokens
 
             async def unary() -> list[int]:
                 return (await client.generate(long)).token_ids
 
             for role in ROLES:
+                first_token.clear()
                 running = [asyncio.ensure_future(streamed()), asyncio.ensure_future(unary())]
-                await watch.wait_for(lambda w: sum(hb.batch_size for hb in w.live("decode")) >= 2, 20, "both requests decoding")
+                # Both decoding, by heartbeats heard once the streamed one decodes: the latest ones before could still
+                # count the last role's requests (a rank beats every 0.5 s; restarted schedulers are back in less), and
+                # the victims were then stopped before these two were placed.
+                decodes = asyncio.ensure_future(first_token.wait())
+                await asyncio.wait([decodes, running[0]], timeout=20, return_when=asyncio.FIRST_COMPLETED)
+                decodes.cancel()
+                if running[0].done():
+                    running[0].result()  # it failed before its first token: its error
+                decoding_from = time.monotonic()
+                await watch.wait_for(lambda w: decoding(w, decoding_from) >= 2, 20, "both requests decoding")
                 victims = [r for r in stack.replicas if r.role == role]
                 for r in victims:
                     r.proc.send_signal(signal.SIGTERM)
