@@ -38,7 +38,10 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # a usage error, as argparse makes a missing required argument: `moebus $UNSET` fails in a script
+        print(usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(usage())
         return 0
     name, rest = args[0], args[1:]

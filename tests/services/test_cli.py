@@ -429,3 +429,17 @@ def test_compose_environment_lists_take_name_only_entries_from_the_callers_envir
 def test_up_refuses_a_ready_timeout_that_is_no_positive_duration():
     up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--ready-timeout", "nan"], capture_output=True, text=True, timeout=60)
     assert up.returncode == 2 and "moebus up: --ready-timeout must be a positive number of seconds, got nan" in up.stderr, up.stderr
+
+
+@pytest.mark.parametrize("moebus", [[str(Path(sys.executable).with_name("moebus"))], [sys.executable, "-m", "services.cli"]],
+                         ids=["console-script", "python-m"])
+def test_moebus_without_a_command_is_a_usage_error_and_help_is_not(moebus: list[str]):
+    """`moebus` alone printed its usage and exited 0, so `moebus $COMMAND` with the variable unset
+    passed in a script: now a usage error, as argparse makes a missing required argument (usage
+    on stderr, exit 2). Asked for, the usage is no error: stdout, exit 0."""
+    bare = subprocess.run(moebus, capture_output=True, text=True, timeout=60)
+    assert (bare.returncode, bare.stdout) == (2, ""), (bare.returncode, bare.stdout, bare.stderr)
+    assert bare.stderr.startswith("usage: moebus <command> [options]") and "\n  openai " in bare.stderr, bare.stderr
+    for flag in ("--help", "-h"):
+        asked = subprocess.run([*moebus, flag], capture_output=True, text=True, timeout=60)
+        assert (asked.returncode, asked.stderr, asked.stdout) == (0, "", bare.stderr), (flag, asked)
