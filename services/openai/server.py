@@ -85,6 +85,9 @@ class OpenAIFrontend:
         self.max_prompts = max_prompts
         self.max_choices = max_choices
         self._served_model: str | None = None  # from llm.models, once it answered
+        # The model cards' `created` (vLLM's is a Unix time; 0 read as 1970): when this frontend began
+        # to serve, the same in every answer.
+        self.started = int(time.time())
 
     async def served_model(self) -> str:
         """The served model's id, for streamed chunks of requests that name none (their
@@ -153,7 +156,7 @@ class OpenAIFrontend:
             models = await self.client.models()
         except Exception as e:  # noqa: BLE001 - no model list (timeout, no responders): the stack is not answering
             return await _error(conn, "unavailable", f"llm.models did not answer: {e}")
-        data = [_model_card(m.id, m.max_context) for m in models.models]
+        data = [_model_card(m.id, m.max_context, self.started) for m in models.models]
         await http.respond_json(conn, 200, {"object": "list", "data": data})
         return 200
 
@@ -258,14 +261,15 @@ class OpenAIFrontend:
         return 200
 
 
-def _model_card(model: str, max_context: int) -> dict[str, object]:
+def _model_card(model: str, max_context: int, created: int) -> dict[str, object]:
     """vLLM's model card: ``max_model_len`` (the context, which clients such as Open WebUI, LiteLLM
     and guidellm read), ``root`` (vLLM's model path; here the served name, the gateway names no
-    checkpoint directory to clients), ``parent`` (a LoRA's base: none) and its one permission."""
-    permission = {"id": f"modelperm-{model}", "object": "model_permission", "created": 0, "allow_create_engine": False,
+    checkpoint directory to clients), ``parent`` (a LoRA's base: none) and its one permission;
+    ``created`` a Unix time."""
+    permission = {"id": f"modelperm-{model}", "object": "model_permission", "created": created, "allow_create_engine": False,
                   "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                   "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
-    return {"id": model, "object": "model", "created": 0, "owned_by": "moebus", "root": model, "parent": None,
+    return {"id": model, "object": "model", "created": created, "owned_by": "moebus", "root": model, "parent": None,
             "max_model_len": max_context, "permission": [permission]}
 
 

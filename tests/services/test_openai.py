@@ -85,6 +85,20 @@ def test_models_lists_the_served_model(frontend, tiny_model):
     assert call(frontend, "GET", "/health")[:1] == (200,)
 
 
+def test_models_say_when_the_frontend_started(frontend):
+    """A model card's `created` (and its permission's) is a Unix time, as vLLM's is, not 0: when
+    this frontend started serving, the same in every answer."""
+    cards = []
+    for _ in range(2):
+        status, _, body = call(frontend, "GET", "/v1/models")
+        assert status == 200, body
+        cards.append(json.loads(body)["data"][0])
+        time.sleep(1.1)  # a time taken at each call would differ
+    created = cards[0]["created"]
+    assert type(created) is int and time.time() - 3600 < created <= time.time(), created
+    assert [c["created"] for c in cards] + [c["permission"][0]["created"] for c in cards] == [created] * 4, cards
+
+
 def test_ping_and_version_answer_as_vllms(frontend):
     assert call(frontend, "GET", "/ping")[:1] == call(frontend, "POST", "/ping")[:1] == (200,)
     assert call(frontend, "PUT", "/ping")[0] == 405
