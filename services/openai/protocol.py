@@ -61,7 +61,15 @@ ERRORS: dict[str, tuple[int, str]] = {
     "cancelled": (409, "cancelled_error"),
     "unavailable": (503, "unavailable_error"),
     "internal": (500, "internal_error"),
+    # The HTTP layer's refusals (`services.http.HttpError`), before any moebus code applies.
+    "unknown_url": (404, "invalid_request_error"),  # OpenAI's code for a path it does not serve
+    "method_not_allowed": (405, "invalid_request_error"),
+    "request_timeout": (408, "invalid_request_error"),
+    "request_too_large": (413, "invalid_request_error"),
 }
+# The code of an `HttpError` by its status (a malformed request, 400, is an invalid_request as any other).
+HTTP_CODES: dict[int, str] = {400: "invalid_request", 404: "unknown_url", 405: "method_not_allowed", 408: "request_timeout",
+                              413: "request_too_large"}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -489,3 +497,9 @@ def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI error object) of a moebus error code."""
     status, kind = ERRORS.get(code, ERRORS["internal"])
     return status, {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def http_error_body(status: int, message: str) -> dict[str, Any]:
+    """The OpenAI error object of the HTTP layer's refusal with ``status`` (one with no code of its
+    own, were the HTTP layer to add one, is an invalid_request: the request was refused as sent)."""
+    return error_body(HTTP_CODES.get(status, "invalid_request"), message)[1]

@@ -126,7 +126,7 @@ class OpenAIFrontend:
                     status = await self._generate(conn, req, request_id)
             except http.HttpError as e:
                 status = e.status
-                error = {"error": {"message": e.message, "type": "invalid_request_error", "param": None, "code": None}}
+                error = protocol.http_error_body(e.status, e.message)
                 await http.refuse(conn, e.status, json.dumps(error).encode(), "application/json", e.headers)
         except ConnectionError:
             status = CLIENT_GONE  # a running generation was cancelled in _generate

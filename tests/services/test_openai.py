@@ -310,9 +310,30 @@ def test_bad_http_gets_status_codes(stack, frontend):
     status, ctype, raw = call(frontend, "POST", "/v1/completions", b"x" * (9 << 20))
     assert (status, ctype) == (413, "application/json"), raw
     assert json.loads(raw)["error"] == {"message": f"request body of {9 << 20} bytes exceeds this server's limit of {8 << 20} bytes (8 MiB)",
-                                        "type": "invalid_request_error", "param": None, "code": None}
+                                        "type": "invalid_request_error", "param": None, "code": "request_too_large"}
     # The access log has a line for each of them (written once a handler has unwound: wait for it).
     run(until(lambda: {e["status"] for e in log_events(stack, "http_request")} >= {400, 404, 405, 413}, "the frontend logged every status"))
+
+
+@pytest.mark.parametrize("request_bytes, status, code", [
+    (b"GET /v2/anything HTTP/1.1\r\nHost: x\r\n\r\n", 404, "unknown_url"),  # OpenAI's code for an unknown path
+    (b"PUT /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405, "method_not_allowed"),
+    ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), 400, "invalid_request"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n", 413, "request_too_large"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 408, "request_timeout"),  # headers that never end (10 s)
+], ids=["404", "405", "400", "413", "408"])
+def test_http_errors_carry_a_code_as_every_other_error_does(frontend, request_bytes, status, code):
+    """The HTTP layer's refusals are OpenAI error objects with a string code, as the stack's errors
+    are (clients and gateways in front switch on it); they carried null."""
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(request_bytes)
+        answer = b""
+        while data := s.recv(65536):  # the refusal closes the connection
+            answer += data
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 %d " % status) and b"Content-Type: application/json" in head, head
+    error = json.loads(body)["error"]
+    assert (error["code"], error["type"], error["param"]) == (code, "invalid_request_error", None), error
 
 
 def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stack, frontend):

@@ -178,6 +178,13 @@ def test_openai_bodies_pass_vllms_ignore_eos_through():
 # ---------------------------------------------------------------- settings
 
 
+def test_every_http_refusal_code_is_an_openai_error_code_of_that_status():
+    """An HttpError's body names a code whose status (ERRORS) is the one it is answered with."""
+    assert all(protocol.ERRORS[code][0] == status for status, code in protocol.HTTP_CODES.items()), protocol.HTTP_CODES
+    assert protocol.http_error_body(404, "no route") == {"error": {"message": "no route", "type": "invalid_request_error", "param": None,
+                                                                   "code": "unknown_url"}}
+
+
 def test_settings_sources_in_order(tmp_path: Path):
     config = tmp_path / "moebus.toml"
     config.write_text('nats_url = "nats://from-file:1"\nmax_batch = 7\n[decode]\nmax_batch = 8\nkv_pages = 100\n')
