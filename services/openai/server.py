@@ -20,8 +20,9 @@ The frontend is stateless (run as many as needed; each is one more NATS client):
 request gets its own moebus request id (one per choice), so a client that closes its
 connection before the answer ends cancels the request (``llm.cancel``, every choice)
 instead of leaving it to run. As in vLLM, a request's ``X-Request-Id`` header, when given,
-is that id (``cmpl-<id>`` / ``chatcmpl-<id>``, and in the stack's logs), and every answer of
-the completion endpoints names its id in an ``X-Request-Id`` header, errors included.
+is that id (``cmpl-<id>`` / ``chatcmpl-<id>``, and in the stack's logs; a value the stack's id
+syntax does not take gives an id made from it, `services.openai.request_ids`), and every answer of
+the completion endpoints has an ``X-Request-Id`` header, errors included: the client's, else the id.
 Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
 after a stream started is sent as a last ``data:`` event, as vLLM does.
 Configured by `shared.settings.OpenAISettings`: the ``[openai]`` table of the TOML file,
@@ -34,9 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import re
 import time
-import uuid
 from collections.abc import Awaitable
 from typing import Literal
 
@@ -45,7 +44,7 @@ from schemas.api import Usage
 from services import http
 from services.client import Client, GenerateError
 from services.common import moebus_version
-from services.openai import protocol
+from services.openai import protocol, request_ids
 from services.openai.choices import Choices, choice_requests
 from services.openai.readiness import StackReadiness
 from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
@@ -64,9 +63,6 @@ ROUTES: dict[str, tuple[str, ...]] = {
 # Logged status of a request whose client closed the connection first (nginx's convention), or
 # stopped taking its answer (http.ClientStalled): either way the client left the answer unread.
 CLIENT_GONE = 499
-# A client's X-Request-Id: the gateway's request id syntax (1-128 letters, digits, '-', '_'), with
-# room for the "-<choice>" suffix of n choices and batched prompts.
-CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 
 class OpenAIFrontend:
@@ -99,11 +95,11 @@ class OpenAIFrontend:
 
     async def handle(self, conn: http.Connection) -> None:
         """One request of ``conn`` (`services.http` calls it for each, in order), logged once
-        answered (``http_request``: path, status, request id, milliseconds from its first byte;
-        status 499 when the client left first or stopped reading, the latter logged as
-        ``openai_client_stalled`` too)."""
+        answered (``http_request``: path, status, request id and the client's X-Request-Id it was made
+        from, milliseconds from its first byte; status 499 when the client left first or stopped
+        reading, the latter logged as ``openai_client_stalled`` too)."""
         started = time.perf_counter()
-        method = path = request_id = None
+        method = path = request_id = client_request_id = id_header = None
         status = 0
         try:
             try:
@@ -122,8 +118,9 @@ class OpenAIFrontend:
                     await http.respond_json(conn, 200, {"version": moebus_version()})
                     status = 200
                 else:
-                    request_id = req.headers.get("x-request-id") or uuid.uuid4().hex
-                    status = await self._generate(conn, req, request_id)
+                    ids = request_ids.from_header(req.headers.get("x-request-id"))
+                    request_id, client_request_id, id_header = ids.id, ids.client, {"X-Request-Id": ids.header}
+                    status = await self._generate(conn, req, request_id, id_header)
             except http.HttpError as e:
                 status = e.status
                 error = protocol.http_error_body(e.status, e.message)
@@ -137,12 +134,12 @@ class OpenAIFrontend:
             conn.keep = False
             if not conn.head_sent:  # else the answer (a stream) is cut short: the client sees it unfinished
                 with contextlib.suppress(Exception):
-                    await _error(conn, "internal", f"{type(e).__name__}: {e}", _id_header(request_id))
+                    await _error(conn, "internal", f"{type(e).__name__}: {e}", id_header)
         finally:
             if conn.stalled:
                 log.warning("openai_client_stalled", request_id=request_id, path=path, client=conn.peer, send_timeout_s=conn.server.send_timeout_s)
-            log.info("http_request", method=method, path=path, status=status, request_id=request_id, client=conn.peer,
-                     ms=round((time.perf_counter() - started) * 1e3, 2))
+            log.info("http_request", method=method, path=path, status=status, request_id=request_id, client_request_id=client_request_id,
+                     client=conn.peer, ms=round((time.perf_counter() - started) * 1e3, 2))
 
     def _body_limit(self) -> tuple[int, str]:
         """The largest body this frontend reads, and what sets it: ``MAX_BODY_BYTES``, or the NATS
@@ -174,11 +171,8 @@ class OpenAIFrontend:
         await http.respond(conn, 200, b"ok\n", "text/plain")
         return 200
 
-    async def _generate(self, conn: http.Connection, req: http.Request, request_id: str) -> int:
-        if not CLIENT_REQUEST_ID.match(request_id):
-            return await _error(conn, "invalid_request", f"X-Request-Id: use 1-100 letters, digits, '-' or '_' (it becomes the request's id), "
-                                f"got {request_id[:120]!r}")
-        headers = {"X-Request-Id": request_id}
+    async def _generate(self, conn: http.Connection, req: http.Request, request_id: str, headers: dict[str, str]) -> int:
+        """Answer a completions or chat request as ``request_id``, every answer with ``headers``."""
         chat = req.path == "/v1/chat/completions"
         try:
             body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
@@ -278,11 +272,6 @@ async def _error(conn: http.Connection, code: str, message: str, headers: dict[s
     status, body = protocol.error_body(code, message)
     await http.respond_json(conn, status, body, headers)
     return status
-
-
-def _id_header(request_id: str | None) -> dict[str, str] | None:
-    """The ``X-Request-Id`` header naming a request's id (vLLM's), for a valid one."""
-    return {"X-Request-Id": request_id} if request_id is not None and CLIENT_REQUEST_ID.match(request_id) else None
 
 
 async def _unless_ended(conn: http.Connection, answer: Awaitable[int]) -> int | Literal["gone", "stalled", "cut"]:

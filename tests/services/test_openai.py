@@ -336,31 +336,83 @@ def test_http_errors_carry_a_code_as_every_other_error_does(frontend, request_by
     assert (error["code"], error["type"], error["param"]) == (code, "invalid_request_error", None), error
 
 
+def post(addr: tuple[str, int], body: dict, headers: dict[str, str] | None = None, path: str = "/v1/completions") -> tuple[int, str | None, bytes]:
+    """(status, X-Request-Id header, body) of one POST with ``headers``."""
+    conn = http.client.HTTPConnection(*addr, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"} | (headers or {}))
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("X-Request-Id"), resp.read()
+    finally:
+        conn.close()
+
+
 def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stack, frontend):
     """vLLM's X-Request-Id: every answer of a completion endpoint (unary, stream, error) names its
-    request id in the header, the one in the body's id; a client's header is that id, through the
-    gateway (whose log names it); one the stack cannot take as an id is a 400 naming the header."""
-    def answer(body: dict, headers: dict[str, str] | None = None, path: str = "/v1/completions") -> tuple[int, str | None, bytes]:
-        conn = http.client.HTTPConnection(*frontend, timeout=60)
-        try:
-            conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"} | (headers or {}))
-            resp = conn.getresponse()
-            return resp.status, resp.getheader("X-Request-Id"), resp.read()
-        finally:
-            conn.close()
-
-    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2})
+    request id in the header, the one in the body's id; a client's header that is a valid id is
+    that id, through the gateway (whose log names it)."""
+    status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2})
     assert status == 200 and rid and json.loads(raw)["id"] == f"cmpl-{rid}"
-    status, rid, raw = answer({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}, path="/v1/chat/completions")
+    status, rid, raw = post(frontend, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}, path="/v1/chat/completions")
     assert status == 200 and rid and json.loads(events(raw)[0])["id"] == f"chatcmpl-{rid}"
-    status, rid, raw = answer({"prompt": "hi", "model": "gpt-4"})
+    status, rid, raw = post(frontend, {"prompt": "hi", "model": "gpt-4"})
     assert status == 404 and rid and json.loads(raw)["error"]["code"] == "unknown_model"
 
-    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2, "n": 2}, {"X-Request-Id": "trace-7f3a_1"})
+    status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2, "n": 2}, {"X-Request-Id": "trace-7f3a_1"})
     assert (status, rid, json.loads(raw)["id"]) == (200, "trace-7f3a_1", "cmpl-trace-7f3a_1")
     assert {"trace-7f3a_1-0", "trace-7f3a_1-1"} <= {e["request_id"] for e in log_events(stack, "completed")}  # choice ids, as for n: 2
-    status, rid, raw = answer({"prompt": "hi", "max_tokens": 2}, {"X-Request-Id": "no spaces/please"})
-    assert (status, rid) == (400, None) and "X-Request-Id: use 1-100 letters" in json.loads(raw)["error"]["message"]
+
+
+def test_any_x_request_id_is_taken_echoed_and_logged_beside_the_id_made_from_it(stack, frontend):
+    """vLLM takes any X-Request-Id; proxies and tracers send ids with '=', dots, colons, slashes, or
+    longer than the stack's ids (AWS ALB's Root=..., a 128-hex id with a suffix), and each was a 400:
+    a tracing header failed the request. Now the answer's header is the client's value, the request's
+    id is made from it (the same for the same value, distinct for distinct ones, "a.b" and the valid
+    "a_b" included), and the frontend's access log names both."""
+    sent = ["Root=1-67891233-abcdef012345678912345678", "svc.api:v1/trace 7", "a.b", "a_b", "f" * 128 + "-retry1", "f" * 128 + "-retry2",
+            "a.b"]
+    ids = []
+    for value in sent:
+        status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2}, {"X-Request-Id": value})
+        assert (status, rid) == (200, value), raw
+        ids.append(json.loads(raw)["id"].removeprefix("cmpl-"))
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,100}", i) for i in ids), ids
+    assert ids[3] == "a_b" and ids[6] == ids[2] and len(set(ids)) == len(sent) - 1, ids
+    assert set(ids) <= {e["request_id"] for e in log_events(stack, "completed")}  # the gateway ran each under its id
+    run(until(lambda: set(zip(sent, ids)) <= {(e.get("client_request_id"), e["request_id"]) for e in log_events(stack, "http_request")},
+              "the frontend logged each client's value beside its id"))
+
+    # A bare LF in a value (the parser splits lines at CRLF) is not written back: no header smuggled into the answer.
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Request-Id: evil\nSet-Cookie: a=1\r\n"
+                  + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        answer = b""
+        while data := s.recv(65536):
+            answer += data
+    head, raw = answer.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0] == "HTTP/1.1 200 OK" and not any(line.lower().startswith("set-cookie") for line in lines), head
+    assert f"X-Request-Id: {json.loads(raw)['id'].removeprefix('cmpl-')}" in lines, head
+
+
+@pytest.mark.parametrize("value", ["dup-{}", "dup.{}"], ids=["valid", "derived"])
+def test_a_request_id_already_in_flight_is_refused(frontend, value):
+    """Two requests with the same X-Request-Id at once: the second is refused (400) while the first
+    runs, as vLLM refused it before it made client ids unique inside its engine (vLLM PR 27987); a
+    value the id is derived from the same way."""
+    value = value.format(uuid.uuid4().hex[:12])
+    body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"X-Request-Id: {value}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while b"data: " not in received:  # the first one runs
+            data = s.recv(65536)
+            assert data, f"connection closed before any event: {received!r}"
+            received += data
+        status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2}, {"X-Request-Id": value})
+    assert (status, rid) == (400, value) and "is already in flight" in json.loads(raw)["error"]["message"], raw
 
 
 def test_a_chunked_request_body_is_read_as_uvicorn_reads_it(frontend):

@@ -1,0 +1,54 @@
+"""A request's moebus id from its ``X-Request-Id`` header, whatever the client sent.
+
+vLLM takes any value as the request's id. Proxies and tracers send values the stack's id syntax
+(`services.gateway.admission`: 1-128 letters, digits, '-', '_') does not take: AWS ALB's
+``Root=1-67891233-abcdef012345678912345678``, ids with dots, colons or slashes, a 128-hex id with
+a suffix. A tracing header must never fail a request, so a value that is a valid id is the id (as
+in vLLM), and any other gives an id derived from it: its disallowed characters replaced, a prefix
+of it when too long, and always a short hash of the whole value, so that distinct values ("a.b"
+and "a_b", two long ids that differ only at their end) get distinct ids. The answer's header
+echoes the client's value, which is what it correlates on (one that cannot go back as it came: the id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from dataclasses import dataclass
+
+# The id syntax, with room for the "-<choice>" suffix of n choices and batched prompts (the gateway takes 128).
+MAX_CHARS = 100
+_VALID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_CHARS}}}")
+_DISALLOWED = re.compile(r"[^A-Za-z0-9_-]")
+_HASH_CHARS = 12  # 48 bits: two distinct values of one deployment do not meet
+# A value echoed as it came: visible ASCII, space and tab (RFC 9110 5.5). The parser splits lines at
+# CRLF only, so a bare CR or LF can be left in a value, which would end the answer's header and start
+# another one; a byte past ASCII would not go back as it came (the head is read as Latin-1, written
+# as UTF-8). Any other value's answer names the id instead.
+_ECHOED = re.compile(r"[\t\x20-\x7e]*")
+
+
+@dataclass(frozen=True)
+class RequestId:
+    """``id``: the request's moebus id; ``header``: the answer's X-Request-Id; ``client``: the
+    client's X-Request-Id, None when it sent none (logged beside ``id``)."""
+
+    id: str
+    header: str
+    client: str | None
+
+
+def from_header(value: str | None) -> RequestId:
+    """The ids of a request whose X-Request-Id header is ``value`` (None or empty: a fresh id)."""
+    if not value:
+        fresh = uuid.uuid4().hex
+        return RequestId(fresh, fresh, None)
+    request_id = value if _VALID.fullmatch(value) else _derived(value)
+    return RequestId(request_id, value if _ECHOED.fullmatch(value) else request_id, value)
+
+
+def _derived(value: str) -> str:
+    # The parser decoded the header as Latin-1: encoding it back gives the bytes the client sent.
+    digest = hashlib.blake2b(value.encode("latin-1"), digest_size=_HASH_CHARS // 2).hexdigest()
+    return f"{_DISALLOWED.sub('_', value[:MAX_CHARS - _HASH_CHARS - 1])}-{digest}"
