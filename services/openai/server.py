@@ -99,7 +99,8 @@ class OpenAIFrontend:
         from, milliseconds from its first byte; status 499 when the client left first or stopped
         reading, the latter logged as ``openai_client_stalled`` too)."""
         started = time.perf_counter()
-        method = path = request_id = client_request_id = id_header = None
+        method = path = request_id = client_request_id = None
+        id_header: dict[str, str] | None = None
         status = 0
         try:
             try:

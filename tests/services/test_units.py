@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from services.gateway.completion import Completion, TokensLost
 from services import launch
 from services.compose import REPO_ROOT, StackError, _interpolate, load_compose
 from services.model_rank import sampling_params
-from services.openai import protocol
+from services.openai import protocol, request_ids
 from services.scheduler.registry import Registry
 from shared.model.tokenizer import Tokenizer
 from shared.settings import (DecodeSettings, GatewaySettings, MetricsSettings, NatsServerSettings, OpenAISettings, PrefillSettings,
@@ -183,6 +184,18 @@ def test_every_http_refusal_code_is_an_openai_error_code_of_that_status():
     assert all(protocol.ERRORS[code][0] == status for status, code in protocol.HTTP_CODES.items()), protocol.HTTP_CODES
     assert protocol.http_error_body(404, "no route") == {"error": {"message": "no route", "type": "invalid_request_error", "param": None,
                                                                    "code": "unknown_url"}}
+
+
+def test_a_request_id_made_from_any_x_request_id_is_a_valid_id_and_echoed_only_as_it_came():
+    """The cases the stack test does not send: no header, a value just past the length limit, bytes
+    past ASCII (the head is read as Latin-1 and written as UTF-8: not echoed, the id is)."""
+    fresh = request_ids.from_header(None)
+    assert re.fullmatch(r"[0-9a-f]{32}", fresh.id) and fresh.header == fresh.id and fresh.client is None
+    assert request_ids.from_header("x" * 100).id == "x" * 100
+    longer = request_ids.from_header("x" * 101)
+    assert len(longer.id) == 100 and longer.id.startswith("x" * 87 + "-") and longer.header == "x" * 101
+    accented = request_ids.from_header("caf\xc3\xa9/1")  # UTF-8 "café/1" as the parser reads it
+    assert re.fullmatch(r"caf___1-[0-9a-f]{12}", accented.id) and accented.header == accented.id and accented.client == "caf\xc3\xa9/1"
 
 
 def test_settings_sources_in_order(tmp_path: Path):
