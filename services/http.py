@@ -34,6 +34,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import re
 import socket
 import string
 import struct
@@ -203,16 +204,20 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     if len(head) > MAX_HEADER_BYTES:
         raise HttpError(413, "request headers too large")
     lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split()
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or _FORBIDDEN_IN_HEAD.search(lines[0]):
         raise HttpError(400, f"malformed request line {lines[0][:100]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
         if line:
             name, sep, value = line.partition(":")
-            if not sep:
+            # RFC 9112 5.1 / 5.2 / 2.2, RFC 9110 5.5: a field name is a token (no whitespace before the
+            # colon), no line folding, no bare CR or LF, no NUL. Refused, never repaired: a proxy in front
+            # that read such a line otherwise ("Transfer-Encoding : chunked" as no framing, a bare LF as a
+            # line end) would frame the body otherwise than we do (request smuggling).
+            if not sep or not _TOKEN.fullmatch(name) or _FORBIDDEN_IN_HEAD.search(value):
                 raise HttpError(400, f"malformed header line {line[:100]!r}")
-            name, value = name.strip().lower(), value.strip()
+            name, value = name.lower(), value.strip(" \t")
             if name in headers and name in _FRAMING_HEADERS:
                 value = _repeated_framing_header(name, headers[name], value)
             headers[name] = value
@@ -251,6 +256,10 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
 # The headers that frame a request's body: when sent twice, the copies must agree (Content-Length)
 # or form one list (Transfer-Encoding), never the last one silently winning.
 _FRAMING_HEADERS = ("content-length", "transfer-encoding")
+# A field name (RFC 9110 5.1: a token), and what no line of a request head may hold: a bare CR or LF
+# (the head is split at CRLF only) and NUL (RFC 9110 5.5).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_FORBIDDEN_IN_HEAD = re.compile(r"[\r\n\x00]")
 
 
 def _repeated_framing_header(name: str, first: str, again: str) -> str:

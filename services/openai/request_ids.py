@@ -22,10 +22,10 @@ MAX_CHARS = 100
 _VALID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_CHARS}}}")
 _DISALLOWED = re.compile(r"[^A-Za-z0-9_-]")
 _HASH_CHARS = 12  # 48 bits: among 10,000 values in flight at once, two share an id with odds under 1e-6 (n**2 / 2**49)
-# A value echoed as it came: visible ASCII, space and tab (RFC 9110 5.5). The parser splits lines at
-# CRLF only, so a bare CR or LF can be left in a value, which would end the answer's header and start
-# another one; a byte past ASCII would not go back as it came (the head is read as Latin-1, written
-# as UTF-8). Any other value's answer names the id instead.
+# A value echoed as it came: visible ASCII, space and tab (RFC 9110 5.5). `services.http` refuses a
+# head with a bare CR or LF (which, echoed, would end the answer's header and start another one), and
+# a byte past ASCII would not go back as it came (the head is read as Latin-1, written as UTF-8). Any
+# other value's answer names the id instead.
 _ECHOED = re.compile(r"[\t\x20-\x7e]*")
 
 

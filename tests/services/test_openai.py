@@ -382,7 +382,8 @@ def test_any_x_request_id_is_taken_echoed_and_logged_beside_the_id_made_from_it(
     run(until(lambda: set(zip(sent, ids)) <= {(e.get("client_request_id"), e["request_id"]) for e in log_events(stack, "http_request")},
               "the frontend logged each client's value beside its id"))
 
-    # A bare LF in a value (the parser splits lines at CRLF) is not written back: no header smuggled into the answer.
+    # A bare LF in a value is refused by the HTTP parser (test_openai_keepalive), never written back: no
+    # header smuggled into the answer.
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
     with socket.create_connection(frontend, timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Request-Id: evil\nSet-Cookie: a=1\r\n"
@@ -392,8 +393,7 @@ def test_any_x_request_id_is_taken_echoed_and_logged_beside_the_id_made_from_it(
             answer += data
     head, raw = answer.split(b"\r\n\r\n", 1)
     lines = head.decode("latin-1").split("\r\n")
-    assert lines[0] == "HTTP/1.1 200 OK" and not any(line.lower().startswith("set-cookie") for line in lines), head
-    assert f"X-Request-Id: {json.loads(raw)['id'].removeprefix('cmpl-')}" in lines, head
+    assert lines[0] == "HTTP/1.1 400 Bad Request" and not any(line.lower().startswith("set-cookie") for line in lines), head
 
 
 @pytest.mark.parametrize("value", ["dup-{}", "dup.{}"], ids=["valid", "derived"])

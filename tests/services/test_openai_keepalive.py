@@ -216,6 +216,41 @@ def test_an_ambiguous_body_length_is_refused_or_closes_the_connection(frontend):
     assert got["length and chunked"][:2] == (200, "close") and got["length and chunked"][2]["usage"]["completion_tokens"] == 2  # framed by chunked
 
 
+def test_a_head_a_proxy_could_read_otherwise_is_refused(frontend):
+    """Header lines that a proxy in front may parse otherwise than the frontend (RFC 9112 5.1, 5.2,
+    2.2; RFC 9110 5.5) are a 400 that closes the connection: whitespace before the colon (a proxy
+    ignoring "Transfer-Encoding : chunked" frames the body by Content-Length), a folded line, a bare LF
+    or CR inside a line (a proxy may end the line there: the rest becomes a header of its own), a NUL,
+    a field name that is no token, a request line with extra spaces. Each was taken: the first one
+    framed the body as chunked and kept the connection."""
+    payload = json.dumps({"prompt": PROMPT, "max_tokens": 2, "temperature": 0}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    chunked = f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n"
+    length = f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+    sent = {
+        "space before the colon": f"{head}Transfer-Encoding : chunked\r\n\r\n".encode() + chunked,
+        "folded line": f"{head}X-Trace: a\r\n b: c\r\n".encode() + length,
+        "bare LF": f"{head}X-Trace: a\nContent-Length: 5\r\n".encode() + length,
+        "bare CR": f"{head}X-Trace: a\rContent-Length: 5\r\n".encode() + length,
+        "NUL": f"{head}X-Trace: a\x00b\r\n".encode() + length,
+        "name not a token": f"{head}X(Trace): a\r\n".encode() + length,
+        "request line with two spaces": f"POST  /v1/completions HTTP/1.1\r\nHost: x\r\n".encode() + length,
+    }
+    got = {}
+    for name, raw in sent.items():
+        with socket.create_connection(frontend, timeout=30) as s:
+            s.sendall(raw)
+            [(status, headers, body)] = answers(read_to_close(s), 1)  # one answer, then the close
+            got[name] = status, headers["Connection"], json.loads(body).get("error", {}).get("message", "")
+    assert {name: (status, connection) for name, (status, connection, _) in got.items() if (status, connection) != (400, "close")} == {}, got
+    assert all("malformed" in message for _, _, message in got.values()), got
+    # the same request, well formed, is served
+    with socket.create_connection(frontend, timeout=30) as s:
+        s.sendall(f"{head}X-Trace: a b\r\nConnection: close\r\n".encode() + length)
+        [(status, _, body)] = answers(read_to_close(s), 1)
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, body
+
+
 def test_pipelined_requests_are_answered_in_order(frontend):
     """Three requests written at once (unary, streamed, unary with ``Connection: close``): three
     answers, in the requests' order, nothing lost; the stream's chunked framing parsed by http.client."""
