@@ -443,3 +443,21 @@ def test_moebus_without_a_command_is_a_usage_error_and_help_is_not(moebus: list[
     for flag in ("--help", "-h"):
         asked = subprocess.run([*moebus, flag], capture_output=True, text=True, timeout=60)
         assert (asked.returncode, asked.stderr, asked.stdout) == (0, "", bare.stderr), (flag, asked)
+
+
+def test_printed_hints_name_a_moebus_the_shell_can_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """`moebus_command`: plain `moebus` when the one on PATH is this environment's, else this
+    environment's console script by path (after `make demo` the venv is not activated)."""
+    from services.launch import moebus_command
+
+    script = Path(sys.executable).parent / "moebus"
+    assert script.is_file()
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert moebus_command() == "moebus"
+    monkeypatch.setenv("PATH", str(tmp_path))  # no moebus on PATH
+    named = moebus_command()
+    assert named != "moebus" and Path(named).resolve() == script.resolve(), named
+    other = tmp_path / "moebus"  # another moebus on PATH (another install): not the one this environment runs
+    other.write_text("#!/bin/sh\nexit 1\n")
+    other.chmod(0o755)
+    assert Path(moebus_command()).resolve() == script.resolve()
