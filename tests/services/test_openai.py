@@ -5,6 +5,7 @@ up mid-stream cancels its request."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -396,21 +398,31 @@ def test_any_x_request_id_is_taken_echoed_and_logged_beside_the_id_made_from_it(
     assert lines[0] == "HTTP/1.1 400 Bad Request" and not any(line.lower().startswith("set-cookie") for line in lines), head
 
 
+@contextlib.contextmanager
+def long_stream(addr: tuple[str, int], request_id: str | None = None, **fields: object) -> Iterator[socket.socket]:
+    """A streamed completion of 3000 tokens (~15 s of the tiny model here; ``fields`` added to its body),
+    sent with ``X-Request-Id: request_id`` when given, on its own connection, once its first event
+    arrived; the connection closes on exit."""
+    body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True, **fields}).encode()
+    id_header = f"X-Request-Id: {request_id}\r\n" if request_id else ""
+    with socket.create_connection(addr, timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"{id_header}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while b"data: " not in received:
+            data = s.recv(65536)
+            assert data, f"connection closed before any event: {received!r}"
+            received += data
+        yield s
+
+
 @pytest.mark.parametrize("value", ["dup-{}", "dup.{}"], ids=["valid", "derived"])
 def test_a_request_id_already_in_flight_is_refused(frontend, value):
     """Two requests with the same X-Request-Id at once: the second is refused (400) while the first
     runs, as vLLM refused it before it made client ids unique inside its engine (vLLM PR 27987); a
     value the id is derived from the same way."""
     value = value.format(uuid.uuid4().hex[:12])
-    body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
-    with socket.create_connection(frontend, timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"X-Request-Id: {value}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        received = b""
-        while b"data: " not in received:  # the first one runs
-            data = s.recv(65536)
-            assert data, f"connection closed before any event: {received!r}"
-            received += data
+    with long_stream(frontend, value):  # the first one runs
         status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2}, {"X-Request-Id": value})
     assert (status, rid) == (400, value) and "is already in flight" in json.loads(raw)["error"]["message"], raw
 
@@ -464,15 +476,8 @@ def test_client_hanging_up_mid_stream_cancels_the_request(stack, frontend):
     request_id = f"hangup-{uuid.uuid4().hex[:12]}"
     before = run(cancelled_requests(stack.url))
     # 3000 tokens take the tiny model ~15 s here: the hang-up comes long before the request could end.
-    body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
-    with socket.create_connection(frontend, timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        received = b""
-        while b"data: " not in received:  # until streaming has begun
-            data = s.recv(65536)
-            assert data, f"connection closed before any event: {received!r}"
-            received += data
+    with long_stream(frontend, request_id):
+        pass  # streaming has begun: the client hangs up (the connection closes)
     # Each hop in turn, so that a failure says which one did not happen.
     run(until(lambda: [e["request_id"] for e in log_events(stack, "openai_client_gone")].count(request_id) == 1,
               "the frontend noticed the client gone", timeout=20))
@@ -736,15 +741,8 @@ def test_moebus_request_shows_top_logprobs(stack):
 def test_client_hanging_up_cancels_every_choice(stack, frontend):
     """An ``n: 2`` stream whose client hangs up: the frontend cancels both choices (the gateway
     fails each with the frontend's reason, not through its own dead-client probe)."""
-    body = json.dumps({"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 1.0, "n": 2, "stream": True}).encode()
-    with socket.create_connection(frontend, timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        received = b""
-        while b"data: " not in received:
-            data = s.recv(65536)
-            assert data, f"connection closed before any event: {received!r}"
-            received += data
+    with long_stream(frontend, temperature=1.0, n=2):
+        pass  # streaming has begun: the client hangs up
     deadline = time.monotonic() + 20
     while True:
         gone = [e["request_id"] for e in log_events(stack, "openai_client_gone")]

@@ -190,6 +190,15 @@ def test_connection_close_and_http_1_0_are_honoured(frontend):
         assert sse(raw.split(b"\r\n\r\n", 1)[1])[-1] == "[DONE]"
 
 
+def sole_answer(addr: tuple[str, int], raw: bytes) -> tuple[int, str, dict]:
+    """The one answer to ``raw`` sent on a new connection, which then closes (nothing of it read as a
+    next request): its status, its Connection header and its JSON body."""
+    with socket.create_connection(addr, timeout=30) as s:
+        s.sendall(raw)
+        [(status, headers, body)] = answers(read_to_close(s), 1)
+    return status, headers["Connection"], json.loads(body)
+
+
 def test_an_ambiguous_body_length_is_refused_or_closes_the_connection(frontend):
     """Bodies a proxy in front could frame otherwise than the frontend (request smuggling, RFC 9112
     6.3): two different Content-Lengths were framed by the last one and the rest of the body read as a
@@ -204,12 +213,7 @@ def test_an_ambiguous_body_length_is_refused_or_closes_the_connection(frontend):
         "chunked, then gzip": f"{head}Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n".encode() + chunked,
         "length and chunked": f"{head}Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + chunked,
     }
-    got = {}
-    for name, raw in sent.items():
-        with socket.create_connection(frontend, timeout=30) as s:
-            s.sendall(raw)
-            [(status, headers, body)] = answers(read_to_close(s), 1)  # one answer, then the close: nothing read as a next request
-            got[name] = status, headers["Connection"], json.loads(body)
+    got = {name: sole_answer(frontend, raw) for name, raw in sent.items()}
     assert got["two lengths"][:2] == (400, "close") and "conflicting Content-Length headers" in got["two lengths"][2]["error"]["message"]
     for name in ("gzip", "chunked, then gzip"):
         assert got[name][:2] == (400, "close") and "only chunked is supported" in got[name][2]["error"]["message"], got[name]
@@ -236,19 +240,12 @@ def test_a_head_a_proxy_could_read_otherwise_is_refused(frontend):
         "name not a token": f"{head}X(Trace): a\r\n".encode() + length,
         "request line with two spaces": f"POST  /v1/completions HTTP/1.1\r\nHost: x\r\n".encode() + length,
     }
-    got = {}
-    for name, raw in sent.items():
-        with socket.create_connection(frontend, timeout=30) as s:
-            s.sendall(raw)
-            [(status, headers, body)] = answers(read_to_close(s), 1)  # one answer, then the close
-            got[name] = status, headers["Connection"], json.loads(body).get("error", {}).get("message", "")
+    got = {name: sole_answer(frontend, raw) for name, raw in sent.items()}
     assert {name: (status, connection) for name, (status, connection, _) in got.items() if (status, connection) != (400, "close")} == {}, got
-    assert all("malformed" in message for _, _, message in got.values()), got
+    assert all("malformed" in answer["error"]["message"] for _, _, answer in got.values()), got
     # the same request, well formed, is served
-    with socket.create_connection(frontend, timeout=30) as s:
-        s.sendall(f"{head}X-Trace: a b\r\nConnection: close\r\n".encode() + length)
-        [(status, _, body)] = answers(read_to_close(s), 1)
-    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, body
+    status, _, answer = sole_answer(frontend, f"{head}X-Trace: a b\r\nConnection: close\r\n".encode() + length)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
 
 
 def test_pipelined_requests_are_answered_in_order(frontend):
