@@ -79,10 +79,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moebus"
 
 
-def ensure_tiny_model(cache_dir: Path) -> Path:
+def ensure_tiny_model(cache_dir: Path, stop_requested: Callable[[], bool] = lambda: False) -> Path:
     """The embedded demo checkpoint: created once (atomically) by `moebus make-tiny` in a child
     process. Writing weights takes torch, which the launcher, alive for the whole stack, never
-    imports (`StackError` if the child fails; it said why on stderr)."""
+    imports (`StackError` if the child fails; it said why on stderr). `StartInterrupted` as soon as
+    ``stop_requested()`` says so: the child is stopped and its half-written directory removed."""
     target = cache_dir / "tiny-qwen3-moe"
     if (target / "config.json").exists():
         return target
@@ -92,9 +93,21 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
     except OSError as e:  # not writable (a read-only home in a container), or not a directory
         raise StackError(f"cannot write the demo model into the cache directory {cache_dir}: {e.strerror or e} "
                          "(set MOEBUS_CACHE_DIR to a writable directory, or give --model)") from None
-    made = subprocess.run([sys.executable, "-m", "services.cli", "make-tiny", "--out", str(tmp)], stdout=subprocess.DEVNULL)
+    # Its own session: a Ctrl-C in the terminal reaches this process only, which stops the child
+    # (else both print a KeyboardInterrupt traceback); it dies with this process too.
+    made = subprocess.Popen([sys.executable, "-m", "services.cli", "make-tiny", "--out", str(tmp)], stdout=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=die_with_parent)
+    try:
+        while made.poll() is None:
+            if stop_requested():
+                made.kill()
+                made.wait()
+                raise StartInterrupted
+            time.sleep(0.1)
+    finally:
+        if made.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
     if made.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise StackError(f"`moebus make-tiny --out {tmp}` failed (exit {made.returncode}): no demo model")
     try:
         tmp.rename(target)
@@ -445,6 +458,16 @@ def main(argv: list[str]) -> int:
             return 2
         scale[name] = int(n)
     cache = default_cache_dir()
+    # From here on a stop is a request, not a KeyboardInterrupt: writing the demo model on first use
+    # takes a while, and a Ctrl-C then must leave neither tracebacks nor a half-written checkpoint.
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         if a.config:
             # Read here as every service will read it (bad keys and values are named now, not by each
@@ -456,7 +479,7 @@ def main(argv: list[str]) -> int:
             model = Path(a.model).resolve()
         else:
             print(f"moebus up: using the embedded tiny model (cache: {cache})", flush=True)
-            model = ensure_tiny_model(cache)
+            model = ensure_tiny_model(cache, lambda: stopping)
         # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0).
         specs = load_compose(a.stack, {"MOEBUS_HTTP_HOST": "127.0.0.1", **os.environ, "MOEBUS_MODEL": str(model)}, scale)
         check_shadowed_settings(specs, dict(os.environ), a.stack)
@@ -464,17 +487,12 @@ def main(argv: list[str]) -> int:
     except (StackError, SettingsError) as e:
         print(f"moebus up: {e}", file=sys.stderr)
         return 2
+    except StartInterrupted:
+        print("moebus up: stop requested before the stack was ready", flush=True)
+        return 0
     log_dir = Path(a.log_dir) if a.log_dir else cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
     stack = LocalStack(specs, model, log_dir, port=a.port, nats_settings=nats)
 
-    stopping = False
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         summary = ", ".join(f"{s.name} x{s.replicas}" for s in specs)
         print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)

@@ -264,6 +264,36 @@ def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_mode
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
 
 
+@pytest.mark.parametrize("group", [True, False], ids=["ctrl-c-in-a-terminal", "sigterm"])
+def test_up_stopped_while_it_writes_the_demo_model_leaves_nothing_behind(tmp_path: Path, group: bool):
+    """The first `make demo` writes the demo checkpoint (seconds on a small box) before it starts anything.
+    A Ctrl-C then (SIGINT to the terminal's process group) printed two KeyboardInterrupt tracebacks, the
+    launcher's and `moebus make-tiny`'s, and left the half-written tiny-* directory in the cache; a SIGTERM
+    killed the launcher at once and left make-tiny running on, orphaned, to leave its directory there too."""
+    cache = tmp_path / "cache"
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0"], env={**os.environ, "MOEBUS_CACHE_DIR": str(cache)},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a shell starts a foreground job
+    try:
+        deadline = time.monotonic() + 30
+        while subprocess.run(["pgrep", "-f", f"make-tiny --out {cache}"], capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline and up.poll() is None, "moebus up did not start writing the demo model"
+            time.sleep(0.05)
+        if group:
+            os.killpg(up.pid, signal.SIGINT)
+        else:
+            up.send_signal(signal.SIGTERM)
+        output, _ = up.communicate(timeout=30)
+    finally:
+        _kill_if_running(up)
+    assert up.returncode == 0 and "Traceback" not in output and "stop requested before the stack was ready" in output, output
+    deadline = time.monotonic() + 10  # an orphaned make-tiny would go on writing for seconds
+    while subprocess.run(["pgrep", "-f", f"make-tiny --out {cache}"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "make-tiny is still running"
+        time.sleep(0.1)
+    assert list(cache.iterdir()) == [], list(cache.iterdir())  # no half-written checkpoint
+
+
 def test_up_names_the_signal_that_killed_a_service(tmp_path: Path, tiny_model: Path):
     """A replica killed by a signal (kill -9, the OOM killer) was reported as 'exited with -9: <its last
     log line>', a line that says nothing about why it ended (e.g. its decode_ready event)."""
