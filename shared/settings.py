@@ -345,8 +345,10 @@ def load_settings(
         settings = msgspec.convert(values, cls, strict=False)
     except msgspec.ValidationError as e:
         field = re.search(r"at `\$\.(\w+)", str(e))  # msgspec's path of the offending value: `$.port`, `$.gpus[0]`
-        source = sources.get(field.group(1)) if field else None
-        raise SettingsError(f"{service} settings: {source + ': ' if source else ''}{e}") from e
+        # Without a path the error is a check across fields (`__post_init__`), whose message names them.
+        named = [field.group(1)] if field else [name for name in sources if re.search(rf"\b{name}\b", str(e))]
+        where = "; ".join(sources[name] for name in named if name in sources)
+        raise SettingsError(f"{service} settings: {where + ': ' if where else ''}{e}") from e
     return _fill_defaults(settings)
 
 

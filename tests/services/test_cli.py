@@ -116,6 +116,11 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
         (["gateway", "--model", str(bad_tokenizer)], {}, 2, r"cannot be served: .*bad-tokenizer/tokenizer.json is not a valid tokenizer file"),
         (["prefill", "--model", str(no_weights)], {}, 2, r"not a checkpoint moebus serves: expected model.safetensors.index.json or exactly one \*.safetensors file, found 0"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
+        # A check across fields named the values but not where they came from.
+        (["gateway", "--model", str(tiny_model)], {"MOEBUS_GATEWAY_STAGE_EXPIRY_S": "0.1"}, 2,
+         r"gateway settings: MOEBUS_GATEWAY_STAGE_EXPIRY_S='0.1': stage_expiry_s=0.1 must be at least 3 x heartbeat_interval_s=0.5"),
+        (["prefill", "--model", str(tiny_model)], {"MOEBUS_PREFILL_GPUS": "[0, 1]"}, 2,
+         r"prefill settings: MOEBUS_PREFILL_GPUS='\[0, 1\]': gpus \[0, 1\] lists 2 GPU\(s\) for tp=1 ranks"),
         (["scheduler"], {"MOEBUS_HEARTBEAT_INTERVAL": "2"}, 2, "MOEBUS_HEARTBEAT_INTERVAL: no service has a field"),
         (["openai", "--port", "0"], {"MOEBUS_LOG_LEVEL": "verbose"}, 2, r"openai settings: MOEBUS_LOG_LEVEL='verbose': Expected `str` matching .* at `\$\.log_level`"),
         (["openai", "--timeout-keep-alive", "0"], {}, 2, r"timeout_keep_alive_s=0.0 on the command line: Expected `float` > 0.0"),
@@ -236,6 +241,13 @@ def test_up_hands_its_config_file_to_every_service_and_refuses_a_bad_one_at_once
                               "--log-dir", str(tmp_path / "refused")], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "unknown key(s) in [scheduler]: max_queud" in refused.stderr, refused.stderr
     assert not (tmp_path / "refused").exists()  # nothing was started
+    across = tmp_path / "across.toml"  # a check across fields names every source it read them from
+    across.write_text("heartbeat_interval_s = 1\n[gateway]\nstage_expiry_s = 2.5\n")
+    refused = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--config", str(across),
+                              "--log-dir", str(tmp_path / "refused")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and (f"gateway settings: heartbeat_interval_s = 1 in config file {across}; stage_expiry_s = 2.5 in [gateway] of"
+                                        f" config file {across}: stage_expiry_s=2.5 must be at least") in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
     good = tmp_path / "good.toml"
     good.write_text("[scheduler]\nlog_json = false\n")  # its log, a file, would be JSON lines by default
     up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.STDOUT, "--config", str(good))
