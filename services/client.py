@@ -23,6 +23,7 @@ from schemas import subjects
 from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList, TokenLogprob
 from shared.bus import (CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, Unreachable,
                         connect, decode_public, encode_public)
+from shared.settings import nats_url_from_env
 
 
 class GenerateError(Exception):
@@ -157,7 +158,7 @@ def _utf8(text: str) -> str:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus request", description="send one request to a running moebus stack")
-    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    ap.add_argument("--url", default=nats_url_from_env(), help="NATS URL (printed by `moebus up`; default: $MOEBUS_NATS_URL, else nats://127.0.0.1:4222)")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=_utf8, help="raw prompt text")
     src.add_argument("--chat", type=_utf8, help="one user message; the model's chat template is applied")

@@ -27,6 +27,7 @@ import msgspec
 from schemas import subjects
 from schemas.internal import Heartbeat, LatencySummary, TransferStats
 from shared.bus import Unreachable, connect, unpack
+from shared.settings import nats_url_from_env
 
 ROLE_ORDER = ("gateway", "scheduler", "prefill", "decode")
 
@@ -148,7 +149,7 @@ def summary_lines(members: list[Heartbeat]) -> list[str]:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus status", description="show what a running moebus stack reports in its heartbeats")
-    ap.add_argument("--url", default="nats://127.0.0.1:4222", help="NATS URL (printed by `moebus up`)")
+    ap.add_argument("--url", default=nats_url_from_env(), help="NATS URL (printed by `moebus up`; default: $MOEBUS_NATS_URL, else nats://127.0.0.1:4222)")
     ap.add_argument("--wait", type=float, default=1.5, help="seconds to listen (at least two heartbeat intervals)")
     ap.add_argument("--json", action="store_true", help="print each process's latest heartbeat as a JSON line")
     a = ap.parse_args(argv)

@@ -284,6 +284,13 @@ def nats_server_settings(max_payload: int | str | None = None, env: Mapping[str,
         raise SettingsError(f"nats-server settings ({source}): {e}") from e
 
 
+def nats_url_from_env(env: Mapping[str, str] | None = None) -> str:
+    """The NATS URL of a command run without `--url` (`moebus status`, `moebus request`): `MOEBUS_NATS_URL`,
+    the one every service and frontend reads, so that these commands look at the same stack; else the default."""
+    env = os.environ if env is None else env
+    return env.get("MOEBUS_NATS_URL") or ProcessSettings().nats_url
+
+
 SERVICES: dict[str, type[ProcessSettings]] = {
     "gateway": GatewaySettings,
     "scheduler": SchedulerSettings,

@@ -371,6 +371,29 @@ def test_up_takes_the_compose_knobs_and_moebus_model_from_the_environment(tiny_m
     assert parse_up_arguments([]).model == str(tiny_model) and parse_up_arguments(["--model", "/x"]).model == "/x"
 
 
+def test_status_and_request_look_at_the_stack_moebus_nats_url_names(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """With MOEBUS_NATS_URL exported (what every service and frontend of the stack reads), `moebus status` and
+    `moebus request` without --url went to nats://127.0.0.1:4222 all the same: on a box where another stack
+    serves there (a second `moebus up --port 0`), they reported on and sent to that other stack."""
+    port, _ = nats_server
+    env = {**os.environ, "MOEBUS_NATS_URL": f"nats://127.0.0.1:{port}"}
+    scheduler = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler"], env={**env, "MOEBUS_INSTANCE": "scheduler-of-this-url"},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            status = subprocess.run([sys.executable, "-m", "services.cli", "status"], env=env, capture_output=True, text=True, timeout=60)
+            if status.returncode == 0 and "scheduler-of-this-url" in status.stdout:
+                break
+            assert time.monotonic() < deadline, status.stdout + status.stderr
+        # No gateway on this server: the request reached it, and nobody answers llm.generate there.
+        request = subprocess.run([sys.executable, "-m", "services.cli", "request", "--prompt", "hi"], env=env, capture_output=True, text=True, timeout=60)
+        assert request.returncode == 1 and "no responder on llm.generate" in request.stderr, request.stderr
+    finally:
+        scheduler.terminate()
+        scheduler.wait(30)
+
+
 def test_status_into_a_reader_that_stops_early_exits_quietly(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
     """`moebus status | head -1`: printing into the closed pipe was a BrokenPipeError traceback."""
     from schemas.internal import Heartbeat
