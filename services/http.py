@@ -149,6 +149,7 @@ class Connection:
         self.http10 = False
         self.chunked = False
         self.head_sent = False
+        self.head_only = False  # the request is a HEAD: its answer is the head a GET gets, without the body (`respond`)
         self.served = 0  # requests answered before the current one
         self.idle = False  # waiting for its next request: the server closes it at once when it stops
         self.start = b""  # the next request's first byte, read while waiting for it
@@ -188,7 +189,7 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     waits for ``100 Continue`` before its body (``Expect: 100-continue``, curl for larger bodies)
     gets it once the announced length is accepted. Sets ``conn.keep`` (see `Connection`)."""
     reader = conn.reader
-    conn.keep = conn.chunked = conn.head_sent = False  # an error before the request is whole closes the connection
+    conn.keep = conn.chunked = conn.head_sent = conn.head_only = False  # an error before the request is whole closes the connection
     first, conn.start = conn.start, b""
     try:
         # The first byte is no CR or LF, so the end of the head cannot straddle it. (asyncio.timeout,
@@ -207,6 +208,7 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or _FORBIDDEN_IN_HEAD.search(lines[0]):
         raise HttpError(400, f"malformed request line {lines[0][:100]!r}")
+    conn.head_only = parts[0] == "HEAD"
     headers: dict[str, str] = {}
     for line in lines[1:]:
         if line:
@@ -339,6 +341,14 @@ async def linger(conn: Connection) -> None:
                     break
 
 
+def methods(allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The methods a resource that takes ``allowed`` answers: HEAD too wherever GET (RFC 9110 9.1: every
+    general-purpose server supports both), as HTTP load balancers' health checks (HAProxy's
+    ``option httpchk HEAD /health``), uptime monitors and ``curl -I`` send HEAD. (Starlette adds it to GET
+    routes; FastAPI's, hence vLLM's, do not: fastapi/fastapi#1773, open.)"""
+    return (*allowed, "HEAD") if "GET" in allowed and "HEAD" not in allowed else allowed
+
+
 async def refuse(conn: Connection, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
     """Answer a request that failed (an `HttpError`) and close the connection, lingering: what
     follows the request in its input (its unread body, say) cannot be told from a next request."""
@@ -352,11 +362,12 @@ def _header_lines(headers: dict[str, str] | None) -> str:
 
 
 async def respond(conn: Connection, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-    """A complete response with its length (and ``headers``, whose values hold no line breaks)."""
+    """A complete response with its length (and ``headers``, whose values hold no line breaks); to a HEAD
+    request the same head, Content-Length included, without the body (RFC 9110 9.3.2)."""
     head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(body)}\r\n{_header_lines(headers)}Connection: {'keep-alive' if conn.keeps() else 'close'}\r\n\r\n")
     conn.head_sent = True
-    await send(conn, head.encode() + body)
+    await send(conn, head.encode() + (b"" if conn.head_only else body))
 
 
 async def respond_json(conn: Connection, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:

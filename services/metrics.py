@@ -211,12 +211,13 @@ class Exporter:
 
     async def handle(self, conn: http.Connection) -> None:
         """One request of ``conn`` (Prometheus keeps its connection between scrapes): GET /metrics
-        gets the page, anything else 404/405."""
+        gets the page (HEAD its head), anything else 404/405."""
         try:
             try:
                 req = await http.read_request(conn, max_body=0)
-                if req.method != "GET":
-                    raise http.HttpError(405, "only GET /metrics", {"Allow": "GET"})
+                allowed = http.methods(("GET",))
+                if req.method not in allowed:
+                    raise http.HttpError(405, "only GET /metrics", {"Allow": ", ".join(allowed)})
                 if req.path != "/metrics":
                     raise http.HttpError(404, "see /metrics")
                 await http.respond(conn, 200, self.page().encode(), CONTENT_TYPE)

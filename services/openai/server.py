@@ -106,9 +106,9 @@ class OpenAIFrontend:
             try:
                 req = await http.read_request(conn, *self._body_limit())
                 method, path = req.method, req.path
-                allowed = ROUTES.get(req.path)
-                if allowed is None:
+                if req.path not in ROUTES:
                     raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")
+                allowed = http.methods(ROUTES[req.path])
                 if req.method not in allowed:
                     raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}", {"Allow": ", ".join(allowed)})
                 if req.path == "/v1/models":

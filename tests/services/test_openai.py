@@ -285,6 +285,36 @@ def test_a_short_request_is_answered_while_a_long_prompt_is_tokenized(frontend):
     assert answered["short"] < answered["long"], "the short request waited for the long prompt's tokenization"
 
 
+def test_head_is_answered_wherever_get_is(stack, frontend):
+    """HEAD (a load balancer's health check, e.g. HAProxy's `option httpchk HEAD /health`, an uptime monitor,
+    `curl -I`) was a 405 on every path of both frontends, so such a check marked a serving stack down; RFC 9110
+    9.1 has every general-purpose server take it, and vLLM's server does. It gets the GET's head, length
+    included, and no body: the next request on the same connection is read right."""
+    addresses = {"/health": frontend, "/ping": frontend, "/version": frontend, "/v1/models": frontend,
+                 "/metrics": frontend_address(stack, "metrics-0")}
+    for path, addr in addresses.items():
+        conn = http.client.HTTPConnection(*addr, timeout=60)
+        try:
+            conn.request("HEAD", path)
+            head = conn.getresponse()
+            assert (head.status, head.read()) == (200, b""), (path, head.status)
+            conn.request("GET", path)  # on the same connection: no stray body bytes before its answer
+            get = conn.getresponse()
+            body = get.read()
+            assert get.status == 200 and get.getheader("Content-Type") == head.getheader("Content-Type"), path
+            if path in ("/version", "/v1/models"):  # the same answer each time: the same length
+                assert int(head.getheader("Content-Length")) == len(body), path
+        finally:
+            conn.close()
+    conn = http.client.HTTPConnection(*frontend, timeout=60)
+    try:
+        conn.request("HEAD", "/v1/completions")  # a path that takes POST only
+        resp = conn.getresponse()
+        assert (resp.status, resp.getheader("Allow"), resp.read()) == (405, "POST", b"")
+    finally:
+        conn.close()
+
+
 def test_bad_http_gets_status_codes(stack, frontend):
     def allowed(addr: tuple[str, int], method: str, path: str) -> tuple[int, str | None]:
         conn = http.client.HTTPConnection(*addr, timeout=60)
@@ -298,8 +328,8 @@ def test_bad_http_gets_status_codes(stack, frontend):
 
     # a 405 names the methods the path takes (RFC 9110 15.5.6; vLLM's server does), in both frontends
     assert allowed(frontend, "GET", "/v1/completions") == (405, "POST")
-    assert allowed(frontend, "DELETE", "/ping") == (405, "GET, POST")
-    assert allowed(frontend_address(stack, "metrics-0"), "DELETE", "/metrics") == (405, "GET")
+    assert allowed(frontend, "DELETE", "/ping") == (405, "GET, POST, HEAD")
+    assert allowed(frontend_address(stack, "metrics-0"), "DELETE", "/metrics") == (405, "GET, HEAD")
     assert call(frontend, "GET", "/v2/anything")[0] == 404
     with socket.create_connection(frontend, timeout=10) as s:  # a digit int() does not read (was a 500)
         s.sendall("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ²\r\n\r\n".encode("latin-1"))
