@@ -137,6 +137,14 @@ def _bias_entry(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 1234=-100), got {text!r}") from None
 
 
+def _token_ids(text: str) -> list[int]:
+    """``--input-ids``: comma-separated token ids (a lambda here made argparse say "invalid <lambda> value")."""
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids (e.g. 9707,1879), got {text!r}") from None
+
+
 def _finite(text: str) -> float:
     """A number argument; nan and inf are refused here: JSON has no such numbers, and msgspec would
     send them as null, the field's default, so ``--temperature nan`` ran at the default temperature."""
@@ -162,7 +170,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=_utf8, help="raw prompt text")
     src.add_argument("--chat", type=_utf8, help="one user message; the model's chat template is applied")
-    src.add_argument("--input-ids", type=lambda s: [int(t) for t in s.split(",")], help="comma-separated token ids")
+    src.add_argument("--input-ids", type=_token_ids, help="comma-separated token ids")
     ap.add_argument("--model", type=_utf8)
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -443,6 +443,7 @@ def test_a_nats_url_list_connects_and_a_bad_url_is_named(nats_server: tuple[int,
     ([b"--prompt", b"hi", b"--logit-bias", b"5=inf"], "argument --logit-bias: expected ID=BIAS (e.g. 1234=-100), got '5=inf'"),
     ([b"--prompt", b"caf\xe9"], "argument --prompt: not UTF-8 text: 'caf\\udce9' (use a UTF-8 locale, or --input-ids)"),
     ([b"--chat", b"hi", b"--stop", b"\xff"], "argument --stop: not UTF-8 text"),
+    ([b"--input-ids", b"1,2,x"], "argument --input-ids: expected comma-separated token ids (e.g. 9707,1879), got '1,2,x'"),
 ])
 def test_request_refuses_arguments_no_request_can_carry(args: list[bytes], says: str):
     """`moebus request --temperature nan` sent temperature null over JSON (msgspec's nan) and ran at the
