@@ -244,9 +244,7 @@ class LocalStack:
         if index is None:
             index = 1 + max((r.index for r in self.replicas if r.service == service), default=-1)
         instance = f"{service}-{index}"
-        proc_env = {**os.environ, **spec.env, **self.extra_env, **(env or {})}
-        proc_env.update(MOEBUS_NATS_URL=self.url, MOEBUS_MODEL=str(self.model), MOEBUS_INSTANCE=instance, PYTHONUNBUFFERED="1")
-        proc_env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # read when UCX loads, before any rank code runs
+        proc_env = self.replica_env(spec, instance, env)
         log_path = self.log_dir / f"{instance}.log"
         with open(log_path, "ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
@@ -260,6 +258,22 @@ class LocalStack:
         replica = Replica(service, spec.role, index, instance, proc, log_path)
         self.replicas.append(replica)
         return replica
+
+    def replica_env(self, spec: ServiceSpec, instance: str, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment replica ``instance`` of ``spec`` runs with (``env`` over everything else)."""
+        proc_env = {**os.environ, **spec.env, **self.extra_env, **(env or {})}
+        proc_env.update(MOEBUS_NATS_URL=self.url, MOEBUS_MODEL=str(self.model), MOEBUS_INSTANCE=instance, PYTHONUNBUFFERED="1")
+        proc_env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # read when UCX loads, before any rank code runs
+        return proc_env
+
+    def check_settings(self) -> None:
+        """Read the settings of each service of the request path as its replicas will read them at start
+        (`SettingsError`): a bad `MOEBUS_*` variable is named before anything starts, not by a replica's exit
+        once nats-server and the other services are up. (A frontend that cannot start is reported and the
+        stack serves on, so the frontends' settings are theirs to refuse.)"""
+        for spec in self.specs:
+            if spec.role in ROLES:
+                load_settings(SERVICES[spec.role], spec.role, env=self.replica_env(spec, f"{spec.name}-0"))
 
     def restart_replica(self, replica: Replica) -> Replica:
         """Start an ended replica again, as the same instance (its log goes on in the same file)."""
@@ -492,7 +506,11 @@ def main(argv: list[str]) -> int:
         return 0
     log_dir = Path(a.log_dir) if a.log_dir else cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
     stack = LocalStack(specs, model, log_dir, port=a.port, nats_settings=nats)
-
+    try:
+        stack.check_settings()
+    except SettingsError as e:
+        print(f"moebus up: {e}", file=sys.stderr)
+        return 2
     try:
         summary = ", ".join(f"{s.name} x{s.replicas}" for s in specs)
         print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)

@@ -143,11 +143,25 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
 def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tmp_path: Path, tiny_model: Path):
     log_dir = tmp_path / "logs"
     up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
-                        env={**os.environ, "MOEBUS_DECODE_KV_PAGES": "0"}, capture_output=True, text=True, timeout=180)
+                        env={**os.environ, "PREFILL_TP": "3"}, capture_output=True, text=True, timeout=180)
     assert up.returncode == 1, up.stdout + up.stderr
-    # Not only "exited with 2; see <log>": the reason, from the log's last line.
-    assert re.search(r"exited with 2: moebus \w+: error: \w+ settings: MOEBUS_DECODE_KV_PAGES='0': Expected `int` >= 1 - at `\$\.kv_pages`", up.stderr), up.stderr
+    # Not only "exited with 2; see <log>": the reason, from the log's last line (what only the service can
+    # tell: its settings are read before anything starts, test_up_refuses_bad_settings_before_starting_anything).
+    assert re.search(r"prefill-0 exited with 2: moebus prefill: error: model .* cannot be split over this instance's ranks: tp=3: "
+                     r"num_attention_heads=4 is not divisible by TP=3", up.stderr), up.stderr
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
+
+
+def test_up_refuses_bad_settings_before_starting_anything(tmp_path: Path, tiny_model: Path):
+    """A bad MOEBUS_* value was found only by a service: `moebus up` started nats-server and every replica,
+    reported the one that exited 2, stopped the others and exited 1 (a --config file was checked at once,
+    exit 2). The settings of each service are now read first, from the environment its replicas get."""
+    log_dir = tmp_path / "logs"
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                        env={**os.environ, "MOEBUS_DECODE_KV_PAGES": "0"}, capture_output=True, text=True, timeout=180)
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert "moebus up: decode settings: MOEBUS_DECODE_KV_PAGES='0': Expected `int` >= 1 - at `$.kv_pages`" in up.stderr, up.stderr
+    assert not log_dir.exists()  # nothing was started
 
 
 def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny_model: Path):
