@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, check_shadowed_settings, load_compose
-from services.launch import parse_up_arguments
+from services.launch import LocalStack, parse_up_arguments
 from shared.bus import connect
 
 pytestmark = pytest.mark.slow
@@ -162,6 +162,22 @@ def test_up_refuses_bad_settings_before_starting_anything(tmp_path: Path, tiny_m
     assert up.returncode == 2, up.stdout + up.stderr
     assert "moebus up: decode settings: MOEBUS_DECODE_KV_PAGES='0': Expected `int` >= 1 - at `$.kv_pages`" in up.stderr, up.stderr
     assert not log_dir.exists()  # nothing was started
+
+
+def test_up_refuses_a_scheduler_wait_the_gateway_does_not_wait_out(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
+    """README: raise scheduler.queue_wait_ms together with gateway.submit_timeout_s, which must exceed it; nothing
+    checked it (no service sees the other's settings), and a request still waiting for capacity when the gateway
+    stopped waiting for the scheduler failed `unavailable`, "the scheduler did not answer", not `overloaded`."""
+    log_dir = tmp_path / "logs"
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                        env={**os.environ, "MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "20000"}, capture_output=True, text=True, timeout=180)
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert "moebus up: scheduler's queue_wait_ms=20000 must end before gateway's submit_timeout_s=10" in up.stderr, up.stderr
+    assert not log_dir.exists()  # nothing was started
+    # Raised together, as README says: accepted.
+    monkeypatch.setenv("MOEBUS_SCHEDULER_QUEUE_WAIT_MS", "20000")
+    monkeypatch.setenv("MOEBUS_GATEWAY_SUBMIT_TIMEOUT_S", "25")
+    LocalStack(load_compose(DEFAULT_STACK, dict(os.environ)), tiny_model, log_dir).check_settings()
 
 
 def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny_model: Path):
