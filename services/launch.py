@@ -134,17 +134,22 @@ def start_nats_server(port: int, settings: NatsServerSettings, directory: Path) 
     return spawn_nats_server(port, config, directory / "nats-server.log")
 
 
-def spawn_nats_server(port: int, config: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    """A nats-server on 127.0.0.1:``port`` reading the config file ``config``, logging to ``log_path``,
-    accepting connections when this returns; it stops when this process dies."""
-    # A port already taken (say by the nats-server of another `moebus up` on the default 4222) would
-    # answer the readiness check below while our server exits: the services would join that other bus.
+def check_nats_port(port: int) -> None:
+    """`StackError` unless a nats-server can listen on 127.0.0.1:``port``."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server binds: a restart on the same port is no conflict
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as e:
             raise StackError(f"cannot start nats-server on 127.0.0.1:{port}: {e.strerror} (another `moebus up`? --port 0 picks a free port)") from e
+
+
+def spawn_nats_server(port: int, config: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """A nats-server on 127.0.0.1:``port`` reading the config file ``config``, logging to ``log_path``,
+    accepting connections when this returns; it stops when this process dies."""
+    # A port already taken (say by the nats-server of another `moebus up` on the default 4222) would
+    # answer the readiness check below while our server exits: the services would join that other bus.
+    check_nats_port(port)
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen([nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=_drain_when_launcher_dies)
@@ -217,6 +222,8 @@ class LocalStack:
     def start(self, ready_timeout: float = 180.0, stop_requested: Callable[[], bool] = lambda: False) -> None:
         """Start nats-server and every replica and wait until they are ready; `StartInterrupted`
         as soon as ``stop_requested()`` says so (loading a large checkpoint takes minutes)."""
+        if self.port:
+            check_nats_port(self.port)  # before the log directory: a refused start leaves no empty run behind
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
