@@ -409,6 +409,29 @@ class Bus:
                 await self.nc.drain()
 
 
+# How long a close waits for nats-py's reconnect loop to take one of its repeated cancels.
+RECONNECT_END_S = 5.0
+
+
+async def _end_reconnecting(nc: NATSClient, name: str) -> None:
+    """End nats-py's reconnect loop (private API, nats-py pinned) when its close left it running.
+    nats-py 2.16 cancels it once; on Python 3.11 a cancel that meets a connect attempt as it fails
+    comes out of `asyncio.wait_for` as the attempt's error, which the loop catches and retries: it
+    ran on after the close, and `asyncio.run`'s last cancel can meet the same fate, so the process
+    (a gateway stopped while its NATS server was gone) never exited. Cancelled again until it ends:
+    each new cancel most likely finds it in its 0.25 s back-off, where nothing swallows it."""
+    task = nc._reconnection_task
+    if task is None or task.done():
+        return
+    try:
+        async with asyncio.timeout(RECONNECT_END_S):
+            while not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=0.05)
+    except TimeoutError:
+        log.error("nats_reconnect_loop_survived_close", client=name, waited_s=RECONNECT_END_S)
+
+
 @contextlib.asynccontextmanager
 async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeout: float = 10.0) -> AsyncIterator[Bus]:
     """Connect to NATS; on exit drain (handlers finish) and close.
@@ -458,6 +481,7 @@ async def connect(url: str, name: str, connect_timeout: float = 5.0, drain_timeo
         async def close() -> None:
             with contextlib.suppress(OSError):  # the server is gone: nothing is left to flush to it
                 await nc.close()
+            await _end_reconnecting(nc, name)
 
         stack.push_async_callback(close)
         bus = Bus(nc, name)
