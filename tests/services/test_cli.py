@@ -152,16 +152,22 @@ def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tm
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
 
 
+def up_refused(log_dir: Path, model: Path, env: dict[str, str]) -> str:
+    """`moebus up` with ``env`` added to this environment, refused before it started anything (exit 2,
+    no log directory made): its stderr."""
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(model), "--log-dir", str(log_dir)],
+                        env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert not log_dir.exists()  # nothing was started
+    return up.stderr
+
+
 def test_up_refuses_bad_settings_before_starting_anything(tmp_path: Path, tiny_model: Path):
     """A bad MOEBUS_* value was found only by a service: `moebus up` started nats-server and every replica,
     reported the one that exited 2, stopped the others and exited 1 (a --config file was checked at once,
     exit 2). The settings of each service are now read first, from the environment its replicas get."""
-    log_dir = tmp_path / "logs"
-    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
-                        env={**os.environ, "MOEBUS_DECODE_KV_PAGES": "0"}, capture_output=True, text=True, timeout=180)
-    assert up.returncode == 2, up.stdout + up.stderr
-    assert "moebus up: decode settings: MOEBUS_DECODE_KV_PAGES='0': Expected `int` >= 1 - at `$.kv_pages`" in up.stderr, up.stderr
-    assert not log_dir.exists()  # nothing was started
+    refused = up_refused(tmp_path / "logs", tiny_model, {"MOEBUS_DECODE_KV_PAGES": "0"})
+    assert "moebus up: decode settings: MOEBUS_DECODE_KV_PAGES='0': Expected `int` >= 1 - at `$.kv_pages`" in refused, refused
 
 
 def test_up_refuses_a_scheduler_wait_the_gateway_does_not_wait_out(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
@@ -169,11 +175,8 @@ def test_up_refuses_a_scheduler_wait_the_gateway_does_not_wait_out(tmp_path: Pat
     checked it (no service sees the other's settings), and a request still waiting for capacity when the gateway
     stopped waiting for the scheduler failed `unavailable`, "the scheduler did not answer", not `overloaded`."""
     log_dir = tmp_path / "logs"
-    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
-                        env={**os.environ, "MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "20000"}, capture_output=True, text=True, timeout=180)
-    assert up.returncode == 2, up.stdout + up.stderr
-    assert "moebus up: scheduler's queue_wait_ms=20000 must end before gateway's submit_timeout_s=10" in up.stderr, up.stderr
-    assert not log_dir.exists()  # nothing was started
+    refused = up_refused(log_dir, tiny_model, {"MOEBUS_SCHEDULER_QUEUE_WAIT_MS": "20000"})
+    assert "moebus up: scheduler's queue_wait_ms=20000 must end before gateway's submit_timeout_s=10" in refused, refused
     # Raised together, as README says: accepted.
     monkeypatch.setenv("MOEBUS_SCHEDULER_QUEUE_WAIT_MS", "20000")
     monkeypatch.setenv("MOEBUS_GATEWAY_SUBMIT_TIMEOUT_S", "25")
