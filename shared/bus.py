@@ -374,8 +374,8 @@ class Bus:
         nats-py's drain (2.16, pinned) alone loses messages: it queues its UNSUB for the flusher task
         but writes its PING to the socket at once, so the PING reaches the server first, the PONG comes
         back before the server stopped routing here, the subscription is removed, and what the server
-        routed here in between is dropped unread (1-2 of 10 drains of a queue group under a steady
-        publisher lost 20-45 messages; in the rolling-restart test, a client's request at a stopping
+        routed here in between is dropped unread (here, 3-6 of 10 drains of one member of a queue group
+        of two under a steady publisher lost 20-30 messages each, tests/services/test_bus_stop_taking.py; in the rolling-restart test, a client's request at a stopping
         gateway or a gateway's submit at a stopping scheduler, which then waited out its timeout).
         So the UNSUB is written first (`_unsubscribe_on_server`); drain's own repeats it, which the
         server ignores."""
