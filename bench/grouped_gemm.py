@@ -243,10 +243,12 @@ def dense_peers(x_bf16: torch.Tensor, w_bf16: torch.Tensor, fp8: tuple[torch.Ten
 
 
 def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer, weights: dict,
-             tile_m: int | None = None, tile_n: int | None = None, with_peers: bool = True) -> dict:
+             tile_m: int | None = None, tile_n: int | None = None, with_peers: bool = True,
+             swap_ab: bool | None = None) -> dict:
     """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights).
 
-    ``with_peers=False`` leaves out the peers (a tile A/B whose other side timed them).
+    ``with_peers=False`` leaves out the peers (a tile A/B whose other side timed them); ``swap_ab`` forces
+    the MXFP8 operand order (see ``kernels.grouped_gemm_launch.choose_config``).
     """
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
@@ -265,7 +267,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
         x_ours, groups = x_bf16, offsets
     xq, xs = quantize_act(x_ours) if fp8 else (x_ours, None)
     out = torch.empty(*x_ours.shape[:-1], N, dtype=torch.bfloat16, device="cuda")
-    if tile_m is None and tile_n is None:
+    if tile_m is None and tile_n is None and swap_ab is None:
         if mxfp8:
             ours = lambda: grouped_gemm_mxfp8(x_ours, w, ws, groups, masked=masked, out=out)  # noqa: E731
         else:
@@ -273,7 +275,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
     else:  # a forced tile bucket, through the launcher (inputs built above are valid by construction)
         ours = lambda: launch(xq, w, groups, masked=masked, x_scale=None if mxfp8 else xs,  # noqa: E731
                               w_scale=None if mxfp8 else ws, row_weights=None, swiglu=False, out=out, tile_m=tile_m,
-                              tile_n=tile_n, w_scale_e8m0=ws if mxfp8 else None)
+                              tile_n=tile_n, w_scale_e8m0=ws if mxfp8 else None, swap_ab=swap_ab)
     us, clocks = timer(ours)
     experts = [0, E - 1]
     rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
@@ -314,7 +316,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
             "dtype": {"bf16": "bf16", "fp8": "fp8_block128", "mxfp8": "bf16_x_mxfp8"}[dtype],
             "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto",
-            "timing": timer.mode}
+            "swap_ab": "auto" if swap_ab is None else swap_ab, "timing": timer.mode}
     record(BENCH, case, metrics, peers)
     peer = next(iter(peers.values()), {})
     dense = peers.get("dense_fp8_block128_cublas" if fp8 else "dense_bf16_cublas", {})
@@ -394,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile-m", type=int, default=None,
                     help="force the tile rows (64/128) of every plain GEMM case run (pick them with --only / --dtypes)")
     ap.add_argument("--tile-n", type=int, default=None, help="force the tile width of every plain GEMM case run")
+    ap.add_argument("--mx-order", choices=("auto", "swapped", "staged"), default="auto",
+                    help="MXFP8 cases: force the swapped operands (weights converted in registers) or the staged "
+                         "bf16 weight tiles (the tokens as the MMA's M side)")
     ap.add_argument("--only", default="", help="comma list of case-name prefixes to run (default: all)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of dtypes to run (of {','.join(DTYPES)})")
     ap.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)),
@@ -456,7 +461,8 @@ def run(args: argparse.Namespace, timers: list[Timer]) -> int:
         for timer in timers:
             faulthandler.dump_traceback_later(args.case_timeout_s, exit=True)
             if kind == "gemm":
-                row = run_case(model, proj, phase, m, dtype, timer, weights, tile_m, tile_n, not args.no_peers)
+                row = run_case(model, proj, phase, m, dtype, timer, weights, tile_m, tile_n, not args.no_peers,
+                               {"auto": None, "swapped": True, "staged": False}[args.mx_order])
             else:
                 row = run_swiglu_case(model, phase, m, dtype == "fp8", timer, weights)
             faulthandler.cancel_dump_traceback_later()

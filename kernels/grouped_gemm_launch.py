@@ -26,6 +26,7 @@ from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_W
                                   SMALL_TILE_MAX_TOKENS_PER_EXPERT)
 from kernels.grouped_gemm_mxfp8 import kernel_scale_layout
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90, scale_vector
+from kernels.grouped_gemm_sm90_swapped import SWAPPED_TOKEN_TILES
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
@@ -37,7 +38,8 @@ _GMEM = cute.AddressSpace.gmem
 
 def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
                   row_weights: bool, tokens_per_expert: float, num_sms: int, mxfp8: bool = False,
-                  tile_m: int | None = None, tile_n: int | None = None) -> GroupedGemmConfig:
+                  tile_m: int | None = None, tile_n: int | None = None,
+                  swap_ab: bool | None = None) -> GroupedGemmConfig:
     """Tile bucket by tokens per expert (the bounds are ``kernels.grouped_gemm.TILE_BUCKET_BOUNDS``).
 
     * up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (64, decode-sized groups): 64x128 tiles;
@@ -66,8 +68,18 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
     so larger groups keep the whole-tile buffer.  The masked (decode) layout was not
     measured and keeps it.  Details: bench/grouped_gemm_findings.md.
 
-    ``tile_m`` / ``tile_n`` override the choice (benchmarks compare buckets).
+    * MXFP8 weights up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (decode) swap the operands
+      (``swap_ab``, see ``kernels.grouped_gemm_sm90_swapped``): 128 weight rows per tile,
+      converted in registers, and the fewest tokens of SWAPPED_TOKEN_TILES (8 to 64) that
+      hold the expected group.
+
+    ``tile_m`` / ``tile_n`` / ``swap_ab`` override the choice (benchmarks compare buckets).
     """
+    if swap_ab is None:
+        swap_ab = mxfp8 and tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT
+    if swap_ab:
+        tile_m = tile_m or next((t for t in SWAPPED_TOKEN_TILES if t >= tokens_per_expert), SWAPPED_TOKEN_TILES[-1])
+        tile_n = tile_n or 128
     if not tile_m:
         tile_m = 64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128
         if mxfp8 and not masked and not swiglu and tokens_per_expert > MID_TILE_MAX_TOKENS_PER_EXPERT:
@@ -93,7 +105,7 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
                     and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT)
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
-                             split_output=split_output, tma_store=tma_store, num_sms=num_sms)
+                             split_output=split_output, tma_store=tma_store, swap_ab=swap_ab, num_sms=num_sms)
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).
@@ -181,11 +193,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
            x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, row_weights: torch.Tensor | None,
            swiglu: bool, out: torch.Tensor | None, tile_m: int | None = None,
            tile_n: int | None = None, w_scale_e8m0: torch.Tensor | None = None,
-           expected_rows_per_expert: float | None = None) -> torch.Tensor:
+           expected_rows_per_expert: float | None = None, swap_ab: bool | None = None) -> torch.Tensor:
     """Run the kernel on ``x``'s device's current stream; arguments were validated by ``kernels.grouped_gemm``
     (or ``kernels.grouped_gemm_mxfp8`` for ``w_scale_e8m0``: bf16 ``x`` times MXFP8 ``w``).
 
-    ``tile_m`` / ``tile_n`` override the tile bucket (benchmarks compare buckets with them;
+    ``tile_m`` / ``tile_n`` / ``swap_ab`` override the tile bucket (benchmarks compare buckets with them;
     see :func:`choose_config`).
     """
     E, N, K = w.shape
@@ -199,7 +211,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
                         num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
-                        mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n)
+                        mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n, swap_ab=swap_ab)
     if rows * cfg.out_n >= 2**31:  # the epilogue addresses output elements with 32-bit offsets
         raise ValueError(f"output of {rows} rows x {cfg.out_n} columns exceeds 2^31 elements per batch; split the call")
     out_shape = (*x.shape[:-1], cfg.out_n)

@@ -65,6 +65,8 @@ from kernels.grouped_gemm import SWIGLU_BLOCK
 from kernels.grouped_gemm_sm90_epilogue import EPI_N, STORE_WARPS, Epilogue
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK, scale_row_bytes
 from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_SCALE_BOX, SCALE_BLOCK, ScaledMainloops
+from kernels.grouped_gemm_sm90_swapped import (SWAPPED_TOKEN_TILES, SWAPPED_X_PAD, SwappedMxMainloop,
+                                               swapped_out_floats)
 
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
 SCALE_WARP = 1  # the producer warpgroup's warp that stages FP8 scales (0 issues TMA, STORE_WARPS store)
@@ -88,11 +90,18 @@ class GroupedGemmConfig:
     split_output: bool = False
     # Output tiles whose rows all belong to their expert go out by TMA stores (see Epilogue); contiguous layout
     tma_store: bool = False
+    # bf16 x MXFP8 decode: the weights as the MMA's M side, converted in registers (register A operand), the
+    # tokens (tile_m of SWAPPED_TOKEN_TILES) as its N side; see grouped_gemm_sm90_swapped
+    swap_ab: bool = False
     num_sms: int = 132  # persistent CTAs launched
 
     def validate(self) -> None:
         elem_bytes = 1 if self.fp8 else 2
-        if self.tile_m not in (64, 128, 192) or (self.tile_m == 192 and not (self.mxfp8 and not self.swiglu)):
+        if self.swap_ab:
+            if not self.mxfp8 or self.tile_n != 128 or self.tile_m not in SWAPPED_TOKEN_TILES:
+                raise ValueError(f"swap_ab is for bf16 x MXFP8 with tile_n 128 and tile_m in {SWAPPED_TOKEN_TILES}, "
+                                 f"got mxfp8={self.mxfp8} {self.tile_m}x{self.tile_n}")
+        elif self.tile_m not in (64, 128, 192) or (self.tile_m == 192 and not (self.mxfp8 and not self.swiglu)):
             raise ValueError(f"tile_m must be 64 or 128 (192 only for bf16 x MXFP8 without SwiGLU), got {self.tile_m}")
         if (self.tile_n not in (64, 128, 192, 256) or (self.fp8 and self.tile_n not in (128, 192))
                 or (self.mxfp8 and self.tile_n != 128)):
@@ -212,7 +221,7 @@ class ScaleStaging:
         return 4 * (self.a_floats + self.b_floats) + 32
 
 
-class GroupedGemmSm90(ScaledMainloops, Epilogue):
+class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
     """CuTeDSL kernel object for one :class:`GroupedGemmConfig`.
 
     Call (through ``cute.compile``) with raw device pointers:
@@ -231,7 +240,8 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.b_load_dtype = cutlass.Float8E4M3FN if (cfg.fp8 or cfg.mxfp8) else cutlass.BFloat16
         self.c_dtype = cutlass.BFloat16
         self.acc_dtype = cutlass.Float32
-        self.num_consumer_wg = cfg.tile_m // 64
+        # One consumer warpgroup per 64 rows of the MMA's M side: tokens, or with swap_ab weight rows.
+        self.num_consumer_wg = (cfg.tile_n if cfg.swap_ab else cfg.tile_m) // 64
         self.threads = 128 * (1 + self.num_consumer_wg)
         # K per pipeline stage: 64 bf16 (128 B rows, SW128) or 128 fp8 (one scale block).
         self.tile_k = SCALE_BLOCK if cfg.fp8 else 64
@@ -252,7 +262,9 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         reserved = -(-(16 * (8 + ScaleStaging.STAGES) + 12 * (cfg.num_experts + 1)) // 1024) * 1024
         self.out_cols = cfg.tile_n // 2 if cfg.swiglu else cfg.tile_n  # output columns per tile
         self.out_chunks = self.out_cols // EPI_N
-        mx_bytes = MX_B_BUFFERS * cfg.tile_n * self.tile_k * 2 if cfg.mxfp8 else 0
+        mx_bytes = MX_B_BUFFERS * cfg.tile_n * self.tile_k * 2 if cfg.mxfp8 and not cfg.swap_ab else 0
+        # swap_ab: the fp32 output tile the consumers share (see grouped_gemm_sm90_swapped)
+        self.x_floats = swapped_out_floats(cfg.tile_m, cfg.tile_n) if cfg.swap_ab else 0
 
         def stages_beside(out_buffer_bytes: int) -> int:
             return min(8, (SMEM_CAPACITY - reserved - out_buffer_bytes - mx_bytes - scale_bytes) // stage_bytes)
@@ -265,7 +277,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         out_tile_bytes = cfg.tile_m * self.out_cols * 2
         self.out_halves = cfg.split_output and stages_beside(out_tile_bytes // 2) > stages_beside(out_tile_bytes)
         self.buffer_chunks = self.out_chunks // 2 if self.out_halves else self.out_chunks
-        self.stages = stages_beside(self.buffer_chunks * cfg.tile_m * EPI_N * 2)
+        self.stages = stages_beside(self.buffer_chunks * cfg.tile_m * EPI_N * 2 + 4 * self.x_floats)
         # Output elements per 16-byte global store in the epilogue (fewer when rows are not 16-byte aligned).
         self.store_vec = math.gcd(8, cfg.out_n)
         # FP8 192-wide tiles: one partial, the two consumer warpgroups take turns (see _fp8_one_partial).
@@ -279,7 +291,19 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         self.consumer_regs = {1: 240, 2: 232, 3: 152}[self.num_consumer_wg]
 
     def _make_tiled_mma(self) -> cute.TiledMma:
-        """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem."""
+        """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem; with
+        ``swap_ab`` 64 weight rows x tile_m tokens per warpgroup, the weights' A operand from registers."""
+        if cutlass.const_expr(self.cfg.swap_ab):
+            return sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype,
+                self.ab_dtype,
+                LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+                LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+                self.acc_dtype,
+                (self.num_consumer_wg, 1, 1),
+                tiler_mn=(64, self.cfg.tile_m),
+                a_source=cute.nvgpu.warpgroup.OperandSource.RMEM,
+            )
         return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
@@ -342,7 +366,7 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         # MXFP8: the MMA reads B from these bf16 buffers (otherwise straight from the TMA stages).
         self.b_mma_smem_layout = (
             sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile_mnk, self.ab_dtype, MX_B_BUFFERS)
-            if cfg.mxfp8 else self.b_smem_layout
+            if cfg.mxfp8 and not cfg.swap_ab else self.b_smem_layout
         )
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             self.c_dtype, LayoutEnum.ROW_MAJOR, (cfg.tile_m, EPI_N), self.buffer_chunks
@@ -375,8 +399,10 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
             # MXFP8: the dequantized bf16 weight tiles (otherwise one unaligned byte, outside the stage budget)
             sBmx: (
                 cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_mma_smem_layout)], 1024]
-                if cfg.mxfp8 else cute.struct.MemRange[self.ab_dtype, 1]
+                if cfg.mxfp8 and not cfg.swap_ab else cute.struct.MemRange[self.ab_dtype, 1]
             )
+            # swap_ab: the fp32 output tile (see grouped_gemm_sm90_swapped; otherwise one float)
+            sX: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.x_floats or 1], 16]
             # MXFP8: each stage's scale box (see _mainloop_mx; otherwise one byte)
             sSF: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.sf_smem_layout) if cfg.mxfp8 else 1], 128]
@@ -462,10 +488,13 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sEpi = storage.sEpi.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
-        sBmma, sSF = sB, None
+        sBmma, sSF, sX = sB, None, None
         if cutlass.const_expr(cfg.mxfp8):
-            sBmma = storage.sBmx.get_tensor(b_mma_smem_layout.outer, swizzle=b_mma_smem_layout.inner)
+            if cutlass.const_expr(not cfg.swap_ab):
+                sBmma = storage.sBmx.get_tensor(b_mma_smem_layout.outer, swizzle=b_mma_smem_layout.inner)
             sSF = storage.sSF.get_tensor(sf_smem_layout)
+        if cutlass.const_expr(cfg.swap_ab):
+            sX = storage.sX.get_tensor(cute.make_layout((cfg.tile_m, cfg.tile_n), stride=(cfg.tile_n + SWAPPED_X_PAD, 1)))
         # FP8 192-wide tiles: warp 1 stages each tile's scales in shared memory, a chunk of K blocks per stage.
         scales, sSA, sSB = None, None, None
         st = self.staging
@@ -500,14 +529,19 @@ class GroupedGemmSm90(ScaledMainloops, Epilogue):
                     self._stage_scales(mSFA, mSFB, sSA, sSB, scales, rows, bidx, total_tiles, s_tile_begin,
                                        s_row_start, s_row_count)
             elif warp_idx >= STORE_WARPS[0]:
-                self._store_tiles(sEpi, mC, (tma_atom_c, mCt), rows, tidx - 32 * STORE_WARPS[0], bidx, total_tiles,
-                                  s_tile_begin, s_row_start, s_row_count)
+                if cutlass.const_expr(not cfg.swap_ab):  # swapped tiles are stored by their consumers
+                    self._store_tiles(sEpi, mC, (tma_atom_c, mCt), rows, tidx - 32 * STORE_WARPS[0], bidx,
+                                      total_tiles, s_tile_begin, s_row_start, s_row_count)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._consume(
-                tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, sSF, scales, mRowW, rows, mainloop, tidx - 128,
-                bidx, total_tiles, s_tile_begin, s_row_start, s_row_count,
-            )
+            if cutlass.const_expr(cfg.swap_ab):
+                self._consume_swapped(tiled_mma, sA, sB, b_smem_layout, sSF, sX, mC, mRowW, rows, mainloop, tidx - 128,
+                                      bidx, total_tiles, s_tile_begin, s_row_start, s_row_count)
+            else:
+                self._consume(
+                    tiled_mma, sA, sB, sBmma, sEpi, mSFA, mSFB, sSA, sSB, sSF, scales, mRowW, rows, mainloop,
+                    tidx - 128, bidx, total_tiles, s_tile_begin, s_row_start, s_row_count,
+                )
 
     @cute.jit
     def _build_schedule(self, mGroups, rows, s_tile_begin, s_row_start, s_row_count):

@@ -1,0 +1,196 @@
+"""bf16 x MXFP8 decode tiles of the Hopper grouped GEMM with the operands swapped (a mixin of ``GroupedGemmSm90``).
+
+Decode groups are a few tokens per expert, so the weights are almost all the
+bytes.  The other MXFP8 tiles (``ScaledMainloops._mainloop_mx``) convert each
+weight stage into a bf16 tile in shared memory, then a barrier over the
+consumer threads, then WGMMAs with the tokens as the M side: a chain per stage
+that kept decode at bf16's time for half the bytes.  Here the weights are the
+M side instead: WGMMA takes its A operand from registers, so each thread loads
+the E4M3 values of its own A fragment from the TMA stage, multiplies them by
+their ``2^(e - 127)`` into bf16 registers (exact, see ``_e4m3x2_to_bf16x2``)
+and issues; no shared-memory tile, no proxy fence, no barrier, and the tokens
+(``tile_m`` of them, 8 to 64) are the MMA's N side, so padding a decode group
+to a tile costs little.
+
+Each consumer warpgroup owns 64 of the tile's 128 weight rows.  Two register
+fragments alternate: stage k converts into one while stage k-1's WGMMAs read
+the other (``wait_group(1)`` retires stage k-2's, the last reader of the one
+being written).
+
+The accumulator holds the output tile transposed (weight rows x tokens).  The
+epilogue writes it to shared memory as fp32 ``[token][weight row]``, and the
+consumer threads then apply SwiGLU (the interleaved gate rows are warpgroup
+0's, their up rows warpgroup 1's: the pairs meet only there) and the row
+weights, and store each token row's valid columns in 16-byte vectors.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+
+from kernels.grouped_gemm_mxfp8 import MX_BLOCK
+from kernels.grouped_gemm_sm90_scaled import MX_SCALE_BOX, _bf16x2_scale_pair, _e4m3x2_to_bf16x2
+
+SWAPPED_TOKEN_TILES = (8, 16, 32, 64)  # tokens per tile (the MMA's N)
+SWAPPED_X_PAD = 4  # floats after each token row of the fp32 output tile: a warp's writes fall in distinct banks
+_BAR_SWAPPED = 2  # named barrier over the consumer threads around the output tile (the other MXFP8 tiles' id)
+
+
+def swapped_out_floats(tile_m: int, tile_n: int) -> int:
+    """Floats of the shared fp32 output tile of a swapped kernel: ``tile_m`` token rows, padded."""
+    return tile_m * (tile_n + SWAPPED_X_PAD)
+
+
+class SwappedMxMainloop:
+    """Consumer side of the swapped bf16 x MXFP8 tiles (uses ``cfg``, ``tile_k``, ``k_tiles``, ``ab_dtype``,
+    ``b_load_dtype``, ``acc_dtype``, ``c_dtype``, ``num_consumer_wg``, ``out_cols``, ``store_vec``, ``_locate``)."""
+
+    @cute.jit
+    def _consume_swapped(self, tiled_mma, sA, sB, b_smem_layout, sSF, sX, mC, mRowW, rows, mainloop, mma_tidx,
+                         first_tile, total_tiles, s_tile_begin, s_row_start, s_row_count):
+        cfg = self.cfg
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))  # the tokens' stages: the MMA's B
+        a_shape = thr_mma.partition_shape_A((cfg.tile_n, self.tile_k))
+        frags = [thr_mma.make_fragment_A(a_shape), thr_mma.make_fragment_A(a_shape)]
+        # (weight row, K) of every value of this thread's A fragment, and (weight row, token) of its accumulator
+        tCcA = thr_mma.partition_A(cute.make_identity_tensor((cfg.tile_n, self.tile_k)))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m)))
+        acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        sSF16 = cute.recast_tensor(sSF, cutlass.Uint16)  # a stage's two scale bytes of a row: one 16-bit word
+        # The weight stages as 16-bit words, unswizzled: _convert_fragment computes the swizzled addresses of this
+        # thread's values once, here, instead of per load.
+        stage_words = cfg.tile_n * self.tile_k * self.b_load_dtype.width // 16
+        sB16 = cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=cutlass.Uint16),
+                                cute.make_layout(self.stages * stage_words))
+        firsts = [cute.crd2idx((tCcA[(0, 0, kb)][0], tCcA[(0, 0, kb)][1], 0), b_smem_layout) // 2
+                  for kb in range(cute.size(tCcA, mode=[2]))]
+        weights = (sB16, stage_words, firsts)
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        barrier = pipeline.NamedBarrier(barrier_id=_BAR_SWAPPED, num_threads=128 * self.num_consumer_wg)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # every WGMMA adds: acc is zeroed per tile
+        tile = first_tile
+        expert = cutlass.Int32(0)
+        while tile < total_tiles:
+            expert, n_tile, batch, row0, rows_left = self._locate(tile, expert, s_tile_begin, s_row_start,
+                                                                  s_row_count)
+            acc.fill(0.0)
+            for pair in cutlass.range(self.k_tiles // 2, unroll=1):
+                read_state, release_state = self._swapped_stage(
+                    tiled_mma, acc, frags[0], tCrB, tCcA, weights, sSF16, 2 * pair, mainloop, read_state,
+                    release_state)
+                read_state, release_state = self._swapped_stage(
+                    tiled_mma, acc, frags[1], tCrB, tCcA, weights, sSF16, 2 * pair + 1, mainloop, read_state,
+                    release_state)
+            if cutlass.const_expr(self.k_tiles % 2):
+                read_state, release_state = self._swapped_stage(
+                    tiled_mma, acc, frags[0], tCrB, tCcA, weights, sSF16, self.k_tiles - 1, mainloop, read_state,
+                    release_state)
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            self._swapped_epilogue(acc, tCcC, sX, mC, mRowW, rows, row0, rows_left, n_tile, batch, mma_tidx, barrier)
+            tile = tile + cfg.num_sms
+
+    @cute.jit
+    def _swapped_stage(self, tiled_mma, acc, frag, tCrB, tCcA, weights, sSF16, k_tile, mainloop, read_state,
+                       release_state):
+        """One K stage: wait for it, convert this thread's weight values into ``frag``, issue its WGMMAs.
+
+        ``k_tile`` is the stage's K index in the tile: the first one's release
+        is the previous tile's last stage, released after its ``wait_group(0)``.
+        """
+        mainloop.consumer_wait(read_state)
+        self._convert_fragment(frag, tCcA, weights, sSF16, k_tile, read_state.index)
+        cute.nvgpu.warpgroup.fence()  # the fragment's registers are written before the WGMMAs read them
+        for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
+            cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrB[(None, None, kb, read_state.index)], acc)
+        cute.nvgpu.warpgroup.commit_group()
+        # Keep this stage's batch in flight; the previous one is done (its stage free, its fragment rewritable).
+        cute.nvgpu.warpgroup.wait_group(1)
+        if k_tile > 0:
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+        read_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def _convert_fragment(self, frag, tCcA, weights, sSF16, k_tile, stage):
+        """``frag`` (bf16) = this thread's E4M3 weight values of stage ``stage`` times their ``2^(e - 127)``.
+
+        The fragment's 32-bit words each hold two values adjacent along K of one
+        row (a 16-bit load from the stage); per 16-wide K block a thread has
+        rows r and r + 8, K offsets 0 and 8 of its pair: words (r, 0), (r + 8, 0),
+        (r, 8), (r + 8, 8).  The block's first word is at ``firsts[kb]`` (16-bit
+        words into stage 0, swizzle applied); the other three are 8 rows and 8
+        values on, which the swizzle leaves alone (it permutes 16-byte chunks
+        by the row's bits above the eighth), so they are fixed word offsets.
+        A stage's 64 values of a row span two scale blocks, whose bytes are one
+        16-bit word of the stage's scale box.
+        """
+        sB16, stage_words, firsts = weights
+        row8 = 8 * self.tile_k // 2  # 16-bit words of 8 rows of E4M3 values
+        k8 = 8 // 2
+        words = cute.recast_tensor(frag, cutlass.Int32)
+        stages_per_box = MX_SCALE_BOX * MX_BLOCK // self.tile_k
+        row_lo = tCcA[0][0]
+        row_hi = tCcA[2][0]
+        box = k_tile % stages_per_box
+        e_lo = cutlass.Int32(sSF16[(row_lo, box, stage)])
+        e_hi = cutlass.Int32(sSF16[(row_hi, box, stage)])
+        # factors[row half][scale block of the stage]
+        factors = [[_bf16x2_scale_pair(e_lo & 0xFF), _bf16x2_scale_pair(e_lo >> 8)],
+                   [_bf16x2_scale_pair(e_hi & 0xFF), _bf16x2_scale_pair(e_hi >> 8)]]
+        for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
+            first = stage * stage_words + firsts[kb]
+            for q in cutlass.range_constexpr(4):
+                s1, s2 = factors[q % 2][(kb * 16) // MX_BLOCK]
+                words[q + 4 * kb] = _e4m3x2_to_bf16x2(
+                    cutlass.Int32(sB16[first + (q % 2) * row8 + (q // 2) * k8]), 0x1404, s1, s2)
+
+    @cute.jit
+    def _swapped_epilogue(self, acc, tCcC, sX, mC, mRowW, rows, row0, rows_left, n_tile, batch, mma_tidx, barrier):
+        """The transposed accumulator through shared memory into ``out[token rows, tile columns]``.
+
+        Every consumer thread writes its values as ``sX[token][weight row]``
+        (fp32), then they share the tile's ``tile_m x out_cols`` outputs in
+        ``store_vec``-wide items: SwiGLU (column c's gate row c, up row c + 64),
+        row weight, bf16, one vector store for each item whose token belongs
+        to the expert.  The first barrier keeps this tile's writes off the
+        previous tile's values still being read.
+        """
+        cfg = self.cfg
+        vec = self.store_vec
+        threads = 128 * self.num_consumer_wg
+        barrier.arrive_and_wait()
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, t = tCcC[i]
+            sX[(t, r)] = acc[i]
+        barrier.arrive_and_wait()
+        col0 = n_tile * self.out_cols
+        vecs_per_row = self.out_cols // vec
+        items = cfg.tile_m * vecs_per_row
+        for it in cutlass.range_constexpr(-(-items // threads)):
+            item = it * threads + mma_tidx
+            t = item // vecs_per_row
+            c = (item - t * vecs_per_row) * vec
+            if item < items and t < rows_left and col0 + c < cfg.out_n:
+                out = cute.make_rmem_tensor((vec,), self.acc_dtype)
+                for v in cutlass.range_constexpr(vec):
+                    x = sX[(t, c + v)]
+                    if cutlass.const_expr(cfg.swiglu):
+                        x = x * cute.arch.rcp_approx(1.0 + cute.math.exp(-x, fastmath=True)) * sX[(t, c + v + self.out_cols)]
+                    out[v] = x
+                if cutlass.const_expr(cfg.row_weights):
+                    w = mRowW[(row0 + t, batch)]
+                    for v in cutlass.range_constexpr(vec):
+                        out[v] = out[v] * w
+                first = cute.assume(
+                    cutlass.Int64(batch) * rows * cfg.out_n + (row0 + t) * cfg.out_n + col0 + c, divby=vec)
+                dst = cute.make_tensor(mC.iterator + first, cute.make_layout((vec,)))
+                res = cute.make_rmem_tensor((vec,), self.c_dtype)
+                res.store(out.load().to(self.c_dtype))
+                cute.autovec_copy(res, dst)
