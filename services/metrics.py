@@ -8,7 +8,8 @@ lookups, hits and evictions, a gateway's requests by outcome, tokens and latency
 histograms of its finished requests since start (time to first token, time per output token, end-to-end
 latency, time to placement, prompt and completion tokens) and a prefill instance's of its tasks' queue
 time, which sum over replicas and rate over any window: `histogram_quantile(0.99, sum by (le) (rate(moebus_gateway_time_to_first_token_seconds_bucket[5m])))`.
-Every series carries `role`, `instance` and `rank`; a process silent for `expiry_s` seconds (`--expiry`) is dropped from the page, so a dead
+Every series carries `role`, `instance`, `rank` and `model_name` (the served model, the label vLLM puts on
+all of its series); a process silent for `expiry_s` seconds (`--expiry`) is dropped from the page, so a dead
 replica's series end instead of freezing. Counters are the processes' own totals since
 they started (a restart starts them again, which Prometheus' `rate()` handles).
 Configured by `shared.settings.MetricsSettings`: the `[metrics]` table of the TOML file,
@@ -142,7 +143,7 @@ def _prefix_cache(labels: dict[str, str], p: PrefixCacheStats | None) -> Iterato
 
 def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
     """Every series of one process's heartbeat (`now`: wall clock, for the uptime)."""
-    who = {"role": hb.role, "instance": hb.instance, "rank": str(hb.rank)}
+    who = {"role": hb.role, "instance": hb.instance, "rank": str(hb.rank), "model_name": hb.model}
     yield "moebus_up", who | {"model": hb.model, "version": hb.version}, 1
     yield "moebus_draining", who, int(hb.draining)
     yield "moebus_uptime_seconds", who, max(0.0, now - hb.started_at)

@@ -15,20 +15,25 @@ from services.metrics import FAMILIES, Exporter, render
 from services_helpers import histogram_buckets, parse_metrics as parse
 
 
+def who(role: str, instance: str, rank: int = 0, model: str = "tiny") -> frozenset[tuple[str, str]]:
+    """The labels every series of a process carries."""
+    return frozenset({("role", role), ("instance", instance), ("rank", str(rank)), ("model_name", model)})
+
+
 def test_every_heartbeat_field_becomes_a_series_with_the_process_labels():
     gateway = Heartbeat(role="gateway", instance='gw "a"', rank=0, model="tiny", version="0.1", started_at=100.0, in_flight=3,
                         requests=RequestStats(outcomes={"length": 5, "overloaded": 2}, prompt_tokens=40, completion_tokens=90,
                                               ttft=LatencySummary(count=5, p50_ms=20.0, p90_ms=35.0, p99_ms=50.0)))
-    decode = Heartbeat(role="decode", instance="d0", rank=1, model="tiny", version="0.1", started_at=90.0, draining=True,
+    decode = Heartbeat(role="decode", instance="d0", rank=1, model="tiny-2", version="0.1", started_at=90.0, draining=True,
                        kv_total_pages=511, kv_free_pages=500, batch_size=2, max_batch=32, decode_steps={"graph_replay": 7, "eager": 1},
                        transfer=TransferStats(completed=4, bytes_total=123456, seconds_total=0.25, failures={"lease_expired": 1}))
     scheduler = Heartbeat(role="scheduler", instance="s0", rank=0, model="tiny", version="0.1", started_at=150.0, queued_requests=4,
                           suspect_ranks=["d0/1"])
     series = parse(render([gateway, decode, scheduler], now=160.0))
-    s0 = frozenset({("role", "scheduler"), ("instance", "s0"), ("rank", "0")})
+    s0 = who("scheduler", "s0")
     assert series[("moebus_scheduler_waiting_requests", s0)] == 4 and series[("moebus_scheduler_suspect_ranks", s0)] == 1
-    gw = frozenset({("role", "gateway"), ("instance", 'gw \\"a\\"'), ("rank", "0")})
-    d0 = frozenset({("role", "decode"), ("instance", "d0"), ("rank", "1")})
+    gw = who("gateway", 'gw \\"a\\"')
+    d0 = who("decode", "d0", 1, model="tiny-2")
     assert series[("moebus_up", gw | {("model", "tiny"), ("version", "0.1")})] == 1
     assert series[("moebus_uptime_seconds", gw)] == 160.0 - gateway.started_at
     assert series[("moebus_gateway_in_flight", gw)] == gateway.in_flight
@@ -43,6 +48,8 @@ def test_every_heartbeat_field_becomes_a_series_with_the_process_labels():
     assert series[("moebus_kv_transfer_bytes_total", d0)] == decode.transfer.bytes_total
     assert series[("moebus_kv_transfer_failures_total", d0 | {("cause", "lease_expired")})] == 1
     assert {name for name, _ in series} <= {name for name, _, _ in FAMILIES}
+    # every series names the model its process serves, as vLLM's carry model_name
+    assert {dict(labels)["model_name"] for _, labels in series} == {"tiny", "tiny-2"}
     assert render([], now=0.0) == "\n"  # nobody heard: an empty page, not an error
 
 
@@ -56,7 +63,7 @@ def test_gateway_histograms_render_as_prometheus_histograms_per_process():
     page = render([gateway("g0", a), gateway("g1", b)], now=1.0)
     assert "# TYPE moebus_gateway_time_to_first_token_seconds histogram" in page.splitlines()
     series = parse(page)  # checks the histogram rules too
-    g0 = frozenset({("role", "gateway"), ("instance", "g0"), ("rank", "0")})
+    g0 = who("gateway", "g0")
     buckets = histogram_buckets(series, "moebus_gateway_time_to_first_token_seconds")
     assert buckets[g0] == [(0.1, 1), (0.5, 3), (1.0, 3), (math.inf, 4)]
     assert series[("moebus_gateway_time_to_first_token_seconds_sum", g0)] == 3.2
@@ -75,7 +82,7 @@ def test_a_prefill_instance_exports_its_queue_time_histogram():
     prefill = Heartbeat(role="prefill", instance="p0", rank=0, model="tiny", version="0.1", started_at=0.0, queued_requests=1,
                         prefill_queue_seconds=Histogram(bounds=[0.001, 0.01], buckets=[2, 2], count=3, sum=0.5))
     series = parse(render([prefill], now=1.0))
-    p0 = frozenset({("role", "prefill"), ("instance", "p0"), ("rank", "0")})
+    p0 = who("prefill", "p0")
     assert histogram_buckets(series, "moebus_prefill_queue_time_seconds")[p0] == [(0.001, 2), (0.01, 2), (math.inf, 3)]
     assert series[("moebus_prefill_queue_time_seconds_sum", p0)] == 0.5 and series[("moebus_prefill_queue_time_seconds_count", p0)] == 3
 
@@ -87,7 +94,7 @@ def test_a_fresh_gateway_exports_every_histogram_empty():
     histograms = [name for name, kind, _ in FAMILIES if kind == "histogram" and name.startswith("moebus_gateway_")]
     assert len(histograms) == 6
     for family in histograms:
-        assert series[(f"{family}_count", frozenset({("role", "gateway"), ("instance", "g"), ("rank", "0")}))] == 0
+        assert series[(f"{family}_count", who("gateway", "g"))] == 0
 
 
 def test_a_heartbeat_with_a_malformed_histogram_is_refused_and_the_page_still_renders():
@@ -113,6 +120,6 @@ def test_a_heartbeat_with_a_malformed_histogram_is_refused_and_the_page_still_re
             assert "ttft_seconds" in str(e)
         else:
             raise AssertionError(f"{h} was accepted")
-    g = frozenset({("role", "gateway"), ("instance", "g"), ("rank", "0")})
+    g = who("gateway", "g")
     series = parse(exporter.page())  # the previous, valid heartbeat is still the one on the page
     assert histogram_buckets(series, "moebus_gateway_time_to_first_token_seconds")[g] == [(0.1, 1), (0.5, 2), (math.inf, 3)]

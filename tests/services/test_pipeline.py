@@ -340,7 +340,7 @@ GATEWAY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_to
                       "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens")
 
 
-def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timings(stack):
+def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timings(stack, tiny_model):
     """Scraped over HTTP before and after requests of known timings: every gateway histogram parses
     as Prometheus text, grows by exactly those requests, each in the buckets its reply's `timing`
     and `usage` put it in, and its sum by their values; the prefill instance's queue time histogram
@@ -385,7 +385,8 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
         after, gw_after, pf_after = scrape_idle(url, before[("moebus_gateway_time_to_first_token_seconds_count", gw)] + len(replies),
                                                 before[("moebus_prefill_queue_time_seconds_count", pf)] + len(replies))
     assert (gw_after, pf_after) == (gw, pf)
-    assert set(dict(gw)) == {"role", "instance", "rank"} and dict(gw)["role"] == "gateway"
+    assert set(dict(gw)) == {"role", "instance", "rank", "model_name"} and dict(gw)["role"] == "gateway"
+    assert dict(gw)["model_name"] == dict(pf)["model_name"] == tiny_model.name  # the served model, as vLLM labels its series
     observed = {  # what each histogram should have gained, from the replies themselves
         "time_to_first_token_seconds": [t.ttft_ms / 1000 for t, _ in replies],
         "request_time_per_output_token_seconds": [(t.total_ms - t.ttft_ms) / (u.completion_tokens - 1) / 1000 for t, u in replies

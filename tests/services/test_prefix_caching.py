@@ -346,4 +346,4 @@ def test_metrics_render_the_prefix_cache_counters():
     page = render([hb], now=1.0)
     for name, value in [("lookups_total", 9), ("hits_total", 4), ("lookup_tokens_total", 900), ("hit_tokens_total", 320),
                         ("evictions_total", 2), ("pages", 30), ("evictable_pages", 25)]:
-        assert f'moebus_prefill_prefix_cache_{name}{{role="prefill",instance="p0",rank="0"}} {value}\n' in page
+        assert f'moebus_prefill_prefix_cache_{name}{{role="prefill",instance="p0",rank="0",model_name="tiny"}} {value}\n' in page
