@@ -201,6 +201,9 @@ class RequestStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue_seconds: Histogram | None = None  # arrival to placement by a scheduler (Timing.queue_ms)
     prompt_tokens_per_request: Histogram | None = None
     completion_tokens_per_request: Histogram | None = None
+    itl_seconds: Histogram | None = None  # each gap between a request's token arrivals after the first
+    prefill_seconds: Histogram | None = None  # placement to first token (Timing.ttft_ms - queue_ms)
+    decode_seconds: Histogram | None = None  # first token to last
 
 
 class Heartbeat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

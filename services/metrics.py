@@ -5,9 +5,10 @@ and serves `GET /metrics` in Prometheus' text format (version 0.0.4), one series
 process and field of its latest heartbeat: the same figures `moebus status` prints
 (load, KV pages, decode steps by path, KV transfer totals, a prefill instance's prefix cache
 lookups, hits and evictions, a gateway's requests by outcome, tokens and latency quantiles), and a gateway's
-histograms of its finished requests since start (time to first token, time per output token, end-to-end
-latency, time to placement, prompt and completion tokens) and a prefill instance's of its tasks' queue
-time, which sum over replicas and rate over any window: `histogram_quantile(0.99, sum by (le) (rate(moebus_gateway_time_to_first_token_seconds_bucket[5m])))`.
+histograms of its requests since start (time to first token, inter-token latency, time per output token,
+end-to-end latency, time to placement, prefill and decode time, prompt and completion tokens) and a prefill
+instance's of its tasks' queue time, which sum over replicas and rate over any window:
+`histogram_quantile(0.99, sum by (le) (rate(moebus_gateway_time_to_first_token_seconds_bucket[5m])))`.
 Every series carries `role`, `instance`, `rank` and `model_name` (the served model, the label vLLM puts on
 all of its series); a process silent for `expiry_s` seconds (`--expiry`) is dropped from the page, so a dead
 replica's series end instead of freezing. Counters are the processes' own totals since
@@ -43,12 +44,21 @@ FAMILIES = [
     ("moebus_gateway_completion_tokens_total", "counter", "completion tokens of finished requests"),
     ("moebus_gateway_ttft_seconds", "gauge", "time to first token over the gateway's latest finished requests, by quantile"),
     ("moebus_gateway_tpot_seconds", "gauge", "time per output token after the first over the latest finished requests, by quantile"),
-    ("moebus_gateway_time_to_first_token_seconds", "histogram", "arrival at the gateway to first token, of finished requests"),
+    ("moebus_gateway_time_to_first_token_seconds", "histogram",
+     "arrival at the gateway to first token, counted when it arrives (also for requests that fail later)"),
+    ("moebus_gateway_inter_token_latency_seconds", "histogram",
+     "gap between consecutive token arrivals of a request at the gateway (one per decode step; tokens that arrive together count once),"
+     " counted as they arrive"),
     ("moebus_gateway_request_time_per_output_token_seconds", "histogram",
      "a finished request's mean time per output token after the first (requests of 2+ tokens)"),
     ("moebus_gateway_e2e_request_latency_seconds", "histogram", "arrival at the gateway to final reply, of finished requests"),
     ("moebus_gateway_request_queue_time_seconds", "histogram",
      "arrival at the gateway to placement by a scheduler, of finished requests (not the wait in a prefill instance's queue)"),
+    ("moebus_gateway_request_prefill_time_seconds", "histogram",
+     "the scheduler's placement reaching the gateway to the first token reaching it, of finished requests: the prefill"
+     " instance's queue wait, its prefill pass and the bus hops (time to first token minus queue time)"),
+    ("moebus_gateway_request_decode_time_seconds", "histogram",
+     "first token to last token reaching the gateway, of finished requests (0 for one token)"),
     ("moebus_gateway_request_prompt_tokens", "histogram", "prompt tokens per finished request"),
     ("moebus_gateway_request_generation_tokens", "histogram", "completion tokens per finished request"),
     ("moebus_scheduler_waiting_requests", "gauge", "requests waiting at a scheduler for capacity"),
@@ -157,9 +167,12 @@ def samples(hb: Heartbeat, now: float) -> Iterator[Sample]:
             yield from _quantiles("moebus_gateway_ttft_seconds", who, hb.requests.ttft)
             yield from _quantiles("moebus_gateway_tpot_seconds", who, hb.requests.tpot)
             yield from _histogram("moebus_gateway_time_to_first_token_seconds", who, hb.requests.ttft_seconds)
+            yield from _histogram("moebus_gateway_inter_token_latency_seconds", who, hb.requests.itl_seconds)
             yield from _histogram("moebus_gateway_request_time_per_output_token_seconds", who, hb.requests.tpot_seconds)
             yield from _histogram("moebus_gateway_e2e_request_latency_seconds", who, hb.requests.e2e_seconds)
             yield from _histogram("moebus_gateway_request_queue_time_seconds", who, hb.requests.queue_seconds)
+            yield from _histogram("moebus_gateway_request_prefill_time_seconds", who, hb.requests.prefill_seconds)
+            yield from _histogram("moebus_gateway_request_decode_time_seconds", who, hb.requests.decode_seconds)
             yield from _histogram("moebus_gateway_request_prompt_tokens", who, hb.requests.prompt_tokens_per_request)
             yield from _histogram("moebus_gateway_request_generation_tokens", who, hb.requests.completion_tokens_per_request)
     elif hb.role == "scheduler":

@@ -29,6 +29,14 @@ E2E_BOUNDS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 # (the gateway's until placement, the prefill instance's queue) are the first part of the time to first
 # token, so they take the TTFT's bounds.
 QUEUE_BOUNDS_S = TTFT_BOUNDS_S
+# vLLM's inter_token_latency_seconds bounds are its request_time_per_output_token_seconds ones; so are
+# these (a request's TPOT is the mean of its inter-token gaps).
+ITL_BOUNDS_S = TPOT_BOUNDS_S
+# vLLM's request_prefill_time_seconds uses the e2e bounds; the gateway's prefill time is the rest of
+# the time to first token after placement (milliseconds for a short prompt), so it takes the TTFT's.
+PREFILL_BOUNDS_S = TTFT_BOUNDS_S
+# vLLM's request_decode_time_seconds uses the e2e bounds, and a request's decode time is most of its e2e.
+DECODE_BOUNDS_S = E2E_BOUNDS_S
 
 
 def one_two_five(top: int) -> tuple[float, ...]:

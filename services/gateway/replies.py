@@ -1,7 +1,8 @@
 """The reply subject of one `llm.generate` request, as the gateway writes to it.
 
 Every reply goes out encoded in the content type the request asked for and is counted
-(`RequestCounters`: final replies by outcome). A client that asked for keepalives
+(`RequestCounters`: final replies by outcome, a completed one with its request's
+`TokenTimes`, which the gateway fills in as the tokens arrive). A client that asked for keepalives
 (`shared.bus.KEEPALIVE_HEADER`) also gets a `Keepalive` once per interval, e.g. while
 its request waits for capacity, runs its prefill or decodes a long unary completion:
 without them such a client could not tell that a gateway which died after accepting
@@ -23,25 +24,26 @@ from collections.abc import Callable
 from typing import Any
 
 from schemas.api import Keepalive
-from services.gateway.stats import RequestCounters
+from services.gateway.stats import RequestCounters, TokenTimes
 from shared.bus import Bus, encode_public
 
 MAX_PROBE_WAIT_S = 1.0  # a "no responders" answer takes one round trip to the NATS server
 
 
 class Replies:
-    """Replies to one request on `subject`, in `ctype`, counted in `counters`."""
+    """Replies to one request on `subject`, in `ctype`, counted in `counters` with the request's `tokens`."""
 
     def __init__(self, bus: Bus, subject: str, ctype: str, counters: RequestCounters) -> None:
         self.bus = bus
         self.subject = subject
         self.ctype = ctype
         self.counters = counters
+        self.tokens = TokenTimes()
 
     async def send(self, obj: Any) -> None:
         """Publish ``obj``; counted once sent (``PayloadTooLarge``: over the server's max_payload, not sent)."""
         await self.bus.publish(self.subject, encode_public(obj, self.ctype))
-        self.counters.reply(obj)
+        self.counters.reply(obj, self.tokens)
 
     async def keep_alive(self, interval_s: float, request_id: str, client_gone: Callable[[], None]) -> None:
         """Until cancelled: a `Keepalive` every `interval_s`; `client_gone()` (then return) once

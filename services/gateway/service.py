@@ -43,7 +43,7 @@ from services.common import Heartbeater, cancel_applies, decode_stage, prefill_s
 from services.gateway.admission import Admission, Admitted, Rejected
 from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
-from services.gateway.stats import RequestCounters
+from services.gateway.stats import RequestCounters, TokenTimes
 from services.liveness import MemberKey, PeerLiveness
 from shared.bus import BadReply, Bus, BusError, Deadline, NoResponders, PayloadTooLarge, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
 from shared.logging import bind_request, get_logger
@@ -244,7 +244,7 @@ class Gateway:
         self.flights[request_id] = flight
         with bind_request(request_id=request_id):
             try:
-                await self._serve(flight, req.stream, send_result, arrival_mono)
+                await self._serve(flight, req.stream, send_result, arrival_mono, replies.tokens)
             except Failed as e:
                 log.info("request_failed", code=e.code, reason=str(e))
                 await send(ErrorReply(error=ErrorInfo(e.code, str(e)), request_id=request_id))
@@ -310,7 +310,9 @@ class Gateway:
         elif (flight := self.flights.get(request_id)) is not None:
             flight.abort(error)
 
-    async def _serve(self, flight: Flight, stream: bool, send: Any, arrival: float) -> None:
+    async def _serve(self, flight: Flight, stream: bool, send: Any, arrival: float, tokens: TokenTimes) -> None:
+        """Place the request, relay its tokens as they arrive (noting when in ``tokens`` for the
+        statistics) and answer it."""
         job = flight.admitted.job
         deadline = Deadline(job.deadline)
         try:
@@ -327,9 +329,12 @@ class Gateway:
                     delta = completion.add(await self._next_batch(flight, deadline, first=not completion.token_ids))
                 except TokensLost as e:
                     raise Failed("unavailable", f"{e} (lost on the way from the decode rank)") from e
-                if ttft_ms is None and completion.token_ids:
-                    ttft_ms = (time.monotonic() - arrival) * 1000
-                    self.counters.first_token(ttft_ms)
+                if delta.token_ids:
+                    now = time.monotonic()
+                    if ttft_ms is None:
+                        ttft_ms = (now - arrival) * 1000
+                        self.counters.first_token(ttft_ms)
+                    self.counters.tokens_arrived(tokens, now)
                 if stream and (delta or completion.finished):
                     await send(self._chunk(job, chunks, delta, completion, arrival, queue_ms, ttft_ms))
                     chunks += 1

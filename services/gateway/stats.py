@@ -11,19 +11,24 @@ The same requests also go into cumulative histograms since start (shared/histogr
 which has their bucket bounds), which Prometheus can add up over gateway replicas and over any
 time window (`moebus metrics` renders them). Time to first token is counted when the first
 token reaches the gateway, as vLLM counts it: a long generation's shows while it runs, and a
-request cancelled or failed after its first token has one. Everything else is counted at the
-final reply of a completed request.
+request cancelled or failed after its first token has one. So are the inter-token gaps, each as
+its tokens arrive (`TokenTimes`). Everything else is counted at the final reply of a completed
+request, including its prefill time (placement to first token) and decode time (first token to
+last), vLLM's `request_prefill_time_seconds` and `request_decode_time_seconds` as the gateway
+sees them.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any
 
 from schemas.api import ErrorReply, GenerateChunk, GenerateResponse
 from schemas.internal import LatencySummary, RequestStats
-from shared.histogram import E2E_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S, Buckets, one_two_five
+from shared.histogram import (DECODE_BOUNDS_S, E2E_BOUNDS_S, ITL_BOUNDS_S, PREFILL_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S,
+                              Buckets, one_two_five)
 
 WINDOW = 1024  # completed requests the latency percentiles cover
 
@@ -38,6 +43,20 @@ def summarize(samples_ms: deque[float] | list[float]) -> LatencySummary | None:
         return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
     return LatencySummary(count=len(ordered), p50_ms=rank(0.50), p90_ms=rank(0.90), p99_ms=rank(0.99))
+
+
+@dataclass
+class TokenTimes:
+    """When one request's tokens reached its completion at the gateway (`time.monotonic()`): the
+    first and the latest arrival that brought tokens. Tokens that arrive together (a batch that
+    waited for the one before it) are one arrival, as vLLM takes the tokens of one engine step."""
+
+    first: float | None = None
+    last: float | None = None
+
+    def decode_s(self) -> float | None:
+        """First token to last (0 for one arrival); None before any."""
+        return None if self.first is None or self.last is None else self.last - self.first
 
 
 class RequestCounters:
@@ -55,32 +74,52 @@ class RequestCounters:
         self.tpot_s = Buckets(TPOT_BOUNDS_S)
         self.e2e_s = Buckets(E2E_BOUNDS_S)
         self.queue_s = Buckets(QUEUE_BOUNDS_S)
+        self.itl_s = Buckets(ITL_BOUNDS_S)
+        self.prefill_s = Buckets(PREFILL_BOUNDS_S)
+        self.decode_s = Buckets(DECODE_BOUNDS_S)
         self.prompt_hist = Buckets(one_two_five(max_context))
         self.completion_hist = Buckets(one_two_five(max_context))
 
-    def reply(self, obj: Any) -> None:
-        """Count `obj` if it is a final reply: an error, a unary response or a stream's last chunk."""
+    def reply(self, obj: Any, tokens: TokenTimes) -> None:
+        """Count `obj` if it is a final reply: an error, a unary response or a stream's last chunk
+        (`tokens`: when its request's tokens arrived)."""
         if isinstance(obj, ErrorReply):
             self.failed(obj.error.code)
         elif isinstance(obj, (GenerateResponse, GenerateChunk)) and obj.finish_reason is not None and obj.usage and obj.timing:
+            decode_s = tokens.decode_s()
             self.finished(obj.finish_reason, obj.usage.prompt_tokens, obj.usage.completion_tokens, obj.timing.ttft_ms, obj.timing.total_ms,
-                          obj.timing.queue_ms)
+                          obj.timing.queue_ms, None if decode_s is None else decode_s * 1000)
 
     def first_token(self, ttft_ms: float) -> None:
         """A request's first token reached the gateway, `ttft_ms` after the request did."""
         self.ttft_ms.append(ttft_ms)
         self.ttft_s.observe(ttft_ms / 1000)
 
+    def tokens_arrived(self, tokens: TokenTimes, now: float) -> None:
+        """Tokens of a request reached its completion at `now`: after its first arrival, the gap
+        since the one before is an inter-token latency (vLLM's, one per engine step: here one per
+        decode step, as a decode rank sends each step's token at once)."""
+        if tokens.last is None:
+            tokens.first = now
+        else:
+            self.itl_s.observe(now - tokens.last)
+        tokens.last = now
+
     def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float, total_ms: float,
-                 queue_ms: float) -> None:
+                 queue_ms: float, decode_ms: float | None) -> None:
         """A completed request: its finish reason, token counts, time to first token (for the time
-        per output token after it; `first_token` counted it), total time and time to placement
-        (`Timing`'s fields)."""
+        per output token after it and the prefill time; `first_token` counted it), total time and
+        time to placement (`Timing`'s fields), and its first token to its last (`TokenTimes`; None
+        if it got no token, and then it has no prefill time either: `Timing` gives it a TTFT of its
+        total time)."""
         self.outcomes[finish_reason] += 1
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         self.e2e_s.observe(total_ms / 1000)
         self.queue_s.observe(queue_ms / 1000)
+        if decode_ms is not None:
+            self.prefill_s.observe((ttft_ms - queue_ms) / 1000)
+            self.decode_s.observe(decode_ms / 1000)
         self.prompt_hist.observe(prompt_tokens)
         self.completion_hist.observe(completion_tokens)
         if completion_tokens > 1:
@@ -96,5 +135,6 @@ class RequestCounters:
         return RequestStats(outcomes=dict(self.outcomes), prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
                             ttft=summarize(self.ttft_ms), tpot=summarize(self.tpot_ms), ttft_seconds=self.ttft_s.snapshot(),
                             tpot_seconds=self.tpot_s.snapshot(), e2e_seconds=self.e2e_s.snapshot(), queue_seconds=self.queue_s.snapshot(),
+                            itl_seconds=self.itl_s.snapshot(), prefill_seconds=self.prefill_s.snapshot(), decode_seconds=self.decode_s.snapshot(),
                             prompt_tokens_per_request=self.prompt_hist.snapshot(),
                             completion_tokens_per_request=self.completion_hist.snapshot())

@@ -87,12 +87,32 @@ def test_a_prefill_instance_exports_its_queue_time_histogram():
     assert series[("moebus_prefill_queue_time_seconds_sum", p0)] == 0.5 and series[("moebus_prefill_queue_time_seconds_count", p0)] == 3
 
 
+# RequestStats' histogram fields and the families they render as (vLLM's names after `moebus_gateway_`)
+GATEWAY_HISTOGRAMS = {"ttft_seconds": "time_to_first_token_seconds", "itl_seconds": "inter_token_latency_seconds",
+                      "tpot_seconds": "request_time_per_output_token_seconds", "e2e_seconds": "e2e_request_latency_seconds",
+                      "queue_seconds": "request_queue_time_seconds", "prefill_seconds": "request_prefill_time_seconds",
+                      "decode_seconds": "request_decode_time_seconds", "prompt_tokens_per_request": "request_prompt_tokens",
+                      "completion_tokens_per_request": "request_generation_tokens"}
+
+
+def test_each_gateway_histogram_renders_as_its_own_family():
+    assert set(GATEWAY_HISTOGRAMS) == {f for f in RequestStats.__struct_fields__ if f.endswith(("_seconds", "_per_request"))}
+    stats = RequestStats(**{field: Histogram(bounds=[1.0, i + 2.0], buckets=[i, i], count=i + 1, sum=i + 0.5)
+                            for i, field in enumerate(GATEWAY_HISTOGRAMS)})
+    hb = Heartbeat(role="gateway", instance="g", rank=0, model="tiny", version="0.1", started_at=0.0, requests=stats)
+    series = parse(render([hb], now=1.0))
+    for i, short in enumerate(GATEWAY_HISTOGRAMS.values()):
+        family = f"moebus_gateway_{short}"
+        assert histogram_buckets(series, family) == {who("gateway", "g"): [(1.0, i), (i + 2.0, i), (math.inf, i + 1)]}, family
+        assert series[(f"{family}_sum", who("gateway", "g"))] == i + 0.5, family
+
+
 def test_a_fresh_gateway_exports_every_histogram_empty():
     hb = Heartbeat(role="gateway", instance="g", rank=0, model="tiny", version="0.1", started_at=0.0,
                    requests=RequestCounters(max_context=4096).stats())
     series = parse(render([hb], now=1.0))
     histograms = [name for name, kind, _ in FAMILIES if kind == "histogram" and name.startswith("moebus_gateway_")]
-    assert len(histograms) == 6
+    assert len(histograms) == len(GATEWAY_HISTOGRAMS)
     for family in histograms:
         assert series[(f"{family}_count", who("gateway", "g"))] == 0
 

@@ -336,14 +336,17 @@ def test_time_to_first_token_is_counted_when_the_first_token_comes(stack):
     run(scenario())
 
 
+# The gateway histograms whose every value follows from a reply's `timing` and `usage`.
 GATEWAY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
-                      "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens")
+                      "request_queue_time_seconds", "request_prefill_time_seconds", "request_prompt_tokens", "request_generation_tokens")
 
 
 def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timings(stack, tiny_model):
     """Scraped over HTTP before and after requests of known timings: every gateway histogram parses
     as Prometheus text, grows by exactly those requests, each in the buckets its reply's `timing`
-    and `usage` put it in, and its sum by their values; the prefill instance's queue time histogram
+    and `usage` put it in, and its sum by their values; the inter-token latency grows by one gap
+    per token after the first, adding up to the decode time, which grows by one per request, each
+    within its reply's time after its first token; the prefill instance's queue time histogram
     grows by one wait per request, each shorter than that request's time to first token."""
 
     def scrape_idle(url: str, finished: float = 0, prefilled: float = 0) -> tuple[Series, frozenset, frozenset]:
@@ -393,6 +396,7 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
                                                   if u.completion_tokens > 1],
         "e2e_request_latency_seconds": [t.total_ms / 1000 for t, _ in replies],
         "request_queue_time_seconds": [t.queue_ms / 1000 for t, _ in replies],
+        "request_prefill_time_seconds": [(t.ttft_ms - t.queue_ms) / 1000 for t, _ in replies],
         "request_prompt_tokens": [u.prompt_tokens for _, u in replies],
         "request_generation_tokens": [u.completion_tokens for _, u in replies],
     }
@@ -404,6 +408,17 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
         assert after[(f"{family}_sum", gw)] - before[(f"{family}_sum", gw)] == pytest.approx(sum(values), rel=1e-9, abs=1e-9), family
         gained = [(le, n - m) for (le, n), (_, m) in zip(histogram_buckets(after, family)[gw], histogram_buckets(before, family)[gw], strict=True)]
         assert gained == [(le, sum(v <= le for v in values)) for le, _ in gained], family
+    def gained(short: str) -> tuple[float, float]:
+        family = f"moebus_gateway_{short}"
+        return after[(f"{family}_count", gw)] - before[(f"{family}_count", gw)], after[(f"{family}_sum", gw)] - before[(f"{family}_sum", gw)]
+
+    (gaps, gaps_s), (decoded, decode_s) = gained("inter_token_latency_seconds"), gained("request_decode_time_seconds")
+    # Token 0 reaches the gateway before the decode rank is even told to start, and the rank sends
+    # each later token as its step ends, in order on one connection: every token after the first is
+    # an arrival of its own.
+    assert gaps == sum(u.completion_tokens - 1 for _, u in replies)
+    assert decoded == len(replies) and gaps_s == pytest.approx(decode_s, rel=1e-6)  # a request's gaps add up to its decode time
+    assert 0 < decode_s <= sum(t.total_ms - t.ttft_ms for t, _ in replies) / 1000 + 1e-9
     family = "moebus_prefill_queue_time_seconds"
     assert after[(f"{family}_count", pf)] - before[(f"{family}_count", pf)] == len(replies)
     waited = after[(f"{family}_sum", pf)] - before[(f"{family}_sum", pf)]

@@ -7,16 +7,18 @@ import random
 import socket
 import subprocess
 import sys
+import typing
 
 import msgspec
 import numpy as np
 import pytest
 
-from schemas.api import ErrorInfo, ErrorReply, GenerateChunk, GenerateResponse, Timing, Usage
-from schemas.internal import Heartbeat, Histogram, PrefixCacheStats, RequestStats, TransferStats
-from services.gateway.stats import RequestCounters, summarize
+from schemas.api import ErrorCode, ErrorInfo, ErrorReply, FinishReason, GenerateChunk, GenerateResponse, Timing, Usage
+from schemas.internal import Heartbeat, Histogram, LatencySummary, PrefixCacheStats, RequestStats, TransferStats
+from services.gateway.stats import RequestCounters, TokenTimes, summarize
 from services.status import member_line, summary_lines
-from shared.histogram import E2E_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S, Buckets, one_two_five
+from shared.histogram import (DECODE_BOUNDS_S, E2E_BOUNDS_S, ITL_BOUNDS_S, PREFILL_BOUNDS_S, QUEUE_BOUNDS_S, TPOT_BOUNDS_S, TTFT_BOUNDS_S,
+                              Buckets, one_two_five)
 
 
 def _response(finish: str, prompt: int, completion: int, ttft: float, total: float, queue: float = 0.0) -> GenerateResponse:
@@ -28,13 +30,13 @@ def test_every_final_reply_is_counted_once_by_outcome():
     counters = RequestCounters(max_context=4096)
     counters.first_token(10.0)
     counters.first_token(5.0)
-    counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0))
-    counters.reply(GenerateChunk(request_id="s", index=0, text="a", token_ids=[1]))  # not the last chunk
+    counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0), TokenTimes(0.01, 0.04))
+    counters.reply(GenerateChunk(request_id="s", index=0, text="a", token_ids=[1]), TokenTimes(0.005, 0.005))  # not the last chunk
     counters.reply(GenerateChunk(request_id="s", index=1, text="b", token_ids=[2], finish_reason="stop", usage=Usage(3, 2),
-                                 timing=Timing(queue_ms=0.0, ttft_ms=5.0, total_ms=7.0, compute_ms=0.0)))
-    counters.reply(ErrorReply(error=ErrorInfo("overloaded", "full")))
-    counters.reply(ErrorReply(error=ErrorInfo("invalid_request", "bad")))
-    counters.reply(ErrorReply(error=ErrorInfo("invalid_request", "worse")))
+                                 timing=Timing(queue_ms=0.0, ttft_ms=5.0, total_ms=7.0, compute_ms=0.0)), TokenTimes(0.005, 0.007))
+    counters.reply(ErrorReply(error=ErrorInfo("overloaded", "full")), TokenTimes())
+    counters.reply(ErrorReply(error=ErrorInfo("invalid_request", "bad")), TokenTimes())
+    counters.reply(ErrorReply(error=ErrorInfo("invalid_request", "worse")), TokenTimes())
     stats = counters.stats()
     assert stats.outcomes == {"length": 1, "stop": 1, "overloaded": 1, "invalid_request": 2}
     assert (stats.prompt_tokens, stats.completion_tokens) == (8, 6)
@@ -50,7 +52,7 @@ def test_latency_percentiles_are_nearest_rank_over_the_latest_window():
     counters = RequestCounters(max_context=4096, window=1000)
     for ttft in samples:
         counters.first_token(ttft)
-        counters.finished("length", 1, 1, ttft, ttft, 0.0)
+        counters.finished("length", 1, 1, ttft, ttft, 0.0, 0.0)
     stats = counters.stats()
     window = np.array(samples[-1000:])
     assert stats.ttft is not None and stats.ttft.count == 1000
@@ -76,12 +78,12 @@ def test_histogram_buckets_are_cumulative_with_values_on_a_bound_in_its_bucket()
 def test_finished_requests_fill_the_histograms_first_tokens_the_ttft_one_and_failures_nothing():
     counters = RequestCounters(max_context=4096)
     counters.first_token(10.0)
-    counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0, queue=1.0))  # tpot (40 - 10) / 3 = 10 ms: on the 0.01 bound
+    counters.reply(_response("length", 5, 4, ttft=10.0, total=40.0, queue=1.0), TokenTimes(0.01, 0.04))  # tpot (40 - 10) / 3 = 10 ms: on the 0.01 bound
     counters.first_token(2560_000.0)
-    counters.reply(_response("stop", 300, 1, ttft=2560_000.0, total=7680_001.0, queue=2560_001.0))  # one token: no tpot
-    counters.reply(ErrorReply(error=ErrorInfo("overloaded", "full")))
+    counters.reply(_response("stop", 300, 1, ttft=2560_000.0, total=7680_001.0, queue=2560_001.0), TokenTimes(2560.0, 2560.0))  # one token: no tpot
+    counters.reply(ErrorReply(error=ErrorInfo("overloaded", "full")), TokenTimes())
     counters.first_token(1.0)  # a request that got its first token and then failed: its TTFT counts, nothing else
-    counters.reply(ErrorReply(error=ErrorInfo("cancelled", "client left")))
+    counters.reply(ErrorReply(error=ErrorInfo("cancelled", "client left")), TokenTimes(0.001, 0.001))
     stats = counters.stats()
 
     def at(h: Histogram | None, bound: float) -> int:
@@ -104,8 +106,63 @@ def test_finished_requests_fill_the_histograms_first_tokens_the_ttft_one_and_fai
     assert old.ttft_seconds is None and old.tpot_seconds is None
 
 
+def test_inter_token_gaps_count_as_tokens_arrive_and_a_completed_request_adds_its_prefill_and_decode_time():
+    counters = RequestCounters(max_context=4096)
+
+    def at(h: Histogram | None, bound: float) -> int:
+        assert h is not None
+        return h.buckets[h.bounds.index(bound)]
+
+    tokens = TokenTimes()
+    for now in (0.0, 0.003, 0.010, 3.010):  # four arrivals: the gaps are 3 ms, 7 ms and 3 s
+        counters.tokens_arrived(tokens, now)
+    stats = counters.stats()
+    itl = stats.itl_seconds
+    assert itl is not None and itl.count == 3 and itl.sum == pytest.approx(3.010)
+    assert (at(itl, 0.0025), at(itl, 0.005), at(itl, 0.0075), at(itl, 2.5), at(itl, 5.0)) == (0, 1, 2, 2, 3)
+    assert stats.prefill_seconds.count == stats.decode_seconds.count == 0  # type: ignore[union-attr]  # counted at the final reply
+    assert tokens.decode_s() == pytest.approx(3.010) and TokenTimes().decode_s() is None
+    counters.reply(_response("length", 7, 4, ttft=30.0, total=3100.0, queue=12.0), tokens)
+    stats = counters.stats()
+    prefill, decode = stats.prefill_seconds, stats.decode_seconds
+    assert prefill is not None and prefill.count == 1 and prefill.sum == pytest.approx(0.018)  # ttft - queue
+    assert (at(prefill, 0.01), at(prefill, 0.02)) == (0, 1)
+    assert decode is not None and decode.count == 1 and decode.sum == pytest.approx(3.010)  # first token to last
+    assert (at(decode, 2.5), at(decode, 5.0)) == (0, 1)
+    # a request that fails after its tokens: its gaps count as they came, no prefill or decode time
+    failed = TokenTimes()
+    counters.tokens_arrived(failed, 10.0)
+    counters.tokens_arrived(failed, 10.5)
+    counters.reply(ErrorReply(error=ErrorInfo("cancelled", "client left")), failed)
+    # a one-token request: no gap, a decode time of 0
+    one = TokenTimes()
+    counters.tokens_arrived(one, 20.0)
+    counters.reply(_response("stop", 3, 1, ttft=5.0, total=6.0, queue=1.0), one)
+    stats = counters.stats()
+    assert stats.itl_seconds.count == 4 and stats.itl_seconds.sum == pytest.approx(3.510)  # type: ignore[union-attr]
+    assert stats.prefill_seconds.count == 2 and stats.prefill_seconds.sum == pytest.approx(0.022)  # type: ignore[union-attr]
+    assert stats.decode_seconds.count == 2 and at(stats.decode_seconds, 0.3) == 1  # type: ignore[union-attr]
+
+
+def test_a_gateway_heartbeat_stays_a_few_kib_however_long_it_runs():
+    """Every process gets every heartbeat, two a second from each process, and the gateway's, with
+    its histograms, is the largest: at its largest (every count past 2**32, every outcome, a context
+    of 1M tokens for the token-count bounds) it is 4737 bytes, 3356 before the inter-token, prefill
+    and decode time histograms came."""
+    stats = RequestCounters(max_context=1 << 20).stats()
+    full = {field: msgspec.structs.replace(h, buckets=[2**40] * len(h.bounds), count=2**40, sum=1.2345678e12)
+            for field in stats.__struct_fields__ if isinstance(h := getattr(stats, field), Histogram)}
+    assert len(full) == 9
+    summary = LatencySummary(count=1024, p50_ms=123.456789, p90_ms=234.567891, p99_ms=345.678912)
+    outcomes = {name: 2**40 for name in typing.get_args(FinishReason) + typing.get_args(ErrorCode)}
+    stats = msgspec.structs.replace(stats, outcomes=outcomes, prompt_tokens=2**50, completion_tokens=2**50, ttft=summary, tpot=summary, **full)
+    hb = Heartbeat(role="gateway", instance="gateway-0", rank=0, model="Qwen/Qwen3-30B-A3B-Instruct-2507", version="0.1.0",
+                   started_at=1.0e9, in_flight=1000, requests=stats)
+    assert len(msgspec.msgpack.encode(hb)) <= 6 * 1024
+
+
 def test_bucket_bounds_ascend_and_token_bounds_stop_at_the_context():
-    for bounds in (TTFT_BOUNDS_S, TPOT_BOUNDS_S, E2E_BOUNDS_S, QUEUE_BOUNDS_S):
+    for bounds in (TTFT_BOUNDS_S, TPOT_BOUNDS_S, E2E_BOUNDS_S, QUEUE_BOUNDS_S, ITL_BOUNDS_S, PREFILL_BOUNDS_S, DECODE_BOUNDS_S):
         assert list(bounds) == sorted(set(bounds))
     assert one_two_five(4096) == (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
     assert one_two_five(5000)[-1] == 5000.0 and one_two_five(0) == ()
