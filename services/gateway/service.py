@@ -312,7 +312,7 @@ class Gateway:
 
     async def _serve(self, flight: Flight, stream: bool, send: Any, arrival: float, tokens: TokenTimes) -> None:
         """Place the request, relay its tokens as they arrive (noting when in ``tokens`` for the
-        statistics) and answer it."""
+        statistics), answer it, and log `completed` with its figures: one line per request to grep."""
         job = flight.admitted.job
         deadline = Deadline(job.deadline)
         try:
@@ -324,6 +324,7 @@ class Gateway:
                                     flight.admitted.stop_token_ids, flight.admitted.include_stop)
             ttft_ms = None
             chunks = 0
+            timing = None  # the final reply's
             while not completion.finished:
                 try:
                     delta = completion.add(await self._next_batch(flight, deadline, first=not completion.token_ids))
@@ -336,30 +337,37 @@ class Gateway:
                         self.counters.first_token(ttft_ms)
                     self.counters.tokens_arrived(tokens, now)
                 if stream and (delta or completion.finished):
-                    await send(self._chunk(job, chunks, delta, completion, arrival, queue_ms, ttft_ms))
+                    chunk = self._chunk(job, chunks, delta, completion, arrival, queue_ms, ttft_ms)
+                    await send(chunk)
+                    timing = chunk.timing
                     chunks += 1
         except Failed:
             await self._cancel_downstream(job.request_id, "request failed at the gateway")
             raise
         if completion.finish_reason == "stop":
             await self._cancel_downstream(job.request_id, "stop string reached")  # decode may still be running
-        log.info("completed", finish_reason=completion.finish_reason, tokens=len(completion.token_ids))
-        if not stream:
-            await send(
-                GenerateResponse(
-                    request_id=job.request_id,
-                    model=self.admission.model.name,
-                    text=completion.final_text,
-                    token_ids=completion.token_ids,
-                    finish_reason=completion.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=completion.stop_reason,
-                    usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens),
-                    timing=self._timing(arrival, queue_ms, ttft_ms, completion),
-                    logprobs=completion.logprobs if job.logprobs else None,
-                    token_logprobs=completion.token_logprobs if job.logprobs else None,
-                    prompt_logprobs=completion.prompt_logprobs,
-                )
-            )
+        response = None if stream else GenerateResponse(
+            request_id=job.request_id,
+            model=self.admission.model.name,
+            text=completion.final_text,
+            token_ids=completion.token_ids,
+            finish_reason=completion.finish_reason,  # type: ignore[arg-type]
+            stop_reason=completion.stop_reason,
+            usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens),
+            timing=self._timing(arrival, queue_ms, ttft_ms, completion),
+            logprobs=completion.logprobs if job.logprobs else None,
+            token_logprobs=completion.token_logprobs if job.logprobs else None,
+            prompt_logprobs=completion.prompt_logprobs,
+        )
+        if response is not None:
+            timing = response.timing
+        assert timing is not None  # a stream's last chunk has it
+        # The final reply's figures (its `usage` and `timing`); logged before a unary reply goes out, so
+        # the line is there by the time its client has the answer.
+        log.info("completed", finish_reason=completion.finish_reason, prompt_tokens=len(job.input_ids), tokens=len(completion.token_ids),
+                 ttft_ms=round(timing.ttft_ms, 3), e2e_ms=round(timing.total_ms, 3))
+        if response is not None:
+            await send(response)
 
     def _chunk(self, job: Job, index: int, delta: Delta, completion: Completion, arrival: float, queue_ms: float, ttft_ms: float | None) -> GenerateChunk:
         last = completion.finished

@@ -29,7 +29,7 @@ from services.common import decode_stage
 from shared.bus import CONTENT_TYPE, KEEPALIVE_HEADER, MSGPACK, pack
 from shared.settings import NatsServerSettings
 
-from services_helpers import Series, all_kv_free, histogram_buckets, log_events, parse_metrics, run, session, stack_fixture, stream_all
+from services_helpers import Series, all_kv_free, histogram_buckets, log_events, parse_metrics, run, session, stack_fixture, stream_all, until
 
 pytestmark = pytest.mark.slow
 
@@ -428,6 +428,31 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
     assert after[("moebus_gateway_e2e_request_latency_seconds_count", gw)] == finished
     assert after[("moebus_gateway_request_prompt_tokens_sum", gw)] == after[("moebus_gateway_prompt_tokens_total", gw)]
     assert after[("moebus_gateway_request_generation_tokens_sum", gw)] == after[("moebus_gateway_completion_tokens_total", gw)]
+
+
+def test_the_gateway_logs_one_completed_line_per_request_with_its_reply_figures(stack):
+    """An operator greps one line per request: `completed`, with its request id, its prompt and
+    completion tokens and its time to first token and end to end as its reply gave them."""
+    tag = f"{time.time_ns():x}"
+
+    async def serve() -> list:
+        async with session(stack.url) as (client, _):
+            unary = await client.generate(GenerateRequest(prompt=PROMPTS[1], max_tokens=3, ignore_eos=True, request_id=f"log-unary-{tag}"))
+            streamed = await stream_all(client, GenerateRequest(prompt=PROMPTS[4], max_tokens=4, ignore_eos=True, request_id=f"log-stream-{tag}"))
+
+            def logged() -> bool:
+                return {e.get("request_id") for e in log_events(stack, "completed")} >= {f"log-unary-{tag}", f"log-stream-{tag}"}
+
+            await until(logged, "the gateway logged both requests")  # it logs once the final reply is out
+            return [(unary.request_id, unary.usage, unary.timing), (streamed[-1].request_id, streamed[-1].usage, streamed[-1].timing)]
+
+    for request_id, usage, timing in run(serve()):
+        lines = [e for e in log_events(stack, "completed") if e.get("request_id") == request_id]
+        assert len(lines) == 1, lines
+        figures = {k: lines[0][k] for k in ("finish_reason", "prompt_tokens", "tokens", "ttft_ms", "e2e_ms")}
+        assert figures == {"finish_reason": "length", "prompt_tokens": usage.prompt_tokens, "tokens": usage.completion_tokens,
+                           "ttft_ms": round(timing.ttft_ms, 3), "e2e_ms": round(timing.total_ms, 3)}, request_id
+        assert 0 < figures["ttft_ms"] <= figures["e2e_ms"]
 
 
 def _counters(watch) -> dict:
