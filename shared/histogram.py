@@ -30,7 +30,7 @@ E2E_BOUNDS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 # token, so they take the TTFT's bounds.
 QUEUE_BOUNDS_S = TTFT_BOUNDS_S
 # vLLM's inter_token_latency_seconds bounds are its request_time_per_output_token_seconds ones; so are
-# these (a request's TPOT is the mean of its inter-token gaps).
+# these (a request's TPOT is about the mean of its inter-token gaps: its reply follows its last token).
 ITL_BOUNDS_S = TPOT_BOUNDS_S
 # vLLM's request_prefill_time_seconds uses the e2e bounds; the gateway's prefill time is the rest of
 # the time to first token after placement (milliseconds for a short prompt), so it takes the TTFT's.
