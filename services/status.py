@@ -11,7 +11,10 @@ time per output token, percentiles over each gateway's recent requests; with sev
 gateways, the worst gateway's percentile) and over all decode ranks (KV pages, transfers).
 `--json` prints the heartbeats themselves, one JSON object per line.
 
-The exit status is 1 when no process was heard: nothing serves on that bus.
+The exit status is 1 when no process was heard (nothing serves on that bus), and, after the
+listing, when a role of the stack (`ROLES`) has no serving process: no instance of it was heard, or
+only draining ones, which take no new work; the stack cannot answer a request then, and stderr says
+which role is missing.
 """
 
 from __future__ import annotations
@@ -26,10 +29,9 @@ import msgspec
 
 from schemas import subjects
 from schemas.internal import Heartbeat, LatencySummary, TransferStats
+from services.compose import ROLES
 from shared.bus import Unreachable, connect, unpack
 from shared.settings import nats_url_from_env
-
-ROLE_ORDER = ("gateway", "scheduler", "prefill", "decode")
 
 
 async def collect(url: str, wait_s: float) -> list[Heartbeat]:
@@ -43,7 +45,7 @@ async def collect(url: str, wait_s: float) -> list[Heartbeat]:
     async with connect(url, "moebus-status") as bus:
         await bus.subscribe(subjects.HEARTBEAT_ALL, on_heartbeat, concurrent=False)
         await asyncio.sleep(wait_s)
-    return [latest[key] for key in sorted(latest, key=lambda k: (ROLE_ORDER.index(k[0]), k[1], k[2]))]
+    return [latest[key] for key in sorted(latest, key=lambda k: (ROLES.index(k[0]), k[1], k[2]))]
 
 
 def _duration(seconds: float) -> str:
@@ -147,6 +149,14 @@ def summary_lines(members: list[Heartbeat]) -> list[str]:
     return lines
 
 
+def missing_roles(members: list[Heartbeat]) -> list[str]:
+    """The roles of a stack without a serving process among ``members``, each as the warning names it:
+    a request needs one of each (a gateway, a scheduler, a prefill and a decode instance)."""
+    heard = {hb.role for hb in members}
+    serving = {hb.role for hb in members if not hb.draining}
+    return [role if role not in heard else f"{role} (only draining ones)" for role in ROLES if role not in serving]
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moebus status", description="show what a running moebus stack reports in its heartbeats")
     ap.add_argument("--url", default=nats_url_from_env(), help="NATS URL (printed by `moebus up`; default: $MOEBUS_NATS_URL, else nats://127.0.0.1:4222)")
@@ -171,10 +181,16 @@ def main(argv: list[str]) -> int:
     if a.json:
         for hb in members:
             print(msgspec.json.encode(hb).decode())
-        return 0
-    now = time.time()
-    for hb in members:
-        print(member_line(hb, now))
-    for line in summary_lines(members):
-        print(line)
+    else:
+        now = time.time()
+        for hb in members:
+            print(member_line(hb, now))
+        for line in summary_lines(members):
+            print(line)
+    missing = missing_roles(members)
+    if missing:
+        sys.stdout.flush()  # the listing first, then the warning below it, on a terminal showing both
+        print(f"moebus status: no serving {', '.join(missing)} heard on {a.url} within {a.wait}s: the stack cannot answer requests",
+              file=sys.stderr)
+        return 1
     return 0

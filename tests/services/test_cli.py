@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from schemas import subjects
+from schemas.internal import Heartbeat
 from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, check_shadowed_settings, load_compose
 from services.launch import LocalStack, parse_up_arguments
-from shared.bus import connect
+from shared.bus import connect, pack
 
 pytestmark = pytest.mark.slow
 
@@ -416,9 +418,11 @@ def test_status_and_request_look_at_the_stack_moebus_nats_url_names(nats_server:
         deadline = time.monotonic() + 60
         while True:
             status = subprocess.run([sys.executable, "-m", "services.cli", "status"], env=env, capture_output=True, text=True, timeout=60)
-            if status.returncode == 0 and "scheduler-of-this-url" in status.stdout:
+            if "scheduler-of-this-url" in status.stdout:
                 break
             assert time.monotonic() < deadline, status.stdout + status.stderr
+        # A scheduler alone: listed, and the roles a request needs besides are named (test_status_names_a_role_without_a_serving_process).
+        assert status.returncode == 1 and "no serving gateway, prefill, decode heard" in status.stderr, status.stderr
         # No gateway on this server: the request reached it, and nobody answers llm.generate there.
         request = subprocess.run([sys.executable, "-m", "services.cli", "request", "--prompt", "hi"], env=env, capture_output=True, text=True, timeout=60)
         assert request.returncode == 1 and "no responder on llm.generate" in request.stderr, request.stderr
@@ -427,29 +431,62 @@ def test_status_and_request_look_at_the_stack_moebus_nats_url_names(nats_server:
         scheduler.wait(30)
 
 
+def heartbeat(role: str, instance: str, draining: bool = False) -> Heartbeat:
+    """The heartbeat of rank 0 of ``instance``, as a process of ``role`` that started now sends it."""
+    return Heartbeat(role=role, instance=instance, rank=0, model="tiny", version="0.1", started_at=time.time(), draining=draining)
+
+
+def beat_while_running(status: subprocess.Popen, url: str, heartbeats: list[Heartbeat], timeout: float = 60.0) -> None:
+    """Publish ``heartbeats`` on ``url`` every 0.2 s, as the processes they describe would, until ``status``
+    (a `moebus status` listening there) has exited."""
+    async def beat() -> None:
+        async with connect(url, "test-status") as bus:
+            deadline = time.monotonic() + timeout
+            while status.poll() is None:
+                assert time.monotonic() < deadline, "moebus status did not exit"
+                for hb in heartbeats:
+                    await bus.publish(subjects.heartbeat(hb.role, hb.instance, hb.rank), pack(hb))
+                await asyncio.sleep(0.2)
+
+    asyncio.run(beat())
+
+
 def test_status_into_a_reader_that_stops_early_exits_quietly(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
     """`moebus status | head -1`: printing into the closed pipe was a BrokenPipeError traceback."""
-    from schemas.internal import Heartbeat
-    from shared.bus import pack
-
     port, _ = nats_server
     url = f"nats://127.0.0.1:{port}"
     status = subprocess.Popen([sys.executable, "-m", "services.cli", "status", "--url", url, "--wait", "1.5"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     status.stdout.close()  # the reader is gone before the first line
-
-    async def beat() -> None:  # processes for it to list, more than one pipe buffer's worth of lines
-        async with connect(url, "test-status") as bus:
-            for _ in range(12):
-                for i in range(200):
-                    hb = Heartbeat(role="decode", instance=f"decode-{i}", rank=0, model="tiny", version="0.1", started_at=time.time())
-                    await bus.publish(f"ctl.heartbeat.decode.decode-{i}.0", pack(hb))
-                await asyncio.sleep(0.2)
-
-    asyncio.run(beat())
+    # Processes for it to list, more than one pipe buffer's worth of lines.
+    beat_while_running(status, url, [heartbeat("decode", f"decode-{i}") for i in range(200)])
     err = status.stderr.read()
     assert status.wait(timeout=30) == 128 + signal.SIGPIPE, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_status_names_a_role_without_a_serving_process(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """A stack without a decode instance, its prefill draining: `moebus status` listed what it heard and exited
+    0, as of a stack that serves, though no request could be answered. It now names the roles missing on stderr
+    below the listing and exits 1, as when nothing at all is heard; a stack with all four serving exits 0."""
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+
+    def status(heartbeats: list[Heartbeat], *flags: str) -> tuple[int, str, str]:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "status", "--url", url, "--wait", "1", *flags],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        beat_while_running(proc, url, heartbeats)
+        out, err = proc.communicate(timeout=30)
+        return proc.returncode, out, err
+
+    partial = [heartbeat("gateway", "gateway-0"), heartbeat("scheduler", "scheduler-0"), heartbeat("prefill", "prefill-0", draining=True)]
+    warning = f"moebus status: no serving prefill (only draining ones), decode heard on {url} within 1.0s: the stack cannot answer requests\n"
+    code, out, err = status(partial)
+    assert (code, err) == (1, warning) and [line.split()[1] for line in out.splitlines()] == ["gateway-0", "scheduler-0", "prefill-0"], (code, out, err)
+    code, out, err = status(partial, "--json")
+    assert (code, err) == (1, warning) and [json.loads(line)["instance"] for line in out.splitlines()] == ["gateway-0", "scheduler-0", "prefill-0"], out
+    code, out, err = status([*partial[:2], heartbeat("prefill", "prefill-0"), heartbeat("decode", "decode-0")])
+    assert (code, err) == (0, "") and "decode-0" in out, (code, out, err)
 
 
 def test_a_nats_url_list_connects_and_a_bad_url_is_named(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
