@@ -23,6 +23,7 @@ from schemas import subjects
 from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList, TokenLogprob
 from shared.bus import (CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, Unreachable,
                         connect, decode_public, encode_public)
+from shared.logging import configure_tool_logging
 from shared.settings import nats_url_from_env
 
 
@@ -266,6 +267,7 @@ def _summary(finish_reason: Any, usage: Any, timing: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
+    configure_tool_logging("moebus-request")
     try:
         return asyncio.run(_run(_parse(argv)))
     except Unreachable as e:

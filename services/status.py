@@ -31,6 +31,7 @@ from schemas import subjects
 from schemas.internal import Heartbeat, LatencySummary, TransferStats
 from services.compose import ROLES
 from shared.bus import Unreachable, connect, unpack
+from shared.logging import configure_tool_logging
 from shared.settings import nats_url_from_env
 
 
@@ -170,6 +171,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = _parse(argv)
+    configure_tool_logging("moebus-status")
     try:
         members = asyncio.run(collect(a.url, a.wait))
     except Unreachable as e:
