@@ -9,7 +9,8 @@ so is the service named `nats` (`moebus up` runs a local nats-server in its plac
 `${VAR:-default}` in the file are interpolated from the environment, as docker compose does. A file
 that is no compose file of moebus services, or a value it cannot use, is a `StackError` naming the
 file, the service and the part; so is a `MOEBUS_*` setting of the caller's environment that the
-file would override (`check_shadowed_settings`).
+file would override (`check_shadowed_settings`), and a role the file runs left without a replica
+(`check_every_role_runs`).
 """
 
 from __future__ import annotations
@@ -146,3 +147,17 @@ def check_shadowed_settings(specs: list[ServiceSpec], environ: dict[str, str], p
     if problems:
         raise StackError("; ".join(problems))
 
+
+
+def check_every_role_runs(specs: list[ServiceSpec], path: str | Path, scale: dict[str, int]) -> None:
+    """Refuse a stack whose file runs a role of `ROLES` with no replica of it in all (`--scale gateway=0`, a
+    count of 0 in the file): a request needs one of each, so such a stack never answers one, and `moebus up`
+    waited out its ready timeout for it (without a gateway `llm.models` never answers)."""
+    problems = []
+    for role in ROLES:
+        services = [s for s in specs if s.role == role]
+        if services and not sum(s.replicas for s in services):
+            counts = ", ".join(f"--scale {s.name}=0" if s.name in scale else f"{s.name}: replicas 0 in {path}" for s in services)
+            problems.append(f"no {role} would run ({counts})")
+    if problems:
+        raise StackError(f"{'; '.join(problems)}: a request needs a gateway, a scheduler, a prefill and a decode instance; give each role a replica")

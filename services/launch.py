@@ -45,7 +45,8 @@ from typing import Any
 from schemas import subjects
 from schemas.api import ModelList
 from schemas.internal import Heartbeat
-from services.compose import DEFAULT_STACK, FRONTENDS, ROLES, ServiceSpec, StackError, check_shadowed_settings, load_compose
+from services.compose import (DEFAULT_STACK, FRONTENDS, ROLES, ServiceSpec, StackError, check_every_role_runs, check_shadowed_settings,
+                             load_compose)
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
 from shared.settings import SERVICES, GatewaySettings, NatsServerSettings, SchedulerSettings, SettingsError, load_settings, nats_server_settings
@@ -513,6 +514,7 @@ def main(argv: list[str]) -> int:
             model = ensure_tiny_model(cache, lambda: stopping)
         # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0).
         specs = load_compose(a.stack, {"MOEBUS_HTTP_HOST": "127.0.0.1", **os.environ, "MOEBUS_MODEL": str(model)}, scale)
+        check_every_role_runs(specs, a.stack, scale)
         check_shadowed_settings(specs, dict(os.environ), a.stack)
         nats = nats_server_settings(a.nats_max_payload)
     except (StackError, SettingsError) as e:

@@ -18,7 +18,7 @@ import pytest
 
 from schemas import subjects
 from schemas.internal import Heartbeat
-from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, check_shadowed_settings, load_compose
+from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, REPO_ROOT, check_every_role_runs, check_shadowed_settings, load_compose
 from services.launch import LocalStack, parse_up_arguments
 from shared.bus import connect, pack
 
@@ -154,10 +154,10 @@ def test_up_reports_why_a_service_stopped_at_start_and_leaves_nothing_running(tm
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
 
 
-def up_refused(log_dir: Path, model: Path, env: dict[str, str]) -> str:
-    """`moebus up` with ``env`` added to this environment, refused before it started anything (exit 2,
+def up_refused(log_dir: Path, model: Path, env: dict[str, str], *flags: str) -> str:
+    """`moebus up ...flags` with ``env`` added to this environment, refused before it started anything (exit 2,
     no log directory made): its stderr."""
-    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(model), "--log-dir", str(log_dir)],
+    up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(model), "--log-dir", str(log_dir), *flags],
                         env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
     assert up.returncode == 2, up.stdout + up.stderr
     assert not log_dir.exists()  # nothing was started
@@ -183,6 +183,22 @@ def test_up_refuses_a_scheduler_wait_the_gateway_does_not_wait_out(tmp_path: Pat
     monkeypatch.setenv("MOEBUS_SCHEDULER_QUEUE_WAIT_MS", "20000")
     monkeypatch.setenv("MOEBUS_GATEWAY_SUBMIT_TIMEOUT_S", "25")
     LocalStack(load_compose(DEFAULT_STACK, dict(os.environ)), tiny_model, log_dir).check_settings()
+
+
+def test_up_refuses_a_role_without_a_replica(tmp_path: Path, tiny_model: Path):
+    """`moebus up --scale gateway=0` started the rest and waited out --ready-timeout (llm.models never answers
+    without a gateway); a stack without a decode (or prefill, scheduler) instance cannot answer a request either.
+    Refused at once, whether the 0 comes from --scale or from the compose file (split-nodes.yml's
+    PREFILL_REPLICAS). A frontend is no role a request needs: `--scale openai=0` passes the check."""
+    log_dir = tmp_path / "logs"
+    # --ready-timeout 30: without the check, the gateway=0 stack fails (exit 1) after 30 s instead of 300.
+    refused = up_refused(log_dir, tiny_model, {}, "--scale", "gateway=0", "--scale", "decode=0", "--ready-timeout", "30")
+    assert ("moebus up: no gateway would run (--scale gateway=0); no decode would run (--scale decode=0): a request needs a gateway, a scheduler,"
+            " a prefill and a decode instance; give each role a replica") in refused, refused
+    split = REPO_ROOT / "compose" / "split-nodes.yml"
+    refused = up_refused(log_dir, tiny_model, {"PREFILL_REPLICAS": "0"}, "--stack", str(split), "--ready-timeout", "30")
+    assert f"moebus up: no prefill would run (prefill: replicas 0 in {split})" in refused, refused
+    check_every_role_runs(load_compose(DEFAULT_STACK, {}, {"openai": 0, "metrics": 0}), DEFAULT_STACK, {"openai": 0, "metrics": 0})
 
 
 def test_up_names_a_cache_or_log_directory_it_cannot_create(tmp_path: Path, tiny_model: Path):
