@@ -18,7 +18,8 @@ settings before anything starts and handed to the services as `MOEBUS_CONFIG`.
 Without `--model` (or `$MOEBUS_MODEL`) the stack serves the embedded tiny checkpoint, created on first
 use in the cache directory (`$MOEBUS_CACHE_DIR`, else `~/.cache/moebus`).
 `moebus up` is ready once every replica heartbeats and `llm.models` answers: it prints
-the NATS URL, and serves until Ctrl-C / SIGTERM, which drains and stops everything. While it
+the NATS URL, and serves until Ctrl-C / SIGTERM, which drains and stops everything (a second one kills
+what still drains: `LocalStack.stop`'s ``hurry``). While it
 serves, a replica that ends is reported and, where its service's compose `restart` policy says so,
 started again after a backoff (`_serve`).
 """
@@ -363,19 +364,21 @@ class LocalStack:
             os.killpg(replica.proc.pid, signal.SIGKILL)
             return replica.proc.wait()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM every replica (gateways first, so clients get answers), then nats-server."""
+    def stop(self, timeout: float = 30.0, hurry: Callable[[], bool] = lambda: False) -> list[str]:
+        """SIGTERM every replica (gateways first, so clients get answers), then nats-server. The replicas still
+        draining after ``timeout`` seconds, or as soon as ``hurry()`` says so (a second Ctrl-C), are killed with
+        their process groups; returns their instances."""
         order = {"openai": 0, "metrics": 0, "gateway": 1, "scheduler": 2, "prefill": 3, "decode": 3}
         for replica in sorted(self.replicas, key=lambda r: order[r.role]):
             if replica.proc.poll() is None:
                 replica.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for replica in self.replicas:
-            try:
-                replica.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(replica.proc.pid, signal.SIGKILL)
-                replica.proc.wait()
+        while any(r.proc.poll() is None for r in self.replicas) and time.monotonic() < deadline and not hurry():
+            time.sleep(0.05)
+        killed = [r for r in self.replicas if r.proc.poll() is None]
+        for replica in killed:
+            os.killpg(replica.proc.pid, signal.SIGKILL)
+            replica.proc.wait()
         if self.nats is not None and self.nats.poll() is None:
             self.nats.terminate()
             try:
@@ -383,6 +386,7 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 self.nats.kill()
                 self.nats.wait()
+        return [r.instance for r in killed]
 
 
 # ---------------------------------------------------------------- moebus up
@@ -492,11 +496,15 @@ def main(argv: list[str]) -> int:
     cache = default_cache_dir()
     # From here on a stop is a request, not a KeyboardInterrupt: writing the demo model on first use
     # takes a while, and a Ctrl-C then must leave neither tracebacks nor a half-written checkpoint.
-    stopping = False
+    # The first Ctrl-C (or SIGTERM) drains the stack; one more during the drain kills what still drains.
+    stop_requests = 0
 
     def on_signal(signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
+        nonlocal stop_requests
+        stop_requests += 1
+
+    def stopping() -> bool:
+        return stop_requests > 0
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -511,7 +519,7 @@ def main(argv: list[str]) -> int:
             model = Path(a.model).resolve()
         else:
             print(f"moebus up: using the embedded tiny model (cache: {cache})", flush=True)
-            model = ensure_tiny_model(cache, lambda: stopping)
+            model = ensure_tiny_model(cache, stopping)
         # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0).
         specs = load_compose(a.stack, {"MOEBUS_HTTP_HOST": "127.0.0.1", **os.environ, "MOEBUS_MODEL": str(model)}, scale)
         check_every_role_runs(specs, a.stack, scale)
@@ -533,7 +541,7 @@ def main(argv: list[str]) -> int:
     try:
         summary = ", ".join(f"{s.name} x{s.replicas}" for s in specs)
         print(f"moebus up: starting {summary} from {a.stack}; logs in {log_dir}", flush=True)
-        stack.start(a.ready_timeout, lambda: stopping)
+        stack.start(a.ready_timeout, stopping)
         # The served id (model_name, e.g. MOEBUS_MODEL_NAME) is what requests' `model` must name, not the directory's name.
         print(f"moebus up: ready. NATS at {stack.url}  (model {', '.join(stack.served)}, max_payload {nats.max_payload} bytes)", flush=True)
         for instance, url in stack.frontend_urls().items():
@@ -542,13 +550,19 @@ def main(argv: list[str]) -> int:
         if a.demo:
             asyncio.run(_demo_request(stack.url))
         print("moebus up: serving; Ctrl-C stops the stack", flush=True)
-        _serve(stack, lambda: stopping)
+        _serve(stack, stopping)
     except StartInterrupted:
         print("moebus up: stop requested before the stack was ready", flush=True)
     except StackError as e:
         print(f"moebus up: {e}", file=sys.stderr)
         return 1
     finally:
-        print("moebus up: stopping", flush=True)
-        stack.stop()
+        print("moebus up: stopping: draining every service (Ctrl-C again kills what still drains)", flush=True)
+        # The next stop request cuts the drain short: the second when a first began it, the first when the drain
+        # began without one (a replica that ended while the stack started).
+        asked_before = min(stop_requests, 1)
+        killed = stack.stop(hurry=lambda: stop_requests > asked_before)
+        if killed:
+            why = "stop asked again" if stop_requests > asked_before else "still draining 30s after SIGTERM"
+            print(f"moebus up: killed {', '.join(killed)} ({why})", file=sys.stderr, flush=True)
     return 0

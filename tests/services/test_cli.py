@@ -240,6 +240,13 @@ def _up_with_a_scheduler_only(tmp_path: Path, tiny_model: Path, stderr: int, *fl
     return up, log_dir
 
 
+def _scheduler_pid(up: subprocess.Popen) -> int:
+    """The process id of the one scheduler replica of the `moebus up` process ``up``."""
+    scheduler = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
+    assert len(scheduler) == 1, scheduler
+    return int(scheduler[0])
+
+
 def test_up_restarts_a_killed_service_under_restart_on_failure(tmp_path: Path, tiny_model: Path):
     """compose's `restart: on-failure` (the repository's compose files set it): a replica killed while the
     stack serves is started again, as the same instance, after a backoff; without it (`restart: no`,
@@ -327,6 +334,32 @@ def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_mode
     assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
 
 
+def test_up_stopped_again_while_it_drains_kills_what_still_drains(tmp_path: Path, tiny_model: Path):
+    """A second Ctrl-C while `moebus up` drained was ignored: a service that does not finish draining (stopped
+    here, SIGSTOP; a long request in a real stack) held it for the whole 30 s drain timeout. The second stop
+    request now kills what still drains at once, says so, and leaves nothing running."""
+    up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.STDOUT)
+    try:
+        scheduler = _scheduler_pid(up)
+        os.kill(scheduler, signal.SIGSTOP)  # SIGTERM stays pending: it cannot drain
+        up.send_signal(signal.SIGINT)
+        assert up.stdout is not None
+        lines = [up.stdout.readline()]
+        while lines[-1] and "moebus up: stopping" not in lines[-1]:
+            lines.append(up.stdout.readline())
+        assert "Ctrl-C again kills what still drains" in lines[-1], lines
+        up.send_signal(signal.SIGINT)
+        asked = time.monotonic()
+        output, _ = up.communicate(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        _kill_if_running(up)
+    assert up.returncode == 0 and "moebus up: killed scheduler-0 (stop asked again)" in output, output
+    assert took < 10, f"moebus up stopped {took:.0f}s after the second SIGINT"
+    assert not Path(f"/proc/{scheduler}").exists()  # killed and reaped
+    assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server is gone
+
+
 @pytest.mark.parametrize("group", [True, False], ids=["ctrl-c-in-a-terminal", "sigterm"])
 def test_up_stopped_while_it_writes_the_demo_model_leaves_nothing_behind(tmp_path: Path, group: bool):
     """The first `make demo` writes the demo checkpoint (seconds on a small box) before it starts anything.
@@ -362,9 +395,7 @@ def test_up_names_the_signal_that_killed_a_service(tmp_path: Path, tiny_model: P
     log line>', a line that says nothing about why it ended (e.g. its decode_ready event)."""
     up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.PIPE)
     try:
-        scheduler = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
-        assert len(scheduler) == 1, scheduler
-        os.kill(int(scheduler[0]), signal.SIGKILL)
+        os.kill(_scheduler_pid(up), signal.SIGKILL)
         _, err = up.communicate(timeout=60)
     finally:
         _kill_if_running(up)
