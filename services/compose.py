@@ -29,7 +29,7 @@ DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
 ROLES = ("gateway", "scheduler", "prefill", "decode")  # services that heartbeat
 FRONTENDS = ("openai", "metrics")  # HTTP faces of the stack: NATS clients, no heartbeat
 # The frontends' address settings, which the compose files pass on to them, for a stack started by a
-# test or a benchmark: this host, any free port.
+# test, a benchmark or `moebus up --port 0`: this host, any free port.
 EPHEMERAL_FRONTENDS = {"MOEBUS_HTTP_HOST": "127.0.0.1", "MOEBUS_OPENAI_PORT": "0", "MOEBUS_METRICS_PORT": "0"}
 BUS_SERVICE = "nats"
 

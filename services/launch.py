@@ -11,7 +11,8 @@ becomes a local process, `moebus <role> ...` with the service's `environment`. T
 default, as the compose files configure theirs), and `MOEBUS_NATS_URL` / `MOEBUS_MODEL` point at it
 and at the local checkpoint. Besides the services that heartbeat (`ROLES`), a stack may run the HTTP
 frontends (`moebus openai`, `moebus metrics`): they listen on 127.0.0.1 unless `MOEBUS_HTTP_HOST` is
-set, their addresses are printed once the stack is up, and one that cannot start (its port taken) is
+set, and on free ports with `--port 0` unless `MOEBUS_OPENAI_PORT` / `MOEBUS_METRICS_PORT` are set; their
+addresses are printed once the stack is up, and one that cannot start (its port taken) is
 reported without stopping the stack. `--config FILE` is checked here against every service's
 settings before anything starts and handed to the services as `MOEBUS_CONFIG`.
 
@@ -46,8 +47,8 @@ from typing import Any
 from schemas import subjects
 from schemas.api import ModelList
 from schemas.internal import Heartbeat
-from services.compose import (DEFAULT_STACK, FRONTENDS, ROLES, ServiceSpec, StackError, check_every_role_runs, check_shadowed_settings,
-                             load_compose)
+from services.compose import (DEFAULT_STACK, EPHEMERAL_FRONTENDS, FRONTENDS, ROLES, ServiceSpec, StackError, check_every_role_runs,
+                             check_shadowed_settings, load_compose)
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
 from shared.settings import SERVICES, GatewaySettings, NatsServerSettings, SchedulerSettings, SettingsError, load_settings, nats_server_settings
@@ -520,8 +521,11 @@ def main(argv: list[str]) -> int:
         else:
             print(f"moebus up: using the embedded tiny model (cache: {cache})", flush=True)
             model = ensure_tiny_model(cache, stopping)
-        # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0).
-        specs = load_compose(a.stack, {"MOEBUS_HTTP_HOST": "127.0.0.1", **os.environ, "MOEBUS_MODEL": str(model)}, scale)
+        # Frontends listen on this host only unless MOEBUS_HTTP_HOST says otherwise (containers: 0.0.0.0), and with
+        # --port 0 (one more stack on this box) on free ports as well, unless MOEBUS_OPENAI_PORT / MOEBUS_METRICS_PORT
+        # name theirs: the compose files' defaults (8000, 9464) are the first stack's. The ports taken are printed once ready.
+        frontends = EPHEMERAL_FRONTENDS if a.port == 0 else {"MOEBUS_HTTP_HOST": "127.0.0.1"}
+        specs = load_compose(a.stack, {**frontends, **os.environ, "MOEBUS_MODEL": str(model)}, scale)
         check_every_role_runs(specs, a.stack, scale)
         check_shadowed_settings(specs, dict(os.environ), a.stack)
         nats = nats_server_settings(a.nats_max_payload)

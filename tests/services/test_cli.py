@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,12 @@ async def announced_max_payload(url: str) -> int:
 
 
 def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path):
-    # Frontends on free ports (EPHEMERAL_FRONTENDS): a demo already running on this box holds 8000 and 9464.
-    env = {**os.environ, **EPHEMERAL_FRONTENDS, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
-           "MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20), "MOEBUS_MODEL_NAME": "Qwen/Qwen3-30B-A3B"}  # a served name of vLLM's --served-model-name kind
+    # No frontend address settings: with --port 0 the frontends take free ports too, and the URLs printed are
+    # theirs. They took the compose files' 8000 and 9464 unless MOEBUS_OPENAI_PORT / MOEBUS_METRICS_PORT were 0,
+    # so a second `moebus up --port 0` on a box (a demo already running) lost its frontends.
+    env = {**{k: v for k, v in os.environ.items() if k not in EPHEMERAL_FRONTENDS}, "MOEBUS_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONUNBUFFERED": "1", "MOEBUS_NATS_MAX_PAYLOAD": str(16 << 20),
+           "MOEBUS_MODEL_NAME": "Qwen/Qwen3-30B-A3B"}  # a served name of vLLM's --served-model-name kind
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--demo", "--log-dir", str(tmp_path / "logs")],
         env=env,
@@ -65,6 +69,12 @@ def test_up_demo_creates_the_tiny_model_serves_and_stops_cleanly(tmp_path: Path)
         # The NATS server took its max_payload from the environment, through the config file in the log directory.
         assert f"max_payload {16 << 20} bytes" in output and (tmp_path / "logs" / "nats-server.conf").read_text() == f"max_payload: {16 << 20}\n"
         assert asyncio.run(announced_max_payload(url)) == 16 << 20
+        frontends = dict(re.findall(r"^  (openai-0|metrics-0): (http://127\.0\.0\.1:(?!8000/|9464/)\d+/\S*)$", output, re.M))
+        assert frontends.keys() == {"openai-0", "metrics-0"}, output
+        with urllib.request.urlopen(frontends["openai-0"] + "/models", timeout=30) as models:
+            assert json.load(models)["data"][0]["id"] == "Qwen/Qwen3-30B-A3B"
+        with urllib.request.urlopen(frontends["metrics-0"], timeout=30) as metrics:
+            assert b"moebus_up{" in metrics.read()
 
         reply = subprocess.run(
             [sys.executable, "-m", "services.cli", "request", "--url", url, "--prompt", "hi", "--max-tokens", "3", "--json"],
