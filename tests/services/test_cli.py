@@ -327,17 +327,23 @@ def test_up_hands_its_config_file_to_every_service_and_refuses_a_bad_one_at_once
         up.communicate(timeout=60)
 
 
+def _stop_timed(up: subprocess.Popen, sig: int) -> tuple[str, float]:
+    """Send ``sig`` to the `moebus up` process ``up`` and wait until it exits (killed if it does not within
+    120 s): the rest of its output, and the seconds it took."""
+    try:
+        up.send_signal(sig)
+        asked = time.monotonic()
+        output, _ = up.communicate(timeout=120)
+        return output, time.monotonic() - asked
+    finally:
+        _kill_if_running(up)
+
+
 def test_up_stops_when_asked_before_the_stack_is_ready(tmp_path: Path, tiny_model: Path):
     """SIGTERM (or Ctrl-C) while the stack starts (a large checkpoint loads for minutes) stops it then;
     it used to be noticed only once the stack was ready, or after --ready-timeout."""
     up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.STDOUT)
-    try:
-        up.send_signal(signal.SIGTERM)
-        asked = time.monotonic()
-        output, _ = up.communicate(timeout=120)
-        took = time.monotonic() - asked
-    finally:
-        _kill_if_running(up)
+    output, took = _stop_timed(up, signal.SIGTERM)
     assert up.returncode == 0 and "stop requested before the stack was ready" in output and "ready." not in output, output
     assert took < 20, f"moebus up stopped {took:.0f}s after SIGTERM"
     assert "scheduler_stopped" in (log_dir / "scheduler-0.log").read_text()  # drained, not killed
@@ -358,10 +364,7 @@ def test_up_stopped_again_while_it_drains_kills_what_still_drains(tmp_path: Path
         while lines[-1] and "moebus up: stopping" not in lines[-1]:
             lines.append(up.stdout.readline())
         assert "Ctrl-C again kills what still drains" in lines[-1], lines
-        up.send_signal(signal.SIGINT)
-        asked = time.monotonic()
-        output, _ = up.communicate(timeout=60)
-        took = time.monotonic() - asked
+        output, took = _stop_timed(up, signal.SIGINT)
     finally:
         _kill_if_running(up)
     assert up.returncode == 0 and "moebus up: killed scheduler-0 (stop asked again)" in output, output
