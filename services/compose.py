@@ -148,7 +148,6 @@ def check_shadowed_settings(specs: list[ServiceSpec], environ: dict[str, str], p
         raise StackError("; ".join(problems))
 
 
-
 def check_every_role_runs(specs: list[ServiceSpec], path: str | Path, scale: dict[str, int]) -> None:
     """Refuse a stack whose file runs a role of `ROLES` with no replica of it in all (`--scale gateway=0`, a
     count of 0 in the file): a request needs one of each, so such a stack never answers one, and `moebus up`

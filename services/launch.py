@@ -204,6 +204,9 @@ class Replica:
         return f"{self.instance} exited with {code}: {last_line(self.log_path)}; see {self.log_path}"
 
 
+STOP_TIMEOUT_S = 30.0  # how long a stop waits for the replicas to drain before it kills them
+
+
 @dataclass
 class LocalStack:
     """A running stack: nats-server + one process per service replica."""
@@ -365,7 +368,7 @@ class LocalStack:
             os.killpg(replica.proc.pid, signal.SIGKILL)
             return replica.proc.wait()
 
-    def stop(self, timeout: float = 30.0, hurry: Callable[[], bool] = lambda: False) -> list[str]:
+    def stop(self, timeout: float = STOP_TIMEOUT_S, hurry: Callable[[], bool] = lambda: False) -> list[str]:
         """SIGTERM every replica (gateways first, so clients get answers), then nats-server. The replicas still
         draining after ``timeout`` seconds, or as soon as ``hurry()`` says so (a second Ctrl-C), are killed with
         their process groups; returns their instances."""
@@ -567,6 +570,6 @@ def main(argv: list[str]) -> int:
         asked_before = min(stop_requests, 1)
         killed = stack.stop(hurry=lambda: stop_requests > asked_before)
         if killed:
-            why = "stop asked again" if stop_requests > asked_before else "still draining 30s after SIGTERM"
+            why = "stop asked again" if stop_requests > asked_before else f"still draining {STOP_TIMEOUT_S:g}s after SIGTERM"
             print(f"moebus up: killed {', '.join(killed)} ({why})", file=sys.stderr, flush=True)
     return 0
