@@ -4,6 +4,7 @@ NATS server's max_payload raised and the served model name set through the envir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -355,6 +356,7 @@ def test_up_stopped_again_while_it_drains_kills_what_still_drains(tmp_path: Path
     here, SIGSTOP; a long request in a real stack) held it for the whole 30 s drain timeout. The second stop
     request now kills what still drains at once, says so, and leaves nothing running."""
     up, log_dir = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.STDOUT)
+    scheduler = None
     try:
         scheduler = _scheduler_pid(up)
         os.kill(scheduler, signal.SIGSTOP)  # SIGTERM stays pending: it cannot drain
@@ -367,6 +369,9 @@ def test_up_stopped_again_while_it_drains_kills_what_still_drains(tmp_path: Path
         output, took = _stop_timed(up, signal.SIGINT)
     finally:
         _kill_if_running(up)
+        if scheduler is not None:  # after a failed check, not left stopped: it takes the SIGTERM its parent's death sent
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(scheduler, signal.SIGCONT)
     assert up.returncode == 0 and "moebus up: killed scheduler-0 (stop asked again)" in output, output
     assert took < 10, f"moebus up stopped {took:.0f}s after the second SIGINT"
     assert not Path(f"/proc/{scheduler}").exists()  # killed and reaped
