@@ -69,9 +69,12 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
     measured and keeps it.  Details: bench/grouped_gemm_findings.md.
 
     * MXFP8 weights up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (decode) swap the operands
-      (``swap_ab``, see ``kernels.grouped_gemm_sm90_swapped``): 128 weight rows per tile,
-      converted in registers, and the fewest tokens of SWAPPED_TOKEN_TILES (8 to 64) that
-      hold the expected group.
+      (``swap_ab``, see ``kernels.grouped_gemm_sm90_swapped``): 256 weight rows per tile
+      (128 for SwiGLU when 2I is not a multiple of 256), converted in registers by four
+      consumer warpgroups, and the fewest tokens of SWAPPED_TOKEN_TILES (8 to 64) that
+      hold the expected group.  One H200, burst, same call: 256 rows took 0.77-0.93 of
+      128 rows' time on the four Qwen3 shapes at 1-64 tokens per expert (235B gate_up at
+      1 token 461 against 595 us).
 
     ``tile_m`` / ``tile_n`` / ``swap_ab`` override the choice (benchmarks compare buckets).
     """
@@ -79,7 +82,7 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
         swap_ab = mxfp8 and tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT
     if swap_ab:
         tile_m = tile_m or next((t for t in SWAPPED_TOKEN_TILES if t >= tokens_per_expert), SWAPPED_TOKEN_TILES[-1])
-        tile_n = tile_n or 128
+        tile_n = tile_n or (256 if not swiglu or n % 256 == 0 else 128)
     if not tile_m:
         tile_m = 64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128
         if mxfp8 and not masked and not swiglu and tokens_per_expert > MID_TILE_MAX_TOKENS_PER_EXPERT:

@@ -98,13 +98,13 @@ class GroupedGemmConfig:
     def validate(self) -> None:
         elem_bytes = 1 if self.fp8 else 2
         if self.swap_ab:
-            if not self.mxfp8 or self.tile_n != 128 or self.tile_m not in SWAPPED_TOKEN_TILES:
-                raise ValueError(f"swap_ab is for bf16 x MXFP8 with tile_n 128 and tile_m in {SWAPPED_TOKEN_TILES}, "
-                                 f"got mxfp8={self.mxfp8} {self.tile_m}x{self.tile_n}")
+            if not self.mxfp8 or self.tile_n not in (128, 256) or self.tile_m not in SWAPPED_TOKEN_TILES:
+                raise ValueError(f"swap_ab is for bf16 x MXFP8 with tile_n 128 or 256 and tile_m in "
+                                 f"{SWAPPED_TOKEN_TILES}, got mxfp8={self.mxfp8} {self.tile_m}x{self.tile_n}")
         elif self.tile_m not in (64, 128, 192) or (self.tile_m == 192 and not (self.mxfp8 and not self.swiglu)):
             raise ValueError(f"tile_m must be 64 or 128 (192 only for bf16 x MXFP8 without SwiGLU), got {self.tile_m}")
         if (self.tile_n not in (64, 128, 192, 256) or (self.fp8 and self.tile_n not in (128, 192))
-                or (self.mxfp8 and self.tile_n != 128)):
+                or (self.mxfp8 and self.tile_n != 128 and not self.swap_ab)):
             raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 128/192, mxfp8 128; bf16 64/128/192/256)")
         if self.fp8 and self.mxfp8:
             raise ValueError("fp8 (block-scaled E4M3 x E4M3) and mxfp8 (bf16 x MXFP8 weights) exclude each other")
@@ -115,9 +115,11 @@ class GroupedGemmConfig:
         if (self.k * elem_bytes) % 16 or (self.mxfp8 and self.k % 16):
             raise ValueError(f"K={self.k}: rows must be 16-byte aligned for TMA ({16 // elem_bytes} elements; "
                              "16 for MXFP8 weights)")
-        if self.swiglu and (self.tile_n != 2 * SWIGLU_BLOCK or self.n % self.tile_n):
+        swiglu_tile_n = (2 * SWIGLU_BLOCK, 4 * SWIGLU_BLOCK) if self.swap_ab else (2 * SWIGLU_BLOCK,)
+        if self.swiglu and (self.tile_n not in swiglu_tile_n or self.n % self.tile_n):
             raise ValueError(
-                f"SwiGLU needs tile_n={2 * SWIGLU_BLOCK} and N={self.n} a multiple of it (gate/up interleaved in {SWIGLU_BLOCK}-row blocks)"
+                f"SwiGLU needs tile_n in {swiglu_tile_n} and N={self.n} a multiple of it (gate/up interleaved in "
+                f"{SWIGLU_BLOCK}-row blocks)"
             )
         if self.num_experts < 1:
             raise ValueError("num_experts must be >= 1")
@@ -288,7 +290,10 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
         self.tma_store = cfg.tma_store
         self.producer_regs = 40
         # setmaxnreg budgets of 65536 registers: three consumer warpgroups (MXFP8 192-row tiles) get 152 each
-        self.consumer_regs = {1: 240, 2: 232, 3: 152}[self.num_consumer_wg]
+        # setmaxnreg budgets: the CTA holds what ptxas gave each of its threads (at most 65536 / threads, in
+        # multiples of 8: 96 for 640), the producer warpgroup gives back down to 40, the consumers share the rest;
+        # asking for more than that waits forever (four consumer warpgroups at 112 did)
+        self.consumer_regs = {1: 240, 2: 232, 3: 152, 4: 104}[self.num_consumer_wg]
 
     def _make_tiled_mma(self) -> cute.TiledMma:
         """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem; with

@@ -30,6 +30,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
+from kernels.grouped_gemm import SWIGLU_BLOCK
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK
 from kernels.grouped_gemm_sm90_scaled import MX_SCALE_BOX, _bf16x2_scale_pair, _e4m3x2_to_bf16x2
 
@@ -132,8 +133,6 @@ class SwappedMxMainloop:
         16-bit word of the stage's scale box.
         """
         sB16, stage_words, firsts = weights
-        row8 = 8 * self.tile_k // 2  # 16-bit words of 8 rows of E4M3 values
-        k8 = 8 // 2
         words = cute.recast_tensor(frag, cutlass.Int32)
         stages_per_box = MX_SCALE_BOX * MX_BLOCK // self.tile_k
         row_lo = tCcA[0][0]
@@ -144,7 +143,9 @@ class SwappedMxMainloop:
         # factors[row half][scale block of the stage]
         factors = [[_bf16x2_scale_pair(e_lo & 0xFF), _bf16x2_scale_pair(e_lo >> 8)],
                    [_bf16x2_scale_pair(e_hi & 0xFF), _bf16x2_scale_pair(e_hi >> 8)]]
-        for kb in cutlass.range_constexpr(cute.size(frag, mode=[2])):
+        row8 = 8 * self.tile_k // 2  # 16-bit words of 8 rows of E4M3 values
+        k8 = 8 // 2
+        for kb in cutlass.range_constexpr(len(firsts)):
             first = stage * stage_words + firsts[kb]
             for q in cutlass.range_constexpr(4):
                 s1, s2 = factors[q % 2][(kb * 16) // MX_BLOCK]
@@ -179,10 +180,13 @@ class SwappedMxMainloop:
             c = (item - t * vecs_per_row) * vec
             if item < items and t < rows_left and col0 + c < cfg.out_n:
                 out = cute.make_rmem_tensor((vec,), self.acc_dtype)
+                # The weight row of output column c: with SwiGLU the gate rows of each interleaved block pair
+                # (SWIGLU_BLOCK gate rows, then as many up rows), else c itself.
+                gate = (c // SWIGLU_BLOCK) * 2 * SWIGLU_BLOCK + c % SWIGLU_BLOCK if cutlass.const_expr(cfg.swiglu) else c
                 for v in cutlass.range_constexpr(vec):
-                    x = sX[(t, c + v)]
+                    x = sX[(t, gate + v)]
                     if cutlass.const_expr(cfg.swiglu):
-                        x = x * cute.arch.rcp_approx(1.0 + cute.math.exp(-x, fastmath=True)) * sX[(t, c + v + self.out_cols)]
+                        x = x * cute.arch.rcp_approx(1.0 + cute.math.exp(-x, fastmath=True)) * sX[(t, gate + v + SWIGLU_BLOCK)]
                     out[v] = x
                 if cutlass.const_expr(cfg.row_weights):
                     w = mRowW[(row0 + t, batch)]

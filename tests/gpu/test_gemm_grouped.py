@@ -388,3 +388,59 @@ def test_mxfp8_weights_dequantized_in_kernel(kind):
             assert torch.isnan(out[e, c:].cpu().float()).all(), f"mxfp8 expert {e}: rows past its count were written"
     else:
         _assert_close(out.cpu(), ref, f"mxfp8 {kind}")
+
+
+# (tile_m tokens, tile_n weight rows, kind) of the swapped bf16 x MXFP8 decode tiles: every token tile with 128 weight
+# rows per tile, the 256-row tiles (four consumer warpgroups) at both ends.
+SWAPPED_CASES = [(m, 128, kind) for m in (8, 16, 32, 64) for kind in ("masked", "contiguous_rowweighted", "swiglu")]
+SWAPPED_CASES += [(m, 256, kind) for m in (8, 64) for kind in ("masked", "swiglu")]
+
+
+@pytest.mark.parametrize("tile_m,tile_n,kind", SWAPPED_CASES, ids=[f"{m}x{n}-{k}" for m, n, k in SWAPPED_CASES])
+def test_mxfp8_swapped_decode_tiles(tile_m, tile_n, kind):
+    """bf16 x MXFP8 with the operands swapped (weights converted in registers, tokens as the MMA's N side): experts
+    of several token tiles, of none, past ``max_tokens`` (masked), starting anywhere (contiguous); K = 272 ends
+    mid-stage after an odd number of stages; one expert's weights scaled by 2^20, so its E8M0 exponents pass 134
+    and the conversion's second multiply is exercised; rows past a count stay unwritten."""
+    from kernels import grouped_gemm_mxfp8 as mx
+    from kernels.grouped_gemm_launch import launch
+
+    gen = torch.Generator(device=DEV).manual_seed(23 + tile_m + tile_n + len(kind))
+    masked = kind != "contiguous_rowweighted"
+    E, K = 6, 272
+    N = 512 if kind == "swiglu" else 200
+    q, s = _mx_weights(E, N, K, gen)
+    q[3], s[3] = mx.quantize_mxfp8(mx.dequantize_mxfp8(q[3], s[3]) * 2.0**20)
+    assert int(s[3].max()) > 134
+    if masked:
+        M = 40
+        counts = [0, 40, 1, 90, 17, 9]
+        x = torch.randn(E, M, K, generator=gen, device=DEV).bfloat16()
+        groups = torch.tensor(counts, dtype=torch.int32)
+    else:
+        counts = [0, 37, 1, 20, 0, 9]
+        groups = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+        x = torch.randn(int(groups[-1]), K, generator=gen, device=DEV).bfloat16()
+    rw = torch.rand(x.shape[:-1], generator=gen, device=DEV) if kind.endswith("rowweighted") else None
+    if kind == "swiglu":
+        q, s = mx.interleave_gate_up_mxfp8(q, s)
+        ref = mx.grouped_gemm_mxfp8_swiglu(x.cpu(), q.cpu(), s.cpu(), groups, masked=True)
+    else:
+        ref = mx.grouped_gemm_mxfp8(x.cpu(), q.cpu(), s.cpu(), groups, masked=masked,
+                                    row_weights=None if rw is None else rw.cpu())
+    out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device=DEV)
+    launch(x, q, groups.to(DEV), masked=masked, x_scale=None, w_scale=None, row_weights=rw, swiglu=kind == "swiglu",
+           out=out, tile_m=tile_m, tile_n=tile_n, w_scale_e8m0=s, swap_ab=True)
+    torch.cuda.synchronize()
+    out = out.cpu()
+    start = 0
+    for e, c in enumerate(counts):
+        rows = slice(0, min(c, M)) if masked else slice(start, start + c)
+        got, want = (out[e], ref[e]) if masked else (out, ref)
+        if c:
+            _assert_close(got[rows], want[rows], f"swapped {tile_m}x{tile_n} {kind} e={e}")
+        if masked:
+            assert torch.isnan(got[rows.stop:].float()).all(), f"expert {e}: rows past its count were written"
+        start += c
+    if not masked:
+        assert not torch.isnan(out.float()).any(), "a row of the contiguous layout was not written"

@@ -109,6 +109,37 @@ def test_grouped_gemm_mxfp8_compiles_for_sm90a(masked, tile_m, swiglu, row_weigh
     assert all(found.values()), found
 
 
+SWAPPED_COMPILE_CASES = [  # (masked, tile_m, tile_n, swiglu, row_weights): bf16 x MXFP8 decode, operands swapped
+    (True, 8, 128, True, False),
+    (False, 64, 128, False, True),
+    (True, 16, 256, False, False),  # four consumer warpgroups
+]
+
+
+@pytest.mark.parametrize("masked,tile_m,tile_n,swiglu,row_weights", SWAPPED_COMPILE_CASES)
+def test_swapped_mxfp8_decode_compiles_for_sm90a(masked, tile_m, tile_n, swiglu, row_weights, tmp_path):
+    from kernels.grouped_gemm_launch import compile_kernel
+
+    cfg = sm90.GroupedGemmConfig(num_experts=6, n=512 if swiglu else 200, k=272, masked=masked, fp8=False,
+                                 tile_m=tile_m, tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=True,
+                                 swap_ab=True)
+    ptx = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}").artifacts.PTX
+    # the weights' A operand from registers: four 32-bit registers in braces where a descriptor would be
+    register_a = re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_m}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
+                           r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", ptx)
+    found = {
+        "register-A bf16 wgmma, tokens as N": register_a is not None,
+        "weight values by 16-bit shared loads": "ld.shared.s16" in ptx or "ld.shared.b16" in ptx,
+        "e4m3 -> bf16 by byte permute and exact bf16x2 scaling": "prmt.b32" in ptx and "mul.rn.bf16x2" in ptx,
+        # no bf16 weight tile in shared memory for the tensor cores, so no proxy fence and no store warps' handoff
+        "no proxy fence": "fence.proxy.async" not in ptx,
+        "no store-warp handoff": "bar.arrive" not in ptx,
+        "no local memory": ".local" not in ptx,
+        "setmaxnreg within the CTA's registers": f"setmaxnreg.inc.sync.aligned.u32 \t{232 if tile_n == 128 else 104};" in ptx,
+    }
+    assert all(found.values()), found
+
+
 def test_split_output_halves_the_buffer_only_where_that_frees_a_pipeline_stage():
     """A split bf16 tile (its output to the store warps in two halves) gets the freed shared memory as one more
     pipeline stage (Qwen3-30B down, 128 experts: 128x192 5 stages of 40 KB beside a 24 KB buffer instead of 4 beside
@@ -197,12 +228,25 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     assert [tile(t, masked=True) for t in (small, small + 1, mid, mid + 1)] == [(64, 128)] + [(128, 256)] * 3
     # FP8: one 128-row tile width at every size; SwiGLU and MXFP8 weights fix N at 128
     assert [tile(t, fp8=True) for t in (small, small + 1, mid + 1)] == [(64, 128), (128, 192), (128, 192)]
-    for kind in ({"swiglu": True}, {"mxfp8": True, "masked": True}, {"swiglu": True, "fp8": True},
-                 {"swiglu": True, "mxfp8": True}):
+    for kind in ({"swiglu": True}, {"swiglu": True, "fp8": True}):
         assert {tile(t, **kind) for t in (small, small + 1, mid + 1)} == {(64, 128), (128, 128)}
+    for kind in ({"mxfp8": True, "masked": True}, {"swiglu": True, "mxfp8": True}):
+        assert {tile(t, **kind) for t in (small + 1, mid + 1)} == {(128, 128)}
     # MXFP8 prefill above the mid bound: 192-row tiles (a third warpgroup of WGMMA work per converted stage)
-    assert [tile(t, mxfp8=True) for t in (small, small + 1, mid, mid + 0.5)] == [(64, 128), (128, 128), (128, 128),
-                                                                                 (192, 128)]
+    assert [tile(t, mxfp8=True) for t in (small + 1, mid, mid + 0.5)] == [(128, 128), (128, 128), (192, 128)]
+
+    def swapped(tokens: float, **kind) -> tuple[int, int] | None:
+        cfg = choose_config(num_experts=8, n=kind.pop("n", 2048), k=768, fp8=False, row_weights=False, mxfp8=True,
+                            tokens_per_expert=tokens, num_sms=132, **{"masked": True, "swiglu": False, **kind})
+        cfg.validate()
+        return (cfg.tile_m, cfg.tile_n) if cfg.swap_ab else None
+
+    # MXFP8 decode: operands swapped, the fewest tokens per tile that hold the group, 256 weight rows (SwiGLU: 128
+    # where 2I is no multiple of 256); both layouts; not past the small bound
+    assert [swapped(t) for t in (1, 8, 8.5, 16, 17, 32, 33, small, small + 1)] == [
+        (8, 256), (8, 256), (16, 256), (16, 256), (32, 256), (32, 256), (64, 256), (64, 256), None]
+    assert swapped(3, masked=False) == (8, 256) and swapped(3, swiglu=True, n=640) == (8, 128)
+    assert swapped(3, swiglu=True, n=1536) == (8, 256)
 
     def split(tokens: float, *, masked: bool = False, fp8: bool = False, swiglu: bool = False, n: int = 2048,
               k: int = 768) -> bool:
