@@ -10,7 +10,9 @@ E4M3 weight tile into shared memory, with it a 16-byte-wide box of the tile's
 E8M0 scale rows, the consumer threads multiply each value by its
 ``2^(e - 127)`` (exact in bf16: an E4M3 value times a power of two fits bf16's
 8-bit exponent and 7-bit mantissa) into a bf16 tile there, and bf16 WGMMAs read
-it (``GroupedGemmSm90._mainloop_mx``).  The weights cross HBM as one byte per
+it (``GroupedGemmSm90._mainloop_mx``, prefill); decode tiles convert into
+registers that the WGMMAs take as their A operand
+(``kernels.grouped_gemm_sm90_swapped``).  The weights cross HBM as one byte per
 value plus one byte per 32 values.  TMA needs the scale rows 16-byte multiples
 apart: :func:`kernel_scale_layout` gives that layout (a copy where ``ceil(K/32)``
 is not a multiple of 16, e.g. K = 768), which the launcher applies per call and

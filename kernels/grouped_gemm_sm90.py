@@ -11,8 +11,10 @@ One persistent, warp-specialised kernel serves every variant:
   warp 1 staged in shared memory; what the promotion and its scales still
   cost is in bench/grouped_gemm_findings.md); or bf16
   activations x MXFP8 weights (E4M3 + E8M0 per 32 along K) dequantized to
-  bf16 in shared memory inside the kernel, the scale bytes brought by TMA with
-  each weight stage;
+  bf16 inside the kernel, the scale bytes brought by TMA with each weight
+  stage: in shared memory for prefill, in registers for decode, whose tiles
+  swap the operands (the weights as the MMA's M side, its A operand from
+  registers; ``grouped_gemm_sm90_swapped``);
 * token layouts: *contiguous* (rows of all experts back to back, ``offsets``
   [E+1] int32 on the GPU) or *masked* (``[E, max_tokens, K]`` with ``counts``
   [E] int32 on the GPU).  Nothing is read back to the host.
@@ -39,7 +41,8 @@ TMA stores; see ``grouped_gemm_sm90_epilogue``).
 
 Code: this module holds the configuration, the host side, the schedule, the
 TMA producer and the bf16 mainloop; ``grouped_gemm_sm90_scaled`` the FP8
-block-scaled and MXFP8 mainloops; ``grouped_gemm_sm90_epilogue`` the epilogue
+block-scaled and MXFP8 mainloops; ``grouped_gemm_sm90_swapped`` the consumers of
+the swapped MXFP8 decode tiles (mainloop and epilogue); ``grouped_gemm_sm90_epilogue`` the epilogue
 (registers -> shared memory -> 16-byte stores predicated on each row, so rows
 of a tile past its expert are never written; TMA zero-fills K and N beyond the
 tensor bounds, so N and token counts need not be multiples of the tile).

@@ -6,7 +6,8 @@
   with 128-wide tiles, one with 192-wide tiles and the warpgroups in turn);
 * bf16 activations x MXFP8 weights (E4M3 + one E8M0 scale per 32 along K):
   the consumer threads dequantize each weight tile to bf16 in shared memory
-  (the E8M0 bytes come by TMA with the stage), then bf16 WGMMA.
+  (the E8M0 bytes come by TMA with the stage), then bf16 WGMMA (prefill; decode
+  tiles convert in registers, ``grouped_gemm_sm90_swapped``).
 
 The methods use the kernel object's attributes (``cfg``, ``tile_k``,
 ``k_tiles``, ``num_consumer_wg``, ``ab_dtype``, ``b_load_dtype``,
@@ -94,9 +95,10 @@ class ScaledMainloops:
         +h58-conv128b: decode -0.4..-13%, gate_up prefill -3..-13%, down prefill
         +2..+6%), with 64- and with 128-byte E4M3 rows per stage: four
         converting warps are latency-bound (0.62 us per 8192 values), so
-        conversion throughput bounds this path.  Converting in registers for
-        WGMMA's register A operand (the weights as the M side) is the next
-        step; see bench/grouped_gemm_findings.md.
+        conversion throughput bounds this path.  Decode groups (up to 64 tokens
+        per expert) convert in registers instead, for WGMMA's register A operand
+        with the weights as the M side (``grouped_gemm_sm90_swapped``): 0.62-0.87
+        of bf16's time; see bench/grouped_gemm_findings.md.
         """
         cfg = self.cfg
         threads = 128 * self.num_consumer_wg

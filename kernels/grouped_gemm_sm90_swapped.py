@@ -12,16 +12,21 @@ and issues; no shared-memory tile, no proxy fence, no barrier, and the tokens
 (``tile_m`` of them, 8 to 64) are the MMA's N side, so padding a decode group
 to a tile costs little.
 
-Each consumer warpgroup owns 64 of the tile's 128 weight rows.  Two register
-fragments alternate: stage k converts into one while stage k-1's WGMMAs read
-the other (``wait_group(1)`` retires stage k-2's, the last reader of the one
-being written).
+Each consumer warpgroup owns 64 of the tile's weight rows: 128 (two
+warpgroups) or 256 (four; the default where N allows).  Two register fragments
+alternate: stage k converts into one while stage k-1's WGMMAs read the other
+(``wait_group(1)`` retires stage k-2's, the last reader of the one being
+written).  The conversion's instructions are what bounds these tiles (the
+loads are not): with four warpgroups an SM sub-partition has four consumer
+warps to hide each one's conversion chain behind, and on one H200 Qwen3-235B
+gate_up at 1 token per expert took 461 us against 595 with two (bf16: 728 us);
+bench/grouped_gemm_findings.md has every step.
 
 The accumulator holds the output tile transposed (weight rows x tokens).  The
 epilogue writes it to shared memory as fp32 ``[token][weight row]``, and the
-consumer threads then apply SwiGLU (the interleaved gate rows are warpgroup
-0's, their up rows warpgroup 1's: the pairs meet only there) and the row
-weights, and store each token row's valid columns in 16-byte vectors.
+consumer threads then apply SwiGLU (each interleaved block's gate rows belong
+to one warpgroup, its up rows to the next: the pairs meet only there) and the
+row weights, and store each token row's valid columns in 16-byte vectors.
 """
 
 from __future__ import annotations
