@@ -43,10 +43,19 @@ FP8_DTYPE = torch.float8_e4m3fn
 # MID_TILE_MAX_WEIGHT_ELEMENTS weights each (N * K: Qwen3-30B's, not Qwen3-235B's) takes
 # 128x192 tiles up to MID_TILE_MAX_TOKENS_PER_EXPERT, 128x256 above; FP8 prefill above it
 # stores its full output tiles by TMA, and bf16 x MXFP8 prefill above it takes 192x128 tiles.
+# bf16 x MXFP8 decode-sized groups swap the operands with the fewest SWAPPED_TOKEN_TILES tokens
+# per tile that hold them: a bucket per token tile (``tile_bucket_bounds``).
 SMALL_TILE_MAX_TOKENS_PER_EXPERT = 64
 MID_TILE_MAX_TOKENS_PER_EXPERT = 512
 MID_TILE_MAX_WEIGHT_ELEMENTS = 1 << 22
 TILE_BUCKET_BOUNDS = (SMALL_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_TOKENS_PER_EXPERT)
+SWAPPED_TOKEN_TILES = (8, 16, 32, SMALL_TILE_MAX_TOKENS_PER_EXPERT)
+
+
+def tile_bucket_bounds(mxfp8: bool) -> tuple[int, ...]:
+    """Tokens per expert where the grouped GEMM changes kernel: TILE_BUCKET_BOUNDS, and for MXFP8
+    weights also the swapped decode tiles' token counts below SMALL_TILE_MAX_TOKENS_PER_EXPERT."""
+    return (*SWAPPED_TOKEN_TILES[:-1], *TILE_BUCKET_BOUNDS) if mxfp8 else TILE_BUCKET_BOUNDS
 
 
 class GroupedGemmError(ValueError):

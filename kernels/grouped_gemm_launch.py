@@ -23,10 +23,9 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 from kernels._cute_runtime import launch_stream
 from kernels.act_quant import scale_row_stride
 from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_WEIGHT_ELEMENTS,
-                                  SMALL_TILE_MAX_TOKENS_PER_EXPERT)
+                                  SMALL_TILE_MAX_TOKENS_PER_EXPERT, SWAPPED_TOKEN_TILES)
 from kernels.grouped_gemm_mxfp8 import kernel_scale_layout
 from kernels.grouped_gemm_sm90 import GroupedGemmConfig, GroupedGemmSm90, scale_vector
-from kernels.grouped_gemm_sm90_swapped import SWAPPED_TOKEN_TILES
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction

@@ -64,12 +64,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.act_quant import scale_row_stride
-from kernels.grouped_gemm import SWIGLU_BLOCK
+from kernels.grouped_gemm import SWAPPED_TOKEN_TILES, SWIGLU_BLOCK
 from kernels.grouped_gemm_sm90_epilogue import EPI_N, STORE_WARPS, Epilogue
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK, scale_row_bytes
 from kernels.grouped_gemm_sm90_scaled import MX_B_BUFFERS, MX_SCALE_BOX, SCALE_BLOCK, ScaledMainloops
-from kernels.grouped_gemm_sm90_swapped import (SWAPPED_TOKEN_TILES, SWAPPED_X_PAD, SwappedMxMainloop,
-                                               swapped_out_floats)
+from kernels.grouped_gemm_sm90_swapped import SWAPPED_X_PAD, SwappedMxMainloop, swapped_out_floats
 
 SMEM_CAPACITY = 232448  # bytes of shared memory per CTA on sm_90 (227 KiB)
 SCALE_WARP = 1  # the producer warpgroup's warp that stages FP8 scales (0 issues TMA, STORE_WARPS store)

@@ -9,7 +9,7 @@ M side instead: WGMMA takes its A operand from registers, so each thread loads
 the E4M3 values of its own A fragment from the TMA stage, multiplies them by
 their ``2^(e - 127)`` into bf16 registers (exact, see ``_e4m3x2_to_bf16x2``)
 and issues; no shared-memory tile, no proxy fence, no barrier, and the tokens
-(``tile_m`` of them, 8 to 64) are the MMA's N side, so padding a decode group
+(``tile_m`` of them, one of ``kernels.grouped_gemm.SWAPPED_TOKEN_TILES``) are the MMA's N side, so padding a decode group
 to a tile costs little.
 
 Each consumer warpgroup owns 64 of the tile's weight rows: 128 (two
@@ -39,7 +39,6 @@ from kernels.grouped_gemm import SWIGLU_BLOCK
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK
 from kernels.grouped_gemm_sm90_scaled import MX_SCALE_BOX, _bf16x2_scale_pair, _e4m3x2_to_bf16x2
 
-SWAPPED_TOKEN_TILES = (8, 16, 32, 64)  # tokens per tile (the MMA's N)
 SWAPPED_X_PAD = 4  # floats after each token row of the fp32 output tile: a warp's writes fall in distinct banks
 _BAR_SWAPPED = 2  # named barrier over the consumer threads around the output tile (the other MXFP8 tiles' id)
 

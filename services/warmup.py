@@ -6,8 +6,9 @@ first users wait. So a rank runs, before its first heartbeat,
 
 * prefill: one forward over a short prompt and, for MoE models, one over a prompt just
   long enough that the grouped GEMM's token count per local expert passes each bound of
-  its tile buckets (`kernels.grouped_gemm.TILE_BUCKET_BOUNDS`: past 64 the 128-row tiles,
-  past 512 the widest bf16 tiles for small experts and FP8's TMA-stored tiles), so every bucket a batch can reach is compiled before
+  its tile buckets (`kernels.grouped_gemm.tile_bucket_bounds`: past 64 the 128-row tiles,
+  past 512 the widest bf16 tiles for small experts and FP8's TMA-stored tiles; for MXFP8
+  experts also past 8, 16 and 32, the swapped decode tiles' token counts), so every bucket a batch can reach is compiled before
   the first request — a forward is skipped when no real batch could reach its bucket
   (`max_batch_tokens`, KV pages);
 * decode: lockstep steps (`services.decode.lockstep.Lockstep`, the step loop's own
@@ -41,9 +42,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.grouped_gemm import TILE_BUCKET_BOUNDS
+from kernels.grouped_gemm import tile_bucket_bounds
 from services.decode.lockstep import GroupState, Lockstep
 from shared.logging import get_logger
+from shared.model.config import Mxfp8Quantization
 from shared.model.layers import prepare_decode_attention
 from shared.model.runner import ModelRunner, SequenceState
 from shared.model.sampling_params import SamplingParams
@@ -80,7 +82,8 @@ def tokens_past_tile_bounds(runner: ModelRunner) -> list[int]:
     config = runner.model.config
     if not config.is_moe:
         return []
-    return [bound * runner.model.experts_per_rank // config.top_k + 1 for bound in TILE_BUCKET_BOUNDS]
+    bounds = tile_bucket_bounds(isinstance(config.quantization, Mxfp8Quantization))
+    return [bound * runner.model.experts_per_rank // config.top_k + 1 for bound in bounds]
 
 
 def decode_warmup_batches(runner: ModelRunner, max_batch: int) -> list[int]:

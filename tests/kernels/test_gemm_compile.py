@@ -248,6 +248,17 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     assert swapped(3, masked=False) == (8, 256) and swapped(3, swiglu=True, n=640) == (8, 128)
     assert swapped(3, swiglu=True, n=1536) == (8, 256)
 
+    # Every change of kernel comes at a bound that the services' warm-up passes (kernels.grouped_gemm.tile_bucket_bounds)
+    for fp8, mxfp8 in ((False, False), (True, False), (False, True)):
+        for masked in (False, True):
+            for swiglu in (False, True):
+                configs = [choose_config(num_experts=8, n=2048, k=768, masked=masked, fp8=fp8, swiglu=swiglu,
+                                         row_weights=False, tokens_per_expert=t, num_sms=132, mxfp8=mxfp8)
+                           for t in range(1, 2 * mid)]
+                changes = {t for t in range(1, 2 * mid - 1) if configs[t - 1] != configs[t]}
+                assert changes <= set(gg.tile_bucket_bounds(mxfp8)), (fp8, mxfp8, masked, swiglu, changes)
+    assert gg.tile_bucket_bounds(True) == (*gg.SWAPPED_TOKEN_TILES[:-1], *gg.TILE_BUCKET_BOUNDS)
+
     def split(tokens: float, *, masked: bool = False, fp8: bool = False, swiglu: bool = False, n: int = 2048,
               k: int = 768) -> bool:
         return choose_config(num_experts=8, n=n, k=k, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.grouped_gemm import TILE_BUCKET_BOUNDS
+from kernels.grouped_gemm import SWAPPED_TOKEN_TILES, TILE_BUCKET_BOUNDS
 from services.warmup import WarmupFailed, decode_warmup_batches, prefill_warmup_lengths, warm_up_decode, warm_up_prefill
 from shared.model.runner import ModelRunner
 from shared.model.sampling_params import SamplingParams
@@ -82,6 +82,26 @@ def test_prefill_warm_up_reaches_every_grouped_gemm_tile_bucket_a_batch_can(tiny
     # Nor when the KV pages cannot hold such a prompt (64 pages of 16 tokens).
     small = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, release_finished=False)
     assert prefill_warmup_lengths(small, max_batch_tokens=300 * 16) == [n for n in lengths if n <= 64 * 16]
+
+
+def test_prefill_warm_up_of_mxfp8_experts_reaches_every_swapped_decode_tile(tiny_model: Path, tmp_path: Path):
+    """MXFP8 experts compile a kernel per swapped decode tile (8, 16, 32 or 64 tokens per expert): the warm-up
+    passes those bounds too, on a real MXFP8 checkpoint written by `moebus quantize`."""
+    from shared.model.quantize import quantize_checkpoint
+
+    quantize_checkpoint(tiny_model, tmp_path / "mxfp8", "mxfp8")
+    runner = ModelRunner.from_dir(tmp_path / "mxfp8", num_pages=300, page_size=16, release_finished=False)
+    experts, top_k = runner.model.experts_per_rank, runner.model.config.top_k
+    bounds = (*SWAPPED_TOKEN_TILES[:-1], *TILE_BUCKET_BOUNDS)
+
+    def bucket(tokens: int) -> int:
+        return sum(tokens * top_k / experts > bound for bound in bounds)
+
+    lengths = prefill_warmup_lengths(runner, max_batch_tokens=300 * 16)
+    assert [bucket(n) for n in lengths] == list(range(len(bounds) + 1))
+    # the bf16 checkpoint it came from compiles no swapped tiles, and its warm-up skips those bounds
+    bf16 = ModelRunner.from_dir(tiny_model, num_pages=300, page_size=16, release_finished=False)
+    assert len(prefill_warmup_lengths(bf16, max_batch_tokens=300 * 16)) == len(TILE_BUCKET_BOUNDS) + 1
 
 
 def test_decode_warm_up_steps_the_largest_batch_the_kv_pages_can_hold(tiny_model: Path):
