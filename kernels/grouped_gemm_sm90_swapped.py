@@ -55,6 +55,7 @@ class SwappedMxMainloop:
     @cute.jit
     def _consume_swapped(self, tiled_mma, sA, sB, b_smem_layout, sSF, sX, mC, mRowW, rows, mainloop, mma_tidx,
                          first_tile, total_tiles, s_tile_begin, s_row_start, s_row_count):
+        """Consumer warpgroups: every tile of this CTA, K stages two at a time (one per fragment), then its output."""
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))  # the tokens' stages: the MMA's B
@@ -105,8 +106,8 @@ class SwappedMxMainloop:
                        release_state):
         """One K stage: wait for it, convert this thread's weight values into ``frag``, issue its WGMMAs.
 
-        ``k_tile`` is the stage's K index in the tile: the first one's release
-        is the previous tile's last stage, released after its ``wait_group(0)``.
+        ``k_tile`` is the stage's K index in the tile; stage 0 releases nothing
+        (the previous tile freed its last stage after its ``wait_group(0)``).
         """
         mainloop.consumer_wait(read_state)
         self._convert_fragment(frag, tCcA, weights, sSF16, k_tile, read_state.index)
