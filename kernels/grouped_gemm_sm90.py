@@ -300,17 +300,8 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
     def _make_tiled_mma(self) -> cute.TiledMma:
         """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem; with
         ``swap_ab`` 64 weight rows x tile_m tokens per warpgroup, the weights' A operand from registers."""
-        if cutlass.const_expr(self.cfg.swap_ab):
-            return sm90_utils.make_trivial_tiled_mma(
-                self.ab_dtype,
-                self.ab_dtype,
-                LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-                LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-                self.acc_dtype,
-                (self.num_consumer_wg, 1, 1),
-                tiler_mn=(64, self.cfg.tile_m),
-                a_source=cute.nvgpu.warpgroup.OperandSource.RMEM,
-            )
+        swapped = self.cfg.swap_ab
+        source = cute.nvgpu.warpgroup.OperandSource
         return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
@@ -318,7 +309,8 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
             LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
             self.acc_dtype,
             (self.num_consumer_wg, 1, 1),
-            tiler_mn=(64, self.cfg.tile_n),
+            tiler_mn=(64, self.cfg.tile_m if swapped else self.cfg.tile_n),
+            a_source=source.RMEM if swapped else source.SMEM,
         )
 
     # ------------------------------------------------------------------ host
