@@ -89,9 +89,10 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
             command = shlex.split(command)
         if not isinstance(command, list) or len(command) < 2 or command[0] != "moebus" or command[1] not in ROLES + FRONTENDS:
             raise StackError(f"{path}: service {name!r}: command must be `moebus <{'|'.join(ROLES + FRONTENDS)}> ...`, got {command!r}")
-        raw_env = _environment(svc.get("environment") or {}, f"{path}: service {name!r}")
-        deploy = svc.get("deploy") or {}
-        replicas = str((scale or {}).get(name, _interpolate(str((deploy.get("replicas") if isinstance(deploy, dict) else None) or 1), env)))
+        raw_env = _environment(_unless_absent(svc.get("environment"), {}), f"{path}: service {name!r}")
+        deploy = _unless_absent(svc.get("deploy"), {})
+        count = _unless_absent(deploy.get("replicas"), 1) if isinstance(deploy, dict) else None
+        replicas = str((scale or {}).get(name, _interpolate(str(count), env)))
         if not isinstance(deploy, dict) or not replicas.isdigit():
             raise StackError(f"{path}: service {name!r}: deploy.replicas must be a count, got {svc.get('deploy')!r}")
         restart = str(svc.get("restart", "no"))
@@ -112,6 +113,13 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
     if unknown:
         raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
     return specs
+
+
+def _unless_absent(value: Any, default: Any) -> Any:
+    """A compose key's value, or ``default`` where the key is absent or empty (YAML null), as docker compose
+    reads it. Not ``value or default``: a literal ``replicas: 0`` must stay 0 (it became 1, a stack
+    `check_every_role_runs` let through), and ``deploy: 0`` or ``environment: 0`` stay values it refuses."""
+    return default if value is None else value
 
 
 def _environment(raw: Any, where: str) -> dict[Any, Any]:

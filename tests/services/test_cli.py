@@ -20,7 +20,7 @@ import pytest
 
 from schemas import subjects
 from schemas.internal import Heartbeat
-from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, REPO_ROOT, check_every_role_runs, check_shadowed_settings, load_compose
+from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, REPO_ROOT, ROLES, check_every_role_runs, check_shadowed_settings, load_compose
 from services.launch import LocalStack, parse_up_arguments
 from shared.bus import connect, pack
 
@@ -209,6 +209,12 @@ def test_up_refuses_a_role_without_a_replica(tmp_path: Path, tiny_model: Path):
     split = REPO_ROOT / "compose" / "split-nodes.yml"
     refused = up_refused(log_dir, tiny_model, {"PREFILL_REPLICAS": "0"}, "--stack", str(split), "--ready-timeout", "30")
     assert f"moebus up: no prefill would run (prefill: replicas 0 in {split})" in refused, refused
+    # A literal 0 in the file, not interpolated: it was read as 1 (`or 1`), and the stack started without the check.
+    literal = tmp_path / "literal-zero.yml"
+    literal.write_text(DEFAULT_STACK.read_text().replace("replicas: 1", "replicas: 0"))
+    assert {s.name: s.replicas for s in load_compose(literal, {}) if s.role in ROLES} == dict.fromkeys(ROLES, 0)
+    refused = up_refused(log_dir, tiny_model, {}, "--stack", str(literal), "--ready-timeout", "30")
+    assert f"moebus up: no gateway would run (gateway: replicas 0 in {literal}); no scheduler would run" in refused, refused
     check_every_role_runs(load_compose(DEFAULT_STACK, {}, {"openai": 0, "metrics": 0}), DEFAULT_STACK, {"openai": 0, "metrics": 0})
 
 
@@ -608,6 +614,9 @@ def test_status_refuses_a_wait_that_is_no_positive_duration(nats_server: tuple[i
     ("services:\n  gateway:\n    command: [moebus, gateway]\n    environment: 5\n", "environment must be a mapping or a list of NAME=VALUE, got 5"),
     ("services:\n  gateway:\n    command: [moebus, gateway]\n    deploy: {replicas: abc}\n", "deploy.replicas must be a count"),
     ("services:\n  gateway:\n    command: [moebus, gateway]\n    deploy: 7\n", "deploy.replicas must be a count"),
+    # Falsy values are values: they were taken for an absent key (no environment, one replica).
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    deploy: 0\n", "deploy.replicas must be a count, got 0"),
+    ("services:\n  gateway:\n    command: [moebus, gateway]\n    environment: 0\n", "environment must be a mapping or a list of NAME=VALUE, got 0"),
 ])
 def test_up_names_what_is_wrong_with_a_compose_file(tmp_path: Path, text: str, says: str):
     """A --stack file that is YAML but not a compose file of moebus services (/etc/passwd; a service
