@@ -51,6 +51,7 @@ from services.compose import (DEFAULT_STACK, EPHEMERAL_FRONTENDS, FRONTENDS, ROL
                              check_shadowed_settings, load_compose)
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
+from shared.logging import configure_tool_logging
 from shared.settings import SERVICES, GatewaySettings, NatsServerSettings, SchedulerSettings, SettingsError, load_settings, nats_server_settings
 
 
@@ -487,6 +488,10 @@ def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_up_arguments(argv)
+    # Its own NATS connections (the readiness check, --demo's request) log as the other tools' do: errors only,
+    # on stderr; a `nats_error` warning per reconnect attempt went to stdout, among its progress lines, when
+    # its nats-server died. Its replicas configure their own logging, into their log files.
+    configure_tool_logging("moebus-up")
     if not 0 < a.ready_timeout < float("inf"):  # nan included: the stack was reported "not ready after nans" at once
         print(f"moebus up: --ready-timeout must be a positive number of seconds, got {a.ready_timeout}", file=sys.stderr)
         return 2

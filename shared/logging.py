@@ -42,10 +42,11 @@ def configure_logging(service: str, level: str = "info", json: bool | None = Non
 
 
 def configure_tool_logging(tool: str) -> None:
-    """Logging of a command-line tool (`moebus status`, `moebus request`): errors only, on stderr. Such a
-    tool says in its own words what went wrong ("no NATS server answered at <url>"); the warnings logged
-    on the way (`nats_error` for each refused connect, which a service's log keeps) came before that
-    message, and on stdout, structlog's default, in the middle of the tool's output."""
+    """Logging of a command-line tool (`moebus status`, `moebus request`, `moebus up`'s own connections):
+    errors only, on stderr. Such a tool says in its own words what went wrong ("no NATS server answered
+    at <url>"); the warnings logged on the way (`nats_error` for each refused connect, which a service's
+    log keeps) came before that message, and on stdout, structlog's default, in the middle of the tool's
+    output."""
     configure_logging(tool, level="error")
 
 

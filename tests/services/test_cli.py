@@ -264,6 +264,25 @@ def _scheduler_pid(up: subprocess.Popen) -> int:
     return int(scheduler[0])
 
 
+def test_up_logs_its_own_connections_as_the_other_tools_do(tmp_path: Path, tiny_model: Path):
+    """`moebus up`'s own NATS connections (its readiness check, --demo's request) logged through an unconfigured
+    structlog: with its nats-server gone, a `nats_error` warning per reconnect attempt went to stdout among its
+    progress lines. They log as `moebus status` and `moebus request` do now: errors only, on stderr."""
+    up, _ = _up_with_a_scheduler_only(tmp_path, tiny_model, subprocess.PIPE)
+    try:
+        nats = subprocess.run(["pgrep", "-P", str(up.pid), "-x", "nats-server"], capture_output=True, text=True).stdout.split()
+        assert len(nats) == 1, nats
+        os.kill(int(nats[0]), signal.SIGKILL)  # the readiness check, waiting for llm.models, reconnects
+        time.sleep(3)  # a few reconnect attempts
+        up.send_signal(signal.SIGTERM)
+        out, err = up.communicate(timeout=120)
+    finally:
+        _kill_if_running(up)
+    assert up.returncode == 0, out + err
+    assert [line for line in out.splitlines() if not line.startswith("moebus up: ")] == [], out  # its progress lines only
+    assert "stop requested before the stack was ready" in out and "nats_error" not in err, (out, err)
+
+
 def test_up_restarts_a_killed_service_under_restart_on_failure(tmp_path: Path, tiny_model: Path):
     """compose's `restart: on-failure` (the repository's compose files set it): a replica killed while the
     stack serves is started again, as the same instance, after a backoff; without it (`restart: no`,
