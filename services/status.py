@@ -12,9 +12,10 @@ gateways, the worst gateway's percentile) and over all decode ranks (KV pages, t
 `--json` prints the heartbeats themselves, one JSON object per line.
 
 The exit status is 1 when no process was heard (nothing serves on that bus), and, after the
-listing, when a role of the stack (`ROLES`) has no serving process: no instance of it was heard, or
-only draining ones, which take no new work; the stack cannot answer a request then, and stderr says
-which role is missing.
+listing (`--json` too), when a role of the stack (`ROLES`) has no serving process for a model the bus
+serves: no instance of it was heard, or only draining ones, which take no new work; the stack cannot
+answer that model's requests then, and stderr says which role is missing, one line per such model
+(naming the model when the heartbeats name more than one).
 """
 
 from __future__ import annotations
@@ -150,12 +151,30 @@ def summary_lines(members: list[Heartbeat]) -> list[str]:
     return lines
 
 
-def missing_roles(members: list[Heartbeat]) -> list[str]:
-    """The roles of a stack without a serving process among ``members``, each as the warning names it:
-    a request needs one of each (a gateway, a scheduler, a prefill and a decode instance)."""
-    heard = {hb.role for hb in members}
-    serving = {hb.role for hb in members if not hb.draining}
-    return [role if role not in heard else f"{role} (only draining ones)" for role in ROLES if role not in serving]
+def missing_roles(members: list[Heartbeat]) -> dict[str, list[str]]:
+    """For each model served among ``members`` (the ``model`` their heartbeats name), the roles without a
+    serving process of that model, each as the warning names it; models that lack none are left out. A
+    request needs one of each (a gateway, a scheduler, a prefill and a decode instance) serving its model:
+    a bus with two models and decode for one only cannot answer the other's requests. A process that names
+    no model (a scheduler started without one) serves every model, as its registry takes any; with no model
+    named at all the stack is checked as one, under ``""``."""
+    missing: dict[str, list[str]] = {}
+    for model in sorted({hb.model for hb in members if hb.model}) or [""]:
+        of_model = [hb for hb in members if hb.model in (model, "")]
+        heard = {hb.role for hb in of_model}
+        serving = {hb.role for hb in of_model if not hb.draining}
+        roles = [role if role not in heard else f"{role} (only draining ones)" for role in ROLES if role not in serving]
+        if roles:
+            missing[model] = roles
+    return missing
+
+
+def missing_lines(members: list[Heartbeat], url: str, wait_s: float) -> list[str]:
+    """The warnings of `missing_roles`, one per model that lacks a role; the model is named only when the
+    bus serves more than one."""
+    several = len({hb.model for hb in members if hb.model}) > 1
+    return [f"moebus status: no serving {', '.join(roles)}{f' of model {model}' if several else ''} heard on {url} within {wait_s}s: "
+            f"the stack cannot answer requests{f' for {model}' if several else ''}" for model, roles in missing_roles(members).items()]
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -189,10 +208,9 @@ def main(argv: list[str]) -> int:
             print(member_line(hb, now))
         for line in summary_lines(members):
             print(line)
-    missing = missing_roles(members)
-    if missing:
-        sys.stdout.flush()  # the listing first, then the warning below it, on a terminal showing both
-        print(f"moebus status: no serving {', '.join(missing)} heard on {a.url} within {a.wait}s: the stack cannot answer requests",
-              file=sys.stderr)
+    warnings = missing_lines(members, a.url, a.wait)
+    if warnings:
+        sys.stdout.flush()  # the listing first, then the warnings below it, on a terminal showing both
+        print("\n".join(warnings), file=sys.stderr)
         return 1
     return 0

@@ -521,9 +521,9 @@ def test_status_and_request_look_at_the_stack_moebus_nats_url_names(nats_server:
         scheduler.wait(30)
 
 
-def heartbeat(role: str, instance: str, draining: bool = False) -> Heartbeat:
-    """The heartbeat of rank 0 of ``instance``, as a process of ``role`` that started now sends it."""
-    return Heartbeat(role=role, instance=instance, rank=0, model="tiny", version="0.1", started_at=time.time(), draining=draining)
+def heartbeat(role: str, instance: str, draining: bool = False, model: str = "tiny") -> Heartbeat:
+    """The heartbeat of rank 0 of ``instance``, as a process of ``role`` serving ``model`` that started now sends it."""
+    return Heartbeat(role=role, instance=instance, rank=0, model=model, version="0.1", started_at=time.time(), draining=draining)
 
 
 def beat_while_running(status: subprocess.Popen, url: str, heartbeats: list[Heartbeat], timeout: float = 60.0) -> None:
@@ -539,6 +539,15 @@ def beat_while_running(status: subprocess.Popen, url: str, heartbeats: list[Hear
                 await asyncio.sleep(0.2)
 
     asyncio.run(beat())
+
+
+def status_while_beating(url: str, heartbeats: list[Heartbeat], *flags: str) -> tuple[int, str, str]:
+    """`moebus status --url URL --wait 1 ...flags` while ``heartbeats`` are published there: its exit status, stdout, stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "status", "--url", url, "--wait", "1", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    beat_while_running(proc, url, heartbeats)
+    out, err = proc.communicate(timeout=30)
+    return proc.returncode, out, err
 
 
 def test_status_into_a_reader_that_stops_early_exits_quietly(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
@@ -561,22 +570,39 @@ def test_status_names_a_role_without_a_serving_process(nats_server: tuple[int, l
     below the listing and exits 1, as when nothing at all is heard; a stack with all four serving exits 0."""
     port, _ = nats_server
     url = f"nats://127.0.0.1:{port}"
-
-    def status(heartbeats: list[Heartbeat], *flags: str) -> tuple[int, str, str]:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "status", "--url", url, "--wait", "1", *flags],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        beat_while_running(proc, url, heartbeats)
-        out, err = proc.communicate(timeout=30)
-        return proc.returncode, out, err
-
     partial = [heartbeat("gateway", "gateway-0"), heartbeat("scheduler", "scheduler-0"), heartbeat("prefill", "prefill-0", draining=True)]
     warning = f"moebus status: no serving prefill (only draining ones), decode heard on {url} within 1.0s: the stack cannot answer requests\n"
-    code, out, err = status(partial)
+    code, out, err = status_while_beating(url, partial)
     assert (code, err) == (1, warning) and [line.split()[1] for line in out.splitlines()] == ["gateway-0", "scheduler-0", "prefill-0"], (code, out, err)
-    code, out, err = status(partial, "--json")
+    code, out, err = status_while_beating(url, partial, "--json")
     assert (code, err) == (1, warning) and [json.loads(line)["instance"] for line in out.splitlines()] == ["gateway-0", "scheduler-0", "prefill-0"], out
-    code, out, err = status([*partial[:2], heartbeat("prefill", "prefill-0"), heartbeat("decode", "decode-0")])
+    code, out, err = status_while_beating(url, [*partial[:2], heartbeat("prefill", "prefill-0"), heartbeat("decode", "decode-0")])
     assert (code, err) == (0, "") and "decode-0" in out, (code, out, err)
+
+
+def test_status_names_per_model_a_role_without_a_serving_process(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """A bus serving two models, decode for one of them only: `moebus status` checked the roles over the whole
+    bus and exited 0, though every request for the other model fails. It now names, per model, the roles that
+    no process of that model serves (a scheduler that names no model serves both), in text and --json alike."""
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+    two = [heartbeat("gateway", "gateway-a"), heartbeat("gateway", "gateway-b", model="tiny-b"), heartbeat("scheduler", "scheduler-0", model=""),
+           heartbeat("prefill", "prefill-a"), heartbeat("prefill", "prefill-b", model="tiny-b"), heartbeat("decode", "decode-a")]
+    no_decode_b = f"moebus status: no serving decode of model tiny-b heard on {url} within 1.0s: the stack cannot answer requests for tiny-b\n"
+    code, out, err = status_while_beating(url, two)
+    listed = [line.split()[1] for line in out.splitlines() if line.split()[0] in ROLES]
+    assert (code, err) == (1, no_decode_b) and listed == ["gateway-a", "gateway-b", "scheduler-0", "prefill-a", "prefill-b", "decode-a"], (code, out, err)
+    code, out, err = status_while_beating(url, two, "--json")
+    assert (code, err) == (1, no_decode_b) and {json.loads(line)["model"] for line in out.splitlines()} == {"tiny", "tiny-b", ""}, (code, out, err)
+    # Each model lacking a role gets its line, in the order of their names.
+    draining = [heartbeat("gateway", "gateway-a", draining=True), *two[1:], heartbeat("decode", "decode-b", draining=True, model="tiny-b")]
+    code, out, err = status_while_beating(url, draining)
+    assert (code, err.splitlines()) == (1, [
+        f"moebus status: no serving gateway (only draining ones) of model tiny heard on {url} within 1.0s: the stack cannot answer requests for tiny",
+        f"moebus status: no serving decode (only draining ones) of model tiny-b heard on {url} within 1.0s: the stack cannot answer requests for tiny-b",
+    ]), (code, out, err)
+    code, out, err = status_while_beating(url, [*two, heartbeat("decode", "decode-b", model="tiny-b")])
+    assert (code, err) == (0, ""), (code, out, err)
 
 
 def test_a_nats_url_list_connects_and_a_bad_url_is_named(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
