@@ -124,13 +124,14 @@ def _unless_absent(value: Any, default: Any) -> Any:
 
 def _environment(raw: Any, where: str) -> dict[Any, Any]:
     """A service's ``environment``: a mapping, or compose's list of ``NAME=VALUE`` entries. A bare
-    ``NAME`` entry (compose: pass the caller's value on) is left out: every process of `moebus up`
+    ``NAME`` entry, or a ``NAME:`` without a value in the mapping (compose: pass the caller's value on;
+    it was the string "None", which replaced the caller's value), is left out: every process of `moebus up`
     inherits the caller's environment already."""
     if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
         return dict(item.split("=", 1) for item in raw if "=" in item)
     if not isinstance(raw, dict):
         raise StackError(f"{where}: environment must be a mapping or a list of NAME=VALUE, got {raw!r}")
-    return raw
+    return {name: value for name, value in raw.items() if value is not None}
 
 
 # Variables `moebus up` sets for every process itself (README: it overrides them).

@@ -673,12 +673,15 @@ def test_up_names_what_is_wrong_with_a_compose_file(tmp_path: Path, text: str, s
     assert up.returncode == 2 and "Traceback" not in up.stderr and f"moebus up: {stack}: " in up.stderr and says in up.stderr, up.stderr
 
 
-def test_compose_environment_lists_take_name_only_entries_from_the_callers_environment(tmp_path: Path):
+def test_compose_environment_takes_name_only_entries_from_the_callers_environment(tmp_path: Path):
     """Compose's `- NAME` entry (pass the caller's value on) was a ValueError at `dict()`: every process
-    of `moebus up` inherits the caller's environment, so it is left out of the service's own."""
+    of `moebus up` inherits the caller's environment, so it is left out of the service's own. So is the
+    mapping's `NAME:` without a value, which meant the same and set HF_TOKEN=None over the caller's token."""
     stack = tmp_path / "stack.yml"
     stack.write_text("services:\n  gateway:\n    command: [moebus, gateway]\n    environment: [HF_TOKEN, MOEBUS_LOG_JSON=true]\n")
     assert load_compose(stack, {})[0].env == {"MOEBUS_LOG_JSON": "true"}
+    stack.write_text("services:\n  gateway:\n    command: [moebus, gateway]\n    environment:\n      HF_TOKEN:\n      MOEBUS_LOG_JSON: 'true'\n")
+    assert load_compose(stack, {"HF_TOKEN": "hf_x"})[0].env == {"MOEBUS_LOG_JSON": "true"}
 
 
 def test_up_refuses_a_ready_timeout_that_is_no_positive_duration():
