@@ -10,7 +10,8 @@ Files are memory-mapped (``safe_open``) and every tensor is read through
 * EP gives each rank a contiguous expert range, fused at load into
   ``w13 [E_local, 2I, H]`` (gate rows then up rows) and ``w2 [E_local, H, I]``.
 * FP8 checkpoints keep E4M3 weights and their ``weight_scale_inv`` blocks as a
-  `BlockFp8Weight`; a TP split must fall on block boundaries.
+  `BlockFp8Weight`; a TP split must fall on block boundaries. Gate and up rows that
+  end inside a row block are fused on a finer row block (`_with_row_block`).
 * MXFP8 checkpoints keep E4M3 weights and their ``weight_scale_e8m0`` exponents
   (one per 32 values of K) as an `Mxfp8Weight`; rows split freely, a TP split of
   K must fall on 32-value boundaries.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -352,10 +354,24 @@ def _concat(parts: list[Linear], dim: int, what: str) -> Linear:
             raise ShardingError(f"{what}: cannot fuse MXFP8 weights along K off {parts[0].block_size}-value blocks")
         return Mxfp8Weight(torch.cat([p.weight for p in parts], dim), torch.cat([p.scale_e8m0 for p in parts], dim), parts[0].block_size)
     block = parts[0].block
+    if dim == 0 and any(p.weight.shape[0] % block[0] for p in parts):
+        # Parts that end inside a row block (gate/up of a moe_intermediate_size below 128, as the demo
+        # model's 32) are fused on the finest row block that all of them fill; vLLM refuses such
+        # checkpoints. The experts then differ in block from w2 and run the reference ops.
+        rows = math.gcd(block[0], *(p.weight.shape[0] for p in parts))
+        parts = [_with_row_block(p, rows) for p in parts]
+        block = parts[0].block
     for p in parts:
         if p.weight.shape[dim] % block[dim]:
             raise ShardingError(f"{what}: cannot fuse FP8 weights whose size {p.weight.shape[dim]} is not a multiple of the {block[dim]}-block")
     return BlockFp8Weight(torch.cat([p.weight for p in parts], dim), torch.cat([p.scale_inv for p in parts], dim), block)
+
+
+def _with_row_block(w: BlockFp8Weight, rows: int) -> BlockFp8Weight:
+    """The same weight with scales per ``rows`` rows (a divisor of its row block): each scale
+    repeated over the finer blocks it covered, so every value dequantizes as before."""
+    scale = w.scale_inv.repeat_interleave(w.block[0] // rows, dim=-2)[..., : -(-w.weight.shape[-2] // rows), :]
+    return BlockFp8Weight(w.weight, scale, (rows, w.block[1]))
 
 
 def _stack(parts: list[Linear]) -> Linear:

@@ -17,7 +17,7 @@ from shared.model.errors import CheckpointError, ConfigError, MissingTensor, Sha
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 from shared.model.quant_formats import BlockFp8Weight, dequantize_block_fp8
 from shared.model.quantize import quantize_checkpoint
-from shared.model.weights import load_weights
+from shared.model.weights import load_weights, prepare_for_kernels
 from shared.parallel import ShardSpec
 
 # config.json of Qwen/Qwen3-30B-A3B as published (the spelling differs from what
@@ -218,6 +218,39 @@ def test_fp8_split_off_block_boundaries_is_rejected(tiny_checkpoint, tmp_path):
     cfg = ModelConfig.from_dir(tmp_path / "ckpt")
     with pytest.raises(ShardingError, match=r"q_proj.*FP8 128-blocks"):
         load_weights(tmp_path / "ckpt", cfg, ShardSpec(tp_rank=1, tp_size=4))
+
+
+def test_fp8_gate_up_ending_inside_a_row_block_loads_and_runs(tiny_checkpoint, tmp_path):
+    """moe_intermediate_size 32 (the demo model's) and a dense intermediate_size of 96: gate and up each
+    end inside their one 128-row scale block, so fusing them takes a finer row block. `moebus quantize
+    --format fp8-block` of the demo model gave a checkpoint whose every rank failed to load ("cannot
+    fuse FP8 weights whose size 32 is not a multiple of the 128-block"). The model must compute what
+    the fp32 model of the checkpoint's dequantized weights computes."""
+    src = tiny_checkpoint("fp8_short_rows_src", **{**FP8_TINY, "moe_intermediate": 32, "intermediate": 96})
+    dst, plain = tmp_path / "ckpt", tmp_path / "dequantized"
+    quantize_checkpoint(src, dst, "fp8-block")
+    shutil.copytree(src, plain)
+    tensors = load_file(plain / "model.safetensors")
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        for name in tensors:
+            if name + "_scale_inv" in f.keys():
+                tensors[name] = dequantize_block_fp8(f.get_tensor(name), f.get_tensor(name + "_scale_inv")).contiguous()
+    save_file(tensors, plain / "model.safetensors")
+    w = load_weights(dst, ModelConfig.from_dir(dst))
+    expert = w.layers[0].mlp.w13
+    assert expert.block == (32, 128) and expert.scale_inv.shape == (FP8_TINY["experts"], 2, 1)
+    assert isinstance(w.layers[1].mlp.w13, BlockFp8Weight) and w.layers[1].mlp.w13.block == (32, 128)
+    # The grouped-GEMM kernels take one block for both expert weights: such experts run the reference ops.
+    assert prepare_for_kernels(w) == "FP8 blocks of w13 (32, 128) and w2 (128, 128) differ"
+
+    prompts = random_prompts([9, 4], seed=3)
+    out = []
+    for model in (Qwen3Model.load(plain), Qwen3Model.load(dst)):
+        c = model.config
+        cache = PagedKVCache(KVLayout(c.num_layers, 8, model.local_kv_heads, 4, c.head_dim, torch.float32))
+        batch = ForwardBatch.build([SequenceChunk(prompts[0], 0, [0, 1, 2]), SequenceChunk(prompts[1], 0, [3])], 4, torch.device("cpu"))
+        out.append(model.forward(batch, cache, all_logits=True))
+    assert rel_err(out[1], out[0]) < 1e-5
 
 
 def test_fp8_model_tracks_the_full_precision_model(fp8_pair):
