@@ -154,7 +154,8 @@ class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True, tag="response
 
 
 class GenerateChunk(msgspec.Struct, forbid_unknown_fields=True, tag="chunk", tag_field="type", kw_only=True):
-    """One piece of a streamed reply; the last chunk has `finish_reason`, `usage` and `timing`."""
+    """One piece of a streamed reply; the last chunk has `finish_reason` and `timing`. Every chunk
+    has `usage`: the prompt's tokens and the completion's so far (the last: the whole completion's)."""
 
     request_id: str
     index: int  # 0, 1, 2... per request

@@ -381,7 +381,8 @@ class Gateway:
             prompt_logprobs=delta.prompt_logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason if last else None,
-            usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens) if last else None,
+            # On every chunk, the tokens so far: what vLLM's stream_options.continuous_usage_stats gives (`moebus openai`).
+            usage=Usage(len(job.input_ids), len(completion.token_ids), completion.cached_tokens),
             timing=self._timing(arrival, queue_ms, ttft_ms, completion) if last else None,
         )
 

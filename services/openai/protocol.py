@@ -32,7 +32,8 @@ one object, choice ``p * n + i`` the ``i``-th of prompt ``p`` as in vLLM.
 Responses follow OpenAI's shapes (with vLLM's ``stop_reason`` beside ``finish_reason``):
 ``text_completion`` / ``chat.completion`` objects, and
 for ``stream: true`` their chunk objects as server-sent events ending with ``[DONE]``
-(a usage-only chunk before it when ``stream_options.include_usage``; ``stream_options``
+(a usage-only chunk before it when ``stream_options.include_usage``, and with vLLM's
+``continuous_usage_stats`` too every chunk's choice's usage so far; ``stream_options``
 without ``stream: true`` is refused, as vLLM does). Usage counts each
 prompt once and the completion tokens of every choice, as OpenAI and vLLM do, with
 ``prompt_tokens_details.cached_tokens`` (prompt tokens served from prefill's prefix cache). Errors carry
@@ -74,7 +75,7 @@ HTTP_CODES: dict[int, str] = {400: "invalid_request", 404: "unknown_url", 405: "
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = False  # null: false (OpenAI's spec lets it be null)
-    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk (not supported: true is refused)
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, usage on every chunk too
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -217,9 +218,6 @@ def check_n(req: _Sampling, max_n: int) -> int:
 def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:  # vLLM's check and words: options of a stream that is not one
         raise InvalidRequest("Stream options can only be defined when `stream=True`.")
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise InvalidRequest("stream_options.continuous_usage_stats is not supported by moebus (usage comes once, in the chunk "
-                             "before [DONE], with include_usage)")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     # vLLM's conventions, which its clients send: top_k -1 disables it (moebus' 0); a seed is any
     # int64, a negative one taken modulo 2**64 (two's complement) so it stays a fixed seed of its own.
@@ -383,12 +381,14 @@ class Shapes:
     ``i``-th of prompt ``p`` (``chat``: chat completions, one prompt; else completions)."""
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None,
-                 reasoning: bool = False, tool_calls: bool = False, echo_only: bool = False) -> None:
+                 reasoning: bool = False, tool_calls: bool = False, echo_only: bool = False, continuous_usage: bool = False) -> None:
         """``echo`` (completions): per prompt, its text as given (None for a token-id prompt,
         spelled from its tokens' bytes), put before each of its choices' text; ``echo_only``: the
         choices are the echoed prompt alone, their generated token left out (`echo_only`). ``reasoning`` and
         ``tool_calls`` (chat): each choice's text is split into reasoning, content and tool calls
-        (`services.openai.tool_parsing`)."""
+        (`services.openai.tool_parsing`). ``continuous_usage`` (vLLM's ``continuous_usage_stats``
+        with ``include_usage``): every chunk carries its choice's usage so far, as vLLM's do."""
+        self.continuous_usage = continuous_usage
         self.chat = chat
         self.reasoning = reasoning
         self.tool_calls = tool_calls
@@ -442,12 +442,17 @@ class Shapes:
         body["model"] = responses[0].model
         return body | {"usage": _usage(merged_usage([r.usage for r in responses], self.n))}
 
-    def first_chunk(self, index: int) -> dict[str, Any] | None:
-        """Chat streams open each choice with the assistant's role (completions have no such chunk)."""
+    def first_chunk(self, index: int, usage: Usage | None) -> dict[str, Any] | None:
+        """Chat streams open each choice with the assistant's role (completions have no such chunk);
+        ``usage``: the first chunk's to come, whose prompt it counts (the chat's one prompt)."""
         if not self.chat:
             return None
-        return self._object("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                                       "finish_reason": None}])
+        return self._with_usage(self._object("chat.completion.chunk", [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                                        "logprobs": None, "finish_reason": None}]),
+                                None if usage is None else Usage(usage.prompt_tokens, 0, usage.cached_tokens))
+
+    def _with_usage(self, event: dict[str, Any], usage: Usage | None) -> dict[str, Any]:
+        return event | {"usage": _usage(usage)} if self.continuous_usage and usage is not None else event
 
     def chunk(self, c: GenerateChunk, index: int) -> dict[str, Any] | None:
         """Choice ``index``'s chunk ``c``, with the logprobs of the tokens it took; None when a
@@ -456,10 +461,10 @@ class Shapes:
             return self._parsed_chunk(c, index)
         if self.chat:
             delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-            return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": self._logprobs(index, c),
-                                                           **_ending(c.finish_reason, c.stop_reason)}])
-        return self._object("text_completion", [{"index": index, "text": self._text(index, c), "logprobs": self._logprobs(index, c),
-                                                 **_ending(c.finish_reason, c.stop_reason)}])
+            return self._with_usage(self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": self._logprobs(index, c),
+                                                                            **_ending(c.finish_reason, c.stop_reason)}]), c.usage)
+        return self._with_usage(self._object("text_completion", [{"index": index, "text": self._text(index, c), "logprobs": self._logprobs(index, c),
+                                                                  **_ending(c.finish_reason, c.stop_reason)}]), c.usage)
 
     def _parsed_chunk(self, c: GenerateChunk, index: int) -> dict[str, Any] | None:
         """A chat chunk of a parsed choice: ``delta`` holds the reasoning, content and whole tool
@@ -481,7 +486,8 @@ class Shapes:
         logprobs = self._logprobs(index, c)
         if not delta and finish_reason is None and logprobs is None:
             return None
-        return self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs, **_ending(finish_reason, c.stop_reason)}])
+        return self._with_usage(self._object("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
+                                                                        **_ending(finish_reason, c.stop_reason)}]), c.usage)
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": _usage(u)}

@@ -200,10 +200,12 @@ class OpenAIFrontend:
         # think block before that message's text), so it is not parsed for reasoning.
         reasoning = (chat and self.reasoning_parser is not None and reasoning_on(body.chat_template_kwargs)  # type: ignore[union-attr]
                      and not body.continue_final_message)  # type: ignore[union-attr]
-        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools,
-                                 echo_only=not chat and protocol.echo_only(body))  # type: ignore[arg-type]
-        choices = Choices(self.client, choice_requests(gens, n))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # vLLM's rule: usage on every chunk only with include_usage too.
+        continuous_usage = include_usage and bool(body.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
+        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools,
+                                 echo_only=not chat and protocol.echo_only(body), continuous_usage=continuous_usage)  # type: ignore[arg-type]
+        choices = Choices(self.client, choice_requests(gens, n))
         answer = self._stream(conn, choices, shapes, include_usage, headers) if gen.stream else self._unary(conn, choices, shapes, headers)
         status = await _unless_ended(conn, answer)
         if status in ("gone", "stalled"):
@@ -242,7 +244,7 @@ class OpenAIFrontend:
                     await http.start_events(conn, headers)
                     started = True
                     for i in range(len(choices.ids)):
-                        if (first := shapes.first_chunk(i)) is not None:
+                        if (first := shapes.first_chunk(i, chunk.usage)) is not None:
                             await http.send_event(conn, json.dumps(first))
                 if (event := shapes.chunk(chunk, index)) is not None:
                     await http.send_event(conn, json.dumps(event))

@@ -200,6 +200,33 @@ def test_streamed_chat_is_the_unary_chat_in_pieces(stack, frontend, tiny_model):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == ref.usage.completion_tokens
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(stack, frontend):
+    """vLLM's ``stream_options: {"include_usage": true, "continuous_usage_stats": true}`` (what guidellm
+    sends on every streamed request; it was a 400): every chunk carries its choice's usage so far (chat's
+    role chunk: none generated yet), the last chunk of a choice its whole usage, and the usage chunk the
+    sum; without include_usage, no usage at all, as in vLLM."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})):
+        unary = json.loads(call(frontend, "POST", path, body)[2])
+        status, _, raw = call(frontend, "POST", path, body | {"stream": True, "stream_options": options})
+        assert status == 200, raw
+        chunks = [json.loads(p) for p in events(raw)[:-1]]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == unary["usage"]
+        for i, want in enumerate(unary["choices"]):
+            mine = [c for c in chunks[:-1] if c["choices"][0]["index"] == i]
+            prompt = unary["usage"]["prompt_tokens"]
+            assert all(c["usage"]["prompt_tokens"] == prompt for c in mine)
+            counts = [c["usage"]["completion_tokens"] for c in mine]
+            assert all(c["usage"]["total_tokens"] == prompt + n for c, n in zip(mine, counts))
+            assert counts == sorted(counts) and counts[-1] == (5 if path == "/v1/completions" else 4)
+            if path == "/v1/chat/completions":
+                assert mine[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and counts[0] == 0
+            assert mine[-1]["choices"][0]["finish_reason"] == want["finish_reason"]
+        status, _, raw = call(frontend, "POST", path, body | {"stream": True, "stream_options": {"continuous_usage_stats": True}})
+        assert status == 200 and not any("usage" in json.loads(p) for p in events(raw)[:-1])
+
+
 @pytest.mark.parametrize("path, body, status, code, says", [
     ("/v1/completions", b"{not json", 400, "invalid_request", "request body: JSON is malformed"),
     ("/v1/completions", b"[1, 2]", 400, "invalid_request", "request body: Expected `object`, got `array`"),
