@@ -60,6 +60,12 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/v1/models": ("GET",), "/health": ("GET",),
     "/version": ("GET",), "/ping": ("GET", "POST"),  # vLLM's: POST too, as SageMaker probes it
 }
+# vLLM serves these on its API port; a client or scraper pointed here from vLLM is told where they are.
+ELSEWHERE: dict[str, str] = {
+    "/metrics": "Prometheus metrics are served by `moebus metrics` on a port of its own (9464 by default, `moebus up` runs one)",
+    "/tokenize": "not served: this frontend holds no tokenizer",
+    "/detokenize": "not served: this frontend holds no tokenizer",
+}
 # Logged status of a request whose client closed the connection first (nginx's convention), or
 # stopped taking its answer (http.ClientStalled): either way the client left the answer unread.
 CLIENT_GONE = 499
@@ -107,7 +113,8 @@ class OpenAIFrontend:
                 req = await http.read_request(conn, *self._body_limit())
                 method, path = req.method, req.path
                 if req.path not in ROUTES:
-                    raise http.HttpError(404, f"no route {req.path!r}; routes: {', '.join(ROUTES)}")
+                    elsewhere = f" ({ELSEWHERE[req.path]})" if req.path in ELSEWHERE else ""
+                    raise http.HttpError(404, f"no route {req.path!r}{elsewhere}; routes: {', '.join(ROUTES)}")
                 allowed = http.methods(ROUTES[req.path])
                 if req.method not in allowed:
                     raise http.HttpError(405, f"{req.path} takes {' or '.join(allowed)}", {"Allow": ", ".join(allowed)})

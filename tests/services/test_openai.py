@@ -395,6 +395,15 @@ def test_http_errors_carry_a_code_as_every_other_error_does(frontend, request_by
     assert (error["code"], error["type"], error["param"]) == (code, "invalid_request_error", None), error
 
 
+def test_vllms_metrics_path_names_where_the_metrics_are(frontend):
+    """vLLM serves /metrics on its API port, so Prometheus configs and curl habits point there: the
+    404 says that `moebus metrics` serves them (it listed the routes alone)."""
+    status, _, raw = call(frontend, "GET", "/metrics")
+    error = json.loads(raw)["error"]
+    assert (status, error["code"]) == (404, "unknown_url")
+    assert error["message"].startswith("no route '/metrics' (Prometheus metrics are served by `moebus metrics` on a port of its own")
+
+
 def post(addr: tuple[str, int], body: dict, headers: dict[str, str] | None = None, path: str = "/v1/completions") -> tuple[int, str | None, bytes]:
     """(status, X-Request-Id header, body) of one POST with ``headers``."""
     conn = http.client.HTTPConnection(*addr, timeout=60)
