@@ -81,6 +81,14 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
+    # The payloads of OpenAI's and vLLM's other part types: decoded so that the refusal of such a
+    # part names its type (`_text`), not an "unknown field".
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
+    video_url: Any = None
+    audio_url: Any = None
 
 
 class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -311,10 +319,12 @@ def _check_tools(req: ChatCompletionRequest, auto_tools: bool) -> None:
 
 
 def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    """A message's text: its text parts one per line, as vLLM joins them for a chat template that
+    takes a string (Qwen3's)."""
     if isinstance(content, list):
-        if any(p.type != "text" or p.text is None for p in content):
-            raise InvalidRequest(f"{where}: only text parts are supported")
-        return "".join(p.text or "" for p in content)
+        if other := [p.type for p in content if p.type != "text" or p.text is None]:
+            raise InvalidRequest(f"{where}: only text parts are supported, got {', '.join(map(repr, other))}")
+        return "\n".join(p.text or "" for p in content)
     return content or ""
 
 

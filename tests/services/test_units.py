@@ -148,6 +148,22 @@ def test_openai_fields_sent_as_null_take_their_defaults():
     assert options.stream_options is not None and not options.stream_options.include_usage
 
 
+def test_chat_text_parts_are_joined_by_newlines_and_other_parts_refused_by_type():
+    """A message's text parts are one text, a line each, as vLLM joins them for Qwen3's template (they
+    were joined with nothing: ["a", "b"] was "ab" where vLLM's prompt has "a\nb"); an image part is
+    refused naming its type (it was "unknown field `image_url`")."""
+    def gen(content: list[dict]) -> GenerateRequest:
+        body = {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": content}]}
+        return protocol.chat_request(protocol.decode(json.dumps(body).encode(), protocol.ChatCompletionRequest), "r")
+
+    parts = [{"type": "text", "text": "Describe"}, {"type": "text", "text": "briefly."}]
+    assert [m.content for m in gen(parts).messages] == ["sys", "Describe\nbriefly."]
+    with pytest.raises(protocol.InvalidRequest, match=r"messages\[1\].content: only text parts are supported, got 'image_url'$"):
+        gen([*parts, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+    with pytest.raises(protocol.InvalidRequest, match="unknown field `cache_control`"):  # a text part's fields are checked still
+        gen([{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}])
+
+
 def test_vllms_continuous_usage_stats_is_taken():
     """vLLM's stream_options.continuous_usage_stats, false, null or true (usage in every chunk, which
     guidellm asks for on every streamed request; it was refused), is taken (`test_openai` checks the
