@@ -78,6 +78,10 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        if not Path(model_dir).is_dir():  # vLLM users pass a Hub id here, which vLLM downloads
+            raise ConfigError(f"{model_dir}: no such directory; moebus reads a local checkpoint directory and downloads nothing (vLLM "
+                              "fetches a Hugging Face id such as Qwen/Qwen3-30B-A3B: download it first, e.g. `huggingface-cli download "
+                              "Qwen/Qwen3-30B-A3B --local-dir DIR`, and pass DIR)")
         path = Path(model_dir) / "config.json"
         return cls.from_dict(_read_json(path), source=str(path))
 

@@ -122,7 +122,11 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
     cases = [
         (["prefill", "--model", str(tiny_model)], {"MOEBUS_PREFILL_TP": "3"}, 2, "tp=3: num_attention_heads=4 is not divisible by TP=3"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_DP": "3"}, 2, "dp=3: num_experts=8 is not divisible by EP=3"),
-        (["decode", "--model", str(tmp_path / "nothing")], {}, 2, "is not a checkpoint moebus serves: .*nothing/config.json: file not found"),
+        (["decode", "--model", str(tmp_path / "nothing")], {}, 2, "is not a checkpoint moebus serves: .*nothing: no such directory"),
+        # vLLM downloads a Hugging Face id; moebus says it does not (it said ".../config.json: file not found").
+        (["gateway", "--model", "Qwen/Qwen3-30B-A3B"], {}, 2, r"Qwen/Qwen3-30B-A3B: no such directory; moebus reads a local checkpoint "
+         r"directory and downloads nothing \(vLLM fetches a Hugging Face id such as Qwen/Qwen3-30B-A3B: download it first, e.g. "
+         r"`huggingface-cli download Qwen/Qwen3-30B-A3B --local-dir DIR`, and pass DIR\)"),
         (["gateway", "--model", str(llama)], {}, 2, r"architectures=\['LlamaForCausalLM'\] is not supported"),
         # The gateway tokenizes: a checkpoint without a readable tokenizer.json was a traceback after NATS was dialled.
         (["gateway", "--model", str(no_tokenizer)], {}, 2, r"cannot be served: .*no-tokenizer/tokenizer.json is missing"),
