@@ -1,17 +1,24 @@
 """OpenAI's completions and chat-completions bodies, and their translation to moebus' API.
 
 Requests decode strictly (msgspec, unknown fields refused with their name); fields that
-OpenAI defines but moebus does not implement are accepted only at their no-op values
-(no ``suffix``, ``best_of`` > 1, response formats, ``tool_choice`` "required" or a named
-function, ``parallel_tool_calls: false``, strict tools),
-anything else is an ``invalid_request`` naming the field, never silently ignored. Chat
+OpenAI or vLLM define but moebus does not implement are accepted only at their no-op values
+(the requests' ``NO_OPS``; null, their default, is one): no ``suffix``, ``best_of`` > 1,
+vLLM's ``use_beam_search``, ``length_penalty`` but 1, ``priority`` but 0,
+``skip_special_tokens`` or ``spaces_between_special_tokens`` false, ``prompt_logprobs``,
+``return_tokens_as_token_ids``, ``truncate_prompt_tokens``, guided decoding (``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``); in chat no
+response formats, ``store: true``, ``service_tier`` but "auto" or "default", ``modalities`` but
+``["text"]``, ``reasoning_effort`` (no faithful mapping), ``prediction``, ``tool_choice``
+"required" or a named function, ``parallel_tool_calls: false``, strict tools. Anything else is
+an ``invalid_request`` naming the field, never silently ignored. Chat
 ``tools`` reach the chat template (with the messages' tool calls, tool answers and reasoning,
 call arguments parsed to objects as vLLM hands them over); with ``tool_choice`` "auto" (the
 default with tools) only on a server started with tool-call parsing, whose answers are then
 split into content and ``tool_calls`` (`services.openai.tool_parsing`), as is reasoning into
-``reasoning_content`` on a server started with a reasoning parser. ``user``
-is accepted and unused. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token
-ids as strings, as OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
+``reasoning_content`` on a server started with a reasoning parser. ``user`` and chat's
+``metadata`` (tags of a stored completion; none is stored) are accepted and unused.
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as strings, as
+OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
 ``seed``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output`` and chat's ``chat_template_kwargs`` (e.g.
 ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt`` and
@@ -130,6 +137,14 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     decoding."""
 
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "presence_penalty", "frequency_penalty")
+    # Fields taken only at the values that ask for nothing moebus does not do (null: unset), any
+    # other value refused naming the field (`_check_no_ops`): vLLM's extensions, here those that
+    # vLLM's completions and chat requests both have.
+    NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+        "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_logprobs": (None,),
+        "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "guided_json": (None,),
+        "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,)}
 
     model: str | None = None
     max_tokens: int | None = None
@@ -151,6 +166,20 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: int = 0  # vLLM's extension
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys: msgspec reads them as ints
     user: str | None = None
+    # NO_OPS' vLLM fields (vLLM's types; guided decoding's any, so that every value is refused by name)
+    skip_special_tokens: bool | None = True  # moebus' text skips them
+    spaces_between_special_tokens: bool | None = True
+    priority: int | None = 0
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0  # beam search's
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         for name, default in _null_defaults(type(self)).items():
@@ -169,6 +198,7 @@ def _null_defaults(kind: type[_Sampling]) -> dict[str, Any]:
 
 class CompletionRequest(_Sampling, kw_only=True):
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_Sampling.NULL_IS_DEFAULT, "echo")
+    NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {**_Sampling.NO_OPS, "suffix": (None,), "best_of": (None, 1)}
 
     prompt: str | list[Any]  # text, token ids, or a batch of either (checked by `completion_prompts`)
     # OpenAI's and vLLM's default for completions (chat has none); null: what the context leaves
@@ -181,6 +211,12 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_Sampling.NULL_IS_DEFAULT, "logprobs")
+    # OpenAI's chat fields for what moebus does not do (its legacy completions have none of them).
+    # reasoning_effort has no faithful mapping: Qwen3's template reads no effort, only
+    # chat_template_kwargs' enable_thinking, a switch, not a level.
+    NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_Sampling.NO_OPS, "store": (None, False), "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
+        "reasoning_effort": (None,), "prediction": (None,)}
 
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
@@ -193,6 +229,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
     add_generation_prompt: bool = True  # vLLM's extension
     continue_final_message: bool = False  # vLLM's extension: the answer continues the last message (with add_generation_prompt false)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's tags of a stored completion: none is stored, so it is taken and unused
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: Any = None
+    prediction: Any = None  # a predicted output (speculation on given text)
 
 
 class InvalidRequest(ValueError):
@@ -210,10 +252,13 @@ def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionReque
         raise InvalidRequest(f"request body: nested too deeply ({e})") from None
 
 
-def _check_unsupported(unsupported: dict[str, bool]) -> None:
-    bad = [name for name, used in unsupported.items() if used]
-    if bad:
-        raise InvalidRequest(f"not supported by moebus: {', '.join(bad)} (no suffix, best_of > 1 or response formats)")
+def _check_no_ops(req: _Sampling, others: dict[str, str]) -> None:
+    """Refuses, naming them, the fields of ``req.NO_OPS`` sent with a value other than their no-op
+    ones, and ``others`` (name -> what is accepted of it, for fields the caller found used)."""
+    refused = {name: " or ".join(msgspec.json.encode(v).decode() for v in accepted)
+               for name, accepted in req.NO_OPS.items() if getattr(req, name) not in accepted} | others
+    if refused:
+        raise InvalidRequest("not supported by moebus: " + "; ".join(f"{name} (accepted only as {ok})" for name, ok in refused.items()))
 
 
 def check_n(req: _Sampling, max_n: int) -> int:
@@ -274,7 +319,7 @@ def completion_requests(req: CompletionRequest, request_id: str, max_prompts: in
     """The moebus requests of a ``/v1/completions`` body, one per prompt (a token-id prompt as
     ``input_ids``; ``logprobs: k`` asks for the k most likely tokens too; ``echo`` for the
     prompt's tokens and, with ``logprobs``, their logprobs: ``prompt_logprobs``)."""
-    _check_unsupported({"suffix": req.suffix is not None, "best_of": req.best_of not in (None, 1)})
+    _check_no_ops(req, {})
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:  # named as the client sent it, not as moebus's top_logprobs
         raise InvalidRequest(f"logprobs (alternatives per token) must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
     logprobs = {} if req.logprobs is None else {"logprobs": True, "top_logprobs": req.logprobs}
@@ -363,7 +408,8 @@ def _message(m: ChatMessageIn, i: int) -> ChatMessage:
 def chat_request(req: ChatCompletionRequest, request_id: str, auto_tools: bool = False) -> GenerateRequest:
     """The moebus request of a ``/v1/chat/completions`` body (``auto_tools``: this frontend parses
     tool calls, so ``tool_choice`` "auto" is served)."""
-    _check_unsupported({"response_format": (req.response_format or {}).get("type", "text") != "text"})
+    text = (req.response_format or {}).get("type", "text") == "text"
+    _check_no_ops(req, {} if text else {"response_format": 'null or {"type": "text"}'})
     _check_tools(req, auto_tools)
     tools = [Tool(function=ToolFunction(t.function.name, t.function.description, t.function.parameters)) for t in req.tools] if req.tools else None
     fields = _common(req, request_id)

@@ -24,7 +24,7 @@ import torch
 from schemas.api import ChatMessage, GenerateRequest
 from services.client import GenerateError
 from services.common import moebus_version
-from services_helpers import cancelled_requests, frontend_address, log_events, run, session, stack_fixture, until
+from services_helpers import CHAT_NO_OP_FIELDS, NO_OP_FIELDS, cancelled_requests, frontend_address, log_events, run, session, stack_fixture, until
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +123,19 @@ def test_completion_matches_the_native_api(stack, frontend):
     status, _, by_ids = call(frontend, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0})
     assert status == 200, by_ids
     assert json.loads(by_ids)["choices"][0]["text"] == reference(stack, input_ids=ids, max_tokens=12, temperature=0.0).text
+
+
+def test_openai_and_vllm_fields_at_their_no_op_values_are_served_as_if_absent(frontend):
+    """A user trial's clients sent OpenAI's store, metadata, service_tier, modalities,
+    reasoning_effort and prediction, and vLLM's extensions at their defaults: each was a 400
+    "unknown field". Both endpoints now answer such a body as they answer it without them."""
+    for path, body, fields in (("/v1/completions", {"prompt": "The capital of France is"}, NO_OP_FIELDS),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, CHAT_NO_OP_FIELDS)):
+        body |= {"max_tokens": 6, "temperature": 0}
+        answers = [call(frontend, "POST", path, b) for b in (body, body | fields)]
+        assert [status for status, _, _ in answers] == [200, 200], answers
+        plain, with_fields = (json.loads(raw)["choices"][0] for _, _, raw in answers)
+        assert with_fields == plain
 
 
 def test_repetition_penalty_matches_transformers(stack, frontend, hf_greedy):
@@ -239,6 +252,12 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(sta
     # n x prompts past max_choices (256): one request would fill the scheduler's queue (max_queued 256)
     ("/v1/completions", {"prompt": ["hi"] * 17, "n": 16, "max_tokens": 1}, 400, "invalid_request", "n x prompts = 16 x 17 = 272 choices"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "invalid_request", "not supported by moebus: best_of"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["yes", "no"]}, 400, "invalid_request",
+     "not supported by moebus: guided_choice (accepted only as null)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"}, 400, "invalid_request",
+     "not supported by moebus: reasoning_effort (accepted only as null)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "store": True}, 400, "invalid_request",
+     "not supported by moebus: store (accepted only as null or false)"),
     # completions' `logprobs` is the number of alternatives: named as sent (it is moebus's top_logprobs)
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_request", "logprobs (alternatives per token) must be an integer in [0, 20], got 21"),
     ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "invalid_request",

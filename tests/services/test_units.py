@@ -20,6 +20,7 @@ from services.compose import REPO_ROOT, StackError, _interpolate, load_compose
 from services.model_rank import sampling_params
 from services.openai import protocol, request_ids
 from services.scheduler.registry import Registry
+from services_helpers import CHAT_NO_OP_FIELDS, CHAT_USED_FIELDS, NO_OP_FIELDS, USED_FIELDS
 from shared.model.tokenizer import Tokenizer
 from shared.settings import (DecodeSettings, GatewaySettings, MetricsSettings, NatsServerSettings, OpenAISettings, PrefillSettings,
                              SchedulerSettings, SettingsError, load_settings, nats_server_settings)
@@ -183,6 +184,36 @@ def test_openai_logit_bias_keys_are_token_id_strings_and_vllms_min_fields_pass_t
     assert (req.logit_bias, req.min_p, req.min_tokens) == ({50256: -100.0, 7: 3.0}, 0.05, 3)
     with pytest.raises(protocol.InvalidRequest, match=r"Expected `int`.*key.*\$\.logit_bias"):
         protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 1}}', protocol.ChatCompletionRequest)
+
+
+def test_openai_and_vllm_fields_are_taken_at_their_no_op_values_and_refused_by_name_otherwise():
+    """Clients send OpenAI's store, metadata, service_tier, modalities, reasoning_effort and
+    prediction, and vLLM's extensions at their defaults; each was "unknown field" (a 400). At a
+    no-op value (null too) each is taken and changes nothing in the request; any other value is
+    refused naming the field; a field neither defines, or one of OpenAI's chat fields sent to
+    completions (OpenAI's legacy completions have none of them), is still unknown."""
+    def completion(fields: dict) -> GenerateRequest:
+        return protocol.completion_requests(protocol.decode(json.dumps({"prompt": "hi"} | fields).encode(), protocol.CompletionRequest), "r", 4)[0]
+
+    def chat(fields: dict) -> GenerateRequest:
+        body = {"messages": [{"role": "user", "content": "hi"}]} | fields
+        return protocol.chat_request(protocol.decode(json.dumps(body).encode(), protocol.ChatCompletionRequest), "r")
+
+    nulls = {name: None for name in CHAT_NO_OP_FIELDS}
+    assert completion(NO_OP_FIELDS) == completion({}) == completion({name: None for name in NO_OP_FIELDS})
+    assert chat(CHAT_NO_OP_FIELDS) == chat({}) == chat(nulls) == chat({"service_tier": "default"})
+    for gen, used in ((completion, USED_FIELDS), (chat, CHAT_USED_FIELDS)):
+        for name, value in used.items():
+            with pytest.raises(protocol.InvalidRequest, match=rf"^not supported by moebus: {name} \(accepted only as null"):
+                gen({name: value})
+    with pytest.raises(protocol.InvalidRequest, match=r"reasoning_effort \(accepted only as null\)$"):
+        chat({"reasoning_effort": "high"})
+    with pytest.raises(protocol.InvalidRequest, match=r"^not supported by moebus: priority \(accepted only as null or 0\); "
+                                                      r"use_beam_search \(accepted only as null or false\)$"):
+        completion({"priority": -1, "use_beam_search": True})
+    for gen, unknown in ((completion, "guided_jsn"), (completion, "store"), (completion, "reasoning_effort"), (chat, "stored")):
+        with pytest.raises(protocol.InvalidRequest, match=f"unknown field `{unknown}`"):
+            gen({unknown: None})
 
 
 def test_openai_bodies_pass_vllms_ignore_eos_through():
