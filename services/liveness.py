@@ -22,6 +22,13 @@ MemberKey = tuple[str, str, int]  # (role, instance, rank)
 DEAF_AFTER_INTERVALS = 2.0
 
 
+def takes_new_work(hb: Heartbeat) -> bool:
+    """Whether the process of ``hb`` takes new requests: not draining, and of a prefill instance only its
+    leader (rank 0), which takes the tasks (its other ranks follow it). The frontend's ``/health`` and
+    `moebus status` judge a role present by this."""
+    return not hb.draining and (hb.role != "prefill" or hb.rank == 0)
+
+
 def member_key(hb: Heartbeat) -> MemberKey:
     return (hb.role, hb.instance, hb.rank)
 

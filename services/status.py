@@ -31,6 +31,7 @@ import msgspec
 from schemas import subjects
 from schemas.internal import Heartbeat, LatencySummary, TransferStats
 from services.compose import ROLES
+from services.liveness import takes_new_work
 from shared.bus import Unreachable, connect, unpack
 from shared.logging import configure_tool_logging
 from shared.settings import nats_url_from_env
@@ -153,7 +154,8 @@ def summary_lines(members: list[Heartbeat]) -> list[str]:
 
 def missing_roles(members: list[Heartbeat]) -> dict[str, list[str]]:
     """For each model served among ``members`` (the ``model`` their heartbeats name), the roles without a
-    serving process of that model, each as the warning names it; models that lack none are left out. A
+    serving process of that model (`takes_new_work`: of a prefill instance its leader), each as the warning
+    names it; models that lack none are left out. A
     request needs one of each (a gateway, a scheduler, a prefill and a decode instance) serving its model:
     a bus with two models and decode for one only cannot answer the other's requests. A process that names
     no model (a scheduler started without one) serves every model, as its registry takes any; with no model
@@ -161,12 +163,20 @@ def missing_roles(members: list[Heartbeat]) -> dict[str, list[str]]:
     missing: dict[str, list[str]] = {}
     for model in sorted({hb.model for hb in members if hb.model}) or [""]:
         of_model = [hb for hb in members if hb.model in (model, "")]
-        heard = {hb.role for hb in of_model}
-        serving = {hb.role for hb in of_model if not hb.draining}
-        roles = [role if role not in heard else f"{role} (only draining ones)" for role in ROLES if role not in serving]
+        serving = {hb.role for hb in of_model if takes_new_work(hb)}
+        roles = [_why_missing(role, [hb for hb in of_model if hb.role == role]) for role in ROLES if role not in serving]
         if roles:
             missing[model] = roles
     return missing
+
+
+def _why_missing(role: str, heard: list[Heartbeat]) -> str:
+    """``role`` as the warning names it, with what was heard of it that takes no work."""
+    if not heard:
+        return role
+    if all(hb.draining for hb in heard):
+        return f"{role} (only draining ones)"
+    return f"{role} (no rank 0, the leader, taking work)"
 
 
 def missing_lines(members: list[Heartbeat], url: str, wait_s: float) -> list[str]:

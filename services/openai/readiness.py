@@ -15,7 +15,7 @@ import time
 from nats.aio.msg import Msg
 
 from schemas.internal import Heartbeat
-from services.liveness import LatestHeartbeats
+from services.liveness import LatestHeartbeats, takes_new_work
 from shared.bus import unpack
 
 REQUIRED_ROLES = ("gateway", "scheduler", "prefill", "decode")
@@ -37,5 +37,5 @@ class StackReadiness:
 
     def missing(self, now: float) -> list[str]:
         """The roles (of ``REQUIRED_ROLES``) with no process heard within ``expiry_s`` that takes new work."""
-        serving = {hb.role for hb in self.heartbeats.live(now) if not hb.draining and (hb.role != "prefill" or hb.rank == 0)}
+        serving = {hb.role for hb in self.heartbeats.live(now) if takes_new_work(hb)}
         return [role for role in REQUIRED_ROLES if role not in serving]

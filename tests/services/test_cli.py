@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from schemas import subjects
@@ -607,6 +608,23 @@ def test_status_names_per_model_a_role_without_a_serving_process(nats_server: tu
     ]), (code, out, err)
     code, out, err = status_while_beating(url, [*two, heartbeat("decode", "decode-b", model="tiny-b")])
     assert (code, err) == (0, ""), (code, out, err)
+
+
+def test_status_counts_a_prefill_instance_by_its_leader_as_the_frontends_health_does():
+    """A prefill instance takes tasks through its leader (rank 0): heard only from its other ranks, it serves
+    nothing. `moebus status` counted any rank and called such a stack complete while the frontend's /health
+    (the same `takes_new_work` now) said prefill was missing."""
+    from services.openai.readiness import StackReadiness
+    from services.status import missing_roles
+
+    follower = msgspec.structs.replace(heartbeat("prefill", "prefill-0"), rank=1)
+    stack = [heartbeat("gateway", "gateway-0"), heartbeat("scheduler", "scheduler-0"), follower, heartbeat("decode", "decode-0")]
+    assert missing_roles(stack) == {"tiny": ["prefill (no rank 0, the leader, taking work)"]}
+    readiness = StackReadiness(expiry_s=60.0)
+    for hb in stack:
+        readiness.on_heartbeat(hb, 0.0)
+    assert readiness.missing(0.0) == ["prefill"]
+    assert missing_roles([*stack, heartbeat("prefill", "prefill-0")]) == {}
 
 
 def test_a_nats_url_list_connects_and_a_bad_url_is_named(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
