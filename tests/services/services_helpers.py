@@ -100,19 +100,27 @@ def health(addr: tuple[str, int]) -> tuple[int, str]:
         conn.close()
 
 
-def log_events(stack: LocalStack, event: str) -> list[dict[str, Any]]:
-    """Every `event` in the replicas' JSON-lines logs (other lines, e.g. tracebacks, are skipped)."""
-    found = []
+def log_records(stack: LocalStack, needle: str) -> Iterator[dict[str, Any]]:
+    """The JSON events of the replicas' logs on lines containing `needle` (other lines, e.g.
+    tracebacks, are skipped), each with the replica's instance added."""
     for replica in stack.replicas:
         for n, line in enumerate(replica.log_path.read_text(errors="replace").splitlines(), 1):
-            if line.startswith("{") and f'"{event}"' in line:
+            if line.startswith("{") and needle in line:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise AssertionError(f"{replica.log_path}:{n} is not one JSON event: {e}: {line[:300]}") from e
-                if record.get("event") == event:
-                    found.append(record | {"replica": replica.instance})
-    return found
+                yield record | {"replica": replica.instance}
+
+
+def log_events(stack: LocalStack, event: str) -> list[dict[str, Any]]:
+    """Every `event` in the replicas' logs."""
+    return [r for r in log_records(stack, f'"{event}"') if r.get("event") == event]
+
+
+def log_events_of(stack: LocalStack, request_id: str) -> list[dict[str, Any]]:
+    """Every event the replicas logged for one request."""
+    return [r for r in log_records(stack, request_id) if r.get("request_id") == request_id]
 
 
 def stack_fixture(compose: str, scale: dict[str, int] | None = None, env: dict[str, str] | None = None,
