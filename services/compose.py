@@ -5,8 +5,9 @@ The compose file is the single description of a stack (DESIGN §7): the same fil
 runs on GPU nodes is read here into one `ServiceSpec` per moebus service, from its `command`
 (`moebus <role> ...`), `environment`, `deploy.replicas` (or a `--scale NAME=N` override) and `restart`
 policy. Container-only parts (image, volumes, device reservations, networks, ports) are ignored, and
-so is the service named `nats` (`moebus up` runs a local nats-server in its place). `${VAR}` /
-`${VAR:-default}` in the file are interpolated from the environment, as docker compose does. A file
+so is the service named `nats` (`moebus up` runs a local nats-server in its place). Variables
+(`${VAR}`, `${VAR:-default}`, `${VAR:?message}`, ...) are interpolated from the environment as docker
+compose does (`services.compose_interpolation`). A file
 that is no compose file of moebus services, or a value it cannot use, is a `StackError` naming the
 file, the service and the part; so is a `MOEBUS_*` setting of the caller's environment that the
 file would override (`check_shadowed_settings`), and a role the file runs left without a replica
@@ -16,13 +17,15 @@ file would override (`check_shadowed_settings`), and a role the file runs left w
 from __future__ import annotations
 
 import os
-import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from services.compose_interpolation import InterpolationError, interpolate, sole_variable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STACK = REPO_ROOT / "compose" / "single-node.yml"
@@ -49,23 +52,11 @@ class ServiceSpec:
     replicas: int
     restart: str = "no"  # compose's restart policy, which `moebus up` applies as docker compose does (`services.launch.restarts`)
     # The variable each `environment` value is interpolated from, where the value is one `${VAR}` /
-    # `${VAR:-default}` (e.g. MOEBUS_DECODE_MAX_BATCH -> DECODE_MAX_BATCH): the knob the file offers.
+    # `${VAR:-default}` ... (e.g. MOEBUS_DECODE_MAX_BATCH -> DECODE_MAX_BATCH): the knob the file offers.
     env_knobs: dict[str, str] = field(default_factory=dict)
 
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
-
 RESTART_POLICIES = ("no", "on-failure", "always", "unless-stopped")
-
-
-def _interpolate(value: str, env: dict[str, str]) -> str:
-    return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
-
-
-def _knob(value: str) -> str | None:
-    """The variable a compose value is, when it is one `${VAR}` / `${VAR:-default}` and nothing else."""
-    m = _VAR.fullmatch(value.strip())
-    return m.group(1) if m else None
 
 
 def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dict[str, int] | None = None) -> list[ServiceSpec]:
@@ -92,27 +83,40 @@ def load_compose(path: str | Path, env: dict[str, str] | None = None, scale: dic
         raw_env = _environment(_unless_absent(svc.get("environment"), {}), f"{path}: service {name!r}")
         deploy = _unless_absent(svc.get("deploy"), {})
         count = _unless_absent(deploy.get("replicas"), 1) if isinstance(deploy, dict) else None
-        replicas = str((scale or {}).get(name, _interpolate(str(count), env)))
+        where = f"{path}: service {name!r}"
+        interpolated = _interpolator(env, where)
+        replicas = str((scale or {}).get(name, interpolated(str(count))))
         if not isinstance(deploy, dict) or not replicas.isdigit():
             raise StackError(f"{path}: service {name!r}: deploy.replicas must be a count, got {svc.get('deploy')!r}")
-        restart = str(svc.get("restart", "no"))
+        # PyYAML reads YAML 1.1, where an unquoted `no` is false; docker compose's reader takes it as "no".
+        restart = "no" if svc.get("restart") is False else interpolated(str(svc.get("restart", "no")))
         if restart not in RESTART_POLICIES:
             raise StackError(f"{path}: service {name!r}: restart must be one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
         specs.append(
             ServiceSpec(
                 name=name,
                 role=command[1],
-                args=[_interpolate(str(a), env) for a in command[2:]],
-                env={str(k): _interpolate(str(v), env) for k, v in raw_env.items()},
+                args=[interpolated(str(a)) for a in command[2:]],
+                env={str(k): interpolated(str(v)) for k, v in raw_env.items()},
                 replicas=int(replicas),
                 restart=restart,
-                env_knobs={str(k): knob for k, v in raw_env.items() if (knob := _knob(str(v)))},
+                env_knobs={str(k): knob for k, v in raw_env.items() if (knob := sole_variable(str(v)))},
             )
         )
     unknown = set(scale or {}) - {s.name for s in specs}
     if unknown:
         raise StackError(f"--scale: {path} has no service {', '.join(sorted(unknown))}")
     return specs
+
+
+def _interpolator(env: dict[str, str], where: str) -> Callable[[str], str]:
+    """Interpolates one value of a service from ``env``; a missing required variable is a `StackError`."""
+    def interpolated(text: str) -> str:
+        try:
+            return interpolate(text, env)
+        except InterpolationError as e:
+            raise StackError(f"{where}: {e}") from None
+    return interpolated
 
 
 def _unless_absent(value: Any, default: Any) -> Any:

@@ -16,7 +16,8 @@ from schemas.internal import Heartbeat, TokenBatch
 from services.gateway.admission import Admission, ModelInfo, Rejected
 from services.gateway.completion import Completion, TokensLost
 from services import launch
-from services.compose import REPO_ROOT, StackError, _interpolate, load_compose
+from services.compose import REPO_ROOT, StackError, load_compose
+from services.compose_interpolation import interpolate
 from services.model_rank import sampling_params
 from services.openai import protocol, request_ids
 from services.scheduler.registry import Registry
@@ -435,9 +436,9 @@ def test_compose_files_configure_nats_as_moebus_up_does(compose: str):
     (mount,) = nats["configs"]
     assert nats["command"][:2] == ["-c", mount["target"]]
     content = doc["configs"][mount["source"]]["content"]
-    assert _interpolate(content, {}) == launch.nats_config(NatsServerSettings())
+    assert interpolate(content, {}) == launch.nats_config(NatsServerSettings())
     raised = {"MOEBUS_NATS_MAX_PAYLOAD": str(32 << 20)}
-    assert _interpolate(content, raised) == launch.nats_config(nats_server_settings(env=raised))
+    assert interpolate(content, raised) == launch.nats_config(nats_server_settings(env=raised))
 
 
 def test_compose_errors_name_the_problem(tmp_path: Path):
@@ -447,6 +448,38 @@ def test_compose_errors_name_the_problem(tmp_path: Path):
         load_compose(bad, env={})
     with pytest.raises(StackError, match="nosuch"):
         load_compose(REPO_ROOT / "compose" / "single-node.yml", env={}, scale={"nosuch": 2})
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # docker compose's interpolation, each form with VAR set, empty and unset (SET=x, EMPTY="", no UNSET)
+    ("${SET}/$SET/${EMPTY}/${UNSET}/$UNSET", "x/x///"),
+    ("${SET:-d} ${EMPTY:-d} ${UNSET:-d}", "x d d"),
+    ("${SET-d} ${EMPTY-d} ${UNSET-d}", "x  d"),  # `-`: the default only when unset
+    ("${SET:+r} ${EMPTY:+r} ${UNSET:+r}", "r  "),
+    ("${SET+r} ${EMPTY+r} ${UNSET+r}", "r r "),
+    ("${SET?m} ${EMPTY?m}", "x "),
+    ("$$SET costs 5$ ${UNSET:-${SET}-${UNSET:-deep}}", "$SET costs 5$ x-deep"),  # $$ escapes; nested defaults
+])
+def test_compose_interpolation_follows_docker_compose(text: str, expected: str):
+    assert interpolate(text, {"SET": "x", "EMPTY": ""}) == expected
+
+
+def test_compose_required_variables_and_unquoted_restart_no(tmp_path: Path):
+    stack = tmp_path / "stack.yml"
+    stack.write_text("services:\n  decode:\n    command: moebus decode\n    restart: no\n"
+                     "    environment:\n      MOEBUS_MODEL: ${MODEL_DIR:?set MODEL_DIR to the checkpoint}\n"
+                     "      MOEBUS_DECODE_MAX_BATCH: ${DECODE_MAX_BATCH-64}\n")
+    (spec,) = load_compose(stack, env={"MODEL_DIR": "/ckpt", "DECODE_MAX_BATCH": ""})
+    # YAML 1.1 reads an unquoted `no` as false; docker compose takes it as the policy "no".
+    assert spec.restart == "no"
+    assert spec.env == {"MOEBUS_MODEL": "/ckpt", "MOEBUS_DECODE_MAX_BATCH": ""}
+    assert spec.env_knobs == {"MOEBUS_MODEL": "MODEL_DIR", "MOEBUS_DECODE_MAX_BATCH": "DECODE_MAX_BATCH"}
+    for env, why in (({}, "unset"), ({"MODEL_DIR": ""}, "empty")):
+        with pytest.raises(StackError, match=rf"stack.yml: service 'decode': the compose file needs MODEL_DIR \({why}\): set MODEL_DIR to the checkpoint"):
+            load_compose(stack, env=env)
+    stack.write_text("services:\n  decode:\n    command: moebus decode --max-batch ${BATCH\n")
+    with pytest.raises(StackError, match=r"service 'decode': invalid interpolation format .* without its '}'"):
+        load_compose(stack, env={})
 
 
 # ---------------------------------------------------------------- completion assembly
