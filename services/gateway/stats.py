@@ -122,8 +122,11 @@ class RequestCounters:
             self.decode_s.observe(decode_ms / 1000)
         self.prompt_hist.observe(prompt_tokens)
         self.completion_hist.observe(completion_tokens)
-        if completion_tokens > 1:
-            tpot_ms = (total_ms - ttft_ms) / (completion_tokens - 1)
+        if completion_tokens > 1 and decode_ms is not None:
+            # vLLM's request TPOT: its first token to its last over the tokens after the first. Not
+            # (total - TTFT): that adds the time from the last token to the reply (its detokenization,
+            # a stop string's check, the reply's encoding) to every request's decode rate.
+            tpot_ms = decode_ms / (completion_tokens - 1)
             self.tpot_ms.append(tpot_ms)
             self.tpot_s.observe(tpot_ms / 1000)
 

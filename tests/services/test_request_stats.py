@@ -46,6 +46,17 @@ def test_every_final_reply_is_counted_once_by_outcome():
     assert stats.tpot is not None and sorted((stats.tpot.p50_ms, stats.tpot.p99_ms)) == [2.0, 10.0]
 
 
+def test_time_per_output_token_is_the_first_token_to_the_last_not_to_the_reply():
+    """vLLM's request TPOT: the last token's arrival less the first's, over the tokens after the first. The
+    40 ms from the last token to the reply (detokenization, encoding) are not decode time."""
+    counters = RequestCounters(max_context=4096)
+    counters.first_token(10.0)
+    counters.reply(_response("length", 5, 4, ttft=10.0, total=80.0), TokenTimes(0.01, 0.04))
+    stats = counters.stats()
+    assert stats.tpot is not None and stats.tpot.p50_ms == pytest.approx(10.0)  # (40 - 10) / 3, not (80 - 10) / 3
+    assert stats.tpot_seconds is not None and stats.tpot_seconds.sum == pytest.approx(0.01)
+
+
 def test_latency_percentiles_are_nearest_rank_over_the_latest_window():
     rng = random.Random(7)
     samples = [rng.expovariate(1 / 50) for _ in range(3000)]
