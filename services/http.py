@@ -20,7 +20,9 @@ over the frontend's limit, before reading it); `refuse` answers one and closes t
 lingering so that the client can finish sending. At SIGTERM / SIGINT the server stops accepting,
 closes the idle connections at once and lets the requests in flight finish (up to the settings' ``drain_timeout_s``),
 their answers saying ``Connection: close``; then it tells the handlers of those still running to
-end their answers with an error (``Server.cut``). Nothing here knows about routes.
+end their answers with an error (``Server.cut``). Nothing here knows about routes, nor about who may
+call them: a handler gives every answer to a request the headers of its policy (CORS's) through
+``Connection.answer_headers``.
 The frontends' shared command line (``--config``, ``--url``, ``--host``, ``--port``, the keep-alive
 limits, the send timeout: flags over their `shared.settings.FrontendSettings`) and life cycle (listen, print the
 address, serve until SIGTERM/SIGINT, drain, say "stopped") are here too.
@@ -64,7 +66,7 @@ LINGER_TOTAL_S = 30.0
 # to end their answers with an error (an answer a client does not read is dropped with the process).
 CUT_S = 1.5
 
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
            409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented",
            503: "Service Unavailable", 504: "Gateway Timeout"}
 
@@ -154,6 +156,9 @@ class Connection:
         self.idle = False  # waiting for its next request: the server closes it at once when it stops
         self.start = b""  # the next request's first byte, read while waiting for it
         self.stalled = False
+        # Headers every answer to the current request carries besides its own (a policy's, say CORS's:
+        # set by the handler once it read the request; `read_request` clears them).
+        self.answer_headers: dict[str, str] = {}
         # What `send` measures a client's progress by: bytes written, bytes it took (acknowledged) as
         # last seen, and since when it has taken nothing of what is written (the event loop's clock).
         self.written = 0
@@ -190,6 +195,7 @@ async def read_request(conn: Connection, max_body: int, limit: str = "this serve
     gets it once the announced length is accepted. Sets ``conn.keep`` (see `Connection`)."""
     reader = conn.reader
     conn.keep = conn.chunked = conn.head_sent = conn.head_only = False  # an error before the request is whole closes the connection
+    conn.answer_headers = {}
     first, conn.start = conn.start, b""
     try:
         # The first byte is no CR or LF, so the end of the head cannot straddle it. (asyncio.timeout,
@@ -357,15 +363,17 @@ async def refuse(conn: Connection, status: int, body: bytes, content_type: str, 
     await linger(conn)
 
 
-def _header_lines(headers: dict[str, str] | None) -> str:
-    return "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+def _header_lines(conn: Connection, headers: dict[str, str] | None) -> str:
+    """The answer's own ``headers`` and the request's `Connection.answer_headers`, as head lines."""
+    return "".join(f"{name}: {value}\r\n" for name, value in (conn.answer_headers | (headers or {})).items())
 
 
 async def respond(conn: Connection, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-    """A complete response with its length (and ``headers``, whose values hold no line breaks); to a HEAD
+    """A complete response with its length (and ``headers``, whose values hold no line breaks, after the
+    connection's `Connection.answer_headers`); to a HEAD
     request the same head, Content-Length included, without the body (RFC 9110 9.3.2)."""
     head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\n{_header_lines(headers)}Connection: {'keep-alive' if conn.keeps() else 'close'}\r\n\r\n")
+            f"Content-Length: {len(body)}\r\n{_header_lines(conn, headers)}Connection: {'keep-alive' if conn.keeps() else 'close'}\r\n\r\n")
     conn.head_sent = True
     await send(conn, head.encode() + (b"" if conn.head_only else body))
 
@@ -382,7 +390,7 @@ async def start_events(conn: Connection, headers: dict[str, str] | None = None) 
     conn.chunked = conn.keeps()
     framing = "Transfer-Encoding: chunked\r\nConnection: keep-alive" if conn.chunked else "Connection: close"
     conn.head_sent = True
-    await send(conn, f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(headers)}"
+    await send(conn, f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n{_header_lines(conn, headers)}"
                      f"{framing}\r\n\r\n".encode())
 
 

@@ -13,7 +13,7 @@ service lacks, and a `MOEBUS_*` variable that is no service's field, no `MOEBUS_
 of that service, nor one of the `OTHER_VARIABLES` read elsewhere. Values from the environment are
 strings and are converted to the field's type; lists are written as JSON. Sizes, counts and
 durations are bounded (`Meta`), so a zero or negative one stops the service at start naming the field
-and where its value came from.
+and where its value came from (the value of a secret, `SECRET_FIELDS`, is not shown).
 
 The HTTP frontends (`moebus openai`, `moebus metrics`) are services here too: `[openai]`,
 `MOEBUS_METRICS_PORT`, and the shared keys they have (`nats_url`, `log_level`, `http_host`, ...).
@@ -57,6 +57,10 @@ OTHER_VARIABLES = frozenset({
     "MOEBUS_KERNELS", "MOEBUS_DECODE_ATTENTION", "MOEBUS_KV_CUDA_IPC",  # kernels.ops, shared.model.layers, shared.transfer.cuda_ipc
     "MOEBUS_RESULTS_DIR", "MOEBUS_COMMIT", "MOEBUS_TINY_DIR",  # bench/ and test tooling
 })
+
+
+# Fields whose values no error message shows (`load_settings` names their source only).
+SECRET_FIELDS = frozenset({"api_key"})
 
 
 class SettingsError(ValueError):
@@ -215,6 +219,8 @@ class FrontendSettings(ProcessSettings, kw_only=True):
     send_timeout_s: Seconds = 60.0
 
 
+# A browser's Origin as it sends it: scheme://host[:port], with no path nor trailing slash.
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+")
 ToolCallParser = Literal["hermes"]  # Qwen3's <tool_call> JSON blocks (vLLM's name)
 ReasoningParser = Literal["qwen3"]  # Qwen3's text up to </think> (vLLM's name)
 
@@ -234,9 +240,25 @@ class OpenAISettings(FrontendSettings, kw_only=True):
     enable_auto_tool_choice: bool = False  # parse chat answers for tool calls, so requests may give tools (tool_choice "auto")
     tool_call_parser: ToolCallParser | None = None  # the model's tool-call format; goes with enable_auto_tool_choice
     reasoning_parser: ReasoningParser | None = None  # give the model's reasoning as reasoning_content; None: off
+    # vLLM's --api-key: every /v1/ request must say `Authorization: Bearer <api_key>`; None: no authentication.
+    # A secret (`SECRET_FIELDS`): never shown in an error, never logged.
+    api_key: str | None = None
+    # vLLM's CORS flags (`services.openai.access.Cors`). The origins whose pages may call this server from a
+    # browser: none by default, where vLLM allows "*": on a server that listens on 127.0.0.1 with no key,
+    # "*" would let any web page its user visits drive the stack and read the answers.
+    allowed_origins: list[str] = []
+    allow_credentials: bool = False
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
 
     def __post_init__(self) -> None:
         _check_expiry(self.health_expiry_s, self.heartbeat_interval_s, "health_expiry_s")
+        if self.api_key == "":  # the key "" would be sent by no client: refused rather than read as "no authentication"
+            raise ValueError("api_key is empty: give a key, or leave api_key unset (no --api-key) to serve without authentication")
+        for origin in self.allowed_origins:  # one with a path or a trailing slash would match no request, silently
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin: scheme://host[:port] with no path nor trailing slash"
+                                 ' (e.g. "https://app.example"), or "*"')
         if self.enable_auto_tool_choice != (self.tool_call_parser is not None):  # vLLM's pair of flags: one alone is a half-written command line
             raise ValueError(f"enable_auto_tool_choice={self.enable_auto_tool_choice} and tool_call_parser={self.tool_call_parser!r} go together"
                              " (e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
@@ -328,26 +350,27 @@ def load_settings(
         _check_file_keys(doc, path)
         for name, value in doc.items():
             if name in fields:
-                take(name, value, f"{name} = {value!r} in config file {path}")
+                take(name, value, f"{name} = {_shown(name, value)} in config file {path}")
         section = doc.get(service, {})
         unknown = sorted(set(section) - fields)
         if unknown:
             raise SettingsError(f"config file {path}: unknown key(s) in [{service}]: {', '.join(unknown)}")
         for name, value in section.items():
-            take(name, value, f"{name} = {value!r} in [{service}] of config file {path}")
+            take(name, value, f"{name} = {_shown(name, value)} in [{service}] of config file {path}")
 
     _check_variables(env)
     prefix = f"MOEBUS_{service.upper()}_"
     for name in fields:
         if (raw := env.get(var := f"MOEBUS_{name.upper()}")) is not None:
-            take(name, _from_env(raw), f"{var}={raw!r}")
+            take(name, _from_env(raw), f"{var}={_shown(name, raw)}")
     for var, raw in env.items():
         if var.startswith(prefix) and var not in OTHER_VARIABLES:
-            take(var[len(prefix) :].lower(), _from_env(raw), f"{var}={raw!r}")
+            name = var[len(prefix) :].lower()
+            take(name, _from_env(raw), f"{var}={_shown(name, raw)}")
 
     for name, value in (overrides or {}).items():
         if value is not None:
-            take(name, value, f"{name}={value!r} on the command line")
+            take(name, value, f"{name}={_shown(name, value)} on the command line")
     try:
         settings = msgspec.convert(values, cls, strict=False)
     except msgspec.ValidationError as e:
@@ -357,6 +380,11 @@ def load_settings(
         where = "; ".join(sources[name] for name in named if name in sources)
         raise SettingsError(f"{service} settings: {where + ': ' if where else ''}{e}") from e
     return _fill_defaults(settings)
+
+
+def _shown(name: str, value: Any) -> str:
+    """How an error shows field ``name``'s ``value``: its repr, that of a `SECRET_FIELDS` hidden."""
+    return "<hidden>" if name in SECRET_FIELDS else repr(value)
 
 
 def _fields(cls: type[ProcessSettings]) -> set[str]:

@@ -70,13 +70,14 @@ ERRORS: dict[str, tuple[int, str]] = {
     "unavailable": (503, "unavailable_error"),
     "internal": (500, "internal_error"),
     # The HTTP layer's refusals (`services.http.HttpError`), before any moebus code applies.
+    "invalid_api_key": (401, "invalid_request_error"),  # OpenAI's code for a missing or wrong key (`services.openai.access`)
     "unknown_url": (404, "invalid_request_error"),  # OpenAI's code for a path it does not serve
     "method_not_allowed": (405, "invalid_request_error"),
     "request_timeout": (408, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
 }
 # The code of an `HttpError` by its status (a malformed request, 400, is an invalid_request as any other).
-HTTP_CODES: dict[int, str] = {400: "invalid_request", 404: "unknown_url", 405: "method_not_allowed", 408: "request_timeout",
+HTTP_CODES: dict[int, str] = {400: "invalid_request", 401: "invalid_api_key", 404: "unknown_url", 405: "method_not_allowed", 408: "request_timeout",
                               413: "request_too_large"}
 
 

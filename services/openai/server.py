@@ -25,6 +25,11 @@ syntax does not take gives an id made from it, `services.openai.request_ids`), a
 the completion endpoints has an ``X-Request-Id`` header, errors included: the client's, else the id.
 Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
 after a stream started is sent as a last ``data:`` event, as vLLM does.
+Access is vLLM's (`services.openai.access`): with ``--api-key`` the ``/v1`` paths need
+``Authorization: Bearer <key>`` (else a 401 ``invalid_api_key``; the probes stay open), and
+``--allowed-origins`` (none by default, where vLLM allows every origin), ``--allow-credentials``,
+``--allowed-methods``, ``--allowed-headers`` say which web pages may call it: their preflights are
+answered without the key, and every answer to an allowed origin names it, errors and streams included.
 Configured by `shared.settings.OpenAISettings`: the ``[openai]`` table of the TOML file,
 ``MOEBUS_OPENAI_<FIELD>`` / ``MOEBUS_<FIELD>`` variables, the flags over both.
 """
@@ -45,6 +50,7 @@ from services import http
 from services.client import Client, GenerateError
 from services.common import moebus_version
 from services.openai import protocol, request_ids
+from services.openai.access import ApiKey, Cors
 from services.openai.choices import Choices, choice_requests
 from services.openai.readiness import StackReadiness
 from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
@@ -74,13 +80,16 @@ CLIENT_GONE = 499
 class OpenAIFrontend:
     """Routes each HTTP request of a connection to the stack through ``client``."""
 
-    def __init__(self, client: Client, readiness: StackReadiness, max_n: int = 16, max_prompts: int = 64,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, max_choices: int = 256) -> None:
-        """``readiness``: the heartbeats heard (``/health``); ``tool_call_parser`` ("hermes") /
+    def __init__(self, client: Client, readiness: StackReadiness, cors: Cors, api_key: ApiKey | None = None, max_n: int = 16,
+                 max_prompts: int = 64, tool_call_parser: str | None = None, reasoning_parser: str | None = None, max_choices: int = 256) -> None:
+        """``readiness``: the heartbeats heard (``/health``); ``cors``: which web pages may call it;
+        ``api_key``: the key the ``/v1`` paths need (None: none); ``tool_call_parser`` ("hermes") /
         ``reasoning_parser`` ("qwen3"): chat answers are parsed for tool calls (requests may then use
         ``tools`` with ``tool_choice`` "auto") / reasoning."""
         self.client = client
         self.readiness = readiness
+        self.cors = cors
+        self.api_key = api_key
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.max_n = max_n
@@ -112,6 +121,13 @@ class OpenAIFrontend:
             try:
                 req = await http.read_request(conn, *self._body_limit())
                 method, path = req.method, req.path
+                if (preflight := self.cors.preflight(req)) is not None:  # before the key: a browser sends it without one
+                    await http.respond(conn, preflight.status, preflight.body, "text/plain", preflight.headers)
+                    status = preflight.status
+                    return
+                conn.answer_headers = self.cors.answer_headers(req)
+                if self.api_key is not None:
+                    self.api_key.check(req)
                 if req.path not in ROUTES:
                     elsewhere = f" ({ELSEWHERE[req.path]})" if req.path in ELSEWHERE else ""
                     raise http.HttpError(404, f"no route {req.path!r}{elsewhere}; routes: {', '.join(ROUTES)}")
@@ -342,8 +358,9 @@ async def serve(settings: OpenAISettings) -> None:
         await bus.subscribe(subjects.HEARTBEAT_ALL, readiness.on_message, concurrent=False)
         # No deadline of the frontend's own: the gateway's (a request's timeout_ms, else its
         # default_timeout_ms) ends a request, and keepalives tell a gateway that died.
-        frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, settings.max_n, settings.max_prompts, settings.tool_call_parser,
-                                  settings.reasoning_parser, settings.max_choices)
+        api_key = ApiKey(settings.api_key) if settings.api_key is not None else None
+        frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, Cors.of(settings), api_key, settings.max_n, settings.max_prompts,
+                                  settings.tool_call_parser, settings.reasoning_parser, settings.max_choices)
         await http.listen("openai", frontend.handle, "/v1", settings)
 
 
@@ -365,7 +382,24 @@ def _parse(argv: list[str]) -> OpenAISettings:
     ap.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="the model's tool-call format (hermes: Qwen3's <tool_call> JSON blocks)")
     ap.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                     help="give the model's reasoning as reasoning_content (qwen3: text up to </think>); default off")
+    # vLLM's access flags (`services.openai.access`); the lists are JSON, as vLLM takes them
+    ap.add_argument("--api-key", metavar="KEY",
+                    help="the key every /v1 request must send as 'Authorization: Bearer KEY' (default: none; MOEBUS_OPENAI_API_KEY keeps it out of the process list)")
+    ap.add_argument("--allowed-origins", type=_json_list, metavar="JSON",
+                    help='origins whose web pages may call this server, e.g. \'["https://app.example"]\' or \'["*"]\' (default []: none, where vLLM allows "*")')
+    ap.add_argument("--allow-credentials", action="store_true", default=None, help="allow cross-origin requests with credentials (default off)")
+    ap.add_argument("--allowed-methods", type=_json_list, metavar="JSON", help='methods cross-origin requests may use (default ["*"])')
+    ap.add_argument("--allowed-headers", type=_json_list, metavar="JSON", help='headers cross-origin requests may send (default ["*"])')
     return http.parse_frontend(ap, OpenAISettings, "openai", argv)
+
+
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings; else a usage error naming the flag (argparse's)."""
+    with contextlib.suppress(json.JSONDecodeError):
+        value = json.loads(text)
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+    raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"https://app.example\"]', got {text!r}")
 
 
 def main(argv: list[str]) -> int:

@@ -78,16 +78,25 @@ def test_frontends_take_their_settings_from_the_toml_file_and_the_environment(tm
         assert status == 200 and body == "\n" and headers.get("connection") != "close"  # nothing heard yet; metrics keeps the default
 
 
-@pytest.mark.parametrize(("command", "file", "variables", "message"), [
-    ("openai", "", {"MOEBUS_OPENAI_PORT": "abc"}, "openai settings: MOEBUS_OPENAI_PORT='abc': Expected `int`, got `str` - at `$.port`"),
-    ("openai", "[openai]\nmax_n = 0\n", {}, "openai settings: max_n = 0 in [openai] of config file {config}: Expected `int` >= 1 - at `$.max_n`"),
-    ("metrics", "", {"MOEBUS_METRICS_EXPIRY": "5"}, "environment variable MOEBUS_METRICS_EXPIRY: MetricsSettings has no field 'expiry'"),
+EMPTY_KEY = "api_key is empty: give a key, or leave api_key unset (no --api-key) to serve without authentication"
+
+
+@pytest.mark.parametrize(("command", "flags", "file", "variables", "message"), [
+    ("openai", [], "", {"MOEBUS_OPENAI_PORT": "abc"}, "openai settings: MOEBUS_OPENAI_PORT='abc': Expected `int`, got `str` - at `$.port`"),
+    ("openai", [], "[openai]\nmax_n = 0\n", {}, "openai settings: max_n = 0 in [openai] of config file {config}: Expected `int` >= 1 - at `$.max_n`"),
+    ("metrics", [], "", {"MOEBUS_METRICS_EXPIRY": "5"}, "environment variable MOEBUS_METRICS_EXPIRY: MetricsSettings has no field 'expiry'"),
+    # An empty key is refused, not taken for "no authentication"; a key's value is never shown.
+    ("openai", ["--api-key", ""], "", {}, f"openai settings: api_key=<hidden> on the command line: {EMPTY_KEY}"),
+    ("openai", [], "", {"MOEBUS_OPENAI_API_KEY": ""}, f"openai settings: MOEBUS_OPENAI_API_KEY=<hidden>: {EMPTY_KEY}"),
+    ("openai", [], "[openai]\napi_key = 12345\n", {}, "openai settings: api_key = <hidden> in [openai] of config file {config}: "
+                                                       "Expected `str | null`, got `int` - at `$.api_key`"),
 ])
-def test_frontends_refuse_a_bad_setting_at_start_naming_it(tmp_path: Path, command: str, file: str, variables: dict[str, str], message: str):
+def test_frontends_refuse_a_bad_setting_at_start_naming_it(tmp_path: Path, command: str, flags: list[str], file: str, variables: dict[str, str],
+                                                           message: str):
     """Exit 2 (a usage error, as for the services' bad settings) before dialling NATS (none listens at
     the URL given), naming the value and its source."""
     config = tmp_path / "moebus.toml"
     config.write_text(file)
     env = frontend_env(MOEBUS_CONFIG=str(config), MOEBUS_NATS_URL="nats://127.0.0.1:1", MOEBUS_CONNECT_TIMEOUT_S="0.5", **variables)
-    done = subprocess.run([sys.executable, "-m", "services.cli", command], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "services.cli", command, *flags], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == f"moebus {command}: error: {message.format(config=config)}", done.stderr

@@ -391,6 +391,31 @@ def test_http_frontend_settings_refuse_bad_values_and_typos_naming_their_source(
         load_settings(OpenAISettings, "openai", overrides={"port": -1}, env={})
 
 
+def test_openai_access_settings_are_vllms_flags_with_no_origin_allowed_by_default(tmp_path: Path):
+    """api_key and the CORS lists from each source, as any other field; vLLM's defaults but for allowed_origins
+    (vLLM's ["*"] would let any web page call a stack on 127.0.0.1); a bad origin or an empty key stops the frontend,
+    the key's value not shown."""
+    default = load_settings(OpenAISettings, "openai", env={})
+    assert (default.api_key, default.allowed_origins, default.allow_credentials, default.allowed_methods, default.allowed_headers) == \
+        (None, [], False, ["*"], ["*"])
+    env = {"MOEBUS_API_KEY": "sk-env", "MOEBUS_OPENAI_ALLOWED_ORIGINS": '["https://app.example", "http://localhost:3000"]',
+           "MOEBUS_OPENAI_ALLOW_CREDENTIALS": "true"}
+    got = load_settings(OpenAISettings, "openai", env=env)
+    assert (got.api_key, got.allowed_origins, got.allow_credentials) == ("sk-env", ["https://app.example", "http://localhost:3000"], True)
+    config = tmp_path / "moebus.toml"
+    config.write_text('[openai]\napi_key = "sk-file"\nallowed_methods = ["GET", "POST"]\n')
+    got = load_settings(OpenAISettings, "openai", config, env={})
+    assert (got.api_key, got.allowed_methods) == ("sk-file", ["GET", "POST"])
+    assert load_settings(OpenAISettings, "openai", config, overrides={"api_key": "sk-flag"}, env=env).api_key == "sk-flag"
+    for env, error in [
+        ({"MOEBUS_OPENAI_ALLOWED_ORIGINS": '["https://app.example/"]'}, "'https://app.example/' is not an origin"),  # would match no Origin
+        ({"MOEBUS_OPENAI_ALLOWED_ORIGINS": '["app.example"]'}, "'app.example' is not an origin"),
+        ({"MOEBUS_API_KEY": ""}, r"^openai settings: MOEBUS_API_KEY=<hidden>: api_key is empty"),
+    ]:
+        with pytest.raises(SettingsError, match=error):
+            load_settings(OpenAISettings, "openai", env=env)
+
+
 # ---------------------------------------------------------------- compose files
 
 
