@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -414,6 +415,20 @@ def test_openai_access_settings_are_vllms_flags_with_no_origin_allowed_by_defaul
     ]:
         with pytest.raises(SettingsError, match=error):
             load_settings(OpenAISettings, "openai", env=env)
+
+
+def test_openai_access_flags_take_vllms_json_lists(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    from services.openai.server import _parse
+
+    for var in [v for v in os.environ if v.startswith("MOEBUS_")]:
+        monkeypatch.delenv(var)
+    got = _parse(["--api-key", "sk-flag", "--allowed-origins", '["https://app.example"]', "--allow-credentials",
+                  "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["authorization"]'])
+    assert (got.api_key, got.allowed_origins, got.allow_credentials, got.allowed_methods, got.allowed_headers) == \
+        ("sk-flag", ["https://app.example"], True, ["GET", "POST"], ["authorization"])
+    with pytest.raises(SystemExit) as usage:
+        _parse(["--allowed-origins", "https://app.example"])  # not JSON: a usage error, not a list of its characters
+    assert usage.value.code == 2 and "argument --allowed-origins: expected a JSON list of strings" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- compose files
