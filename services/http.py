@@ -36,6 +36,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import os
 import re
 import socket
 import string
@@ -529,6 +530,33 @@ class Server:
 
 F = TypeVar("F", bound=FrontendSettings)
 
+# The exit status of a frontend that cannot listen on its address (another process has the port, the host
+# is none of this machine's, a port below 1024 without the right): sysexits' EX_CONFIG, the address being a
+# setting to change. `moebus up` tells it from other exits by this status alone: such a frontend fails the
+# start, and is not restarted (a restart meets the same address: `services.launch.restarts`).
+CANNOT_LISTEN = 78
+
+
+class CannotListen(Exception):
+    """The frontend's listening socket could not be bound to ``host``:``port`` (``error``)."""
+
+    def __init__(self, host: str, port: int, error: OSError) -> None:
+        super().__init__(host, port, error)
+        self.host, self.port, self.error = host, port, error
+
+    def describe(self, name: str) -> str:
+        """One line: the address, why, and for a port in use what to do (frontend ``name``'s settings)."""
+        # asyncio words the OS error as "error while attempting to bind on address ...": the plain reason reads better
+        reason = os.strerror(self.error.errno) if self.error.errno else str(self.error)
+        where = f"cannot listen on {self.host}:{self.port}: {reason}"
+        if self.error.errno != errno.EADDRINUSE:
+            return where
+        # A second `moebus up` meets the first one's frontends on the compose files' ports (8000, 9464), or vLLM's
+        # server has 8000. (`moebus up --port` is the NATS port; 0 moves the frontends whose port is not set too.)
+        return (f"{where}; another process listens there (`ss -ltnp 'sport = :{self.port}'` names it): free the port, or set "
+                f"MOEBUS_{name.upper()}_PORT=N (0: any free port; `moebus {name} --port N` when run alone); "
+                f"`moebus up --port 0` puts NATS and every frontend whose port is not set on free ports")
+
 
 def frontend_arguments(ap: argparse.ArgumentParser, cls: type[FrontendSettings]) -> None:
     """``--config`` and the flags every frontend has. A flag's ``dest`` is its settings field and
@@ -565,7 +593,10 @@ async def listen(name: str, handle: Handler, path: str, settings: FrontendSettin
     stop = stop_event()
     freeze_startup_heap()
     server = Server(handle, KeepAlive(settings.timeout_keep_alive_s, settings.keep_alive_requests), settings.send_timeout_s)
-    listening = await asyncio.get_running_loop().create_server(server.protocol, settings.http_host, settings.port)
+    try:
+        listening = await asyncio.get_running_loop().create_server(server.protocol, settings.http_host, settings.port)
+    except OSError as e:
+        raise CannotListen(settings.http_host, settings.port, e) from e
     try:
         bound = listening.sockets[0].getsockname()
         print(f"moebus {name}: serving http://{bound[0]}:{bound[1]}{path} for the stack on {settings.nats_url}", flush=True)
@@ -575,21 +606,17 @@ async def listen(name: str, handle: Handler, path: str, settings: FrontendSettin
     await server.drain(settings.drain_timeout_s)
 
 
-def run_frontend(name: str, serve: Coroutine[Any, Any, None], settings: FrontendSettings) -> int:
-    """Run a frontend's ``serve`` to its end: 0 after a clean stop, 1 (with the reason on stderr)
-    when NATS does not answer or the port cannot be bound."""
+def run_frontend(name: str, serve: Coroutine[Any, Any, None]) -> int:
+    """Run a frontend's ``serve`` to its end: 0 after a clean stop; 1 (the reason on stderr) when NATS
+    does not answer; `CANNOT_LISTEN` (the reason and what to do, one line on stderr) when its address
+    cannot be bound."""
     try:
         asyncio.run(serve)
     except Unreachable as e:
         print(f"moebus {name}: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # the port is taken or not ours to bind
-        # A second `moebus up` (its own NATS port from --port 0) meets the first one's frontends on
-        # their default ports: say how to move this one.
-        hint = (f"; another process listens there: pick another port with MOEBUS_{name.upper()}_PORT (0: any free one), "
-                f"or `moebus {name} --port` when run alone (`moebus up --port` is the NATS port)"
-                if e.errno == errno.EADDRINUSE else "")
-        print(f"moebus {name}: cannot listen on {settings.http_host}:{settings.port}: {e}{hint}", file=sys.stderr)
-        return 1
+    except CannotListen as e:
+        print(f"moebus {name}: {e.describe(name)}", file=sys.stderr)
+        return CANNOT_LISTEN
     print(f"moebus {name}: stopped", flush=True)
     return 0

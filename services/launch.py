@@ -12,17 +12,19 @@ default, as the compose files configure theirs), and `MOEBUS_NATS_URL` / `MOEBUS
 and at the local checkpoint. Besides the services that heartbeat (`ROLES`), a stack may run the HTTP
 frontends (`moebus openai`, `moebus metrics`): they listen on 127.0.0.1 unless `MOEBUS_HTTP_HOST` is
 set, and on free ports with `--port 0` unless `MOEBUS_OPENAI_PORT` / `MOEBUS_METRICS_PORT` are set; their
-addresses are printed once the stack is up, and one that cannot start (its port taken) is
-reported without stopping the stack. `--config FILE` is checked here against every service's
+addresses are printed once the stack is up. The stack is ready only once every frontend listens: one
+that cannot (its port taken: it exits `services.http.CANNOT_LISTEN`) fails the start, as any replica
+that ends before then does, and `moebus up` stops what it started and exits 1 with the line the
+frontend wrote (the address, why, what to do). `--config FILE` is checked here against every service's
 settings before anything starts and handed to the services as `MOEBUS_CONFIG`.
 
 Without `--model` (or `$MOEBUS_MODEL`) the stack serves the embedded tiny checkpoint, created on first
 use in the cache directory (`$MOEBUS_CACHE_DIR`, else `~/.cache/moebus`).
-`moebus up` is ready once every replica heartbeats and `llm.models` answers: it prints
+`moebus up` is ready once every replica heartbeats, `llm.models` answers and every frontend listens: it prints
 the NATS URL, and serves until Ctrl-C / SIGTERM, which drains and stops everything (a second one kills
 what still drains: `LocalStack.stop`'s ``hurry``). While it
 serves, a replica that ends is reported and, where its service's compose `restart` policy says so,
-started again after a backoff (`_serve`).
+started again after a backoff (`_serve`), except a frontend that could not listen (`restarts`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from schemas.api import ModelList
 from schemas.internal import Heartbeat
 from services.compose import (DEFAULT_STACK, EPHEMERAL_FRONTENDS, FRONTENDS, ROLES, ServiceSpec, StackError, check_every_role_runs,
                              check_shadowed_settings, load_compose)
+from services.http import CANNOT_LISTEN
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
 from shared.logging import configure_tool_logging
@@ -242,6 +245,7 @@ class LocalStack:
             for i in range(spec.replicas):
                 self.start_replica(spec.name, i)
         self.wait_ready(ready_timeout, stop_requested)
+        self.check_frontends_listen()
 
     def start_nats(self) -> None:
         self.nats = start_nats_server(self.port, self.nats_settings, self.log_dir)
@@ -283,8 +287,8 @@ class LocalStack:
     def check_settings(self) -> None:
         """Read the settings of each service of the request path as its replicas will read them at start
         (`SettingsError`): a bad `MOEBUS_*` variable is named before anything starts, not by a replica's exit
-        once nats-server and the other services are up. (A frontend that cannot start is reported and the
-        stack serves on, so the frontends' settings are theirs to refuse.) Also what no service can check
+        once nats-server and the other services are up. (The frontends' settings are theirs to refuse: a frontend
+        that exits at start fails the start with its reason.) Also what no service can check
         alone: a scheduler's `queue_wait_ms` must end before the gateways' `submit_timeout_s`, or a request
         still waiting for capacity then fails `unavailable` ("the scheduler did not answer"), not `overloaded`."""
         loaded = {spec.name: load_settings(SERVICES[spec.role], spec.role, env=self.replica_env(spec, f"{spec.name}-0"))
@@ -306,6 +310,16 @@ class LocalStack:
 
     def expected(self) -> set[tuple[str, str]]:
         return {(r.role, r.instance) for r in self.replicas if r.proc.poll() is None and r.role in ROLES}
+
+    def check_frontends_listen(self) -> None:
+        """`StackError` naming a frontend that ended instead of listening (its last line says why: for an address
+        it cannot listen on, the address and what to do), once each printed its address or ended (`frontend_urls`).
+        A frontend that ended while the services started is caught by `_wait_ready` already; this is for one
+        slower than them."""
+        self.frontend_urls()
+        ended = [r for r in self.replicas if r.role in FRONTENDS and r.proc.poll() is not None]
+        if ended:
+            raise StackError(ended[0].ended())
 
     def frontend_urls(self, timeout: float = 10.0) -> dict[str, str]:
         """The address each frontend replica printed at start (instance -> URL)."""
@@ -339,9 +353,8 @@ class LocalStack:
             while time.monotonic() < deadline:
                 if stop_requested():
                     raise StartInterrupted
-                # A frontend that cannot start (say, its port is taken) does not stop the stack;
-                # `moebus up` reports it.
-                dead = [r for r in self.replicas if r.proc.poll() is not None and r.role in ROLES]
+                # Any replica, a frontend too (say, its port is taken): the stack is not what the compose file describes.
+                dead = [r for r in self.replicas if r.proc.poll() is not None]
                 if dead:
                     raise StackError(dead[0].ended())
                 if expected <= seen:
@@ -435,7 +448,12 @@ RESTART_RESET_S = 10.0  # ... and after 1 s again once it ran this long (docker'
 
 def restarts(policy: str, returncode: int) -> bool:
     """Whether a replica that ended with ``returncode`` is started again under compose's ``restart`` policy
-    (``unless-stopped`` and ``always`` alike: `moebus up` stops replicas only when it stops)."""
+    (``unless-stopped`` and ``always`` alike: `moebus up` stops replicas only when it stops). Never a frontend
+    that could not listen (`CANNOT_LISTEN`, as systemd's RestartPreventExitStatus): its address stays taken
+    until someone frees it, and restarting it every 30 s only hides that (or leaves another process
+    answering on its port) while the rest of the stack serves on."""
+    if returncode == CANNOT_LISTEN:
+        return False
     return policy in ("always", "unless-stopped") or (policy == "on-failure" and returncode != 0)
 
 
@@ -462,6 +480,9 @@ def _serve(stack: LocalStack, stop_requested: Callable[[], bool]) -> None:
                 print(f"moebus up: restarting {r.instance} in {delay:g}s (restart: {policy})", file=sys.stderr, flush=True)
             else:
                 reported.add(r.instance)
+                if r.proc.returncode == CANNOT_LISTEN and policy != "no":
+                    print(f"moebus up: not restarting {r.instance} (restart: {policy}): it cannot listen until its port is freed; "
+                          "the rest of the stack serves on (restart the stack to bring it back)", file=sys.stderr, flush=True)
         for instance, (at, r) in list(pending.items()):
             if now >= at:
                 del pending[instance]

@@ -259,4 +259,4 @@ def _parse(argv: list[str]) -> MetricsSettings:
 
 def main(argv: list[str]) -> int:
     settings = _parse(argv)
-    return http.run_frontend("metrics", serve(settings), settings)
+    return http.run_frontend("metrics", serve(settings))

@@ -404,4 +404,4 @@ def _json_list(text: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     settings = _parse(argv)
-    return http.run_frontend("openai", serve(settings), settings)
+    return http.run_frontend("openai", serve(settings))

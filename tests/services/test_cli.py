@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,9 @@ import pytest
 from schemas import subjects
 from schemas.internal import Heartbeat
 from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, REPO_ROOT, ROLES, check_every_role_runs, check_shadowed_settings, load_compose
+from services.http import CANNOT_LISTEN
 from services.launch import LocalStack, parse_up_arguments
+from services.ranks import free_port
 from shared.bus import connect, pack
 
 pytestmark = pytest.mark.slow
@@ -288,6 +291,18 @@ def test_up_logs_its_own_connections_as_the_other_tools_do(tmp_path: Path, tiny_
     assert "stop requested before the stack was ready" in out and "nats_error" not in err, (out, err)
 
 
+def _up_serving(compose: Path, model: Path, log_dir: Path) -> subprocess.Popen:
+    """`moebus up` of the stack ``compose`` (stdout and stderr piped), once it serves."""
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(model),
+                           "--log-dir", str(log_dir), "--ready-timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while "serving; Ctrl-C" not in up.stdout.readline():  # type: ignore[union-attr]
+        if time.monotonic() > deadline or up.poll() is not None:
+            _kill_if_running(up)
+            raise AssertionError("the stack did not get ready")
+    return up
+
+
 def test_up_restarts_a_killed_service_under_restart_on_failure(tmp_path: Path, tiny_model: Path):
     """compose's `restart: on-failure` (the repository's compose files set it): a replica killed while the
     stack serves is started again, as the same instance, after a backoff; without it (`restart: no`,
@@ -299,12 +314,8 @@ def test_up_restarts_a_killed_service_under_restart_on_failure(tmp_path: Path, t
                        '  prefill:\n    command: ["moebus", "prefill"]\n'
                        '  decode:\n    command: ["moebus", "decode"]\n')
     log_dir = tmp_path / "serving"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", "0", "--stack", str(compose), "--model", str(tiny_model),
-                           "--log-dir", str(log_dir), "--ready-timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    up = _up_serving(compose, tiny_model, log_dir)
     try:
-        deadline = time.monotonic() + 120
-        while "serving; Ctrl-C" not in up.stdout.readline():  # type: ignore[union-attr]
-            assert time.monotonic() < deadline and up.poll() is None, "the stack did not get ready"
 
         def kill_the_scheduler_until_it_is_back(times_ready: int) -> None:
             before = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli scheduler"], capture_output=True, text=True).stdout.split()
@@ -463,6 +474,95 @@ def test_up_refuses_a_nats_port_in_use_instead_of_joining_that_bus(tmp_path: Pat
     assert up.returncode == 1, up.stdout + up.stderr
     assert f"cannot start nats-server on 127.0.0.1:{port}: Address already in use (another `moebus up`? --port 0 picks a free port)" in up.stderr, up.stderr
     assert not log_dir.exists()  # no service was started, and no run directory (holding only nats-server.conf) was left
+
+
+def listener(port: int = 0) -> socket.socket:
+    """A plain socket listening on 127.0.0.1:``port`` (0: a free one), as another program would (vLLM on 8000)."""
+    holder = socket.socket()
+    try:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the frontends bind: still no second listener
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+    except OSError:
+        holder.close()
+        raise
+    return holder
+
+
+def port_in_use(frontend: str, port: int) -> str:
+    """The line a frontend writes when another process listens on its port."""
+    return (f"moebus {frontend}: cannot listen on 127.0.0.1:{port}: Address already in use; another process listens there "
+            f"(`ss -ltnp 'sport = :{port}'` names it): free the port, or set MOEBUS_{frontend.upper()}_PORT=N (0: any free port; "
+            f"`moebus {frontend} --port N` when run alone); `moebus up --port 0` puts NATS and every frontend whose port is not set on free ports")
+
+
+def test_a_frontend_on_a_taken_port_exits_with_one_line_saying_what_to_do(nats_server: tuple[int, list[subprocess.Popen[bytes]]]):
+    """`moebus openai` / `moebus metrics` alone on a port another process listens on: one line naming the address and
+    what to do, and the exit status `moebus up` tells from others (`CANNOT_LISTEN`: it was 1, as for NATS out of reach)."""
+    url = f"nats://127.0.0.1:{nats_server[0]}"
+    with listener() as holder:
+        taken = holder.getsockname()[1]
+        for frontend in ("openai", "metrics"):
+            alone = subprocess.run([sys.executable, "-m", "services.cli", frontend, "--url", url, "--host", "127.0.0.1", "--port", str(taken)],
+                                   capture_output=True, text=True, timeout=60)
+            assert (alone.returncode, alone.stderr.splitlines()) == (CANNOT_LISTEN, [port_in_use(frontend, taken)]), (alone.returncode, alone.stderr)
+
+
+def test_up_with_a_frontend_port_taken_is_not_ready_and_stops_what_it_started(tmp_path: Path, tiny_model: Path):
+    """Something else on a frontend's port (vLLM on 8000, another stack's `moebus metrics` on 9464): `moebus up` said
+    "ready" and restarted that frontend every 1, 2, 4 ... 30 s, its port answered by the other process. Now the start
+    fails naming the replica, the address and what to do, and nothing of the stack is left running."""
+    log_dir = tmp_path / "logs"
+    with listener() as holder:
+        taken = holder.getsockname()[1]
+        up = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "0", "--model", str(tiny_model), "--log-dir", str(log_dir)],
+                            env={**os.environ, "MOEBUS_METRICS_PORT": str(taken)}, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 1 and "ready" not in up.stdout, up.stdout + up.stderr
+    assert f"moebus up: metrics-0 exited with {CANNOT_LISTEN}: {port_in_use('metrics', taken)}; see {log_dir / 'metrics-0.log'}" in up.stderr, up.stderr
+    assert "restarting" not in up.stderr, up.stderr
+    assert subprocess.run(["pgrep", "-f", str(log_dir)], capture_output=True).returncode == 1  # nats-server (its -c path) is gone
+    assert not [line for line in up.stderr.splitlines() if "Traceback" in line], up.stderr
+
+
+def test_up_does_not_restart_a_frontend_whose_port_was_taken_while_it_was_down(tmp_path: Path, tiny_model: Path):
+    """A frontend under `restart: on-failure` that ends while the stack serves (killed here) and finds its port taken
+    when started again: restarting it every 30 s cannot help while the other process holds the port. It is reported
+    once, not restarted, and the rest of the stack serves on."""
+    port = free_port()
+    compose = tmp_path / "metrics-on-a-port.yml"
+    compose.write_text('services:\n' + ''.join(f'  {role}:\n    command: ["moebus", "{role}"]\n' for role in ROLES)
+                       + f'  metrics:\n    command: ["moebus", "metrics"]\n    restart: on-failure\n'
+                         f'    environment:\n      MOEBUS_METRICS_PORT: "{port}"\n')
+    log_dir = tmp_path / "logs"
+    up = _up_serving(compose, tiny_model, log_dir)
+    try:
+        metrics = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "services.cli metrics"], capture_output=True, text=True).stdout.split()
+        assert len(metrics) == 1, metrics
+        os.kill(int(metrics[0]), signal.SIGKILL)
+        deadline = time.monotonic() + 0.9  # `moebus up` starts it again 1 s after it notices
+        while True:
+            try:
+                holder = listener(port)
+                break
+            except OSError:  # not closed yet: the killed process is still being torn down
+                assert time.monotonic() < deadline, "the killed frontend's port stayed taken"
+                time.sleep(0.01)
+        with holder:
+            deadline = time.monotonic() + 30
+            while "cannot listen" not in (log_dir / "metrics-0.log").read_text():
+                assert time.monotonic() < deadline, "metrics-0 was not started again"
+                time.sleep(0.1)
+            time.sleep(4)  # a restart would come 2 s after the failed one
+            assert up.poll() is None, "the stack stopped"
+            up.send_signal(signal.SIGTERM)
+            _, err = up.communicate(timeout=60)
+    finally:
+        _kill_if_running(up)
+    assert up.returncode == 0, err
+    assert err.count("moebus up: restarting metrics-0") == 1 and "metrics-0 was killed by SIGKILL" in err, err  # the kill's restart only
+    assert f"moebus up: metrics-0 exited with {CANNOT_LISTEN}: {port_in_use('metrics', port)}; see {log_dir / 'metrics-0.log'}" in err, err
+    assert ("moebus up: not restarting metrics-0 (restart: on-failure): it cannot listen until its port is freed; the rest of the stack "
+            "serves on (restart the stack to bring it back)") in err, err
 
 
 def test_model_instances_find_a_wrong_nats_url_before_loading_the_model(tiny_model: Path):

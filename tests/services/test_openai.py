@@ -37,16 +37,6 @@ def frontend(stack) -> tuple[str, int]:
     return frontend_address(stack)
 
 
-def test_frontend_on_a_taken_port_exits_with_a_clear_error(stack, frontend):
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", str(frontend[1])],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{frontend[1]}" in proc.stderr
-    # what a second `moebus up` (--port 0) printed for its frontends on the first one's ports, without saying what to do
-    # (`moebus up --port` is its NATS port: the hint says so rather than send the user there)
-    assert ("another process listens there: pick another port with MOEBUS_OPENAI_PORT (0: any free one), "
-            "or `moebus openai --port` when run alone (`moebus up --port` is the NATS port)") in proc.stderr, proc.stderr
-
-
 def call(addr: tuple[str, int], method: str, path: str, body: object | None = None) -> tuple[int, str, bytes]:
     """(status, content type, body) of one request."""
     conn = http.client.HTTPConnection(*addr, timeout=60)
