@@ -481,6 +481,18 @@ def test_compose_files_configure_nats_as_moebus_up_does(compose: str):
     assert interpolate(content, raised) == launch.nats_config(nats_server_settings(env=raised))
 
 
+@pytest.mark.parametrize("compose", ["single-node.yml", "split-nodes.yml"])
+def test_compose_files_pass_the_callers_api_key_and_origins_to_the_openai_service(compose: str):
+    """Without a value docker compose passes the caller's variable on, or leaves it unset: no key stays no key
+    (an empty one, as `${VAR:-}` would give, is refused at start). `moebus up` runs every process in the
+    caller's environment, so the service's settings leave them out."""
+    doc = yaml.safe_load((REPO_ROOT / "compose" / compose).read_text())
+    env = doc["services"]["openai"]["environment"]
+    assert env["MOEBUS_OPENAI_API_KEY"] is None and env["MOEBUS_OPENAI_ALLOWED_ORIGINS"] is None
+    (spec,) = [s for s in load_compose(REPO_ROOT / "compose" / compose, env={}) if s.role == "openai"]
+    assert "MOEBUS_OPENAI_API_KEY" not in spec.env and "MOEBUS_OPENAI_ALLOWED_ORIGINS" not in spec.env
+
+
 def test_compose_errors_name_the_problem(tmp_path: Path):
     bad = tmp_path / "bad.yml"
     bad.write_text("services:\n  web:\n    command: [nginx]\n")
