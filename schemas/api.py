@@ -94,6 +94,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_logprobs: int | None = None  # 0..20: each prompt token's log-probability given the ones before it, and this many alternatives
     timeout_ms: int | None = None  # client deadline, relative to arrival at the gateway
     request_id: str | None = None  # optional client-chosen id (letters, digits, '-', '_'), e.g. to cancel
+    # vLLM's: prefix-cache isolation between tenants. Requests share cached prompt pages only with
+    # requests of the same salt (or, without one, with others without one); 1-1024 characters.
+    cache_salt: str | None = None
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):

@@ -28,6 +28,9 @@ MAX_STOP_TOKEN_IDS = 300
 # request with 200000 of them (a 4.6 MB body) held every other request of the gateway up (5-token
 # answers took 2.2 s instead of 0.1-0.2 on the 2-core CPU box); 300 cost nothing measurable there.
 MAX_STOP_STRINGS = 300
+# A cache_salt travels in every message of its request and is hashed once per prompt: bounded, at
+# 24 times the 43 characters (256 random bits in base64) vLLM advises.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class Rejected(Exception):
@@ -109,6 +112,9 @@ class Admission:
             raise Rejected("invalid_request", "top_logprobs needs logprobs: true")
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise Rejected("invalid_request", f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}")
+        if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:  # vLLM refuses an empty one too
+            raise Rejected("invalid_request", f"cache_salt: a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                                              f"got {len(req.cache_salt)} characters")
 
         input_ids = self._input_ids(req)
         max_tokens = self._max_tokens(req, len(input_ids))
@@ -125,6 +131,7 @@ class Admission:
             top_logprobs=req.top_logprobs,
             ignore_eos=req.ignore_eos,
             prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
+            cache_salt=req.cache_salt,
             deadline=arrival + timeout_s,
         )
         return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s, stop_token_ids=frozenset(req.stop_token_ids),

@@ -15,8 +15,23 @@ an ``invalid_request`` naming the field, never silently ignored. Chat
 call arguments parsed to objects as vLLM hands them over); with ``tool_choice`` "auto" (the
 default with tools) only on a server started with tool-call parsing, whose answers are then
 split into content and ``tool_calls`` (`services.openai.tool_parsing`), as is reasoning into
-``reasoning_content`` on a server started with a reasoning parser. ``user`` and chat's
-``metadata`` (tags of a stored completion; none is stored) are accepted and unused.
+``reasoning_content`` on a server started with a reasoning parser (vLLM's ``include_reasoning:
+false`` drops it: ``reasoning_content`` null, no reasoning deltas). ``user`` and chat's
+``metadata`` (tags of a stored completion; none is stored) are accepted and unused, as is
+OpenAI's ``prompt_cache_key`` (any string): a hint for OpenAI's routing to its prompt caches,
+which moebus' scheduler already does by the prompt itself (prefix affinity: the prefill instance
+its first KV page's key picks), the only thing a cached page can be reused for; routing by the
+hint instead could only send prompts that share pages to different instances, and the cache's
+isolation is ``cache_salt``'s, not this hint's. vLLM's ``cache_salt`` (a non-empty string, the
+gateway's bound) isolates a tenant's prefix cache: a request reuses only pages cached by
+requests with the same salt (or, without one, without one), its page keys salted
+(`shared.prefix_keys`) in prefill's cache and in the scheduler's prefix affinity alike. vLLM's
+``request_id`` is the request's id as an ``X-Request-Id`` header would be; the header, when
+both are sent, wins (vLLM's precedence; `services.openai.request_ids`). vLLM's
+``add_special_tokens`` (default true for completions, false for chat, as in vLLM) is taken at
+either value: Qwen3's tokenizer, the only one moebus serves, adds no special token (no BOS; its
+post-processor is ByteLevel alone), so both values give the same prompt tokens
+(``tests/model/test_tokenizer.py`` checks it).
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as strings, as
 OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
 ``seed``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
@@ -167,6 +182,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: int = 0  # vLLM's extension
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys: msgspec reads them as ints
     user: str | None = None
+    prompt_cache_key: str | None = None  # OpenAI's routing hint for its prompt caches: taken, unused (module doc)
+    cache_salt: str | None = None  # vLLM's: the prefix cache shared only with requests of the same salt (the gateway checks it)
+    request_id: str | None = None  # vLLM's: the request's id when no X-Request-Id header gives one (`services.openai.request_ids`)
     # NO_OPS' vLLM fields (vLLM's types; guided decoding's any, so that every value is refused by name)
     skip_special_tokens: bool | None = True  # moebus' text skips them
     spaces_between_special_tokens: bool | None = True
@@ -206,6 +224,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
+    add_special_tokens: bool = True  # vLLM's; Qwen3's tokenizer adds none either way (module doc)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -230,6 +249,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, e.g. {"enable_thinking": false} for Qwen3
     add_generation_prompt: bool = True  # vLLM's extension
     continue_final_message: bool = False  # vLLM's extension: the answer continues the last message (with add_generation_prompt false)
+    add_special_tokens: bool = False  # vLLM's (the template's text has its special tokens); Qwen3's tokenizer adds none either way (module doc)
+    include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out of the answer (with a reasoning parser)
     store: bool | None = None
     metadata: dict[str, str] | None = None  # OpenAI's tags of a stored completion: none is stored, so it is taken and unused
     service_tier: str | None = None
@@ -285,7 +306,8 @@ def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
             "stream": req.stream, "request_id": request_id, "presence_penalty": req.presence_penalty,
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
             "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias,
-            "stop_token_ids": list(req.stop_token_ids or []), "include_stop_str_in_output": req.include_stop_str_in_output}
+            "stop_token_ids": list(req.stop_token_ids or []), "include_stop_str_in_output": req.include_stop_str_in_output,
+            "cache_salt": req.cache_salt}
 
 
 def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[str, Any]]:
@@ -438,16 +460,20 @@ class Shapes:
     ``i``-th of prompt ``p`` (``chat``: chat completions, one prompt; else completions)."""
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None,
-                 reasoning: bool = False, tool_calls: bool = False, echo_only: bool = False, continuous_usage: bool = False) -> None:
+                 reasoning: bool = False, tool_calls: bool = False, echo_only: bool = False, continuous_usage: bool = False,
+                 drop_reasoning: bool = False) -> None:
         """``echo`` (completions): per prompt, its text as given (None for a token-id prompt,
         spelled from its tokens' bytes), put before each of its choices' text; ``echo_only``: the
         choices are the echoed prompt alone, their generated token left out (`echo_only`). ``reasoning`` and
         ``tool_calls`` (chat): each choice's text is split into reasoning, content and tool calls
-        (`services.openai.tool_parsing`). ``continuous_usage`` (vLLM's ``continuous_usage_stats``
-        with ``include_usage``): every chunk carries its choice's usage so far, as vLLM's do."""
+        (`services.openai.tool_parsing`); ``drop_reasoning`` (vLLM's ``include_reasoning: false``,
+        with ``reasoning``): the reasoning is split off and left out, its chunks not sent.
+        ``continuous_usage`` (vLLM's ``continuous_usage_stats`` with ``include_usage``): every chunk
+        carries its choice's usage so far, as vLLM's do."""
         self.continuous_usage = continuous_usage
         self.chat = chat
         self.reasoning = reasoning
+        self.drop_reasoning = drop_reasoning
         self.tool_calls = tool_calls
         self._parsers = [ChatOutputParser(reasoning, tool_calls) for _ in range(n)] if chat and (reasoning or tool_calls) else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -489,7 +515,7 @@ class Shapes:
                 parsed = parse_answer(r.text, self.reasoning, self.tool_calls)
                 message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
                 if self.reasoning:
-                    message["reasoning_content"] = parsed.reasoning or None
+                    message["reasoning_content"] = None if self.drop_reasoning else parsed.reasoning or None
                 if parsed.tool_calls:
                     message["tool_calls"] = [call.openai() for call in parsed.tool_calls]
                     finish_reason = "tool_calls"  # whatever ended the text, as vLLM reports it
@@ -532,7 +558,7 @@ class Shapes:
         if c.finish_reason is not None:
             parsed.extend(parser.finish())
         delta: dict[str, Any] = {}
-        if parsed.reasoning:
+        if parsed.reasoning and not self.drop_reasoning:
             delta["reasoning_content"] = parsed.reasoning
         if parsed.content:
             delta["content"] = parsed.content

@@ -1,4 +1,8 @@
-"""A request's moebus id from its ``X-Request-Id`` header, whatever the client sent.
+"""A request's moebus id from its ``X-Request-Id`` header or its body's ``request_id``, whatever the client sent.
+
+vLLM's precedence: the header, when given, is the id; else the body's ``request_id`` (vLLM's field
+of both endpoints); else a fresh one. A body's ``request_id`` is taken as the same value sent as the
+header would be (below): its UTF-8 bytes, as the HTTP parser reads a header's (Latin-1).
 
 vLLM takes any value as the request's id. Proxies and tracers send values the stack's id syntax
 (`services.gateway.admission`: 1-128 letters, digits, '-', '_') does not take: AWS ALB's
@@ -37,6 +41,11 @@ class RequestId:
     id: str
     header: str
     client: str | None
+
+
+def of_request(header: str | None, body: str | None) -> RequestId:
+    """The ids of a request with X-Request-Id ``header`` and body ``request_id`` ``body`` (module doc)."""
+    return from_header(header or (body.encode().decode("latin-1") if body else None))
 
 
 def from_header(value: str | None) -> RequestId:

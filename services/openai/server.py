@@ -19,8 +19,8 @@
 The frontend is stateless (run as many as needed; each is one more NATS client): every
 request gets its own moebus request id (one per choice), so a client that closes its
 connection before the answer ends cancels the request (``llm.cancel``, every choice)
-instead of leaving it to run. As in vLLM, a request's ``X-Request-Id`` header, when given,
-is that id (``cmpl-<id>`` / ``chatcmpl-<id>``, and in the stack's logs; a value the stack's id
+instead of leaving it to run. As in vLLM, a request's ``X-Request-Id`` header, when given (else
+its body's ``request_id``), is that id (``cmpl-<id>`` / ``chatcmpl-<id>``, and in the stack's logs; a value the stack's id
 syntax does not take gives an id made from it, `services.openai.request_ids`), and every answer of
 the completion endpoints has an ``X-Request-Id`` header, errors included: the client's, else the id.
 Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
@@ -142,9 +142,12 @@ class OpenAIFrontend:
                     await http.respond_json(conn, 200, {"version": moebus_version()})
                     status = 200
                 else:
-                    ids = request_ids.from_header(req.headers.get("x-request-id"))
+                    chat = req.path == "/v1/chat/completions"
+                    body = _decoded(req.body, chat)
+                    body_id = None if isinstance(body, protocol.InvalidRequest) else body.request_id
+                    ids = request_ids.of_request(req.headers.get("x-request-id"), body_id)
                     request_id, client_request_id, id_header = ids.id, ids.client, {"X-Request-Id": ids.header}
-                    status = await self._generate(conn, req, request_id, id_header)
+                    status = await self._generate(conn, chat, body, request_id, id_header)
             except http.HttpError as e:
                 status = e.status
                 error = protocol.http_error_body(e.status, e.message)
@@ -195,11 +198,13 @@ class OpenAIFrontend:
         await http.respond(conn, 200, b"ok\n", "text/plain")
         return 200
 
-    async def _generate(self, conn: http.Connection, req: http.Request, request_id: str, headers: dict[str, str]) -> int:
-        """Answer a completions or chat request as ``request_id``, every answer with ``headers``."""
-        chat = req.path == "/v1/chat/completions"
+    async def _generate(self, conn: http.Connection, chat: bool, body: protocol.CompletionRequest | protocol.ChatCompletionRequest | protocol.InvalidRequest,
+                        request_id: str, headers: dict[str, str]) -> int:
+        """Answer a completions or chat request (``chat``) of ``body`` (or the refusal of its
+        body, `_decoded`) as ``request_id``, every answer with ``headers``."""
+        if isinstance(body, protocol.InvalidRequest):
+            return await _error(conn, "invalid_request", str(body), headers)
         try:
-            body = protocol.decode(req.body, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
             if chat:
                 gens = [protocol.chat_request(body, request_id, self.tool_call_parser is not None)]  # type: ignore[arg-type]
             else:
@@ -223,10 +228,12 @@ class OpenAIFrontend:
         # think block before that message's text), so it is not parsed for reasoning.
         reasoning = (chat and self.reasoning_parser is not None and reasoning_on(body.chat_template_kwargs)  # type: ignore[union-attr]
                      and not body.continue_final_message)  # type: ignore[union-attr]
+        # vLLM's include_reasoning: false still splits the reasoning off, and drops it.
+        drop_reasoning = reasoning and not body.include_reasoning  # type: ignore[union-attr]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # vLLM's rule: usage on every chunk only with include_usage too.
         continuous_usage = include_usage and bool(body.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
-        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools,
+        shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools, drop_reasoning=drop_reasoning,
                                  echo_only=not chat and protocol.echo_only(body), continuous_usage=continuous_usage)  # type: ignore[arg-type]
         choices = Choices(self.client, choice_requests(gens, n))
         answer = self._stream(conn, choices, shapes, include_usage, headers) if gen.stream else self._unary(conn, choices, shapes, headers)
@@ -291,6 +298,15 @@ def _model_card(model: str, max_context: int, created: int) -> dict[str, object]
                   "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
     return {"id": model, "object": "model", "created": created, "owned_by": "moebus", "root": model, "parent": None,
             "max_model_len": max_context, "permission": [permission]}
+
+
+def _decoded(raw: bytes, chat: bool) -> protocol.CompletionRequest | protocol.ChatCompletionRequest | protocol.InvalidRequest:
+    """A completions or chat (``chat``) body, or why it is refused: decoded before its request has
+    an id, which its ``request_id`` may give (answered once the id is known, with it)."""
+    try:
+        return protocol.decode(raw, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+    except protocol.InvalidRequest as e:
+        return e
 
 
 async def _error(conn: http.Connection, code: str, message: str, headers: dict[str, str] | None = None) -> int:

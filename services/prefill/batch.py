@@ -74,7 +74,7 @@ class Planned:
 
     task: PrefillTask
     cached_pages: int
-    keys: list[bytes] | None = None  # this rank's page keys of the prompt (`BatchRunner.prompt_keys`; None: hashed where needed)
+    keys: list[bytes] | None = None  # this rank's page keys of the prompt, salted (`BatchRunner.prompt_keys`; None: caching is off)
 
 
 @dataclass
@@ -159,7 +159,7 @@ class BatchRunner:
 
     def prompt_keys(self, task: PrefillTask) -> list[bytes] | None:
         """The prompt's page keys (None with caching off: nothing looks them up)."""
-        return page_keys(task.job.input_ids, self.prefix.page_size) if self.prefix.enabled else None
+        return page_keys(task.job.input_ids, self.prefix.page_size, task.job.cache_salt) if self.prefix.enabled else None
 
     def cached_pages(self, task: PrefillTask, keys: list[bytes] | None) -> list[int]:
         """The cached pages this rank's index finds for the task (none for a task asking for

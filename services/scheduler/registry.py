@@ -21,7 +21,8 @@ queue is not much longer than the least loaded one's. The instance is picked by 
 hashing of the first page's key over the live instances with a prefix cache (those whose
 heartbeat carries ``prefix_cache``; with caching off there is nothing to be near, and the
 least loaded instance serves): every scheduler replica picks the same one, and an instance
-joining or leaving moves only its share of prefixes.
+joining or leaving moves only its share of prefixes. The key is salted with the request's
+``cache_salt`` as prefill salts its pages' keys, so a salt's prompts gather where its pages are.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ class Registry:
             fits = [m for m in live if not m.refused and m.hb.batch_size < m.hb.max_batch and m.hb.kv_free_pages >= m.pages_for(num_tokens)]
         return sorted(fits, key=lambda m: (-m.free_pages, m.batch, m.hb.instance, m.hb.rank))
 
-    def prefill_for(self, input_ids: Sequence[int], slack_tokens: int) -> Member | None:
-        """The prefill instance for a prompt: the one its first KV page hashes to (module doc) if
+    def prefill_for(self, input_ids: Sequence[int], slack_tokens: int, cache_salt: str | None = None) -> Member | None:
+        """The prefill instance for a prompt: the one its first KV page hashes to (module doc; the
+        key salted with the request's ``cache_salt``, as prefill keys its pages) if
         that one's queue is at most ``slack_tokens`` longer than the least loaded one's, else the
         least loaded. A prompt with no full page before its last token (nothing any cache could
         reuse), instances that report no page size or no prefix cache, or ``slack_tokens`` 0: the
@@ -134,7 +136,7 @@ class Registry:
         first_page_keys: dict[int, bytes] = {}  # by page size: instances may differ, the key is hashed once per size
         for m in candidates:
             if m.hb.page_size not in first_page_keys:
-                (first_page_keys[m.hb.page_size],) = page_keys(input_ids[: m.hb.page_size], m.hb.page_size)
+                (first_page_keys[m.hb.page_size],) = page_keys(input_ids[: m.hb.page_size], m.hb.page_size, cache_salt)
         preferred = max(candidates, key=lambda m: (affinity_score(m.hb.instance, first_page_keys[m.hb.page_size]), m.hb.instance))
         return preferred if preferred.queued_tokens <= least.queued_tokens + slack_tokens else least
 

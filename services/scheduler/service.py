@@ -247,7 +247,7 @@ class Scheduler:
             raise Refused("invalid_request", f"prompt + max_tokens = {num_tokens} tokens; the largest decode rank holds {largest} tokens of KV")
 
     async def _try_place(self, job: Job) -> Placement | None:
-        prefill = self.registry.prefill_for(job.input_ids, self.settings.prefix_affinity_tokens)
+        prefill = self.registry.prefill_for(job.input_ids, self.settings.prefix_affinity_tokens, job.cache_salt)
         if prefill is None:
             return None
         # The prompt counts in the instance's queue from the moment it is chosen, not once placed:

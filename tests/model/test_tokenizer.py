@@ -53,6 +53,16 @@ def test_encode_matches_transformers_and_round_trips(tok: Tokenizer, hf_tok, tex
     assert tok.decode(ids) == hf_tok.decode(ids)
 
 
+def test_qwen3_adds_no_special_token_so_add_special_tokens_changes_no_prompt(tok: Tokenizer, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    """The OpenAI frontend takes vLLM's add_special_tokens at either value as a no-op
+    (`services.openai.protocol`): true for it, Qwen3's tokenizer (no BOS, a ByteLevel
+    post-processor) adds nothing to any text, a rendered chat included, here or in transformers."""
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    for text in (*SAMPLES, chat):
+        assert tok.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=False)
+        assert hf_tok(text, add_special_tokens=True)["input_ids"] == hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+
+
 def test_special_tokens_match_transformers(tok: Tokenizer, hf_tok) -> None:  # type: ignore[no-untyped-def]
     assert tok.eos_token_id == hf_tok.eos_token_id
     assert tok.pad_token_id == hf_tok.pad_token_id

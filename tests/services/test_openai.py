@@ -440,6 +440,21 @@ def test_answers_name_their_request_id_in_x_request_id_and_take_the_clients(stac
     assert {"trace-7f3a_1-0", "trace-7f3a_1-1"} <= {e["request_id"] for e in log_events(stack, "completed")}  # choice ids, as for n: 2
 
 
+def test_a_bodys_request_id_is_the_id_unless_an_x_request_id_header_gives_one(stack, frontend):
+    """vLLM's request_id field (both endpoints; it was an unknown field, a 400): the id as the header
+    would make it, and echoed; with a header too, the header's (vLLM's precedence)."""
+    status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2, "request_id": "body-id_7"})
+    assert (status, rid, json.loads(raw)["id"]) == (200, "body-id_7", "cmpl-body-id_7")
+    status, rid, raw = post(frontend, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "body-id_8"},
+                            path="/v1/chat/completions")
+    assert (status, rid, json.loads(raw)["id"]) == (200, "body-id_8", "chatcmpl-body-id_8")
+    status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2, "request_id": "body-id_9"}, {"X-Request-Id": "header-id_9"})
+    assert (status, rid, json.loads(raw)["id"]) == (200, "header-id_9", "cmpl-header-id_9")
+    status, rid, raw = post(frontend, {"prompt": "hi", "max_tokens": 2, "request_id": "Root=1-5e1b4151/日本"})  # any value, as a header's
+    assert status == 200 and re.fullmatch(r"Root_1-5e1b4151_+-[0-9a-f]{12}", rid) and json.loads(raw)["id"] == f"cmpl-{rid}"
+    assert {"body-id_7", "body-id_8", "header-id_9", rid} <= {e["request_id"] for e in log_events(stack, "completed")}
+
+
 def test_any_x_request_id_is_taken_echoed_and_logged_beside_the_id_made_from_it(stack, frontend):
     """vLLM takes any X-Request-Id; proxies and tracers send ids with '=', dots, colons, slashes, or
     longer than the stack's ids (AWS ALB's Root=..., a 128-hex id with a suffix), and each was a 400:
@@ -975,6 +990,17 @@ def test_a_parsing_frontend_serves_tool_conversations_with_reasoning(stack, tool
     answer = json.loads(raw)
     assert answer["usage"]["prompt_tokens"] > tool_prompt_tokens  # "<think>\n\n</think>\n\n" added to the prompt
     assert answer["choices"][0]["message"].get("reasoning_content") is None and answer["choices"][0]["message"]["content"]
+
+    # vLLM's include_reasoning: false: the reasoning is split off and dropped, unary and streamed
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", body | {"include_reasoning": False})
+    assert status == 200, raw
+    (choice,) = json.loads(raw)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": None, "reasoning_content": None}
+    status, _, raw = call(tools_frontend, "POST", "/v1/chat/completions", stream | {"include_reasoning": False})
+    assert status == 200, raw
+    pieces = [c["choices"][0] for c in map(json.loads, events(raw)[:-1]) if c["choices"]]
+    assert not any(p["delta"].get("reasoning_content") or p["delta"].get("content") for p in pieces)
+    assert len([e for p in pieces if p["logprobs"] for e in p["logprobs"]["content"]]) == ref.usage.completion_tokens  # its tokens' logprobs still come
 
     # an answer begun by the caller (vLLM's continue_final_message): its continuation is content, not reasoning
     begun = [ChatMessage("user", "Name a colour."), ChatMessage("assistant", "My favourite colour is")]

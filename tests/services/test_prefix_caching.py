@@ -25,11 +25,12 @@ from services.metrics import render
 from services.openai.protocol import merged_usage
 from services.prefill.batch import Outcome, Planned
 from services.prefill.group import PrefillGroup
-from services.scheduler.registry import Registry
+from services.scheduler.registry import Registry, affinity_score
 from shared.bus import pack, unpack
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.model import Qwen3Model
 from shared.model.runner import ModelRunner
+from shared.prefix_keys import page_keys
 from shared.settings import PrefillSettings
 from prefill_workers import run_tp_pair, tp_short_rank
 from services_helpers import log_events, run, session, start_stack, stack_fixture, stream_all
@@ -120,18 +121,21 @@ def test_prompt_logprobs_are_right_when_the_prefix_is_cached(stack, tokenizer, t
     assert asked.token_ids == again.token_ids
 
 
+def openai_completion(stack, body: dict) -> dict:
+    """The answer of the stack's OpenAI frontend to a /v1/completions ``body``."""
+    openai = re.search(r"(http://[\d.]+:\d+/v1)", stack.frontend_urls().get("openai-0", "")).group(1)
+    request = urllib.request.Request(f"{openai}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
 def test_openai_usage_and_metrics_report_cached_tokens(stack):
     """``usage.prompt_tokens_details.cached_tokens`` on /v1/completions, and the prefill leader's
     counters on `moebus metrics` (the stack's own exporter)."""
-    urls = stack.frontend_urls()
-    openai = re.search(r"(http://[\d.]+:\d+/v1)", urls.get("openai-0", "")).group(1)
-    metrics = re.search(r"(http://\S+/metrics)", urls.get("metrics-0", "")).group(1)
+    metrics = re.search(r"(http://\S+/metrics)", stack.frontend_urls().get("metrics-0", "")).group(1)
     prompt = " ".join(["the experts of every layer route tokens to the gate"] * 4)
 
     def complete() -> dict:
-        body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
-        request = urllib.request.Request(f"{openai}/completions", body, {"Content-Type": "application/json"})
-        return json.loads(urllib.request.urlopen(request, timeout=60).read())
+        return openai_completion(stack, {"prompt": prompt, "max_tokens": 4, "temperature": 0})
 
     first, second = complete(), complete()
     n = first["usage"]["prompt_tokens"]
@@ -146,6 +150,38 @@ def test_openai_usage_and_metrics_report_cached_tokens(stack):
             break
         time.sleep(0.2)
     assert hits and float(hits.group(1)) >= 1, page
+
+
+def test_a_cache_salt_shares_cached_pages_only_with_requests_of_the_same_salt(stack, tokenizer):
+    """vLLM's cache_salt (native API and OpenAI frontend): the same long prompt under two salts and
+    none is computed whole three times (no hit, the heartbeat's hit counter unmoved), then each again
+    reuses its own pages; the OpenAI frontend's salt reaches the same cache."""
+    prompt = " ".join(["salted tenants never read each other's cached pages of the shared system prompt"] * 5)
+    reuse = reusable(tokenizer.encode(prompt), tokenizer.encode(prompt))
+    assert reuse >= 3 * PAGE
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("prefill")) == 1, 10, "the prefill leader's heartbeat")
+            before = prefill_stats(watch)
+            cold = [await client.generate(GenerateRequest(prompt=prompt, max_tokens=2, temperature=0, cache_salt=salt))
+                    for salt in ("tenant-a", "tenant-b", None)]
+            await watch.wait_for(lambda w: len(w.live("prefill")) == 1 and prefill_stats(w).lookups >= before.lookups + 3, 10, "3 lookups")
+            middle = prefill_stats(watch)
+            warm = [await client.generate(GenerateRequest(prompt=prompt, max_tokens=2, temperature=0, cache_salt=salt))
+                    for salt in ("tenant-a", "tenant-b", None)]
+            await watch.wait_for(lambda w: len(w.live("prefill")) == 1 and prefill_stats(w).lookups >= before.lookups + 6, 10, "6 lookups")
+            return cold, warm, before, middle, prefill_stats(watch)
+
+    cold, warm, before, middle, after = run(go())
+    assert [r.usage.cached_tokens for r in cold] == [0, 0, 0]
+    assert (middle.lookups - before.lookups, middle.hits - before.hits, middle.hit_tokens - before.hit_tokens) == (3, 0, 0)
+    assert [r.usage.cached_tokens for r in warm] == [reuse] * 3
+    assert (after.lookups - middle.lookups, after.hits - middle.hits, after.hit_tokens - middle.hit_tokens) == (3, 3, 3 * reuse)
+    assert [r.token_ids for r in warm] == [r.token_ids for r in cold]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    assert openai_completion(stack, body | {"cache_salt": "tenant-a"})["usage"]["prompt_tokens_details"] == {"cached_tokens": reuse}
+    assert openai_completion(stack, body | {"cache_salt": "tenant-c"})["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_with_prefix_caching_off_nothing_is_reused(tiny_model, tokenizer, hf_greedy, tmp_path: Path):
@@ -334,6 +370,19 @@ def test_prompts_with_the_same_first_page_go_to_the_same_prefill_instance_while_
 
 
 # ------------------------------------------------------------ units: the figures' shapes
+
+def test_the_affinity_hashes_the_first_page_salted_as_prefill_keys_it():
+    """A request's cache_salt salts the scheduler's first-page key as prefill salts its pages' keys
+    (`shared.prefix_keys.page_keys`): the instance picked is the one whose rendezvous score of the
+    salted key is highest, so a salt's prompts go where that salt's pages are; other salts spread."""
+    reg = prefill_registry({"p0": 0, "p1": 0, "p2": 0})
+    prompt = list(range(40))
+    for salt in (None, *(f"tenant-{i}" for i in range(30))):
+        (key,) = page_keys(prompt[:PAGE], PAGE, salt)
+        expected = max(("p0", "p1", "p2"), key=lambda name: affinity_score(name, key))
+        assert reg.prefill_for(prompt, 4096, salt).hb.instance == expected, salt  # type: ignore[union-attr]
+    assert {reg.prefill_for(prompt, 4096, f"tenant-{i}").hb.instance for i in range(30)} == {"p0", "p1", "p2"}  # type: ignore[union-attr]
+
 
 def test_merged_openai_usage_counts_each_prompts_cached_tokens_once():
     usages = [Usage(40, 3, 32), Usage(40, 5, 32), Usage(20, 2, 0), Usage(20, 4, 16)]  # 2 prompts x n=2

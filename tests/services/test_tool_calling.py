@@ -180,6 +180,23 @@ def test_streamed_chunks_in_openais_shape_add_up_to_the_unary_message():
             ("function", "get_weather", {"city": "Paris", "unit": "celsius"}), ("function", "get_time", {"timezone": "Europe/Paris"})]
 
 
+def test_include_reasoning_false_drops_the_reasoning_from_the_message_and_the_stream():
+    """vLLM's include_reasoning: false (`drop_reasoning`): the reasoning is still split off the
+    content, then left out: the unary message's reasoning_content null, no stream delta carrying it;
+    content and tool calls as with it."""
+    text = "<think>\nUse the tool.\n</think>\n\nOne moment.\n" + WEATHER
+    kept = protocol.Shapes(True, "x", "m", reasoning=True, tool_calls=True).response([response(text)])["choices"][0]["message"]
+    dropped = protocol.Shapes(True, "x", "m", reasoning=True, tool_calls=True, drop_reasoning=True).response([response(text)])["choices"][0]["message"]
+    assert kept["reasoning_content"] == "Use the tool." and dropped["reasoning_content"] is None
+    assert dropped["content"] == kept["content"] == "One moment." and len(dropped["tool_calls"]) == 1
+    shapes = protocol.Shapes(True, "x", "m", reasoning=True, tool_calls=True, drop_reasoning=True)
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    events = [shapes.chunk(chunk(k, piece, "stop" if k == len(pieces) - 1 else None), 0) for k, piece in enumerate(pieces)]
+    deltas = [e["choices"][0]["delta"] for e in events if e is not None]
+    assert all(deltas) and not any("reasoning_content" in d for d in deltas)  # a reasoning-only piece sends no chunk
+    assert "".join(d.get("content", "") for d in deltas) == "One moment." and sum(len(d.get("tool_calls", [])) for d in deltas) == 1
+
+
 # ---------------------------------------------------------------- requests
 
 TOOLS = [

@@ -218,6 +218,47 @@ def test_openai_and_vllm_fields_are_taken_at_their_no_op_values_and_refused_by_n
             gen({unknown: None})
 
 
+def test_vllms_cache_salt_request_id_add_special_tokens_and_openais_prompt_cache_key_are_taken():
+    """Fields OpenAI and vLLM clients send that were each an "unknown field" 400: cache_salt reaches
+    the native request on both endpoints; request_id decodes (the frontend makes it the id:
+    `request_ids.of_request`); prompt_cache_key (any string) and add_special_tokens (either value:
+    Qwen3's tokenizer adds none, tests/model/test_tokenizer.py) change nothing in the request;
+    include_reasoning is chat's (vLLM's completions have none). A wrong type is refused naming the field."""
+    def completion(fields: dict) -> GenerateRequest:
+        return protocol.completion_requests(protocol.decode(json.dumps({"prompt": "hi"} | fields).encode(), protocol.CompletionRequest), "r", 4)[0]
+
+    def chat(fields: dict) -> GenerateRequest:
+        body = {"messages": [{"role": "user", "content": "hi"}]} | fields
+        return protocol.chat_request(protocol.decode(json.dumps(body).encode(), protocol.ChatCompletionRequest), "r")
+
+    for gen in (completion, chat):
+        assert gen({"cache_salt": "tenant-a"}).cache_salt == "tenant-a" and gen({}).cache_salt is None
+        assert gen({"prompt_cache_key": "conversation-42"}) == gen({}) == gen({"prompt_cache_key": None})
+        assert gen({"add_special_tokens": True}) == gen({"add_special_tokens": False}) == gen({})
+        assert gen({"request_id": "body-id"}) == gen({})  # the id is the frontend's to give ("r" here)
+        with pytest.raises(protocol.InvalidRequest, match=r"Expected `str \| null`, got `int` - at `\$\.cache_salt`"):
+            gen({"cache_salt": 5})
+        with pytest.raises(protocol.InvalidRequest, match=r"Expected `bool`, got `str` - at `\$\.add_special_tokens`"):
+            gen({"add_special_tokens": "yes"})
+    assert protocol.decode(b'{"prompt": "hi", "request_id": "body-id"}', protocol.CompletionRequest).request_id == "body-id"
+    chat_body = protocol.decode(b'{"messages": [], "include_reasoning": false}', protocol.ChatCompletionRequest)
+    assert chat_body.include_reasoning is False  # type: ignore[union-attr]
+    assert protocol.decode(b'{"messages": []}', protocol.ChatCompletionRequest).include_reasoning is True  # type: ignore[union-attr]
+    with pytest.raises(protocol.InvalidRequest, match="unknown field `include_reasoning`"):
+        completion({"include_reasoning": False})
+
+
+def test_admission_carries_a_cache_salt_to_the_job_and_refuses_an_empty_or_huge_one(tiny_model: Path):
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    admission = Admission(settings, ModelInfo.load(settings), Tokenizer.from_dir(tiny_model))
+    assert admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=2, cache_salt="s" * 1024), "gw").job.cache_salt == "s" * 1024
+    assert admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=2), "gw").job.cache_salt is None
+    for salt in ("", "s" * 1025):  # vLLM refuses an empty salt too
+        with pytest.raises(Rejected, match=rf"^cache_salt: a non-empty string of at most 1024 characters, got {len(salt)} characters$") as e:
+            admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=2, cache_salt=salt), "gw")
+        assert e.value.code == "invalid_request"
+
+
 def test_openai_bodies_pass_vllms_ignore_eos_through():
     completion = protocol.decode(b'{"prompt": "hi", "ignore_eos": true}', protocol.CompletionRequest)
     chat = protocol.decode(b'{"messages": [{"role": "user", "content": "hi"}]}', protocol.ChatCompletionRequest)
@@ -245,6 +286,21 @@ def test_a_request_id_made_from_any_x_request_id_is_a_valid_id_and_echoed_only_a
     assert len(longer.id) == 100 and longer.id.startswith("x" * 87 + "-") and longer.header == "x" * 101
     accented = request_ids.from_header("caf\xc3\xa9/1")  # UTF-8 "café/1" as the parser reads it
     assert re.fullmatch(r"caf___1-[0-9a-f]{12}", accented.id) and accented.header == accented.id and accented.client == "caf\xc3\xa9/1"
+
+
+def test_a_bodys_request_id_is_taken_as_the_same_header_would_be_and_the_header_wins():
+    """vLLM's precedence: X-Request-Id, else the body's request_id, else a fresh id. A body's value
+    past Latin-1 (the header parser's reading) gives an id as its UTF-8 bytes in the header would
+    (it raised UnicodeEncodeError: a 500)."""
+    assert request_ids.of_request("from-header", "from-body") == request_ids.from_header("from-header")
+    assert request_ids.of_request(None, "from-body") == request_ids.RequestId("from-body", "from-body", "from-body")
+    assert request_ids.of_request("", "from-body").id == "from-body"
+    fresh = request_ids.of_request(None, None)
+    assert re.fullmatch(r"[0-9a-f]{32}", fresh.id) and fresh.client is None
+    assert request_ids.of_request(None, "").client is None  # empty: none given, as an empty header
+    tokyo = request_ids.of_request(None, "東京/1")
+    assert tokyo == request_ids.from_header("東京/1".encode().decode("latin-1")) and re.fullmatch(r"_+1-[0-9a-f]{12}", tokyo.id)
+    assert tokyo.header == tokyo.id  # not ASCII: the id is echoed
 
 
 def test_settings_sources_in_order(tmp_path: Path):

@@ -51,6 +51,24 @@ def test_page_keys_chain_the_whole_prefix():
     assert ax == [first, hashlib.blake2b(first + struct.pack("<4q", *x), digest_size=16).digest()]
 
 
+def test_a_cache_salt_starts_the_key_chain_so_only_prompts_of_the_same_salt_share_pages():
+    """vLLM's cache_salt: the same tokens under another salt (or none) have none of the same keys,
+    not even the first page's; the same salt gives the same keys. Cached under one salt, a prompt
+    matches nothing under another."""
+    prompt = [1, 2, 3, 4, 9, 9, 9, 9, 5]
+    plain, a, b = page_keys(prompt, PS), page_keys(prompt, PS, "tenant-a"), page_keys(prompt, PS, "tenant-b")
+    assert len(plain) == len(a) == len(b) == 2
+    assert not {*plain} & {*a} and not {*a} & {*b} and not {*plain} & {*b}
+    assert page_keys(prompt, PS, "tenant-a") == a and page_keys(prompt, PS, None) == plain
+    assert page_keys(prompt, PS, "tenant-a")[:1] == page_keys(prompt[:PS], PS, "tenant-a")  # still a chain: a prefix's keys are the prompt's first ones
+    cache = cache_of(16)
+    hits = cache.match(prompt, a)
+    cache.acquire(hits, len(prompt))
+    cache.release(prompt, hits + cache.alloc(3), 0, True, a)  # cached under tenant-a
+    assert cache.match(prompt, a) != [] and len(cache.match(prompt, a)) == 2
+    assert cache.match(prompt, b) == [] and cache.match(prompt, plain) == [] and cache.match(prompt) == []
+
+
 def test_keys_hashed_once_by_the_caller_match_and_release_as_the_token_ids_do():
     a, x = [1, 2, 3, 4], [9, 9, 9, 9]
     by_ids, by_keys = cache_of(16), cache_of(16)
