@@ -1,8 +1,9 @@
-"""The public API on `llm.generate`, `llm.models` and `llm.cancel` (DESIGN §2).
+"""The public API on `llm.generate`, `llm.models`, `llm.cancel`, `llm.tokenize` and
+`llm.detokenize` (DESIGN §2).
 
 JSON by default, msgpack when the request carries `Content-Type: application/msgpack`.
-Replies are tagged by a `type` field ("response", "chunk", "error", "models") so a
-client decodes one union and never guesses.
+Replies are tagged by a `type` field ("response", "chunk", "error", "models", "tokenized",
+"detokenized") so a client decodes one union and never guesses.
 """
 
 from __future__ import annotations
@@ -208,3 +209,40 @@ class ModelList(msgspec.Struct, forbid_unknown_fields=True, tag="models", tag_fi
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     reason: str = "cancelled by client"
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The token ids the gateway would feed the model for a prompt (vLLM's ``/tokenize``): exactly
+    one of `prompt` and `messages`, tokenized and templated as `GenerateRequest`'s."""
+
+    model: str | None = None  # optional while one model is served
+    prompt: str | None = None  # raw text
+    messages: list[ChatMessage] | None = None  # chat; the model's chat template is applied
+    tools: list[Tool] | None = None  # with messages, as in GenerateRequest
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in GenerateRequest
+    add_generation_prompt: bool = True  # with messages, as in GenerateRequest
+    continue_final_message: bool = False  # with messages, as in GenerateRequest
+    add_special_tokens: bool | None = None  # the tokenizer's own (e.g. BOS); None: vLLM's default, true for prompt, false for messages
+    return_token_strs: bool = False  # also each token's vocabulary entry (transformers' convert_ids_to_tokens)
+
+
+class TokenizeResponse(msgspec.Struct, forbid_unknown_fields=True, tag="tokenized", tag_field="type", kw_only=True):
+    count: int  # len(tokens)
+    max_model_len: int  # the context (prompt + completion tokens), as ModelCard.max_context
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The text of token ids (vLLM's ``/detokenize``), special tokens included."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, forbid_unknown_fields=True, tag="detokenized", tag_field="type", kw_only=True):
+    prompt: str  # vLLM's name for the text
+
+
+TokenizeReply = TokenizeResponse | ErrorReply
+DetokenizeReply = DetokenizeResponse | ErrorReply

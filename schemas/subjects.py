@@ -8,6 +8,8 @@ formats a subject string by hand.
 GENERATE = "llm.generate"
 MODELS = "llm.models"
 CANCEL = "llm.cancel"
+TOKENIZE = "llm.tokenize"
+DETOKENIZE = "llm.detokenize"
 
 SUBMIT = "sched.submit"
 

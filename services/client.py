@@ -3,7 +3,9 @@
 `moebus request --url nats://127.0.0.1:4222 --prompt "hi" [--stream] [--max-tokens N] ...`
 prints the completion (streamed as it arrives with --stream) and a usage/timing line
 on stderr (with --logprobs / --top-logprobs K also each token's logprob and its K most
-likely alternatives, one line per token); `--json` prints the raw replies instead. The exit status is 1 on an error
+likely alternatives, one line per token); `--json` prints the raw replies instead. With
+`--tokenize` it prints the prompt's (or chat's) token ids as the model is fed them, and their
+count on stderr (with `--input-ids`: their text). The exit status is 1 on an error
 reply, with its code and message on stderr.
 """
 
@@ -20,7 +22,8 @@ from typing import Any
 import msgspec
 
 from schemas import subjects
-from schemas.api import CancelRequest, ChatMessage, ErrorReply, GenerateChunk, GenerateReply, GenerateRequest, GenerateResponse, Keepalive, ModelList, TokenLogprob
+from schemas.api import (CancelRequest, ChatMessage, DetokenizeReply, DetokenizeRequest, DetokenizeResponse, ErrorReply, GenerateChunk, GenerateReply,
+                         GenerateRequest, GenerateResponse, Keepalive, ModelList, TokenizeReply, TokenizeRequest, TokenizeResponse, TokenLogprob)
 from shared.bus import (CONTENT_TYPE, JSON, KEEPALIVE_HEADER, MSGPACK, Bus, BusError, Deadline, PayloadTooLarge, RequestTimeout, Unreachable,
                         connect, decode_public, encode_public)
 from shared.logging import configure_tool_logging
@@ -129,6 +132,30 @@ class Client:
         msg = await self.bus.nats_request(subjects.MODELS, b"", timeout, self._headers())
         return decode_public(msg.data, ModelList, self.ctype)
 
+    async def tokenize(self, req: TokenizeRequest, timeout: float = 30.0) -> TokenizeResponse:
+        """The token ids the gateway feeds the model for ``req``'s prompt or chat; GenerateError on an error reply."""
+        return await self._ask(subjects.TOKENIZE, req, TokenizeReply, timeout)  # type: ignore[no-any-return]
+
+    async def detokenize(self, req: DetokenizeRequest, timeout: float = 30.0) -> DetokenizeResponse:
+        """The text of ``req.tokens``; GenerateError on an error reply."""
+        return await self._ask(subjects.DETOKENIZE, req, DetokenizeReply, timeout)  # type: ignore[no-any-return]
+
+    async def _ask(self, subject: str, req: Any, reply_type: Any, timeout: float) -> Any:
+        """One request-reply on a public subject; its error reply, or none, as GenerateError with
+        the code `llm.generate` gives for it."""
+        try:
+            msg = await self.bus.checked_request(subject, encode_public(req, self.ctype), timeout, self._headers())
+        except PayloadTooLarge as e:  # the request itself is too big: nothing was sent
+            raise GenerateError("invalid_request", str(e)) from e
+        except RequestTimeout as e:
+            raise GenerateError("timeout", str(e)) from e
+        except BusError as e:  # no gateway answers, or no connection
+            raise GenerateError("unavailable", str(e)) from e
+        reply = decode_public(msg.data, reply_type, self.ctype)
+        if isinstance(reply, ErrorReply):
+            raise GenerateError(reply.error.code, reply.error.message)
+        return reply
+
 
 def _bias_entry(text: str) -> tuple[int, float]:
     token, _, bias = text.partition("=")
@@ -191,6 +218,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--logprobs", action="store_true", help="show each generated token's log-probability")
     ap.add_argument("--top-logprobs", type=int, default=0, metavar="K", help="also the K most likely tokens at each position (implies --logprobs)")
     ap.add_argument("--timeout-ms", type=int)
+    ap.add_argument("--tokenize", action="store_true",
+                    help="print the prompt's token ids as the model is fed them (with --input-ids: their text) instead of generating")
     ap.add_argument("--msgpack", action="store_true", help="send msgpack instead of JSON")
     ap.add_argument("--json", action="store_true", help="print the raw replies as JSON lines")
     return ap.parse_args(argv)
@@ -222,7 +251,9 @@ async def _run(a: argparse.Namespace) -> int:
     async with connect(a.url, "moebus-request") as bus:
         client = Client(bus, MSGPACK if a.msgpack else JSON)
         try:
-            if a.stream:
+            if a.tokenize:
+                await _tokenize(client, a, req)
+            elif a.stream:
                 token_logprobs: list[TokenLogprob] = []
                 async for chunk in client.stream(req):
                     if a.json:
@@ -249,6 +280,18 @@ async def _run(a: argparse.Namespace) -> int:
             print(f"moebus request: error {e.code}: {e.message}", file=sys.stderr)
             return 1
     return 0
+
+
+async def _tokenize(client: Client, a: argparse.Namespace, req: GenerateRequest) -> None:
+    """``--tokenize``: the prompt's ids (``llm.tokenize``), or the text of ``--input-ids`` (``llm.detokenize``)."""
+    if req.input_ids is not None:
+        text = await client.detokenize(DetokenizeRequest(model=req.model, tokens=req.input_ids))
+        print(msgspec.json.encode(text).decode() if a.json else text.prompt)
+        return
+    tokenized = await client.tokenize(TokenizeRequest(model=req.model, prompt=req.prompt, messages=req.messages))
+    print(msgspec.json.encode(tokenized).decode() if a.json else ",".join(map(str, tokenized.tokens)))
+    if not a.json:
+        print(f"[count={tokenized.count} max_model_len={tokenized.max_model_len}]", file=sys.stderr)
 
 
 def _print_logprobs(entries: list[TokenLogprob]) -> None:

@@ -261,17 +261,20 @@ class Bus:
             pass
         return True
 
-    async def request(self, subject: str, obj: Any, reply_type: type[T] | Any, timeout: float) -> T:
-        """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout / size / bad reply."""
-        payload = pack(obj)
+    async def checked_request(self, subject: str, payload: bytes, timeout: float, headers: dict[str, str] | None = None) -> Msg:
+        """`nats_request` with typed errors for size / no responder / timeout."""
         try:
-            msg = await self.nats_request(subject, payload, timeout)
+            return await self.nats_request(subject, payload, timeout, headers)
         except MaxPayloadError as e:
             raise self._too_large(subject, payload) from e
         except NoRespondersError as e:
             raise NoResponders(f"no responder on {subject}") from e
         except NATSTimeoutError as e:
             raise RequestTimeout(f"no reply on {subject} within {timeout:.3f}s") from e
+
+    async def request(self, subject: str, obj: Any, reply_type: type[T] | Any, timeout: float) -> T:
+        """Internal msgpack request-reply with a timeout; typed errors for no responder / timeout / size / bad reply."""
+        msg = await self.checked_request(subject, pack(obj), timeout)
         try:
             return unpack(msg.data, reply_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

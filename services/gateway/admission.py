@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.api import ChatMessage, ErrorCode, GenerateRequest, Tool
+from schemas.api import ChatMessage, ErrorCode, GenerateRequest, TokenizeRequest, Tool
 from schemas.internal import Job, SamplingSpec
 from shared.model.config import GenerationConfig, ModelConfig
 from shared.model.sampling_params import MAX_TOP_LOGPROBS, InvalidSamplingParams, SamplingParams
@@ -31,6 +31,18 @@ MAX_STOP_STRINGS = 300
 # A cache_salt travels in every message of its request and is hashed once per prompt: bounded, at
 # 24 times the 43 characters (256 random bits in base64) vLLM advises.
 MAX_CACHE_SALT_CHARS = 1024
+
+# A prompt of at most this many characters (or token ids) is admitted on the event loop: tokenizing
+# 256 characters took ~75 us on the 2-core CPU host of bench/control_plane.py, 1024 ~250 us, while
+# the worker thread's round trip took ~0.4 ms there (the gateway's threads sleep between requests).
+INLINE_ADMISSION_MAX = 512
+
+
+def cheap(prompt: str | list[int] | None) -> bool:
+    """Whether tokenizing ``prompt`` (text, or token ids to check or decode) is cheap enough for the
+    gateway's event loop: at most `INLINE_ADMISSION_MAX` long. Chat messages (None) go through the
+    chat template, whose cost depends on the template and the tools: a worker thread's, as longer prompts."""
+    return prompt is not None and len(prompt) <= INLINE_ADMISSION_MAX
 
 
 class Rejected(Exception):
@@ -84,8 +96,7 @@ class Admission:
 
     def admit(self, req: GenerateRequest, gateway: str, arrival: float | None = None) -> Admitted:
         arrival = time.time() if arrival is None else arrival
-        if req.model is not None and req.model != self.model.name:
-            raise Rejected("unknown_model", f"model {req.model!r} is not served here; available: [{self.model.name!r}]")
+        self.check_model(req.model)
         if req.request_id is not None and not _REQUEST_ID.match(req.request_id):
             raise Rejected("invalid_request", "request_id: use 1-128 letters, digits, '-' or '_'")
         if req.max_tokens is not None and req.max_tokens < 1:
@@ -116,7 +127,7 @@ class Admission:
             raise Rejected("invalid_request", f"cache_salt: a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                                               f"got {len(req.cache_salt)} characters")
 
-        input_ids = self._input_ids(req)
+        input_ids = self.prompt_ids(req)
         max_tokens = self._max_tokens(req, len(input_ids))
         sampling = self._sampling(req, max_tokens)
         timeout_s = (req.timeout_ms or self.settings.default_timeout_ms) / 1000
@@ -155,10 +166,18 @@ class Admission:
                                               f"{req.max_tokens} for max_tokens). Please reduce the length of the prompt or max_tokens.")
         return req.max_tokens
 
-    def _input_ids(self, req: GenerateRequest) -> list[int]:
-        given = [name for name in ("prompt", "messages", "input_ids") if getattr(req, name) is not None]
+    def check_model(self, model: str | None) -> None:
+        """`unknown_model` unless ``model`` is None or names the served model."""
+        if model is not None and model != self.model.name:
+            raise Rejected("unknown_model", f"model {model!r} is not served here; available: [{self.model.name!r}]")
+
+    def prompt_ids(self, req: GenerateRequest | TokenizeRequest) -> list[int]:
+        """The token ids the model is fed for ``req``'s prompt: `admit`'s, and `llm.tokenize`'s answer
+        (one path, so that a count taken there is the one a completion's usage reports)."""
+        forms = ("prompt", "messages", "input_ids") if isinstance(req, GenerateRequest) else ("prompt", "messages")
+        given = [name for name in forms if getattr(req, name) is not None]
         if len(given) != 1:
-            raise Rejected("invalid_request", f"give exactly one of prompt, messages, input_ids (got {given or 'none'})")
+            raise Rejected("invalid_request", f"give exactly one of {', '.join(forms)} (got {given or 'none'})")
         if req.tools is not None and req.messages is None:
             raise Rejected("invalid_request", "tools: only with messages (the chat template puts them in the prompt)")
         if req.chat_template_kwargs is not None and req.messages is None:
@@ -168,17 +187,21 @@ class Admission:
         reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(req.chat_template_kwargs or {}))
         if reserved:
             raise Rejected("invalid_request", f"chat_template_kwargs: {', '.join(reserved)} are set by moebus, not by the request")
+        # The tokenizer's own special tokens (e.g. BOS): on a prompt, not on a chat template's text,
+        # which carries its own (vLLM's defaults); a TokenizeRequest may say otherwise.
+        asked = req.add_special_tokens if isinstance(req, TokenizeRequest) else None
+        special = req.prompt is not None if asked is None else asked
         try:
             if req.prompt is not None:
-                ids = self.tokenizer.encode(req.prompt)
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=special)
             elif req.messages is not None:
                 tools = None if req.tools is None else [_template_tool(t) for t in req.tools]
                 text = self.tokenizer.apply_chat_template([_template_message(m) for m in req.messages], add_generation_prompt=req.add_generation_prompt,
                                                           tools=tools, continue_final_message=req.continue_final_message,
                                                           **(req.chat_template_kwargs or {}))
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                ids = self.tokenizer.encode(text, add_special_tokens=special)
             else:
-                ids = list(req.input_ids or [])
+                ids = list(req.input_ids or [])  # type: ignore[union-attr]
                 bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
                 if bad:
                     raise Rejected("invalid_request", f"input_ids: {bad[:5]} outside the vocabulary [0, {self.model.vocab_size})")

@@ -1,4 +1,5 @@
-"""Gateway: the public face (`llm.generate`, `llm.models`, `llm.cancel`).
+"""Gateway: the public face (`llm.generate`, `llm.models`, `llm.cancel`; `llm.tokenize` and
+`llm.detokenize` in services/gateway/tokenization.py).
 
 Per request: decode + admit (typed errors at once), submit to the scheduler, then
 relay the token batches arriving on `tok.<gateway>.<request>` to the client as one
@@ -40,10 +41,11 @@ from schemas.api import (
 )
 from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitAck, SubmitJob, TokenBatch, TokenMessage
 from services.common import Heartbeater, cancel_applies, decode_stage, prefill_stage
-from services.gateway.admission import Admission, Admitted, Rejected
+from services.gateway.admission import Admission, Admitted, Rejected, cheap
 from services.gateway.completion import Completion, Delta, TokensLost
 from services.gateway.replies import Replies
 from services.gateway.stats import RequestCounters, TokenTimes
+from services.gateway.tokenization import Tokenization
 from services.liveness import MemberKey, PeerLiveness
 from shared.bus import BadReply, Bus, BusError, Deadline, NoResponders, PayloadTooLarge, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
 from shared.logging import bind_request, get_logger
@@ -52,18 +54,11 @@ from shared.settings import GatewaySettings
 
 log = get_logger(__name__)
 
-# A prompt of at most this many characters (or token ids) is admitted on the event loop: tokenizing
-# 256 characters took ~75 us on the 2-core CPU host of bench/control_plane.py, 1024 ~250 us, while
-# the worker thread's round trip took ~0.4 ms there (the gateway's threads sleep between requests).
-INLINE_ADMISSION_MAX = 512
-
 
 def _admitted_inline(req: GenerateRequest) -> bool:
     """Whether admission is cheap enough for the event loop (`Gateway._admit`): token ids or a prompt
-    within `INLINE_ADMISSION_MAX`. Chat messages go through the chat template (its cost depends on
-    the template and the tools): on the worker thread, as longer prompts."""
-    prompt = req.input_ids if req.input_ids is not None else req.prompt
-    return prompt is not None and len(prompt) <= INLINE_ADMISSION_MAX
+    within `INLINE_ADMISSION_MAX` (`cheap`)."""
+    return cheap(req.input_ids if req.input_ids is not None else req.prompt)
 
 
 def _from_serving_stage(flight: Flight, error: StageError) -> bool:
@@ -110,6 +105,7 @@ class Gateway:
         self.bus = bus
         self.admission = admission
         self.tokenizer = tokenizer
+        self.tokenization = Tokenization(bus, admission)
         self.id = settings.instance
         self.flights: dict[str, Flight] = {}
         self.admitting: dict[str, StageError | None] = {}  # request id -> why it ended while admission ran
@@ -128,6 +124,8 @@ class Gateway:
         await self.bus.subscribe(subjects.CTL_CANCEL, self._on_ctl_cancel, concurrent=False)
         await self.bus.subscribe(subjects.CANCEL, self._on_cancel, queue=subjects.GATEWAY_QUEUE)
         await self.bus.subscribe(subjects.MODELS, self._on_models, queue=subjects.GATEWAY_QUEUE)
+        await self.bus.subscribe(subjects.TOKENIZE, self.tokenization.on_tokenize, queue=subjects.GATEWAY_QUEUE)
+        await self.bus.subscribe(subjects.DETOKENIZE, self.tokenization.on_detokenize, queue=subjects.GATEWAY_QUEUE)
         self._generate_sub = await self.bus.subscribe(subjects.GENERATE, self._on_generate, queue=subjects.GATEWAY_QUEUE)
         self.heartbeater.start()
 

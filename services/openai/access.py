@@ -4,9 +4,9 @@ which vLLM hands to Starlette's CORSMiddleware: `Cors` answers as that middlewar
 
 With a key, a request for a path under ``/v1`` needs ``Authorization: Bearer <key>``; without it, or
 with another key, it is a 401 whose ``WWW-Authenticate`` says ``Bearer`` (RFC 6750). The other paths
-(``/health``, ``/ping``, ``/version``, and the 404s that say where ``/metrics`` is) stay open, as
-vLLM leaves them, for probes and scrapers that hold no key; so do CORS preflights (`Cors.preflight`):
-browsers send them without credentials.
+(``/health``, ``/ping``, ``/version``, vLLM's ``/tokenize`` and ``/detokenize``, and the 404 that
+says where ``/metrics`` is) stay open, as vLLM leaves them, for probes and scrapers that hold no key;
+so do CORS preflights (`Cors.preflight`): browsers send them without credentials.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -259,11 +259,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     prediction: Any = None  # a predicted output (speculation on given text)
 
 
+Body = TypeVar("Body", bound=msgspec.Struct)
+
+
 class InvalidRequest(ValueError):
     """A body this frontend refuses (message names the field); answered as ``invalid_request``."""
 
 
-def decode(body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> CompletionRequest | ChatCompletionRequest:
+def decode(body: bytes, kind: type[Body]) -> Body:
+    """A request body as ``kind``, strictly; else `InvalidRequest` saying what is wrong."""
     if not body:  # msgspec would say "Input data was truncated"
         raise InvalidRequest("request body: empty; send the endpoint's JSON object (with Content-Length, or chunked)")
     try:
@@ -428,17 +432,26 @@ def _message(m: ChatMessageIn, i: int) -> ChatMessage:
                        tool_call_id=m.tool_call_id, reasoning_content=m.reasoning_content)
 
 
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """The messages of a chat body for the chat template (`_message`); ``/tokenize`` takes them too."""
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def chat_tools(tools: list[ToolIn] | None) -> list[Tool] | None:
+    """The tools of a chat body for the chat template (none: None, as an empty list)."""
+    return [Tool(function=ToolFunction(t.function.name, t.function.description, t.function.parameters)) for t in tools] if tools else None
+
+
 def chat_request(req: ChatCompletionRequest, request_id: str, auto_tools: bool = False) -> GenerateRequest:
     """The moebus request of a ``/v1/chat/completions`` body (``auto_tools``: this frontend parses
     tool calls, so ``tool_choice`` "auto" is served)."""
     text = (req.response_format or {}).get("type", "text") == "text"
     _check_no_ops(req, {} if text else {"response_format": 'null or {"type": "text"}'})
     _check_tools(req, auto_tools)
-    tools = [Tool(function=ToolFunction(t.function.name, t.function.description, t.function.parameters)) for t in req.tools] if req.tools else None
     fields = _common(req, request_id)
     if req.max_completion_tokens is not None:
         fields["max_tokens"] = req.max_completion_tokens
-    return GenerateRequest(messages=[_message(m, i) for i, m in enumerate(req.messages)], tools=tools, logprobs=req.logprobs,
+    return GenerateRequest(messages=chat_messages(req.messages), tools=chat_tools(req.tools), logprobs=req.logprobs,
                            top_logprobs=req.top_logprobs or 0, chat_template_kwargs=req.chat_template_kwargs,
                            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message, **fields)
 

@@ -14,7 +14,11 @@
 * ``GET /health`` and vLLM's ``GET``/``POST /ping``: 200 when the stack can serve (a gateway
   answers ``llm.models``, and a scheduler, a prefill instance and a decode rank that take new
   work were heard within ``--health-expiry`` seconds: `services.openai.readiness`), else 503
-  naming what is missing; ``GET /version``: moebus' version.
+  naming what is missing; ``GET /version``: moebus' version;
+* vLLM's ``POST /tokenize`` (a prompt, or chat messages through the chat template: the token ids a
+  completion of it is fed, their count and the context) and ``POST /detokenize`` (ids to text), in
+  vLLM's shapes (`services.openai.tokenization`), answered by a gateway on ``llm.tokenize`` /
+  ``llm.detokenize``.
 
 The frontend is stateless (run as many as needed; each is one more NATS client): every
 request gets its own moebus request id (one per choice), so a client that closes its
@@ -26,7 +30,8 @@ the completion endpoints has an ``X-Request-Id`` header, errors included: the cl
 Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
 after a stream started is sent as a last ``data:`` event, as vLLM does.
 Access is vLLM's (`services.openai.access`): with ``--api-key`` the ``/v1`` paths need
-``Authorization: Bearer <key>`` (else a 401 ``invalid_api_key``; the probes stay open), and
+``Authorization: Bearer <key>`` (else a 401 ``invalid_api_key``; the probes, ``/tokenize`` and
+``/detokenize`` stay open, as in vLLM), and
 ``--allowed-origins`` (none by default, where vLLM allows every origin), ``--allow-credentials``,
 ``--allowed-methods``, ``--allowed-headers`` say which web pages may call it: their preflights are
 answered without the key, and every answer to an allowed origin names it, errors and streams included.
@@ -49,7 +54,7 @@ from schemas.api import Usage
 from services import http
 from services.client import Client, GenerateError
 from services.common import moebus_version
-from services.openai import protocol, request_ids
+from services.openai import protocol, request_ids, tokenization
 from services.openai.access import ApiKey, Cors
 from services.openai.choices import Choices, choice_requests
 from services.openai.readiness import StackReadiness
@@ -65,12 +70,11 @@ MAX_BODY_BYTES = 8 << 20
 ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("POST",), "/v1/chat/completions": ("POST",), "/v1/models": ("GET",), "/health": ("GET",),
     "/version": ("GET",), "/ping": ("GET", "POST"),  # vLLM's: POST too, as SageMaker probes it
+    "/tokenize": ("POST",), "/detokenize": ("POST",),  # vLLM's, outside /v1
 }
 # vLLM serves these on its API port; a client or scraper pointed here from vLLM is told where they are.
 ELSEWHERE: dict[str, str] = {
     "/metrics": "Prometheus metrics are served by `moebus metrics` on a port of its own (9464 by default, `moebus up` runs one)",
-    "/tokenize": "not served: this frontend holds no tokenizer",
-    "/detokenize": "not served: this frontend holds no tokenizer",
 }
 # Logged status of a request whose client closed the connection first (nginx's convention), or
 # stopped taking its answer (http.ClientStalled): either way the client left the answer unread.
@@ -141,6 +145,8 @@ class OpenAIFrontend:
                 elif req.path == "/version":
                     await http.respond_json(conn, 200, {"version": moebus_version()})
                     status = 200
+                elif req.path in ("/tokenize", "/detokenize"):
+                    status = await self._tokenization(conn, req)
                 else:
                     chat = req.path == "/v1/chat/completions"
                     body = _decoded(req.body, chat)
@@ -182,6 +188,22 @@ class OpenAIFrontend:
             return await _error(conn, "unavailable", f"llm.models did not answer: {e}")
         data = [_model_card(m.id, m.max_context, self.started) for m in models.models]
         await http.respond_json(conn, 200, {"object": "list", "data": data})
+        return 200
+
+    async def _tokenization(self, conn: http.Connection, req: http.Request) -> int:
+        """vLLM's ``/tokenize`` or ``/detokenize``, answered by a gateway (`services.openai.tokenization`)."""
+        try:
+            if req.path == "/tokenize":
+                tokenized = await self.client.tokenize(tokenization.tokenize_request(protocol.decode(req.body, tokenization.TokenizeBody)))
+                answer = tokenization.tokenize_answer(tokenized)
+            else:
+                text = await self.client.detokenize(tokenization.detokenize_request(protocol.decode(req.body, tokenization.DetokenizeBody)))
+                answer = tokenization.detokenize_answer(text)
+        except protocol.InvalidRequest as e:
+            return await _error(conn, "invalid_request", str(e))
+        except GenerateError as e:
+            return await _error(conn, e.code, e.message)
+        await http.respond_json(conn, 200, answer)
         return 200
 
     async def _health(self, conn: http.Connection) -> int:

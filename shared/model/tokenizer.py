@@ -187,6 +187,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry as stored (byte-level: ``Ġ`` for a space), as transformers'
+        ``convert_ids_to_tokens`` gives it, for ids the tokenizer knows (below `vocab_size`)."""
+        return [self._backend.id_to_token(i) for i in ids]
+
     def token_piece(self, token_id: int) -> tuple[str, bytes]:
         """One token on its own: (its text decoded alone, its raw bytes), as OpenAI's logprobs
         report tokens. A byte-level token holding part of a UTF-8 character decodes to U+FFFD

@@ -15,8 +15,8 @@ from pathlib import Path
 from schemas import subjects
 from schemas.api import ErrorReply, GenerateRequest
 from services.client import Client
-from services.gateway.admission import Admission, Admitted, ModelInfo
-from services.gateway.service import INLINE_ADMISSION_MAX, Gateway
+from services.gateway.admission import INLINE_ADMISSION_MAX, Admission, Admitted, ModelInfo
+from services.gateway.service import Gateway
 from shared.bus import connect
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings

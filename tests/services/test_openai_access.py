@@ -1,8 +1,8 @@
 """`moebus openai` with vLLM's ``--api-key`` and CORS settings, against a real stack
 (compose/single-node.yml, tiny model, real nats-server) whose `openai` service reads them from
 ``MOEBUS_OPENAI_API_KEY`` and ``MOEBUS_OPENAI_ALLOWED_ORIGINS``: the ``/v1`` paths need the key,
-the probes do not, and a browser's preflight and every answer carry the CORS headers of an allowed
-origin."""
+the probes and vLLM's ``/tokenize`` and ``/detokenize`` do not, and a browser's preflight and every
+answer carry the CORS headers of an allowed origin."""
 
 from __future__ import annotations
 
@@ -69,6 +69,14 @@ def test_the_key_is_served_and_the_probes_need_none(frontend):
         assert call(frontend, method, path)[0] == 200, path
     status, _, raw = call(frontend, "GET", "/metrics")  # not served, and says where it is, to a scraper holding no key
     assert status == 404 and "moebus metrics" in json.loads(raw)["error"]["message"], raw
+
+
+def test_tokenize_and_detokenize_need_no_key_as_in_vllm(frontend):
+    """vLLM's key guards only its /v1 paths: /tokenize and /detokenize, outside, stay open."""
+    status, _, raw = call(frontend, "POST", "/tokenize", body={"prompt": "Hello world"})
+    assert status == 200 and json.loads(raw)["count"] == 2, raw
+    status, _, raw = call(frontend, "POST", "/detokenize", body={"tokens": json.loads(raw)["tokens"]})
+    assert status == 200 and json.loads(raw) == {"prompt": "Hello world"}, raw
 
 
 def test_a_preflight_needs_no_key_and_allows_the_origin(frontend):
