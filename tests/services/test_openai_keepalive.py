@@ -238,7 +238,7 @@ def test_a_head_a_proxy_could_read_otherwise_is_refused(frontend):
         "bare CR": f"{head}X-Trace: a\rContent-Length: 5\r\n".encode() + length,
         "NUL": f"{head}X-Trace: a\x00b\r\n".encode() + length,
         "name not a token": f"{head}X(Trace): a\r\n".encode() + length,
-        "request line with two spaces": f"POST  /v1/completions HTTP/1.1\r\nHost: x\r\n".encode() + length,
+        "request line with two spaces": "POST  /v1/completions HTTP/1.1\r\nHost: x\r\n".encode() + length,
     }
     got = {name: sole_answer(frontend, raw) for name, raw in sent.items()}
     assert {name: (status, connection) for name, (status, connection, _) in got.items() if (status, connection) != (400, "close")} == {}, got
