@@ -344,7 +344,8 @@ GATEWAY_HISTOGRAMS = ("time_to_first_token_seconds", "request_time_per_output_to
 def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timings(stack, tiny_model):
     """Scraped over HTTP before and after requests of known timings: every gateway histogram parses
     as Prometheus text, grows by exactly those requests, each in the buckets its reply's `timing`
-    and `usage` put it in, and its sum by their values; the inter-token latency grows by one gap
+    and `usage` put it in, and its sum by their values (the time per output token, measured from the
+    first token's arrival, within the bounds the replies and the decode time give); the inter-token latency grows by one gap
     per token after the first, adding up to the decode time, which grows by one per request, each
     within its reply's time after its first token; the prefill instance's queue time histogram
     grows by one wait per request, each shorter than that request's time to first token."""
@@ -392,16 +393,16 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
     assert dict(gw)["model_name"] == dict(pf)["model_name"] == tiny_model.name  # the served model, as vLLM labels its series
     observed = {  # what each histogram should have gained, from the replies themselves
         "time_to_first_token_seconds": [t.ttft_ms / 1000 for t, _ in replies],
-        "request_time_per_output_token_seconds": [(t.total_ms - t.ttft_ms) / (u.completion_tokens - 1) / 1000 for t, u in replies
-                                                  if u.completion_tokens > 1],
         "e2e_request_latency_seconds": [t.total_ms / 1000 for t, _ in replies],
         "request_queue_time_seconds": [t.queue_ms / 1000 for t, _ in replies],
         "request_prefill_time_seconds": [(t.ttft_ms - t.queue_ms) / 1000 for t, _ in replies],
         "request_prompt_tokens": [u.prompt_tokens for _, u in replies],
         "request_generation_tokens": [u.completion_tokens for _, u in replies],
     }
-    assert [u.completion_tokens for _, u in replies] == [1, 2, 5, 9, 3] and len(observed["request_time_per_output_token_seconds"]) == 4
+    assert [u.completion_tokens for _, u in replies] == [1, 2, 5, 9, 3]
     for short in GATEWAY_HISTOGRAMS:
+        if short == "request_time_per_output_token_seconds":
+            continue  # its values are not in the replies (below)
         family = f"moebus_gateway_{short}"
         values = observed[short]
         assert after[(f"{family}_count", gw)] - before[(f"{family}_count", gw)] == len(values), family
@@ -419,6 +420,16 @@ def test_moebus_metrics_histograms_count_the_finished_requests_by_their_own_timi
     assert gaps == sum(u.completion_tokens - 1 for _, u in replies)
     assert decoded == len(replies) and gaps_s == pytest.approx(decode_s, rel=1e-6)  # a request's gaps add up to its decode time
     assert 0 < decode_s <= sum(t.total_ms - t.ttft_ms for t, _ in replies) / 1000 + 1e-9
+    # A request's time per output token is its first token to its last over the tokens after the first (vLLM's
+    # rule): at most its reply's time after the first token over them, and all of them together between the
+    # decode time over the most tokens after a first (8) and the decode time itself.
+    family = "moebus_gateway_request_time_per_output_token_seconds"
+    bounds = [(t.total_ms - t.ttft_ms) / (u.completion_tokens - 1) / 1000 for t, u in replies if u.completion_tokens > 1]
+    tpots, tpot_s = gained("request_time_per_output_token_seconds")
+    assert tpots == len(bounds) == 4
+    assert decode_s / 8 - 1e-9 <= tpot_s <= min(decode_s, sum(bounds)) + 1e-9
+    gained_buckets = [(le, n - m) for (le, n), (_, m) in zip(histogram_buckets(after, family)[gw], histogram_buckets(before, family)[gw], strict=True)]
+    assert all(n >= sum(b <= le for b in bounds) for le, n in gained_buckets), (gained_buckets, bounds)
     family = "moebus_prefill_queue_time_seconds"
     assert after[(f"{family}_count", pf)] - before[(f"{family}_count", pf)] == len(replies)
     waited = after[(f"{family}_sum", pf)] - before[(f"{family}_sum", pf)]
