@@ -490,8 +490,8 @@ def _serve(stack: LocalStack, stop_requested: Callable[[], bool]) -> None:
                 stack.restart_replica(r)
 
 
-def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
-    """The arguments of `moebus up` (`argv` without the command name)."""
+def arguments() -> argparse.ArgumentParser:
+    """The command line of `moebus up`."""
     ap = argparse.ArgumentParser(prog="moebus up", description="start nats-server and a compose stack as local processes")
     ap.add_argument("--model", default=os.environ.get("MOEBUS_MODEL"),
                     help="checkpoint directory (default: $MOEBUS_MODEL, else the embedded tiny model, created on first use)")
@@ -504,7 +504,12 @@ def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--log-dir", help="where service logs go (default: a new directory under the cache dir)")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--demo", action="store_true", help="send a sample request once the stack is up, then keep serving")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_up_arguments(argv: list[str]) -> argparse.Namespace:
+    """The arguments of `moebus up` (`argv` without the command name)."""
+    return arguments().parse_args(argv)
 
 
 def main(argv: list[str]) -> int:

@@ -33,6 +33,7 @@ from shared.bus import connect, unpack
 from shared.settings import MetricsSettings
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PATH = "/metrics"  # the one path served: the scrape page
 # (name, type, help) of every family, in page order.
 FAMILIES = [
     ("moebus_up", "gauge", "1 for every process heard within the expiry"),
@@ -231,9 +232,9 @@ class Exporter:
                 req = await http.read_request(conn, max_body=0)
                 allowed = http.methods(("GET",))
                 if req.method not in allowed:
-                    raise http.HttpError(405, "only GET /metrics", {"Allow": ", ".join(allowed)})
-                if req.path != "/metrics":
-                    raise http.HttpError(404, "see /metrics")
+                    raise http.HttpError(405, f"only GET {PATH}", {"Allow": ", ".join(allowed)})
+                if req.path != PATH:
+                    raise http.HttpError(404, f"see {PATH}")
                 await http.respond(conn, 200, self.page().encode(), CONTENT_TYPE)
             except http.HttpError as e:
                 await http.refuse(conn, e.status, f"{e.message}\n".encode(), "text/plain", e.headers)
@@ -245,16 +246,21 @@ async def serve(settings: MetricsSettings) -> None:
     exporter = Exporter(settings.expiry_s)
     async with connect(settings.nats_url, "moebus-metrics", connect_timeout=settings.connect_timeout_s) as bus:
         await bus.subscribe(subjects.HEARTBEAT_ALL, exporter.on_heartbeat, concurrent=False)
-        await http.listen("metrics", exporter.handle, "/metrics", settings)
+        await http.listen("metrics", exporter.handle, PATH, settings)
 
 
-def _parse(argv: list[str]) -> MetricsSettings:
-    """`MetricsSettings` from the flags over the environment and the TOML file (every flag sets its field)."""
+def arguments() -> argparse.ArgumentParser:
+    """The command line of `moebus metrics`: every flag sets the `MetricsSettings` field of its ``dest``."""
     ap = argparse.ArgumentParser(prog="moebus metrics", description="serve a running stack's heartbeats as Prometheus metrics")
     http.frontend_arguments(ap, MetricsSettings)
     ap.add_argument("--expiry", dest="expiry_s", type=float, metavar="SECONDS",
                     help=f"seconds after its last heartbeat a process leaves the page (default {MetricsSettings().expiry_s:g})")
-    return http.parse_frontend(ap, MetricsSettings, "metrics", argv)
+    return ap
+
+
+def _parse(argv: list[str]) -> MetricsSettings:
+    """`MetricsSettings` from the flags over the environment and the TOML file (every flag sets its field)."""
+    return http.parse_frontend(arguments(), MetricsSettings, "metrics", argv)
 
 
 def main(argv: list[str]) -> int:

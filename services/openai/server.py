@@ -402,8 +402,8 @@ async def serve(settings: OpenAISettings) -> None:
         await http.listen("openai", frontend.handle, "/v1", settings)
 
 
-def _parse(argv: list[str]) -> OpenAISettings:
-    """`OpenAISettings` from the flags over the environment and the TOML file (every flag sets its field)."""
+def arguments() -> argparse.ArgumentParser:
+    """The command line of `moebus openai`: every flag sets the `OpenAISettings` field of its ``dest``."""
     ap = argparse.ArgumentParser(prog="moebus openai", description="serve an OpenAI-compatible HTTP API for a running stack")
     http.frontend_arguments(ap, OpenAISettings)
     default = OpenAISettings()
@@ -428,7 +428,12 @@ def _parse(argv: list[str]) -> OpenAISettings:
     ap.add_argument("--allow-credentials", action="store_true", default=None, help="allow cross-origin requests with credentials (default off)")
     ap.add_argument("--allowed-methods", type=_json_list, metavar="JSON", help='methods cross-origin requests may use (default ["*"])')
     ap.add_argument("--allowed-headers", type=_json_list, metavar="JSON", help='headers cross-origin requests may send (default ["*"])')
-    return http.parse_frontend(ap, OpenAISettings, "openai", argv)
+    return ap
+
+
+def _parse(argv: list[str]) -> OpenAISettings:
+    """`OpenAISettings` from the flags over the environment and the TOML file (every flag sets its field)."""
+    return http.parse_frontend(arguments(), OpenAISettings, "openai", argv)
 
 
 def _json_list(text: str) -> list[str]:

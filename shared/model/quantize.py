@@ -428,13 +428,18 @@ def format_report(report: QuantizeReport) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line of `moebus quantize`."""
     parser = argparse.ArgumentParser(prog="moebus quantize", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="source checkpoint directory (bf16/fp32)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--format", required=True, choices=sorted(FORMATS), help="target format")
     parser.add_argument("--stats-json", help="also write the error statistics as JSON to this file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     try:
         report = quantize_checkpoint(args.model, args.out, args.format,
                                      progress=lambda msg: print(msg, file=sys.stderr))
