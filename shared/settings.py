@@ -240,9 +240,10 @@ class OpenAISettings(FrontendSettings, kw_only=True):
     enable_auto_tool_choice: bool = False  # parse chat answers for tool calls, so requests may give tools (tool_choice "auto")
     tool_call_parser: ToolCallParser | None = None  # the model's tool-call format; goes with enable_auto_tool_choice
     reasoning_parser: ReasoningParser | None = None  # give the model's reasoning as reasoning_content; None: off
-    # vLLM's --api-key: every /v1/ request must say `Authorization: Bearer <api_key>`; None: no authentication.
-    # A secret (`SECRET_FIELDS`): never shown in an error, never logged.
-    api_key: str | None = None
+    # vLLM's --api-key: every /v1/ request must say `Authorization: Bearer <key>`, the key or one of a list of
+    # them (vLLM's several keys, for rotation: `api_keys`); None: no authentication. From the environment a
+    # string is one key, a JSON list several. A secret (`SECRET_FIELDS`): never shown in an error, never logged.
+    api_key: str | list[str] | None = None
     # vLLM's CORS flags (`services.openai.access.Cors`). The origins whose pages may call this server from a
     # browser: none by default, where vLLM allows "*": on a server that listens on 127.0.0.1 with no key,
     # "*" would let any web page its user visits drive the stack and read the answers.
@@ -253,8 +254,11 @@ class OpenAISettings(FrontendSettings, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_expiry(self.health_expiry_s, self.heartbeat_interval_s, "health_expiry_s")
-        if self.api_key == "":  # the key "" would be sent by no client: refused rather than read as "no authentication"
+        keys = self.api_keys()
+        if self.api_key is not None and not any(keys):  # "" would be sent by no client: refused rather than read as "no authentication"
             raise ValueError("api_key is empty: give a key, or leave api_key unset (no --api-key) to serve without authentication")
+        if "" in keys:
+            raise ValueError(f"api_key: key {keys.index('') + 1} of {len(keys)} is empty (no client sends it): leave it out")
         for origin in self.allowed_origins:  # one with a path or a trailing slash would match no request, silently
             if origin != "*" and not _ORIGIN.fullmatch(origin):
                 raise ValueError(f"allowed_origins: {origin!r} is not an origin: scheme://host[:port] with no path nor trailing slash"
@@ -262,6 +266,13 @@ class OpenAISettings(FrontendSettings, kw_only=True):
         if self.enable_auto_tool_choice != (self.tool_call_parser is not None):  # vLLM's pair of flags: one alone is a half-written command line
             raise ValueError(f"enable_auto_tool_choice={self.enable_auto_tool_choice} and tool_call_parser={self.tool_call_parser!r} go together"
                              " (e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
+
+
+    def api_keys(self) -> list[str]:
+        """The keys a ``/v1`` request may carry (``api_key`` as a list); none: no authentication."""
+        if self.api_key is None:
+            return []
+        return [self.api_key] if isinstance(self.api_key, str) else self.api_key
 
 
 class MetricsSettings(FrontendSettings, kw_only=True):

@@ -2,11 +2,17 @@
 (CORS, vLLM's ``--allowed-origins``, ``--allow-credentials``, ``--allowed-methods``, ``--allowed-headers``,
 which vLLM hands to Starlette's CORSMiddleware: `Cors` answers as that middleware does).
 
-With a key, a request for a path under ``/v1`` needs ``Authorization: Bearer <key>``; without it, or
-with another key, it is a 401 whose ``WWW-Authenticate`` says ``Bearer`` (RFC 6750). The other paths
-(``/health``, ``/ping``, ``/version``, vLLM's ``/tokenize`` and ``/detokenize``, and the 404 that
-says where ``/metrics`` is) stay open, as vLLM leaves them, for probes and scrapers that hold no key;
-so do CORS preflights (`Cors.preflight`): browsers send them without credentials.
+With a key (or several: vLLM's ``--api-key K1 K2``, so that clients can move to a new key before the
+old one is dropped), a request for a path under ``/v1`` needs ``Authorization: Bearer <key>``, any of
+them; without it, or with another key, it is a 401 whose ``WWW-Authenticate`` says ``Bearer`` (RFC
+6750). The other paths (``/health``, ``/ping``, ``/version``, vLLM's ``/tokenize`` and
+``/detokenize``, and the 404 that says where ``/metrics`` is) stay open, as vLLM leaves them, for
+probes and scrapers that hold no key; so does every ``OPTIONS`` request, as vLLM's key check skips
+them all: CORS preflights (`Cors.preflight`), which browsers send without credentials, and the
+others too, which no route serves (a 405 naming the methods the path takes, or a 404): they reach no
+model and tell only the route table, public as OpenAI's API is, where a 401 would tell a client
+probing with ``OPTIONS`` (a preflight malformed by a proxy that dropped a header, say) a reason that
+is not its problem.
 """
 
 from __future__ import annotations
@@ -32,24 +38,26 @@ def guarded(path: str) -> bool:
 
 
 class ApiKey:
-    """The key every guarded request must carry (`check`)."""
+    """The keys every guarded request must carry one of (`check`)."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, keys: list[str]) -> None:
         # Compared as SHA-256 digests: hmac.compare_digest takes the same time for any two digests,
         # where comparing the keys themselves would give away the key's length.
-        self._digest = hashlib.sha256(key.encode()).digest()
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
 
     def check(self, req: Request) -> None:
-        """`HttpError` 401 unless ``req``, for a guarded path, says ``Authorization: Bearer <the key>``.
-        The message never repeats what the client sent."""
-        if not guarded(req.path):
+        """`HttpError` 401 unless ``req``, for a guarded path and not ``OPTIONS``, says ``Authorization:
+        Bearer <one of the keys>``. The message never repeats what the client sent."""
+        if req.method == "OPTIONS" or not guarded(req.path):
             return
         scheme, _, given = req.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             raise HttpError(401, "no API key: send it as 'Authorization: Bearer <key>' (the key of moebus openai --api-key)",
                             {"WWW-Authenticate": "Bearer"})
         # Header values are read as latin-1: encoding them back gives the bytes sent, a key of UTF-8 bytes too.
-        if not hmac.compare_digest(hashlib.sha256(given.encode("latin-1")).digest(), self._digest):
+        digest = hashlib.sha256(given.encode("latin-1")).digest()
+        # Every key compared, none skipped once one matched: the time taken does not tell which key it was.
+        if sum(hmac.compare_digest(digest, mine) for mine in self._digests) == 0:
             raise HttpError(401, "invalid API key", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 

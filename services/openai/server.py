@@ -27,11 +27,13 @@ instead of leaving it to run. As in vLLM, a request's ``X-Request-Id`` header, w
 its body's ``request_id``), is that id (``cmpl-<id>`` / ``chatcmpl-<id>``, and in the stack's logs; a value the stack's id
 syntax does not take gives an id made from it, `services.openai.request_ids`), and every answer of
 the completion endpoints has an ``X-Request-Id`` header, errors included: the client's, else the id.
-Errors are OpenAI error objects with an HTTP status per moebus error code; one that arrives
+Errors are OpenAI error objects with an HTTP status per moebus error code, and headers that tell
+OpenAI's SDK whether to retry them (``Retry-After`` for ``overloaded``, ``x-should-retry: false`` for
+``timeout``, ``cancelled`` and ``internal``: `services.openai.retries`); one that arrives
 after a stream started is sent as a last ``data:`` event, as vLLM does.
-Access is vLLM's (`services.openai.access`): with ``--api-key`` the ``/v1`` paths need
-``Authorization: Bearer <key>`` (else a 401 ``invalid_api_key``; the probes, ``/tokenize`` and
-``/detokenize`` stay open, as in vLLM), and
+Access is vLLM's (`services.openai.access`): with ``--api-key`` (one key or several) the ``/v1`` paths need
+``Authorization: Bearer <key>`` (else a 401 ``invalid_api_key``; the probes, ``/tokenize``,
+``/detokenize`` and ``OPTIONS`` requests stay open, as in vLLM), and
 ``--allowed-origins`` (none by default, where vLLM allows every origin), ``--allow-credentials``,
 ``--allowed-methods``, ``--allowed-headers`` say which web pages may call it: their preflights are
 answered without the key, and every answer to an allowed origin names it, errors and streams included.
@@ -58,6 +60,7 @@ from services.openai import protocol, request_ids, tokenization
 from services.openai.access import ApiKey, Cors
 from services.openai.choices import Choices, choice_requests
 from services.openai.readiness import StackReadiness
+from services.openai.retries import retry_headers
 from services.openai.tool_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS, reasoning_on
 from shared.bus import connect
 from shared.logging import get_logger
@@ -87,7 +90,7 @@ class OpenAIFrontend:
     def __init__(self, client: Client, readiness: StackReadiness, cors: Cors, api_key: ApiKey | None = None, max_n: int = 16,
                  max_prompts: int = 64, tool_call_parser: str | None = None, reasoning_parser: str | None = None, max_choices: int = 256) -> None:
         """``readiness``: the heartbeats heard (``/health``); ``cors``: which web pages may call it;
-        ``api_key``: the key the ``/v1`` paths need (None: none); ``tool_call_parser`` ("hermes") /
+        ``api_key``: the keys the ``/v1`` paths need (None: none); ``tool_call_parser`` ("hermes") /
         ``reasoning_parser`` ("qwen3"): chat answers are parsed for tool calls (requests may then use
         ``tools`` with ``tool_choice`` "auto") / reasoning."""
         self.client = client
@@ -332,9 +335,10 @@ def _decoded(raw: bytes, chat: bool) -> protocol.CompletionRequest | protocol.Ch
 
 
 async def _error(conn: http.Connection, code: str, message: str, headers: dict[str, str] | None = None) -> int:
-    """Answer with the OpenAI error object of a moebus error code; its HTTP status."""
+    """Answer with the OpenAI error object of a moebus error code, with the headers that tell a client
+    whether (and when) to retry it (`services.openai.retries`); its HTTP status."""
     status, body = protocol.error_body(code, message)
-    await http.respond_json(conn, status, body, headers)
+    await http.respond_json(conn, status, body, (headers or {}) | retry_headers(code))
     return status
 
 
@@ -396,7 +400,7 @@ async def serve(settings: OpenAISettings) -> None:
         await bus.subscribe(subjects.HEARTBEAT_ALL, readiness.on_message, concurrent=False)
         # No deadline of the frontend's own: the gateway's (a request's timeout_ms, else its
         # default_timeout_ms) ends a request, and keepalives tell a gateway that died.
-        api_key = ApiKey(settings.api_key) if settings.api_key is not None else None
+        api_key = ApiKey(settings.api_keys()) if settings.api_key is not None else None
         frontend = OpenAIFrontend(Client(bus, timeout=None), readiness, Cors.of(settings), api_key, settings.max_n, settings.max_prompts,
                                   settings.tool_call_parser, settings.reasoning_parser, settings.max_choices)
         await http.listen("openai", frontend.handle, "/v1", settings)
@@ -421,8 +425,9 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                     help="give the model's reasoning as reasoning_content (qwen3: text up to </think>); default off")
     # vLLM's access flags (`services.openai.access`); the lists are JSON, as vLLM takes them
-    ap.add_argument("--api-key", metavar="KEY",
-                    help="the key every /v1 request must send as 'Authorization: Bearer KEY' (default: none; MOEBUS_OPENAI_API_KEY keeps it out of the process list)")
+    ap.add_argument("--api-key", nargs="+", metavar="KEY",
+                    help="the key every /v1 request must send as 'Authorization: Bearer KEY', or several, any of which it may send (vLLM's, "
+                         "for key rotation; default: none; MOEBUS_OPENAI_API_KEY, a key or a JSON list, keeps them out of the process list)")
     ap.add_argument("--allowed-origins", type=_json_list, metavar="JSON",
                     help='origins whose web pages may call this server, e.g. \'["https://app.example"]\' or \'["*"]\' (default []: none, where vLLM allows "*")')
     ap.add_argument("--allow-credentials", action="store_true", default=None, help="allow cross-origin requests with credentials (default off)")

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -87,6 +88,22 @@ def frontend_address(stack: LocalStack, replica: str = "openai-0") -> tuple[str,
     match = re.search(r"http://([\d.]+):(\d+)/", urls.get(replica, ""))
     assert match, f"{replica} printed no address: {urls}"
     return match.group(1), int(match.group(2))
+
+
+@contextlib.contextmanager
+def openai_frontend(url: str, flags: list[str], env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+    """(host, port) of a `moebus openai` of its own on the stack at ``url``, started with ``flags`` (and
+    ``env``, else this process's environment) on a port the OS picks; stopped at the end."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "openai", "--url", url, "--port", "0", *flags], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        match = re.search(r"http://([\d.]+):(\d+)/v1", line)
+        assert match, f"the frontend printed no address: {line!r} (exit {proc.poll()})"
+        yield match.group(1), int(match.group(2))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def health(addr: tuple[str, int]) -> tuple[int, str]:

@@ -89,7 +89,7 @@ EMPTY_KEY = "api_key is empty: give a key, or leave api_key unset (no --api-key)
     ("openai", ["--api-key", ""], "", {}, f"openai settings: api_key=<hidden> on the command line: {EMPTY_KEY}"),
     ("openai", [], "", {"MOEBUS_OPENAI_API_KEY": ""}, f"openai settings: MOEBUS_OPENAI_API_KEY=<hidden>: {EMPTY_KEY}"),
     ("openai", [], "[openai]\napi_key = 12345\n", {}, "openai settings: api_key = <hidden> in [openai] of config file {config}: "
-                                                       "Expected `str | null`, got `int` - at `$.api_key`"),
+                                                       "Expected `str | array | null`, got `int` - at `$.api_key`"),
 ])
 def test_frontends_refuse_a_bad_setting_at_start_naming_it(tmp_path: Path, command: str, flags: list[str], file: str, variables: dict[str, str],
                                                            message: str):

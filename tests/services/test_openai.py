@@ -24,7 +24,8 @@ import torch
 from schemas.api import ChatMessage, GenerateRequest
 from services.client import GenerateError
 from services.common import moebus_version
-from services_helpers import CHAT_NO_OP_FIELDS, NO_OP_FIELDS, cancelled_requests, frontend_address, log_events, run, session, stack_fixture, until
+from services_helpers import (CHAT_NO_OP_FIELDS, NO_OP_FIELDS, cancelled_requests, frontend_address, log_events, openai_frontend, run, session,
+                              stack_fixture, until)
 
 pytestmark = pytest.mark.slow
 
@@ -934,16 +935,8 @@ def test_tools_need_tool_parsing_unless_tool_choice_is_none(stack, frontend, too
 @pytest.fixture(scope="module")
 def tools_frontend(stack):  # type: ignore[no-untyped-def]
     """A second frontend on the stack with vLLM's Qwen3 switches on (an OS port of its choosing)."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "openai", "--url", stack.url, "--port", "0", "--enable-auto-tool-choice",
-                             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"], stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        match = re.search(r"http://([\d.]+):(\d+)/v1", line)
-        assert match, f"the frontend printed no address: {line!r} (exit {proc.poll()})"
-        yield match.group(1), int(match.group(2))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with openai_frontend(stack.url, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]) as addr:
+        yield addr
 
 
 def test_a_parsing_frontend_serves_tool_conversations_with_reasoning(stack, tools_frontend, tool_prompt_tokens):

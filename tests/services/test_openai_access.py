@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+from collections.abc import Iterator
 
 import pytest
 
-from services_helpers import frontend_address, log_events, stack_fixture
+from services_helpers import frontend_address, log_events, openai_frontend, stack_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +71,43 @@ def test_the_key_is_served_and_the_probes_need_none(frontend):
         assert call(frontend, method, path)[0] == 200, path
     status, _, raw = call(frontend, "GET", "/metrics")  # not served, and says where it is, to a scraper holding no key
     assert status == 404 and "moebus metrics" in json.loads(raw)["error"]["message"], raw
+
+
+ROTATED = ["sk-moebus-old-41d2", "sk-moebus-new-93a7"]
+
+
+@pytest.fixture(scope="module", params=["flags", "variable"])
+def keys_frontend(request, stack) -> Iterator[tuple[str, int]]:
+    """A second frontend on the stack with two keys (vLLM's key rotation): ``--api-key K1 K2``, or
+    ``MOEBUS_OPENAI_API_KEY`` as a JSON list."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEBUS_")}  # no key of the caller's shell
+    if request.param == "variable":
+        env["MOEBUS_OPENAI_API_KEY"] = json.dumps(ROTATED)
+    with openai_frontend(stack.url, ["--api-key", *ROTATED] if request.param == "flags" else [], env) as addr:
+        yield addr
+
+
+def test_any_of_several_keys_is_served_and_no_other(keys_frontend):
+    for key in ROTATED:
+        status, _, raw = call(keys_frontend, "GET", "/v1/models", bearer(key))
+        assert status == 200 and json.loads(raw)["object"] == "list", (key, raw)
+    for key in [KEY, ROTATED[0] + ROTATED[1], ""]:  # a third key, the two run together, none
+        status, got, raw = call(keys_frontend, "GET", "/v1/models", bearer(key))
+        assert status == 401 and got["www-authenticate"].startswith("Bearer"), (key, status, raw)
+        assert not [k for k in ROTATED if k in raw.decode()], raw
+
+
+def test_options_needs_no_key_as_in_vllm(frontend):
+    """vLLM's key check skips every OPTIONS request, preflight or not; one that is no preflight is
+    served by no route: a 405 naming the path's methods (no 401), or a 404."""
+    for path, allow in [("/v1/completions", "POST"), ("/v1/models", "GET, HEAD")]:
+        status, got, raw = call(frontend, "OPTIONS", path)
+        assert (status, got.get("allow")) == (405, allow), (path, status, got, raw)
+        assert json.loads(raw)["error"]["code"] == "method_not_allowed", raw
+    status, _, raw = call(frontend, "OPTIONS", "/v1/no-such-path")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "unknown_url", raw
+    status, _, raw = call(frontend, "GET", "/v1/no-such-path")  # any other method still needs the key first
+    assert status == 401, raw
 
 
 def test_tokenize_and_detokenize_need_no_key_as_in_vllm(frontend):

@@ -464,10 +464,18 @@ def test_openai_access_settings_are_vllms_flags_with_no_origin_allowed_by_defaul
     got = load_settings(OpenAISettings, "openai", config, env={})
     assert (got.api_key, got.allowed_methods) == ("sk-file", ["GET", "POST"])
     assert load_settings(OpenAISettings, "openai", config, overrides={"api_key": "sk-flag"}, env=env).api_key == "sk-flag"
+    # Several keys (vLLM's, for rotation): a JSON list from the environment, a TOML list; a string stays one key.
+    assert load_settings(OpenAISettings, "openai", env={"MOEBUS_OPENAI_API_KEY": '["sk-old", "sk-new"]'}).api_keys() == ["sk-old", "sk-new"]
+    config.write_text('[openai]\napi_key = ["sk-old", "sk-new"]\n')
+    assert load_settings(OpenAISettings, "openai", config, env={}).api_keys() == ["sk-old", "sk-new"]
+    assert load_settings(OpenAISettings, "openai", env={"MOEBUS_API_KEY": "sk-env"}).api_keys() == ["sk-env"]
+    assert default.api_keys() == []
     for env, error in [
         ({"MOEBUS_OPENAI_ALLOWED_ORIGINS": '["https://app.example/"]'}, "'https://app.example/' is not an origin"),  # would match no Origin
         ({"MOEBUS_OPENAI_ALLOWED_ORIGINS": '["app.example"]'}, "'app.example' is not an origin"),
         ({"MOEBUS_API_KEY": ""}, r"^openai settings: MOEBUS_API_KEY=<hidden>: api_key is empty"),
+        ({"MOEBUS_API_KEY": "[]"}, r"^openai settings: MOEBUS_API_KEY=<hidden>: api_key is empty"),
+        ({"MOEBUS_API_KEY": '["sk-old", ""]'}, r"^openai settings: MOEBUS_API_KEY=<hidden>: api_key: key 2 of 2 is empty"),
     ]:
         with pytest.raises(SettingsError, match=error):
             load_settings(OpenAISettings, "openai", env=env)
@@ -480,8 +488,9 @@ def test_openai_access_flags_take_vllms_json_lists(monkeypatch: pytest.MonkeyPat
         monkeypatch.delenv(var)
     got = _parse(["--api-key", "sk-flag", "--allowed-origins", '["https://app.example"]', "--allow-credentials",
                   "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["authorization"]'])
-    assert (got.api_key, got.allowed_origins, got.allow_credentials, got.allowed_methods, got.allowed_headers) == \
-        ("sk-flag", ["https://app.example"], True, ["GET", "POST"], ["authorization"])
+    assert (got.api_keys(), got.allowed_origins, got.allow_credentials, got.allowed_methods, got.allowed_headers) == \
+        (["sk-flag"], ["https://app.example"], True, ["GET", "POST"], ["authorization"])
+    assert _parse(["--api-key", "sk-old", "sk-new"]).api_keys() == ["sk-old", "sk-new"]  # vLLM's several keys
     with pytest.raises(SystemExit) as usage:
         _parse(["--allowed-origins", "https://app.example"])  # not JSON: a usage error, not a list of its characters
     assert usage.value.code == 2 and "argument --allowed-origins: expected a JSON list of strings" in capsys.readouterr().err
