@@ -9,10 +9,9 @@ them; without it, or with another key, it is a 401 whose ``WWW-Authenticate`` sa
 ``/detokenize``, and the 404 that says where ``/metrics`` is) stay open, as vLLM leaves them, for
 probes and scrapers that hold no key; so does every ``OPTIONS`` request, as vLLM's key check skips
 them all: CORS preflights (`Cors.preflight`), which browsers send without credentials, and the
-others too, which no route serves (a 405 naming the methods the path takes, or a 404): they reach no
-model and tell only the route table, public as OpenAI's API is, where a 401 would tell a client
-probing with ``OPTIONS`` (a preflight malformed by a proxy that dropped a header, say) a reason that
-is not its problem.
+others too, which no route serves (a 405 naming the methods the path takes, or a 404). They reach no
+model and tell only the route table, public as OpenAI's API is; answering them as vLLM does keeps a
+client or proxy that probes with ``OPTIONS`` seeing the same answers from both servers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """`moebus openai` with vLLM's ``--api-key`` and CORS settings, against a real stack
 (compose/single-node.yml, tiny model, real nats-server) whose `openai` service reads them from
-``MOEBUS_OPENAI_API_KEY`` and ``MOEBUS_OPENAI_ALLOWED_ORIGINS``: the ``/v1`` paths need the key,
-the probes and vLLM's ``/tokenize`` and ``/detokenize`` do not, and a browser's preflight and every
-answer carry the CORS headers of an allowed origin."""
+``MOEBUS_OPENAI_API_KEY`` and ``MOEBUS_OPENAI_ALLOWED_ORIGINS``: the ``/v1`` paths need the key (any
+of several, on frontends of their own), the probes, vLLM's ``/tokenize`` and ``/detokenize`` and
+``OPTIONS`` requests do not, and a browser's preflight and every answer carry the CORS headers of an
+allowed origin."""
 
 from __future__ import annotations
 
