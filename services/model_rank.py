@@ -74,6 +74,16 @@ def resolve_device(device: str, rank: int, gpus: Sequence[int] = ()) -> str:
     return device
 
 
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """The compute and KV dtype of a rank on ``device``: "auto" is bfloat16 on a GPU, as vLLM's "auto" takes
+    the checkpoint's (Qwen3's are bfloat16) and as the kernels need it, and float32 on the CPU, where
+    the reference ops run (float32 was the default everywhere: a checkpoint served on GPUs without
+    MOEBUS_DTYPE ran the reference ops, at a fraction of the kernels' speed)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
+
+
 def prepare_rank_environment(device: str, world: int) -> None:
     """Settings every rank process needs before torch/UCX start."""
     if device == "cpu":
@@ -95,6 +105,7 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
     rank, world = topology.rank, topology.world_size
     configure_logging(topology.layout, settings.log_level, settings.log_json, instance=settings.instance, rank=rank)
     device = resolve_device(settings.device, rank, settings.gpus)
+    dtype = resolve_dtype(settings.dtype, device)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL object collectives use the current device
     prepare_rank_environment(device.split(":")[0], world)
@@ -103,7 +114,7 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
         settings.model,
         num_pages=settings.kv_pages,
         page_size=settings.page_size,
-        dtype=getattr(torch, settings.dtype),
+        dtype=dtype,
         device=device,
         topology=topology,
         comm=comm,
@@ -114,7 +125,7 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
         # Kernels were asked for but the experts could not take them: slower, so say why once.
         log.warning("moe_reference_ops", reason=model.moe_reference_reason)
     # Which compute paths this rank runs (the GPU end-to-end test checks them here).
-    log.info("model_loaded", device=device, dtype=settings.dtype, kernels=model.kernels,
+    log.info("model_loaded", device=device, dtype=str(dtype).removeprefix("torch."), kernels=model.kernels,
              moe_kernels=model.kernels and model.config.is_moe and model.moe_reference_reason is None,
              decode_moe=type(model.decode_moe).__name__ if model.decode_moe is not None else None,
              collectives=type(comm).__name__ if comm is not None else None,

@@ -46,7 +46,8 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 LogLevel = Annotated[str, msgspec.Meta(pattern=rf"(?i)^({'|'.join(LEVELS)})$")]
 Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")]
-Dtype = Literal["float32", "bfloat16", "float16"]
+# "auto": bfloat16 on a GPU (the kernels' dtype and Qwen3 checkpoints'), float32 on the CPU (the reference ops')
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # MOEBUS_* variables that are not settings fields, read elsewhere: a service must not take them for typos.
 OTHER_VARIABLES = frozenset({
@@ -154,7 +155,7 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     tp: Positive = 1  # tensor-parallel ranks (processes) of this instance
     device: Device = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
     gpus: list[int] = []  # with device auto/cuda: rank r on GPU gpus[r] (e.g. [2, 3]); empty: GPU r
-    dtype: Dtype = "float32"  # compute and KV dtype; must match the decode instances
+    dtype: Dtype = "auto"  # compute and KV dtype; must match the decode instances (Dtype)
     page_size: Positive = 16
     kv_pages: Positive = 512  # KV pages of the prefill-side cache (per rank)
     max_batch_tokens: Positive = 8192  # prompts run together in one forward pass, up to this many tokens
@@ -181,7 +182,7 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     dp: Positive = 1  # data-parallel ranks (processes); experts are sharded over all of them (EP = dp)
     device: Device = "auto"  # "auto": cuda when available, else cpu; "cuda": rank r on GPU r; "cuda:N"
     gpus: list[int] = []  # with device auto/cuda: rank r on GPU gpus[r] (e.g. [2, 3]); empty: GPU r
-    dtype: Dtype = "float32"  # compute and KV dtype; must match the prefill instances
+    dtype: Dtype = "auto"  # compute and KV dtype; must match the prefill instances (Dtype)
     page_size: Positive = 16
     kv_pages: Positive = 512  # KV pages per rank
     max_batch: Positive = 32  # running + reserved requests per rank

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 import yaml
 
 from schemas.api import GenerateRequest
@@ -19,7 +20,7 @@ from services.gateway.completion import Completion, TokensLost
 from services import launch
 from services.compose import REPO_ROOT, StackError, load_compose
 from services.compose_interpolation import interpolate
-from services.model_rank import sampling_params
+from services.model_rank import resolve_dtype, sampling_params
 from services.openai import protocol, request_ids
 from services.scheduler.registry import Registry
 from services_helpers import CHAT_NO_OP_FIELDS, CHAT_USED_FIELDS, NO_OP_FIELDS, USED_FIELDS
@@ -385,6 +386,17 @@ def test_settings_place_the_ranks_of_an_instance_on_listed_gpus():
         load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_DP": "2", "MOEBUS_DECODE_GPUS": "[2]"})
     with pytest.raises(SettingsError, match="distinct"):
         load_settings(PrefillSettings, "prefill", env={"MOEBUS_PREFILL_TP": "2", "MOEBUS_PREFILL_GPUS": "[1, 1]"})
+
+
+def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_the_cpu():
+    """vLLM's --dtype auto takes the checkpoint's dtype (bfloat16 for Qwen3); the default here was float32 on
+    every device, so a checkpoint served on GPUs without MOEBUS_DTYPE ran the fp32 reference ops."""
+    for cls, service in ((PrefillSettings, "prefill"), (DecodeSettings, "decode")):
+        assert load_settings(cls, service, env={}).dtype == "auto"
+    assert resolve_dtype("auto", "cuda:1") == torch.bfloat16 and resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("float16", "cuda:0") == torch.float16 and resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(SettingsError, match="dtype"):
+        load_settings(DecodeSettings, "decode", env={"MOEBUS_DECODE_DTYPE": "float64"})
 
 
 def test_http_frontends_read_their_settings_as_the_services_do(tmp_path: Path):
