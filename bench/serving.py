@@ -64,7 +64,7 @@ from services.client import Client, GenerateError
 from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, load_compose
 from services.decode.__main__ import use_cuda_graphs
 from services.launch import LocalStack, default_cache_dir, ensure_tiny_model
-from services.model_rank import resolve_device
+from services.model_rank import resolve_device, resolve_dtype
 from services.warmup import warm_up_decode
 from shared.bus import connect
 from shared.model.config import ModelConfig
@@ -280,7 +280,7 @@ def build_runner(model: Path, settings: DecodeSettings, work: Workload, max_conc
     device = resolve_device(settings.device, 0, settings.gpus)
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens, strict=True))
     pages = max(settings.kv_pages, max_concurrency * -(-longest // settings.page_size) + 2)
-    runner = ModelRunner.from_dir(model, num_pages=pages, page_size=settings.page_size, dtype=getattr(torch, settings.dtype), device=device)
+    runner = ModelRunner.from_dir(model, num_pages=pages, page_size=settings.page_size, dtype=resolve_dtype(settings.dtype, device), device=device)
     use_cuda_graphs(runner, settings)
     if settings.warmup:
         warm_up_decode(runner, settings, 1)
@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
             "input_len": a.input_len, "prefix_len": a.prefix_len, "output_len": a.output_len, "range_ratio": a.range_ratio,
             "rate": "inf" if math.isinf(a.rate) else a.rate, "max_concurrency": a.max_concurrency, "seed": a.seed, "errors": errors}
     if a.up or with_peer:  # what the stack's decode (or the peer's runner) ran with
-        case["decode"] = {"device": settings.device, "dtype": settings.dtype, "dp": settings.dp, "max_batch": settings.max_batch,
+        dtype = resolve_dtype(settings.dtype, resolve_device(settings.device, 0, settings.gpus))  # "auto" as a rank here resolves it
+        case["decode"] = {"device": settings.device, "dtype": str(dtype).removeprefix("torch."), "dp": settings.dp, "max_batch": settings.max_batch,
                           "page_size": settings.page_size, "kv_pages": settings.kv_pages, "cuda_graphs": settings.cuda_graphs}
     record("serving", case, metrics, {"in_process_runner": peer_metrics} if peer_metrics else None)
     rows = [{"system": f"server ({api} API)", **metrics}] + ([{"system": "in-process runner", **peer_metrics}] if peer_metrics else [])
