@@ -120,6 +120,9 @@ class GatewaySettings(ServiceSettings, kw_only=True):
     max_in_flight: Positive = 4096  # requests beyond this get `overloaded` at once
     stage_expiry_s: Seconds = 2.0  # a prefill/decode rank silent this long (while the gateway listens) fails its requests
     submit_timeout_s: Seconds = 10.0  # a scheduler answers within its bounded wait; silence beyond this = gone
+    # vLLM's --chat-template: a Jinja file's path, or the template itself (services.gateway.chat_template
+    # tells them apart), used for every chat in place of the checkpoint's; "": the checkpoint's own
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         _check_expiry(self.stage_expiry_s, self.heartbeat_interval_s, "stage_expiry_s")

@@ -7,12 +7,13 @@ import sys
 
 from services.common import freeze_startup_heap, parse_settings, stop_event
 from services.gateway.admission import Admission, ModelInfo
+from services.gateway.chat_template import gateway_tokenizer
 from services.gateway.service import Gateway
 from shared.bus import connect
 from shared.logging import get_logger
 from shared.model.config import ConfigError
 from shared.model.tokenizer import Tokenizer, TokenizerFilesError
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, SettingsError
 
 log = get_logger(__name__)
 
@@ -34,11 +35,14 @@ async def serve(settings: GatewaySettings, model: ModelInfo, tokenizer: Tokenize
 def main(argv: list[str]) -> int:
     settings = parse_settings("gateway", argv, needs_model="the gateway tokenizes")
     assert isinstance(settings, GatewaySettings)
-    # Before NATS is dialled: a checkpoint without a readable tokenizer (or generation_config.json) is a
-    # usage error naming the file, not a traceback.
+    # Before NATS is dialled: a checkpoint without a readable tokenizer (or generation_config.json), or a
+    # chat_template that cannot be read or compiled, is a usage error naming it, not a traceback.
     try:
-        tokenizer = Tokenizer.from_dir(settings.model)
+        tokenizer = gateway_tokenizer(settings)
         model = ModelInfo.load(settings)
+    except SettingsError as e:  # the chat_template setting's template
+        print(f"moebus gateway: error: {e}", file=sys.stderr)
+        return 2
     except (TokenizerFilesError, ConfigError) as e:
         print(f"moebus gateway: error: model {settings.model!r} cannot be served: {e}", file=sys.stderr)
         return 2

@@ -9,8 +9,9 @@ default true, ``continue_final_message``, ``add_special_tokens``, default false,
 ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` null unless asked: each
 token's vocabulary entry). ``/detokenize`` takes ``{"model", "tokens"}`` and answers
 ``{"prompt"}``, the text with its special tokens. vLLM's chat fields for what moebus does not do
-(``chat_template``, a request's own template; ``media_io_kwargs`` and ``mm_processor_kwargs``,
-multimodal input) are taken only as null. Both ``prompt`` and ``messages``, or neither, an
+(``chat_template``, a request's own template, which vLLM takes only with ``--trust-request-chat-template``:
+the gateway's ``chat_template`` setting replaces the model's instead; ``media_io_kwargs`` and
+``mm_processor_kwargs``, multimodal input) are taken only as null. Both ``prompt`` and ``messages``, or neither, an
 unknown model, and ids outside the vocabulary are refused by the gateway, as ``llm.generate``
 refuses them.
 """

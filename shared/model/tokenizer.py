@@ -1,7 +1,7 @@
 """Tokenizer of a Hugging Face checkpoint: `tokenizer.json` through the `tokenizers`
-library, the chat template from `tokenizer_config.json` (or `chat_template.jinja`)
-rendered with Jinja the way `transformers` renders it, and incremental detokenization
-for streaming.
+library, the chat template from `tokenizer_config.json` (or `chat_template.jinja`, or one
+given in their place, vLLM's ``--chat-template``) rendered with Jinja the way `transformers`
+renders it, and incremental detokenization for streaming.
 
 Rendering follows `transformers.utils.chat_template_utils` (v5): an
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks`` and the
@@ -92,9 +92,12 @@ class Tokenizer:
         chat_template: str | dict[str, str] | None,
         special_tokens: dict[str, SpecialToken],
         source: str = "<memory>",
+        template_source: str | None = None,
     ) -> None:
         self._backend = backend
         self._chat_template = chat_template
+        # what chat template errors name: the checkpoint's template, unless one replaced it
+        self.template_source = template_source or f"the chat template of {source}"
         self._compiled: dict[str, jinja2.Template] = {}
         self.special_tokens = special_tokens
         self.source = source
@@ -105,7 +108,10 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> Tokenizer:
+    def from_dir(cls, directory: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer of checkpoint ``directory``. ``chat_template``: a template that replaces the
+        checkpoint's own (vLLM's ``--chat-template``), for every chat rendered; it is compiled here, so
+        that a broken one fails the load (`ChatTemplateError` naming its line), not the first request."""
         root = Path(directory)
         if not root.is_dir():
             raise TokenizerFilesError(f"tokenizer directory {root} does not exist")
@@ -119,11 +125,13 @@ class Tokenizer:
 
         config = _read_json(root / TOKENIZER_CONFIG_FILE) if (root / TOKENIZER_CONFIG_FILE).is_file() else {}
         template_path = root / CHAT_TEMPLATE_FILE
-        # transformers gives a standalone chat_template.jinja priority over the config entry
-        if template_path.is_file():
-            chat_template: str | dict[str, str] | None = template_path.read_text(encoding="utf-8")
+        template: str | dict[str, str] | None
+        if chat_template is not None:
+            template = chat_template
+        elif template_path.is_file():  # transformers gives a standalone chat_template.jinja priority over the config entry
+            template = template_path.read_text(encoding="utf-8")
         else:
-            chat_template = _template_from_config(config.get("chat_template"), root / TOKENIZER_CONFIG_FILE)
+            template = _template_from_config(config.get("chat_template"), root / TOKENIZER_CONFIG_FILE)
 
         special: dict[str, SpecialToken] = {}
         for name in SPECIAL_TOKEN_NAMES:
@@ -136,7 +144,11 @@ class Tokenizer:
                     f"{root / TOKENIZER_CONFIG_FILE}: {name} {text!r} is not in the vocabulary of {tok_path}"
                 )
             special[name] = SpecialToken(text, token_id)
-        return cls(backend, chat_template, special, source=str(root))
+        given = chat_template is not None
+        tokenizer = cls(backend, template, special, source=str(root), template_source=f"the chat template given in place of {root}'s" if given else None)
+        if given:
+            tokenizer._template(None)  # compiled (and kept) now: a broken one fails here, not at the first chat
+        return tokenizer
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -265,7 +277,7 @@ class Tokenizer:
                 **variables,
             )
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. a variable shadowing a template function
-            raise ChatTemplateError(f"chat template of {self.source} rejected the messages: {exc}") from exc
+            raise ChatTemplateError(f"{self.template_source} rejected the messages: {exc}") from exc
         return _continued(rendered, final) if continue_final_message else rendered
 
     def _template(self, tools: Sequence[Mapping[str, Any]] | None) -> jinja2.Template:
@@ -284,7 +296,7 @@ class Tokenizer:
             try:
                 self._compiled[source] = _jinja_env().from_string(source)
             except jinja2.TemplateSyntaxError as exc:
-                raise ChatTemplateError(f"chat template of {self.source} does not compile: {exc}") from exc
+                raise ChatTemplateError(f"{self.template_source} does not compile: line {exc.lineno}: {exc.message}") from exc
         return self._compiled[source]
 
 

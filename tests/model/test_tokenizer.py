@@ -310,3 +310,34 @@ def test_token_pieces_of_special_and_unknown_ids(tok: Tokenizer) -> None:
     im_end = tok.token_to_id("<|im_end|>")
     assert tok.token_piece(im_end) == ("<|im_end|>", b"<|im_end|>")
     assert tok.token_piece(tok.vocab_size + 5) == ("", b"")  # the model's vocabulary is padded past the tokenizer's
+
+
+# A template of one's own (vLLM's --chat-template): each message on one line as "role: content",
+# the tools counted, and no <|im_start|> markup, unlike Qwen3's own.
+CUSTOM_TEMPLATE = """{% for m in messages %}
+{{ m.role }}: {{ m.content }}
+{% endfor %}
+{% if tools %}tools: {{ tools | length }}
+{% endif %}
+{% if add_generation_prompt %}assistant:{% endif %}"""
+
+
+def test_a_given_chat_template_replaces_the_checkpoints_for_every_chat(tok: Tokenizer, tmp_path: Path) -> None:
+    """Qwen3's own template (a tool_use-free single string) and a template-less checkpoint alike."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    custom = Tokenizer.from_dir(qwen_tokenizer_dir(), chat_template=CUSTOM_TEMPLATE)
+    assert tok.apply_chat_template(chat).startswith("<|im_start|>system\nBe brief.<|im_end|>")  # the checkpoint's, unchanged
+    assert custom.apply_chat_template(chat) == "system: Be brief.\nuser: Hi\nassistant:"
+    assert custom.apply_chat_template(chat, tools=[{"name": "f"}], add_generation_prompt=False) == "system: Be brief.\nuser: Hi\ntools: 1\n"
+    bare = _copy_tokenizer(tmp_path, None)  # no template at all: chats are refused unless one is given
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        Tokenizer.from_dir(bare).apply_chat_template(chat)
+    assert Tokenizer.from_dir(bare, chat_template=CUSTOM_TEMPLATE).apply_chat_template(chat) == "system: Be brief.\nuser: Hi\nassistant:"
+
+
+def test_a_given_chat_template_that_does_not_compile_fails_the_load_naming_its_line() -> None:
+    """The checkpoint's own template compiles at the first chat (test_corrupt_files_raise_naming_the_file);
+    a given one at load, so that a server stops at start instead of refusing every chat."""
+    broken = CUSTOM_TEMPLATE.replace("{% endif %}\n{% if add", "\n{% if add")  # line 4's if is never closed
+    with pytest.raises(ChatTemplateError, match=r"given in place of .*'s does not compile: line 6: Unexpected end of template"):
+        Tokenizer.from_dir(qwen_tokenizer_dir(), chat_template=broken)

@@ -106,6 +106,17 @@ def openai_frontend(url: str, flags: list[str], env: dict[str, str] | None = Non
         proc.wait(timeout=30)
 
 
+def post_json(addr: tuple[str, int], path: str, body: object) -> tuple[int, dict]:
+    """(status, decoded JSON answer) of one POST of ``body`` (JSON-encoded unless it is bytes) to a frontend."""
+    conn = http.client.HTTPConnection(*addr, timeout=60)
+    try:
+        conn.request("POST", path, body=body if isinstance(body, bytes) else json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
 def health(addr: tuple[str, int]) -> tuple[int, str]:
     """(status, body) of the frontend's GET /health."""
     conn = http.client.HTTPConnection(*addr, timeout=30)

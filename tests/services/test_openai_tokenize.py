@@ -7,8 +7,6 @@ prompt_tokens), detokenizing gives the text back, bad requests get typed errors,
 
 from __future__ import annotations
 
-import http.client
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +18,7 @@ from schemas import subjects
 from schemas.api import ChatMessage, DetokenizeRequest, ErrorReply, TokenizeReply, TokenizeRequest, Tool
 from services.client import Client, GenerateError
 from shared.bus import CONTENT_TYPE, MSGPACK, connect, decode_public
-from services_helpers import frontend_address, run, session, stack_fixture
+from services_helpers import frontend_address, post_json, run, session, stack_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +41,6 @@ def hf_tok(tiny_model: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model))
-
-
-def post(addr: tuple[str, int], path: str, body: object) -> tuple[int, dict]:
-    """(status, decoded JSON answer) of one POST."""
-    conn = http.client.HTTPConnection(*addr, timeout=60)
-    try:
-        conn.request("POST", path, body=body if isinstance(body, bytes) else json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 def over_bus(stack, call, content_type: str | None = None):  # type: ignore[no-untyped-def]
@@ -79,9 +66,9 @@ def test_a_prompts_ids_are_the_tokenizers(stack, frontend, hf_tok):
     """Over HTTP (vLLM's shape, token_strs null unless asked) and over the bus in JSON and msgpack."""
     want = hf_tok(PROMPT)["input_ids"]
     context = served_context(stack)
-    status, body = post(frontend, "/tokenize", {"prompt": PROMPT})
+    status, body = post_json(frontend, "/tokenize", {"prompt": PROMPT})
     assert status == 200 and body == {"count": len(want), "max_model_len": context, "tokens": want, "token_strs": None}, body
-    status, body = post(frontend, "/tokenize", {"model": "", "prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True})
+    status, body = post_json(frontend, "/tokenize", {"model": "", "prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True})
     assert status == 200 and body["tokens"] == want and body["token_strs"] == hf_tok.convert_ids_to_tokens(want), body
     for content_type in (None, MSGPACK):
         r = over_bus(stack, lambda c: c.tokenize(TokenizeRequest(prompt=PROMPT, return_token_strs=True)), content_type)
@@ -99,14 +86,14 @@ def test_a_chats_ids_are_what_a_chat_completion_of_it_is_fed(stack, frontend, hf
     """The ids are transformers' rendering of the chat template, and as many as the prompt_tokens of
     a real /v1/chat/completions call with the same messages and template settings."""
     body = {"messages": CHAT, **fields}
-    status, tokenized = post(frontend, "/tokenize", body)
+    status, tokenized = post_json(frontend, "/tokenize", body)
     assert status == 200, tokenized
     continued = fields.get("continue_final_message", False)
     text = hf_tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=False, add_generation_prompt=not continued,
                                       continue_final_message=continued, **body.get("chat_template_kwargs", {}))
     assert tokenized["tokens"] == hf_tok(text, add_special_tokens=False)["input_ids"]
     extra = {"tool_choice": "none"} if "tools" in body else {}  # this frontend parses no tool calls
-    status, completion = post(frontend, "/v1/chat/completions", body | extra | {"max_tokens": 1, "temperature": 0})
+    status, completion = post_json(frontend, "/v1/chat/completions", body | extra | {"max_tokens": 1, "temperature": 0})
     assert status == 200, completion
     assert tokenized["count"] == completion["usage"]["prompt_tokens"] == len(tokenized["tokens"])
     native = TokenizeRequest(messages=msgspec.convert(body["messages"], list[ChatMessage]), tools=msgspec.convert(body.get("tools"), list[Tool] | None),
@@ -115,11 +102,11 @@ def test_a_chats_ids_are_what_a_chat_completion_of_it_is_fed(stack, frontend, hf
 
 
 def test_detokenize_gives_the_text_back_special_tokens_included(stack, frontend, hf_tok):
-    status, tokenized = post(frontend, "/tokenize", {"prompt": PROMPT})
-    status, body = post(frontend, "/detokenize", {"tokens": tokenized["tokens"]})
+    status, tokenized = post_json(frontend, "/tokenize", {"prompt": PROMPT})
+    status, body = post_json(frontend, "/detokenize", {"tokens": tokenized["tokens"]})
     assert status == 200 and body == {"prompt": PROMPT}, body
-    status, chat = post(frontend, "/tokenize", {"messages": CHAT})
-    status, body = post(frontend, "/detokenize", {"model": "", "tokens": chat["tokens"]})
+    status, chat = post_json(frontend, "/tokenize", {"messages": CHAT})
+    status, body = post_json(frontend, "/detokenize", {"model": "", "tokens": chat["tokens"]})
     assert status == 200 and body["prompt"] == hf_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True), body
     assert "<|im_start|>" in body["prompt"]
     r = over_bus(stack, lambda c: c.detokenize(DetokenizeRequest(tokens=chat["tokens"])))
@@ -129,7 +116,7 @@ def test_detokenize_gives_the_text_back_special_tokens_included(stack, frontend,
 def test_ids_outside_the_vocabulary_are_refused_by_name(stack, frontend, hf_tok):
     vocab = len(hf_tok)
     tokens = [9707, -1, vocab, 10**12]
-    status, body = post(frontend, "/detokenize", {"tokens": tokens})
+    status, body = post_json(frontend, "/detokenize", {"tokens": tokens})
     assert status == 400 and body["error"]["code"] == "invalid_request", body
     assert f"[-1, {vocab}, {10**12}] outside the tokenizer's vocabulary [0, {vocab})" in body["error"]["message"], body
     e = over_bus(stack, lambda c: c.detokenize(DetokenizeRequest(tokens=tokens)))
@@ -145,7 +132,7 @@ def test_ids_outside_the_vocabulary_are_refused_by_name(stack, frontend, hf_tok)
     ({"prompt": PROMPT, "max_tokens": 4}, 'unknown field `max_tokens`'),
 ])
 def test_bad_tokenize_requests_are_refused(frontend, body, says):
-    status, answer = post(frontend, "/tokenize", body)
+    status, answer = post_json(frontend, "/tokenize", body)
     assert status == 400 and answer["error"]["code"] == "invalid_request" and says in answer["error"]["message"], answer
 
 
@@ -170,7 +157,7 @@ def test_bad_requests_over_the_bus_get_typed_errors(stack):
 
 def test_an_unknown_model_is_refused(stack, frontend):
     for path, body in [("/tokenize", {"model": "gpt-4", "prompt": PROMPT}), ("/detokenize", {"model": "gpt-4", "tokens": [9707]})]:
-        status, answer = post(frontend, path, body)
+        status, answer = post_json(frontend, path, body)
         assert status == 404 and answer["error"]["code"] == "unknown_model" and "'gpt-4' is not served here" in answer["error"]["message"], answer
     e = over_bus(stack, lambda c: c.tokenize(TokenizeRequest(model="gpt-4", prompt=PROMPT)))
     assert isinstance(e, GenerateError) and e.code == "unknown_model", e
@@ -185,7 +172,7 @@ def test_oversize_requests_and_answers_get_typed_errors(stack, frontend):
     huge = "a" * (9 << 20)
     e = over_bus(stack, lambda c: c.tokenize(TokenizeRequest(prompt=huge)))
     assert isinstance(e, GenerateError) and e.code == "invalid_request" and "max_payload" in e.message, e
-    status, answer = post(frontend, "/tokenize", {"prompt": huge})
+    status, answer = post_json(frontend, "/tokenize", {"prompt": huge})
     assert status == 413 and answer["error"]["code"] == "request_too_large", answer
     cjk = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(600_000))
     e = over_bus(stack, lambda c: c.tokenize(TokenizeRequest(prompt=cjk, return_token_strs=True)))
