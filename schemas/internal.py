@@ -250,3 +250,6 @@ class Cancel(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     request_id: str
     reason: str
     stage: str = ""
+    # Set by a prefill releasing a reservation whose KV it sent in full (the request ended at its
+    # first token): the decode rank lets that KV land, a completed transfer, before freeing it.
+    kv_sent: bool = False

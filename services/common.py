@@ -53,13 +53,14 @@ def cancel_applies(cancel: Cancel, stage: str | None) -> bool:
     return not cancel.stage or cancel.stage == stage
 
 
-async def release_reservation(bus: Bus, request_id: str, decode_instance: str, decode_rank: int, reason: str) -> None:
+async def release_reservation(bus: Bus, request_id: str, decode_instance: str, decode_rank: int, reason: str, *, kv_sent: bool = False) -> None:
     """Free the request's KV reservation on the decode rank it was placed on, and only there: a
     ``ctl.cancel`` targeted at that rank. Every other stage ignores it (`cancel_applies`): the
     gateway, which ends the request on its tokens or a ``StageError``, not on this cancel; prefill;
     and any other decode rank holding the same request id (one the request went to after this
-    rank's answer came late, where it goes on). With NATS away the rank's lease frees the pages."""
-    cancel = Cancel(request_id, reason, stage=decode_stage(decode_instance, decode_rank))
+    rank's answer came late, where it goes on). With NATS away the rank's lease frees the pages.
+    ``kv_sent``: every sender of the request's KV finished (`Cancel.kv_sent`)."""
+    cancel = Cancel(request_id, reason, stage=decode_stage(decode_instance, decode_rank), kv_sent=kv_sent)
     try:
         await bus.publish(subjects.CTL_CANCEL, pack(cancel))
     except BusError as e:

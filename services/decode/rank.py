@@ -257,13 +257,14 @@ class DecodeRank:
                 ("unavailable", "KV reservation lease ended before prefill delivered")
             spawn(self._drops, self._drop_reservation(res, code, message))
 
-    async def _drop_reservation(self, res: Reservation, code: ErrorCode | None, message: str) -> None:
-        """Free everything a reservation holds; tell the gateway unless it asked for this."""
+    async def _drop_reservation(self, res: Reservation, code: ErrorCode | None, message: str, *, once_landed: bool = False) -> None:
+        """Free everything a reservation holds; tell the gateway unless it asked for this.
+        ``once_landed``: the KV pages once the KV already sent has landed (`KVReceiver.cancel`)."""
         if self.reserved.pop(res.request_id, None) is None:
             return
         if res.lease is not None:
             res.lease.cancel()
-        self.receiver.cancel(res.request_id)
+        self.receiver.cancel(res.request_id, once_landed=once_landed)
         self.runner.cache.allocator.free(res.extra_pages)
         log.info("reservation_dropped", request_id=res.request_id, reason=message)
         if code is not None:
@@ -324,7 +325,7 @@ class DecodeRank:
         if not cancel_applies(cancel, self.name):
             return
         if (res := self.reserved.get(cancel.request_id)) is not None:
-            await self._drop_reservation(res, None, cancel.reason)
+            await self._drop_reservation(res, None, cancel.reason, once_landed=cancel.kv_sent)
         elif (entry := self.running.get(cancel.request_id)) is not None:
             entry.cancelled = cancel.reason  # freed after the step in flight, in _publish
             self.work.set()  # ends a chain of steps (`_chain`)

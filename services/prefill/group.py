@@ -324,8 +324,9 @@ class PrefillGroup:
         if out.finish_reason is not None:
             # Done at the first token: its decode rank only has to free its reservation. Nobody else
             # may act (an untargeted cancel could also end the request at its gateway, or free the
-            # same request id's reservation on another rank).
-            await release_reservation(self.bus, job.request_id, place.decode_instance, place.decode_rank, "finished at the first token")
+            # same request id's reservation on another rank). Every rank's KV sends finished (the
+            # batch agreed on it), yet the last chunks may reach the decode rank after this message.
+            await release_reservation(self.bus, job.request_id, place.decode_instance, place.decode_rank, "finished at the first token", kv_sent=True)
             return
         start = StartDecode(job=job, first_token=out.token_id, first_logprob=out.logprob, generator_state=o.generator_state)
         await self.bus.publish(subjects.decode_start(place.decode_instance, place.decode_rank), pack(start))

@@ -5,6 +5,7 @@ Lifecycle of one reservation (keyed by request id)::
     reserve() -> RECEIVING --all (layer, head) cells landed--> COMPLETE --wait_complete()--> claimed
                      |                                            |
                      +-- cancel() --> CANCELLED (drains)          +-- lease ends --> EXPIRED
+                     +-- cancel(once_landed=True): stays RECEIVING, goes COMPLETE -> CANCELLED
                      +-- lease ends / bad chunk / UCX error --> FAILED
 
 Pages are freed on every path except a successful ``wait_complete``, which hands
@@ -121,6 +122,7 @@ class _Reservation:
     direct_chunks: int = 0  # landed through direct writes ("landed" headers)
     quarantine: asyncio.TimerHandle | None = None  # pending free of pages a direct writer may write
     pages_freed: bool = False
+    cancel_once_landed: bool = False  # cancelled while its (fully sent) KV was arriving: dropped when it lands
 
 
 class KVReceiver:
@@ -252,15 +254,24 @@ class KVReceiver:
         _log_soon("kv.claimed", request_id=request_id, notify_s=time.perf_counter() - res.completed_at)
         return pages
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, *, once_landed: bool = False) -> bool:
         """Drop the request's transfer and free its pages; False if unknown or already finished.
 
         Chunks still on the wire are drained (received and discarded) until the lease
         ends, so senders complete instead of stalling on a vanished receiver.
+
+        ``once_landed``: every sender finished, so what is still on its way is the rest of the
+        KV (the request ended at its first token). It lands first, counted as a completed
+        transfer, then the pages are freed; a lease that ends before fails it as ever. A plain
+        cancel here would count a failure for KV that did arrive: a sender's send completes
+        before the receiver has seen its chunk, so the cancel can overtake the last chunks.
         """
         res = self._reservations.get(request_id)
         if res is None or res.state not in (_State.RECEIVING, _State.COMPLETE):
             return False
+        if once_landed and res.state is _State.RECEIVING:
+            res.cancel_once_landed = True
+            return True
         self._terminate(res, _State.CANCELLED, Cancelled(request_id, "cancelled by the decode side"))
         return True
 
@@ -499,6 +510,8 @@ class KVReceiver:
         res.done.set_result(list(res.page_ids))
         _wake(res)
         _log_soon("kv.received", request_id=res.request_id, bytes=record.nbytes, wall_s=record.wall_s, gbps=record.gbps, chunks=record.chunks, phases_s=record.phases_s, path=path)
+        if res.cancel_once_landed:
+            self._terminate(res, _State.CANCELLED, Cancelled(res.request_id, "cancelled by the decode side once its KV landed"))
 
     def _terminate(self, res: _Reservation, state: _State, error: TransferError) -> None:
         """Fail/cancel/expire: free the pages once, count the cause, wake the waiter.

@@ -192,11 +192,15 @@ class HeartbeatWatch:
         now = time.monotonic()
         return [hb for key, hb in self.latest.items() if key[0] == role and now - self.seen_at[key] < within_s]
 
-    async def wait_for(self, condition: Callable[[HeartbeatWatch], bool], timeout: float, what: str) -> None:
+    async def wait_for(self, condition: Callable[[HeartbeatWatch], bool], timeout: float, what: str,
+                       show: Callable[[HeartbeatWatch], object] | None = None) -> None:
+        """Poll ``condition``; on timeout fail with ``show(self)`` (default: every latest heartbeat,
+        which CI's log may cut off: pass what the condition reads)."""
         deadline = time.monotonic() + timeout
         while not condition(self):
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; heartbeats: {self.latest}")
+                shown = self.latest if show is None else show(self)
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}; {'heartbeats' if show is None else 'seen'}: {shown}")
             await asyncio.sleep(0.05)
 
 

@@ -199,7 +199,8 @@ def test_64_concurrent_mixed_requests(stack, tokenizer, hf_greedy):
             # The heartbeats count every KV handoff on both sides (the prefill is TP=1: its leader sends all heads).
             await watch.wait_for(lambda w: _counters(w)["decode_completed"] >= before["decode_completed"] + sent
                                  and _counters(w)["prefill_completed"] >= before["prefill_completed"] + sent
-                                 and _counters(w)["finished"] >= before["finished"] + sent, 5, "transfer and request counters")
+                                 and _counters(w)["finished"] >= before["finished"] + sent, 5, "transfer and request counters",
+                                 show=lambda w: {"sent": sent, "before": before, "now": _counters(w)})
             return together, alone, before, _counters(watch), sent
 
     together, alone, before, after, sent = run(go())

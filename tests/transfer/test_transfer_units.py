@@ -194,6 +194,42 @@ def test_landed_kv_let_go_unclaimed_is_not_a_transfer_failure():
     asyncio.run(main())
 
 
+def test_a_cancel_once_landed_lets_the_kv_already_sent_arrive_as_a_completed_transfer():
+    """A prefill releases the reservation of a request that ended at its first token after all of
+    its KV went out; the release can reach the decode rank before the last chunks do (a send
+    completes before the receiver has seen it). Here it comes before any chunk: the KV still
+    lands, counted as one completed transfer and no failure, then the pages are freed. KV that
+    never lands is still failed by the lease."""
+
+    async def free_pages_back(rx: KVReceiver) -> None:
+        for _ in range(250):
+            if rx.num_free_pages == 8:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"pages not freed: {rx.num_free_pages} of 8 free")
+
+    async def main():
+        async with local_worker() as worker:
+            rx = KVReceiver(worker, _cache(), staging=StagingPool(1 << 20, 2))
+            desc = rx.reserve("first-token", 20, 5.0)
+            assert rx.cancel("first-token", once_landed=True) and rx.num_free_pages == 6  # held until the KV landed
+            sender = KVSender(worker, _cache(heads=4), desc, [0, 1], KVHeadShard(0, 4, True), timeout_s=5.0)
+            sender.mark_all_layers_done()
+            await sender.finish()
+            await free_pages_back(rx)
+            stats = rx.metrics.stats()
+            assert (stats.completed, stats.failures) == (1, {}), stats
+            assert stats.bytes_total == chunk_nbytes(2, 4, 20, 8, torch.bfloat16)
+            with pytest.raises(TransferError, match="cancelled"):
+                await rx.wait_complete("first-token", 1.0)
+            rx.reserve("never-sent", 20, 0.2)
+            assert rx.cancel("never-sent", once_landed=True)
+            await free_pages_back(rx)
+            assert rx.metrics.stats().failures == {"lease_expired": 1}
+
+    asyncio.run(main())
+
+
 def test_sender_rejects_layouts_that_cannot_map():
     async def main():
         async with local_worker() as worker:
