@@ -28,10 +28,11 @@ def chat_template_text(value: str) -> str | None:
         return Path(value).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:  # a file, but not a template's text
         raise SettingsError(f"gateway settings: chat_template={value!r}: the file is not UTF-8 text: {exc}") from exc
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL character, which no path holds (a TOML value may)
         if any(c in value for c in _TEMPLATE_CHARS):
             return value
-        raise SettingsError(f"gateway settings: chat_template={value!r} is neither a readable file ({exc.strerror}) "
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise SettingsError(f"gateway settings: chat_template={value!r} is neither a readable file ({why}) "
                             "nor a template (an inline one holds '{', '}' or a newline)") from exc
 
 

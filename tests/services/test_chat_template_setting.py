@@ -42,9 +42,11 @@ def test_the_setting_names_a_file_or_holds_the_template_itself(tmp_path: Path):
     assert chat_template_text(TEMPLATE) == TEMPLATE
     assert chat_template_text("{{ messages[0].content }}") == "{{ messages[0].content }}"
     assert chat_template_text("") is None  # the checkpoint's own
-    for mistyped in (str(tmp_path / "cutsom.jinja"), str(tmp_path)):  # no such file; a directory
-        with pytest.raises(SettingsError, match=rf"chat_template='{re.escape(mistyped)}' is neither a readable file \(.+\) nor a template"):
+    # No such file; a directory; a NUL (possible from a TOML file: open() raises ValueError, not OSError).
+    for mistyped in (str(tmp_path / "cutsom.jinja"), str(tmp_path), "custom\0.jinja"):
+        with pytest.raises(SettingsError, match=rf"chat_template={re.escape(repr(mistyped))} is neither a readable file \(.+\) nor a template"):
             chat_template_text(mistyped)
+    assert chat_template_text("{{ '\0' }}{{ messages[0].content }}") == "{{ '\0' }}{{ messages[0].content }}"
 
 
 @pytest.mark.parametrize("form", ["file", "inline"])
