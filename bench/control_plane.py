@@ -41,13 +41,14 @@ from bench.openai_client import OpenAIConnection
 from bench.results import print_table, record
 from schemas import subjects
 from schemas.api import GenerateRequest
-from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
+from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.client import Client
 from services.compose import DEFAULT_STACK, EPHEMERAL_FRONTENDS, load_compose
 from services.launch import LocalStack, default_cache_dir, ensure_tiny_model, start_nats_server
 from services.ranks import free_port
-from shared.bus import Bus, connect, pack, unpack
+from services.submit import final_ack
+from shared.bus import Bus, Deadline, connect, pack, unpack
 from shared.settings import NatsServerSettings, OpenAISettings
 
 PROMPT = "Mixture-of-experts models route each token to a few experts, which"
@@ -199,7 +200,7 @@ async def placements(url: str, total: int, concurrency: int, decode_ranks: int) 
         async def submit(i: int) -> bool:
             job = Job(request_id=f"b{i}", gateway="bench", input_ids=list(range(32)), max_tokens=16, sampling=sampling, stop_token_ids=[], logprobs=False, deadline=time.time() + 60)
             started = time.perf_counter()
-            ack = await bus.request(subjects.SUBMIT, SubmitJob(job=job), SubmitAck, timeout=30)
+            ack = await final_ack(bus, SubmitJob(job=job), Deadline.after(30))
             latencies.append((time.perf_counter() - started) * 1000)
             return ack.placement is not None
 

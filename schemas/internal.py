@@ -49,9 +49,10 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class SubmitJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     job: Job
-    # Unix time after which the gateway no longer waits for the answer (it has answered its client
-    # `unavailable`): a scheduler that gets to the submit later (it was stalled) refuses it instead
-    # of placing work nobody reads. 0: no bound.
+    # Unix time after which the gateway no longer waits for the first answer (it has answered its
+    # client `unavailable`): a scheduler that gets to the submit later (it was stalled) refuses it
+    # instead of placing work nobody reads. Once it answered `queued_by`, the request's deadline
+    # bounds the wait instead. 0: no bound.
     reply_by: float = 0.0
 
 
@@ -62,12 +63,15 @@ class Placement(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class SubmitAck(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The scheduler's answer: placed (prefill task sent), or a typed refusal."""
+    """The scheduler's answer: placed (prefill task sent), or a typed refusal. A scheduler that cannot
+    place the request at once first answers that it queued it (`queued_by`, neither placement nor error),
+    on the same reply subject: the final answer follows when capacity comes, or at the request's deadline."""
 
     request_id: str
     placement: Placement | None = None
     error_code: ErrorCode | None = None
     error_message: str = ""
+    queued_by: str = ""  # an interim answer: the instance id of the scheduler holding the request in its queue
 
 
 class ReserveKV(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

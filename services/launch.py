@@ -55,7 +55,7 @@ from services.http import CANNOT_LISTEN
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
 from shared.logging import configure_tool_logging
-from shared.settings import SERVICES, GatewaySettings, NatsServerSettings, SchedulerSettings, SettingsError, load_settings, nats_server_settings
+from shared.settings import SERVICES, NatsServerSettings, SettingsError, load_settings, nats_server_settings
 
 
 class StartInterrupted(Exception):
@@ -288,20 +288,10 @@ class LocalStack:
         """Read the settings of each service of the request path as its replicas will read them at start
         (`SettingsError`): a bad `MOEBUS_*` variable is named before anything starts, not by a replica's exit
         once nats-server and the other services are up. (The frontends' settings are theirs to refuse: a frontend
-        that exits at start fails the start with its reason.) Also what no service can check
-        alone: a scheduler's `queue_wait_ms` must end before the gateways' `submit_timeout_s`, or a request
-        still waiting for capacity then fails `unavailable` ("the scheduler did not answer"), not `overloaded`."""
-        loaded = {spec.name: load_settings(SERVICES[spec.role], spec.role, env=self.replica_env(spec, f"{spec.name}-0"))
-                  for spec in self.specs if spec.role in ROLES}
-        gateways = {name: s for name, s in loaded.items() if isinstance(s, GatewaySettings)}
-        schedulers = {name: s for name, s in loaded.items() if isinstance(s, SchedulerSettings)}
-        for g_name, g in gateways.items():
-            for s_name, sch in schedulers.items():
-                if sch.queue_wait_ms / 1000 >= g.submit_timeout_s:
-                    raise SettingsError(f"{s_name}'s queue_wait_ms={sch.queue_wait_ms:g} must end before {g_name}'s submit_timeout_s="
-                                        f"{g.submit_timeout_s:g}: the gateway stops waiting for the scheduler's answer then, and a request"
-                                        " still waiting for capacity fails `unavailable` instead of `overloaded`"
-                                        " (raise MOEBUS_GATEWAY_SUBMIT_TIMEOUT_S with it)")
+        that exits at start fails the start with its reason.)"""
+        for spec in self.specs:
+            if spec.role in ROLES:
+                load_settings(SERVICES[spec.role], spec.role, env=self.replica_env(spec, f"{spec.name}-0"))
 
     def restart_replica(self, replica: Replica) -> Replica:
         """Start an ended replica again, as the same instance (its log goes on in the same file)."""

@@ -119,7 +119,8 @@ class GatewaySettings(ServiceSettings, kw_only=True):
     max_timeout_ms: Positive = 3_600_000
     max_in_flight: Positive = 4096  # requests beyond this get `overloaded` at once
     stage_expiry_s: Seconds = 2.0  # a prefill/decode rank silent this long (while the gateway listens) fails its requests
-    submit_timeout_s: Seconds = 10.0  # a scheduler answers within its bounded wait; silence beyond this = gone
+    # a scheduler's first answer (placed, refused, or queued) comes within this; silence beyond it = gone
+    submit_timeout_s: Seconds = 10.0
     # vLLM's --chat-template: a Jinja file's path, or the template itself (services.gateway.chat_template
     # tells them apart), used for every chat in place of the checkpoint's; "": the checkpoint's own
     chat_template: str = ""
@@ -132,8 +133,8 @@ class GatewaySettings(ServiceSettings, kw_only=True):
 
 class SchedulerSettings(ServiceSettings, kw_only=True):
     heartbeat_expiry_s: Seconds = 1.5  # registry drops members silent for this long
-    queue_wait_ms: NonNegative = 1000  # how long a request may wait for capacity before `overloaded`
-    max_queued: NonNegative = 256  # requests waiting for capacity; beyond -> `overloaded` at once
+    queue_wait_ms: NonNegative = 0  # how long a request may wait for capacity before `overloaded`; 0: until its deadline (vLLM's queue)
+    max_queued: NonNegative = 4096  # requests waiting for capacity (the gateway's max_in_flight); beyond -> `overloaded` at once
     reserve_timeout_ms: Positive = 500  # a decode rank must answer a reservation within this
     # A decode rank that did not is skipped until it answers a probe: the first goes out
     # reserve_timeout_ms after the miss, each missed one doubles the wait up to this.
@@ -235,8 +236,8 @@ class OpenAISettings(FrontendSettings, kw_only=True):
     port: Port = 8000
     max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 16  # choices (n) one request may ask for, each a request to the stack; OpenAI's bound
     max_prompts: Positive = 64  # prompts one /v1/completions request may batch
-    # choices (n x prompts) one request may ask for, each a request to the stack: as many as the scheduler's
-    # max_queued (256 by default) at most, else one request could fill its queue and push every other client into 503s
+    # choices (n x prompts) one request may ask for, each a request to the stack: a small part of the scheduler's
+    # max_queued (4096 by default), else one request could fill its queue and push every other client into 503s
     max_choices: Positive = 256
     # /health fails once no scheduler, prefill instance or decode rank taking work was heard this
     # long: the gateway's stage_expiry_s, after which it fails their requests.

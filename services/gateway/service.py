@@ -3,10 +3,10 @@
 
 Per request: decode + admit (typed errors at once), submit to the scheduler, then
 relay the token batches arriving on `tok.<gateway>.<request>` to the client as one
-reply or a stream of chunks. The gateway also watches the heartbeats of the stages
-serving each request: a prefill or decode process that dies fails its requests with
-`unavailable` within `stage_expiry_s` (of time the gateway itself was listening:
-services/liveness.py), well before their deadlines. When the gateway's own NATS
+reply or a stream of chunks. The gateway also watches the heartbeats of the processes
+serving each request: a scheduler holding it in its queue, or a prefill or decode process
+running it, that dies fails its requests with `unavailable` within `stage_expiry_s` (of time
+the gateway itself was listening: services/liveness.py), well before their deadlines. When the gateway's own NATS
 connection is re-established (a restarted server), token batches published to it
 meanwhile are gone (NATS delivers at most once): every request in flight fails with
 `unavailable` at once, and its stages are told to drop it, instead of waiting for
@@ -20,6 +20,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -47,10 +48,12 @@ from services.gateway.replies import Replies
 from services.gateway.stats import RequestCounters, TokenTimes
 from services.gateway.tokenization import Tokenization
 from services.liveness import MemberKey, PeerLiveness
+from services.submit import answers, read_ack
 from shared.bus import BadReply, Bus, BusError, Deadline, NoResponders, PayloadTooLarge, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
+from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -110,7 +113,7 @@ class Gateway:
         self.flights: dict[str, Flight] = {}
         self.admitting: dict[str, StageError | None] = {}  # request id -> why it ended while admission ran
         self.liveness = PeerLiveness(("gateway", self.id, 0), settings.heartbeat_interval_s, settings.stage_expiry_s, time.monotonic(),
-                                     roles=("prefill", "decode"))
+                                     roles=("scheduler", "prefill", "decode"))
         self.counters = RequestCounters(admission.model.max_context)
         self.draining = False
         self.heartbeater = Heartbeater(bus, settings, "gateway", lambda: {"draining": self.draining, "in_flight": len(self.flights),
@@ -408,23 +411,45 @@ class Gateway:
         return placement
 
     async def _ask_scheduler(self, job: Job, deadline: Deadline) -> Placement:
+        """The scheduler's first answer comes within `submit_timeout_s` (silence beyond it: no scheduler
+        is left to answer). When it says the request waits in its queue (`SubmitAck.queued_by`), the
+        final one follows on the same reply subject, read until the deadline while that scheduler's
+        heartbeats go on (`_final_answer`): services/submit.py."""
+        first_s = deadline.timeout(cap=self.settings.submit_timeout_s)
+        submit = SubmitJob(job=job, reply_by=time.time() + first_s)
         try:
-            timeout = deadline.timeout(cap=self.settings.submit_timeout_s)
-            submit = SubmitJob(job=job, reply_by=time.time() + timeout)
-            ack = await self.bus.request(subjects.SUBMIT, submit, SubmitAck, timeout=timeout)
+            async with contextlib.aclosing(answers(self.bus, submit, deadline)) as replies:
+                async with asyncio.timeout(first_s):
+                    ack = read_ack(await anext(replies))
+                if ack.queued_by:
+                    ack = await self._final_answer(replies, ack.queued_by)
         except NoResponders as e:
             raise Failed("unavailable", "no scheduler is running") from e
         except PayloadTooLarge as e:  # never sent: no scheduler could take it, retrying will not help
             raise Failed("invalid_request", f"the request is too large for the bus ({e}); send a shorter prompt") from e
         except BadReply as e:  # a scheduler of another version, or a bug: waiting will not help
             raise Failed("internal", f"the scheduler's answer could not be read: {e}") from e
-        except BusError as e:
+        except (BusError, TimeoutError) as e:
             if deadline.expired:
                 raise Failed("timeout", "deadline passed while waiting for the scheduler") from e
-            raise Failed("unavailable", f"the scheduler did not answer: {e}") from e
+            raise Failed("unavailable", f"the scheduler did not answer: {str(e) or f'nothing within {first_s:.3f}s'}") from e
         if ack.placement is None:
             raise Failed(ack.error_code or "internal", ack.error_message)
         return ack.placement
+
+    async def _final_answer(self, replies: AsyncIterator[Msg], scheduler: str) -> SubmitAck:
+        """The answer after a queued one, while `scheduler` (which queued the request) keeps beating."""
+        key: MemberKey = ("scheduler", scheduler, 0)
+        started_at = self.liveness.placed(key, time.monotonic())
+        final = asyncio.ensure_future(anext(replies))
+        try:
+            while not final.done():
+                await asyncio.wait({final}, timeout=0.25)
+                if not final.done() and self.liveness.stopped(key, started_at, time.monotonic()):
+                    raise Failed("unavailable", f"scheduler {scheduler}, in whose queue this request waited, stopped responding")
+        finally:
+            await cancel_and_wait(final)  # ended before the stream closes: a stream read by two at once raises
+        return read_ack(final.result())
 
     async def _cancel_late_placement(self, flight: Flight) -> None:
         """After an abort during placement (the client has its answer): free what the scheduler placed.

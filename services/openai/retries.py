@@ -25,10 +25,10 @@ HTTP layer's refusals         404,                                              
                               413
 ============================  ======  =========================================  ==========================
 
-Why: ``overloaded`` is the stack at capacity (a gateway's ``max_in_flight``, or no decode rank
-took the request within the scheduler's ``queue_wait_ms``): the same request fits once
-running ones end, and ``OVERLOADED_RETRY_AFTER_MS`` is the scheduler's default ``queue_wait_ms``,
-the wait the stack itself gives capacity to come. ``unavailable`` is a stage gone or restarting
+Why: ``overloaded`` is the stack's queue full (a gateway's ``max_in_flight``, a scheduler's
+``max_queued``), or no decode rank took the request within a ``queue_wait_ms`` the operator set:
+the same request fits once running ones end, which takes about a second at least
+(``OVERLOADED_RETRY_AFTER_MS``). ``unavailable`` is a stage gone or restarting
 (or this frontend stopping: another replica serves the retry): the SDK's own growing backoff fits a
 restart of unknown length. A ``timeout`` is the request's own deadline (the gateway's
 ``default_timeout_ms``): a retry re-runs the whole generation under the same deadline, most likely to
@@ -44,9 +44,10 @@ from __future__ import annotations
 
 from services.openai.protocol import ERRORS
 
-# The scheduler's default queue_wait_ms: how long the stack itself waits for capacity to come
-# before it answers `overloaded` (`shared.settings.SchedulerSettings`); a whole second, as
-# Retry-After counts in seconds.
+# The stack queues every request it can hold until its deadline (`shared.settings.SchedulerSettings`),
+# so `overloaded` says thousands wait already: room comes as running requests end, over seconds, and
+# a retry sooner would only add load. A whole second, as Retry-After counts in seconds; the SDK's own
+# backoff without it starts at 0.5 s.
 OVERLOADED_RETRY_AFTER_MS = 1000
 
 NO_RETRY = {"x-should-retry": "false"}

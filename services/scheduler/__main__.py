@@ -22,7 +22,7 @@ async def serve(settings: SchedulerSettings) -> None:
         await scheduler.start()
         log.info("scheduler_ready")
         await stop.wait()
-        log.info("scheduler_draining", waiting=scheduler.waiting)
+        log.info("scheduler_draining", waiting=len(scheduler.queue))
         await scheduler.stop()
     log.info("scheduler_stopped", placed=scheduler.placed)
 

@@ -3,17 +3,23 @@
 State is only the registry (from heartbeats) plus the requests waiting for capacity,
 so a restarted scheduler is placing again one heartbeat interval after it starts. Until it has
 listened for `heartbeat_expiry_s`, a role it has heard no member of is not yet absent: a request
-waits out that roll call before it is answered `unavailable` for it.
-Waiting is bounded twice: at most `max_queued` requests wait, each for at most
-`queue_wait_ms` (or its own deadline); after that the answer is `overloaded`. A stopping
-scheduler bounds it a third time: what still waits when its `drain_timeout_s` runs out is
-answered `unavailable` before the scheduler closes its connection.
+waits out that roll call before it is answered `unavailable` for it (at once after it).
+A request that cannot be placed at once waits in a first-come-first-served queue, as vLLM's do,
+after an interim answer (`SubmitAck.queued_by`) that tells the gateway to wait for the final one
+until the request's deadline while this scheduler's heartbeats go on. At most `max_queued`
+requests wait (beyond: `overloaded` at once), each until its deadline (`timeout`) or, with
+`queue_wait_ms` set, at most that long (`overloaded`). A stopping scheduler bounds the wait too:
+what still waits when its `drain_timeout_s` runs out is answered `unavailable` before the
+scheduler closes its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.msg import Msg
@@ -33,6 +39,12 @@ from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
+# How many of the oldest waiting requests try to place themselves when capacity may have come (a
+# heartbeat, a request leaving the queue). The others keep their place in line without trying: woken
+# all on every heartbeat, 4096 waiters cost the event loop <<MEASURED>>, and the queue is served
+# about first come, first served (the oldest few may overtake each other, as their placements run at once).
+PLACING_AT_ONCE = 16
+
 
 class Refused(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
@@ -51,18 +63,17 @@ class Scheduler:
         self.bus = bus
         self.hearing = Hearing(("scheduler", settings.instance, 0), settings.heartbeat_interval_s, time.monotonic())
         self.registry = Registry(expiry_s=settings.heartbeat_expiry_s, model=settings.model_name, hearing=self.hearing)
-        self.capacity_changed = asyncio.Condition()
-        self.waiting = 0
         self.placed = 0
         self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
-        self.waiting_ids: set[str] = set()
+        # The requests in `place`, oldest first, each with the event that wakes it to try again.
+        self.queue: dict[str, asyncio.Event] = {}
         self.suspects = SuspectRanks(settings, bus, self.registry)
         self.draining = False
         self.drain_deadline: Deadline | None = None  # set by `stop`: the submits still waiting then are answered `unavailable`
         self._none_waiting = asyncio.Event()  # no submit in `place`: a stop waits for this
         self._none_waiting.set()
         self._submit_sub: Subscription | None = None
-        self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"draining": self.draining, "queued_requests": self.waiting,
+        self.heartbeater = Heartbeater(bus, settings, "scheduler", lambda: {"draining": self.draining, "queued_requests": len(self.queue),
                                                                            "suspect_ranks": self.suspects.names()})
         self._expiry: asyncio.Task[None] | None = None
 
@@ -79,15 +90,15 @@ class Scheduler:
         submits already routed here are still answered: `Bus.stop_taking`), and wait until every
         submit here is answered: placed, refused as usual, or, still waiting for capacity when
         `drain_timeout_s` runs out, `unavailable`. Those answers go out before the bus drain, whose
-        timeout would otherwise cancel a submit waiting past it (`queue_wait_ms` the longer) unanswered.
+        timeout would otherwise cancel a submit waiting past it unanswered.
         Then stop beating."""
         self.draining = True
         self.drain_deadline = Deadline.after(self.settings.drain_timeout_s)
         await self.heartbeater.announce()
         if self._submit_sub is not None:
             await self.bus.stop_taking(self._submit_sub, self.settings.drain_timeout_s)
-        async with self.capacity_changed:
-            self.capacity_changed.notify_all()  # the submits waiting take the drain's deadline now
+        for woken in self.queue.values():
+            woken.set()  # the submits waiting take the drain's deadline now
         await self._answered()
         await self.heartbeater.stop()
         await self.suspects.stop()
@@ -103,7 +114,7 @@ class Scheduler:
             async with asyncio.timeout(2 * self.settings.drain_timeout_s):
                 await self._none_waiting.wait()
         except TimeoutError:
-            log.warning("submits_unanswered_at_stop", waiting=self.waiting, timeout_s=2 * self.settings.drain_timeout_s)
+            log.warning("submits_unanswered_at_stop", waiting=len(self.queue), timeout_s=2 * self.settings.drain_timeout_s)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -117,19 +128,26 @@ class Scheduler:
         if hb.role not in ("decode", "prefill"):
             return
         self.registry.update(hb)
-        async with self.capacity_changed:
-            self.capacity_changed.notify_all()
+        self._wake_head()
 
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
-        if cancel.request_id in self.waiting_ids and cancel_applies(cancel, None):
+        if cancel.request_id in self.queue and cancel_applies(cancel, None):
             self.cancelled.add(cancel.request_id)
-            async with self.capacity_changed:
-                self.capacity_changed.notify_all()
+            self.queue[cancel.request_id].set()
+
+    def _wake_head(self) -> None:
+        """Capacity may have come: the oldest waiting requests try again (`PLACING_AT_ONCE`)."""
+        for woken in itertools.islice(self.queue.values(), PLACING_AT_ONCE):
+            woken.set()
+
+    def _at_head(self, request_id: str) -> bool:
+        return request_id in itertools.islice(self.queue, PLACING_AT_ONCE)
 
     async def _on_submit(self, msg: Msg) -> None:
         """Every submit gets a SubmitAck: a placement or a typed error (a gateway left without one
-        would wait out its submit timeout and then call the scheduler gone)."""
+        would wait out its submit timeout and then call the scheduler gone), after an interim one
+        (`queued_by`) when the request has to wait for capacity."""
         try:
             submit = unpack(msg.data, SubmitJob)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -137,9 +155,13 @@ class Scheduler:
             await msg.respond(pack(SubmitAck(request_id="", error_code="invalid_request", error_message=f"malformed SubmitJob: {e}")))
             return
         job = submit.job
+
+        async def queued() -> None:
+            await msg.respond(pack(SubmitAck(request_id=job.request_id, queued_by=self.settings.instance)))
+
         with bind_request(request_id=job.request_id):
             try:
-                placement = await self.place(job, submit.reply_by)
+                placement = await self.place(job, submit.reply_by, queued)
                 ack = SubmitAck(request_id=job.request_id, placement=placement)
             except Refused as e:
                 log.info("refused", code=e.code, reason=str(e))
@@ -149,60 +171,68 @@ class Scheduler:
                 ack = SubmitAck(request_id=job.request_id, error_code="internal", error_message=f"scheduler: {type(e).__name__}: {e}")
             await msg.respond(pack(ack))
 
-    async def place(self, job: Job, reply_by: float = 0.0) -> Placement:
-        """Reserve KV on a decode rank, hand the task to a prefill instance; wait (bounded) for room.
-        `reply_by`: the Unix time at which the gateway stops waiting for the answer (0: no bound)."""
+    async def place(self, job: Job, reply_by: float = 0.0, queued: Callable[[], Awaitable[None]] | None = None) -> Placement:
+        """Reserve KV on a decode rank, hand the task to a prefill instance; wait in line for room.
+        `reply_by`: the Unix time at which the gateway stops waiting for the first answer (0: no bound);
+        `queued`: sends that first answer, an interim one, when the request has to wait (after it the
+        gateway waits until the request's deadline)."""
         deadline = Deadline(job.deadline)
         if deadline.expired:
             raise Refused("timeout", "deadline passed before scheduling")
         self._check_fits_anywhere(job)
-        if self.waiting >= self.settings.max_queued:
-            raise Refused("overloaded", f"{self.waiting} requests already waiting for capacity")
-        wait_until = Deadline(min(job.deadline, time.time() + self.settings.queue_wait_ms / 1000))
-        self.waiting += 1
+        if len(self.queue) >= self.settings.max_queued:
+            raise Refused("overloaded", f"{len(self.queue)} requests already waiting for capacity")
+        if job.request_id in self.queue:
+            raise Refused("invalid_request", f"request_id {job.request_id!r} is already waiting for capacity here")
+        queue_wait_s = self.settings.queue_wait_ms / 1000
+        wait_until = Deadline(min(job.deadline, time.time() + queue_wait_s)) if queue_wait_s else deadline
+        woken = self.queue[job.request_id] = asyncio.Event()
         self._none_waiting.clear()
-        self.waiting_ids.add(job.request_id)
         try:
             while True:
+                woken.clear()  # a wake from now on (during the attempt) makes the next wait return at once
                 if job.request_id in self.cancelled:
                     raise Refused("cancelled", "cancelled while waiting for capacity")
                 if _past(reply_by):
                     # This scheduler was stalled (or the submit slow to come): the gateway has answered
                     # its client, and its cancel may have come before the submit and been ignored.
                     raise Refused("unavailable", "the gateway stopped waiting for this submit")
-                placement = await self._try_place(job)
-                if placement is not None and (job.request_id in self.cancelled or _past(reply_by)):
-                    # Cancelled while we reserved, or the gateway's wait ended meanwhile: either way it
-                    # has forgotten the request and will not cancel again after our answer.
-                    await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "cancelled while being placed")))
-                    raise Refused("cancelled", "cancelled while being placed")
-                if placement is not None:
-                    self.placed += 1
-                    return placement
-                if wait_until.expired:
-                    unsure_s = self._unsure_of_absence()
-                    if not unsure_s or deadline.expired:
-                        break
-                    # No member of a role yet, heard for too short a time to call it absent (a scheduler just started
-                    # or back from a deaf spell): wait for the roll call rather than answer `unavailable` for a role
-                    # whose beats are on their way, as a restarted scheduler did under load.
-                    wait_until = Deadline(min(job.deadline, time.time() + unsure_s))
+                if self._at_head(job.request_id):
+                    placement = await self._try_place(job)
+                    if placement is not None and (job.request_id in self.cancelled or _past(reply_by)):
+                        # Cancelled while we reserved, or the gateway's wait ended meanwhile: either way it
+                        # has forgotten the request and will not cancel again after our answer.
+                        await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "cancelled while being placed")))
+                        raise Refused("cancelled", "cancelled while being placed")
+                    if placement is not None:
+                        self.placed += 1
+                        return placement
+                # No member of a role yet, heard for too short a time to call it absent (a scheduler just started
+                # or back from a deaf spell): wait for the roll call rather than answer `unavailable` for a role
+                # whose beats are on their way, as a restarted scheduler did under load. After it, an absent
+                # role is answered at once: no capacity is coming to wait for.
+                roll_call_s = self._unsure_of_absence()
+                if deadline.expired or (not roll_call_s and (wait_until.expired or self._role_missing())):
+                    break
                 if self.drain_deadline is not None and self.drain_deadline.expired:
                     raise Refused("unavailable", f"scheduler {self.settings.instance} stopped before capacity came for this request "
                                                  f"(its drain_timeout_s of {self.settings.drain_timeout_s:g} s ran out); retry")
-                until = wait_until if self.drain_deadline is None else Deadline(min(wait_until.at, self.drain_deadline.at))
-                async with self.capacity_changed:
-                    try:
-                        async with asyncio.timeout(until.timeout(cap=0.25)):
-                            await self.capacity_changed.wait()
-                    except TimeoutError:
-                        pass
+                if queued is not None:
+                    await queued()
+                    queued, reply_by = None, 0.0  # the gateway waits for the final answer until the deadline now
+                until = Deadline(min(job.deadline, time.time() + roll_call_s)) if wait_until.expired else wait_until
+                if self.drain_deadline is not None:
+                    until = Deadline(min(until.at, self.drain_deadline.at))
+                # The oldest retry now and then (a reservation refused, a member expired); the others when woken.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(until.timeout(cap=0.25 if self._at_head(job.request_id) else None)):
+                        await woken.wait()
         finally:
-            self.waiting -= 1
-            if not self.waiting:
+            del self.queue[job.request_id]
+            if not self.queue:
                 self._none_waiting.set()
-            self.waiting_ids.discard(job.request_id)
             self.cancelled.discard(job.request_id)
+            self._wake_head()  # the next in line moves up
         if deadline.expired:
             raise Refused("timeout", "deadline passed while waiting for capacity")
         if not self.registry.of_role("decode"):
@@ -215,9 +245,12 @@ class Scheduler:
         """Seconds this scheduler must still listen before a role with no registered member counts as absent
         (one `heartbeat_expiry_s` since it started listening: every live member beats within it); 0.0 when
         every role has a member or it has listened that long."""
-        if self.registry.of_role("decode") and self.registry.of_role("prefill"):
+        if not self._role_missing():
             return 0.0
         return self.hearing.unsure_for(self.settings.heartbeat_expiry_s, time.monotonic())
+
+    def _role_missing(self) -> bool:
+        return not (self.registry.of_role("decode") and self.registry.of_role("prefill"))
 
     def _no_capacity(self, job: Job) -> str:
         """Why no decode rank took `job` within `queue_wait_ms`, by their last heartbeats: full batches, or too

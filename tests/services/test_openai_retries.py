@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from services.openai.retries import OVERLOADED_RETRY_AFTER_MS, retry_headers
-from shared.settings import SchedulerSettings
+from services.openai.retries import retry_headers
 
 from services_helpers import frontend_address, run, session, stack_fixture
 
@@ -118,7 +117,3 @@ def test_internal_errors_and_codes_without_a_status_are_not_to_be_retried():
     assert retry_headers("internal") == retry_headers("no_such_code") == {"x-should-retry": "false"}
     assert retry_headers("unavailable") == retry_headers("invalid_request") == {}
 
-
-def test_overloaded_retry_after_is_the_schedulers_default_wait_for_capacity():
-    """The frontend cannot read the scheduler's settings: its Retry-After follows their default (a change of that default must move it too)."""
-    assert OVERLOADED_RETRY_AFTER_MS == SchedulerSettings().queue_wait_ms

@@ -14,12 +14,11 @@ import subprocess
 import sys
 import time
 
-import nats.errors
-
 from schemas import subjects
 from schemas.internal import Heartbeat, Job, KVReservation, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
-from shared.bus import connect, pack, unpack
+from services.submit import final_ack
+from shared.bus import Deadline, RequestTimeout, connect, pack, unpack
 
 from services_helpers import run, until_listened
 
@@ -72,15 +71,15 @@ def test_a_submit_waiting_for_capacity_when_the_scheduler_stops_is_answered_unav
             await peers.publish(subjects.heartbeat("decode", "dx", 0), pack(_heartbeat("decode", "dx", kv_total_pages=1000, kv_free_pages=1000,
                                                                                      batch_size=0, max_batch=1)))
             await peers.publish(subjects.heartbeat("prefill", "pa", 0), pack(_heartbeat("prefill", "pa")))
-            first = unpack((await peers.nats_request(subjects.SUBMIT, pack(SubmitJob(job=_job("fills"))), timeout=10)).data, SubmitAck)
-            waiting = asyncio.ensure_future(peers.nats_request(subjects.SUBMIT, pack(SubmitJob(job=_job("waits"))), timeout=10))
+            first = await final_ack(peers, SubmitJob(job=_job("fills")), Deadline.after(10))
+            waiting = asyncio.ensure_future(final_ack(peers, SubmitJob(job=_job("waits")), Deadline.after(10)))
             async with asyncio.timeout(10):
                 await queued.wait()  # the scheduler's heartbeat: one submit waits for capacity
             scheduler.send_signal(signal.SIGTERM)
             stopped = time.monotonic()
             try:
-                second: SubmitAck | None = unpack((await waiting).data, SubmitAck)
-            except nats.errors.TimeoutError:
+                second: SubmitAck | None = await waiting
+            except RequestTimeout:
                 second = None
             return first, second, time.monotonic() - stopped
 

@@ -13,7 +13,8 @@ import time
 from schemas import subjects
 from schemas.internal import Heartbeat, Job, SamplingSpec, SubmitAck, SubmitJob
 from services.scheduler.service import Scheduler
-from shared.bus import connect, pack, unpack
+from services.submit import final_ack
+from shared.bus import Deadline, connect, pack
 from shared.settings import SchedulerSettings
 
 from services_helpers import run, until_listened
@@ -44,8 +45,7 @@ def _answer(url: str, beats: list[Heartbeat], job: Job) -> SubmitAck:
                     if len(scheduler.registry.members) == len(beats):
                         break
                     await asyncio.sleep(0.01)
-                reply = await peers.nats_request(subjects.SUBMIT, pack(SubmitJob(job=job)), timeout=10)
-                return unpack(reply.data, SubmitAck)
+                return await final_ack(peers, SubmitJob(job=job), Deadline.after(10))
             finally:
                 await scheduler.stop()
 

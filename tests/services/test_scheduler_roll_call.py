@@ -14,7 +14,8 @@ import time
 from schemas import subjects
 from schemas.internal import Heartbeat, Job, SamplingSpec, SubmitAck, SubmitJob
 from services.scheduler.service import Scheduler
-from shared.bus import Bus, connect, pack, unpack
+from services.submit import final_ack
+from shared.bus import Bus, Deadline, connect, pack
 from shared.settings import SchedulerSettings
 
 from services_helpers import run, until_listened
@@ -40,8 +41,8 @@ def _job(request_id: str) -> Job:
 async def _submit(peers: Bus, request_id: str) -> tuple[SubmitAck, float]:
     """The scheduler's answer and how long it took."""
     started = time.monotonic()
-    reply = await peers.nats_request(subjects.SUBMIT, pack(SubmitJob(job=_job(request_id))), timeout=10)
-    return unpack(reply.data, SubmitAck), time.monotonic() - started
+    ack = await final_ack(peers, SubmitJob(job=_job(request_id)), Deadline.after(10))
+    return ack, time.monotonic() - started
 
 
 def test_a_role_heard_late_after_a_scheduler_starts_is_waited_for(nats_server) -> None:  # type: ignore[no-untyped-def]

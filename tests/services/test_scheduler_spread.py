@@ -23,7 +23,8 @@ from schemas import subjects
 from schemas.internal import Heartbeat, Job, KVReservation, PrefillTask, ReserveKV, SamplingSpec, SubmitAck, SubmitJob
 from schemas.transfer import KVTransferDescriptor, KVTransferLayout
 from services.scheduler.service import Scheduler
-from shared.bus import connect, pack, unpack
+from services.submit import final_ack
+from shared.bus import Deadline, connect, pack, unpack
 from shared.settings import SchedulerSettings
 
 from services_helpers import run, until_listened
@@ -81,9 +82,7 @@ def test_a_burst_of_submits_spreads_over_the_prefill_instances(nats_server) -> N
                     if len(scheduler.registry.members) == 1 + len(PREFILL):
                         break
                     await asyncio.sleep(0.01)
-                replies = await asyncio.gather(*(peers.nc.request(subjects.SUBMIT, pack(SubmitJob(job=_job(i))), timeout=5) for i in range(BURST)))
-                await peers.nc.flush()
-                return [unpack(r.data, SubmitAck) for r in replies]
+                return list(await asyncio.gather(*(final_ack(peers, SubmitJob(job=_job(i)), Deadline.after(5)) for i in range(BURST))))
             finally:
                 await scheduler.stop()
 
@@ -126,8 +125,7 @@ def test_a_decode_rank_counted_full_between_heartbeats_is_asked_until_it_refuses
                     await asyncio.sleep(0.01)
                 acks = []
                 for i in range(room + 2):  # one at a time: each finds the rank as the previous left it
-                    reply = await peers.nc.request(subjects.SUBMIT, pack(SubmitJob(job=_job(i))), timeout=5)
-                    acks.append(unpack(reply.data, SubmitAck))
+                    acks.append(await final_ack(peers, SubmitJob(job=_job(i)), Deadline.after(5)))
                 return acks
             finally:
                 await scheduler.stop()
