@@ -1,0 +1,119 @@
+"""Requests beyond the running batch queue at the scheduler until capacity frees, as vLLM's do, however
+long that takes: before, a request that waited `queue_wait_ms` (1 s by default) was answered `overloaded`
+(503), so `vllm bench serve --request-rate inf` against a moebus stack got hundreds of them. The scheduler
+now answers a submit it cannot place at once with an interim `SubmitAck.queued_by`, and the gateway waits
+for the final answer until the request's deadline, past its `submit_timeout_s`, while that scheduler's
+heartbeats go on. Real stack (one decode rank of batch 1) on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+
+from schemas.api import ErrorCode, GenerateRequest
+from schemas.internal import Placement, SubmitAck
+from services.client import GenerateError
+from shared.bus import pack, unpack
+
+from services_helpers import all_kv_free, log_events, run, session, stack_fixture
+
+SUBMIT_TIMEOUT_S = 2.0
+STAGE_EXPIRY_S = 2.0  # the gateway's default: a scheduler silent this long fails the requests in its queue
+
+stack = stack_fixture("single-node.yml", env={"MOEBUS_DECODE_MAX_BATCH": "1", "MOEBUS_GATEWAY_SUBMIT_TIMEOUT_S": str(SUBMIT_TIMEOUT_S)})
+
+
+def _queued_at_scheduler(n: int):  # type: ignore[no-untyped-def]
+    return lambda w: [hb.queued_requests for hb in w.live("scheduler")] == [n]
+
+
+async def _hold_the_batch(client, watch, max_tokens: int) -> asyncio.Future:  # type: ignore[no-untyped-def]
+    """A request running on the one decode rank (batch 1), so that the next ones queue."""
+    await watch.wait_for(lambda w: len(w.live("decode")) == 1 and all_kv_free(w), 30, "an idle decode rank")
+    holder = asyncio.ensure_future(client.generate(GenerateRequest(prompt="holds the batch", max_tokens=max_tokens, ignore_eos=True, temperature=0)))
+    await watch.wait_for(lambda w: [hb.batch_size for hb in w.live("decode")] == [1], 30, "the holder on the decode rank")
+    return holder
+
+
+def test_a_burst_beyond_the_batch_queues_until_each_request_runs(stack):
+    burst, max_tokens = 6, 64
+
+    async def go():
+        async with session(stack.url) as (client, watch):
+            await watch.wait_for(lambda w: len(w.live("decode")) == 1 and all_kv_free(w), 30, "an idle decode rank")
+            reqs = [GenerateRequest(prompt=f"queued {i}", max_tokens=max_tokens, ignore_eos=True, temperature=0) for i in range(burst)]
+            return await asyncio.gather(*(client.generate(r) for r in reqs), return_exceptions=True)
+
+    replies = run(go())
+    failed = [r for r in replies if isinstance(r, BaseException)]
+    assert not failed, failed  # on main: `overloaded` ("no capacity within 1000 ms") for the ones behind
+    assert [r.usage.completion_tokens for r in replies] == [max_tokens] * burst
+    # The last one waited past the old 1 s and past the gateway's submit timeout before it was placed.
+    assert max(r.timing.queue_ms for r in replies) > SUBMIT_TIMEOUT_S * 1000, [r.timing for r in replies]
+
+
+def test_a_request_cancelled_while_queued_leaves_nothing_behind(stack):
+    async def go():
+        async with session(stack.url) as (client, watch):
+            holder = await _hold_the_batch(client, watch, 400)
+            queued = asyncio.ensure_future(client.generate(GenerateRequest(prompt="waits", max_tokens=8, request_id="queued-then-cancelled")))
+            await watch.wait_for(_queued_at_scheduler(1), 10, "the request in the scheduler's queue")
+            await client.cancel("queued-then-cancelled")
+            with pytest.raises(GenerateError) as cancelled:
+                await queued
+            await watch.wait_for(_queued_at_scheduler(0), 5, "the scheduler's queue empty")
+            assert not holder.done()  # still running: the queue emptied by the cancel, not by capacity
+            await holder
+            await watch.wait_for(all_kv_free, 10, "every KV page back")
+            return cancelled.value
+
+    error = run(go())
+    assert error.code == "cancelled", error
+    assert not [e for e in log_events(stack, "placed") if e.get("request_id") == "queued-then-cancelled"]
+    refused = [e["code"] for e in log_events(stack, "refused") if e.get("request_id") == "queued-then-cancelled"]
+    assert refused == ["cancelled"], refused
+
+
+def test_the_requests_queued_at_a_scheduler_that_dies_fail_unavailable_within_its_expiry(stack):
+    """Last here: the scheduler is started again afterwards, but the others need not wait for it."""
+    scheduler = next(r for r in stack.replicas if r.role == "scheduler")
+
+    async def go() -> tuple[list[BaseException | object], float]:
+        async with session(stack.url) as (client, watch):
+            holder = await _hold_the_batch(client, watch, 400)
+            reqs = [GenerateRequest(prompt=f"stranded {i}", max_tokens=8, timeout_ms=60_000) for i in range(3)]
+            queued = [asyncio.ensure_future(client.generate(r)) for r in reqs]
+            await watch.wait_for(_queued_at_scheduler(3), 10, "three requests in the scheduler's queue")
+            os.kill(scheduler.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.gather(*queued, return_exceptions=True)
+            answered_s = time.monotonic() - killed
+            await holder  # placed before: runs on
+            return results, answered_s
+
+    try:
+        results, answered_s = run(go())
+    finally:
+        scheduler.proc.wait()
+        stack.restart_replica(scheduler)
+    codes: list[ErrorCode] = [r.code for r in results if isinstance(r, GenerateError)]
+    assert codes == ["unavailable"] * 3, results
+    assert all("stopped responding" in str(r) for r in results), results
+    assert answered_s < 3 * STAGE_EXPIRY_S, answered_s  # not at their 60 s deadline
+
+
+def test_a_submit_ack_of_a_scheduler_without_queued_by_still_decodes():
+    class OldSubmitAck(msgspec.Struct, kw_only=True):  # SubmitAck before `queued_by`
+        request_id: str
+        placement: Placement | None = None
+        error_code: str | None = None
+        error_message: str = ""
+
+    placed = Placement(decode_instance="d", decode_rank=0, prefill_instance="p")
+    ack = unpack(pack(OldSubmitAck(request_id="old", placement=placed)), SubmitAck)
+    assert ack == SubmitAck(request_id="old", placement=placed) and ack.queued_by == "", ack
