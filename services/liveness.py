@@ -92,8 +92,8 @@ class Hearing:
 class PeerLiveness:
     """The last heartbeat heard from every process of `roles`, judged against our own hearing.
 
-    The gateway watches the prefill and decode ranks serving its requests and fails a
-    request whose stage died (or restarted) once that stage has been silent for
+    The gateway watches the scheduler holding a request in its queue and the prefill and decode
+    ranks serving its requests, and fails a request whose stage died (or restarted) once that stage has been silent for
     `expiry_s` of time the gateway itself was listening, instead of at the request's
     deadline; a decode rank watches the gateways it sends tokens to and drops the requests
     of one that died (nobody is left to read them), freeing their KV pages; a prefill

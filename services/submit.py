@@ -5,7 +5,7 @@ so they are read from an inbox of the submit's own (`Bus.stream`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from nats.aio.msg import Msg
@@ -15,9 +15,10 @@ from schemas.internal import SubmitAck, SubmitJob
 from shared.bus import BadReply, Bus, Deadline, pack, unpack
 
 
-def answers(bus: Bus, submit: SubmitJob, deadline: Deadline) -> AsyncIterator[Msg]:
-    """Send ``submit``; its answers until the final one (`Bus.stream`'s errors, RequestTimeout at ``deadline``)."""
-    return bus.stream(subjects.SUBMIT, pack(submit), lambda msg: not unpack(msg.data, SubmitAck).queued_by, deadline)
+def answers(bus: Bus, submit: SubmitJob, deadline: Deadline, gone: Callable[[], str] | None = None) -> AsyncIterator[Msg]:
+    """Send ``submit``; its answers until the final one (`Bus.stream`'s errors: RequestTimeout at ``deadline``,
+    Silent once ``gone`` says why the scheduler holding the request is gone)."""
+    return bus.stream(subjects.SUBMIT, pack(submit), lambda msg: not unpack(msg.data, SubmitAck).queued_by, deadline, gone=gone)
 
 
 def read_ack(msg: Msg) -> SubmitAck:

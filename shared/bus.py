@@ -288,13 +288,15 @@ class Bus:
         deadline: Deadline,
         headers: dict[str, str] | None = None,
         silence_s: float | None = None,
+        gone: Callable[[], str] | None = None,
     ) -> AsyncIterator[Msg]:
         """Send one request and yield every reply until `is_last(reply)` or the deadline.
 
         Raises PayloadTooLarge for a request the server would refuse, NoResponders when
         nobody listens on `subject`, RequestTimeout when the deadline passes before the last reply, Silent when `silence_s` passes without
-        any reply (for a responder that promised keepalives), and Reconnected when the
-        connection was re-established meanwhile (NATS delivers at most once: replies sent
+        any reply (for a responder that promised keepalives) or when `gone` (asked while a reply
+        is due, every `RECONNECT_CHECK_S`: no task of its own) says why the responder is gone, and
+        Reconnected when the connection was re-established meanwhile (NATS delivers at most once: replies sent
         while it was down are gone, and waiting on would last until the deadline).
         """
         inbox = self.nc.new_inbox()
@@ -320,6 +322,8 @@ class Bus:
                 except TimeoutError as e:
                     if deadline.expired:
                         raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
+                    if gone is not None and (why := gone()):
+                        raise Silent(why) from e
                     if silence_s is not None and time.monotonic() - last_reply >= silence_s:
                         if await self._replies_unread(sub, replies, deadline.timeout(cap=silence_s)):
                             continue  # the silence was our own event loop's stall, not the responder's

@@ -20,7 +20,6 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -40,7 +39,7 @@ from schemas.api import (
     Timing,
     Usage,
 )
-from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitAck, SubmitJob, TokenBatch, TokenMessage
+from schemas.internal import Cancel, Heartbeat, Job, Placement, StageError, SubmitJob, TokenBatch, TokenMessage
 from services.common import Heartbeater, cancel_applies, decode_stage, prefill_stage
 from services.gateway.admission import Admission, Admitted, Rejected, cheap
 from services.gateway.completion import Completion, Delta, TokensLost
@@ -49,11 +48,10 @@ from services.gateway.stats import RequestCounters, TokenTimes
 from services.gateway.tokenization import Tokenization
 from services.liveness import MemberKey, PeerLiveness
 from services.submit import answers, read_ack
-from shared.bus import BadReply, Bus, BusError, Deadline, NoResponders, PayloadTooLarge, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
+from shared.bus import BadReply, Bus, BusError, Deadline, NoResponders, PayloadTooLarge, Silent, content_type, decode_public, encode_public, keepalive_interval, pack, unpack
 from shared.logging import bind_request, get_logger
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
-from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -413,22 +411,33 @@ class Gateway:
     async def _ask_scheduler(self, job: Job, deadline: Deadline) -> Placement:
         """The scheduler's first answer comes within `submit_timeout_s` (silence beyond it: no scheduler
         is left to answer). When it says the request waits in its queue (`SubmitAck.queued_by`), the
-        final one follows on the same reply subject, read until the deadline while that scheduler's
-        heartbeats go on (`_final_answer`): services/submit.py."""
+        final one follows on the same reply subject (services/submit.py), read until the deadline while
+        that scheduler's heartbeats go on: once they stop for `stage_expiry_s`, the request fails
+        `unavailable` (checked by the stream's own wait, which wakes every 0.25 s anyway)."""
         first_s = deadline.timeout(cap=self.settings.submit_timeout_s)
         submit = SubmitJob(job=job, reply_by=time.time() + first_s)
+        queued_at: list[tuple[MemberKey, float]] = []  # the scheduler holding the request, with its start time then
+
+        def scheduler_gone() -> str:
+            stopped = [key for key, started_at in queued_at if self.liveness.stopped(key, started_at, time.monotonic())]
+            return f"scheduler {stopped[0][1]}, in whose queue this request waited, stopped responding" if stopped else ""
+
         try:
-            async with contextlib.aclosing(answers(self.bus, submit, deadline)) as replies:
+            async with contextlib.aclosing(answers(self.bus, submit, deadline, scheduler_gone)) as replies:
                 async with asyncio.timeout(first_s):
                     ack = read_ack(await anext(replies))
                 if ack.queued_by:
-                    ack = await self._final_answer(replies, ack.queued_by)
+                    key: MemberKey = ("scheduler", ack.queued_by, 0)
+                    queued_at.append((key, self.liveness.placed(key, time.monotonic())))
+                    ack = read_ack(await anext(replies))
         except NoResponders as e:
             raise Failed("unavailable", "no scheduler is running") from e
         except PayloadTooLarge as e:  # never sent: no scheduler could take it, retrying will not help
             raise Failed("invalid_request", f"the request is too large for the bus ({e}); send a shorter prompt") from e
         except BadReply as e:  # a scheduler of another version, or a bug: waiting will not help
             raise Failed("internal", f"the scheduler's answer could not be read: {e}") from e
+        except Silent as e:
+            raise Failed("unavailable", str(e)) from e
         except (BusError, TimeoutError) as e:
             if deadline.expired:
                 raise Failed("timeout", "deadline passed while waiting for the scheduler") from e
@@ -436,20 +445,6 @@ class Gateway:
         if ack.placement is None:
             raise Failed(ack.error_code or "internal", ack.error_message)
         return ack.placement
-
-    async def _final_answer(self, replies: AsyncIterator[Msg], scheduler: str) -> SubmitAck:
-        """The answer after a queued one, while `scheduler` (which queued the request) keeps beating."""
-        key: MemberKey = ("scheduler", scheduler, 0)
-        started_at = self.liveness.placed(key, time.monotonic())
-        final = asyncio.ensure_future(anext(replies))
-        try:
-            while not final.done():
-                await asyncio.wait({final}, timeout=0.25)
-                if not final.done() and self.liveness.stopped(key, started_at, time.monotonic()):
-                    raise Failed("unavailable", f"scheduler {scheduler}, in whose queue this request waited, stopped responding")
-        finally:
-            await cancel_and_wait(final)  # ended before the stream closes: a stream read by two at once raises
-        return read_ack(final.result())
 
     async def _cancel_late_placement(self, flight: Flight) -> None:
         """After an abort during placement (the client has its answer): free what the scheduler placed.

@@ -240,7 +240,7 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(sta
     ("/v1/chat/completions", {"messages": "hi"}, 400, "invalid_request", "request body: Expected `array`, got `str` - at `$.messages`"),
     ("/v1/completions", {"prompt": "hi", "best_off": 2}, 400, "invalid_request", "best_off"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "invalid_request", "n must be in [1, 16]"),
-    # n x prompts past max_choices (256): one request would fill the scheduler's queue (max_queued 256)
+    # n x prompts past max_choices (256): one request could fill much of the scheduler's queue (max_queued)
     ("/v1/completions", {"prompt": ["hi"] * 17, "n": 16, "max_tokens": 1}, 400, "invalid_request", "n x prompts = 16 x 17 = 272 choices"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "invalid_request", "not supported by moebus: best_of"),
     ("/v1/completions", {"prompt": "hi", "guided_choice": ["yes", "no"]}, 400, "invalid_request",
