@@ -1,8 +1,9 @@
 """A cancel that arrives while the scheduler is still placing the request is never lost.
 
-The stack is a real nats-server, gateway and scheduler, and no prefill or decode: the
-scheduler can never place a request, so it would hold one for its whole queue wait (5 s)
-and then answer `unavailable`. Each request is published with its cancel right behind
+The stack is a real nats-server, gateway and scheduler, and no prefill or decode: the test's
+heartbeats stand in for a decode rank whose batch is full and a prefill instance, so the
+scheduler can never place a request and would hold one for its whole queue wait (5 s), then
+answer `overloaded` (with no decode rank at all it answers `unavailable` at once). Each request is published with its cancel right behind
 it on the same connection, so the cancel reaches the scheduler before (or together
 with) the request, which it then ignores: the ordering that once let a waiting request
 end in `overloaded` instead of `cancelled`. Destructive test last (file order).
@@ -11,14 +12,16 @@ end in `overloaded` instead of `cancelled`. Destructive test last (file order).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
 from schemas import subjects
 from schemas.api import ErrorReply, GenerateReply, GenerateRequest
-from schemas.internal import Cancel, Placement, SubmitAck, SubmitJob
-from shared.bus import decode_public, encode_public, pack, unpack
+from schemas.internal import Cancel, Heartbeat, Placement, SubmitAck, SubmitJob
+from shared.bus import Bus, decode_public, encode_public, pack, unpack
 
 from services_helpers import run, session, stack_fixture
 
@@ -27,6 +30,27 @@ pytestmark = pytest.mark.slow
 QUEUE_WAIT_S = 5.0
 
 stack = stack_fixture("single-node.yml", scale={"prefill": 0, "decode": 0}, env={"MOEBUS_SCHEDULER_QUEUE_WAIT_MS": str(int(QUEUE_WAIT_S * 1000))})
+
+
+@contextlib.asynccontextmanager
+async def _full_decode_rank(bus: Bus, model: str) -> AsyncIterator[None]:
+    """Heartbeats of a decode rank whose batch is full and of a prefill instance of ``model``, every 0.5 s."""
+    beats = [Heartbeat(role="decode", instance="full", rank=0, model=model, version="v", started_at=1.0, kv_total_pages=64, kv_free_pages=64,
+                       batch_size=1, max_batch=1, page_size=16),
+             Heartbeat(role="prefill", instance="idle", rank=0, model=model, version="v", started_at=1.0)]
+
+    async def beat() -> None:
+        while True:
+            for hb in beats:
+                await bus.publish(subjects.heartbeat(hb.role, hb.instance, 0), pack(hb))
+            await asyncio.sleep(0.5)
+
+    beating = asyncio.ensure_future(beat())
+    try:
+        await asyncio.sleep(1.0)  # heard, and the scheduler's roll call over
+        yield
+    finally:
+        beating.cancel()
 
 
 async def _request_then_cancel(client, request_id: str):  # type: ignore[no-untyped-def]
@@ -41,7 +65,7 @@ async def _request_then_cancel(client, request_id: str):  # type: ignore[no-unty
 
 def test_cancel_right_behind_the_request_is_answered_at_once(stack):
     async def go():
-        async with session(stack.url) as (client, _):
+        async with session(stack.url) as (client, _), _full_decode_rank(client.bus, (await client.models()).models[0].id):
             for i in range(6):
                 started = time.monotonic()
                 replies = await _request_then_cancel(client, f"race-{i}")
@@ -54,12 +78,14 @@ def test_cancel_right_behind_the_request_is_answered_at_once(stack):
     run(go())
 
 
-def test_a_placement_made_after_the_cancel_is_cancelled_once_the_scheduler_answers(stack):
+@pytest.mark.parametrize("queued_first", [False, True], ids=["unanswered", "queued"])
+def test_a_placement_made_after_the_cancel_is_cancelled_once_the_scheduler_answers(stack, queued_first: bool):
     """The scheduler missed the cancel and places the request later: its KV must be freed.
 
     The ordering is forced by standing in for the scheduler (the real one is stopped): the
     cancel is sent once the submit has arrived, and the submit is held until the client has
-    its `cancelled`, then answered with a placement.
+    its `cancelled`, then answered with a placement; ``queued_first``: after an interim answer
+    that it waits in the stand-in's queue (`SubmitAck.queued_by`), sent at once.
     """
     scheduler = next(r for r in stack.replicas if r.role == "scheduler")
     stack.stop_replica(scheduler)
@@ -82,8 +108,10 @@ def test_a_placement_made_after_the_cancel_is_cancelled_once_the_scheduler_answe
             request = GenerateRequest(prompt="hi", max_tokens=4, temperature=0, request_id="late")
             await nc.publish(subjects.GENERATE, encode_public(request), reply=replies.subject)
             submit = await asyncio.wait_for(submits.get(), 5)
-            await client.cancel("late")
             job = unpack(submit.data, SubmitJob).job
+            if queued_first:
+                await submit.respond(pack(SubmitAck(request_id=job.request_id, queued_by="stand-in")))
+            await client.cancel("late")
             reply = decode_public((await replies.next_msg(timeout=5)).data, GenerateReply)  # the submit is unanswered
             answered_at = time.monotonic()
             placement = Placement(decode_instance="decode-x", decode_rank=0, prefill_instance="prefill-x")

@@ -364,7 +364,7 @@ def test_settings_report_unknown_variables_and_file_keys_but_take_the_runtime_sw
     switches = {"MOEBUS_DECODE_ATTENTION": "sdpa", "MOEBUS_KERNELS": "reference", "MOEBUS_KV_CUDA_IPC": "0", "MOEBUS_CONFIG": "",
                 "MOEBUS_NATS_MAX_PAYLOAD": "8388608", "MOEBUS_CACHE_DIR": "/tmp", "MOEBUS_OPENAI_PORT": "8001", "MOEBUS_MAX_BATCH": "7"}
     assert load_settings(DecodeSettings, "decode", env=switches).max_batch == 7
-    assert load_settings(SchedulerSettings, "scheduler", env=switches).queue_wait_ms == 1000
+    assert load_settings(SchedulerSettings, "scheduler", env=switches).queue_wait_ms == SchedulerSettings().queue_wait_ms
     for text, error in [("heartbeat_intervl_s = 1.0\n", "unknown top-level key 'heartbeat_intervl_s'"),
                         ("[decoder]\nmax_batch = 3\n", "unknown top-level key 'decoder'"), ("decode = 3\n", r"\[decode\] must be a table")]:
         config = tmp_path / "moebus.toml"
