@@ -229,8 +229,8 @@ def test_a_gateway_behind_on_its_socket_still_answers_every_request_routed_to_it
 
     outcomes, errors, exit_code = run(go())
     assert exit_code == 0
-    # Every request answered: served, or refused `overloaded` by a scheduler with no room within its
-    # queue_wait_ms for the burst (an answer too); one left without an answer fails `unavailable`.
+    # Every request answered: served, or refused `overloaded` by a scheduler whose queue is full (an
+    # answer too); one left without an answer fails `unavailable`.
     assert sum(outcomes.values()) == BURST and set(outcomes) <= {"ok", "overloaded"}, f"{outcomes}: {Counter(errors).most_common(5)}"
 
 
@@ -258,8 +258,7 @@ class Drained:
 def test_the_last_replicas_of_a_role_finish_their_requests_and_new_ones_get_unavailable(stack: LocalStack, frontend: tuple[str, int]):
     """Both replicas of a role stopped together (SIGTERM), so none is left to take over, while requests
     run: /health fails at once, those requests finish in full during the drain, and a new one is
-    refused `unavailable` naming what is missing (HTTP 503 through `moebus openai`): at once for the
-    gateways and schedulers, after the scheduler's `queue_wait_ms` for the model instances, never at a
+    refused `unavailable` naming what is missing (HTTP 503 through `moebus openai`): at once, never at a
     deadline. Each role's replicas are started again before the next role's go (decode last: the
     stack ends there). Before the draining heartbeats of the gateway and the scheduler, /health
     answered 200 while they drained (a gateway beat on as serving; a scheduler just went silent,

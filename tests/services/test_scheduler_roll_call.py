@@ -94,6 +94,6 @@ def test_a_role_never_heard_is_absent_after_the_roll_call(nats_server) -> None: 
     (first, _), (later, later_s), since_start = run(go())
     for ack in (first, later):
         assert ack.error_code == "unavailable" and ack.error_message == "no prefill instance is registered", ack
-    # The first answer waited out the roll call; once it is over, a request waits queue_wait_ms only.
+    # The first answer waited out the roll call; once it is over, a role still missing is answered at once.
     assert since_start >= EXPIRY_S, since_start
     assert later_s < EXPIRY_S, later_s
