@@ -11,16 +11,22 @@ import asyncio
 import os
 import signal
 import time
+from collections import Counter
 
 import msgspec
 import pytest
 
+from schemas import subjects
 from schemas.api import ErrorCode, GenerateRequest
-from schemas.internal import Placement, SubmitAck
+from schemas.internal import KVReservation, Placement, ReserveKV, SubmitAck, SubmitJob
 from services.client import GenerateError
-from shared.bus import pack, unpack
+from services.scheduler.service import PLACING_AT_ONCE, Scheduler
+from services.submit import final_ack
+from shared.bus import Deadline, connect, pack, unpack
+from shared.settings import SchedulerSettings
 
-from services_helpers import all_kv_free, log_events, run, session, stack_fixture
+from services_helpers import all_kv_free, log_events, run, session, stack_fixture, until, until_listened
+from test_scheduler_spread import _descriptor, _heartbeat, _job
 
 SUBMIT_TIMEOUT_S = 2.0
 STAGE_EXPIRY_S = 2.0  # the gateway's default: a scheduler silent this long fails the requests in its queue
@@ -117,3 +123,58 @@ def test_a_submit_ack_of_a_scheduler_without_queued_by_still_decodes():
     placed = Placement(decode_instance="d", decode_rank=0, prefill_instance="p")
     ack = unpack(pack(OldSubmitAck(request_id="old", placement=placed)), SubmitAck)
     assert ack == SubmitAck(request_id="old", placement=placed) and ack.queued_by == "", ack
+
+
+def test_the_queue_is_served_first_come_first_served_and_only_its_oldest_try(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """40 requests wait behind a decode rank of batch 1; each heartbeat then shows one free slot, which the
+    stand-in rank grants once. The slots go out in the order the requests came, and each heartbeat sets off
+    reservations from the oldest `PLACING_AT_ONCE` (and the one moving up as the placed one leaves), not
+    from all 40: woken all, each waiter asked (and a queue of 4096 kept the event loop busy)."""
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+    waiting = 40
+    slots = [0]
+    asks: list[tuple[int, str]] = []  # (heartbeat round, request asked for)
+    granted: list[str] = []
+
+    async def reserve(msg) -> None:  # type: ignore[no-untyped-def]
+        req = unpack(msg.data, ReserveKV)
+        asks.append((len(granted), req.request_id))
+        ok = slots[0] > 0
+        if ok:
+            slots[0] -= 1
+            granted.append(req.request_id)
+        await msg.respond(pack(KVReservation(request_id=req.request_id, ok=ok, descriptor=_descriptor(req) if ok else None,
+                                             reason="" if ok else "batch full (1)")))
+
+    def decode_beat(batch_size: int) -> bytes:
+        return pack(_heartbeat("decode", "dx", kv_total_pages=1000, kv_free_pages=1000, batch_size=batch_size, max_batch=1))
+
+    async def go() -> list[SubmitAck]:
+        async with connect(url, "scheduler") as bus, connect(url, "peers") as peers:
+            scheduler = Scheduler(SchedulerSettings(nats_url=url, instance="sched-fifo", heartbeat_expiry_s=60), bus)
+            await scheduler.start()
+            try:
+                await peers.subscribe(subjects.decode_reserve("dx", 0), reserve, concurrent=False)
+                await peers.subscribe(subjects.prefill_task("pa"), lambda msg: asyncio.sleep(0), concurrent=False)
+                await until_listened(peers, subjects.SUBMIT)
+                await peers.publish(subjects.heartbeat("decode", "dx", 0), decode_beat(1))
+                await peers.publish(subjects.heartbeat("prefill", "pa", 0), pack(_heartbeat("prefill", "pa")))
+                await until(lambda: len(scheduler.registry.members) == 2, "both members registered")
+                answers = []
+                for i in range(waiting):  # one at a time: the order they came in is known
+                    answers.append(asyncio.ensure_future(final_ack(peers, SubmitJob(job=_job(i)), Deadline.after(60))))
+                    await until(lambda: len(scheduler.queue) == i + 1, f"request {i} in the queue")
+                for placed in range(waiting):
+                    slots[0] = 1
+                    await peers.publish(subjects.heartbeat("decode", "dx", 0), decode_beat(0))
+                    await until(lambda: len(granted) == placed + 1, f"slot {placed} granted")
+                return list(await asyncio.gather(*answers))
+            finally:
+                await scheduler.stop()
+
+    acks = run(go())
+    assert all(a.placement is not None for a in acks), acks
+    assert granted == [f"burst-{i}" for i in range(waiting)], granted
+    per_round = Counter(r for r, _ in asks)
+    assert max(per_round.values()) <= PLACING_AT_ONCE + 1, per_round
