@@ -98,6 +98,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # vLLM's: prefix-cache isolation between tenants. Requests share cached prompt pages only with
     # requests of the same salt (or, without one, with others without one); 1-1024 characters.
     cache_salt: str | None = None
+    # vLLM's: with the scheduler's scheduling_policy "priority", waiting requests are placed lowest
+    # priority first (ties: first come); under "fcfs" (the default) anything but 0 is refused. An int64.
+    priority: int = 0
 
 
 class Usage(msgspec.Struct, forbid_unknown_fields=True):

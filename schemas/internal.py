@@ -45,6 +45,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False  # the model's EOS ids end nothing (they are then not in stop_token_ids either)
     prompt_logprobs: int = -1  # -1: none; else the prompt tokens' logprobs with this many alternatives
     cache_salt: str | None = None  # the request's: its prompt's prefix-cache keys are salted with it (shared.prefix_keys)
+    priority: int = 0  # the request's: under the scheduler's "priority" policy, lower is placed first
 
 
 class SubmitJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -135,6 +135,9 @@ class SchedulerSettings(ServiceSettings, kw_only=True):
     heartbeat_expiry_s: Seconds = 1.5  # registry drops members silent for this long
     queue_wait_ms: NonNegative = 0  # how long a request may wait for capacity before `overloaded`; 0: until its deadline (vLLM's queue)
     max_queued: NonNegative = 4096  # requests waiting for capacity (the gateway's max_in_flight); beyond -> `overloaded` at once
+    # vLLM's --scheduling-policy: "fcfs" serves the waiting requests in arrival order and refuses a request's
+    # priority other than 0; "priority" serves them by (priority, arrival), lower first. Nothing running is preempted.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     reserve_timeout_ms: Positive = 500  # a decode rank must answer a reservation within this
     # A decode rank that did not is skipped until it answers a probe: the first goes out
     # reserve_timeout_ms after the miss, each missed one doubles the wait up to this.

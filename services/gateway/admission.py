@@ -31,6 +31,9 @@ MAX_STOP_STRINGS = 300
 # A cache_salt travels in every message of its request and is hashed once per prompt: bounded, at
 # 24 times the 43 characters (256 random bits in base64) vLLM advises.
 MAX_CACHE_SALT_CHARS = 1024
+# A request's priority travels in its Job, msgpack, whose signed integers are 64-bit: beyond, the job
+# could not be sent (vLLM takes any Python int; its clients send small ones).
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
 
 # A prompt of at most this many characters (or token ids) is admitted on the event loop: tokenizing
 # 256 characters took ~75 us on the 2-core CPU host of bench/control_plane.py, 1024 ~250 us, while
@@ -126,6 +129,8 @@ class Admission:
         if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:  # vLLM refuses an empty one too
             raise Rejected("invalid_request", f"cache_salt: a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
                                               f"got {len(req.cache_salt)} characters")
+        if not PRIORITY_RANGE[0] <= req.priority <= PRIORITY_RANGE[1]:
+            raise Rejected("invalid_request", f"priority must be an integer in [-2**63, 2**63 - 1], got {req.priority}")
 
         input_ids = self.prompt_ids(req)
         max_tokens = self._max_tokens(req, len(input_ids))
@@ -143,6 +148,7 @@ class Admission:
             ignore_eos=req.ignore_eos,
             prompt_logprobs=-1 if req.prompt_logprobs is None else req.prompt_logprobs,
             cache_salt=req.cache_salt,
+            priority=req.priority,
             deadline=arrival + timeout_s,
         )
         return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s, stop_token_ids=frozenset(req.stop_token_ids),

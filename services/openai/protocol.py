@@ -3,7 +3,7 @@
 Requests decode strictly (msgspec, unknown fields refused with their name); fields that
 OpenAI or vLLM define but moebus does not implement are accepted only at their no-op values
 (the requests' ``NO_OPS``; null, their default, is one): no ``suffix``, ``best_of`` > 1,
-vLLM's ``use_beam_search``, ``length_penalty`` but 1, ``priority`` but 0,
+vLLM's ``use_beam_search``, ``length_penalty`` but 1,
 ``skip_special_tokens`` or ``spaces_between_special_tokens`` false, ``prompt_logprobs``,
 ``return_tokens_as_token_ids``, ``truncate_prompt_tokens``, guided decoding (``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``); in chat no
@@ -34,7 +34,8 @@ post-processor is ByteLevel alone), so both values give the same prompt tokens
 (``tests/model/test_tokenizer.py`` checks it).
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as strings, as
 OpenAI sends them) are OpenAI's; ``top_k``, ``min_p``, ``min_tokens``,
-``seed``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``seed``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``priority`` (refused by a
+scheduler whose ``scheduling_policy`` is "fcfs", vLLM's default, unless 0),
 ``include_stop_str_in_output`` and chat's ``chat_template_kwargs`` (e.g.
 ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt`` and
 ``continue_final_message`` (an answer begun by the caller) pass through as in vLLM. A completions request
@@ -42,7 +43,7 @@ without ``max_tokens`` gets 16 tokens (OpenAI's and vLLM's default); a chat requ
 one, or any with ``max_tokens: null``, may generate what the context leaves after its prompt,
 up to the gateway's ``max_tokens_limit`` (vLLM's rule; the native request's ``max_tokens: null``).
 vLLM's ``top_k: -1`` (disabled) and negative seeds (int64) are taken as vLLM takes them.
-Fields OpenAI's spec lets be ``null`` (``n``, ``stream``, the penalties, ``echo``, chat's
+Fields OpenAI's spec lets be ``null`` (``n``, ``stream``, the penalties, ``priority``, ``echo``, chat's
 ``logprobs``, ``stream_options.include_usage``) take their default when they are.
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
@@ -152,12 +153,12 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     OpenAI and vLLM take it: `__post_init__` puts the default in, so they are never None after
     decoding."""
 
-    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "presence_penalty", "frequency_penalty")
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "presence_penalty", "frequency_penalty", "priority")
     # Fields taken only at the values that ask for nothing moebus does not do (null: unset), any
     # other value refused naming the field (`_check_no_ops`): vLLM's extensions, here those that
     # vLLM's completions and chat requests both have.
     NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+        "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
         "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_logprobs": (None,),
         "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "guided_json": (None,),
         "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,)}
@@ -185,10 +186,10 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_cache_key: str | None = None  # OpenAI's routing hint for its prompt caches: taken, unused (module doc)
     cache_salt: str | None = None  # vLLM's: the prefix cache shared only with requests of the same salt (the gateway checks it)
     request_id: str | None = None  # vLLM's: the request's id when no X-Request-Id header gives one (`services.openai.request_ids`)
+    priority: int | None = 0  # vLLM's: the order of waiting requests under the scheduler's "priority" policy (the gateway checks it)
     # NO_OPS' vLLM fields (vLLM's types; guided decoding's any, so that every value is refused by name)
     skip_special_tokens: bool | None = True  # moebus' text skips them
     spaces_between_special_tokens: bool | None = True
-    priority: int | None = 0
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0  # beam search's
     prompt_logprobs: int | None = None
@@ -311,7 +312,7 @@ def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
             "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias,
             "stop_token_ids": list(req.stop_token_ids or []), "include_stop_str_in_output": req.include_stop_str_in_output,
-            "cache_salt": req.cache_salt}
+            "cache_salt": req.cache_salt, "priority": req.priority}
 
 
 def completion_prompts(prompt: str | list[Any], max_prompts: int) -> list[dict[str, Any]]:

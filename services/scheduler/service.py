@@ -4,18 +4,22 @@ State is only the registry (from heartbeats) plus the requests waiting for capac
 so a restarted scheduler is placing again one heartbeat interval after it starts. Until it has
 listened for `heartbeat_expiry_s`, a role it has heard no member of is not yet absent: a request
 waits out that roll call before it is answered `unavailable` for it (at once after it).
-A request that cannot be placed at once waits in a first-come-first-served queue, as vLLM's do,
-after an interim answer (`SubmitAck.queued_by`) that tells the gateway to wait for the final one
-until the request's deadline while this scheduler's heartbeats go on. At most `max_queued`
-requests wait (beyond: `overloaded` at once), each until its deadline (`timeout`) or, with
-`queue_wait_ms` set, at most that long (`overloaded`). A stopping scheduler bounds the wait too:
-what still waits when its `drain_timeout_s` runs out is answered `unavailable` before the
-scheduler closes its connection.
+A request that cannot be placed at once waits in a queue, as vLLM's do, served first come, first
+served, or, under `scheduling_policy` "priority" (vLLM's), by (`Job.priority`, arrival), lower
+first; "fcfs" refuses a priority other than 0, as vLLM does. Unlike vLLM's, a request that comes
+first in line never preempts a running one: decode ranks reserve a request's KV up front and keep
+it to the end. A request that waits is first given an interim answer (`SubmitAck.queued_by`) that
+tells the gateway to wait for the final one until the request's deadline while this scheduler's
+heartbeats go on. At most `max_queued` requests wait (beyond: `overloaded` at once), each until
+its deadline (`timeout`) or, with `queue_wait_ms` set, at most that long (`overloaded`). A
+stopping scheduler bounds the wait too: what still waits when its `drain_timeout_s` runs out is
+answered `unavailable` before the scheduler closes its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import itertools
 import time
@@ -39,10 +43,10 @@ from shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
-# How many of the oldest waiting requests try to place themselves when capacity may have come (a
+# How many of the first waiting requests in line try to place themselves when capacity may have come (a
 # heartbeat, a request leaving the queue); the others keep their place in line without trying, so the
-# queue is served about first come, first served (the oldest few may overtake each other, as their
-# placements run at once). Woken all on every heartbeat and every 0.25 s, 4096 waiters behind 8 full
+# queue is served about in its order (the first few may overtake each other, as their placements run
+# at once). Woken all on every heartbeat and every 0.25 s, 4096 waiters behind 8 full
 # decode ranks kept the event loop so busy that it took in 18 of 100 heartbeats sent in 5 s (2-core
 # box); this way it spends 2% of a core whatever the queue's length.
 PLACING_AT_ONCE = 16
@@ -67,8 +71,13 @@ class Scheduler:
         self.registry = Registry(expiry_s=settings.heartbeat_expiry_s, model=settings.model_name, hearing=self.hearing)
         self.placed = 0
         self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
-        # The requests in `place`, oldest first, each with the event that wakes it to try again.
+        # The requests in `place`, each with the event that wakes it to try again.
         self.queue: dict[str, asyncio.Event] = {}
+        # The same requests in line, as (priority, arrival number, id) kept sorted: under "fcfs" every priority is
+        # 0, so a newcomer goes at the end. bisect, not a heap: the head window is a slice, and a request leaving
+        # from anywhere (placed, cancelled, timed out) is found in O(log n) and cut out with one memmove.
+        self.line: list[tuple[int, int, str]] = []
+        self._arrivals = itertools.count()
         self.suspects = SuspectRanks(settings, bus, self.registry)
         self.draining = False
         self.drain_deadline: Deadline | None = None  # set by `stop`: the submits still waiting then are answered `unavailable`
@@ -139,12 +148,12 @@ class Scheduler:
             self.queue[cancel.request_id].set()
 
     def _wake_head(self) -> None:
-        """Capacity may have come: the oldest waiting requests try again (`PLACING_AT_ONCE`)."""
-        for woken in itertools.islice(self.queue.values(), PLACING_AT_ONCE):
-            woken.set()
+        """Capacity may have come: the first waiting requests in line try again (`PLACING_AT_ONCE`)."""
+        for _, _, request_id in self.line[:PLACING_AT_ONCE]:
+            self.queue[request_id].set()
 
-    def _at_head(self, request_id: str) -> bool:
-        return request_id in itertools.islice(self.queue, PLACING_AT_ONCE)
+    def _at_head(self, place_in_line: tuple[int, int, str]) -> bool:
+        return bisect.bisect_left(self.line, place_in_line) < PLACING_AT_ONCE
 
     async def _on_submit(self, msg: Msg) -> None:
         """Every submit gets a SubmitAck: a placement or a typed error (a gateway left without one
@@ -181,6 +190,9 @@ class Scheduler:
         deadline = Deadline(job.deadline)
         if deadline.expired:
             raise Refused("timeout", "deadline passed before scheduling")
+        if job.priority and self.settings.scheduling_policy == "fcfs":  # vLLM's check
+            raise Refused("invalid_request", f"priority {job.priority}: priority scheduling is not enabled "
+                                             f"(scheduler.scheduling_policy is 'fcfs'; MOEBUS_SCHEDULER_SCHEDULING_POLICY=priority enables it)")
         self._check_fits_anywhere(job)
         if len(self.queue) >= self.settings.max_queued:
             raise Refused("overloaded", f"{len(self.queue)} requests already waiting for capacity")
@@ -189,6 +201,8 @@ class Scheduler:
         queue_wait_s = self.settings.queue_wait_ms / 1000
         wait_until = Deadline(min(job.deadline, time.time() + queue_wait_s)) if queue_wait_s else deadline
         woken = self.queue[job.request_id] = asyncio.Event()
+        place_in_line = (job.priority, next(self._arrivals), job.request_id)
+        bisect.insort(self.line, place_in_line)
         self._none_waiting.clear()
         try:
             while True:
@@ -199,7 +213,7 @@ class Scheduler:
                     # This scheduler was stalled (or the submit slow to come): the gateway has answered
                     # its client, and its cancel may have come before the submit and been ignored.
                     raise Refused("unavailable", "the gateway stopped waiting for this submit")
-                if self._at_head(job.request_id):
+                if self._at_head(place_in_line):
                     placement = await self._try_place(job)
                     if placement is not None and (job.request_id in self.cancelled or _past(reply_by)):
                         # Cancelled while we reserved, or the gateway's wait ended meanwhile: either way it
@@ -225,12 +239,13 @@ class Scheduler:
                 until = Deadline(min(job.deadline, time.time() + roll_call_s)) if wait_until.expired else wait_until
                 if self.drain_deadline is not None:
                     until = Deadline(min(until.at, self.drain_deadline.at))
-                # The oldest retry now and then (a reservation refused, a member expired); the others when woken.
+                # The first in line retry now and then (a reservation refused, a member expired); the others when woken.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(until.timeout(cap=0.25 if self._at_head(job.request_id) else None)):
+                    async with asyncio.timeout(until.timeout(cap=0.25 if self._at_head(place_in_line) else None)):
                         await woken.wait()
         finally:
             del self.queue[job.request_id]
+            del self.line[bisect.bisect_left(self.line, place_in_line)]
             if not self.queue:
                 self._none_waiting.set()
             self.cancelled.discard(job.request_id)

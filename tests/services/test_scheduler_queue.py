@@ -18,7 +18,7 @@ import pytest
 
 from schemas import subjects
 from schemas.api import ErrorCode, GenerateRequest
-from schemas.internal import KVReservation, Placement, ReserveKV, SubmitAck, SubmitJob
+from schemas.internal import Job, KVReservation, Placement, ReserveKV, SubmitAck, SubmitJob
 from services.client import GenerateError
 from services.scheduler.service import PLACING_AT_ONCE, Scheduler
 from services.submit import final_ack
@@ -135,21 +135,18 @@ def test_a_submit_ack_of_a_scheduler_without_queued_by_still_decodes():
     assert ack == SubmitAck(request_id="old", placement=placed) and ack.queued_by == "", ack
 
 
-def test_the_queue_is_served_first_come_first_served_and_only_its_oldest_try(nats_server) -> None:  # type: ignore[no-untyped-def]
-    """40 requests wait behind a decode rank of batch 1; each heartbeat then shows one free slot, which the
-    stand-in rank grants once. The slots go out in the order the requests came, and each heartbeat sets off
-    reservations from the oldest `PLACING_AT_ONCE` (and the one moving up as the placed one leaves), not
-    from all 40: woken all, each waiter asked (and a queue of 4096 kept the event loop busy)."""
-    port, _ = nats_server
-    url = f"nats://127.0.0.1:{port}"
-    waiting = 40
+async def one_slot_per_heartbeat(url: str, settings: SchedulerSettings, jobs: list[Job]) -> tuple[list[SubmitAck], list[str], Counter[int]]:
+    """A real Scheduler with `settings`; `jobs` submitted one at a time (so the order they came in is known)
+    wait behind a stand-in decode rank of batch 1; each heartbeat then shows one free slot, which the rank
+    grants once, until every job is placed. Returns the final answers, the requests granted in turn, and
+    how many reservations each heartbeat round set off."""
     slots = [0]
-    asks: list[tuple[int, str]] = []  # (heartbeat round, request asked for)
+    asks: Counter[int] = Counter()  # heartbeat round -> reservations asked for in it
     granted: list[str] = []
 
     async def reserve(msg) -> None:  # type: ignore[no-untyped-def]
         req = unpack(msg.data, ReserveKV)
-        asks.append((len(granted), req.request_id))
+        asks[len(granted)] += 1
         ok = slots[0] > 0
         if ok:
             slots[0] -= 1
@@ -160,31 +157,39 @@ def test_the_queue_is_served_first_come_first_served_and_only_its_oldest_try(nat
     def decode_beat(batch_size: int) -> bytes:
         return pack(_heartbeat("decode", "dx", kv_total_pages=1000, kv_free_pages=1000, batch_size=batch_size, max_batch=1))
 
-    async def go() -> list[SubmitAck]:
-        async with connect(url, "scheduler") as bus, connect(url, "peers") as peers:
-            scheduler = Scheduler(SchedulerSettings(nats_url=url, instance="sched-fifo", heartbeat_expiry_s=60), bus)
-            await scheduler.start()
-            try:
-                await peers.subscribe(subjects.decode_reserve("dx", 0), reserve, concurrent=False)
-                await peers.subscribe(subjects.prefill_task("pa"), lambda msg: asyncio.sleep(0), concurrent=False)
-                await until_listened(peers, subjects.SUBMIT)
-                await peers.publish(subjects.heartbeat("decode", "dx", 0), decode_beat(1))
-                await peers.publish(subjects.heartbeat("prefill", "pa", 0), pack(_heartbeat("prefill", "pa")))
-                await until(lambda: len(scheduler.registry.members) == 2, "both members registered")
-                answers = []
-                for i in range(waiting):  # one at a time: the order they came in is known
-                    answers.append(asyncio.ensure_future(final_ack(peers, SubmitJob(job=_job(i)), Deadline.after(60))))
-                    await until(lambda: len(scheduler.queue) == i + 1, f"request {i} in the queue")
-                for placed in range(waiting):
-                    slots[0] = 1
-                    await peers.publish(subjects.heartbeat("decode", "dx", 0), decode_beat(0))
-                    await until(lambda: len(granted) == placed + 1, f"slot {placed} granted")
-                return list(await asyncio.gather(*answers))
-            finally:
-                await scheduler.stop()
+    async with connect(url, "scheduler") as bus, connect(url, "peers") as peers:
+        scheduler = Scheduler(settings, bus)
+        await scheduler.start()
+        try:
+            await peers.subscribe(subjects.decode_reserve("dx", 0), reserve, concurrent=False)
+            await peers.subscribe(subjects.prefill_task("pa"), lambda msg: asyncio.sleep(0), concurrent=False)
+            await until_listened(peers, subjects.SUBMIT)
+            await peers.publish(subjects.heartbeat("decode", "dx", 0), decode_beat(1))
+            await peers.publish(subjects.heartbeat("prefill", "pa", 0), pack(_heartbeat("prefill", "pa")))
+            await until(lambda: len(scheduler.registry.members) == 2, "both members registered")
+            answers = []
+            for i, job in enumerate(jobs):
+                answers.append(asyncio.ensure_future(final_ack(peers, SubmitJob(job=job), Deadline.after(60))))
+                await until(lambda: len(scheduler.queue) == i + 1, f"request {i} in the queue")
+            for placed in range(len(jobs)):
+                slots[0] = 1
+                await peers.publish(subjects.heartbeat("decode", "dx", 0), decode_beat(0))
+                await until(lambda: len(granted) == placed + 1, f"slot {placed} granted")
+            return list(await asyncio.gather(*answers)), granted, asks
+        finally:
+            await scheduler.stop()
 
-    acks = run(go())
+
+def test_the_queue_is_served_first_come_first_served_and_only_its_oldest_try(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """40 requests wait behind a decode rank of batch 1; each heartbeat then shows one free slot, which the
+    stand-in rank grants once. The slots go out in the order the requests came, and each heartbeat sets off
+    reservations from the oldest `PLACING_AT_ONCE` (and the one moving up as the placed one leaves), not
+    from all 40: woken all, each waiter asked (and a queue of 4096 kept the event loop busy)."""
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+    waiting = 40
+    settings = SchedulerSettings(nats_url=url, instance="sched-fifo", heartbeat_expiry_s=60)
+    acks, granted, asks = run(one_slot_per_heartbeat(url, settings, [_job(i) for i in range(waiting)]))
     assert all(a.placement is not None for a in acks), acks
     assert granted == [f"burst-{i}" for i in range(waiting)], granted
-    per_round = Counter(r for r, _ in asks)
-    assert max(per_round.values()) <= PLACING_AT_ONCE + 1, per_round
+    assert max(asks.values()) <= PLACING_AT_ONCE + 1, asks

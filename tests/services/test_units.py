@@ -211,9 +211,9 @@ def test_openai_and_vllm_fields_are_taken_at_their_no_op_values_and_refused_by_n
                 gen({name: value})
     with pytest.raises(protocol.InvalidRequest, match=r"reasoning_effort \(accepted only as null\)$"):
         chat({"reasoning_effort": "high"})
-    with pytest.raises(protocol.InvalidRequest, match=r"^not supported by moebus: priority \(accepted only as null or 0\); "
+    with pytest.raises(protocol.InvalidRequest, match=r"^not supported by moebus: spaces_between_special_tokens \(accepted only as null or true\); "
                                                       r"use_beam_search \(accepted only as null or false\)$"):
-        completion({"priority": -1, "use_beam_search": True})
+        completion({"spaces_between_special_tokens": False, "use_beam_search": True})
     for gen, unknown in ((completion, "guided_jsn"), (completion, "store"), (completion, "reasoning_effort"), (chat, "stored")):
         with pytest.raises(protocol.InvalidRequest, match=f"unknown field `{unknown}`"):
             gen({unknown: None})
@@ -247,6 +247,34 @@ def test_vllms_cache_salt_request_id_add_special_tokens_and_openais_prompt_cache
     assert protocol.decode(b'{"messages": []}', protocol.ChatCompletionRequest).include_reasoning is True  # type: ignore[union-attr]
     with pytest.raises(protocol.InvalidRequest, match="unknown field `include_reasoning`"):
         completion({"include_reasoning": False})
+
+
+def test_openai_priority_reaches_the_native_request_on_both_endpoints():
+    """vLLM's priority was a no-op field, refused unless 0: it reaches the request now (null: 0), for the
+    scheduler to order its queue by or, under its default "fcfs" policy, refuse."""
+    def completion(fields: dict) -> list[GenerateRequest]:
+        return protocol.completion_requests(protocol.decode(json.dumps({"prompt": ["hi", "yo"]} | fields).encode(), protocol.CompletionRequest), "r", 4)
+
+    def chat(fields: dict) -> list[GenerateRequest]:
+        body = {"messages": [{"role": "user", "content": "hi"}]} | fields
+        return [protocol.chat_request(protocol.decode(json.dumps(body).encode(), protocol.ChatCompletionRequest), "r")]
+
+    for gen in (completion, chat):
+        assert [r.priority for r in gen({"priority": -3})] == [-3] * len(gen({}))  # each prompt of a batch
+        assert [r.priority for r in gen({"priority": None})] == [r.priority for r in gen({})] == [0] * len(gen({}))
+        with pytest.raises(protocol.InvalidRequest, match=r"Expected `int \| null`, got `float` - at `\$\.priority`"):
+            gen({"priority": 1.5})
+
+
+def test_admission_carries_the_priority_to_the_job_within_int64(tiny_model: Path):
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    admission = Admission(settings, ModelInfo.load(settings), Tokenizer.from_dir(tiny_model))
+    for priority in (0, 7, -(2**63), 2**63 - 1):
+        assert admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=2, priority=priority), "gw").job.priority == priority
+    for priority in (-(2**63) - 1, 2**63):  # the job's msgpack could not carry it (or not as a signed int)
+        with pytest.raises(Rejected, match=rf"^priority must be an integer in \[-2\*\*63, 2\*\*63 - 1\], got {priority}$") as e:
+            admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=2, priority=priority), "gw")
+        assert e.value.code == "invalid_request"
 
 
 def test_admission_carries_a_cache_salt_to_the_job_and_refuses_an_empty_or_huge_one(tiny_model: Path):
