@@ -239,9 +239,11 @@ class Scheduler:
                 until = Deadline(min(job.deadline, time.time() + roll_call_s)) if wait_until.expired else wait_until
                 if self.drain_deadline is not None:
                     until = Deadline(min(until.at, self.drain_deadline.at))
-                # The first in line retry now and then (a reservation refused, a member expired); the others when woken.
+                # The first in line retries now and then as well (a reservation refused, a member expired); the others
+                # only when woken. Were the rest of the head window on a timer too, one firing in the loop pass just
+                # before a heartbeat's would try, and take the room, ahead of those the heartbeat wakes in line order.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(until.timeout(cap=0.25 if self._at_head(place_in_line) else None)):
+                    async with asyncio.timeout(until.timeout(cap=0.25 if self.line[0] == place_in_line else None)):
                         await woken.wait()
         finally:
             del self.queue[job.request_id]
