@@ -129,6 +129,19 @@ def test_openai_and_vllm_fields_at_their_no_op_values_are_served_as_if_absent(fr
         assert with_fields == plain
 
 
+def test_a_priority_under_the_default_fcfs_policy_is_a_400_naming_the_setting(frontend):
+    """vLLM's `priority` reaches the scheduler from both endpoints: 0 (or null) is served, another value is
+    refused as vLLM refuses it without `--scheduling-policy priority`, a 400 saying which setting enables it."""
+    for path, body in (("/v1/completions", {"prompt": "The capital of France is"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body |= {"max_tokens": 2, "temperature": 0}
+        assert [call(frontend, "POST", path, body | {"priority": p})[0] for p in (0, None)] == [200, 200]
+        status, _, raw = call(frontend, "POST", path, body | {"priority": 3})
+        error = json.loads(raw)["error"]
+        assert status == 400 and "priority scheduling is not enabled" in error["message"], raw
+        assert "MOEBUS_SCHEDULER_SCHEDULING_POLICY=priority" in error["message"], raw
+
+
 def test_repetition_penalty_matches_transformers(stack, frontend, hf_greedy):
     """vLLM's extension field, end to end: greedy with repetition_penalty equals transformers'
     generate(repetition_penalty=...) on the same checkpoint, and differs from plain greedy. The
