@@ -9,8 +9,10 @@ Shapes are the expert GEMMs of Qwen3-235B-A22B (hidden 4096, moe_intermediate
   each moved once: ``hbm_tbps``, to set beside the copy ceiling) and latency;
 * prefill, 375 and 2048 tokens per expert, contiguous layout -> TFLOP/s.
 
-Our dtypes: bf16, FP8 with 128x128 block scales, and bf16 activations x
-MXFP8 weights (E4M3 + E8M0 per 32, dequantized inside the kernel).
+Our dtypes: bf16, FP8 with 128x128 block scales, bf16 activations x
+MXFP8 weights (E4M3 + E8M0 per 32, dequantized inside the kernel), and (decode only)
+FP8 activations x MXFP8 weights (``mxfp8_fp8``: FP8 math, each 32-wide K block promoted;
+timed without the activations' quantization, which is timed with it as ``with_quant_latency_us``).
 Peers, same process and inputs: ``torch._grouped_mm`` (bf16; for MXFP8 on the
 dequantized weights) and ``torch._scaled_grouped_mm`` (FP8 rowwise scales, a
 coarser scaling than our 128x128 blocks; recorded where it runs); and for prefill cuBLAS on one
@@ -245,7 +247,8 @@ def dense_peers(x_bf16: torch.Tensor, w_bf16: torch.Tensor, fp8: tuple[torch.Ten
 def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer, weights: dict,
              tile_m: int | None = None, tile_n: int | None = None, with_peers: bool = True,
              swap_ab: bool | None = None) -> dict:
-    """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales) or "mxfp8" (bf16 x MXFP8 weights).
+    """One GEMM case; ``dtype`` is "bf16", "fp8" (128x128 block scales), "mxfp8" (bf16 x MXFP8 weights) or
+    "mxfp8_fp8" (FP8 activations x MXFP8 weights).
 
     ``with_peers=False`` leaves out the peers (a tile A/B whose other side timed them); ``swap_ab`` forces
     the MXFP8 operand order (see ``kernels.grouped_gemm_launch.choose_config``).
@@ -253,9 +256,10 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
     hidden, inter = MODELS[model]
     N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
     E = EXPERTS
-    fp8, mxfp8 = dtype == "fp8", dtype == "mxfp8"
+    fp8, mxfp8 = dtype == "fp8", dtype.startswith("mxfp8")
+    fp8_act = dtype in ("fp8", "mxfp8_fp8")
     w_bf16 = weights[(model, proj)]
-    w, ws = weights[(model, proj, dtype)] if dtype != "bf16" else (w_bf16, None)
+    w, ws = weights[(model, proj, "mxfp8" if mxfp8 else dtype)] if dtype != "bf16" else (w_bf16, None)
     masked = phase == "decode"
     T = E * m
     x_bf16 = torch.randn(T, K, device="cuda").bfloat16()
@@ -265,22 +269,23 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
         groups = torch.full((E,), m, dtype=torch.int32, device="cuda")
     else:
         x_ours, groups = x_bf16, offsets
-    xq, xs = quantize_act(x_ours) if fp8 else (x_ours, None)
+    xq, xs = quantize_act(x_ours) if fp8_act else (x_ours, None)
     out = torch.empty(*x_ours.shape[:-1], N, dtype=torch.bfloat16, device="cuda")
     if tile_m is None and tile_n is None and swap_ab is None:
         if mxfp8:
-            ours = lambda: grouped_gemm_mxfp8(x_ours, w, ws, groups, masked=masked, out=out)  # noqa: E731
+            ours = lambda: grouped_gemm_mxfp8(xq, w, ws, groups, masked=masked, x_scale=xs, out=out)  # noqa: E731
         else:
             ours = lambda: gg.grouped_gemm(xq, w, groups, masked=masked, x_scale=xs, w_scale=ws, out=out)  # noqa: E731
     else:  # a forced tile bucket, through the launcher (inputs built above are valid by construction)
-        ours = lambda: launch(xq, w, groups, masked=masked, x_scale=None if mxfp8 else xs,  # noqa: E731
+        ours = lambda: launch(xq, w, groups, masked=masked, x_scale=xs,  # noqa: E731
                               w_scale=None if mxfp8 else ws, row_weights=None, swiglu=False, out=out, tile_m=tile_m,
                               tile_n=tile_n, w_scale_e8m0=ws if mxfp8 else None, swap_ab=swap_ab)
     us, clocks = timer(ours)
+    quant_us = timer(lambda: (quantize_act(x_ours), ours()))[0] if dtype == "mxfp8_fp8" else None
     experts = [0, E - 1]
     rows = [slice(0, m), slice(0, m)] if masked else [slice(0, m), slice(T - m, T)]
     if mxfp8:  # the reference sees the dequantized weights (exact in bf16)
-        err = spot_check(out, x_ours, dequantize_mxfp8(w, ws, torch.bfloat16), rows, experts, masked=masked)
+        err = spot_check(out, xq, dequantize_mxfp8(w, ws, torch.bfloat16), rows, experts, xs, masked=masked)
     else:
         err = spot_check(out, xq, w, rows, experts, xs, ws, masked)
 
@@ -291,11 +296,13 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
     min_bytes = wbytes + sum(t.numel() * t.element_size() for t in (xq, xs, out) if t is not None)
     metrics = {"latency_us": us, "tflops": flops / us / 1e6, "weight_tbps": wbytes / us / 1e6,
                "hbm_tbps": min_bytes / us / 1e6, "spot_rel_err": err, **clocks}
+    if quant_us is not None:
+        metrics["with_quant_latency_us"] = quant_us
     peers: dict[str, dict[str, float]] = {}
     w_t = w_bf16.transpose(1, 2)  # [E, K, N] view of the same [E, N, K] storage
     if mxfp8:
         w_t = dequantize_mxfp8(w, ws, torch.bfloat16).transpose(1, 2)
-    if with_peers and not fp8:
+    if with_peers and not fp8:  # bf16 and both MXFP8 kinds
         p_us, p_clocks = timer(lambda: torch._grouped_mm(x_bf16, w_t, offs=offsets[1:]))
         peers["torch._grouped_mm"] = {"latency_us": p_us, "tflops": flops / p_us / 1e6,
                                       "weight_tbps": wbytes / p_us / 1e6, **p_clocks}
@@ -314,7 +321,7 @@ def run_case(model: str, proj: str, phase: str, m: int, dtype: str, timer: Timer
     if with_peers and not masked and not mxfp8:
         peers.update(dense_peers(x_bf16, w_bf16[0], (xq, xs) if fp8 else None, (w[0], ws[0]) if fp8 else None, timer))
     case = {"model": model, "proj": proj, "phase": phase, "tokens_per_expert": m, "experts": E, "n": N, "k": K,
-            "dtype": {"bf16": "bf16", "fp8": "fp8_block128", "mxfp8": "bf16_x_mxfp8"}[dtype],
+            "dtype": {"bf16": "bf16", "fp8": "fp8_block128", "mxfp8": "bf16_x_mxfp8", "mxfp8_fp8": "fp8_x_mxfp8"}[dtype],
             "layout": "masked" if masked else "contiguous", "tile_m": tile_m or "auto", "tile_n": tile_n or "auto",
             "swap_ab": "auto" if swap_ab is None else swap_ab, "timing": timer.mode}
     record(BENCH, case, metrics, peers)
@@ -372,7 +379,8 @@ def make_weights(model: str) -> dict:
     return weights
 
 
-DTYPES = ("bf16", "fp8", "mxfp8")
+DTYPES = ("bf16", "fp8", "mxfp8", "mxfp8_fp8")
+DECODE_ONLY = ("mxfp8_fp8",)  # FP8 activations x MXFP8 weights: the swapped decode tiles only
 
 
 def case_list(quick: bool, prefill_tokens: tuple[int, ...] = PREFILL_TOKENS) -> list[tuple]:
@@ -381,7 +389,8 @@ def case_list(quick: bool, prefill_tokens: tuple[int, ...] = PREFILL_TOKENS) -> 
     cases = []
     for model in models:
         for proj in ("gate_up", "down"):
-            cases += [("gemm", model, proj, "prefill", m, dt) for m in prefill_tokens for dt in DTYPES]
+            cases += [("gemm", model, proj, "prefill", m, dt) for m in prefill_tokens for dt in DTYPES
+                      if dt not in DECODE_ONLY]
             cases += [("gemm", model, proj, "decode", m, dt) for m in DECODE_TOKENS for dt in DTYPES]
         cases += [("swiglu", model, "gate_up", phase, m, dt)
                   for phase, m in (("decode", 16), ("prefill", 375)) for dt in ("bf16", "fp8")]

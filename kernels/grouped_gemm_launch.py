@@ -69,9 +69,10 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
 
     * MXFP8 weights up to SMALL_TILE_MAX_TOKENS_PER_EXPERT (decode) swap the operands
       (``swap_ab``, see ``kernels.grouped_gemm_sm90_swapped``): 256 weight rows per tile
-      (128 for SwiGLU when 2I is not a multiple of 256), converted in registers by four
-      consumer warpgroups, and the fewest tokens of SWAPPED_TOKEN_TILES (8 to 64) that
-      hold the expected group.  One H200, burst, same call: 256 rows took 0.77-0.93 of
+      (128 for SwiGLU when 2I is not a multiple of 256, and with FP8 activations for 64
+      tokens), converted in registers by four consumer warpgroups (FP8 activations: read
+      from shared memory), and the fewest tokens of SWAPPED_TOKEN_TILES (8 to 64) that
+      hold the expected group.  FP8 activations with MXFP8 weights run only these tiles.  One H200, burst, same call: 256 rows took 0.77-0.93 of
       128 rows' time on the four Qwen3 shapes at 1-64 tokens per expert (235B gate_up at
       1 token 461 against 595 us).
 
@@ -81,7 +82,10 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
         swap_ab = mxfp8 and tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT
     if swap_ab:
         tile_m = tile_m or next((t for t in SWAPPED_TOKEN_TILES if t >= tokens_per_expert), SWAPPED_TOKEN_TILES[-1])
-        tile_n = tile_n or (256 if not swiglu or n % 256 == 0 else 128)
+        # FP8 activations keep two partials beside the accumulator: 64 tokens of them need more registers than
+        # four warpgroups have (ptxas spilled 240 bytes a thread), so those take 128 weight rows
+        wide = (not swiglu or n % 256 == 0) and not (fp8 and tile_m > 32)
+        tile_n = tile_n or (256 if wide else 128)
     if not tile_m:
         tile_m = 64 if tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT else 128
         if mxfp8 and not masked and not swiglu and tokens_per_expert > MID_TILE_MAX_TOKENS_PER_EXPERT:
@@ -214,6 +218,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
                         num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
                         mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n, swap_ab=swap_ab)
+    if fp8 and mxfp8 and not cfg.swap_ab:
+        raise ValueError(f"FP8 activations with MXFP8 weights run only the decode tiles (at most "
+                         f"{SMALL_TILE_MAX_TOKENS_PER_EXPERT} tokens per expert), got {tokens_per_expert:g} tokens per "
+                         "expert; pass bf16 activations")
     if rows * cfg.out_n >= 2**31:  # the epilogue addresses output elements with 32-bit offsets
         raise ValueError(f"output of {rows} rows x {cfg.out_n} columns exceeds 2^31 elements per batch; split the call")
     out_shape = (*x.shape[:-1], cfg.out_n)
@@ -238,7 +246,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
             _ptr(out, cutlass.BFloat16, _out_align(cfg)),
             _ptr(groups, cutlass.Int32, _ALIGN_WORD),
             _scale_ptr(x_scale) if fp8 else unused,
-            _ptr(w_scale, sb, _scale_align(cfg)) if fp8 else (_scale_ptr(w_scale_e8m0, sb) if mxfp8 else unused),
+            _scale_ptr(w_scale_e8m0, sb) if mxfp8 else (_ptr(w_scale, sb, _scale_align(cfg)) if fp8 else unused),
             _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
             cutlass.Int32(rows),
             stream,

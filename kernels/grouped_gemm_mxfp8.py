@@ -27,7 +27,7 @@ import math
 import torch
 
 from kernels import grouped_gemm as gg
-from kernels.act_quant import FP8_MAX
+from kernels.act_quant import FP8_MAX, QUANT_BLOCK
 
 MX_BLOCK = 32
 SCALE_ROW_ALIGN = 16  # bytes: TMA needs a row pitch and a start address that are multiples of 16
@@ -88,11 +88,18 @@ def kernel_scale_layout(scale: torch.Tensor) -> torch.Tensor:
     return torch.empty(E, N, row, dtype=scale.dtype, device=scale.device)[..., :kb].copy_(scale)
 
 
-def _check_mx(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor) -> None:
+def _check_mx(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor, x_scale: torch.Tensor | None) -> None:
     if w.dtype != torch.float8_e4m3fn:
         raise gg.GroupedGemmError(f"MXFP8 weights must be float8_e4m3fn, got {w.dtype}")
-    if x.dtype != torch.bfloat16:
-        raise gg.GroupedGemmError(f"MXFP8 grouped GEMM takes bfloat16 activations, got {x.dtype}")
+    if x.dtype == gg.FP8_DTYPE:
+        blocks = (*x.shape[:-1], math.ceil(x.shape[-1] / QUANT_BLOCK))
+        if x_scale is None or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != blocks:
+            got = "none" if x_scale is None else f"{x_scale.dtype} {tuple(x_scale.shape)}"
+            raise gg.GroupedGemmError(f"FP8 activations need x_scale float32 {blocks} (kernels.act_quant.quantize_act), "
+                                      f"got {got}")
+    elif x.dtype != torch.bfloat16 or x_scale is not None:
+        raise gg.GroupedGemmError(f"MXFP8 grouped GEMM takes bfloat16 activations, or float8_e4m3fn ones with x_scale; "
+                                  f"got {x.dtype}{' with x_scale' if x_scale is not None else ''}")
     if w.dim() != 3:
         raise gg.GroupedGemmError(f"MXFP8 weights must be [E, N, K], got shape {tuple(w.shape)}")
     expected = (*w.shape[:-1], math.ceil(w.shape[-1] / MX_BLOCK))
@@ -103,48 +110,53 @@ def _check_mx(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor) -> N
         raise gg.GroupedGemmError(f"MXFP8 weights need K % 16 == 0 (16-byte rows for TMA), got K={w.shape[-1]}")
 
 
-def _launch(x, w, w_scale_e8m0, groups, masked, row_weights, swiglu, out, expected_rows_per_expert):
+def _launch(x, x_scale, w, w_scale_e8m0, groups, masked, row_weights, swiglu, out, expected_rows_per_expert):
     from kernels import grouped_gemm_launch  # CuTeDSL is imported only on the GPU path
 
-    return grouped_gemm_launch.launch(x, w, groups, masked=masked, x_scale=None, w_scale=None,
+    return grouped_gemm_launch.launch(x, w, groups, masked=masked, x_scale=x_scale, w_scale=None,
                                       row_weights=row_weights, swiglu=swiglu, out=out, w_scale_e8m0=w_scale_e8m0,
                                       expected_rows_per_expert=expected_rows_per_expert)
 
 
 def grouped_gemm_mxfp8(x: torch.Tensor, w: torch.Tensor, w_scale_e8m0: torch.Tensor, groups: torch.Tensor, *,
-                       masked: bool = False, row_weights: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None, expected_rows_per_expert: float | None = None) -> torch.Tensor:
-    """``out[rows of e] = x[rows of e] @ dequant(w[e])^T`` for bf16 ``x`` and MXFP8 ``w[E, N, K]``.
+                       masked: bool = False, x_scale: torch.Tensor | None = None,
+                       row_weights: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       expected_rows_per_expert: float | None = None) -> torch.Tensor:
+    """``out[rows of e] = x[rows of e] @ dequant(w[e])^T`` for MXFP8 ``w[E, N, K]``.
 
+    ``x`` is bf16 (bf16 math), or E4M3 with ``x_scale`` from :func:`kernels.act_quant.quantize_act`
+    (FP8 math; on CUDA decode-sized groups only, at most 64 tokens per expert).
     Layouts, ``groups``, ``row_weights``, ``out`` and ``expected_rows_per_expert`` as in
     :func:`kernels.grouped_gemm.grouped_gemm`; ``w_scale_e8m0`` is uint8
     ``[E, N, ceil(K/32)]``; K must be a multiple of 16.
     """
-    _check_mx(x, w, w_scale_e8m0)
-    gg.check_layout(x, w, groups, masked, row_weights, w_scale_e8m0)
+    _check_mx(x, w, w_scale_e8m0, x_scale)
+    gg.check_layout(x, w, groups, masked, row_weights, w_scale_e8m0, x_scale)
     if x.is_cuda:
-        return _launch(x, w, w_scale_e8m0, groups, masked, row_weights, False, out, expected_rows_per_expert)
-    w_deq = dequantize_mxfp8(w, w_scale_e8m0)
-    return gg.into(out, gg.grouped_gemm_reference(x, w_deq, groups, masked=masked, row_weights=row_weights))
+        return _launch(x, x_scale, w, w_scale_e8m0, groups, masked, row_weights, False, out, expected_rows_per_expert)
+    return gg.into(out, gg.grouped_gemm_reference(x, dequantize_mxfp8(w, w_scale_e8m0), groups, masked=masked,
+                                                  x_scale=x_scale, row_weights=row_weights))
 
 
 def grouped_gemm_mxfp8_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, w13_scale_interleaved: torch.Tensor,
-                              groups: torch.Tensor, *, masked: bool = False, row_weights: torch.Tensor | None = None,
-                              out: torch.Tensor | None = None, expected_rows_per_expert: float | None = None) -> torch.Tensor:
+                              groups: torch.Tensor, *, masked: bool = False, x_scale: torch.Tensor | None = None,
+                              row_weights: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                              expected_rows_per_expert: float | None = None) -> torch.Tensor:
     """Fused gate_up GEMM + SwiGLU (as :func:`kernels.grouped_gemm.grouped_gemm_swiglu`) for MXFP8 weights.
 
-    Prepare both tensors once with :func:`interleave_gate_up_mxfp8`.
+    Prepare both tensors once with :func:`interleave_gate_up_mxfp8`; ``x`` / ``x_scale`` as in
+    :func:`grouped_gemm_mxfp8`.
     """
-    _check_mx(x, w13_interleaved, w13_scale_interleaved)
+    _check_mx(x, w13_interleaved, w13_scale_interleaved, x_scale)
     if w13_interleaved.shape[1] % (2 * gg.SWIGLU_BLOCK):
         raise gg.GroupedGemmError(f"w13 must be [E, 2I, K] with 2I a multiple of {2 * gg.SWIGLU_BLOCK}, "
                                   f"got {tuple(w13_interleaved.shape)}")
-    gg.check_layout(x, w13_interleaved, groups, masked, row_weights, w13_scale_interleaved)
+    gg.check_layout(x, w13_interleaved, groups, masked, row_weights, w13_scale_interleaved, x_scale)
     if x.is_cuda:
-        return _launch(x, w13_interleaved, w13_scale_interleaved, groups, masked, row_weights, True, out,
+        return _launch(x, x_scale, w13_interleaved, w13_scale_interleaved, groups, masked, row_weights, True, out,
                        expected_rows_per_expert)
     w13, _ = gg.deinterleave_gate_up(dequantize_mxfp8(w13_interleaved, w13_scale_interleaved))
-    y = gg.swiglu_reference(gg.grouped_gemm_reference(x, w13, groups, masked=masked))
+    y = gg.swiglu_reference(gg.grouped_gemm_reference(x, w13, groups, masked=masked, x_scale=x_scale))
     if row_weights is not None:
         y = y * row_weights[..., None]
     return gg.into(out, y)

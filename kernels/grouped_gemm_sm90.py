@@ -82,18 +82,21 @@ class GroupedGemmConfig:
     n: int  # output columns (weight rows); for SwiGLU the gate+up width 2I
     k: int
     masked: bool  # masked [E, max_tokens, K] layout, else contiguous
-    fp8: bool  # E4M3 operands with 1x128 / 128x128 fp32 block scales
+    fp8: bool  # E4M3 activations with 1x128 fp32 scales; weights E4M3 with 128x128 fp32 scales, or MXFP8 (mxfp8)
     tile_m: int  # 64 (one consumer warpgroup), 128 (two) or, bf16 x MXFP8 without SwiGLU, 192 (three)
     tile_n: int  # 64 / 128 / 192 / 256 (bf16), 128 / 192 (FP8), 128 (MXFP8, SwiGLU)
     swiglu: bool = False  # epilogue silu(gate) * up over interleaved weight rows
     row_weights: bool = False  # multiply output row r by weights[r]
-    mxfp8: bool = False  # bf16 activations x MXFP8 weights (E4M3 + E8M0 per 32 along K), bf16 math
+    # MXFP8 weights (E4M3 + E8M0 per 32 along K): bf16 activations and bf16 math, or with fp8 (swap_ab only) FP8
+    # activations and FP8 math, each 32-wide K block promoted with its scales
+    mxfp8: bool = False
     # bf16: hand each output tile to the store warps in two halves where that frees a pipeline stage (see Epilogue)
     split_output: bool = False
     # Output tiles whose rows all belong to their expert go out by TMA stores (see Epilogue); contiguous layout
     tma_store: bool = False
-    # bf16 x MXFP8 decode: the weights as the MMA's M side, converted in registers (register A operand), the
-    # tokens (tile_m of SWAPPED_TOKEN_TILES) as its N side; see grouped_gemm_sm90_swapped
+    # MXFP8 decode: the weights as the MMA's M side (bf16 math: converted in registers, the register A operand;
+    # FP8 math: read from their stage), the tokens (tile_m of SWAPPED_TOKEN_TILES) as its N side; see
+    # grouped_gemm_sm90_swapped
     swap_ab: bool = False
     num_sms: int = 132  # persistent CTAs launched
 
@@ -101,15 +104,15 @@ class GroupedGemmConfig:
         elem_bytes = 1 if self.fp8 else 2
         if self.swap_ab:
             if not self.mxfp8 or self.tile_n not in (128, 256) or self.tile_m not in SWAPPED_TOKEN_TILES:
-                raise ValueError(f"swap_ab is for bf16 x MXFP8 with tile_n 128 or 256 and tile_m in "
+                raise ValueError(f"swap_ab is for MXFP8 weights with tile_n 128 or 256 and tile_m in "
                                  f"{SWAPPED_TOKEN_TILES}, got mxfp8={self.mxfp8} {self.tile_m}x{self.tile_n}")
         elif self.tile_m not in (64, 128, 192) or (self.tile_m == 192 and not (self.mxfp8 and not self.swiglu)):
             raise ValueError(f"tile_m must be 64 or 128 (192 only for bf16 x MXFP8 without SwiGLU), got {self.tile_m}")
-        if (self.tile_n not in (64, 128, 192, 256) or (self.fp8 and self.tile_n not in (128, 192))
+        if (self.tile_n not in (64, 128, 192, 256) or (self.fp8 and not self.mxfp8 and self.tile_n not in (128, 192))
                 or (self.mxfp8 and self.tile_n != 128 and not self.swap_ab)):
             raise ValueError(f"tile_n {self.tile_n} unsupported (fp8 128/192, mxfp8 128; bf16 64/128/192/256)")
-        if self.fp8 and self.mxfp8:
-            raise ValueError("fp8 (block-scaled E4M3 x E4M3) and mxfp8 (bf16 x MXFP8 weights) exclude each other")
+        if self.fp8 and self.mxfp8 and not self.swap_ab:
+            raise ValueError("FP8 activations x MXFP8 weights (fp8 and mxfp8) run only the swapped decode tiles (swap_ab)")
         if self.split_output and (self.fp8 or self.mxfp8):
             raise ValueError("split_output is for bf16 x bf16 tiles (only their mainloop writes the held half)")
         if self.tma_store and (self.masked or self.out_n % 8):
@@ -299,9 +302,12 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
 
     def _make_tiled_mma(self) -> cute.TiledMma:
         """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem; with
-        ``swap_ab`` 64 weight rows x tile_m tokens per warpgroup, the weights' A operand from registers."""
+        ``swap_ab`` 64 weight rows x tile_m tokens per warpgroup, the weights' A operand from registers (bf16
+        math) or from shared memory (FP8 activations)."""
         swapped = self.cfg.swap_ab
         source = cute.nvgpu.warpgroup.OperandSource
+        # bf16 math converts the weights into registers; FP8 math reads them from their TMA stage
+        weights_in_registers = swapped and not self.cfg.fp8
         return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
@@ -310,7 +316,7 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
             self.acc_dtype,
             (self.num_consumer_wg, 1, 1),
             tiler_mn=(64, self.cfg.tile_m if swapped else self.cfg.tile_n),
-            a_source=source.RMEM if swapped else source.SMEM,
+            a_source=source.RMEM if weights_in_registers else source.SMEM,
         )
 
     # ------------------------------------------------------------------ host
@@ -534,7 +540,7 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if cutlass.const_expr(cfg.swap_ab):
-                self._consume_swapped(tiled_mma, sA, sB, b_smem_layout, sSF, sX, mC, mRowW, rows, mainloop, tidx - 128,
+                self._consume_swapped(tiled_mma, sA, sB, b_smem_layout, sSF, sX, mSFA, mC, mRowW, rows, mainloop, tidx - 128,
                                       bidx, total_tiles, s_tile_begin, s_row_start, s_row_count)
             else:
                 self._consume(

@@ -22,6 +22,17 @@ warps to hide each one's conversion chain behind, and on one H200 Qwen3-235B
 gate_up at 1 token per expert took 461 us against 595 with two (bf16: 728 us);
 bench/grouped_gemm_findings.md has every step.
 
+With FP8 activations (``cfg.fp8``: E4M3 with 1x128 fp32 scales from
+``kernels.act_quant``) the weights need no conversion: both operands stay in
+the TMA stages (128 K a stage) and FP8 WGMMAs read them there, one 32-wide K
+block at a time into a fresh partial that the consumer then adds to the
+accumulator times its weight row's ``2^(e - 127)`` and its token's activation
+scale (``_swapped_fp8_stage``): the E8M0 scales change every 32 K along a
+weight row, so each K block is scaled on its own, a multiply-add per
+accumulator value.  Two partials alternate, so one block's WGMMAs run while the
+previous block is promoted.  Decode groups are a few tokens, so the partials
+are small (8 to 64 tokens: 4 to 32 registers a thread).
+
 The accumulator holds the output tile transposed (weight rows x tokens).  The
 epilogue writes it to shared memory as fp32 ``[token][weight row]``, and the
 consumer threads then apply SwiGLU (each interleaved block's gate rows belong
@@ -34,6 +45,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from kernels.grouped_gemm import SWIGLU_BLOCK
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK
@@ -53,18 +66,46 @@ class SwappedMxMainloop:
     ``b_load_dtype``, ``acc_dtype``, ``c_dtype``, ``num_consumer_wg``, ``out_cols``, ``store_vec``, ``_locate``)."""
 
     @cute.jit
-    def _consume_swapped(self, tiled_mma, sA, sB, b_smem_layout, sSF, sX, mC, mRowW, rows, mainloop, mma_tidx,
+    def _consume_swapped(self, tiled_mma, sA, sB, b_smem_layout, sSF, sX, mSFA, mC, mRowW, rows, mainloop, mma_tidx,
                          first_tile, total_tiles, s_tile_begin, s_row_start, s_row_count):
-        """Consumer warpgroups: every tile of this CTA, K stages two at a time (one per fragment), then its output."""
+        """Consumer warpgroups: every tile of this CTA, its K loop (bf16 or FP8 math), then its output."""
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(mma_tidx)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))  # the tokens' stages: the MMA's B
-        a_shape = thr_mma.partition_shape_A((cfg.tile_n, self.tile_k))
-        frags = [thr_mma.make_fragment_A(a_shape), thr_mma.make_fragment_A(a_shape)]
-        # (weight row, K) of every value of this thread's A fragment, and (weight row, token) of its accumulator
-        tCcA = thr_mma.partition_A(cute.make_identity_tensor((cfg.tile_n, self.tile_k)))
+        # (weight row, token) of every value of this thread's accumulator
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m)))
         acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        barrier = pipeline.NamedBarrier(barrier_id=_BAR_SWAPPED, num_threads=128 * self.num_consumer_wg)
+        if cutlass.const_expr(cfg.fp8):
+            operands = (tCcC, thr_mma, sB, sSF, mSFA)
+        else:
+            operands = self._swapped_bf16_operands(tiled_mma, thr_mma, sB, b_smem_layout, sSF)
+        tile = first_tile
+        expert = cutlass.Int32(0)
+        while tile < total_tiles:
+            expert, n_tile, batch, row0, rows_left = self._locate(tile, expert, s_tile_begin, s_row_start,
+                                                                  s_row_count)
+            acc.fill(0.0)
+            if cutlass.const_expr(cfg.fp8):
+                read_state = self._swapped_fp8_k_loop(tiled_mma, acc, tCrB, operands, rows, row0, batch, mainloop,
+                                                      read_state)
+            else:
+                read_state, release_state = self._swapped_bf16_k_loop(tiled_mma, acc, tCrB, operands, mainloop,
+                                                                      read_state, release_state)
+            self._swapped_epilogue(acc, tCcC, sX, mC, mRowW, rows, row0, rows_left, n_tile, batch, mma_tidx, barrier)
+            tile = tile + cfg.num_sms
+
+    # ------------------------------------------------------- bf16 math: weights converted in registers
+    @cute.jit
+    def _swapped_bf16_operands(self, tiled_mma, thr_mma, sB, b_smem_layout, sSF):
+        """What the bf16 K loop needs: two A fragments, this thread's A coordinates, the weight stages and scales."""
+        cfg = self.cfg
+        a_shape = thr_mma.partition_shape_A((cfg.tile_n, self.tile_k))
+        frags = [thr_mma.make_fragment_A(a_shape), thr_mma.make_fragment_A(a_shape)]
+        # (weight row, K) of every value of this thread's A fragment
+        tCcA = thr_mma.partition_A(cute.make_identity_tensor((cfg.tile_n, self.tile_k)))
         sSF16 = cute.recast_tensor(sSF, cutlass.Uint16)  # a stage's two scale bytes of a row: one 16-bit word
         # The weight stages as 16-bit words, unswizzled: _convert_fragment computes the swizzled addresses of this
         # thread's values once, here, instead of per load.
@@ -73,33 +114,28 @@ class SwappedMxMainloop:
                                 cute.make_layout(self.stages * stage_words))
         firsts = [cute.crd2idx((tCcA[(0, 0, kb)][0], tCcA[(0, 0, kb)][1], 0), b_smem_layout) // 2
                   for kb in range(cute.size(tCcA, mode=[2]))]
-        weights = (sB16, stage_words, firsts)
-        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        barrier = pipeline.NamedBarrier(barrier_id=_BAR_SWAPPED, num_threads=128 * self.num_consumer_wg)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)  # every WGMMA adds: acc is zeroed per tile
-        tile = first_tile
-        expert = cutlass.Int32(0)
-        while tile < total_tiles:
-            expert, n_tile, batch, row0, rows_left = self._locate(tile, expert, s_tile_begin, s_row_start,
-                                                                  s_row_count)
-            acc.fill(0.0)
-            for pair in cutlass.range(self.k_tiles // 2, unroll=1):
-                read_state, release_state = self._swapped_stage(
-                    tiled_mma, acc, frags[0], tCrB, tCcA, weights, sSF16, 2 * pair, mainloop, read_state,
-                    release_state)
-                read_state, release_state = self._swapped_stage(
-                    tiled_mma, acc, frags[1], tCrB, tCcA, weights, sSF16, 2 * pair + 1, mainloop, read_state,
-                    release_state)
-            if cutlass.const_expr(self.k_tiles % 2):
-                read_state, release_state = self._swapped_stage(
-                    tiled_mma, acc, frags[0], tCrB, tCcA, weights, sSF16, self.k_tiles - 1, mainloop, read_state,
-                    release_state)
-            cute.nvgpu.warpgroup.wait_group(0)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
-            self._swapped_epilogue(acc, tCcC, sX, mC, mRowW, rows, row0, rows_left, n_tile, batch, mma_tidx, barrier)
-            tile = tile + cfg.num_sms
+        return frags, tCcA, (sB16, stage_words, firsts), sSF16
+
+    @cute.jit
+    def _swapped_bf16_k_loop(self, tiled_mma, acc, tCrB, operands, mainloop, read_state, release_state):
+        """One tile's K stages, two at a time (one per fragment); all retired and released on return."""
+        frags, tCcA, weights, sSF16 = operands
+        for pair in cutlass.range(self.k_tiles // 2, unroll=1):
+            read_state, release_state = self._swapped_stage(
+                tiled_mma, acc, frags[0], tCrB, tCcA, weights, sSF16, 2 * pair, mainloop, read_state,
+                release_state)
+            read_state, release_state = self._swapped_stage(
+                tiled_mma, acc, frags[1], tCrB, tCcA, weights, sSF16, 2 * pair + 1, mainloop, read_state,
+                release_state)
+        if cutlass.const_expr(self.k_tiles % 2):
+            read_state, release_state = self._swapped_stage(
+                tiled_mma, acc, frags[0], tCrB, tCcA, weights, sSF16, self.k_tiles - 1, mainloop, read_state,
+                release_state)
+        cute.nvgpu.warpgroup.wait_group(0)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        return read_state, release_state
 
     @cute.jit
     def _swapped_stage(self, tiled_mma, acc, frag, tCrB, tCcA, weights, sSF16, k_tile, mainloop, read_state,
@@ -157,6 +193,53 @@ class SwappedMxMainloop:
                 words[q + 4 * kb] = _e4m3x2_to_bf16x2(
                     cutlass.Int32(sB16[first + (q % 2) * row8 + (q // 2) * k8]), 0x1404, s1, s2)
 
+    # ------------------------------------------------------- FP8 math: E4M3 x E4M3, promoted per 32 K
+    @cute.jit
+    def _swapped_fp8_k_loop(self, tiled_mma, acc, tCrB, operands, rows, row0, batch, mainloop, read_state):
+        """One tile's K stages with FP8 activations; every stage is released after its last WGMMA retired."""
+        tCcC, thr_mma, sB, sSF, mSFA = operands
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sB))  # the weights' stages: the MMA's A
+        parts = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype), cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)]
+        sSF32 = cute.recast_tensor(sSF, cutlass.Uint32)  # a stage's four scale bytes of a row: one 32-bit word
+        # This thread's tokens (accumulator columns) as activation-scale rows; rows past the tensor read its
+        # last row (their outputs are never stored).  Element i's token is column (i % 2) + 2 * (i // 4) of these.
+        columns = cute.size(tCcC) // 2
+        token_rows = []
+        for j in cutlass.range_constexpr(columns):
+            r = row0 + tCcC[(j % 2) + 4 * (j // 2)][1]
+            token_rows.append(r if r < rows else rows - 1)
+        stages_per_box = MX_SCALE_BOX * MX_BLOCK // self.tile_k
+        for k_tile in cutlass.range(self.k_tiles, unroll=1):
+            mainloop.consumer_wait(read_state)
+            stage = read_state.index
+            box = k_tile % stages_per_box
+            words = (cutlass.Int32(sSF32[(tCcC[0][0], box, stage)]), cutlass.Int32(sSF32[(tCcC[2][0], box, stage)]))
+            sa = [mSFA[(t, k_tile, batch)] for t in token_rows]
+            blocks = cute.size(tCrA, mode=[2])  # 32-wide K blocks of the stage
+            for kb in cutlass.range_constexpr(blocks):
+                cute.nvgpu.warpgroup.fence()
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.gemm(tiled_mma, parts[kb % 2], tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
+                          parts[kb % 2])
+                cute.nvgpu.warpgroup.commit_group()
+                if kb > 0:
+                    cute.nvgpu.warpgroup.wait_group(1)  # block kb - 1 is done, block kb runs
+                    self._promote_block(acc, parts[(kb - 1) % 2], words, kb - 1, sa)
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(read_state)
+            self._promote_block(acc, parts[(blocks - 1) % 2], words, blocks - 1, sa)
+            read_state.advance()
+        return read_state
+
+    @cute.jit
+    def _promote_block(self, acc, part, words, kb: cutlass.Constexpr, sa):
+        """``acc += part * 2^(e - 127) * sa``: ``e`` the E8M0 byte ``kb`` of each row half's scale word, ``sa``
+        each column's activation scale."""
+        w = [_e8m0_to_f32((words[h] >> (8 * kb)) & 0xFF) for h in range(2)]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            # element order: (column pair, row half, 8-column block)
+            acc[i] = acc[i] + part[i] * (w[(i // 2) % 2] * sa[(i % 2) + 2 * (i // 4)])
+
     @cute.jit
     def _swapped_epilogue(self, acc, tCcC, sX, mC, mRowW, rows, row0, rows_left, n_tile, batch, mma_tidx, barrier):
         """The transposed accumulator through shared memory into ``out[token rows, tile columns]``.
@@ -203,3 +286,23 @@ class SwappedMxMainloop:
                 res = cute.make_rmem_tensor((vec,), self.c_dtype)
                 res.store(out.load().to(self.c_dtype))
                 cute.autovec_copy(res, dst)
+
+
+@dsl_user_op
+def _e8m0_to_f32(e, *, loc=None, ip=None) -> cutlass.Float32:
+    """The fp32 ``2^(e - 127)`` of an E8M0 byte ``e`` (0..254): its bits are ``e << 23``, but e = 0 (2^-127) is
+    fp32's subnormal 0x00400000."""
+    out = llvm.inline_asm(
+        cutlass.Float32.mlir_type,
+        [cutlass.Int32(e).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 t;\n\t.reg .pred p;\n\t"
+        "shl.b32 t, $1, 23;\n\t"
+        "setp.eq.u32 p, $1, 0;\n\t"
+        "selp.b32 t, 0x00400000, t, p;\n\t"
+        "mov.b32 $0, t;\n\t"
+        "}",
+        "=f,r",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Float32(out)

@@ -390,18 +390,23 @@ def test_mxfp8_weights_dequantized_in_kernel(kind):
         _assert_close(out.cpu(), ref, f"mxfp8 {kind}")
 
 
-# (tile_m tokens, tile_n weight rows, kind) of the swapped bf16 x MXFP8 decode tiles: every token tile with 128 weight
-# rows per tile, the 256-row tiles (four consumer warpgroups) at both ends.
-SWAPPED_CASES = [(m, 128, kind) for m in (8, 16, 32, 64) for kind in ("masked", "contiguous_rowweighted", "swiglu")]
-SWAPPED_CASES += [(m, 256, kind) for m in (8, 64) for kind in ("masked", "swiglu")]
+# (tile_m tokens, tile_n weight rows, kind, activations) of the swapped MXFP8 decode tiles: every token tile with 128
+# weight rows per tile, the 256-row tiles (four consumer warpgroups) at both ends (FP8 activations: up to 32 tokens,
+# see choose_config), for bf16 activations (weights converted in registers) and FP8 ones (FP8 math).
+SWAPPED_CASES = [(m, 128, kind, act) for m in (8, 16, 32, 64) for kind in ("masked", "contiguous_rowweighted", "swiglu")
+                 for act in ("bf16", "fp8")]
+SWAPPED_CASES += [(m, 256, kind, "bf16") for m in (8, 64) for kind in ("masked", "swiglu")]
+SWAPPED_CASES += [(m, 256, kind, "fp8") for m in (8, 32) for kind in ("masked", "swiglu")]
 
 
-@pytest.mark.parametrize("tile_m,tile_n,kind", SWAPPED_CASES, ids=[f"{m}x{n}-{k}" for m, n, k in SWAPPED_CASES])
-def test_mxfp8_swapped_decode_tiles(tile_m, tile_n, kind):
-    """bf16 x MXFP8 with the operands swapped (weights converted in registers, tokens as the MMA's N side): experts
-    of several token tiles, of none, past ``max_tokens`` (masked), starting anywhere (contiguous); K = 272 ends
-    mid-stage after an odd number of stages; one expert's weights scaled by 2^20, so its E8M0 exponents pass 134
-    and the conversion's second multiply is exercised; rows past a count stay unwritten."""
+@pytest.mark.parametrize("tile_m,tile_n,kind,act", SWAPPED_CASES, ids=[f"{m}x{n}-{k}-{a}" for m, n, k, a in SWAPPED_CASES])
+def test_mxfp8_swapped_decode_tiles(tile_m, tile_n, kind, act):
+    """MXFP8 weights with the operands swapped (tokens as the MMA's N side; bf16 activations: weights converted in
+    registers; FP8 activations: FP8 math, each 32-wide K block promoted with its scales): experts of several token
+    tiles, of none, past ``max_tokens`` (masked), starting anywhere (contiguous); K = 272 ends mid-stage after an
+    odd number of stages (FP8: 128-wide stages, the last one 16 wide); one expert's weights scaled by 2^20, so its
+    E8M0 exponents pass 134 (the bf16 conversion's second multiply); rows past a count stay unwritten.  FP8 cases
+    compare with the reference on the same quantized activations."""
     from kernels import grouped_gemm_mxfp8 as mx
     from kernels.grouped_gemm_launch import launch
 
@@ -422,14 +427,18 @@ def test_mxfp8_swapped_decode_tiles(tile_m, tile_n, kind):
         groups = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
         x = torch.randn(int(groups[-1]), K, generator=gen, device=DEV).bfloat16()
     rw = torch.rand(x.shape[:-1], generator=gen, device=DEV) if kind.endswith("rowweighted") else None
+    xs = None
+    if act == "fp8":
+        x, xs = quantize_act(x)
+    x_ref, xs_ref = x.cpu(), None if xs is None else xs.cpu()
     if kind == "swiglu":
         q, s = mx.interleave_gate_up_mxfp8(q, s)
-        ref = mx.grouped_gemm_mxfp8_swiglu(x.cpu(), q.cpu(), s.cpu(), groups, masked=True)
+        ref = mx.grouped_gemm_mxfp8_swiglu(x_ref, q.cpu(), s.cpu(), groups, masked=True, x_scale=xs_ref)
     else:
-        ref = mx.grouped_gemm_mxfp8(x.cpu(), q.cpu(), s.cpu(), groups, masked=masked,
+        ref = mx.grouped_gemm_mxfp8(x_ref, q.cpu(), s.cpu(), groups, masked=masked, x_scale=xs_ref,
                                     row_weights=None if rw is None else rw.cpu())
     out = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16, device=DEV)
-    launch(x, q, groups.to(DEV), masked=masked, x_scale=None, w_scale=None, row_weights=rw, swiglu=kind == "swiglu",
+    launch(x, q, groups.to(DEV), masked=masked, x_scale=xs, w_scale=None, row_weights=rw, swiglu=kind == "swiglu",
            out=out, tile_m=tile_m, tile_n=tile_n, w_scale_e8m0=s, swap_ab=True)
     torch.cuda.synchronize()
     out = out.cpu()

@@ -16,6 +16,8 @@ import re
 import pytest
 import torch
 
+from cubin_info import kernel_attributes
+
 from kernels import grouped_gemm as gg
 from kernels import grouped_gemm_sm90 as sm90
 from kernels.act_quant import FP8_MAX, QUANT_BLOCK, quantize_act, quantize_act_reference
@@ -140,6 +142,40 @@ def test_swapped_mxfp8_decode_compiles_for_sm90a(masked, tile_m, tile_n, swiglu,
     assert all(found.values()), found
 
 
+SWAPPED_FP8_COMPILE_CASES = [  # (masked, tile_m, tile_n, swiglu, row_weights): FP8 x MXFP8 decode, FP8 math
+    (True, 8, 256, True, False),
+    (False, 32, 256, False, True),
+    (True, 64, 128, False, False),
+]
+
+
+@pytest.mark.parametrize("masked,tile_m,tile_n,swiglu,row_weights", SWAPPED_FP8_COMPILE_CASES)
+def test_swapped_fp8_x_mxfp8_decode_compiles_for_sm90a(masked, tile_m, tile_n, swiglu, row_weights, tmp_path):
+    from kernels.grouped_gemm_launch import compile_kernel
+
+    cfg = sm90.GroupedGemmConfig(num_experts=6, n=512 if swiglu else 200, k=272, masked=masked, fp8=True,
+                                 tile_m=tile_m, tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=True,
+                                 swap_ab=True)
+    ptx = compile_kernel(cfg, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}").artifacts.PTX
+    (cubin,) = tmp_path.glob("*.cubin")
+    # both operands by descriptor: the weights' A from their TMA stage, the tokens' B
+    smem_ab = re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_m}k32\.f32\.e4m3\.e4m3 \{{[^}}]*\}}, "
+                        r"%rd\d+, %rd\d+", ptx)
+    found = {
+        "fp8 wgmma from shared memory, tokens as N": smem_ab is not None,
+        "scale words of the stage's box": "ld.shared.u32" in ptx or "ld.shared.b32" in ptx,
+        "e8m0 -> fp32 by shift": "shl.b32" in ptx and "selp.b32" in ptx,
+        "no conversion of the weights": "prmt.b32" not in ptx and "mul.rn.bf16x2" not in ptx,
+        "no proxy fence": "fence.proxy.async" not in ptx,
+        "no store-warp handoff": "bar.arrive" not in ptx,
+        "no local memory": ".local" not in ptx,
+        "setmaxnreg within the CTA's registers": f"setmaxnreg.inc.sync.aligned.u32 \t{232 if tile_n == 128 else 104};" in ptx,
+        # the accumulator, two partials and the token scales fit: ptxas spilled 240 bytes a thread for 64 x 256
+        "no spills": kernel_attributes(cubin)["frame_size"] == 0,
+    }
+    assert all(found.values()), found
+
+
 def test_split_output_halves_the_buffer_only_where_that_frees_a_pipeline_stage():
     """A split bf16 tile (its output to the store warps in two halves) gets the freed shared memory as one more
     pipeline stage (Qwen3-30B down, 128 experts: 128x192 5 stages of 40 KB beside a 24 KB buffer instead of 4 beside
@@ -177,7 +213,7 @@ def test_config_rejects_unsupported_shapes():
                                swiglu=True).validate()
     with pytest.raises(ValueError, match="tile_n"):
         sm90.GroupedGemmConfig(num_experts=2, n=128, k=128, masked=False, fp8=True, tile_m=128, tile_n=256).validate()
-    with pytest.raises(ValueError, match="exclude each other"):
+    with pytest.raises(ValueError, match="only the swapped decode tiles"):
         sm90.GroupedGemmConfig(num_experts=2, n=128, k=128, masked=False, fp8=True, tile_m=128, tile_n=128,
                                mxfp8=True).validate()
     for fp8, mxfp8, swiglu in ((False, False, False), (True, False, False), (False, True, True)):
@@ -236,8 +272,9 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     assert [tile(t, mxfp8=True) for t in (small + 1, mid, mid + 0.5)] == [(128, 128), (128, 128), (192, 128)]
 
     def swapped(tokens: float, **kind) -> tuple[int, int] | None:
-        cfg = choose_config(num_experts=8, n=kind.pop("n", 2048), k=768, fp8=False, row_weights=False, mxfp8=True,
-                            tokens_per_expert=tokens, num_sms=132, **{"masked": True, "swiglu": False, **kind})
+        cfg = choose_config(num_experts=8, n=kind.pop("n", 2048), k=768, row_weights=False, mxfp8=True,
+                            tokens_per_expert=tokens, num_sms=132,
+                            **{"masked": True, "swiglu": False, "fp8": False, **kind})
         cfg.validate()
         return (cfg.tile_m, cfg.tile_n) if cfg.swap_ab else None
 
@@ -247,6 +284,8 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
         (8, 256), (8, 256), (16, 256), (16, 256), (32, 256), (32, 256), (64, 256), (64, 256), None]
     assert swapped(3, masked=False) == (8, 256) and swapped(3, swiglu=True, n=640) == (8, 128)
     assert swapped(3, swiglu=True, n=1536) == (8, 256)
+    # FP8 activations: the same token tiles, 128 weight rows for 64 tokens (two partials beside the accumulator)
+    assert [swapped(t, fp8=True) for t in (1, 16, 32, small)] == [(8, 256), (16, 256), (32, 256), (64, 128)]
 
     # Every change of kernel comes at a bound that the services' warm-up passes (kernels.grouped_gemm.tile_bucket_bounds)
     for fp8, mxfp8 in ((False, False), (True, False), (False, True)):

@@ -7,6 +7,7 @@ import torch
 
 from kernels import grouped_gemm as gg
 from kernels import grouped_gemm_mxfp8 as mx
+from kernels.act_quant import quantize_act
 from kernels.grouped_gemm_mxfp8 import MX_BLOCK, dequantize_mxfp8, grouped_gemm_mxfp8, quantize_mxfp8
 
 FP8 = torch.float8_e4m3fn
@@ -77,6 +78,23 @@ def test_kernel_scale_layout_pads_rows_to_16_bytes_only_where_needed():
     assert moved.data_ptr() % 16 == 0 and torch.equal(moved, s48)
 
 
+def test_mxfp8_reference_with_fp8_activations_uses_their_scales():
+    """FP8 activations (E4M3 and their 1x128 scales) against MXFP8 weights: the reference is the fp32 GEMM of both
+    dequantized, for the plain and the fused SwiGLU op."""
+    gen = torch.Generator().manual_seed(5)
+    E, I, K = 2, 128, 256
+    counts = torch.tensor([5, 1], dtype=torch.int32)
+    xq, xs = quantize_act(torch.randn(E, 6, K, generator=gen).bfloat16())
+    xs = xs * torch.logspace(-4, 4, E * 6 * 2).view(E, 6, 2)  # scales far from 1: a missed factor shows
+    q, s = quantize_mxfp8(torch.randn(E, 2 * I, K, generator=gen))
+    x_deq = xq.float() * xs.repeat_interleave(128, -1)
+    h = gg.grouped_gemm_reference(x_deq, dequantize_mxfp8(q, s), counts, masked=True)
+    torch.testing.assert_close(grouped_gemm_mxfp8(xq, q, s, counts, masked=True, x_scale=xs), h, rtol=1e-6, atol=1e-6)
+    qi, si = mx.interleave_gate_up_mxfp8(q, s)
+    fused = mx.grouped_gemm_mxfp8_swiglu(xq, qi, si, counts, masked=True, x_scale=xs)
+    torch.testing.assert_close(fused, gg.swiglu_reference(h), rtol=1e-6, atol=1e-6)
+
+
 def test_bad_mxfp8_inputs_raise():
     q, s = quantize_mxfp8(torch.randn(2, 8, 64))
     x = torch.randn(4, 64).bfloat16()
@@ -85,6 +103,13 @@ def test_bad_mxfp8_inputs_raise():
         grouped_gemm_mxfp8(x, q, s.float(), offsets)
     with pytest.raises(gg.GroupedGemmError, match="bfloat16 activations"):
         grouped_gemm_mxfp8(x.float(), q, s, offsets)
+    xq, xs = quantize_act(x)
+    with pytest.raises(gg.GroupedGemmError, match="bfloat16 activations.*with x_scale"):
+        grouped_gemm_mxfp8(x, q, s, offsets, x_scale=xs)
+    with pytest.raises(gg.GroupedGemmError, match=r"FP8 activations need x_scale float32 \(4, 1\).*got none"):
+        grouped_gemm_mxfp8(xq, q, s, offsets)
+    with pytest.raises(gg.GroupedGemmError, match=r"got torch.float32 \(4, 2\)"):
+        grouped_gemm_mxfp8(xq, q, s, offsets, x_scale=xs.repeat(1, 2))
     q24, s24 = quantize_mxfp8(torch.randn(2, 8, 24))
     with pytest.raises(gg.GroupedGemmError, match="K % 16"):
         grouped_gemm_mxfp8(torch.randn(4, 24).bfloat16(), q24, s24, offsets)
