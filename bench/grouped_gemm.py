@@ -383,7 +383,8 @@ DTYPES = ("bf16", "fp8", "mxfp8", "mxfp8_fp8")
 DECODE_ONLY = ("mxfp8_fp8",)  # FP8 activations x MXFP8 weights: the swapped decode tiles only
 
 
-def case_list(quick: bool, prefill_tokens: tuple[int, ...] = PREFILL_TOKENS) -> list[tuple]:
+def case_list(quick: bool, prefill_tokens: tuple[int, ...] = PREFILL_TOKENS,
+              decode_tokens: tuple[int, ...] = DECODE_TOKENS) -> list[tuple]:
     """(kind, model, proj, phase, tokens, dtype) in run order, the most wanted first."""
     models = ["qwen3-30b"] if quick else ["qwen3-235b", "qwen3-30b"]
     cases = []
@@ -391,7 +392,7 @@ def case_list(quick: bool, prefill_tokens: tuple[int, ...] = PREFILL_TOKENS) -> 
         for proj in ("gate_up", "down"):
             cases += [("gemm", model, proj, "prefill", m, dt) for m in prefill_tokens for dt in DTYPES
                       if dt not in DECODE_ONLY]
-            cases += [("gemm", model, proj, "decode", m, dt) for m in DECODE_TOKENS for dt in DTYPES]
+            cases += [("gemm", model, proj, "decode", m, dt) for m in decode_tokens for dt in DTYPES]
         cases += [("swiglu", model, "gate_up", phase, m, dt)
                   for phase, m in (("decode", 16), ("prefill", 375)) for dt in ("bf16", "fp8")]
     return cases
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of dtypes to run (of {','.join(DTYPES)})")
     ap.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)),
                     help="comma list of tokens per expert of the prefill cases")
+    ap.add_argument("--decode-tokens", default=",".join(map(str, DECODE_TOKENS)),
+                    help="comma list of tokens per expert of the decode cases")
     ap.add_argument("--no-peers", action="store_true",
                     help="plain GEMM cases without torch's grouped GEMMs (an A/B run whose other side times them)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="start no case after this many seconds")
@@ -420,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sustained: back-to-back graph replays; burst: 10 launches after 3 warm-ups and an idle gap "
                          "(see Timer); both: every measurement both ways")
     args = ap.parse_args(argv)
+    unknown = set(filter(None, args.dtypes.split(","))) - set(DTYPES)
+    if unknown:
+        ap.error(f"unknown --dtypes {', '.join(sorted(unknown))} (of {','.join(DTYPES)})")
     with ClockSampler(torch.cuda.current_device()) as sampler:
         if sampler.error:
             print(f"no clock readings: {sampler.error}", file=sys.stderr)
@@ -455,7 +461,8 @@ def run(args: argparse.Namespace, timers: list[Timer]) -> int:
     dtypes = set(filter(None, args.dtypes.split(",")))
     rows, weights, loaded = [], {}, None
     prefill_tokens = tuple(int(t) for t in args.prefill_tokens.split(",") if t)
-    for kind, model, proj, phase, m, dtype in case_list(args.quick, prefill_tokens):
+    decode_tokens = tuple(int(t) for t in args.decode_tokens.split(",") if t)
+    for kind, model, proj, phase, m, dtype in case_list(args.quick, prefill_tokens, decode_tokens):
         name = f"{kind}:{model}:{proj}:{phase}:{m}:{dtype}"
         if name in skip or (only and not name.startswith(only)) or dtype not in dtypes:
             continue

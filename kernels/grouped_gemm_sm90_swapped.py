@@ -25,13 +25,17 @@ bench/grouped_gemm_findings.md has every step.
 With FP8 activations (``cfg.fp8``: E4M3 with 1x128 fp32 scales from
 ``kernels.act_quant``) the weights need no conversion: both operands stay in
 the TMA stages (128 K a stage) and FP8 WGMMAs read them there, one 32-wide K
-block at a time into a fresh partial that the consumer then adds to the
-accumulator times its weight row's ``2^(e - 127)`` and its token's activation
-scale (``_swapped_fp8_stage``): the E8M0 scales change every 32 K along a
-weight row, so each K block is scaled on its own, a multiply-add per
-accumulator value.  Two partials alternate, so one block's WGMMAs run while the
-previous block is promoted.  Decode groups are a few tokens, so the partials
-are small (8 to 64 tokens: 4 to 32 registers a thread).
+block at a time into a fresh partial (``_swapped_fp8_k_loop``): the E8M0
+scales change every 32 K along a weight row, so each K block is scaled on its
+own.  The consumer adds each retired block's partial times its weight row's
+``2^(e - 127)`` into a stage accumulator (a multiply-add per value), and at
+the stage's end adds that times each token's activation scale (one per 128 K,
+loaded at the stage's start, so its latency hides behind the stage's WGMMAs)
+into the tile's accumulator.  Two or three partials are in flight, so the next
+blocks' WGMMAs run while one is scaled.  Decode groups are a few tokens, so the
+partials are small (8 to 64 tokens: 4 to 32 registers a thread).  On one H200
+(burst) these tiles take 0.53-0.58 of bf16 weights' time at 1-32 tokens per
+expert on the Qwen3 shapes, and 0.72-0.83 at 64.
 
 The accumulator holds the output tile transposed (weight rows x tokens).  The
 epilogue writes it to shared memory as fp32 ``[token][weight row]``, and the
@@ -199,7 +203,12 @@ class SwappedMxMainloop:
         """One tile's K stages with FP8 activations; every stage is released after its last WGMMA retired."""
         tCcC, thr_mma, sB, sSF, mSFA = operands
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sB))  # the weights' stages: the MMA's A
-        parts = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype), cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)]
+        # Partials in flight: a third where registers allow (two warpgroups: 64 tokens, or SwiGLU's 128-row
+        # tiles) took 0.96-0.98 of two's time at 64 tokens per expert (one H200, burst, grouped_gemm.jsonl
+        # [24e70ef0e5e7+s31-stageacc-d3] against [...-d2]);
+        # four warpgroups have 104 registers a thread
+        depth = 3 if self.num_consumer_wg == 2 else 2
+        parts = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in range(depth)]
         sSF32 = cute.recast_tensor(sSF, cutlass.Uint32)  # a stage's four scale bytes of a row: one 32-bit word
         # This thread's tokens (accumulator columns) as activation-scale rows; rows past the tensor read its
         # last row (their outputs are never stored).  Element i's token is column (i % 2) + 2 * (i // 4) of these.
@@ -209,6 +218,7 @@ class SwappedMxMainloop:
             r = row0 + tCcC[(j % 2) + 4 * (j // 2)][1]
             token_rows.append(r if r < rows else rows - 1)
         stages_per_box = MX_SCALE_BOX * MX_BLOCK // self.tile_k
+        stage_acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
         for k_tile in cutlass.range(self.k_tiles, unroll=1):
             mainloop.consumer_wait(read_state)
             stage = read_state.index
@@ -219,26 +229,30 @@ class SwappedMxMainloop:
             for kb in cutlass.range_constexpr(blocks):
                 cute.nvgpu.warpgroup.fence()
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                cute.gemm(tiled_mma, parts[kb % 2], tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
-                          parts[kb % 2])
+                cute.gemm(tiled_mma, parts[kb % depth], tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
+                          parts[kb % depth])
                 cute.nvgpu.warpgroup.commit_group()
-                if kb > 0:
-                    cute.nvgpu.warpgroup.wait_group(1)  # block kb - 1 is done, block kb runs
-                    self._promote_block(acc, parts[(kb - 1) % 2], words, kb - 1, sa)
+                if kb >= depth - 1:
+                    cute.nvgpu.warpgroup.wait_group(depth - 1)  # block kb - depth + 1 is done, the later ones run
+                    self._scale_block(stage_acc, parts[(kb - depth + 1) % depth], words, kb - depth + 1)
             cute.nvgpu.warpgroup.wait_group(0)
             mainloop.consumer_release(read_state)
-            self._promote_block(acc, parts[(blocks - 1) % 2], words, blocks - 1, sa)
+            for kb in cutlass.range_constexpr(blocks - depth + 1, blocks):
+                self._scale_block(stage_acc, parts[kb % depth], words, kb)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + stage_acc[i] * sa[(i % 2) + 2 * (i // 4)]
             read_state.advance()
         return read_state
 
     @cute.jit
-    def _promote_block(self, acc, part, words, kb: cutlass.Constexpr, sa):
-        """``acc += part * 2^(e - 127) * sa``: ``e`` the E8M0 byte ``kb`` of each row half's scale word, ``sa``
-        each column's activation scale."""
+    def _scale_block(self, stage_acc, part, words, kb: cutlass.Constexpr):
+        """``stage_acc (+)= part * 2^(e - 127)``: ``e`` the E8M0 byte ``kb`` of each row half's scale word."""
         w = [_e8m0_to_f32((words[h] >> (8 * kb)) & 0xFF) for h in range(2)]
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            # element order: (column pair, row half, 8-column block)
-            acc[i] = acc[i] + part[i] * (w[(i // 2) % 2] * sa[(i % 2) + 2 * (i // 4)])
+        for i in cutlass.range_constexpr(cute.size(stage_acc)):
+            if cutlass.const_expr(kb == 0):
+                stage_acc[i] = part[i] * w[(i // 2) % 2]
+            else:
+                stage_acc[i] = stage_acc[i] + part[i] * w[(i // 2) % 2]
 
     @cute.jit
     def _swapped_epilogue(self, acc, tCcC, sX, mC, mRowW, rows, row0, rows_left, n_tile, batch, mma_tidx, barrier):

@@ -17,7 +17,9 @@ rank's experts ``[expert_start, expert_start + E_local)``:
    * MXFP8 (E4M3 + one E8M0 exponent per 32 values along K) —
      `kernels.grouped_gemm_mxfp8`, which dequantizes the weights inside the kernel
      and multiplies bf16 rows (W8A16; weights and exponents from
-     `interleave_gate_up_mxfp8`);
+     `interleave_gate_up_mxfp8`), except decode-sized groups
+     (`kernels.grouped_gemm_mxfp8.fp8_math_pays`), whose rows and SwiGLU output are
+     quantized as for FP8 block-scaled weights and multiplied in FP8 (W8A8);
 3. `kernels.ep_prefill.ep_combine` sums each token's rows times its routing weights
    in fp32 and rounds once.  The weights are applied here rather than as GEMM row
    weights: the combine takes them anyway, and this rounds like the reference
@@ -35,6 +37,7 @@ kernels write bf16.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 
@@ -85,7 +88,9 @@ def expert_ffn(rows: torch.Tensor, groups: torch.Tensor, w13_interleaved: torch.
     ``rows``/``groups`` in the grouped GEMM's contiguous (``offsets``) or masked
     (``counts``, ``masked=True``) layout; weights as in `grouped_moe`.  FP8 rows may
     arrive quantized already (``rows`` E4M3 with ``rows_scale``, as the decode
-    dispatch sends them); bf16 rows are quantized here.  ``h_out`` / ``y_out``
+    dispatch sends them); bf16 rows are quantized here where the weights are FP8
+    block-scaled, or MXFP8 with decode-sized groups (``expected_rows_per_expert``, else
+    the masked buffer's rows per expert; see `kernels.grouped_gemm_mxfp8.fp8_math_pays`).  ``h_out`` / ``y_out``
     (bf16, CUDA) receive the SwiGLU and down outputs.  Masked rows past an
     expert's count are left as they were on CUDA.  ``expected_rows_per_expert`` picks the
     GEMMs' tile bucket (see `kernels.grouped_gemm.grouped_gemm`).
@@ -96,21 +101,27 @@ def expert_ffn(rows: torch.Tensor, groups: torch.Tensor, w13_interleaved: torch.
         raise gg.GroupedGemmError("MXFP8 experts take both w13_mx_scale and w2_mx_scale, and no FP8 block scales")
     if (w13_scale is None) != (w2_scale is None):
         raise gg.GroupedGemmError("FP8 block-scaled experts take both w13_scale and w2_scale")
-    if w13_mx_scale is not None:
-        h = mx.grouped_gemm_mxfp8_swiglu(rows, w13_interleaved, w13_mx_scale, groups, masked=masked, out=h_out,
-                                         expected_rows_per_expert=expect)
-        h = h.to(torch.bfloat16)  # the CPU reference returns fp32, the kernel bf16 already
-        return mx.grouped_gemm_mxfp8(h, w2, w2_mx_scale, groups, masked=masked, out=y_out,
-                                     expected_rows_per_expert=expect).to(torch.bfloat16)
-    fp8 = w13_scale is not None
+    mxfp8 = w13_mx_scale is not None
+    tokens = expect if expect is not None else (rows.shape[1] if masked else math.inf)
+    fp8 = w13_scale is not None or rows_scale is not None or (mxfp8 and mx.fp8_math_pays(masked, tokens))
+    filled = groups if masked else None  # masked: only the filled rows are quantized
     if fp8 and rows_scale is None:
-        rows, rows_scale = quantize_act(rows)
-    h = gg.grouped_gemm_swiglu(rows, w13_interleaved, groups, masked=masked, x_scale=rows_scale,
-                               w_scale_interleaved=w13_scale, out=h_out, expected_rows_per_expert=expect).to(torch.bfloat16)
-    h, h_scale = quantize_act(h, groups if masked else None) if fp8 else (h, None)  # masked: only the filled rows
-    return gg.grouped_gemm(h, w2, groups, masked=masked, x_scale=h_scale, w_scale=w2_scale,
-                           out=y_out, expected_rows_per_expert=expect).to(torch.bfloat16)
-
+        rows, rows_scale = quantize_act(rows, filled)
+    if mxfp8:
+        h = mx.grouped_gemm_mxfp8_swiglu(rows, w13_interleaved, w13_mx_scale, groups, masked=masked, x_scale=rows_scale,
+                                         out=h_out, expected_rows_per_expert=expect)
+    else:
+        h = gg.grouped_gemm_swiglu(rows, w13_interleaved, groups, masked=masked, x_scale=rows_scale,
+                                   w_scale_interleaved=w13_scale, out=h_out, expected_rows_per_expert=expect)
+    h = h.to(torch.bfloat16)  # the CPU references return fp32, the kernels bf16 already
+    h, h_scale = quantize_act(h, filled) if fp8 else (h, None)
+    if mxfp8:
+        y = mx.grouped_gemm_mxfp8(h, w2, w2_mx_scale, groups, masked=masked, x_scale=h_scale, out=y_out,
+                                  expected_rows_per_expert=expect)
+    else:
+        y = gg.grouped_gemm(h, w2, groups, masked=masked, x_scale=h_scale, w_scale=w2_scale, out=y_out,
+                            expected_rows_per_expert=expect)
+    return y.to(torch.bfloat16)
 
 def grouped_moe(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, expert_start: int, *, w13_scale: torch.Tensor | None = None,

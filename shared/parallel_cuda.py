@@ -77,8 +77,9 @@ class PeerDecodeMoE:
     on that layout; `combine_send`/`combine_recv` weight, sum and bring the rows
     home. FP8 block-scaled experts get an FP8 payload (quantized once, in the
     dispatch) and the intermediate is quantized for the down GEMM, as in
-    `kernels.moe.grouped_moe`; MXFP8 experts take the bf16 payload (their kernels
-    dequantize the weights and multiply bf16 rows), so they need ``fp8=False``.
+    `kernels.moe.grouped_moe`; MXFP8 experts take the bf16 payload, so they need
+    ``fp8=False`` (`expert_ffn` quantizes the rows of decode-sized groups after the
+    dispatch: their kernels run FP8 math only up to 64 tokens per expert).
 
     One instance serves every MoE layer of a model (layers run one after another,
     each round completes before the next): its buffers are sized once for

@@ -56,14 +56,17 @@ def _weights(fmt: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return dict(w13_interleaved=interleave_gate_up(w13.bfloat16())[0], w2=w2.bfloat16())
 
 
-def _assert_matches_cpu(out: torch.Tensor, ref: torch.Tensor, fmt: str, what: str) -> None:
+def _assert_matches_cpu(out: torch.Tensor, ref: torch.Tensor, fmt: str, what: str, fp8_rows: bool | None = None) -> None:
+    """``fp8_rows``: whether the activations were E4M3-quantized (default: FP8 block-scaled weights), where a
+    one-ulp bf16 difference can flip an E4M3 rounding and the bound is looser."""
     out, ref = out.cpu().double(), ref.double()
     assert torch.isfinite(out).all()
     rel = float((out - ref).norm() / ref.norm())
     rms = float(ref.pow(2).mean().sqrt())
     worst = float(((out - ref).abs() / (ref.abs() * 2.0**-6 + rms * 2.0**-7)).max())
     print(f"{what} {fmt}: rel_fro={rel:.2e} worst/bound={worst:.2f}")
-    if fmt == "fp8":
+    fp8_rows = fmt == "fp8" if fp8_rows is None else fp8_rows
+    if fp8_rows:
         assert rel < 2.0**-5
     else:
         assert rel < 2.0**-7 and worst <= 1.0
@@ -111,5 +114,6 @@ def test_masked_expert_ffn_cuda_matches_cpu(fmt):
     torch.cuda.synchronize()
     assert out.data_ptr() == y_out.data_ptr()
     owned = torch.arange(max_tokens)[None, :] < counts[:, None]  # [E, max_tokens]
-    _assert_matches_cpu(out.cpu()[owned], ref[owned], fmt, "masked expert_ffn")
+    # MXFP8 weights quantize the rows of decode-sized masked groups too (kernels.grouped_gemm_mxfp8.fp8_math_pays)
+    _assert_matches_cpu(out.cpu()[owned], ref[owned], fmt, "masked expert_ffn", fp8_rows=fmt != "bf16")
     assert torch.isnan(out.cpu()[~owned].float()).all(), "rows past an expert's count were written"

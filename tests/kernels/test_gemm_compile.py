@@ -138,6 +138,8 @@ def test_swapped_mxfp8_decode_compiles_for_sm90a(masked, tile_m, tile_n, swiglu,
         "no store-warp handoff": "bar.arrive" not in ptx,
         "no local memory": ".local" not in ptx,
         "setmaxnreg within the CTA's registers": f"setmaxnreg.inc.sync.aligned.u32 \t{232 if tile_n == 128 else 104};" in ptx,
+        # partials in flight: three with two warpgroups' registers, two with four's
+        "partials in flight": f"wgmma.wait_group.sync.aligned \t{2 if tile_n == 128 else 1};" in ptx,
     }
     assert all(found.values()), found
 
@@ -170,6 +172,8 @@ def test_swapped_fp8_x_mxfp8_decode_compiles_for_sm90a(masked, tile_m, tile_n, s
         "no store-warp handoff": "bar.arrive" not in ptx,
         "no local memory": ".local" not in ptx,
         "setmaxnreg within the CTA's registers": f"setmaxnreg.inc.sync.aligned.u32 \t{232 if tile_n == 128 else 104};" in ptx,
+        # partials in flight: three with two warpgroups' registers, two with four's
+        "partials in flight": f"wgmma.wait_group.sync.aligned \t{2 if tile_n == 128 else 1};" in ptx,
         # the accumulator, two partials and the token scales fit: ptxas spilled 240 bytes a thread for 64 x 256
         "no spills": kernel_attributes(cubin)["frame_size"] == 0,
     }

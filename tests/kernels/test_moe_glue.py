@@ -8,8 +8,9 @@ sum once, so it must agree to a few bf16 roundings: relative Frobenius error bel
 quantization; the loop then quantizes exactly where the kernels do (rows before
 gate/up, the bf16 SwiGLU output before down), so the same bound holds up to the
 rare E4M3 rounding flips a one-ulp bf16 difference causes (relative Frobenius
-error below 2^-5). MXFP8 weights multiply bf16 rows (no activation quantization):
-the loop runs on the dequantized weights and the bf16 bounds hold.
+error below 2^-5). MXFP8 weights multiply bf16 rows (no activation quantization),
+except decode-sized masked groups, which quantize as FP8 does: the loop runs on the
+dequantized weights, and the bf16 bounds hold for either.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kernels import ops
 from kernels.act_quant import quantize_act_reference
 from kernels.grouped_gemm import interleave_gate_up
 from kernels.grouped_gemm_mxfp8 import dequantize_mxfp8, interleave_gate_up_mxfp8, quantize_mxfp8
-from kernels.moe import grouped_moe, grouped_moe_unsupported
+from kernels.moe import expert_ffn, grouped_moe, grouped_moe_unsupported
 from shared.model.quant_formats import quantize_block_fp8
 
 E_GLOBAL, H, I, TOPK = 8, 256, 128, 3
@@ -33,26 +34,29 @@ def _routing(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, w
 
 
+def _expert_row(xt: torch.Tensor, w13e: torch.Tensor, w2e: torch.Tensor, fp8_rows: bool) -> torch.Tensor:
+    """float64 ``down(silu(gate x) * up x)`` of one row ``xt [1, H]`` rounded to bf16 as the kernels write it; with
+    ``fp8_rows`` the row and the SwiGLU output are E4M3-quantized as the kernels do."""
+    if fp8_rows:
+        q, s = quantize_act_reference(xt)
+        xt = q.double() * s.double().repeat_interleave(128, -1)[:, :H]
+    gu = xt.double() @ w13e.double().T
+    h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).bfloat16()  # the kernel writes bf16
+    if fp8_rows:
+        q, s = quantize_act_reference(h)
+        h = q.double() * s.double().repeat_interleave(128, -1)[:, :I]
+    return (h.double() @ w2e.double().T).bfloat16()[0]
+
+
 def _loop_reference(x, w13, w2, ids, w, expert_start, fp8_rows: bool) -> torch.Tensor:
-    """float64 weighted sum over local experts; with ``fp8_rows`` activations are E4M3-quantized as the kernels do."""
+    """float64 weighted sum over local experts (`_expert_row` of each routed token)."""
     e_local = w13.shape[0]
     out = torch.zeros(x.shape[0], H, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(TOPK):
             e = int(ids[t, j]) - expert_start
-            if not 0 <= e < e_local:
-                continue
-            xt = x[t : t + 1]
-            if fp8_rows:
-                q, s = quantize_act_reference(xt)
-                xt = q.double() * s.double().repeat_interleave(128, -1)[:, :H]
-            gu = xt.double() @ w13[e].double().T
-            h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).bfloat16()  # the kernel writes bf16
-            if fp8_rows:
-                q, s = quantize_act_reference(h)
-                h = q.double() * s.double().repeat_interleave(128, -1)[:, :I]
-            y = (h.double() @ w2[e].double().T).bfloat16()
-            out[t] += float(w[t, j]) * y[0].double()
+            if 0 <= e < e_local:
+                out[t] += float(w[t, j]) * _expert_row(x[t : t + 1], w13[e], w2[e], fp8_rows).double()
     return out
 
 
@@ -99,6 +103,32 @@ def test_grouped_moe_cpu_matches_loop(fmt, expert_start, e_local):
     _assert_close(out, ref, 2.0**-5 if fp8 else 2.0**-7)
     if expert_start:
         assert torch.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("expected,fp8_rows", [(None, True), (8.0, True), (65.0, False)],
+                         ids=["capacity", "decode_sized", "larger"])
+def test_masked_mxfp8_experts_take_fp8_rows_for_decode_sized_groups(expected, fp8_rows):
+    """MXFP8 experts in the decode layout quantize their rows (and SwiGLU output) to E4M3 when a step brings each
+    expert at most SMALL_TILE_MAX_TOKENS_PER_EXPERT rows (``expected_rows_per_expert``, else the buffer's rows per
+    expert: 12 here), and multiply bf16 rows beyond that; every filled row matches the loop quantizing exactly
+    there, and the bf16 result differs (the quantization is not a no-op on these inputs)."""
+    gen = torch.Generator().manual_seed(5)
+    e_local, capacity = 4, 12
+    counts = torch.tensor([3, 0, 12, 7], dtype=torch.int32)
+    rows = torch.randn(e_local, capacity, H, generator=gen).bfloat16()
+    w13 = torch.randn(e_local, 2 * I, H, generator=gen) / H**0.5
+    w2 = torch.randn(e_local, H, I, generator=gen) / I**0.5
+    (q13, e13), (q2, e2) = quantize_mxfp8(w13), quantize_mxfp8(w2)
+    wi, ei = interleave_gate_up_mxfp8(q13, e13)
+    out = expert_ffn(rows, counts, wi, q2, masked=True, w13_mx_scale=ei, w2_mx_scale=e2,
+                     expected_rows_per_expert=expected)
+    w13_eff, w2_eff = dequantize_mxfp8(q13, e13), dequantize_mxfp8(q2, e2)
+    filled = [(e, t) for e in range(e_local) for t in range(int(counts[e]))]
+    got = torch.stack([out[e, t] for e, t in filled])
+    ref = torch.stack([_expert_row(rows[e, t : t + 1], w13_eff[e], w2_eff[e], fp8_rows) for e, t in filled])
+    other = torch.stack([_expert_row(rows[e, t : t + 1], w13_eff[e], w2_eff[e], not fp8_rows) for e, t in filled])
+    _assert_close(got, ref, 2.0**-7)
+    assert float((got.double() - other.double()).norm() / other.double().norm()) > 2.0**-6
 
 
 def test_grouped_moe_empty_batch():
