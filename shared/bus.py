@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -27,7 +27,7 @@ from nats.errors import Error as NATSError
 from nats.errors import TimeoutError as NATSTimeoutError
 
 from shared.logging import get_logger
-from shared.tasks import no_lost_cancel, spawn
+from shared.tasks import cancel_and_wait, no_lost_cancel, spawn
 
 T = TypeVar("T")
 log = get_logger(__name__)
@@ -77,8 +77,8 @@ class PayloadTooLarge(BusError):
     `moebus up` and the compose files start it, 1 MiB nats-server's own default): not sent."""
 
 
-# How often a stream of replies checks whether the connection was re-established meanwhile.
-RECONNECT_CHECK_S = 0.25
+# How often the streams' shared watch asks each waiting stream's `gone` whether its responder is gone.
+GONE_CHECK_S = 0.25
 # A drain cancels the handlers still running at its timeout and gives their cleanup this long to
 # end before the connection closes (a handler that ignores its cancel is logged and left).
 HANDLER_CANCEL_S = 2.0
@@ -173,6 +173,15 @@ def unpack(data: bytes, type_: type[T] | Any) -> T:
 # ---------------------------------------------------------------- the bus
 
 
+@dataclass(eq=False)
+class _StreamWait:
+    """What wakes a stream waiting for replies (`Bus.stream`): a reply, a reconnect, or its `gone` naming why."""
+
+    gone: Callable[[], str] | None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    gone_why: str = ""
+
+
 class Bus:
     """A connected NATS client plus the handler tasks it runs. Build with `connect()`."""
 
@@ -183,6 +192,8 @@ class Bus:
         self._subs: list[Subscription] = []
         self._reconnect_callbacks: list[Callable[[], None]] = []
         self.reconnects = 0  # connections re-established since connect()
+        self._waiting: set[_StreamWait] = set()  # the streams waiting for replies (`stream`)
+        self._gone_watch: asyncio.Task[None] | None = None
 
     def on_reconnect(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` each time the connection is re-established after a loss.
@@ -195,8 +206,21 @@ class Bus:
     def _reconnected(self) -> None:
         self.reconnects += 1
         log.warning("nats_reconnected", client=self.name)
+        for wait in self._waiting:
+            wait.wake.set()
         for callback in self._reconnect_callbacks:
             callback()
+
+    async def _watch_gone(self) -> None:
+        """While streams with a `gone` check wait, ask each every GONE_CHECK_S and wake those it names
+        gone: one task for all of them, where a timer per stream woke every waiting stream as often
+        (a gateway with thousands of requests queued spent a third of a core on that)."""
+        while any(w.gone is not None for w in self._waiting):
+            await asyncio.sleep(GONE_CHECK_S)
+            for wait in list(self._waiting):
+                if wait.gone is not None and not wait.gone_why and (why := wait.gone()):
+                    wait.gone_why = why
+                    wait.wake.set()
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True) -> Subscription:
         """Run `handler(msg)` for each message. `concurrent`: each message in its own task.
@@ -295,43 +319,54 @@ class Bus:
         Raises PayloadTooLarge for a request the server would refuse, NoResponders when
         nobody listens on `subject`, RequestTimeout when the deadline passes before the last reply, Silent when `silence_s` passes without
         any reply (for a responder that promised keepalives) or when `gone` (asked while a reply
-        is due, every `RECONNECT_CHECK_S`: no task of its own) says why the responder is gone, and
+        is due, every `GONE_CHECK_S`, by one watch task for all streams) says why the responder is gone, and
         Reconnected when the connection was re-established meanwhile (NATS delivers at most once: replies sent
         while it was down are gone, and waiting on would last until the deadline).
+        A waiting stream wakes only for a reply, a reconnect, its `gone`, its silence or its deadline.
         """
         inbox = self.nc.new_inbox()
         # Replies go into a queue of ours, read under asyncio.timeout: nats-py's next_msg waits with
         # asyncio.wait_for, which on Python 3.11 returns a reply that arrives in the same turn of the
         # event loop as a cancel and drops the cancel, so a cancelled reader read on to the stream's end.
         replies: asyncio.Queue[Msg] = asyncio.Queue()
+        wait = _StreamWait(gone)
 
         async def take(msg: Msg) -> None:
             replies.put_nowait(msg)
+            wait.wake.set()
 
         sub = await self.nc.subscribe(inbox, cb=take)
         reconnects = self.reconnects
+        self._waiting.add(wait)
+        if gone is not None and (self._gone_watch is None or self._gone_watch.done()):
+            self._gone_watch = asyncio.get_running_loop().create_task(self._watch_gone())
         try:
             await self.publish(subject, payload, headers, reply=inbox)
             last_reply = time.monotonic()
             while True:
                 if self.reconnects != reconnects:
                     raise Reconnected(f"the NATS connection was re-established while replies on {subject} were due; some may have been lost")
-                try:
-                    async with asyncio.timeout(deadline.timeout(RECONNECT_CHECK_S)):
-                        msg = await replies.get()
-                except TimeoutError as e:
-                    if deadline.expired:
-                        raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
-                    if gone is not None and (why := gone()):
-                        raise Silent(why) from e
-                    if silence_s is not None and time.monotonic() - last_reply >= silence_s:
-                        if await self._replies_unread(sub, replies, deadline.timeout(cap=silence_s)):
-                            continue  # the silence was our own event loop's stall, not the responder's
-                        # Say which side went quiet: with this connection down (the server gone, reconnecting) the
-                        # responder may be fine, and whoever reads the error (an HTTP client, an operator) looks there.
-                        why = "the responder stopped answering" if self.nc.is_connected else "this process's NATS connection is down (reconnecting)"
-                        raise Silent(f"no reply on {subject} for {silence_s:g}s: {why}") from e
+                if replies.empty():
+                    if wait.gone_why:
+                        raise Silent(wait.gone_why)
+                    quiet = None if silence_s is None else max(silence_s - (time.monotonic() - last_reply), 0.0)
+                    try:
+                        async with asyncio.timeout(deadline.timeout(quiet)):
+                            await wait.wake.wait()
+                    except TimeoutError as e:
+                        if deadline.expired:
+                            raise RequestTimeout(f"no final reply on {subject} before the deadline") from e
+                        if silence_s is not None and time.monotonic() - last_reply >= silence_s:
+                            if await self._replies_unread(sub, replies, deadline.timeout(cap=silence_s)):
+                                continue  # the silence was our own event loop's stall, not the responder's
+                            # Say which side went quiet: with this connection down (the server gone, reconnecting) the
+                            # responder may be fine, and whoever reads the error (an HTTP client, an operator) looks there.
+                            why = "the responder stopped answering" if self.nc.is_connected else "this process's NATS connection is down (reconnecting)"
+                            raise Silent(f"no reply on {subject} for {silence_s:g}s: {why}") from e
+                        continue
+                    wait.wake.clear()
                     continue
+                msg = replies.get_nowait()
                 last_reply = time.monotonic()
                 if msg.headers and msg.headers.get("Status") == "503":
                     raise NoResponders(f"no responder on {subject}")
@@ -339,6 +374,7 @@ class Bus:
                 if is_last(msg):
                     return
         finally:
+            self._waiting.discard(wait)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -411,6 +447,8 @@ class Bus:
             _, running = await asyncio.wait(set(self._tasks), timeout=timeout)
             if running:
                 await self._cancel_handlers(running, timeout)
+        if self._gone_watch is not None:  # streams of tasks other than handlers may still wait
+            await cancel_and_wait(self._gone_watch)
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
