@@ -180,6 +180,7 @@ class _StreamWait:
     gone: Callable[[], str] | None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     gone_why: str = ""
+    gone_error: Exception | None = None  # what `gone` raised, raised in the stream
 
 
 class Bus:
@@ -218,8 +219,13 @@ class Bus:
         while any(w.gone is not None for w in self._waiting):
             await asyncio.sleep(GONE_CHECK_S)
             for wait in list(self._waiting):
-                if wait.gone is not None and not wait.gone_why and (why := wait.gone()):
-                    wait.gone_why = why
+                if wait.gone is None or wait.gone_why or wait.gone_error:
+                    continue
+                try:
+                    wait.gone_why = wait.gone()
+                except Exception as e:  # noqa: BLE001 - the stream that asked raises it, as when it asked itself
+                    wait.gone_error = e
+                if wait.gone_why or wait.gone_error:
                     wait.wake.set()
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True) -> Subscription:
@@ -347,6 +353,8 @@ class Bus:
                 if self.reconnects != reconnects:
                     raise Reconnected(f"the NATS connection was re-established while replies on {subject} were due; some may have been lost")
                 if replies.empty():
+                    if wait.gone_error:
+                        raise wait.gone_error
                     if wait.gone_why:
                         raise Silent(wait.gone_why)
                     quiet = None if silence_s is None else max(silence_s - (time.monotonic() - last_reply), 0.0)

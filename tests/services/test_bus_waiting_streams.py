@@ -119,6 +119,34 @@ def test_gone_ends_only_the_stream_it_names_and_a_reply_still_arrives(nats_serve
     assert reply == b"done"
 
 
+def test_an_error_of_gone_is_raised_by_its_own_stream_only(nats_server) -> None:  # type: ignore[no-untyped-def]
+    port, _ = nats_server
+    url = f"nats://127.0.0.1:{port}"
+
+    async def go() -> bool:
+        async with connect(url, "responder") as responder, connect(url, "caller") as caller:
+            await _silent_responder(responder)
+            await until_listened(caller, SUBJECT)
+
+            def broken() -> str:
+                raise KeyError("no such scheduler")
+
+            async def wait(gone) -> None:  # type: ignore[no-untyped-def]
+                async for _ in caller.stream(SUBJECT, b"wait", lambda _m: True, Deadline.after(60), gone=gone):
+                    pass
+
+            other = asyncio.create_task(wait(lambda: ""))
+            with pytest.raises(KeyError, match="no such scheduler"):
+                await asyncio.wait_for(wait(broken), 5)
+            await asyncio.sleep(2 * GONE_CHECK_S)
+            alive = not other.done()
+            other.cancel()
+            await asyncio.gather(other, return_exceptions=True)
+            return alive
+
+    assert run(go())
+
+
 def test_a_waiting_stream_ends_at_its_deadline(nats_server) -> None:  # type: ignore[no-untyped-def]
     port, _ = nats_server
     url = f"nats://127.0.0.1:{port}"
