@@ -1,4 +1,5 @@
-"""bf16 x MXFP8 decode tiles of the Hopper grouped GEMM with the operands swapped (a mixin of ``GroupedGemmSm90``).
+"""MXFP8 decode tiles of the Hopper grouped GEMM with the operands swapped, for bf16 or FP8 activations
+(a mixin of ``GroupedGemmSm90``).
 
 Decode groups are a few tokens per expert, so the weights are almost all the
 bytes.  The other MXFP8 tiles (``ScaledMainloops._mainloop_mx``) convert each
@@ -66,7 +67,7 @@ def swapped_out_floats(tile_m: int, tile_n: int) -> int:
 
 
 class SwappedMxMainloop:
-    """Consumer side of the swapped bf16 x MXFP8 tiles (uses ``cfg``, ``tile_k``, ``k_tiles``, ``ab_dtype``,
+    """Consumer side of the swapped MXFP8 tiles (uses ``cfg``, ``tile_k``, ``k_tiles``, ``ab_dtype``,
     ``b_load_dtype``, ``acc_dtype``, ``c_dtype``, ``num_consumer_wg``, ``out_cols``, ``store_vec``, ``_locate``)."""
 
     @cute.jit
