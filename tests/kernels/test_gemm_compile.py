@@ -111,6 +111,14 @@ def test_grouped_gemm_mxfp8_compiles_for_sm90a(masked, tile_m, swiglu, row_weigh
     assert all(found.values()), found
 
 
+def _swapped_config(masked: bool, tile_m: int, tile_n: int, swiglu: bool, row_weights: bool, *,
+                    fp8: bool) -> sm90.GroupedGemmConfig:
+    """A small MXFP8 decode config with the operands swapped (K and, without SwiGLU, N not multiples of a tile)."""
+    return sm90.GroupedGemmConfig(num_experts=6, n=512 if swiglu else 200, k=272, masked=masked, fp8=fp8,
+                                  tile_m=tile_m, tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=True,
+                                  swap_ab=True)
+
+
 SWAPPED_COMPILE_CASES = [  # (masked, tile_m, tile_n, swiglu, row_weights): bf16 x MXFP8 decode, operands swapped
     (True, 8, 128, True, False),
     (False, 64, 128, False, True),
@@ -122,9 +130,7 @@ SWAPPED_COMPILE_CASES = [  # (masked, tile_m, tile_n, swiglu, row_weights): bf16
 def test_swapped_mxfp8_decode_compiles_for_sm90a(masked, tile_m, tile_n, swiglu, row_weights, tmp_path):
     from kernels.grouped_gemm_launch import compile_kernel
 
-    cfg = sm90.GroupedGemmConfig(num_experts=6, n=512 if swiglu else 200, k=272, masked=masked, fp8=False,
-                                 tile_m=tile_m, tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=True,
-                                 swap_ab=True)
+    cfg = _swapped_config(masked, tile_m, tile_n, swiglu, row_weights, fp8=False)
     ptx = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}").artifacts.PTX
     # the weights' A operand from registers: four 32-bit registers in braces where a descriptor would be
     register_a = re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_m}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, "
@@ -153,9 +159,7 @@ SWAPPED_FP8_COMPILE_CASES = [  # (masked, tile_m, tile_n, swiglu, row_weights): 
 def test_swapped_fp8_x_mxfp8_decode_compiles_for_sm90a(masked, tile_m, tile_n, swiglu, row_weights, tmp_path):
     from kernels.grouped_gemm_launch import compile_kernel
 
-    cfg = sm90.GroupedGemmConfig(num_experts=6, n=512 if swiglu else 200, k=272, masked=masked, fp8=True,
-                                 tile_m=tile_m, tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=True,
-                                 swap_ab=True)
+    cfg = _swapped_config(masked, tile_m, tile_n, swiglu, row_weights, fp8=True)
     ptx = compile_kernel(cfg, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}").artifacts.PTX
     (cubin,) = tmp_path.glob("*.cubin")
     # both operands by descriptor: the weights' A from their TMA stage, the tokens' B

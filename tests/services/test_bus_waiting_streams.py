@@ -11,11 +11,13 @@ reason, a deadline and a reply each still end or wake the right stream. Real nat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
-from shared.bus import GONE_CHECK_S, Deadline, RequestTimeout, Silent, connect
+from shared.bus import GONE_CHECK_S, Bus, Deadline, RequestTimeout, Silent, connect
 
 from services_helpers import run, until_listened
 
@@ -23,14 +25,19 @@ SUBJECT = "waiting.test"
 STREAMS = 200
 
 
-async def _silent_responder(bus) -> None:  # type: ignore[no-untyped-def]
-    """Takes every request on SUBJECT and answers only a request saying b"answer" (with b"done")."""
+@contextlib.asynccontextmanager
+async def _caller(url: str) -> AsyncIterator[Bus]:
+    """A bus whose requests on SUBJECT a responder on another connection takes, answering only b"answer"
+    (with b"done")."""
 
     async def on_request(msg) -> None:  # type: ignore[no-untyped-def]
         if msg.data == b"answer":
             await msg.respond(b"done")
 
-    await bus.nc.subscribe(SUBJECT, cb=on_request)
+    async with connect(url, "responder") as responder, connect(url, "caller") as caller:
+        await responder.nc.subscribe(SUBJECT, cb=on_request)
+        await until_listened(caller, SUBJECT)
+        yield caller
 
 
 def test_waiting_streams_schedule_no_timer_per_stream_per_check(nats_server) -> None:  # type: ignore[no-untyped-def]
@@ -38,9 +45,7 @@ def test_waiting_streams_schedule_no_timer_per_stream_per_check(nats_server) -> 
     url = f"nats://127.0.0.1:{port}"
 
     async def go() -> tuple[int, int]:
-        async with connect(url, "responder") as responder, connect(url, "caller") as caller:
-            await _silent_responder(responder)
-            await until_listened(caller, SUBJECT)
+        async with _caller(url) as caller:
             asked = 0
 
             def gone() -> str:
@@ -87,9 +92,7 @@ def test_gone_ends_only_the_stream_it_names_and_a_reply_still_arrives(nats_serve
     url = f"nats://127.0.0.1:{port}"
 
     async def go() -> tuple[float, list[bool], bytes]:
-        async with connect(url, "responder") as responder, connect(url, "caller") as caller:
-            await _silent_responder(responder)
-            await until_listened(caller, SUBJECT)
+        async with _caller(url) as caller:
             dead: set[int] = set()
 
             async def wait(i: int) -> None:
@@ -124,9 +127,7 @@ def test_an_error_of_gone_is_raised_by_its_own_stream_only(nats_server) -> None:
     url = f"nats://127.0.0.1:{port}"
 
     async def go() -> bool:
-        async with connect(url, "responder") as responder, connect(url, "caller") as caller:
-            await _silent_responder(responder)
-            await until_listened(caller, SUBJECT)
+        async with _caller(url) as caller:
 
             def broken() -> str:
                 raise KeyError("no such scheduler")
@@ -152,9 +153,7 @@ def test_a_waiting_stream_ends_at_its_deadline(nats_server) -> None:  # type: ig
     url = f"nats://127.0.0.1:{port}"
 
     async def go() -> float:
-        async with connect(url, "responder") as responder, connect(url, "caller") as caller:
-            await _silent_responder(responder)
-            await until_listened(caller, SUBJECT)
+        async with _caller(url) as caller:
             started = time.monotonic()
             with pytest.raises(RequestTimeout):
                 async for _ in caller.stream(SUBJECT, b"wait", lambda _m: True, Deadline.after(0.7), gone=lambda: ""):
