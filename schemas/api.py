@@ -88,6 +88,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop: list[str] = []  # generation ends before the first occurrence of any of these strings
     stop_token_ids: list[int] = []  # vLLM's: generation ends at any of these tokens (besides EOS; also with ignore_eos)
     include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string or stop token that ended it
+    # vLLM's: the text leaves out special tokens (<|im_start|>, <|im_end|>, ...); false spells them, except an EOS
+    # or stop token that ended the completion (kept only with include_stop_str_in_output), as vLLM does
+    skip_special_tokens: bool = True
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token
     top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0..20)

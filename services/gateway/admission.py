@@ -81,6 +81,8 @@ class Admitted:
     timeout_s: float
     stop_token_ids: frozenset[int] = frozenset()  # the request's own (not EOS): their text is cut unless include_stop
     include_stop: bool = False  # the text keeps the stop string or stop token that ended it
+    skip_special_tokens: bool = True  # the text leaves out special tokens
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS tokens in effect (none with ignore_eos): cut as stop tokens are
 
 
 class Admission:
@@ -151,8 +153,10 @@ class Admission:
             priority=req.priority,
             deadline=arrival + timeout_s,
         )
+        eos = frozenset(() if req.ignore_eos else self.model.generation.eos_token_ids)
         return Admitted(job=job, stop=list(req.stop), timeout_s=timeout_s, stop_token_ids=frozenset(req.stop_token_ids),
-                        include_stop=req.include_stop_str_in_output)
+                        include_stop=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+                        eos_token_ids=eos)
 
     def _max_tokens(self, req: GenerateRequest, prompt_tokens: int) -> int:
         """The request's ``max_tokens``, or where it sets none what the context leaves after the

@@ -11,9 +11,10 @@ of some stop string is held back until the next tokens decide it. With ``min_tok
 (vLLM's), a stop string ends the completion only where it ends after the text of the first
 ``min_tokens`` tokens, as vLLM checks stop strings only from the next token on. As in vLLM,
 the text ends before the stop string, and without the text of a token of the request's
-``stop_token_ids`` that ended it (the token still counts, with its logprob), unless
-``include_stop`` (vLLM's ``include_stop_str_in_output``) keeps either; ``stop_reason`` names
-that string or token (None when EOS or ``max_tokens`` ended the completion).
+``stop_token_ids`` or the EOS token that ended it (the token still counts, with its logprob),
+unless ``include_stop`` (vLLM's ``include_stop_str_in_output``) keeps either; ``stop_reason`` names
+that string or token (None when EOS or ``max_tokens`` ended the completion). The EOS token's text
+shows only with ``skip_special_tokens`` false (the request's), as vLLM spells special tokens then.
 
 With logprobs, each token also becomes a `TokenLogprob` (its text and bytes alone, its
 logprob, its position's top alternatives) as soon as it arrives in order, whether or not
@@ -66,16 +67,19 @@ class TokensLost(Exception):
 class Completion:
     def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], max_tokens: int, token_piece: TokenPiece | None = None,
                  prompt_ids: list[int] | None = None, min_tokens: int = 0, stop_token_ids: frozenset[int] = frozenset(),
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, eos_token_ids: frozenset[int] = frozenset()) -> None:
         """``token_piece``: names the tokens of `token_logprobs` and `prompt_logprobs` (needed when
         batches carry logprobs); ``prompt_ids``: the prompt, when the request asks for its logprobs;
         ``min_tokens``: no stop string ends the completion before this many tokens;
         ``stop_token_ids``: the request's own stop tokens (not EOS); ``include_stop``: the text
-        keeps the stop string or stop token that ended it (module doc)."""
+        keeps the stop string or stop token that ended it (module doc); ``eos_token_ids``: the EOS
+        tokens in effect, whose text is cut as a stop token's (it shows only where the detokenizer
+        spells special tokens)."""
         self.detokenizer = detokenizer
         self.stop = stop
         self.stop_token_ids = stop_token_ids
         self.include_stop = include_stop
+        self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.token_piece = token_piece
@@ -131,8 +135,10 @@ class Completion:
                 self.token_logprobs += entries
                 delta.token_logprobs += entries
         short = self.min_tokens - (len(self.token_ids) - len(ids))  # tokens still below min_tokens before this batch
-        if batch.finish_reason == "stop" and ids and ids == batch.token_ids and ids[-1] in self.stop_token_ids:
-            self.stop_reason = ids[-1]
+        ended_by = ids[-1] if batch.finish_reason == "stop" and ids and ids == batch.token_ids else None
+        if ended_by is not None and (ended_by in self.stop_token_ids or ended_by in self.eos_token_ids):
+            if ended_by in self.stop_token_ids:
+                self.stop_reason = ended_by  # vLLM names the request's stop token, not EOS
             if not self.include_stop:
                 # The request's stop token ended the batch: counted, not spelled. The ranks ban it within
                 # min_tokens, so it comes after the first `short` tokens and the split below stays.

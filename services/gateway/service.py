@@ -318,9 +318,10 @@ class Gateway:
             flight.placement = await self._submit(flight, deadline)
             queue_ms = (time.monotonic() - arrival) * 1000
             log.info("placed", decode=f"{flight.placement.decode_instance}/{flight.placement.decode_rank}", prefill=flight.placement.prefill_instance)
-            completion = Completion(self.tokenizer.detokenizer(skip_special_tokens=True), flight.admitted.stop, job.max_tokens,
-                                    self.tokenizer.token_piece, job.input_ids if job.prompt_logprobs >= 0 else None, job.sampling.min_tokens,
-                                    flight.admitted.stop_token_ids, flight.admitted.include_stop)
+            admitted = flight.admitted
+            completion = Completion(self.tokenizer.detokenizer(skip_special_tokens=admitted.skip_special_tokens), admitted.stop,
+                                    job.max_tokens, self.tokenizer.token_piece, job.input_ids if job.prompt_logprobs >= 0 else None,
+                                    job.sampling.min_tokens, admitted.stop_token_ids, admitted.include_stop, admitted.eos_token_ids)
             ttft_ms = None
             chunks = 0
             timing = None  # the final reply's

@@ -4,7 +4,7 @@ Requests decode strictly (msgspec, unknown fields refused with their name); fiel
 OpenAI or vLLM define but moebus does not implement are accepted only at their no-op values
 (the requests' ``NO_OPS``; null, their default, is one): no ``suffix``, ``best_of`` > 1,
 vLLM's ``use_beam_search``, ``length_penalty`` but 1,
-``skip_special_tokens`` or ``spaces_between_special_tokens`` false, ``prompt_logprobs``,
+``spaces_between_special_tokens`` false, ``prompt_logprobs``,
 ``return_tokens_as_token_ids``, ``truncate_prompt_tokens``, guided decoding (``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``); in chat no
 response formats, ``store: true``, ``service_tier`` but "auto" or "default", ``modalities`` but
@@ -153,12 +153,13 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     OpenAI and vLLM take it: `__post_init__` puts the default in, so they are never None after
     decoding."""
 
-    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "presence_penalty", "frequency_penalty", "priority")
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("n", "stream", "presence_penalty", "frequency_penalty", "priority",
+                                                  "skip_special_tokens")
     # Fields taken only at the values that ask for nothing moebus does not do (null: unset), any
     # other value refused naming the field (`_check_no_ops`): vLLM's extensions, here those that
     # vLLM's completions and chat requests both have.
     NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+        "spaces_between_special_tokens": (None, True),
         "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_logprobs": (None,),
         "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "guided_json": (None,),
         "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,)}
@@ -188,7 +189,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request_id: str | None = None  # vLLM's: the request's id when no X-Request-Id header gives one (`services.openai.request_ids`)
     priority: int | None = 0  # vLLM's: the order of waiting requests under the scheduler's "priority" policy (the gateway checks it)
     # NO_OPS' vLLM fields (vLLM's types; guided decoding's any, so that every value is refused by name)
-    skip_special_tokens: bool | None = True  # moebus' text skips them
+    skip_special_tokens: bool | None = True  # vLLM's: false spells special tokens in the text
     spaces_between_special_tokens: bool | None = True
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0  # beam search's
@@ -312,6 +313,7 @@ def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
             "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias,
             "stop_token_ids": list(req.stop_token_ids or []), "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens,
             "cache_salt": req.cache_salt, "priority": req.priority}
 
 

@@ -129,6 +129,22 @@ def test_openai_and_vllm_fields_at_their_no_op_values_are_served_as_if_absent(fr
         assert with_fields == plain
 
 
+def test_skip_special_tokens_false_spells_them_in_the_text(frontend, tokenizer):
+    """vLLM's skip_special_tokens over HTTP, on both endpoints: a completion pushed onto <|im_start|> by
+    logit_bias has it three times in its text with false, and nowhere by default (before: a 400)."""
+    (im_start,) = tokenizer.encode("<|im_start|>")
+    for path, body in (("/v1/completions", {"prompt": "The capital of France is"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        body |= {"max_tokens": 3, "temperature": 0, "logit_bias": {str(im_start): 100}}
+        texts = []
+        for fields in ({"skip_special_tokens": False}, {}):
+            status, _, raw = call(frontend, "POST", path, body | fields)
+            assert status == 200, raw
+            choice = json.loads(raw)["choices"][0]
+            texts.append(choice["text"] if "text" in choice else choice["message"]["content"])
+        assert texts == ["<|im_start|>" * 3, ""], (path, texts)
+
+
 def test_a_priority_under_the_default_fcfs_policy_is_a_400_naming_the_setting(frontend):
     """vLLM's `priority` reaches the scheduler from both endpoints: 0 (or null) is served, another value is
     refused as vLLM refuses it without `--scheduling-policy priority`, a 400 saying which setting enables it."""

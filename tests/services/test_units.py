@@ -29,6 +29,30 @@ from shared.settings import (DecodeSettings, GatewaySettings, MetricsSettings, N
                              SchedulerSettings, SettingsError, load_settings, nats_server_settings)
 
 
+def test_completion_spells_special_tokens_without_skip_special_tokens_but_not_the_eos_that_ended_it(tiny_model: Path):
+    """vLLM's skip_special_tokens false: the text spells special tokens (<|im_start|> here), with the real Qwen3
+    tokenizer; the EOS that ended the completion is still left out unless include_stop keeps it. With skipping
+    (the default) the special token is not in the text."""
+    tok = Tokenizer.from_dir(tiny_model)
+    eos = frozenset(ModelInfo.load(GatewaySettings(model=str(tiny_model), model_name="tiny")).generation.eos_token_ids)
+    (im_start,) = tok.encode("<|im_start|>")
+    words = tok.encode("Hello there")
+    ids = [*words, im_start, *tok.encode("user"), min(eos)]
+
+    def text(skip: bool, include_stop: bool = False) -> str:
+        c = Completion(tok.detokenizer(skip_special_tokens=skip), stop=[], max_tokens=100, include_stop=include_stop,
+                       eos_token_ids=eos)
+        c.add(TokenBatch(request_id="r", start=0, token_ids=ids, finish_reason="stop"))
+        assert c.finished and c.token_ids == ids and c.stop_reason is None
+        return c.final_text
+
+    eos_text = tok.decode([min(eos)])
+    assert eos_text and "<|im_start|>" not in eos_text  # the EOS is a special token with text of its own
+    assert text(skip=False) == "Hello there<|im_start|>user"
+    assert text(skip=False, include_stop=True) == "Hello there<|im_start|>user" + eos_text
+    assert text(skip=True) == text(skip=True, include_stop=True) == "Hello thereuser"
+
+
 # ---------------------------------------------------------------- admission
 
 
@@ -217,6 +241,26 @@ def test_openai_and_vllm_fields_are_taken_at_their_no_op_values_and_refused_by_n
     for gen, unknown in ((completion, "guided_jsn"), (completion, "store"), (completion, "reasoning_effort"), (chat, "stored")):
         with pytest.raises(protocol.InvalidRequest, match=f"unknown field `{unknown}`"):
             gen({unknown: None})
+
+
+def test_vllms_skip_special_tokens_reaches_the_request_on_both_endpoints(tiny_model: Path):
+    """skip_special_tokens was taken only at true (a 400 otherwise); false now reaches the native request and
+    the gateway's admission, null is the default (true)."""
+    completion = lambda fields: protocol.completion_requests(  # noqa: E731
+        protocol.decode(json.dumps({"prompt": "hi"} | fields).encode(), protocol.CompletionRequest), "r", 4)[0]
+    chat = lambda fields: protocol.chat_request(  # noqa: E731
+        protocol.decode(json.dumps({"messages": [{"role": "user", "content": "hi"}]} | fields).encode(),
+                        protocol.ChatCompletionRequest), "r")
+    for gen in (completion, chat):
+        assert gen({"skip_special_tokens": False}).skip_special_tokens is False
+        assert gen({"skip_special_tokens": None}).skip_special_tokens is gen({}).skip_special_tokens is True
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    model = ModelInfo.load(settings)
+    admission = Admission(settings, model, Tokenizer.from_dir(tiny_model))
+    spelled = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, skip_special_tokens=False), "gw")
+    assert not spelled.skip_special_tokens and spelled.eos_token_ids == frozenset(model.generation.eos_token_ids)
+    ignoring = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, ignore_eos=True), "gw")
+    assert ignoring.skip_special_tokens and ignoring.eos_token_ids == frozenset()
 
 
 def test_vllms_cache_salt_request_id_add_special_tokens_and_openais_prompt_cache_key_are_taken():
