@@ -11,7 +11,9 @@ them; tokens whose text is the same, e.g. two partial UTF-8 pieces both shown as
 share one key), and each token's offset in the completion's text, counted in the token
 texts before it (which is the text itself unless a character is split over tokens).
 With ``echo`` the prompt's tokens come first, the first of them without a logprob (null),
-as vLLM returns them.
+as vLLM returns them. vLLM's ``return_tokens_as_token_ids`` names every token, chosen and
+alternative, ``"token_id:<id>"`` instead of by its text (a token that is part of a UTF-8
+character has no text of its own); the chat format's ``bytes`` stay the token's own.
 """
 
 from __future__ import annotations
@@ -21,23 +23,30 @@ from typing import Any
 from schemas.api import PromptLogprob, TokenLogprob, TopLogprob
 
 
-def _chat_token(t: TopLogprob) -> dict[str, Any]:
-    return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+def token_name(t: TopLogprob | TokenLogprob | PromptLogprob, as_ids: bool) -> str:
+    """How a logprobs entry names its token: its text, or with ``as_ids`` vLLM's ``token_id:<id>``."""
+    return f"token_id:{t.token_id}" if as_ids else t.token
 
 
-def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+def _chat_token(t: TopLogprob | TokenLogprob, as_ids: bool) -> dict[str, Any]:
+    return {"token": token_name(t, as_ids), "logprob": t.logprob, "bytes": t.bytes}
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None, as_ids: bool = False) -> dict[str, Any] | None:
     """A chat choice's (or chunk's) ``logprobs``; None when the request asked for none."""
     if entries is None:
         return None
-    return {"content": [_chat_token(e) | {"top_logprobs": [_chat_token(t) for t in e.top_logprobs]} for e in entries]}
+    return {"content": [_chat_token(e, as_ids) | {"top_logprobs": [_chat_token(t, as_ids) for t in e.top_logprobs]}
+                        for e in entries]}
 
 
 class CompletionLogprobs:
     """One completions choice's ``logprobs``, chunk after chunk: the text offsets of a stream's
     chunks continue where the previous chunk's ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, as_ids: bool = False) -> None:
         self.offset = 0
+        self.as_ids = as_ids  # tokens named token_id:<id> (vLLM's return_tokens_as_token_ids)
 
     def __call__(self, entries: list[TokenLogprob] | None, echoed: list[PromptLogprob] | None = None) -> dict[str, Any] | None:
         """The logprobs of ``entries`` (None when the request asked for none), after those of the
@@ -45,13 +54,15 @@ class CompletionLogprobs:
         if entries is None:
             return None
         tokens: list[TokenLogprob | PromptLogprob] = [*(echoed or []), *entries]
+        names = [token_name(e, self.as_ids) for e in tokens]
         offsets = []
-        for e in tokens:
+        for name in names:  # counted in the names, as vLLM counts them
             offsets.append(self.offset)
-            self.offset += len(e.token)
+            self.offset += len(name)
         return {
-            "tokens": [e.token for e in tokens],
+            "tokens": names,
             "token_logprobs": [e.logprob for e in tokens],
-            "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top_logprobs} | {e.token: e.logprob} for e in tokens],
+            "top_logprobs": [None if e.logprob is None else {token_name(t, self.as_ids): t.logprob for t in e.top_logprobs} | {name: e.logprob}
+                             for e, name in zip(tokens, names, strict=True)],
             "text_offset": offsets,
         }

@@ -5,7 +5,7 @@ OpenAI or vLLM define but moebus does not implement are accepted only at their n
 (the requests' ``NO_OPS``; null, their default, is one): no ``suffix``, ``best_of`` > 1,
 vLLM's ``use_beam_search``, ``length_penalty`` but 1,
 ``spaces_between_special_tokens`` false, ``prompt_logprobs``,
-``return_tokens_as_token_ids``, ``truncate_prompt_tokens``, guided decoding (``guided_json``,
+``truncate_prompt_tokens``, guided decoding (``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``); in chat no
 response formats, ``store: true``, ``service_tier`` but "auto" or "default", ``modalities`` but
 ``["text"]``, ``reasoning_effort`` (no faithful mapping), ``prediction``, ``tool_choice``
@@ -47,7 +47,8 @@ Fields OpenAI's spec lets be ``null`` (``n``, ``stream``, the penalties, ``prior
 ``logprobs``, ``stream_options.include_usage``) take their default when they are.
 Log-probabilities: chat's ``logprobs`` / ``top_logprobs`` and completions' ``logprobs: k``
 become the request's ``logprobs`` / ``top_logprobs`` (the gateway checks the bound, 20);
-`services.openai.logprobs` shapes the answer. ``n`` choices (1 to the server's ``--max-n``)
+`services.openai.logprobs` shapes the answer (vLLM's ``return_tokens_as_token_ids`` names its tokens
+``token_id:<id>``). ``n`` choices (1 to the server's ``--max-n``)
 of each prompt (completions take a batch: a list of texts or of token-id lists, up to
 ``--max-prompts``) are requests of their own (`services.openai.choices`), merged here into
 one object, choice ``p * n + i`` the ``i``-th of prompt ``p`` as in vLLM.
@@ -161,7 +162,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {
         "spaces_between_special_tokens": (None, True),
         "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_logprobs": (None,),
-        "return_tokens_as_token_ids": (None, False), "truncate_prompt_tokens": (None,), "guided_json": (None,),
+        "truncate_prompt_tokens": (None,), "guided_json": (None,),
         "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,)}
 
     model: str | None = None
@@ -194,7 +195,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0  # beam search's
     prompt_logprobs: int | None = None
-    return_tokens_as_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>" (null: false)
     truncate_prompt_tokens: int | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -477,7 +478,7 @@ class Shapes:
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int = 1, prompts: int = 1, echo: list[str | None] | None = None,
                  reasoning: bool = False, tool_calls: bool = False, echo_only: bool = False, continuous_usage: bool = False,
-                 drop_reasoning: bool = False) -> None:
+                 drop_reasoning: bool = False, token_ids_as_names: bool = False) -> None:
         """``echo`` (completions): per prompt, its text as given (None for a token-id prompt,
         spelled from its tokens' bytes), put before each of its choices' text; ``echo_only``: the
         choices are the echoed prompt alone, their generated token left out (`echo_only`). ``reasoning`` and
@@ -485,8 +486,10 @@ class Shapes:
         (`services.openai.tool_parsing`); ``drop_reasoning`` (vLLM's ``include_reasoning: false``,
         with ``reasoning``): the reasoning is split off and left out, its chunks not sent.
         ``continuous_usage`` (vLLM's ``continuous_usage_stats`` with ``include_usage``): every chunk
-        carries its choice's usage so far, as vLLM's do."""
+        carries its choice's usage so far, as vLLM's do. ``token_ids_as_names`` (vLLM's
+        ``return_tokens_as_token_ids``): logprobs name tokens ``token_id:<id>``."""
         self.continuous_usage = continuous_usage
+        self.token_ids_as_names = token_ids_as_names
         self.chat = chat
         self.reasoning = reasoning
         self.drop_reasoning = drop_reasoning
@@ -498,14 +501,14 @@ class Shapes:
         self.echo = echo
         self.echo_only = echo_only
         self.created = int(time.time())
-        self._completion_logprobs = [CompletionLogprobs() for _ in range(n * prompts)]  # per choice: a stream's text offsets go on
+        self._completion_logprobs = [CompletionLogprobs(token_ids_as_names) for _ in range(n * prompts)]  # per choice: a stream's text offsets go on
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     def _logprobs(self, index: int, r: GenerateResponse | GenerateChunk) -> dict[str, Any] | None:
         if self.chat:
-            return chat_logprobs(r.token_logprobs)
+            return chat_logprobs(r.token_logprobs, self.token_ids_as_names)
         generated = [] if self.echo_only and r.token_logprobs is not None else r.token_logprobs
         return self._completion_logprobs[index](generated, r.prompt_logprobs if self.echo else None)
 

@@ -259,7 +259,8 @@ class OpenAIFrontend:
         # vLLM's rule: usage on every chunk only with include_usage too.
         continuous_usage = include_usage and bool(body.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
         shapes = protocol.Shapes(chat, request_id, model or "", n, len(gens), echo, reasoning=reasoning, tool_calls=parse_tools, drop_reasoning=drop_reasoning,
-                                 echo_only=not chat and protocol.echo_only(body), continuous_usage=continuous_usage)  # type: ignore[arg-type]
+                                 echo_only=not chat and protocol.echo_only(body), continuous_usage=continuous_usage,  # type: ignore[arg-type]
+                                 token_ids_as_names=bool(body.return_tokens_as_token_ids))
         choices = Choices(self.client, choice_requests(gens, n))
         answer = self._stream(conn, choices, shapes, include_usage, headers) if gen.stream else self._unary(conn, choices, shapes, headers)
         status = await _unless_ended(conn, answer)

@@ -789,6 +789,28 @@ def test_chat_logprobs_unary_and_streamed(frontend):
     assert all(ch["logprobs"] is None for c in chunks for ch in c["choices"] if "role" in ch["delta"])
 
 
+def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(stack, frontend):
+    """vLLM's return_tokens_as_token_ids (a 400 before): the same greedy answers, every token of the logprobs,
+    chosen and alternative, named "token_id:<id>" on both endpoints, the chosen ones the native answer's token
+    ids; completions' text_offset counts those names, chat's bytes stay the tokens' own."""
+    prompt = "The capital of France is"
+    ref = reference(stack, prompt=prompt, max_tokens=6, temperature=0.0)
+    names = [f"token_id:{t}" for t in ref.token_ids]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    plain, by_id = (json.loads(call(frontend, "POST", "/v1/completions", body | extra)[2])["choices"][0]
+                    for extra in ({}, {"return_tokens_as_token_ids": True}))
+    assert by_id["text"] == plain["text"] and by_id["logprobs"]["tokens"] == names
+    assert by_id["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert all(len(top) >= 2 and all(re.fullmatch(r"token_id:\d+", k) for k in top) for top in by_id["logprobs"]["top_logprobs"])
+    assert by_id["logprobs"]["text_offset"] == [sum(map(len, names[:i])) for i in range(len(names))]
+    chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    plain, by_id = (json.loads(call(frontend, "POST", "/v1/chat/completions", chat | extra)[2])["choices"][0]["logprobs"]["content"]
+                    for extra in ({}, {"return_tokens_as_token_ids": True}))
+    assert [e["bytes"] for e in by_id] == [e["bytes"] for e in plain]
+    assert all(re.fullmatch(r"token_id:\d+", t["token"]) for e in by_id for t in (e, *e["top_logprobs"]))
+    assert [e["token"] for e in by_id] != [e["token"] for e in plain]
+
+
 def test_n_choices_with_a_seed_are_reproducible(stack, frontend):
     """``n: 3`` at temperature 1 with a seed: choices 0..2 are the requests with seeds
     seed, seed+1, seed+2 (so the same body gives the same choices, and choice 0 is the n=1
