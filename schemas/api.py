@@ -91,6 +91,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # vLLM's: the text leaves out special tokens (<|im_start|>, <|im_end|>, ...); false spells them, except an EOS
     # or stop token that ended the completion (kept only with include_stop_str_in_output), as vLLM does
     skip_special_tokens: bool = True
+    # vLLM's: the model sees only the prompt's last this-many tokens (left truncation, after the chat template);
+    # -1: the last max_context of them
+    truncate_prompt_tokens: int | None = None
     stream: bool = False  # True: a stream of GenerateChunk replies, the last one terminal
     logprobs: bool = False  # include the log-probability of each generated token
     top_logprobs: int = 0  # with logprobs: also the this-many most likely tokens at each position (0..20)

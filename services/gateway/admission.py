@@ -134,7 +134,7 @@ class Admission:
         if not PRIORITY_RANGE[0] <= req.priority <= PRIORITY_RANGE[1]:
             raise Rejected("invalid_request", f"priority must be an integer in [-2**63, 2**63 - 1], got {req.priority}")
 
-        input_ids = self.prompt_ids(req)
+        input_ids = self._truncated(req, self.prompt_ids(req))
         max_tokens = self._max_tokens(req, len(input_ids))
         sampling = self._sampling(req, max_tokens)
         timeout_s = (req.timeout_ms or self.settings.default_timeout_ms) / 1000
@@ -220,6 +220,18 @@ class Admission:
         if not ids:
             raise Rejected("invalid_request", "the prompt is empty")
         return ids
+
+    def _truncated(self, req: GenerateRequest, ids: list[int]) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's left truncation; -1: max_context)."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.model.max_context
+        if not 0 < keep <= self.model.max_context:
+            raise Rejected("invalid_request", f"truncate_prompt_tokens must be -1 (the context, {self.model.max_context} tokens) or "
+                                              f"in [1, {self.model.max_context}], got {req.truncate_prompt_tokens}")
+        return ids[-keep:]
 
     def _sampling(self, req: GenerateRequest, max_tokens: int) -> SamplingSpec:
         gen = self.model.generation

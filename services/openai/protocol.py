@@ -4,8 +4,7 @@ Requests decode strictly (msgspec, unknown fields refused with their name); fiel
 OpenAI or vLLM define but moebus does not implement are accepted only at their no-op values
 (the requests' ``NO_OPS``; null, their default, is one): no ``suffix``, ``best_of`` > 1,
 vLLM's ``use_beam_search``, ``length_penalty`` but 1,
-``spaces_between_special_tokens`` false, ``prompt_logprobs``,
-``truncate_prompt_tokens``, guided decoding (``guided_json``,
+``spaces_between_special_tokens`` false, ``prompt_logprobs``, guided decoding (``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``); in chat no
 response formats, ``store: true``, ``service_tier`` but "auto" or "default", ``modalities`` but
 ``["text"]``, ``reasoning_effort`` (no faithful mapping), ``prediction``, ``tool_choice``
@@ -162,7 +161,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {
         "spaces_between_special_tokens": (None, True),
         "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_logprobs": (None,),
-        "truncate_prompt_tokens": (None,), "guided_json": (None,),
+        "guided_json": (None,),
         "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,)}
 
     model: str | None = None
@@ -196,7 +195,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     length_penalty: float | None = 1.0  # beam search's
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>" (null: false)
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last this-many tokens (-1: the context)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -314,7 +313,7 @@ def _common(req: _Sampling, request_id: str) -> dict[str, Any]:
             "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
             "ignore_eos": req.ignore_eos, "min_p": req.min_p, "min_tokens": req.min_tokens, "logit_bias": req.logit_bias,
             "stop_token_ids": list(req.stop_token_ids or []), "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens,
+            "skip_special_tokens": req.skip_special_tokens, "truncate_prompt_tokens": req.truncate_prompt_tokens,
             "cache_salt": req.cache_salt, "priority": req.priority}
 
 

@@ -247,7 +247,9 @@ class OpenAIFrontend:
                 model = await self.served_model()
             except Exception as e:  # noqa: BLE001 - the stack does not answer: the request would fail the same way
                 return await _error(conn, "unavailable", f"llm.models did not answer: {e}", headers)
-        echo = [g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
+        # A truncated prompt is echoed as the model saw it: spelled from its tokens (None), not as given.
+        truncated = body.truncate_prompt_tokens is not None
+        echo = [None if truncated else g.prompt for g in gens] if not chat and body.echo else None  # type: ignore[union-attr]
         parse_tools = chat and self.tool_call_parser is not None and protocol.calls_tools(body)  # type: ignore[arg-type]
         # An answer that continues the caller's last message is content (Qwen3's template closes the
         # think block before that message's text), so it is not parsed for reasoning.

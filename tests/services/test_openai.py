@@ -811,6 +811,23 @@ def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(stack, 
     assert [e["token"] for e in by_id] != [e["token"] for e in plain]
 
 
+def test_truncate_prompt_tokens_answers_as_the_prompts_last_tokens_and_echoes_them(stack, frontend, tokenizer):
+    """vLLM's truncate_prompt_tokens over HTTP: the answer is the native one for the prompt's last 3 tokens,
+    usage counts those, echo spells them (what the model saw)."""
+    prompt = "Mixture-of-experts models route each token to a few experts"
+    ids = tokenizer.encode(prompt)
+    ref = reference(stack, input_ids=ids[-3:], max_tokens=5, temperature=0.0)
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "truncate_prompt_tokens": 3}
+    status, _, raw = call(frontend, "POST", "/v1/completions", body)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["choices"][0]["text"] == ref.text and answer["usage"]["prompt_tokens"] == 3
+    echoed = json.loads(call(frontend, "POST", "/v1/completions", body | {"echo": True})[2])["choices"][0]["text"]
+    assert echoed == tokenizer.decode(ids[-3:]) + ref.text
+    status, _, raw = call(frontend, "POST", "/v1/completions", body | {"truncate_prompt_tokens": 0})
+    assert status == 400 and "truncate_prompt_tokens" in json.loads(raw)["error"]["message"]
+
+
 def test_n_choices_with_a_seed_are_reproducible(stack, frontend):
     """``n: 3`` at temperature 1 with a seed: choices 0..2 are the requests with seeds
     seed, seed+1, seed+2 (so the same body gives the same choices, and choice 0 is the n=1

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from schemas.api import GenerateRequest
+from schemas.api import ChatMessage, GenerateRequest
 from schemas.internal import Heartbeat, TokenBatch
 from services.gateway.admission import Admission, ModelInfo, Rejected
 from services.gateway.completion import Completion, TokensLost
@@ -261,6 +261,28 @@ def test_vllms_skip_special_tokens_reaches_the_request_on_both_endpoints(tiny_mo
     assert not spelled.skip_special_tokens and spelled.eos_token_ids == frozenset(model.generation.eos_token_ids)
     ignoring = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, ignore_eos=True), "gw")
     assert ignoring.skip_special_tokens and ignoring.eos_token_ids == frozenset()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model: Path):
+    """vLLM's truncate_prompt_tokens (a 400 before): the job's prompt is the last k tokens, of the chat
+    template's output for messages; -1 is the model's context; 0, -2 or past the context are refused by name."""
+    settings = GatewaySettings(model=str(tiny_model), model_name="tiny")
+    model = ModelInfo.load(settings)
+    admission = Admission(settings, model, Tokenizer.from_dir(tiny_model))
+    ids = list(range(5, 25))
+    assert admission.admit(GenerateRequest(input_ids=ids, max_tokens=4, truncate_prompt_tokens=7), "gw").job.input_ids == ids[-7:]
+    assert admission.admit(GenerateRequest(input_ids=ids, max_tokens=4, truncate_prompt_tokens=-1), "gw").job.input_ids == ids
+    assert admission.admit(GenerateRequest(input_ids=ids, max_tokens=4, truncate_prompt_tokens=50), "gw").job.input_ids == ids
+    chat = GenerateRequest(messages=[ChatMessage(role="user", content="Tell me about France")], max_tokens=4)
+    templated = admission.admit(chat, "gw").job.input_ids
+    chat.truncate_prompt_tokens = 5
+    assert admission.admit(chat, "gw").job.input_ids == templated[-5:]
+    for bad in (0, -2, model.max_context + 1):
+        with pytest.raises(Rejected, match=rf"truncate_prompt_tokens must be -1 .* got {bad}$"):
+            admission.admit(GenerateRequest(input_ids=ids, max_tokens=4, truncate_prompt_tokens=bad), "gw")
+    completion = protocol.completion_requests(protocol.decode(json.dumps({"prompt": "hi", "truncate_prompt_tokens": 3}).encode(),
+                                                              protocol.CompletionRequest), "r", 4)[0]
+    assert completion.truncate_prompt_tokens == 3
 
 
 def test_vllms_cache_salt_request_id_add_special_tokens_and_openais_prompt_cache_key_are_taken():
