@@ -63,8 +63,12 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function: ToolFunction
 
 
-class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One completion. Exactly one of `prompt`, `messages`, `input_ids` is given."""
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """One completion. Exactly one of `prompt`, `messages`, `input_ids` is given.
+
+    Encoded without the fields at their defaults (``omit_defaults``): the gateway refuses unknown
+    fields, and `moebus openai` and the native client send this to it, so a request that uses no
+    field newer than the gateway's code still reads there during a rolling upgrade."""
 
     model: str | None = None  # optional while one model is served
     prompt: str | None = None  # raw text, tokenized as is

@@ -22,6 +22,7 @@ from services.compose import REPO_ROOT, StackError, load_compose
 from services.compose_interpolation import interpolate
 from services.model_rank import resolve_dtype, sampling_params
 from services.openai import protocol, request_ids
+from shared.bus import decode_public, encode_public
 from services.scheduler.registry import Registry
 from services_helpers import CHAT_NO_OP_FIELDS, CHAT_USED_FIELDS, NO_OP_FIELDS, USED_FIELDS
 from shared.model.tokenizer import Tokenizer
@@ -261,6 +262,28 @@ def test_vllms_skip_special_tokens_reaches_the_request_on_both_endpoints(tiny_mo
     assert not spelled.skip_special_tokens and spelled.eos_token_ids == frozenset(model.generation.eos_token_ids)
     ignoring = admission.admit(GenerateRequest(input_ids=[5, 6], max_tokens=4, ignore_eos=True), "gw")
     assert ignoring.skip_special_tokens and ignoring.eos_token_ids == frozenset()
+
+
+def test_a_generate_request_leaves_its_defaults_off_the_wire():
+    """`moebus openai` and the native client send GenerateRequest to the gateway, which refuses unknown fields:
+    every field a release added (priority, cache_salt, skip_special_tokens, ...) went out at its default in every
+    request, so a frontend updated before its gateway failed them all. Fields at their defaults are left out now:
+    a gateway whose request type predates them reads such a request; one that uses a newer field is refused
+    naming it; the current type reads either back as sent."""
+    class OlderRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+        prompt: str | None = None
+        max_tokens: int | None = 64
+        temperature: float | None = None
+
+    plain = encode_public(GenerateRequest(prompt="hi", max_tokens=8, skip_special_tokens=True, priority=0))
+    assert json.loads(plain) == {"prompt": "hi", "max_tokens": 8}
+    assert msgspec.json.decode(plain, type=OlderRequest) == OlderRequest(prompt="hi", max_tokens=8)
+    newer = encode_public(GenerateRequest(prompt="hi", max_tokens=None, skip_special_tokens=False))
+    assert json.loads(newer) == {"prompt": "hi", "max_tokens": None, "skip_special_tokens": False}
+    with pytest.raises(msgspec.ValidationError, match="skip_special_tokens"):
+        msgspec.json.decode(newer, type=OlderRequest)
+    for raw in (plain, newer):
+        assert encode_public(decode_public(raw, GenerateRequest)) == raw
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model: Path):
