@@ -94,8 +94,8 @@ def fp8_math_pays(masked: bool, tokens_per_expert: float) -> bool:
     Decode groups (masked layout, at most ``SMALL_TILE_MAX_TOKENS_PER_EXPERT`` tokens per
     expert: the swapped tiles) run FP8 math: no weight conversion, so on one H200 the
     Qwen3 expert GEMMs take 0.53-0.58 of bf16 weights' time at 1-32 tokens per expert,
-    where bf16 math takes 0.61-0.77 of it (at 64 both take 0.72-0.85; grouped_gemm.jsonl
-    [24e70ef0e5e7+s31-stageacc]).  Larger groups, and prefill's contiguous layout, keep
+    where bf16 math takes 0.61-0.75 of it (at 64: 0.73-0.83 against 0.76-0.86;
+    grouped_gemm.jsonl [279004028288]).  Larger groups, and prefill's contiguous layout, keep
     bf16 activations (the FP8 tiles are decode's only).  The activations are then rounded
     to E4M3 with one fp32 scale per 128 channels, as FP8 block-scaled models' are (and as
     MXFP8 on Blackwell quantizes both operands).

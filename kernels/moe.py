@@ -123,6 +123,7 @@ def expert_ffn(rows: torch.Tensor, groups: torch.Tensor, w13_interleaved: torch.
                             expected_rows_per_expert=expect)
     return y.to(torch.bfloat16)
 
+
 def grouped_moe(x: torch.Tensor, w13_interleaved: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, expert_start: int, *, w13_scale: torch.Tensor | None = None,
                 w2_scale: torch.Tensor | None = None, w13_mx_scale: torch.Tensor | None = None,
