@@ -12,7 +12,11 @@ same tokens.
 
 Batches are uneven (rank 0: three prompts, rank 1: one) and include steps where
 rank 1 has no tokens at all (its sequence joins late). The same checks run on an
-FP8 block-quantized copy of the checkpoint (FP8 payload in the dispatch). Last,
+FP8 block-quantized copy of the checkpoint (FP8 payload in the dispatch), and on an
+MXFP8 copy, whose peer path quantizes the received rows for FP8 math
+(`kernels.grouped_gemm_mxfp8.fp8_math_pays`) where the NCCL path multiplies bf16 rows:
+there the logits agree to FP8 activation rounding (relative L2 error <= 5e-2, a bound
+set before this case first ran on two GPUs) and greedy tokens are not compared. Last,
 for both checkpoints, one MoE layer call is captured in a CUDA graph and replayed
 with fresh inputs: the capture fails if the layer synchronises with the host, and
 each replay must equal an eager call on the same inputs bit for bit. (With FP8 the
@@ -146,7 +150,13 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("decode_moe")
     plain = make_tiny(root / "bf16", **SHAPES)
     quantize_checkpoint(plain, root / "fp8", "fp8-block")
-    return {"bf16": str(plain), "fp8": str(root / "fp8")}
+    quantize_checkpoint(plain, root / "mxfp8", "mxfp8")
+    return {"bf16": str(plain), "fp8": str(root / "fp8"), "mxfp8": str(root / "mxfp8")}
+
+
+# Per checkpoint: the logits' relative error bound, peer path against NCCL path, and whether greedy tokens
+# must agree (MXFP8: the peer path alone quantizes activations, see the module doc)
+AGREEMENT = {"bf16": (1e-2, True), "fp8": (1e-2, True), "mxfp8": (5e-2, False)}
 
 
 def test_peer_decode_moe_matches_nccl_path(checkpoints):
@@ -156,9 +166,10 @@ def test_peer_decode_moe_matches_nccl_path(checkpoints):
             print(f"rank {rank} {name}: logits rel_err {r['rel_err']:.2e} max_abs {r['max_abs']:.3e} "
                   f"solo rel_err {r['solo_rel_err']:.2e} argmax agreement {r['argmax_agree']:.3f} "
                   f"graph max_abs {r['graph_max_abs']:.1e}")
-            assert r["rel_err"] <= 1e-2 and r["solo_rel_err"] <= 1e-2, f"rank {rank} {name}: {r}"
+            bound, same_tokens = AGREEMENT[name]
+            assert r["rel_err"] <= bound and r["solo_rel_err"] <= bound, f"rank {rank} {name}: {r}"
             solo_rows = len(PROMPTS[0][0]) if rank == 0 else 0
             assert r["solo_shapes"] == ((solo_rows, SHAPES["vocab"]),) * 2
             tokens_peer, tokens_nccl = r["tokens"]
-            assert tokens_peer == tokens_nccl, f"rank {rank} {name}: greedy tokens differ"
+            assert tokens_peer == tokens_nccl or not same_tokens, f"rank {rank} {name}: greedy tokens differ"
             assert all(len(t) == NEW_TOKENS for t in tokens_peer)
