@@ -4,7 +4,7 @@ Requests decode strictly (msgspec, unknown fields refused with their name); fiel
 OpenAI or vLLM define but moebus does not implement are accepted only at their no-op values
 (the requests' ``NO_OPS``; null, their default, is one): no ``suffix``, ``best_of`` > 1,
 vLLM's ``use_beam_search``, ``length_penalty`` but 1,
-``spaces_between_special_tokens`` false, ``prompt_logprobs``, guided decoding (``guided_json``,
+``prompt_logprobs``, guided decoding (``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``); in chat no
 response formats, ``store: true``, ``service_tier`` but "auto" or "default", ``modalities`` but
 ``["text"]``, ``reasoning_effort`` (no faithful mapping), ``prediction``, ``tool_choice``
@@ -159,7 +159,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # other value refused naming the field (`_check_no_ops`): vLLM's extensions, here those that
     # vLLM's completions and chat requests both have.
     NO_OPS: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "spaces_between_special_tokens": (None, True),
         "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_logprobs": (None,),
         "guided_json": (None,),
         "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,)}
@@ -190,6 +189,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: int | None = 0  # vLLM's: the order of waiting requests under the scheduler's "priority" policy (the gateway checks it)
     # NO_OPS' vLLM fields (vLLM's types; guided decoding's any, so that every value is refused by name)
     skip_special_tokens: bool | None = True  # vLLM's: false spells special tokens in the text
+    # vLLM's; taken either way, unused: with the Qwen3 tokenizers moebus serves, transformers' decode spells
+    # special tokens the same with or without it (tests/model/test_tokenizer.py)
     spaces_between_special_tokens: bool | None = True
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0  # beam search's

@@ -214,6 +214,18 @@ def test_detokenizer_skips_special_tokens_on_request(tok: Tokenizer) -> None:
     assert skipping.text == "ok 好"
 
 
+def test_spelled_special_tokens_match_transformers_with_or_without_spaces_between_them(tok: Tokenizer, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    """The text moebus gives for skip_special_tokens false is transformers' decode of the same ids, and
+    vLLM's spaces_between_special_tokens (which moebus accepts either way) changes nothing in that decode
+    for the Qwen3 tokenizer: adjacent special and added tokens stay unspaced."""
+    ids = tok.encode("<|im_start|><|im_end|>hi<|im_start|> there<think>x</think><tool_call>")
+    detok = tok.detokenizer()
+    text = detok.add(ids) + detok.flush()
+    assert text == "<|im_start|><|im_end|>hi<|im_start|> there<think>x</think><tool_call>"
+    for spaces in (True, False):
+        assert hf_tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces) == text
+
+
 # ---------------------------------------------------------------------- bad input
 
 

@@ -31,12 +31,12 @@ T = TypeVar("T")
 # The OpenAI frontend's fields taken only at their no-op values (`protocol`'s NO_OPS): vLLM's extensions
 # both endpoints take, and OpenAI's chat fields, at the values that ask for nothing moebus does not do;
 # then one value of each that asks for something.
-NO_OP_FIELDS: dict[str, Any] = {"spaces_between_special_tokens": True, "use_beam_search": False,
+NO_OP_FIELDS: dict[str, Any] = {"use_beam_search": False,
                 "length_penalty": 1.0, "prompt_logprobs": None,
                 "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None}
 CHAT_NO_OP_FIELDS: dict[str, Any] = NO_OP_FIELDS | {"store": False, "metadata": {"user": "u1", "app": "trial"}, "service_tier": "auto",
                                     "modalities": ["text"], "reasoning_effort": None, "prediction": None}
-USED_FIELDS: dict[str, Any] = {"spaces_between_special_tokens": False, "use_beam_search": True,
+USED_FIELDS: dict[str, Any] = {"use_beam_search": True,
                "length_penalty": 0.5, "prompt_logprobs": 1,
                "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["yes", "no"], "guided_grammar": 'root ::= "a"',
                "structured_outputs": {"choice": ["yes", "no"]}}
