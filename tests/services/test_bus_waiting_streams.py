@@ -81,8 +81,8 @@ def test_waiting_streams_schedule_no_timer_per_stream_per_check(nats_server) -> 
 
     timers, asked = run(go())
     checks = 1.0 / GONE_CHECK_S
-    # Every stream's gone was asked about once per check (3 to 5 checks in the window) ...
-    assert STREAMS * (checks - 1) <= asked <= STREAMS * (checks + 1), asked
+    # Every stream's gone was asked about once per check (up to 5 checks in the window; fewer on a loaded box) ...
+    assert asked % STREAMS == 0 and STREAMS <= asked <= STREAMS * (checks + 1), asked
     # ... but the loop scheduled a timer per check (the watch task's sleep, our own), not one per stream per check
     assert timers <= 4 * (checks + 1), f"{timers} timers in 1 s for {STREAMS} waiting streams"
 
@@ -117,7 +117,7 @@ def test_gone_ends_only_the_stream_it_names_and_a_reply_still_arrives(nats_serve
             return noticed, still_waiting, b"".join(replies)
 
     noticed, still_waiting, reply = run(go())
-    assert noticed <= 2 * GONE_CHECK_S + 0.5, noticed
+    assert noticed <= 2 * GONE_CHECK_S + 1.0, noticed  # at the next check (slack for a loaded box)
     assert all(still_waiting)
     assert reply == b"done"
 
@@ -161,4 +161,4 @@ def test_a_waiting_stream_ends_at_its_deadline(nats_server) -> None:  # type: ig
             return time.monotonic() - started
 
     waited = run(go())
-    assert 0.6 <= waited <= 1.5, waited
+    assert 0.6 <= waited <= 3.0, waited  # at its deadline (0.7 s), not at the 60 s of the other tests
