@@ -109,9 +109,15 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
     # Only the measured tiles: 128-wide ones (SwiGLU, overrides) gain a stage only beside ~1600 experts' schedule.
     split_output = (tile_m == 128 and tile_n in (192, 256) and not fp8 and not mxfp8 and not masked
                     and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT)
+    # Decode-sized groups launch with programmatic dependent launch: a launch's set-up runs under the previous
+    # kernel's last CTAs.  One H200, burst, each arm from its own tree (e2ed9e3+s32-pdl against +s32-base, B P P B):
+    # bf16 decode at 64 tokens per expert -1.1..-1.4% time (Qwen3-30B down 110.5 -> 109.0 us), at 1 token -0.5%,
+    # FP8 -0.3..-1.5%; but prefill +1.2..+2.5% (30B down FP8 at 375 tokens 155.2 -> 158.5 us), so not there.
+    pdl = tokens_per_expert <= SMALL_TILE_MAX_TOKENS_PER_EXPERT
     return GroupedGemmConfig(num_experts=num_experts, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m,
                              tile_n=tile_n, swiglu=swiglu, row_weights=row_weights, mxfp8=mxfp8,
-                             split_output=split_output, tma_store=tma_store, swap_ab=swap_ab, num_sms=num_sms)
+                             split_output=split_output, tma_store=tma_store, swap_ab=swap_ab, pdl=pdl,
+                             num_sms=num_sms)
 
 
 # Byte alignment promised for each pointer argument (TMA operands need 16).

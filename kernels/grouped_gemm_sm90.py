@@ -39,6 +39,10 @@ halves through a half-size buffer, which frees shared memory for one more
 pipeline stage; FP8 prefill tiles whose rows all belong to their expert by
 TMA stores; see ``grouped_gemm_sm90_epilogue``).
 
+Decode-sized launches (``pdl``) use programmatic dependent launch: a launch's CTAs start while the
+previous kernel in the stream finishes and wait for it (``griddepcontrol.wait``) before any global
+memory access, which hides about 1.5 us of launch per decode GEMM.
+
 Code: this module holds the configuration, the host side, the schedule, the
 TMA producer and the bf16 mainloop; ``grouped_gemm_sm90_scaled`` the FP8
 block-scaled and MXFP8 mainloops; ``grouped_gemm_sm90_swapped`` the consumers of
@@ -98,6 +102,9 @@ class GroupedGemmConfig:
     # FP8 math: read from their stage), the tokens (tile_m of SWAPPED_TOKEN_TILES) as its N side; see
     # grouped_gemm_sm90_swapped
     swap_ab: bool = False
+    # Programmatic dependent launch: the CTAs may start while the previous kernel in the stream finishes and wait
+    # for its results in the kernel (decode-sized tiles; see grouped_gemm_launch.choose_config)
+    pdl: bool = False
     num_sms: int = 132  # persistent CTAs launched
 
     def validate(self) -> None:
@@ -430,6 +437,7 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=cfg.pdl,
         )
 
     # ---------------------------------------------------------------- device
@@ -473,7 +481,13 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
         s_tile_begin = storage.tile_begin.get_tensor(cute.make_layout(E + 1))
         s_row_start = storage.row_start.get_tensor(cute.make_layout(E))
         s_row_count = storage.row_count.get_tensor(cute.make_layout(E))
-
+        if cutlass.const_expr(cfg.pdl):
+            # Launched with programmatic dependent launch: the set-up above may run while the previous kernel in
+            # the stream finishes; every thread waits here for that kernel's completion and memory before any
+            # global read (the counts just below, the operands) or write.  Then the next kernel may launch: its
+            # CTAs take the SMs ours leave.
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         if warp_idx == 0:
             self._build_schedule(mGroups, rows, s_tile_begin, s_row_start, s_row_count)
 

@@ -49,6 +49,14 @@ MXFP8_CASES = [  # (masked, tile_m, swiglu, row_weights): bf16 x MXFP8 weights d
 ]
 
 
+def _before_global_access(ptx: str, instruction: str) -> bool:
+    """Whether ``instruction`` occurs in ``ptx`` before its first global load, store or TMA copy."""
+    at = ptx.find(instruction)
+    first = min((i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async.bulk")) if i >= 0),
+                default=len(ptx))
+    return 0 <= at < first
+
+
 @pytest.mark.parametrize("masked,fp8,tile_m,tile_n,swiglu,row_weights,k", COMPILE_CASES)
 def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, row_weights, k, tmp_path):
     from kernels.grouped_gemm_launch import compile_kernel
@@ -56,8 +64,9 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
     # K and N not multiples of the tile; SwiGLU needs N a multiple of 128.
     n = 384 if swiglu else 200
     split = tile_m == 128 and tile_n > 128 and not fp8 and not masked  # choose_config's rule for bf16 prefill up to 512 tokens/expert
+    pdl = tile_m == 64  # choose_config: decode-sized groups launch with programmatic dependent launch
     cfg = sm90.GroupedGemmConfig(num_experts=6, n=n, k=k, masked=masked, fp8=fp8, tile_m=tile_m, tile_n=tile_n,
-                                 swiglu=swiglu, row_weights=row_weights, split_output=split)
+                                 swiglu=swiglu, row_weights=row_weights, split_output=split, pdl=pdl)
     compiled = compile_kernel(cfg, options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = compiled.artifacts.PTX
     mma = "e4m3.e4m3" if fp8 else "bf16.bf16"
@@ -68,6 +77,10 @@ def test_grouped_gemm_compiles_for_sm90a(masked, fp8, tile_m, tile_n, swiglu, ro
         "setmaxnreg": "setmaxnreg" in ptx,
         "no local memory": ".local" not in ptx,
         "16-byte output stores": "st.global.v4" in ptx,
+        # launched with programmatic dependent launch: no global access before the previous kernel is waited for
+        "pdl wait before global memory": _before_global_access(ptx, "griddepcontrol.wait;") if pdl
+                                          else "griddepcontrol" not in ptx,
+        "pdl trigger": ("griddepcontrol.launch_dependents;" in ptx) == pdl,
         # each consumer warpgroup hands its rows to the two store warps through its own barriers
         # (64 + 128 threads): the store warps free warpgroup w's rows on barrier 4 + 4w
         "store-warp handoff": all(f"bar.arrive {4 + 4 * w}, 192" in ptx for w in range(tile_m // 64)),
@@ -314,6 +327,14 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
     assert split(mid, n=4096, k=1536) and not split(mid + 1, n=4096, k=1536)
     # not the masked (decode) layout, not FP8, not the 128-wide SwiGLU tiles (no stage to gain beside 8 experts)
     assert not split(mid, masked=True) and not split(mid, fp8=True) and not split(mid, swiglu=True)
+
+    def pdl(tokens: float, **kind) -> bool:
+        return choose_config(num_experts=8, n=2048, k=768, row_weights=False, tokens_per_expert=tokens, num_sms=132,
+                             **{"masked": False, "fp8": False, "swiglu": False, **kind}).pdl
+
+    # decode-sized groups (every layout and dtype) launch with programmatic dependent launch, prefill-sized do not
+    for kind in ({}, {"masked": True}, {"fp8": True}, {"mxfp8": True, "masked": True}, {"swiglu": True}):
+        assert [pdl(t, **kind) for t in (1, small, small + 1, mid)] == [True, True, False, False], kind
 
     def tma(tokens: float, *, fp8: bool = True, masked: bool = False, swiglu: bool = False, n: int = 2048) -> bool:
         return choose_config(num_experts=8, n=n, k=768, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,
