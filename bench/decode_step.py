@@ -49,6 +49,7 @@ the replicated attention/router/lm_head weights, the K/V of its own sequences) o
 the device-to-device copy bandwidth each rank measures in the same run (the slowest
 rank's, as the ranks step in lockstep).
 
+    python -m bench.decode_step --weights fp8 --batches 64 --impls kernels+cuda-graph --profile 5
     python -m bench.decode_step --ep 2 --batches 16 64
     python -m bench.decode_step --ep 2 --weights fp8 --batches 128 --profile 5   # + where the step's time goes
     python -m bench.decode_step --ep 8 --model qwen3-235b-a22b --weights fp8 --batches 32 64 128
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b", help="shapes (bench.decode_budget.MODELS)")
     ap.add_argument("--weights", choices=EXPERT_WEIGHTS, default="bf16", help="expert weights: bf16 or block FP8 (attention etc. stay bf16)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="with --ep: print the kernel profile of STEPS graph replays at the largest batch (rank 0)")
+                    help="print the kernel profile of STEPS graph replays at the largest batch (with --ep: rank 0's)")
     a = ap.parse_args(argv)
     device, dtype = torch.device(a.device), torch.bfloat16
     if min(a.batches) < 1 or a.context < 0:
@@ -323,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{GRAPHED} batch {b}: capture failed, not recorded:\n{traceback.format_exc()}", flush=True)
                     break
                 report(GRAPHED, b, time_step(replay, device, a.iters))
+                if a.profile and b == max(a.batches):
+                    print(f"{GRAPHED} batch {b}, {a.profile} steps:\n{kernel_profile(replay, device, a.profile)}", flush=True)
     print_table(rows, ["impl", "batch", "tokens_per_s", "step_ms", "speedup_vs_reference", "roofline_tokens_per_s", "fraction_of_roofline",
                        "bytes_per_step_gb", "experts_hit_per_layer", "copy_bandwidth_gbps"])
     return 0
