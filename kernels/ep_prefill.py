@@ -128,19 +128,31 @@ def _count_kernel(topk_ids: Int64, n_entries: Int32, expert_start: Int32, num_lo
 
 @cute.kernel
 def _offsets_kernel(counts: Int64, num_local: Int32, align: Int32, offsets: Int64, cursors: Int64):
-    # One thread per expert sums the (aligned) counts before it: E_local <= 1024 loads
-    # per thread from L1, cheaper than a serial scan of dependent loads.
-    tid, _, _ = cute.arch.thread_idx()
-    if tid < num_local:
-        start = Int32(0)
-        for i in cutlass.range(0, tid, 1):
-            c = load_i32(counts + Int64(i) * 4)
-            start = start + (c + align - 1) // align * align
-        store_i32(offsets + Int64(tid) * 4, start)
-        store_i32(cursors + Int64(tid) * 4, Int32(0))
-        if tid == num_local - 1:
-            c = load_i32(counts + Int64(tid) * 4)
-            store_i32(offsets + Int64(num_local) * 4, start + (c + align - 1) // align * align)
+    # One warp: lane l owns a run of ceil(E_local / 32) experts, sums their aligned counts, and a warp scan
+    # turns the runs' sums into their starts.  At most 32 loads a lane (E_local <= 1024), where one thread
+    # per expert summing every count before its own took 7 us for 128 experts on an H200 (a decode step
+    # runs this once per MoE layer).
+    lane = cute.arch.lane_idx()
+    per = (num_local + 31) // 32
+    first = lane * per
+    last = first + per
+    if last > num_local:
+        last = num_local
+    run = Int32(0)
+    for e in cutlass.range(first, last, 1):
+        run = run + (load_i32(counts + Int64(e) * 4) + align - 1) // align * align
+    end = run  # inclusive scan over the lanes: where lane l's run ends
+    for step in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(end, 1 << step)
+        if lane >= (1 << step):
+            end = end + other
+    start = end - run
+    for e in cutlass.range(first, last, 1):
+        store_i32(offsets + Int64(e) * 4, start)
+        store_i32(cursors + Int64(e) * 4, Int32(0))
+        start = start + (load_i32(counts + Int64(e) * 4) + align - 1) // align * align
+    if lane == 31:
+        store_i32(offsets + Int64(num_local) * 4, end)
 
 
 @cute.kernel
@@ -210,9 +222,7 @@ def _launch_select(
     _count_kernel(topk_ids, n_entries, expert_start, num_local, counts).launch(
         grid=[(n_entries + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
     )
-    _offsets_kernel(counts, num_local, align, offsets, cursors).launch(
-        grid=[1, 1, 1], block=[MAX_LOCAL_EXPERTS, 1, 1], stream=stream
-    )
+    _offsets_kernel(counts, num_local, align, offsets, cursors).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
     _scatter_kernel(
         x, topk_ids, n_tokens, hidden, expert_start, num_local, offsets, cursors, row_of, rows, dtype, topk
     ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)

@@ -2,7 +2,7 @@
 
 Single GPU: the CuTeDSL select/combine kernels against the torch reference on
 random and skewed routing (all tokens on one expert, tokens with no local expert),
-group alignment 1 and 128. Every visible GPU (TP = EP = 2, 4 or 8, inputs
+group alignment 1 and 128, 32 to 1000 local experts. Every visible GPU (TP = EP = 2, 4 or 8, inputs
 replicated): the full exchange with our all-reduce equals one process applying
 all experts.
 """
@@ -40,8 +40,10 @@ def _row_experts(sel: ep.SelectedRows, expert_start: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["random", "skewed"])
 @pytest.mark.parametrize("align", [1, 128])
-def test_select_and_combine_match_reference(kind, align):
-    tokens, hidden, experts, topk, start, num_local = 3001, 1024, 64, 8, 16, 32
+@pytest.mark.parametrize("experts,start,num_local", [(64, 16, 32), (128, 0, 128), (1024, 24, 1000)],
+                         ids=["32-local", "128-local", "1000-local"])  # one, four, up to 32 experts per scan lane
+def test_select_and_combine_match_reference(kind, align, experts, start, num_local):
+    tokens, hidden, topk = 3001, 1024, 8
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
     ids = _routing(tokens, experts, topk, kind, seed=5 if kind == "random" else 6)
     w = torch.rand(tokens, topk, device="cuda")
