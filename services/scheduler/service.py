@@ -70,7 +70,8 @@ class Scheduler:
         self.hearing = Hearing(("scheduler", settings.instance, 0), settings.heartbeat_interval_s, time.monotonic())
         self.registry = Registry(expiry_s=settings.heartbeat_expiry_s, model=settings.model_name, hearing=self.hearing)
         self.placed = 0
-        self.cancelled: set[str] = set()  # requests cancelled while waiting here for capacity
+        # Requests cancelled while waiting here for capacity, with the cancel's reason (their refusal says it)
+        self.cancelled: dict[str, str] = {}
         # The requests in `place`, each with the event that wakes it to try again.
         self.queue: dict[str, asyncio.Event] = {}
         # The same requests in line, as (priority, arrival number, id) kept sorted: under "fcfs" every priority is
@@ -144,7 +145,7 @@ class Scheduler:
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
         if cancel.request_id in self.queue and cancel_applies(cancel, None):
-            self.cancelled.add(cancel.request_id)
+            self.cancelled[cancel.request_id] = cancel.reason
             self.queue[cancel.request_id].set()
 
     def _wake_head(self) -> None:
@@ -208,7 +209,7 @@ class Scheduler:
             while True:
                 woken.clear()  # a wake from now on (during the attempt) makes the next wait return at once
                 if job.request_id in self.cancelled:
-                    raise Refused("cancelled", "cancelled while waiting for capacity")
+                    raise Refused("cancelled", f"cancelled while waiting for capacity: {self.cancelled[job.request_id]}")
                 if _past(reply_by):
                     # This scheduler was stalled (or the submit slow to come): the gateway has answered
                     # its client, and its cancel may have come before the submit and been ignored.
@@ -218,8 +219,9 @@ class Scheduler:
                     if placement is not None and (job.request_id in self.cancelled or _past(reply_by)):
                         # Cancelled while we reserved, or the gateway's wait ended meanwhile: either way it
                         # has forgotten the request and will not cancel again after our answer.
-                        await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, "cancelled while being placed")))
-                        raise Refused("cancelled", "cancelled while being placed")
+                        why = f"cancelled while being placed: {self.cancelled.get(job.request_id, 'the gateway stopped waiting')}"
+                        await self.bus.publish(subjects.CTL_CANCEL, pack(Cancel(job.request_id, why)))
+                        raise Refused("cancelled", why)
                     if placement is not None:
                         self.placed += 1
                         return placement
@@ -250,7 +252,7 @@ class Scheduler:
             del self.line[bisect.bisect_left(self.line, place_in_line)]
             if not self.queue:
                 self._none_waiting.set()
-            self.cancelled.discard(job.request_id)
+            self.cancelled.pop(job.request_id, None)
             self._wake_head()  # the next in line moves up
         if deadline.expired:
             raise Refused("timeout", "deadline passed while waiting for capacity")
