@@ -306,8 +306,6 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
         # multiples of 8: 96 for 640), the producer warpgroup gives back down to 40, the consumers share the rest;
         # asking for more than that waits forever (four consumer warpgroups at 112 did)
         self.consumer_regs = {1: 240, 2: 232, 3: 152, 4: 104}[self.num_consumer_wg]
-        # PDL launches prefetch this many K blocks of their first weight tile while the previous kernel finishes
-        self.prefetch_k_tiles = min(self.stages, self.k_tiles) if cfg.pdl and not cfg.swap_ab else 0
 
     def _make_tiled_mma(self) -> cute.TiledMma:
         """WGMMA tiling: one 64 x tile_n atom per consumer warpgroup, both operands K-major in smem; with
@@ -483,16 +481,11 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
         s_tile_begin = storage.tile_begin.get_tensor(cute.make_layout(E + 1))
         s_row_start = storage.row_start.get_tensor(cute.make_layout(E))
         s_row_count = storage.row_count.get_tensor(cute.make_layout(E))
-        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
-        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         if cutlass.const_expr(cfg.pdl):
             # Launched with programmatic dependent launch: the set-up above may run while the previous kernel in
             # the stream finishes; every thread waits here for that kernel's completion and memory before any
             # global read (the counts just below, the operands) or write.  Then the next kernel may launch: its
-            # CTAs take the SMs ours leave.  Meanwhile the weights of this CTA's first tile start towards L2.
-            if cutlass.const_expr(self.prefetch_k_tiles > 0):
-                if warp_idx == 0:
-                    self._prefetch_first_weights(tma_atom_b, mB, sB, bidx)
+            # CTAs take the SMs ours leave.
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if warp_idx == 0:
@@ -511,6 +504,8 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sEpi = storage.sEpi.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
         sBmma, sSF, sX = sB, None, None
         if cutlass.const_expr(cfg.mxfp8):
@@ -600,28 +595,6 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
                 s_row_start[e] = start
                 s_row_count[e] = count
             carry = carry + cute.arch.shuffle_sync(tiles, 31)
-
-    @cute.jit
-    def _prefetch_first_weights(self, tma_atom_b, mB, sB, tile):
-        """Warp 0, before the wait for the previous kernel: an L2 prefetch of the weight tile this CTA runs first
-        when every expert has one row tile (the decode case), its first ``prefetch_k_tiles`` K blocks (what the
-        pipeline's stages hold).
-
-        Which tile that is depends on the counts, which only the previous kernel's completion makes readable, so
-        this guesses; a wrong guess costs bandwidth, not correctness: weights are no kernel's output, and the L2
-        is coherent for everything the operands' loads read after the wait.
-        """
-        cfg = self.cfg
-        if tile < cfg.num_experts * self.n_tiles:
-            expert = tile // self.n_tiles
-            n_tile = tile - expert * self.n_tiles
-            gB = cute.local_tile(mB, (cfg.tile_n, self.tile_k), (None, None, None))
-            _, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-            with cute.arch.elect_one():  # unlike a TMA copy, a prefetch is issued by every thread that runs it
-                for k_tile in cutlass.range_constexpr(self.prefetch_k_tiles):
-                    cute.prefetch(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)])
 
     @cute.jit
     def _locate(self, tile, expert, s_tile_begin, s_row_start, s_row_count):
