@@ -6,8 +6,9 @@ heads of a KV head as the 16 rows of ``mma.sync.m16n8k16`` (bf16 in, fp32 out; r
 
 Work split (flash-decoding). CTA ``(split, kv head, sequence)`` takes an equal share of the
 sequence's 16-token tiles (``ceil(tiles / splits)``, from the length read on the GPU); its
-4 warps take every 4th tile of the share. Per tile a warp loads K and V straight from the
-tile's page (16-byte loads, every 32-byte sector used whole), computes the 16 x 16 scores
+4 warps take every 4th tile of the share. A warp loads each tile's K and V straight from the
+tile's page (16-byte loads, every 32-byte sector used whole) one tile ahead, into registers,
+while it computes the tile before (and the page id one more tile ahead); per tile it computes the 16 x 16 scores
 with 16 MMAs, runs the online softmax in fp32 (exp2, scale folded in), and adds P @ V with
 ``head_dim / 8`` MMAs into its fp32 accumulator. The 4 warps' (max, sum, output) meet in
 shared memory; with one split the CTA writes the bf16 output, otherwise fp32 partials that
@@ -39,6 +40,11 @@ TB/s at 512 (18-60 us: launch and split-combine overheads show). ptxas: 158 regi
 (ebaad7df4cf1, another 2x H200 machine, so a cross-run comparison): 30B heads at batch 64 /
 128 and 512 tokens 26.8 / 49.9 us (was 33.5 / 53.0), at 4k 148 / 280 (156 / 315); 235B heads
 level at 512 (32.0 / 60.0 vs 31.9 / 59.7) and 3-4% slower at 4k (162 / 305 vs 157 / 293).
+K/V loaded a tile ahead (one H200, each arm from its own tree, B N N B, [0369020600f6+s37-kvahead] against
+[0369020600f6]), batch 16 / 64 / 128: 30B heads at 4k 41.9 / 145 / 288 -> 39.6 / 135 / 271 us (-5..-7%), at 512
+10.9 / 22.4 / 42.3 -> 11.4 / 21.3 / 40.8 (+4% at 16, -3.5..-5% beyond); 235B heads at 4k 45.5 / 155 / 302 ->
+40.4 / 134 / 261 (-11..-14%), at 512 12.5 / 24.5 / 47.3 -> 12.5 / 22.3 / 42.8 (level at 16, -9% beyond); means of two runs. ptxas (CUDA 12.9): 255
+registers and a 24-byte spill at 8 query heads per KV head, 245 and none at 16 (before: 202 and 210).
 """
 
 from __future__ import annotations
@@ -172,6 +178,29 @@ def _row_address(pool: Int64, table_row: Int64, token: Int32, kv: cutlass.Conste
     return pool + (block * page_size + Int64(token % page_size)) * (head_dim * 2)
 
 
+@cute.jit
+def _load_kv_tile(dst, pool: Int64, table_row: Int64, tok0: Int32, head: Int32, kv_heads: Int32, max_pages: Int32,
+                  page: Int64, t: Int32, grp: Int32, k_chunks: cutlass.Constexpr, v_chunks: cutlass.Constexpr,
+                  head_dim: cutlass.Constexpr, page_size: cutlass.Constexpr, table_bytes: cutlass.Constexpr):
+    """This thread's words of the 16-token tile at ``tok0`` into ``dst``: K first (rows ``8nt + grp``, dims
+    ``32j + 8t .. + 8``), then V (tokens ``2t, 2t + 1, 2t + 8, 2t + 9``, dims ``64hh + 8grp .. + 8``); see the
+    module doc for why these."""
+    for nt in cutlass.range_constexpr(2):
+        row = _row_address(pool, table_row, tok0 + nt * 8 + grp, 0, head, kv_heads, max_pages, page, head_dim,
+                           page_size, table_bytes)
+        for j in cutlass.range_constexpr(k_chunks):
+            w = _load_v4(row + (j * 32 + t * 8) * 2)
+            for e in cutlass.range_constexpr(4):
+                dst[(nt * k_chunks + j) * 4 + e] = w[e]
+    for i in cutlass.range_constexpr(4):
+        row = _row_address(pool, table_row, tok0 + 2 * t + (0, 1, 8, 9)[i], 1, head, kv_heads, max_pages, page, head_dim,
+                           page_size, table_bytes)
+        for hh in cutlass.range_constexpr(v_chunks):
+            w = _load_v4(row + (hh * 64 + grp * 8) * 2)
+            for e in cutlass.range_constexpr(4):
+                dst[2 * k_chunks * 4 + (i * v_chunks + hh) * 4 + e] = w[e]
+
+
 @cute.kernel
 def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64, part_o: Int64, part_ml: Int64,
                   kv_heads: Int32, max_pages: Int32, splits: Int32, scale_log2: Float32, group: cutlass.Constexpr,
@@ -214,24 +243,36 @@ def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
     stats[1] = MASKED
     stats[2] = 0.0
     stats[3] = 0.0
-    # A tile's page id is loaded one tile ahead (when a tile lies in one page), so the K/V
-    # loads of a tile wait for one memory latency, not for the page id's and then their own.
+    # Software pipeline over a warp's tiles: a tile's K and V are loaded one tile ahead, into registers,
+    # while the tile before is computed, and (when a tile lies in one page) its page id one more tile
+    # ahead, so a tile's compute waits for no memory latency but the first's. Loaded in the loop they
+    # would leave each warp with one tile in flight, a latency per tile: 22.5 us for 64 sequences of
+    # 512 tokens (30B heads), ~1.3 TB/s of K/V.
+    k_words = 2 * k_chunks * 4
+    kv_next = cute.make_rmem_tensor((k_words + 4 * v_chunks * 4,), Int32)  # the next tile's K words, then V words
     next_page = Int64(0)
-    if cutlass.const_expr(page_size >= TILE):
-        if first + warp < last:
-            next_page = _load_index(table_row + Int64((first + warp) * TILE // page_size) * table_bytes, table_bytes)
+    if first + warp < last:
+        page = Int64(0)
+        if cutlass.const_expr(page_size >= TILE):
+            page = _load_index(table_row + Int64((first + warp) * TILE // page_size) * table_bytes, table_bytes)
+        _load_kv_tile(kv_next, pool, table_row, (first + warp) * TILE, head, kv_heads, max_pages, page, t, grp,
+                      k_chunks, v_chunks, head_dim, page_size, table_bytes)
+        if cutlass.const_expr(page_size >= TILE):
+            if first + warp + WARPS < last:
+                next_page = _load_index(table_row + Int64((first + warp + WARPS) * TILE // page_size) * table_bytes,
+                                        table_bytes)
     for tile in cutlass.range(first + warp, last, WARPS):
         tok0 = tile * TILE
-        page = next_page
-        if cutlass.const_expr(page_size >= TILE):
-            if tile + WARPS < last:
-                next_page = _load_index(table_row + Int64((tile + WARPS) * TILE // page_size) * table_bytes, table_bytes)
-        k_rows = [_row_address(pool, table_row, tok0 + nt * 8 + grp, 0, head, kv_heads, max_pages, page, head_dim, page_size,
-                               table_bytes) for nt in range(2)]
-        v_rows = [_row_address(pool, table_row, tok0 + tok, 1, head, kv_heads, max_pages, page, head_dim, page_size,
-                               table_bytes) for tok in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9)]
-        kw = [[_load_v4(k_rows[nt] + (j * 32 + t * 8) * 2) for j in range(k_chunks)] for nt in range(2)]
-        vw = [[_load_v4(v_rows[i] + (hh * 64 + grp * 8) * 2) for hh in range(v_chunks)] for i in range(4)]
+        kw = [[[kv_next[(nt * k_chunks + j) * 4 + w] for w in range(4)] for j in range(k_chunks)] for nt in range(2)]
+        vw = [[[kv_next[k_words + (i * v_chunks + hh) * 4 + w] for w in range(4)] for hh in range(v_chunks)]
+              for i in range(4)]
+        if tile + WARPS < last:
+            _load_kv_tile(kv_next, pool, table_row, (tile + WARPS) * TILE, head, kv_heads, max_pages, next_page, t, grp,
+                          k_chunks, v_chunks, head_dim, page_size, table_bytes)
+            if cutlass.const_expr(page_size >= TILE):
+                if tile + 2 * WARPS < last:
+                    next_page = _load_index(table_row + Int64((tile + 2 * WARPS) * TILE // page_size) * table_bytes,
+                                            table_bytes)
 
         # Scores of tokens tok0 + 8nt + 2t + (c & 1), rows grp (c < 2) and grp + 8, in log2 units.
         x = []
