@@ -11,8 +11,9 @@ control-plane services (services/common.py) do not import.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -23,7 +24,9 @@ from schemas.internal import Job, TopCandidates
 from shared.logging import configure_logging, get_logger
 from shared.model.config import ModelConfig
 from shared.model.errors import ShardingError
+from shared.model.kv_budget import DeviceMemory, pages_from_memory
 from shared.model.layers import decode_attention_mode
+from shared.model.model import Qwen3Model
 from shared.model.runner import ModelRunner, StepOutput
 from shared.model.sampling_params import SamplingParams
 from shared.model.weights import SafetensorsCheckpoint, check_shardable
@@ -46,6 +49,9 @@ def check_rank_checkpoint(settings: ServiceSettings) -> None:
         decode_attention_mode()
     except ValueError as e:
         raise SettingsError(str(e)) from None
+    if settings.gpu_memory_utilization and (settings.device == "cpu" or (settings.device == "auto" and not torch.cuda.is_available())):
+        raise SettingsError(f"gpu_memory_utilization={settings.gpu_memory_utilization:g} sizes the KV cache of a GPU rank, "
+                            "but this instance runs on the CPU: set kv_pages instead")
     config = ModelConfig.from_dir(settings.model)
     SafetensorsCheckpoint(settings.model)  # the weight files exist and their headers read
     if isinstance(settings, PrefillSettings):
@@ -112,7 +118,7 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
     comm = init_distributed(topology, torch.device(device), master_port=dist_port) if world > 1 else None
     runner = ModelRunner.from_dir(
         settings.model,
-        num_pages=settings.kv_pages,
+        num_pages=_kv_pages(settings, torch.device(device), dtype),
         page_size=settings.page_size,
         dtype=dtype,
         device=device,
@@ -131,6 +137,22 @@ def start_model_rank(settings: PrefillSettings | DecodeSettings, topology: Topol
              collectives=type(comm).__name__ if comm is not None else None,
              dense_dequantized_mib=round(model.dense_dequantized_bytes / 2**20, 1))
     return runner
+
+
+def _kv_pages(settings: PrefillSettings | DecodeSettings, device: torch.device, dtype: torch.dtype) -> int | Callable[[Qwen3Model], int]:
+    """The rank's KV pages: ``kv_pages``, or with ``gpu_memory_utilization`` what is left of that share of the GPU
+    once the model is loaded (`shared.model.kv_budget`), profiled with the largest forward the rank runs."""
+    utilization = settings.gpu_memory_utilization
+    if not utilization:
+        return settings.kv_pages
+    baseline = DeviceMemory.measure(device, utilization)  # before the weights: what is not this rank's
+    if isinstance(settings, DecodeSettings):
+        # a step of max_batch sequences; with CUDA graphs their memory pool holds a second copy of its activations
+        lengths, copies = [1] * settings.max_batch, 2 if settings.cuda_graphs else 1
+    else:
+        lengths, copies = [settings.max_batch_tokens], 1
+    return functools.partial(pages_from_memory, baseline=baseline, utilization=utilization, page_size=settings.page_size,
+                             dtype=dtype, profile_lengths=lengths, activation_copies=copies)
 
 
 def run_threads_on_device(device: torch.device) -> None:

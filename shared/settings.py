@@ -44,6 +44,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 LogLevel = Annotated[str, msgspec.Meta(pattern=rf"(?i)^({'|'.join(LEVELS)})$")]
 Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")]
 # "auto": bfloat16 on a GPU (the kernels' dtype and Qwen3 checkpoints'), float32 on the CPU (the reference ops')
@@ -165,6 +166,9 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     dtype: Dtype = "auto"  # compute and KV dtype; must match the decode instances (Dtype)
     page_size: Positive = 16
     kv_pages: Positive = 512  # KV pages of the prefill-side cache (per rank)
+    # vLLM's --gpu-memory-utilization: the share of its GPU's memory a rank may use for weights, activations and
+    # KV cache; the KV pages are what is left (shared.model.kv_budget) and kv_pages is not used. 0: kv_pages. GPU only.
+    gpu_memory_utilization: Share = 0.0
     max_batch_tokens: Positive = 8192  # prompts run together in one forward pass, up to this many tokens
     # ... and up to this many prompt tokens, reused ones included: prefill attention gathers every
     # prompt's whole context at once, so a shared cached prefix counts once per prompt
@@ -192,6 +196,9 @@ class DecodeSettings(ServiceSettings, kw_only=True):
     dtype: Dtype = "auto"  # compute and KV dtype; must match the prefill instances (Dtype)
     page_size: Positive = 16
     kv_pages: Positive = 512  # KV pages per rank
+    # vLLM's --gpu-memory-utilization: the share of its GPU's memory a rank may use for weights, activations and
+    # KV cache; the KV pages are what is left (shared.model.kv_budget) and kv_pages is not used. 0: kv_pages. GPU only.
+    gpu_memory_utilization: Share = 0.0
     max_batch: Positive = 32  # running + reserved requests per rank
     dist_port: Port = 0
     idle_poll_ms: Annotated[float, msgspec.Meta(gt=0)] = 20.0  # dp > 1: longest lockstep poll interval while every rank is idle

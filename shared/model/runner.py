@@ -22,7 +22,7 @@ batch) so the expert all-to-all of the other ranks can complete.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,10 +79,14 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, *, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", topology: Topology = Topology.single(), comm: Collectives | None = None, release_finished: bool = True, max_tokens_per_rank: int | None = None) -> ModelRunner:
-        """``max_tokens_per_rank``: see `Qwen3Model` (a decode rank passes its batch cap)."""
+    def from_dir(cls, model_dir: str | Path, *, num_pages: int | Callable[[Qwen3Model], int], page_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", topology: Topology = Topology.single(), comm: Collectives | None = None, release_finished: bool = True, max_tokens_per_rank: int | None = None) -> ModelRunner:
+        """``num_pages``: the KV cache's pages, or a function of the loaded model that decides them (a share of
+        GPU memory, `shared.model.kv_budget`). ``max_tokens_per_rank``: see `Qwen3Model` (a decode rank passes
+        its batch cap)."""
         model = Qwen3Model.load(model_dir, topology, comm, dtype, device, max_tokens_per_rank=max_tokens_per_rank)
         c = model.config
+        if callable(num_pages):
+            num_pages = num_pages(model)
         cache = PagedKVCache(KVLayout(c.num_layers, num_pages, model.local_kv_heads, page_size, c.head_dim, dtype), device)
         eos = GenerationConfig.from_dir(model_dir).eos_token_ids
         return cls(model, cache, eos, release_finished=release_finished)

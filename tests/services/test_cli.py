@@ -137,6 +137,11 @@ def test_services_refuse_bad_settings_and_checkpoints_at_start_naming_them(tmp_p
         (["gateway", "--model", str(bad_tokenizer)], {}, 2, r"cannot be served: .*bad-tokenizer/tokenizer.json is not a valid tokenizer file"),
         (["prefill", "--model", str(no_weights)], {}, 2, r"not a checkpoint moebus serves: expected model.safetensors.index.json or exactly one \*.safetensors file, found 0"),
         (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_PAGE_SIZE": "0"}, 2, "Expected `int` >= 1 - at `\\$.page_size`"),
+        # vLLM's --gpu-memory-utilization: a share of a GPU, so a CPU rank (whose pages kv_pages sets) is told so
+        (["decode", "--model", str(tiny_model)], {"MOEBUS_DECODE_GPU_MEMORY_UTILIZATION": "0.9", "MOEBUS_DECODE_DEVICE": "cpu"}, 2,
+         r"gpu_memory_utilization=0.9 sizes the KV cache of a GPU rank, but this instance runs on the CPU: set kv_pages instead"),
+        (["prefill", "--model", str(tiny_model)], {"MOEBUS_PREFILL_GPU_MEMORY_UTILIZATION": "1.5"}, 2,
+         r"Expected `float` <= 1.0 - at `\$.gpu_memory_utilization`"),
         # A check across fields named the values but not where they came from.
         (["gateway", "--model", str(tiny_model)], {"MOEBUS_GATEWAY_STAGE_EXPIRY_S": "0.1"}, 2,
          r"gateway settings: MOEBUS_GATEWAY_STAGE_EXPIRY_S='0.1': stage_expiry_s=0.1 must be at least 3 x heartbeat_interval_s=0.5"),

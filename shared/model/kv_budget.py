@@ -1,0 +1,118 @@
+"""KV pages from a share of GPU memory: vLLM's ``--gpu-memory-utilization`` for a moebus rank.
+
+A rank given ``gpu_memory_utilization = u`` may use ``u x`` its GPU's total memory for everything
+it holds: weights, the largest forward's activations, what CUDA, NCCL and the kernels' modules take
+outside torch, and the KV cache, which gets the rest. What the rest is comes from the device, in
+this order (`pages_from_memory`), after the weights are loaded and before the cache exists:
+
+1. ``DeviceMemory.measure`` before anything is loaded (the rank's CUDA context already made):
+   memory other processes (and this context) use. A GPU whose free memory is below the share
+   asked for is refused there, naming both.
+2. One forward of the largest batch the rank runs (decode: ``max_batch`` sequences of one token;
+   prefill: one prompt of ``max_batch_tokens``) through a throw-away cache, its activations'
+   peak read from torch's allocator. A decode rank counts that peak twice: its CUDA graphs hold
+   a pool of their own beside the eager steps (a step whose page bucket has no graph).
+3. Memory the rank took outside torch since step 1 (NCCL's buffers, CuTeDSL modules): the
+   device's used memory minus step 1's, minus what torch's allocator reserved.
+
+Pages = (share - weights and buffers - activations - outside torch) / bytes of a page, the same
+on every rank of a group (the smallest: a prefill TP group shares page ids, and a decode group's
+lockstep warm-up must take the same steps). Another process that grows on the same GPU while this
+rank sizes its cache counts as this rank's "outside torch", so the cache comes out smaller than it
+could be, never larger; start services that share a GPU one after the other to size them exactly.
+Prompt logprobs run lm_head a slice of rows at a time and are not in the profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shared.kvcache import KVLayout, PagedKVCache
+from shared.logging import get_logger
+from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
+
+log = get_logger(__name__)
+
+GIB = 2**30
+
+
+class KVBudgetError(ValueError):
+    """The share of GPU memory asked for cannot hold this rank and a KV cache; the message has the figures."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory in use before this rank loaded anything: other processes' and its CUDA context."""
+
+    device: torch.device
+    total: int
+    used: int
+
+    @classmethod
+    def measure(cls, device: torch.device, utilization: float) -> DeviceMemory:
+        """Now, on ``device``; refuses a share larger than the memory still free."""
+        free, total = torch.cuda.mem_get_info(device)
+        if utilization * total > free:
+            raise KVBudgetError(
+                f"gpu_memory_utilization={utilization:g} asks for {utilization * total / GIB:.1f} GiB of {device} "
+                f"({total / GIB:.1f} GiB), but only {free / GIB:.1f} GiB are free: other processes use "
+                f"{(total - free) / GIB:.1f} GiB. Lower it, or give this rank another GPU")
+        return cls(device, total, total - free)
+
+
+def activation_peak(model: Qwen3Model, page_size: int, dtype: torch.dtype, lengths: Sequence[int]) -> int:
+    """Peak bytes torch allocates during one forward of fresh sequences of ``lengths`` tokens, beyond
+    what was allocated before it (the weights, and the throw-away cache it writes its K/V to)."""
+    c, device = model.config, model.device
+    layout = KVLayout(c.num_layers, sum(-(-n // page_size) for n in lengths), model.local_kv_heads, page_size,
+                      c.head_dim, dtype)
+    cache = PagedKVCache(layout, device)
+    chunks, first = [], 0
+    for n in lengths:
+        pages = layout.pages_for(n)
+        chunks.append(SequenceChunk([(7919 * i) % c.vocab_size for i in range(n)], 0, list(range(first, first + pages))))
+        first += pages
+    batch = ForwardBatch.build(chunks, page_size, device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model.forward(batch, cache)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del cache, batch
+    return peak
+
+
+def pages_from_memory(model: Qwen3Model, baseline: DeviceMemory, utilization: float, page_size: int, dtype: torch.dtype,
+                      profile_lengths: Sequence[int], activation_copies: int) -> int:
+    """KV pages of this rank within ``utilization`` of its GPU (module doc); every rank of a torch.distributed
+    group must call it (with the same arguments) at the same point."""
+    device, c = baseline.device, model.config
+    peak = activation_peak(model, page_size, dtype, profile_lengths)
+    torch.cuda.empty_cache()  # the profile's blocks go back to the device: the cache allocates afresh
+    free, total = torch.cuda.mem_get_info(device)
+    persistent = torch.cuda.memory_allocated(device)  # weights and the buffers the model keeps
+    outside_torch = max(0, total - free - baseline.used - torch.cuda.memory_reserved(device))
+    share = int(utilization * total)
+    kv_bytes = share - persistent - activation_copies * peak - outside_torch
+    page_bytes = KVLayout(c.num_layers, 1, model.local_kv_heads, page_size, c.head_dim, dtype).bytes_per_token * page_size
+    pages = max(0, kv_bytes // page_bytes)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = torch.tensor([pages], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        pages = int(agreed.item())
+    figures = dict(share_gib=round(share / GIB, 2), weights_gib=round(persistent / GIB, 2),
+                   activations_gib=round(activation_copies * peak / GIB, 2), outside_torch_gib=round(outside_torch / GIB, 2),
+                   page_mib=round(page_bytes / 2**20, 3))
+    if pages < 2:  # one page for a sequence, one for the decode graphs' scratch
+        raise KVBudgetError(
+            f"gpu_memory_utilization={utilization:g} leaves no room for a KV cache on {device}: of its "
+            f"{figures['share_gib']} GiB share the weights and buffers take {figures['weights_gib']}, "
+            f"activations {figures['activations_gib']} and memory outside torch {figures['outside_torch_gib']} GiB "
+            f"(a page is {figures['page_mib']} MiB); raise it")
+    log.info("kv_pages_from_memory", pages=pages, tokens=pages * page_size, utilization=utilization, **figures)
+    return pages
