@@ -40,8 +40,8 @@ TB/s at 512 (18-60 us: launch and split-combine overheads show). ptxas: 158 regi
 (ebaad7df4cf1, another 2x H200 machine, so a cross-run comparison): 30B heads at batch 64 /
 128 and 512 tokens 26.8 / 49.9 us (was 33.5 / 53.0), at 4k 148 / 280 (156 / 315); 235B heads
 level at 512 (32.0 / 60.0 vs 31.9 / 59.7) and 3-4% slower at 4k (162 / 305 vs 157 / 293).
-K/V loaded a tile ahead (one H200, each arm from its own tree, B N N B, [0369020600f6+s37-kvahead] against
-[0369020600f6]), batch 16 / 64 / 128: 30B heads at 4k 41.9 / 145 / 288 -> 39.6 / 135 / 271 us (-5..-7%), at 512
+K/V loaded a tile ahead (one H200, each arm from its own tree, B N N B, [8c2adcbb8b38+s37-kvahead] against
+[8c2adcbb8b38]), batch 16 / 64 / 128: 30B heads at 4k 41.9 / 145 / 288 -> 39.6 / 135 / 271 us (-5..-7%), at 512
 10.9 / 22.4 / 42.3 -> 11.4 / 21.3 / 40.8 (+4% at 16, -3.5..-5% beyond); 235B heads at 4k 45.5 / 155 / 302 ->
 40.4 / 134 / 261 (-11..-14%), at 512 12.5 / 24.5 / 47.3 -> 12.5 / 22.3 / 42.8 (level at 16, -9% beyond); means of two runs. ptxas (CUDA 12.9): 255
 registers and a 24-byte spill at 8 query heads per KV head, 245 and none at 16 (before: 202 and 210).
