@@ -55,7 +55,8 @@ from services.http import CANNOT_LISTEN
 from services.ranks import die_with_parent, free_port
 from shared.bus import connect, decode_public, unpack
 from shared.logging import configure_tool_logging
-from shared.settings import SERVICES, NatsServerSettings, SettingsError, load_settings, nats_server_settings
+from shared.settings import (SERVICES, DecodeSettings, NatsServerSettings, PrefillSettings, SettingsError, check_gpu_shares,
+                             load_settings, nats_server_settings)
 
 
 class StartInterrupted(Exception):
@@ -287,11 +288,16 @@ class LocalStack:
     def check_settings(self) -> None:
         """Read the settings of each service of the request path as its replicas will read them at start
         (`SettingsError`): a bad `MOEBUS_*` variable is named before anything starts, not by a replica's exit
-        once nats-server and the other services are up. (The frontends' settings are theirs to refuse: a frontend
-        that exits at start fails the start with its reason.)"""
+        once nats-server and the other services are up; and the GPU memory shares of the services together
+        (`check_gpu_shares`). (The frontends' settings are theirs to refuse: a frontend that exits at start fails the
+        start with its reason.)"""
+        instances = []
         for spec in self.specs:
             if spec.role in ROLES:
-                load_settings(SERVICES[spec.role], spec.role, env=self.replica_env(spec, f"{spec.name}-0"))
+                settings = load_settings(SERVICES[spec.role], spec.role, env=self.replica_env(spec, f"{spec.name}-0"))
+                if isinstance(settings, (PrefillSettings, DecodeSettings)):
+                    instances.append((spec.name, spec.replicas, settings))
+        check_gpu_shares(instances)
 
     def restart_replica(self, replica: Replica) -> Replica:
         """Start an ended replica again, as the same instance (its log goes on in the same file)."""

@@ -215,6 +215,34 @@ class DecodeSettings(ServiceSettings, kw_only=True):
         _check_expiry(self.gateway_expiry_s, self.heartbeat_interval_s, "gateway_expiry_s")
 
 
+def instance_gpus(settings: PrefillSettings | DecodeSettings) -> list[int]:
+    """The GPU index each rank of an instance takes (`services.model_rank.resolve_device`, for as many GPUs as
+    ranks); none on the CPU."""
+    ranks = settings.tp if isinstance(settings, PrefillSettings) else settings.dp
+    if settings.device == "cpu":
+        return []
+    if settings.device.startswith("cuda:"):
+        return [int(settings.device.removeprefix("cuda:"))] * ranks
+    return list(settings.gpus) or list(range(ranks))
+
+
+def check_gpu_shares(instances: list[tuple[str, int, PrefillSettings | DecodeSettings]]) -> None:
+    """Services started on one host (`moebus up`, no container per service) share its GPUs: the
+    gpu_memory_utilization of the ranks on each GPU must add up to at most the whole GPU. ``instances``:
+    (name, replicas, settings); a rank on its own share's GPU alone is checked by itself at start."""
+    shares: dict[int, list[tuple[str, float]]] = {}
+    for name, replicas, settings in instances:
+        if settings.gpu_memory_utilization:
+            for gpu in instance_gpus(settings):
+                shares.setdefault(gpu, []).extend([(name, settings.gpu_memory_utilization)] * replicas)
+    for gpu, on_gpu in sorted(shares.items()):
+        total = sum(share for _, share in on_gpu)
+        if total > 1 + 1e-9:
+            holders = ", ".join(f"{name} ({share:g})" for name, share in on_gpu)
+            raise SettingsError(f"GPU {gpu} would hold ranks of {holders}: their gpu_memory_utilization add up to {total:g}, "
+                                "more than the GPU; give each a smaller share, or its own GPUs (gpus)")
+
+
 class FrontendSettings(ProcessSettings, kw_only=True):
     """Fields of the HTTP frontends (`moebus openai`, `moebus metrics`): NATS clients of the stack,
     with no model, no instance id and no heartbeat of their own."""

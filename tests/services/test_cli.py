@@ -27,6 +27,7 @@ from services.http import CANNOT_LISTEN
 from services.launch import LocalStack, parse_up_arguments
 from services.ranks import free_port
 from shared.bus import connect, pack
+from shared.settings import SettingsError
 
 pytestmark = pytest.mark.slow
 
@@ -194,6 +195,24 @@ def test_up_refuses_bad_settings_before_starting_anything(tmp_path: Path, tiny_m
     exit 2). The settings of each service are now read first, from the environment its replicas get."""
     refused = up_refused(tmp_path / "logs", tiny_model, {"MOEBUS_DECODE_KV_PAGES": "0"})
     assert "moebus up: decode settings: MOEBUS_DECODE_KV_PAGES='0': Expected `int` >= 1 - at `$.kv_pages`" in refused, refused
+
+
+def test_up_refuses_gpu_memory_shares_that_overfill_a_gpu(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
+    """vLLM's --gpu-memory-utilization is per instance: one MOEBUS_GPU_MEMORY_UTILIZATION=0.9 for the whole stack gives
+    prefill and decode, whose rank 0 both take GPU 0 under `moebus up`, 0.9 each. The second to size its KV cache
+    would find the GPU full (or both, sizing at once, run out of memory later): refused before anything starts."""
+    refused = up_refused(tmp_path / "logs", tiny_model, {"MOEBUS_GPU_MEMORY_UTILIZATION": "0.9"})
+    assert ("moebus up: GPU 0 would hold ranks of prefill (0.9), decode (0.9): their gpu_memory_utilization add up to 1.8, "
+            "more than the GPU; give each a smaller share, or its own GPUs (gpus)") in refused, refused
+    # Shares that fit, or the services on GPUs of their own, pass; two decode ranks each take their own GPU.
+    for env in ({"MOEBUS_GPU_MEMORY_UTILIZATION": "0.45"},
+                {"MOEBUS_GPU_MEMORY_UTILIZATION": "0.9", "DECODE_DP": "2", "MOEBUS_DECODE_GPUS": "[1, 2]"}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        LocalStack(load_compose(DEFAULT_STACK, dict(os.environ)), tiny_model, tmp_path / "logs").check_settings()
+    monkeypatch.setenv("MOEBUS_DECODE_GPUS", "[0, 1]")  # decode rank 0 back on prefill's GPU
+    with pytest.raises(SettingsError, match=r"GPU 0 would hold ranks of prefill \(0.9\), decode \(0.9\)"):
+        LocalStack(load_compose(DEFAULT_STACK, dict(os.environ)), tiny_model, tmp_path / "logs").check_settings()
 
 
 def test_up_takes_a_queue_wait_past_the_gateways_submit_timeout(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
