@@ -146,13 +146,15 @@ def _kv_pages(settings: PrefillSettings | DecodeSettings, device: torch.device, 
     if not utilization:
         return settings.kv_pages
     baseline = DeviceMemory.measure(device, utilization)  # before the weights: what is not this rank's
+    # The largest forward counted twice: a decode rank's CUDA graphs hold their own memory pool beside the eager steps;
+    # a prefill batch may also gather a cached prefix's K/V (up to max_batch_context_tokens), which the profile's
+    # fresh prompt does not.
     if isinstance(settings, DecodeSettings):
-        # a step of max_batch sequences; with CUDA graphs their memory pool holds a second copy of its activations
-        lengths, copies = [1] * settings.max_batch, 2 if settings.cuda_graphs else 1
+        lengths = [1] * settings.max_batch
     else:
-        lengths, copies = [settings.max_batch_tokens], 1
+        lengths = [settings.max_batch_tokens]
     return functools.partial(pages_from_memory, baseline=baseline, utilization=utilization, page_size=settings.page_size,
-                             dtype=dtype, profile_lengths=lengths, activation_copies=copies)
+                             dtype=dtype, profile_lengths=lengths, activation_copies=2)
 
 
 def run_threads_on_device(device: torch.device) -> None:

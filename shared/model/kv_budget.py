@@ -10,8 +10,9 @@ this order (`pages_from_memory`), after the weights are loaded and before the ca
    asked for is refused there, naming both.
 2. One forward of the largest batch the rank runs (decode: ``max_batch`` sequences of one token;
    prefill: one prompt of ``max_batch_tokens``) through a throw-away cache, its activations'
-   peak read from torch's allocator. A decode rank counts that peak twice: its CUDA graphs hold
-   a pool of their own beside the eager steps (a step whose page bucket has no graph).
+   peak read from torch's allocator, counted twice: a decode rank's CUDA graphs hold a pool of
+   their own beside the eager steps (a step whose page bucket has no graph), and a prefill
+   batch may gather a cached prefix's K/V as well, which the profile's fresh prompt does not.
 3. Memory the rank took outside torch since step 1 (NCCL's buffers, CuTeDSL modules): the
    device's used memory minus step 1's, minus what torch's allocator reserved.
 
