@@ -45,9 +45,9 @@ K/V loaded a tile ahead (one H200, each arm from its own tree, B N N B, [8c2adcb
 10.9 / 22.4 / 42.3 -> 11.4 / 21.3 / 40.8 (+4% at 16, -3.5..-5% beyond); 235B heads at 4k 45.5 / 155 / 302 ->
 40.4 / 134 / 261 (-11..-14%), at 512 12.5 / 24.5 / 47.3 -> 12.5 / 22.3 / 42.8 (level at 16, -9% beyond); means
 of two runs. ptxas (CUDA 12.9): 255 registers and a 24-byte spill at 8 query heads per KV head, 245 and none at 16
-(before: 202 and 210). In a whole
-decode step at 4k context (bench.decode_step, 64 sequences, 16 layers of 30B shapes, another call) no change was
-measured (5.70-5.75 ms both): not explained; the step's interleaved page tables are one difference from this bench.
+(before: 202 and 210). In a whole decode step at 4k context (bench.decode_step, 64 sequences, 16 layers of 30B
+shapes, another call) no change was measured (5.70-5.75 ms both): not explained; the step's interleaved page tables
+are one difference from this bench.
 """
 
 from __future__ import annotations
