@@ -145,7 +145,9 @@ class Scheduler:
     async def _on_cancel(self, msg: Msg) -> None:
         cancel = unpack(msg.data, Cancel)
         if cancel.request_id in self.queue and cancel_applies(cancel, None):
-            self.cancelled[cancel.request_id] = cancel.reason
+            # The first cancel's reason: a gateway that hears a client's cancel passes it on, then, its request
+            # failed by it, cancels again ("request failed at the gateway") before this waiter has woken to refuse.
+            self.cancelled.setdefault(cancel.request_id, cancel.reason)
             self.queue[cancel.request_id].set()
 
     def _wake_head(self) -> None:

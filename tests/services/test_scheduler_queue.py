@@ -18,7 +18,7 @@ import pytest
 
 from schemas import subjects
 from schemas.api import ErrorCode, GenerateRequest
-from schemas.internal import Job, KVReservation, Placement, ReserveKV, SubmitAck, SubmitJob
+from schemas.internal import Cancel, Job, KVReservation, Placement, ReserveKV, SubmitAck, SubmitJob
 from services.client import GenerateError
 from services.scheduler.service import PLACING_AT_ONCE, Scheduler
 from services.submit import final_ack
@@ -94,6 +94,27 @@ def test_a_request_cancelled_while_queued_leaves_nothing_behind(stack):
     refused = [(e["code"], e["reason"]) for e in log_events(stack, "refused") if e.get("request_id") == "queued-then-cancelled"]
     # the refusal names the cancel's reason: the gateway may hear it before its own copy of the cancel
     assert refused == [("cancelled", "cancelled while waiting for capacity: the test cancels it")], refused
+
+
+def test_a_queued_request_cancelled_twice_is_refused_with_the_first_reason(stack):
+    """A gateway passes a client's cancel on, then, the request failed by it, cancels again ("request failed at the
+    gateway"): the second reached the scheduler before its waiter woke and took the refusal's reason (a flaky
+    failure of the test above in a full run). Two cancels back to back on ctl.cancel: the first one's reason."""
+    async def go():
+        async with session(stack.url) as (client, watch), connect(stack.url, "test-two-cancels") as bus:
+            holder = await _hold_the_batch(client, watch, 400)
+            queued = asyncio.ensure_future(client.generate(GenerateRequest(prompt="waits", max_tokens=8, request_id="cancelled-twice")))
+            await watch.wait_for(_queued_at_scheduler(1), 10, "the request in the scheduler's queue")
+            await bus.publish(subjects.CTL_CANCEL, pack(Cancel("cancelled-twice", "the first cancel")))
+            await bus.publish(subjects.CTL_CANCEL, pack(Cancel("cancelled-twice", "the second cancel")))
+            with pytest.raises(GenerateError):
+                await queued
+            await watch.wait_for(_queued_at_scheduler(0), 5, "the scheduler's queue empty")
+            await holder
+
+    run(go())
+    refused = [e["reason"] for e in log_events(stack, "refused") if e.get("request_id") == "cancelled-twice"]
+    assert refused == ["cancelled while waiting for capacity: the first cancel"], refused
 
 
 def test_the_requests_queued_at_a_scheduler_that_dies_fail_unavailable_within_its_expiry(stack):
