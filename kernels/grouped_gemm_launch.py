@@ -99,13 +99,15 @@ def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, 
             small_experts = n * k <= MID_TILE_MAX_WEIGHT_ELEMENTS
             mid = not masked and small_experts and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT
             tile_n = 192 if mid else 256
-    # FP8 prefill of more than MID_TILE_MAX_TOKENS_PER_EXPERT tokens per expert: the tiles whose rows all belong
-    # to their expert (most of them) go out by TMA stores.  Measured on one H200 (Qwen3-30B down, same call):
-    # +5.3% at 2048 tokens, -0.6% at 375 (a third of its tiles end mid-tile), so smaller groups keep the
-    # store warps' stores; at 2048 on all four Qwen3 FP8 shapes, another call: +2.2..+4.4%;
-    # bench/grouped_gemm_findings.md.
-    tma_store = (fp8 and not masked and not swiglu and tokens_per_expert > MID_TILE_MAX_TOKENS_PER_EXPERT
-                 and n % 8 == 0)
+    # FP8 prefill (128-row tiles): every tile whose rows all belong to its expert goes out by TMA stores, and an
+    # expert's last row tile is moved back to end at its last row (``GroupedGemmSm90._locate``), so only experts
+    # of fewer than 128 rows keep the store warps' stores.  One H200, each arm from its own tree, base new new
+    # base, burst (25188a70bf50+s41-tmaall against 25188a70bf50): Qwen3-30B down at 256 / 375 / 512 tokens per
+    # expert 946 / 990 / 1038 -> 977-979 / 1029-1030 / 1079-1081 TFLOP/s (+3.4 / +4.0 / +4.0%), 235B down +1.5..
+    # +3.8%, the gate_up shapes +0.6..+2.9%; at 128 (one tile an expert, nothing moved) -0.8..+1.3%; at 2048
+    # (TMA stores before too) within 0.6%.  Before the move, TMA stores at 375 ran -0.6%: the same 44 CTAs got
+    # every partial tile and their store warps set the pace; bench/grouped_gemm_findings.md.
+    tma_store = fp8 and not mxfp8 and not masked and not swiglu and tile_m == 128 and n % 8 == 0
     # Only the measured tiles: 128-wide ones (SwiGLU, overrides) gain a stage only beside ~1600 experts' schedule.
     split_output = (tile_m == 128 and tile_n in (192, 256) and not fp8 and not mxfp8 and not masked
                     and tokens_per_expert <= MID_TILE_MAX_TOKENS_PER_EXPERT)

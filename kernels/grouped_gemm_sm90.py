@@ -37,7 +37,8 @@ through shared memory, so its global stores drain while the consumers run the
 next tile's mainloop (bf16 prefill tiles of up to 512 tokens per expert in two
 halves through a half-size buffer, which frees shared memory for one more
 pipeline stage; FP8 prefill tiles whose rows all belong to their expert by
-TMA stores; see ``grouped_gemm_sm90_epilogue``).
+TMA stores, an expert's last row tile ending at its last row so that it does;
+see ``grouped_gemm_sm90_epilogue``).
 
 Decode-sized launches (``pdl``) use programmatic dependent launch: a launch's CTAs start while the
 previous kernel in the stream finishes and wait for it (``griddepcontrol.wait``) before any global
@@ -605,6 +606,15 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
         working at the same time share weight tiles in L2.  ``row0`` is the
         tile's first row in its batch (masked layout: batch = expert), and
         ``rows_left`` how many rows from there belong to the expert.
+
+        With ``tma_store`` the last row tile of an expert of at least ``tile_m``
+        rows ends at the expert's last row instead of running past it: it
+        overlaps the tile before by a few rows, which both compute and write
+        alike, and every tile of such an expert is full, so it goes out by TMA.
+        (With tiles from the expert's first row on, a group of 375 rows leaves a
+        partial third tile, and since 132 CTAs take 4 experts of 33 such tiles a
+        round, the same 44 CTAs get every partial tile: their store warps set
+        the pace however fast the others store.)
         """
         cfg = self.cfg
         while tile >= s_tile_begin[expert + 1]:
@@ -613,6 +623,8 @@ class GroupedGemmSm90(ScaledMainloops, SwappedMxMainloop, Epilogue):
         m_tiles = (s_row_count[expert] + cfg.tile_m - 1) // cfg.tile_m
         n_tile = local // m_tiles
         m_row = (local - n_tile * m_tiles) * cfg.tile_m
+        if cutlass.const_expr(self.tma_store):
+            m_row = cutlass.min(m_row, cutlass.max(s_row_count[expert] - cfg.tile_m, 0))
         batch = expert if cutlass.const_expr(cfg.masked) else 0
         return expert, n_tile, batch, s_row_start[expert] + m_row, s_row_count[expert] - m_row
 

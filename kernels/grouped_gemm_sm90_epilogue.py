@@ -11,11 +11,12 @@
   and those are never written.  FP8 prefill (``tma_store``): a tile whose
   rows all belong to its expert goes out by TMA stores instead, issued by one
   store thread (TMA clips the columns past N; it could not stop at an expert's
-  last row inside a tile without a tensor map per expert).  Qwen3-30B down at
-  2048 tokens per expert (every tile full), one H200: 1123-1124 TFLOP/s against
-  1066-1069 with the store warps' stores, same call; at 375 tokens (a third of
-  the tiles end mid-tile) 966-970 against 974-975; the four Qwen3 FP8 shapes at
-  2048, another call: +2.2..+4.4% (bench/grouped_gemm_findings.md).
+  last row inside a tile without a tensor map per expert, so an expert's last
+  row tile ends at its last row, see ``_locate``, and only experts of fewer
+  rows than a tile keep the store warps' stores).  Qwen3-30B down, one H200:
+  at 2048 tokens per expert 1123-1124 TFLOP/s against 1066-1069 with the store
+  warps' stores, same call; at 375, with the last row tiles moved, 1029-1030
+  against 990 (bench/grouped_gemm_findings.md).
 
 So the global stores of tile t drain while the tensor cores run tile t+1.
 Each consumer warpgroup hands its 64 rows of the one output buffer back and

@@ -64,8 +64,10 @@ def _activations(shape, fp8: bool, gen: torch.Generator):
 
 CONTIGUOUS_COUNTS = {
     "uneven_decode": [0, 1, 7, 0, 64, 3, 0, 2],  # avg <= 64: 64-row tiles
-    "uneven_prefill": [0, 300, 1, 129, 0, 700, 64, 2],  # avg in (64, 512]: 128-row tiles (bf16 128x192)
-    # avg > 512: bf16 128x256 tiles; FP8 stores its full tiles by TMA, the rest (129 rows, 1 row) by the store warps
+    # avg in (64, 512]: 128-row tiles (bf16 128x192); FP8 stores by TMA the tiles of experts of >= 128 rows (the
+    # last one moved back to end at the expert's last row: 300, 129, 700) and by the store warps the others (64, 2, 1)
+    "uneven_prefill": [0, 300, 1, 129, 0, 700, 64, 2],
+    # avg > 512: bf16 128x256 tiles
     "uneven_large": [0, 3000, 1, 2600, 128, 2900, 129, 700],
 }
 
@@ -114,6 +116,37 @@ def test_tile_widths(fp8, tile_m, tile_n):
     ref = gg.grouped_gemm_reference(x.cpu(), w.cpu(), offsets, masked=False, x_scale=None if xs is None else xs.cpu(),
                                     w_scale=None if ws is None else ws.cpu())
     _assert_close(out.cpu(), ref, f"{'fp8' if fp8 else 'bf16'} tile {tile_m}x{tile_n}")
+
+
+@pytest.mark.parametrize("row_weights", [False, True], ids=["plain", "rowweighted"])
+def test_fp8_last_row_tile_ends_at_its_expert_and_matches_bit_for_bit(row_weights):
+    """FP8 prefill (``tma_store``): an expert of 375 rows runs row tiles at 0, 128 and 247, the last overlapping the
+    one before by 9 rows, which two CTAs compute and write.  The same rows and weights split as experts of 256 and
+    119 rows (tiles at 0 and 128, and a partial tile at 256 that the store warps write) give the same bits, and
+    every row matches the fp32 reference; the rows after the expert stay unwritten."""
+    from kernels.grouped_gemm_launch import choose_config
+
+    assert choose_config(num_experts=2, n=2048, k=768, masked=False, fp8=True, swiglu=False, row_weights=row_weights,
+                         tokens_per_expert=187.5, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                         ).tma_store
+    gen = torch.Generator(device=DEV).manual_seed(29 + row_weights)
+    N, K, T = 2048, 768, 375
+    x, xs = _activations((T + 3, K), True, gen)
+    w, ws = _random_weights(1, N, K, True, gen)
+    w2, ws2 = w.expand(2, N, K).contiguous(), ws.expand(2, *ws.shape[1:]).contiguous()  # two experts, one weight
+    rw = torch.rand(T + 3, generator=gen, device=DEV) if row_weights else None
+    outs = []
+    for counts in ([T, 0], [256, T - 256]):
+        offsets = torch.tensor([0, counts[0], T], dtype=torch.int32, device=DEV)
+        out = torch.full((T + 3, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+        gg.grouped_gemm(x, w2, offsets, x_scale=xs, w_scale=ws2, row_weights=rw, out=out)
+        outs.append(out.cpu())
+    whole, split = outs
+    assert torch.isnan(whole[T:].float()).all() and torch.isnan(split[T:].float()).all(), "rows past the expert written"
+    assert torch.equal(whole[:T], split[:T]), "the overlapping last tile changed the bits of some rows"
+    ref = gg.grouped_gemm_reference(x.cpu(), w2.cpu(), torch.tensor([0, T, T], dtype=torch.int32), masked=False,
+                                    x_scale=xs.cpu(), w_scale=ws2.cpu(), row_weights=None if rw is None else rw.cpu())
+    _assert_close(whole[:T], ref[:T], f"fp8 375-row expert, shifted last tile, rw={row_weights}")
 
 
 @pytest.mark.parametrize("tile_n,k,row_weights", [(192, 1088, False), (256, 1088, False), (192, 1088, True),

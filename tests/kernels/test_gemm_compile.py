@@ -340,8 +340,9 @@ def test_tile_bucket_rule_by_tokens_per_expert_and_expert_size():
         return choose_config(num_experts=8, n=n, k=768, masked=masked, fp8=fp8, swiglu=swiglu, row_weights=False,
                              tokens_per_expert=tokens, num_sms=132).tma_store
 
-    # FP8 prefill above the mid bound stores its full tiles by TMA; not below, not bf16, decode, SwiGLU or N % 8
-    assert [tma(t) for t in (small + 1, mid, mid + 0.5, 8 * mid)] == [False, False, True, True]
+    # FP8 prefill (128-row tiles) stores its full tiles by TMA; not decode-sized groups, bf16, the masked layout,
+    # SwiGLU or N % 8
+    assert [tma(t) for t in (1, small, small + 1, mid, 8 * mid)] == [False, False, True, True, True]
     assert not any([tma(4 * mid, fp8=False), tma(4 * mid, masked=True), tma(4 * mid, swiglu=True), tma(4 * mid, n=2044)])
 
 
