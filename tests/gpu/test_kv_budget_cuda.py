@@ -52,18 +52,11 @@ def test_the_cache_takes_what_the_share_leaves(tiny):
     page_bytes = cache_bytes // layout.num_pages
     assert utilization * total - used_by_rank < 0.05 * utilization * total + page_bytes
     # the rank still runs its largest step
-    runner.model.forward(*_batch(runner, 32))
+    assert torch.isfinite(runner.model.forward(*_prompts(runner, [1] * 32))).all()
     del runner
     torch.cuda.empty_cache()
     bigger, _ = _load(tiny, 2 * utilization, [1] * 32)
     assert bigger.cache.layout.num_pages > 1.9 * layout.num_pages
-
-
-def _batch(runner, n):
-    from shared.model.model import ForwardBatch, SequenceChunk
-
-    pages = runner.cache.allocator.alloc(n)
-    return ForwardBatch.build([SequenceChunk([i + 1], 0, [p]) for i, p in enumerate(pages)], PAGE, runner.cache.device), runner.cache
 
 
 def test_impossible_shares_are_refused_with_the_figures(tiny):
@@ -76,16 +69,37 @@ def test_impossible_shares_are_refused_with_the_figures(tiny):
         _load(tiny, 1e-7, [1] * 32)  # ~14 KB of an H200: not even the weights
 
 
-def test_a_decode_rank_started_with_a_share_sizes_its_cache_from_it(tiny):
+@pytest.mark.parametrize("service", ["decode", "prefill"])
+def test_a_rank_started_with_a_share_sizes_its_cache_from_it(tiny, service):
+    """Through `start_model_rank`, as the services start their ranks: a decode rank profiles ``max_batch`` one-token
+    sequences, a prefill rank one prompt of ``max_batch_tokens``; either then fits its share and runs that forward."""
     from services.model_rank import start_model_rank
     from shared.parallel import Topology
-    from shared.settings import DecodeSettings
+    from shared.settings import DecodeSettings, PrefillSettings
 
     free, total = torch.cuda.mem_get_info()
     utilization = round(free / total * 0.02, 4)
-    settings = DecodeSettings(model=str(tiny), device="cuda", dtype="bfloat16", gpu_memory_utilization=utilization,
-                              page_size=PAGE, max_batch=32)
-    runner = start_model_rank(settings, Topology.decode(1, 0), 0)
+    if service == "decode":
+        settings = DecodeSettings(model=str(tiny), device="cuda", dtype="bfloat16", gpu_memory_utilization=utilization,
+                                  page_size=PAGE, max_batch=32)
+        lengths = [1] * settings.max_batch
+    else:
+        settings = PrefillSettings(model=str(tiny), device="cuda", dtype="bfloat16", gpu_memory_utilization=utilization,
+                                   page_size=PAGE, max_batch_tokens=2048)
+        lengths = [settings.max_batch_tokens]
+    runner = start_model_rank(settings, getattr(Topology, service)(1, 0), 0)
     layout = runner.cache.layout
     assert layout.num_pages > settings.kv_pages  # not the kv_pages default: the share decided
     assert layout.num_pages * layout.bytes_per_token * PAGE <= utilization * total
+    logits = runner.model.forward(*_prompts(runner, lengths))  # the profiled forward still runs beside the full cache
+    assert logits.shape == (len(lengths), runner.model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def _prompts(runner, lengths: list[int]):
+    from shared.model.model import ForwardBatch, SequenceChunk
+
+    chunks = []
+    for i, n in enumerate(lengths):
+        pages = runner.cache.allocator.alloc(-(-n // PAGE))
+        chunks.append(SequenceChunk([(i + t) % 500 + 1 for t in range(n)], 0, pages))
+    return ForwardBatch.build(chunks, PAGE, runner.cache.device), runner.cache
