@@ -42,11 +42,14 @@ def _row_experts(sel: ep.SelectedRows, expert_start: int) -> torch.Tensor:
 @pytest.mark.parametrize("align", [1, 128])
 @pytest.mark.parametrize("experts,start,num_local", [(64, 16, 32), (128, 0, 128), (1024, 24, 1000)],
                          ids=["32-local", "128-local", "1000-local"])  # one, four, up to 32 experts per scan lane
-def test_select_and_combine_match_reference(kind, align, experts, start, num_local):
+# int32 ids with fp32 weights, and the router's own int64 ids with bf16 weights (read as they are, no conversion)
+@pytest.mark.parametrize("ids_dtype,w_dtype", [(torch.int32, torch.float32), (torch.int64, torch.bfloat16)],
+                         ids=["int32-fp32", "int64-bf16"])
+def test_select_and_combine_match_reference(kind, align, experts, start, num_local, ids_dtype, w_dtype):
     tokens, hidden, topk = 3001, 1024, 8
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
-    ids = _routing(tokens, experts, topk, kind, seed=5 if kind == "random" else 6)
-    w = torch.rand(tokens, topk, device="cuda")
+    ids = _routing(tokens, experts, topk, kind, seed=5 if kind == "random" else 6).to(ids_dtype)
+    w = torch.rand(tokens, topk, device="cuda").to(w_dtype)
     ours = ep.ep_select(x, ids, start, num_local, align)
     ref = ep.ep_select_reference(x, ids, start, num_local, align)
     torch.cuda.synchronize()
@@ -63,6 +66,8 @@ def test_select_and_combine_match_reference(kind, align, experts, start, num_loc
     out = ep.ep_combine(y, ours.row_of, w)
     expected = ep.ep_combine_reference(_expert_op(ref.rows, _row_experts(ref, start)), ref.row_of, w)
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    # the same weights given as fp32 combine to the same bits: the kernel's bf16 -> fp32 read is exact
+    assert torch.equal(out, ep.ep_combine(y, ours.row_of, w.float()))
 
 
 def _exchange_rank(rank: int, world: int, kind: str) -> bool:
