@@ -22,6 +22,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
+from kernels._cute_comm import wait_for_previous_kernel
 from kernels._cute_runtime import launch_stream
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, scale_row_stride
 
@@ -56,11 +57,13 @@ class ActQuantKernel:
             grid = [(capacity + WARPS_PER_CTA - 1) // WARPS_PER_CTA, groups, 1]
         else:
             grid = [(rows * kb + WARPS_PER_CTA - 1) // WARPS_PER_CTA, 1, 1]
-        self.kernel(mX, mQ, mS, mCounts, rows, capacity).launch(grid=grid, block=[32 * WARPS_PER_CTA, 1, 1], stream=stream)
+        self.kernel(mX, mQ, mS, mCounts, rows, capacity).launch(grid=grid, block=[32 * WARPS_PER_CTA, 1, 1], stream=stream,
+                                                                use_pdl=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mCounts: cute.Tensor, rows: cutlass.Int32,
                capacity: cutlass.Int32):
+        wait_for_previous_kernel()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, gidx, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()

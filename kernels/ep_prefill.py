@@ -34,7 +34,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from kernels._cute_comm import VEC_BYTES, gptr, grid_stride, load_i32, load_vec_f32, store_i32, store_vec_f32
+from kernels._cute_comm import (VEC_BYTES, gptr, grid_stride, load_i32, load_vec_f32, store_i32, store_vec_f32,
+                                wait_for_previous_kernel)
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
@@ -120,6 +121,7 @@ def ep_combine_reference(y: torch.Tensor, row_of: torch.Tensor, topk_weights: to
 @cute.kernel
 def _count_kernel(topk_ids: Int64, n_entries: Int32, expert_start: Int32, num_local: Int32, counts: Int64,
                   id_bytes: cutlass.Constexpr):
+    wait_for_previous_kernel()
     first, stride = grid_stride()
     for i in cutlass.range(first, n_entries, stride):
         le = load_i32(topk_ids + Int64(i) * id_bytes) - expert_start
@@ -133,6 +135,7 @@ def _offsets_kernel(counts: Int64, num_local: Int32, align: Int32, offsets: Int6
     # turns the runs' sums into their starts.  At most 32 loads a lane (E_local <= 1024), where one thread
     # per expert summing every count before its own took 7 us for 128 experts on an H200 (a decode step
     # runs this once per MoE layer).
+    wait_for_previous_kernel()
     lane = cute.arch.lane_idx()
     per = (num_local + 31) // 32
     first = lane * per
@@ -162,6 +165,7 @@ def _scatter_kernel(
     offsets: Int64, cursors: Int64, row_of: Int64, rows: Int64,
     dtype: cutlass.Constexpr, topk: cutlass.Constexpr, id_bytes: cutlass.Constexpr,
 ):
+    wait_for_previous_kernel()
     vec = VEC_BYTES * 8 // dtype.width
     esz = dtype.width // 8
     tid, _, _ = cute.arch.thread_idx()
@@ -193,6 +197,7 @@ def _combine_kernel(
     y: Int64, row_of: Int64, weights: Int64, n_tokens: Int32, hidden: Int32, out: Int64,
     dtype: cutlass.Constexpr, topk: cutlass.Constexpr, weight_dtype: cutlass.Constexpr,
 ):
+    wait_for_previous_kernel()
     vec = VEC_BYTES * 8 // dtype.width
     esz = dtype.width // 8
     tid, _, _ = cute.arch.thread_idx()
@@ -222,12 +227,13 @@ def _launch_select(
 ):
     n_entries = n_tokens * topk
     _count_kernel(topk_ids, n_entries, expert_start, num_local, counts, id_bytes).launch(
-        grid=[(n_entries + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[(n_entries + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
     )
-    _offsets_kernel(counts, num_local, align, offsets, cursors).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+    _offsets_kernel(counts, num_local, align, offsets, cursors).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream,
+                                                                       use_pdl=True)
     _scatter_kernel(
         x, topk_ids, n_tokens, hidden, expert_start, num_local, offsets, cursors, row_of, rows, dtype, topk, id_bytes
-    ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+    ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True)
 
 
 @cute.jit
@@ -236,7 +242,7 @@ def _launch_combine(
     stream: cuda_driver.CUstream, dtype: cutlass.Constexpr, topk: cutlass.Constexpr, weight_dtype: cutlass.Constexpr,
 ):
     _combine_kernel(y, row_of, weights, n_tokens, hidden, out, dtype, topk, weight_dtype).launch(
-        grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
+        grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
     )
 
 

@@ -36,7 +36,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from kernels._cute_comm import gptr, load_i64, load_vec, load_vec_f32, row_launch, store_vec_f32, warp_row
+from kernels._cute_comm import (gptr, load_i64, load_vec, load_vec_f32, row_launch, store_vec_f32,
+                                wait_for_previous_kernel, warp_row)
 from kernels._cute_runtime import dummy_stream, launch_stream
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def _load_bf16_vec(addr: Int64, valid: Int32, full: cutlass.Constexpr):
 @cute.kernel
 def _add_rms_norm_kernel(h: Int64, delta: Int64, weight: Int64, out_h: Int64, out: Int64, rows: Int32, eps: Float32,
                          hidden: cutlass.Constexpr, residual: cutlass.Constexpr):
+    wait_for_previous_kernel()
     row, lane = warp_row()
     if row < rows:
         base = Int64(row) * hidden
@@ -136,6 +138,7 @@ def _norm_rope_head(src: Int64, weight: Int64, cos: Int64, sin: Int64, dst: Int6
 @cute.kernel
 def _qk_norm_rope_kernel(x: Int64, weight: Int64, cos: Int64, sin: Int64, out: Int64, rows: Int32, heads: Int32,
                          eps: Float32, head_dim: cutlass.Constexpr):
+    wait_for_previous_kernel()
     row, lane = warp_row()
     if row < rows:
         offset = Int64(row) * head_dim * 2
@@ -150,6 +153,7 @@ def _qkv_norm_rope_store_kernel(qkv: Int64, q_weight: Int64, k_weight: Int64, co
     """A warp per (token, head) of ``qkv [T, q_heads + 2 * kv_heads, head_dim]``: q heads are
     normed and rotated into ``q_out [T, q_heads, head_dim]``, k heads normed and rotated, v heads
     copied, both into the token's slot of the paged pool ``[pages, 2, kv_heads, page_size, head_dim]``."""
+    wait_for_previous_kernel()
     row, lane = warp_row()
     heads = q_heads + 2 * kv_heads
     if row < tokens * heads:

@@ -64,7 +64,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from kernels._cute_comm import load_f32, load_i32, load_i64, store_f32
+from kernels._cute_comm import load_f32, load_i32, load_i64, store_f32, wait_for_previous_kernel
 from kernels.paged_attention import TILE
 
 if TYPE_CHECKING:
@@ -209,6 +209,7 @@ def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
                   kv_heads: Int32, max_pages: Int32, splits: Int32, scale_log2: Float32, group: cutlass.Constexpr,
                   head_dim: cutlass.Constexpr, page_size: cutlass.Constexpr, table_bytes: cutlass.Constexpr,
                   len_bytes: cutlass.Constexpr):
+    wait_for_previous_kernel()
     split, head, seq = cute.arch.block_idx()
     tid, _, _ = cute.arch.thread_idx()
     warp, lane = tid // 32, tid % 32
@@ -359,6 +360,7 @@ def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
 def _combine_kernel(part_o: Int64, part_ml: Int64, out: Int64, kv_heads: Int32, splits: Int32, group: cutlass.Constexpr,
                     head_dim: cutlass.Constexpr):
     """out[seq, q head] from the splits' partials: CTA (q head, seq), thread = dim."""
+    wait_for_previous_kernel()
     q_head, seq, _ = cute.arch.block_idx()
     dim, _, _ = cute.arch.thread_idx()
     head, row = q_head // group, q_head % group
@@ -389,14 +391,14 @@ def _launch_split(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
     smem_bytes = (WARPS * group * head_dim + WARPS * ROWS * 2) * 4 + 64
     _split_kernel(q, pool, tables, lens, out, part_o, part_ml, kv_heads, max_pages, splits, scale_log2, group, head_dim,
                   page_size, table_bytes, len_bytes).launch(grid=[splits, kv_heads, batch], block=[THREADS, 1, 1], smem=smem_bytes,
-                                                 stream=stream)
+                                                 stream=stream, use_pdl=True)
 
 
 @cute.jit
 def _launch_combine(part_o: Int64, part_ml: Int64, out: Int64, batch: Int32, kv_heads: Int32, splits: Int32,
                     stream: cuda_driver.CUstream, group: cutlass.Constexpr, head_dim: cutlass.Constexpr):
     _combine_kernel(part_o, part_ml, out, kv_heads, splits, group, head_dim).launch(
-        grid=[kv_heads * group, batch, 1], block=[head_dim, 1, 1], stream=stream)
+        grid=[kv_heads * group, batch, 1], block=[head_dim, 1, 1], stream=stream, use_pdl=True)
 
 
 _CACHE: dict[tuple, object] = {}

@@ -20,7 +20,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from kernels._cute_comm import gptr, load_vec_f32, row_launch, warp_row
+from kernels._cute_comm import gptr, load_vec_f32, row_launch, wait_for_previous_kernel, warp_row
 from kernels._cute_runtime import dummy_stream, launch_stream
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ def _warp_argmax(p: Float32, idx: Int32):
 @cute.kernel
 def _route_kernel(logits: Int64, weights_out: Int64, ids_out: Int64, rows: Int32,
                   experts: cutlass.Constexpr, top_k: cutlass.Constexpr, renormalize: cutlass.Constexpr):
+    wait_for_previous_kernel()
     row, lane = warp_row()
     per_lane = experts // 32
     if row < rows:
