@@ -46,6 +46,7 @@ from kernels.grouped_gemm import tile_bucket_bounds
 from services.decode.lockstep import GroupState, Lockstep
 from shared.logging import get_logger
 from shared.model.config import Mxfp8Quantization
+from shared.model.kv_budget import dummy_tokens
 from shared.model.layers import prepare_decode_attention
 from shared.model.runner import ModelRunner, SequenceState
 from shared.model.sampling_params import SamplingParams
@@ -59,11 +60,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=2)  # greedy: draws nothing 
 
 class WarmupFailed(RuntimeError):
     """The rank could not run its warm-up; it must not report ready."""
-
-
-def dummy_tokens(n: int, vocab: int, offset: int = 0) -> list[int]:
-    """``n`` token ids spread over the vocabulary (varied routing, unlike one repeated id)."""
-    return [(offset + 7919 * i) % vocab for i in range(n)]
 
 
 def prefill_warmup_lengths(runner: ModelRunner, max_batch_tokens: int) -> list[int]:

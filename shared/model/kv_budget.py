@@ -65,6 +65,12 @@ class DeviceMemory:
         return cls(device, total, total - free)
 
 
+def dummy_tokens(n: int, vocab: int, offset: int = 0) -> list[int]:
+    """``n`` token ids spread over the vocabulary (varied routing, unlike one repeated id): the inputs of profile
+    and warm-up forwards."""
+    return [(offset + 7919 * i) % vocab for i in range(n)]
+
+
 def activation_peak(model: Qwen3Model, page_size: int, dtype: torch.dtype, lengths: Sequence[int]) -> int:
     """Peak bytes torch allocates during one forward of fresh sequences of ``lengths`` tokens, beyond
     what was allocated before it (the weights, and the throw-away cache it writes its K/V to)."""
@@ -75,7 +81,7 @@ def activation_peak(model: Qwen3Model, page_size: int, dtype: torch.dtype, lengt
     chunks, first = [], 0
     for n in lengths:
         pages = layout.pages_for(n)
-        chunks.append(SequenceChunk([(7919 * i) % c.vocab_size for i in range(n)], 0, list(range(first, first + pages))))
+        chunks.append(SequenceChunk(dummy_tokens(n, c.vocab_size), 0, list(range(first, first + pages))))
         first += pages
     batch = ForwardBatch.build(chunks, page_size, device)
     torch.cuda.synchronize(device)
@@ -83,9 +89,7 @@ def activation_peak(model: Qwen3Model, page_size: int, dtype: torch.dtype, lengt
     torch.cuda.reset_peak_memory_stats(device)
     model.forward(batch, cache)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del cache, batch
-    return peak
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def pages_from_memory(model: Qwen3Model, baseline: DeviceMemory, utilization: float, page_size: int, dtype: torch.dtype,
