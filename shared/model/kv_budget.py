@@ -6,8 +6,10 @@ outside torch, and the KV cache, which gets the rest. What the rest is comes fro
 this order (`pages_from_memory`), after the weights are loaded and before the cache exists:
 
 1. ``DeviceMemory.measure`` before anything is loaded (the rank's CUDA context already made):
-   memory other processes (and this context) use. A GPU whose free memory is below the share
-   asked for is refused there, naming both.
+   memory other processes (and this context) use, and what torch in this process already holds
+   (nothing in a service's rank process; a test or a second runner in one process: not the
+   rank's, after torch's cached free blocks are given back). A GPU whose free memory is below
+   the share asked for is refused there, naming both.
 2. One forward of the largest batch the rank runs (decode: ``max_batch`` sequences of one token;
    prefill: one prompt of ``max_batch_tokens``) through a throw-away cache, its activations'
    peak read from torch's allocator, counted twice: a decode rank's CUDA graphs hold a pool of
@@ -47,22 +49,31 @@ class KVBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """A device's memory in use before this rank loaded anything: other processes' and its CUDA context."""
+    """A device's memory in use before this rank loaded anything: other processes' and its CUDA context
+    (``used``), and torch's blocks in this process that hold live tensors (``torch_held``, of which
+    ``torch_allocated`` bytes are allocated)."""
 
     device: torch.device
     total: int
     used: int
+    torch_held: int = 0
+    torch_allocated: int = 0
 
     @classmethod
     def measure(cls, device: torch.device, utilization: float) -> DeviceMemory:
         """Now, on ``device``; refuses a share larger than the memory still free."""
+        # Cached free blocks would count as others' memory here and then be reused by the rank (or given back by
+        # the empty_cache in pages_from_memory): the cache came out up to their size too small after earlier GPU
+        # tests in one process (1 GB short of a 3 GB share, one H200).
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         if utilization * total > free:
             raise KVBudgetError(
                 f"gpu_memory_utilization={utilization:g} asks for {utilization * total / GIB:.1f} GiB of {device} "
                 f"({total / GIB:.1f} GiB), but only {free / GIB:.1f} GiB are free: other processes use "
                 f"{(total - free) / GIB:.1f} GiB. Lower it, or give this rank another GPU")
-        return cls(device, total, total - free)
+        held = torch.cuda.memory_reserved(device)
+        return cls(device, total, total - free - held, held, torch.cuda.memory_allocated(device))
 
 
 def dummy_tokens(n: int, vocab: int, offset: int = 0) -> list[int]:
@@ -100,7 +111,7 @@ def pages_from_memory(model: Qwen3Model, baseline: DeviceMemory, utilization: fl
     peak = activation_peak(model, page_size, dtype, profile_lengths)
     torch.cuda.empty_cache()  # the profile's blocks go back to the device: the cache allocates afresh
     free, total = torch.cuda.mem_get_info(device)
-    persistent = torch.cuda.memory_allocated(device)  # weights and the buffers the model keeps
+    persistent = torch.cuda.memory_allocated(device) - baseline.torch_allocated  # weights and the model's buffers
     outside_torch = max(0, total - free - baseline.used - torch.cuda.memory_reserved(device))
     share = int(utilization * total)
     kv_bytes = share - persistent - activation_copies * peak - outside_torch
