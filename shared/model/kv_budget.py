@@ -18,7 +18,8 @@ this order (`pages_from_memory`), after the weights are loaded and before the ca
 3. Memory the rank took outside torch since step 1 (NCCL's buffers, CuTeDSL modules): the
    device's used memory minus step 1's, minus what torch's allocator reserved.
 
-Pages = (share - weights and buffers - activations - outside torch) / bytes of a page, the same
+Pages = (share - weights and buffers (the allocator segments holding them) - activations - outside
+torch - the allocator's rounding of the cache) / bytes of a page, the same
 on every rank of a group (the smallest: a prefill TP group shares page ids, and a decode group's
 lockstep warm-up must take the same steps). Another process that grows on the same GPU while this
 rank sizes its cache counts as this rank's "outside torch", so the cache comes out smaller than it
@@ -28,6 +29,7 @@ Prompt logprobs run lm_head a slice of rows at a time and are not in the profile
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +43,8 @@ from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 log = get_logger(__name__)
 
 GIB = 2**30
+# torch's allocator rounds a large allocation (the cache's one tensor) up to a multiple of 2 MiB.
+_CACHE_ROUNDING = 2 * 2**20
 
 
 class KVBudgetError(ValueError):
@@ -50,21 +54,22 @@ class KVBudgetError(ValueError):
 @dataclass(frozen=True)
 class DeviceMemory:
     """A device's memory in use before this rank loaded anything: other processes' and its CUDA context
-    (``used``), and torch's blocks in this process that hold live tensors (``torch_held``, of which
-    ``torch_allocated`` bytes are allocated)."""
+    (``used``), and torch's segments in this process that hold live tensors (``torch_held``)."""
 
     device: torch.device
     total: int
     used: int
     torch_held: int = 0
-    torch_allocated: int = 0
 
     @classmethod
     def measure(cls, device: torch.device, utilization: float) -> DeviceMemory:
         """Now, on ``device``; refuses a share larger than the memory still free."""
         # Cached free blocks would count as others' memory here and then be reused by the rank (or given back by
         # the empty_cache in pages_from_memory): the cache came out up to their size too small after earlier GPU
-        # tests in one process (1 GB short of a 3 GB share, one H200).
+        # tests in one process (1 GB short of a 3 GB share, one H200). Unreachable tensors are collected first:
+        # freed while the rank loads, they would make its weights look smaller than they are (the cache then
+        # outgrew the share in that same run).
+        gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         if utilization * total > free:
@@ -73,7 +78,7 @@ class DeviceMemory:
                 f"({total / GIB:.1f} GiB), but only {free / GIB:.1f} GiB are free: other processes use "
                 f"{(total - free) / GIB:.1f} GiB. Lower it, or give this rank another GPU")
         held = torch.cuda.memory_reserved(device)
-        return cls(device, total, total - free - held, held, torch.cuda.memory_allocated(device))
+        return cls(device, total, total - free - held, held)
 
 
 def dummy_tokens(n: int, vocab: int, offset: int = 0) -> list[int]:
@@ -111,10 +116,14 @@ def pages_from_memory(model: Qwen3Model, baseline: DeviceMemory, utilization: fl
     peak = activation_peak(model, page_size, dtype, profile_lengths)
     torch.cuda.empty_cache()  # the profile's blocks go back to the device: the cache allocates afresh
     free, total = torch.cuda.mem_get_info(device)
-    persistent = torch.cuda.memory_allocated(device) - baseline.torch_allocated  # weights and the model's buffers
-    outside_torch = max(0, total - free - baseline.used - torch.cuda.memory_reserved(device))
+    # The weights and the model's buffers as the device holds them: torch's segments, whose free space between
+    # small tensors no cache page can use (counting allocated bytes instead, the cache overshot a 2.96 GB share by
+    # 4 MB on one H200).
+    reserved = torch.cuda.memory_reserved(device)
+    persistent = max(0, reserved - baseline.torch_held)
+    outside_torch = max(0, total - free - baseline.used - reserved)
     share = int(utilization * total)
-    kv_bytes = share - persistent - activation_copies * peak - outside_torch
+    kv_bytes = share - persistent - activation_copies * peak - outside_torch - _CACHE_ROUNDING
     page_bytes = KVLayout(c.num_layers, 1, model.local_kv_heads, page_size, c.head_dim, dtype).bytes_per_token * page_size
     pages = max(0, kv_bytes // page_bytes)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -9,6 +9,7 @@ memory, is refused with the figures.
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -62,6 +63,8 @@ def test_the_cache_takes_what_the_share_leaves(tiny):
 def test_impossible_shares_are_refused_with_the_figures(tiny):
     from shared.model.kv_budget import DeviceMemory, KVBudgetError
 
+    gc.collect()
+    torch.cuda.empty_cache()  # as measure() does first: what is free then is what the share is checked against
     free, total = torch.cuda.mem_get_info()
     with pytest.raises(KVBudgetError, match="only .* GiB are free"):
         DeviceMemory.measure(torch.device("cuda", torch.cuda.current_device()), min(1.0, free / total + 0.01))
