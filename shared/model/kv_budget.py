@@ -72,12 +72,13 @@ class DeviceMemory:
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
         if utilization * total > free:
             raise KVBudgetError(
                 f"gpu_memory_utilization={utilization:g} asks for {utilization * total / GIB:.1f} GiB of {device} "
-                f"({total / GIB:.1f} GiB), but only {free / GIB:.1f} GiB are free: other processes use "
-                f"{(total - free) / GIB:.1f} GiB. Lower it, or give this rank another GPU")
-        held = torch.cuda.memory_reserved(device)
+                f"({total / GIB:.1f} GiB), but only {free / GIB:.1f} GiB are free: other processes and this one's "
+                f"CUDA context use {(total - free - held) / GIB:.1f} GiB, torch in this process "
+                f"{held / GIB:.1f} GiB. Lower it, or give this rank another GPU")
         return cls(device, total, total - free - held, held)
 
 
