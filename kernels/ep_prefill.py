@@ -19,7 +19,9 @@ Row order inside an expert's group comes from atomics and may differ between
 runs; results do not, because the combine walks (token, slot) pairs, not rows.
 
 GPU path: three CuTeDSL kernels for the selection (count, offsets, scatter) and
-one for the combine. CPU path and reference: the torch functions below.
+one for the combine. The scatter moves rows as bytes: bf16 rows, or FP8 rows
+quantized before the gather with their scale rows beside them (``x_scale``, what
+FP8 experts take). CPU path and reference: the torch functions below.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from kernels._cute_comm import (VEC_BYTES, gptr, grid_stride, load_i32, load_vec_f32, store_i32, store_vec_f32,
-                                wait_for_previous_kernel)
+from kernels._cute_comm import (VEC_BYTES, gptr, grid_stride, load_i32, load_vec, load_vec_f32, store_i32, store_vec,
+                                store_vec_f32, wait_for_previous_kernel)
+
+from kernels.act_quant import QUANT_BLOCK, scale_row_stride
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
@@ -56,15 +60,22 @@ class SelectedRows:
     offsets: torch.Tensor  # int32 [E_local + 1], group starts (aligned); offsets[-1] = rows in use
     counts: torch.Tensor  # int32 [E_local], rows of each group (without padding)
     row_of: torch.Tensor  # int32 [T, topk], row of each (token, slot) or -1
+    scales: torch.Tensor | None = None  # fp32 [capacity, H/128]: FP8 rows' scales, moved with them (``x_scale``)
 
 
 def capacity(num_tokens: int, topk: int, num_local_experts: int, align: int) -> int:
     return num_tokens * topk + num_local_experts * (align - 1)
 
 
-def _check(x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int) -> None:
+def _check(x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int,
+           x_scale: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise EpExchangeError(f"x must be [T, H] and topk_ids [T, topk], got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+    if x_scale is not None and (x.dtype != torch.float8_e4m3fn or x_scale.dtype != torch.float32
+                                or tuple(x_scale.shape) != (x.shape[0], -(-x.shape[1] // QUANT_BLOCK))
+                                or x_scale.device != x.device):
+        raise EpExchangeError(f"x_scale goes with float8_e4m3fn rows: float32 [T, H/{QUANT_BLOCK}] on x's device, got "
+                              f"x {x.dtype} {tuple(x.shape)} and x_scale {x_scale.dtype} {tuple(x_scale.shape)}")
     if not 1 <= num_local_experts <= MAX_LOCAL_EXPERTS or expert_start < 0 or align < 1:
         raise EpExchangeError(f"bad expert range start={expert_start} count={num_local_experts} align={align}")
     if x.device != topk_ids.device:
@@ -75,10 +86,11 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local
 
 
 def ep_select_reference(
-    x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int = 1
+    x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int = 1,
+    x_scale: torch.Tensor | None = None,
 ) -> SelectedRows:
     """Torch definition of `ep_select`; rows inside a group ordered by (token, slot)."""
-    _check(x, topk_ids, expert_start, num_local_experts, align)
+    _check(x, topk_ids, expert_start, num_local_experts, align, x_scale)
     t, k = topk_ids.shape
     local = topk_ids.long() - expert_start
     is_local = (local >= 0) & (local < num_local_experts)
@@ -100,7 +112,11 @@ def ep_select_reference(
     row_of[sel] = pos
     rows = torch.zeros(capacity(t, k, num_local_experts, align), x.shape[1], dtype=x.dtype, device=x.device)
     rows[pos] = x[sel // k]
-    return SelectedRows(rows, offsets.int(), counts.int(), row_of.view(t, k).int())
+    scales = None
+    if x_scale is not None:
+        scales = torch.zeros(rows.shape[0], x_scale.shape[1], dtype=x_scale.dtype, device=x.device)
+        scales[pos] = x_scale[sel // k]
+    return SelectedRows(rows, offsets.int(), counts.int(), row_of.view(t, k).int(), scales)
 
 
 def ep_combine_reference(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -159,20 +175,29 @@ def _offsets_kernel(counts: Int64, num_local: Int32, align: Int32, offsets: Int6
         store_i32(offsets + Int64(num_local) * 4, end)
 
 
+@cute.jit
+def _copy_row(src: Int64, dst_rows: Int64, row_bytes: Int32, dests, tid: Int32, nthr: Int32, topk: cutlass.Constexpr):
+    """Row ``src`` (``row_bytes``, a multiple of 16) to row ``dests[j]`` of ``dst_rows`` for every ``dests[j] >= 0``:
+    bytes as they are, whatever they encode."""
+    words = VEC_BYTES // 4
+    for b in cutlass.range(tid * VEC_BYTES, row_bytes, nthr * VEC_BYTES):
+        v = load_vec(src + Int64(b), Int32, words, words)
+        for j in cutlass.range_constexpr(topk):
+            if dests[j] >= 0:
+                store_vec(dst_rows + Int64(dests[j]) * row_bytes + Int64(b), v, Int32, words, words)
+
+
 @cute.kernel
 def _scatter_kernel(
-    x: Int64, topk_ids: Int64, n_tokens: Int32, hidden: Int32, expert_start: Int32, num_local: Int32,
-    offsets: Int64, cursors: Int64, row_of: Int64, rows: Int64,
-    dtype: cutlass.Constexpr, topk: cutlass.Constexpr, id_bytes: cutlass.Constexpr,
+    x: Int64, topk_ids: Int64, n_tokens: Int32, row_bytes: Int32, expert_start: Int32, num_local: Int32,
+    offsets: Int64, cursors: Int64, row_of: Int64, rows: Int64, scales: Int64, scale_rows: Int64, scale_bytes: Int32,
+    topk: cutlass.Constexpr, id_bytes: cutlass.Constexpr,
 ):
     wait_for_previous_kernel()
-    vec = VEC_BYTES * 8 // dtype.width
-    esz = dtype.width // 8
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     nthr, _, _ = cute.arch.block_dim()
     nblk, _, _ = cute.arch.grid_dim()
-    row_bytes = Int64(hidden) * esz
     for t in cutlass.range(bid, n_tokens, nblk):
         if tid < topk:
             entry = Int64(t) * topk + tid
@@ -184,11 +209,8 @@ def _scatter_kernel(
             store_i32(row_of + entry * 4, pos)
         cute.arch.sync_threads()
         dests = [load_i32(row_of + (Int64(t) * topk + j) * 4) for j in range(topk)]
-        for h in cutlass.range(tid * vec, hidden, nthr * vec):
-            v = load_vec_f32(x + Int64(t) * row_bytes + Int64(h) * esz, dtype, vec, vec)
-            for j in cutlass.range_constexpr(topk):
-                if dests[j] >= 0:
-                    store_vec_f32(rows + Int64(dests[j]) * row_bytes + Int64(h) * esz, v, dtype, vec, vec)
+        _copy_row(x + Int64(t) * Int64(row_bytes), rows, row_bytes, dests, tid, nthr, topk)
+        _copy_row(scales + Int64(t) * Int64(scale_bytes), scale_rows, scale_bytes, dests, tid, nthr, topk)  # none: 0 bytes
         cute.arch.sync_threads()
 
 
@@ -221,9 +243,9 @@ def _combine_kernel(
 
 @cute.jit
 def _launch_select(
-    x: Int64, topk_ids: Int64, n_tokens: Int32, hidden: Int32, expert_start: Int32, num_local: Int32, align: Int32,
-    counts: Int64, offsets: Int64, cursors: Int64, row_of: Int64, rows: Int64, grid: Int32,
-    stream: cuda_driver.CUstream, dtype: cutlass.Constexpr, topk: cutlass.Constexpr, id_bytes: cutlass.Constexpr,
+    x: Int64, topk_ids: Int64, n_tokens: Int32, row_bytes: Int32, expert_start: Int32, num_local: Int32, align: Int32,
+    counts: Int64, offsets: Int64, cursors: Int64, row_of: Int64, rows: Int64, scales: Int64, scale_rows: Int64,
+    scale_bytes: Int32, grid: Int32, stream: cuda_driver.CUstream, topk: cutlass.Constexpr, id_bytes: cutlass.Constexpr,
 ):
     n_entries = n_tokens * topk
     _count_kernel(topk_ids, n_entries, expert_start, num_local, counts, id_bytes).launch(
@@ -232,7 +254,8 @@ def _launch_select(
     _offsets_kernel(counts, num_local, align, offsets, cursors).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream,
                                                                        use_pdl=True)
     _scatter_kernel(
-        x, topk_ids, n_tokens, hidden, expert_start, num_local, offsets, cursors, row_of, rows, dtype, topk, id_bytes
+        x, topk_ids, n_tokens, row_bytes, expert_start, num_local, offsets, cursors, row_of, rows, scales, scale_rows,
+        scale_bytes, topk, id_bytes,
     ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True)
 
 
@@ -247,6 +270,7 @@ def _launch_combine(
 
 
 _CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+_ROW_DTYPES = (*_CUTE_DTYPES, torch.float8_e4m3fn)  # what ep_select moves (as bytes); the combine sums _CUTE_DTYPES
 
 
 # Routing tensors as the router gives them (int64 ids, weights in the activation dtype) or narrower: the kernels
@@ -256,12 +280,13 @@ _ID_BYTES = {torch.int32: 4, torch.int64: 8}  # ids are read as their low 32 bit
 
 
 @functools.cache
-def compile_select(dtype: torch.dtype, topk: int, ids_dtype: torch.dtype = torch.int64) -> JitCompiledFunction:
+def compile_select(topk: int, ids_dtype: torch.dtype = torch.int64) -> JitCompiledFunction:
+    """The selection kernels: rows (and scale rows) are moved as bytes, so one build serves every row dtype."""
     from kernels._cute_runtime import dummy_stream
 
     z, i = Int64(0), Int32(0)
-    return cute.compile(_launch_select, z, z, i, i, i, i, i, z, z, z, z, z, Int32(1), dummy_stream(), _CUTE_DTYPES[dtype],
-                        topk, _ID_BYTES[ids_dtype])
+    return cute.compile(_launch_select, z, z, i, i, i, i, i, z, z, z, z, z, z, z, i, Int32(1), dummy_stream(), topk,
+                        _ID_BYTES[ids_dtype])
 
 
 @functools.cache
@@ -281,19 +306,26 @@ def _grid(n_tokens: int) -> int:
 
 
 def ep_select(
-    x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int = 1
+    x: torch.Tensor, topk_ids: torch.Tensor, expert_start: int, num_local_experts: int, align: int = 1,
+    x_scale: torch.Tensor | None = None,
 ) -> SelectedRows:
     """Gather the rows routed to experts ``[expert_start, expert_start + num_local_experts)``.
 
-    CUDA tensors use the CuTeDSL kernels (no host synchronisation), others the torch reference.
+    ``x`` bf16, fp16, fp32 or, quantized before the gather, E4M3 with its per-token scales ``x_scale``
+    (`kernels.act_quant.quantize_act`), which then move with their rows (``SelectedRows.scales``, rows padded
+    as the quantizer pads them on CUDA).  CUDA tensors use the CuTeDSL kernels (no host synchronisation), others
+    the torch reference.
     """
     if not x.is_cuda:
-        return ep_select_reference(x, topk_ids, expert_start, num_local_experts, align)
+        return ep_select_reference(x, topk_ids, expert_start, num_local_experts, align, x_scale)
     from kernels._cute_runtime import launch_stream
 
-    _check(x, topk_ids, expert_start, num_local_experts, align)
-    if x.dtype not in _CUTE_DTYPES or x.shape[1] * x.element_size() % VEC_BYTES or not x.is_contiguous():
-        raise EpExchangeError(f"x must be contiguous {list(_CUTE_DTYPES)} with rows a multiple of {VEC_BYTES} bytes")
+    _check(x, topk_ids, expert_start, num_local_experts, align, x_scale)
+    if x.dtype not in _ROW_DTYPES or x.shape[1] * x.element_size() % VEC_BYTES or not x.is_contiguous():
+        raise EpExchangeError(f"x must be contiguous {list(_ROW_DTYPES)} with rows a multiple of {VEC_BYTES} bytes")
+    scale_stride = 0 if x_scale is None else scale_row_stride(x_scale.shape[1])
+    if x_scale is not None and (x_scale.stride() != (scale_stride, 1) or x_scale.data_ptr() % VEC_BYTES):
+        raise EpExchangeError(f"x_scale must be the quantizer's rows, {scale_stride} floats apart and 16-byte aligned")
     t, k = topk_ids.shape
     ids = (topk_ids if topk_ids.dtype in _ID_BYTES else topk_ids.to(torch.int32)).contiguous()
     counts = torch.zeros(num_local_experts, dtype=torch.int32, device=x.device)
@@ -301,15 +333,19 @@ def ep_select(
     cursors = torch.empty(num_local_experts, dtype=torch.int32, device=x.device)
     row_of = torch.empty(t, k, dtype=torch.int32, device=x.device)
     rows = torch.empty(capacity(t, k, num_local_experts, align), x.shape[1], dtype=x.dtype, device=x.device)
+    scales = None if x_scale is None else torch.empty(rows.shape[0], scale_stride, dtype=torch.float32,
+                                                      device=x.device)
     if t > 0:
         with launch_stream(x.device) as stream:
-            compile_select(x.dtype, k, ids.dtype)(
-                x.data_ptr(), ids.data_ptr(), t, x.shape[1], expert_start, num_local_experts, align, counts.data_ptr(),
-                offsets.data_ptr(), cursors.data_ptr(), row_of.data_ptr(), rows.data_ptr(), _grid(t), stream,
+            compile_select(k, ids.dtype)(
+                x.data_ptr(), ids.data_ptr(), t, x.shape[1] * x.element_size(), expert_start, num_local_experts, align,
+                counts.data_ptr(), offsets.data_ptr(), cursors.data_ptr(), row_of.data_ptr(), rows.data_ptr(),
+                0 if x_scale is None else x_scale.data_ptr(), 0 if scales is None else scales.data_ptr(),
+                scale_stride * 4, _grid(t), stream,
             )
     else:
         offsets.zero_()
-    return SelectedRows(rows, offsets, counts, row_of)
+    return SelectedRows(rows, offsets, counts, row_of, None if scales is None else scales[:, :x_scale.shape[1]])
 
 
 def ep_combine(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

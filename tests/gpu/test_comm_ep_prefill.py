@@ -70,6 +70,28 @@ def test_select_and_combine_match_reference(kind, align, experts, start, num_loc
     assert torch.equal(out, ep.ep_combine(y, ours.row_of, w.float()))
 
 
+@pytest.mark.parametrize("hidden", [1024, 2048 + 384])  # 8 and 19 K blocks: scale rows of 8 and 20 floats
+def test_fp8_rows_move_with_their_scales(hidden):
+    """E4M3 rows quantized before the gather arrive byte for byte with their scale rows, which keep the
+    quantizer's padded layout (what the FP8 grouped GEMM reads)."""
+    from kernels.act_quant import quantize_act, scale_row_stride
+
+    tokens, experts, topk = 2001, 128, 8
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    ids = _routing(tokens, experts, topk, "skewed", seed=9).long()
+    q, scale = quantize_act(x)
+    sel = ep.ep_select(q, ids, 16, 96, align=16, x_scale=scale)
+    ref = ep.ep_select_reference(q, ids, 16, 96, align=16, x_scale=scale)
+    torch.cuda.synchronize()
+    assert torch.equal(sel.offsets, ref.offsets) and torch.equal(sel.row_of < 0, ref.row_of < 0)
+    valid = sel.row_of >= 0
+    token = torch.arange(tokens, device="cuda")[:, None].expand(-1, topk)[valid]
+    rows = sel.row_of[valid].long()
+    assert torch.equal(sel.rows[rows].view(torch.uint8), q[token].view(torch.uint8))
+    assert torch.equal(sel.scales[rows], scale[token])
+    assert sel.scales.stride() == (scale_row_stride(scale.shape[1]), 1) and sel.scales.data_ptr() % 16 == 0
+
+
 def _exchange_rank(rank: int, world: int, kind: str) -> bool:
     from kernels.allreduce import all_reduce
 

@@ -93,6 +93,25 @@ def test_grouped_moe_cuda_matches_cpu_glue(tokens, fmt, e_global, expert_start):
         assert torch.all(out.cpu()[0] == 0)
 
 
+@pytest.mark.parametrize("tokens", [6, 900], ids=["decode", "prefill"])
+def test_fp8_experts_quantize_each_token_once_with_the_same_bits(tokens):
+    """On CUDA grouped_moe quantizes each token once and gathers its E4M3 row with its scales; quantizing every
+    gathered bf16 copy instead gives the same bits (rows in a group may sit in another order: the combine walks
+    (token, slot) pairs)."""
+    from kernels.ep_prefill import ep_combine, ep_select
+
+    gen = torch.Generator().manual_seed(70 + tokens)
+    x = torch.randn(tokens, H, generator=gen).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(2 * E_LOCAL, generator=gen)[:TOPK] for _ in range(tokens)]).cuda()
+    w = torch.softmax(torch.randn(tokens, TOPK, generator=gen), dim=-1).bfloat16().cuda()
+    weights = {k: v.cuda() for k, v in _weights("fp8", gen).items()}
+    out = grouped_moe(x, topk_ids=ids, topk_weights=w, expert_start=E_LOCAL, **weights)
+    sel = ep_select(x, ids, E_LOCAL, E_LOCAL)
+    other = ep_combine(expert_ffn(sel.rows, sel.offsets, **weights), sel.row_of, w)
+    torch.cuda.synchronize()
+    assert torch.equal(out, other) and out.abs().sum() > 0
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_masked_expert_ffn_cuda_matches_cpu(fmt):
     """The decode layout's expert step: ``[E, max_tokens, H]`` rows, per-expert counts (one empty, one full)."""

@@ -56,10 +56,10 @@ def test_lamport_two_shot_compiles_at_4_ranks(rank):
 def test_ep_prefill_kernels_compile(dtype, topk, ids_dtype, weights_dtype):
     """Routing ids and weights are read at their own width (no conversion kernel before): ids 8 bytes apart and
     16-bit weight loads in the PTX where the router's int64 / bf16 tensors are given."""
-    assert ep.compile_select(dtype, topk, ids_dtype) is not None
+    assert ep.compile_select(topk, ids_dtype) is not None
     assert ep.compile_combine(dtype, topk, weights_dtype) is not None
     z, i, cd = Int64(0), Int32(0), ep._CUTE_DTYPES[dtype]
-    select_ptx = _ptx(ep._launch_select, z, z, i, i, i, i, i, z, z, z, z, z, Int32(1), dummy_stream(), cd, topk,
+    select_ptx = _ptx(ep._launch_select, z, z, i, i, i, i, i, z, z, z, z, z, z, z, i, Int32(1), dummy_stream(), topk,
                       ep._ID_BYTES[ids_dtype])
     combine_ptx = _ptx(ep._launch_combine, z, z, z, i, i, z, Int32(1), dummy_stream(), cd, topk,
                        ep._CUTE_DTYPES[weights_dtype])
@@ -67,6 +67,10 @@ def test_ep_prefill_kernels_compile(dtype, topk, ids_dtype, weights_dtype):
     # the count kernel's only wide multiplies: id index * id width, local expert * 4
     assert (re.search(r"mul\.wide\.s32\s+%rd\d+, %r\d+, 8;", count_kernel) is not None) == (ids_dtype == torch.int64)
     assert ("ld.global.b16" in combine_ptx) == (weights_dtype == torch.bfloat16)
+    # rows and scale rows move as 16-byte words, never through fp32
+    scatter_kernel = next(body for body in select_ptx.split(".entry")[1:] if "scatter_kernel" in body.split("(")[0])
+    assert "ld.global.v4.b32" in scatter_kernel and "st.global.v4.b32" in scatter_kernel
+    assert re.search(r"cvt\.[a-z0-9.]*f(16|32)", scatter_kernel) is None
 
 
 @pytest.mark.parametrize(

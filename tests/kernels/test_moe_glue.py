@@ -131,6 +131,50 @@ def test_masked_mxfp8_experts_take_fp8_rows_for_decode_sized_groups(expected, fp
     assert float((got.double() - other.double()).norm() / other.double().norm()) > 2.0**-6
 
 
+def _gathered_then_quantized(x, ids, w, expert_start, weights):
+    """FP8 experts the other way round: every token's top_k bf16 copies gathered, then each copy quantized."""
+    from kernels.ep_prefill import ep_combine, ep_select
+
+    sel = ep_select(x, ids, expert_start, weights["w13_interleaved"].shape[0])
+    return ep_combine(expert_ffn(sel.rows, sel.offsets, **weights), sel.row_of, w)
+
+
+def test_fp8_experts_quantize_each_token_once_with_the_same_bits():
+    """grouped_moe quantizes a token before the gather and moves its E4M3 row with its scales: the result equals
+    quantizing each gathered copy, bit for bit (per-row quantization), on a rank holding half the experts."""
+    gen = torch.Generator().manual_seed(11)
+    t, e_local, expert_start = 37, E_GLOBAL // 2, E_GLOBAL // 2
+    x = torch.randn(t, H, generator=gen).bfloat16() * 3
+    ids, w = _routing(t, gen)
+    q13, q2 = (quantize_block_fp8(torch.randn(e_local, *shape, generator=gen) / shape[1] ** 0.5)
+               for shape in ((2 * I, H), (H, I)))
+    wi, si = interleave_gate_up(q13.weight, q13.scale_inv)
+    weights = dict(w13_interleaved=wi, w2=q2.weight, w13_scale=si, w2_scale=q2.scale_inv)
+    out = grouped_moe(x, topk_ids=ids, topk_weights=w, expert_start=expert_start, **weights)
+    assert torch.equal(out, _gathered_then_quantized(x, ids, w, expert_start, weights))
+    assert out.abs().sum() > 0
+
+
+def test_selected_fp8_rows_carry_their_scales():
+    from kernels.act_quant import quantize_act
+    from kernels.ep_prefill import EpExchangeError, ep_select
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(9, H, generator=gen).bfloat16()
+    ids, _ = _routing(9, gen)
+    q, scale = quantize_act(x)
+    sel = ep_select(q, ids, 2, 5, align=4, x_scale=scale)
+    valid = sel.row_of >= 0
+    token = torch.arange(9)[:, None].expand(-1, TOPK)[valid]
+    rows = sel.row_of[valid].long()
+    assert torch.equal(sel.rows[rows].view(torch.uint8), q[token].view(torch.uint8))
+    assert torch.equal(sel.scales[rows], scale[token]) and sel.scales.shape == (sel.rows.shape[0], H // 128)
+    with pytest.raises(EpExchangeError, match="x_scale goes with float8_e4m3fn rows"):
+        ep_select(x, ids, 2, 5, x_scale=scale)
+    with pytest.raises(EpExchangeError, match="x_scale goes with float8_e4m3fn rows"):
+        ep_select(q, ids, 2, 5, x_scale=scale[:, :1])
+
+
 def test_grouped_moe_empty_batch():
     w13 = torch.randn(4, 2 * I, H).bfloat16()
     out = grouped_moe(torch.zeros(0, H, dtype=torch.bfloat16), interleave_gate_up(w13)[0], torch.randn(4, H, I).bfloat16(),

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPILE = """
 import torch
 from kernels import act_quant_sm90, ep_prefill, norm_rope_sm90, paged_attention_sm90, router_sm90
-ep_prefill.compile_select(torch.bfloat16, 8, torch.int64)
+ep_prefill.compile_select(8, torch.int64)
 ep_prefill.compile_combine(torch.bfloat16, 8, torch.bfloat16)
 norm_rope_sm90.compiled_add_rms_norm(2048, True)
 norm_rope_sm90.compiled_qk_norm_rope(128)
