@@ -38,7 +38,6 @@ from cutlass import Float32, Int32, Int64
 
 from kernels._cute_comm import (VEC_BYTES, gptr, grid_stride, load_i32, load_vec, load_vec_f32, store_i32, store_vec,
                                 store_vec_f32, wait_for_previous_kernel)
-
 from kernels.act_quant import QUANT_BLOCK, scale_row_stride
 
 if TYPE_CHECKING:
