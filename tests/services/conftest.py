@@ -22,6 +22,14 @@ from shared.model.tiny import make_tiny
 from shared.model.tokenizer import Tokenizer
 
 
+@pytest.fixture
+def cpu_rank_transports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX over TCP for the CPU ranks a test runs in this process, as `services.model_rank` gives a CPU
+    rank.  Set per test: set at import, it took UCX's CUDA transports away from every later test of the
+    session (on a GPU host the CUDA transfer tests then failed: "UCX is not configured with CUDA support")."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default make-tiny checkpoint (Qwen3-MoE, 2 layers, 8 experts, 2 KV heads, real tokenizer)."""

@@ -8,7 +8,6 @@ not stop for them)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -24,8 +23,7 @@ from shared.transfer import KVReceiver, TransferWorker
 
 from services_helpers import until
 
-pytestmark = pytest.mark.slow
-os.environ.setdefault("UCX_TLS", "tcp,self")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cpu_rank_transports")]
 
 PROMPT = [1, 2, 3, 4]
 ENDLESS = 5000  # tokens: at a few ms per step, tens of seconds of decoding unless something ends the request

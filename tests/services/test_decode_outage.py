@@ -9,7 +9,6 @@ the error left the loop running and the process to die with a traceback."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -23,8 +22,7 @@ from shared.model.tiny import make_tiny
 from shared.settings import DecodeSettings
 from shared.transfer import KVReceiver, TransferWorker
 
-pytestmark = pytest.mark.slow
-os.environ.setdefault("UCX_TLS", "tcp,self")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cpu_rank_transports")]
 
 REQUESTS = 16
 PROMPT = [1, 2, 3, 4]

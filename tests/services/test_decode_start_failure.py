@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -41,8 +40,7 @@ from shared.transfer import KVReceiver, KVSender, ProtocolError, TransferWorker,
 
 from services_helpers import HeartbeatWatch, run, session, stack_fixture
 
-pytestmark = pytest.mark.slow
-os.environ.setdefault("UCX_TLS", "tcp,self")  # as the stack's CPU ranks use (services/model_rank.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cpu_rank_transports")]
 
 stack = stack_fixture("single-node.yml", scale={"decode": 0})
 
