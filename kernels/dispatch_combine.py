@@ -73,7 +73,8 @@ from kernels._cute_comm import (
     store_vec_f32,
     wait_at_least,
 )
-from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, quantize_act_reference
+from kernels.act_quant import QUANT_BLOCK, quantize_act_reference
+from kernels.act_quant_sm90 import quantize_group
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
@@ -255,14 +256,6 @@ def store_16b(addr: Int64, frag):
 
 
 @cute.jit
-def _amax_16_lanes(v: Float32) -> Float32:
-    """Max over the 16 lanes that share one 128-channel group (xor shuffles stay inside it)."""
-    for off in cutlass.range_constexpr(4):
-        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=8 >> off))
-    return v
-
-
-@cute.jit
 def _in_range(e: Int32, first: Int32, count: cutlass.Constexpr) -> Int32:
     """1 when expert ``e`` is one of ``[first, first + count)`` (out-of-range ids match nothing)."""
     hit = Int32(0)
@@ -317,13 +310,7 @@ def _dispatch_send_kernel(
                 c = h + tid * VEC
                 v = load_vec_f32(x + (Int64(t) * hidden + c) * 2, BFloat16, VEC, hidden - c)
                 if cutlass.const_expr(fp8):
-                    amax = Float32(0.0)
-                    for i in cutlass.range_constexpr(VEC):
-                        amax = cute.arch.fmax(amax, cute.arch.fmax(v[i], -v[i]))
-                    scale = cute.arch.fmax(_amax_16_lanes(amax), Float32(AMAX_FLOOR)) * Float32(INV_FP8_MAX)
-                    qv = cute.make_rmem_tensor((VEC,), Float32)
-                    for i in cutlass.range_constexpr(VEC):
-                        qv[i] = cute.arch.fmin(cute.arch.fmax(v[i] / scale, Float32(-FP8_MAX)), Float32(FP8_MAX))
+                    qv, scale = quantize_group(v)  # the activation quantizer's step, 16 lanes a group
                     if c < hidden:
                         store_vec_f32(dst_x + c, qv, cutlass.Float8E4M3FN, VEC, VEC, align=8)
                         if tid % 16 == 0:

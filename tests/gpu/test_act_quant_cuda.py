@@ -1,6 +1,7 @@
-"""The masked activation quantizer on a GPU: the rows below each group's count equal the torch
-reference bit for bit; the rows past it are not written (the outputs are pre-filled through
-the caching allocator and checked for the fill)."""
+"""The activation quantizer on a GPU, against the torch reference on the same GPU bit for bit: the plain
+layout (odd block counts, partial last blocks, a view off a 16-byte boundary) and the masked one, whose rows
+past each group's count are not written (the outputs are pre-filled through the caching allocator and checked
+for the fill)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,19 @@ def test_masked_rows_match_reference_and_others_stay_unwritten(k):
     assert bool((s[~owned] == -1.0).all()), "scales past a group's count were written"
 
 
-def test_unmasked_quantization_unchanged():
+@pytest.mark.parametrize("shape, offset", [
+    ((4, 33, 768), 0),    # 6 blocks a row: a warp's 8 blocks span rows; the grid's last CTA half empty
+    ((300, 1040), 0),     # 9 blocks a row, the last one 16 channels wide
+    ((7, 272), 0),        # 3 blocks a row, the last one 16 channels wide
+    ((37, 2048), 3),      # a view 6 bytes past a 16-byte boundary (copied before the kernel's 16-byte loads)
+])
+def test_plain_quantization_matches_reference_bit_for_bit(shape, offset):
     gen = torch.Generator(device="cuda").manual_seed(7)
-    x = (torch.randn(4, 33, 768, generator=gen, device="cuda") * 2).bfloat16()
+    numel = torch.Size(shape).numel()
+    base = (torch.randn(numel + offset, generator=gen, device="cuda") * 2).bfloat16()
+    x = base[offset:].view(shape)
+    x.view(-1, shape[-1])[1, :128] = 0  # an all-zero block: the floored scale, exact zeros
     q, s = quantize_act(x)
     q_ref, s_ref = quantize_act_reference(x)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert s.stride()[-2] == scale_row_stride(s.shape[-1])
