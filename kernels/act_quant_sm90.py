@@ -7,9 +7,9 @@ division, so the results match it bit for bit); each lane then stores its eight 
 as one 8-byte word.  `quantize_group` is that step, shared with the decode dispatch kernel
 (`kernels.dispatch_combine`), which quantizes the rows it sends the same way.
 
-Plain layout: a warp takes ``BLOCKS_PER_WARP`` consecutive (row, block) pairs of the
-flattened ``[rows, K/128]`` grid, two at a time (one per half-warp), and loads all of them
-before reducing any.  The kernel is bound by the bytes it keeps in flight: one warp per
+Plain layout: a warp takes 2 or 8 (`blocks_per_warp`) consecutive (row, block) pairs of
+the flattened ``[rows, K/128]`` grid, two at a time (one per half-warp), and loads all of
+them before reducing any.  The kernel is bound by the bytes it keeps in flight: one warp per
 block with four 2-byte loads a lane (256 bytes in flight a warp) moved 1.92 TB/s on an H200
 at 48000 x 4096, under half the copy rate; this layout 3.42 TB/s, 0.80 of the copy kernel's rate in
 the same runs (bench.grouped_gemm's quantize_act line, [fd1a4a3+s49-quant16] against [fd1a4a369e8c]).  The masked variant
@@ -37,7 +37,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from kernels._cute_comm import load_vec_f32, store_f32, store_vec_f32, wait_for_previous_kernel
 from kernels._cute_runtime import launch_stream
-from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, scale_row_stride
+from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, ActQuantError, scale_row_stride
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
@@ -45,7 +45,13 @@ if TYPE_CHECKING:
 WARPS_PER_CTA = 8
 LANE_VALUES = 8  # channels a lane quantizes: 16 bytes of bf16 in, 8 bytes of E4M3 out
 GROUP_LANES = QUANT_BLOCK // LANE_VALUES  # lanes of one 128-channel block: a half-warp
-BLOCKS_PER_WARP = 8  # plain layout: (row, block) pairs a warp loads before it reduces any
+# Plain layout: (row, block) pairs a warp loads before it reduces any.  Eight keep the bytes in flight where the
+# grid holds at least MIN_CTAS_PER_SM CTAs an SM; smaller inputs (decode) take two, so that their few blocks
+# spread over more SMs: with eight a warp everywhere a Qwen3-30B decode step (16 layers, FP8 experts, batch
+# 16 / 64 / 128, one H200, one run per arm) ran 2.3 / 1.7 / 1.3% slower than with the quantizer before
+# ([2730d28b7d89] against [fd1a4a369e8c]); two a warp for such inputs has not been timed yet.
+BLOCKS_PER_WARP = (2, 8)
+MIN_CTAS_PER_SM = 4
 
 
 @cute.jit
@@ -66,16 +72,17 @@ def quantize_group(v) -> tuple:
 
 
 class ActQuantKernel:
-    """Plain: warp ``w`` takes (row, block) pairs ``w * BLOCKS_PER_WARP ..`` of the flattened grid, a
+    """Plain: warp ``w`` takes (row, block) pairs ``w * blocks_per_warp ..`` of the flattened grid, a
     half-warp each.  Masked: CTA ``(chunk, group)`` gives a warp to each of the group's rows
     ``chunk * 8 ..`` below its count, the warp taking the row's blocks two at a time; CTAs wholly
     past the count exit at once (a decode step fills a few rows of each group's capacity, and a
     warp per (row, block) of the whole capacity cost 29 us at 64 x 256 x 768)."""
 
-    def __init__(self, k: int, masked: bool = False):
+    def __init__(self, k: int, masked: bool = False, blocks_per_warp: int = BLOCKS_PER_WARP[-1]):
         self.k = k
         self.k_blocks = math.ceil(k / QUANT_BLOCK)
         self.masked = masked
+        self.blocks_per_warp = blocks_per_warp
 
     @cute.jit
     def __call__(self, x_ptr: Int64, q_ptr: Int64, s_ptr: Int64, counts_ptr: cute.Pointer, rows: Int32,
@@ -85,7 +92,7 @@ class ActQuantKernel:
         if cutlass.const_expr(self.masked):
             grid = [(capacity + WARPS_PER_CTA - 1) // WARPS_PER_CTA, groups, 1]
         else:
-            per_cta = WARPS_PER_CTA * BLOCKS_PER_WARP
+            per_cta = WARPS_PER_CTA * self.blocks_per_warp
             grid = [(rows * self.k_blocks + per_cta - 1) // per_cta, 1, 1]
         self.kernel(x_ptr, q_ptr, s_ptr, mCounts, rows, capacity).launch(grid=grid, block=[32 * WARPS_PER_CTA, 1, 1],
                                                                          stream=stream, use_pdl=True)
@@ -106,8 +113,8 @@ class ActQuantKernel:
                     self.quantize_blocks(x_ptr, q_ptr, s_ptr, [row * kb + 2 * pair + half],
                                          [2 * pair + half < kb], lane)
         else:
-            first = warp * BLOCKS_PER_WARP + half
-            flat = [first + 2 * j for j in range(BLOCKS_PER_WARP // 2)]
+            first = warp * self.blocks_per_warp + half
+            flat = [first + 2 * j for j in range(self.blocks_per_warp // 2)]
             self.quantize_blocks(x_ptr, q_ptr, s_ptr, flat, [f < rows * kb for f in flat], lane)
 
     @cute.jit
@@ -138,26 +145,37 @@ class ActQuantKernel:
 
 
 _GMEM = cute.AddressSpace.gmem
-_COMPILED: dict[tuple[int, bool], object] = {}
+_COMPILED: dict[tuple[int, bool, int], object] = {}
 
 
-def compiled_quantizer(k: int, masked: bool = False) -> JitCompiledFunction:
+def compiled_quantizer(k: int, masked: bool = False, blocks_per_warp: int = BLOCKS_PER_WARP[-1]) -> JitCompiledFunction:
     """Compiled quantizer for rows of ``k`` channels, plain or masked (cached; compiles without a
     GPU under CUTE_DSL_ARCH)."""
-    key = (k, masked)
+    key = (k, masked, blocks_per_warp)
     if key not in _COMPILED:
         z = Int64(0)
-        _COMPILED[key] = cute.compile(ActQuantKernel(k, masked), z, z, z,
+        _COMPILED[key] = cute.compile(ActQuantKernel(k, masked, blocks_per_warp), z, z, z,
                                       make_ptr(cutlass.Int32, 0, _GMEM, assumed_align=4), Int32(1), Int32(1),
                                       make_fake_stream())
     return _COMPILED[key]
 
 
-def quantize_cuda(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def warp_blocks_for(blocks: int, sms: int) -> int:
+    """The plain layout's (row, block) pairs a warp for ``blocks`` of them on ``sms`` SMs: the most of
+    `BLOCKS_PER_WARP` that still gives every SM `MIN_CTAS_PER_SM` CTAs."""
+    fits = [b for b in BLOCKS_PER_WARP if blocks >= sms * MIN_CTAS_PER_SM * WARPS_PER_CTA * b]
+    return max(fits, default=BLOCKS_PER_WARP[0])
+
+
+def quantize_cuda(x: torch.Tensor, counts: torch.Tensor | None = None,
+                  blocks_per_warp: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize contiguous bf16 CUDA ``x[..., K]`` on its device's current stream; with ``counts``
     (int32 ``[E]`` on x's GPU, x ``[E, capacity, K]``) only each group's first ``counts[e]`` rows,
     the others left unwritten (inputs checked by the caller).  ``scale`` is a ``[..., K/128]`` view of
-    rows padded to ``scale_row_stride`` floats."""
+    rows padded to ``scale_row_stride`` floats.  ``blocks_per_warp`` (plain layout, one of
+    `BLOCKS_PER_WARP`) overrides `warp_blocks_for`'s choice (tests run both)."""
+    if blocks_per_warp not in (None, *BLOCKS_PER_WARP):
+        raise ActQuantError(f"blocks_per_warp is one of {BLOCKS_PER_WARP}, got {blocks_per_warp}")
     K = x.shape[-1]
     kb = math.ceil(K / QUANT_BLOCK)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -165,11 +183,15 @@ def quantize_cuda(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[
     rows = x.numel() // K
     if rows == 0:
         return q, scale
-    capacity = rows if counts is None else x.shape[1]
+    masked = counts is not None
+    capacity = x.shape[1] if masked else rows
+    if masked or blocks_per_warp is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        blocks_per_warp = BLOCKS_PER_WARP[-1] if masked else warp_blocks_for(rows * kb, sms)
     if x.data_ptr() % 16:  # a view starting off a 16-byte boundary: the kernel's loads need one
         x = x.clone()
     with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
-        compiled_quantizer(K, counts is not None)(
+        compiled_quantizer(K, masked, blocks_per_warp)(
             x.data_ptr(), q.data_ptr(), scale.data_ptr(),
             make_ptr(cutlass.Int32, 0 if counts is None else counts.data_ptr(), _GMEM, assumed_align=4),
             cutlass.Int32(rows),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.act_quant import quantize_act, quantize_act_reference, scale_row_stride
+from kernels.act_quant_sm90 import quantize_cuda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -39,19 +40,21 @@ def test_masked_rows_match_reference_and_others_stay_unwritten(k):
     assert bool((s[~owned] == -1.0).all()), "scales past a group's count were written"
 
 
+@pytest.mark.parametrize("blocks_per_warp", [None, 2, 8])  # None: by size (warp_blocks_for)
 @pytest.mark.parametrize("shape, offset", [
-    ((4, 33, 768), 0),    # 6 blocks a row: a warp's 8 blocks span rows; the grid's last CTA half empty
+    ((4, 33, 768), 0),    # 6 blocks a row: a warp's blocks span rows; the grid's last CTA partly empty
     ((300, 1040), 0),     # 9 blocks a row, the last one 16 channels wide
     ((7, 272), 0),        # 3 blocks a row, the last one 16 channels wide
     ((37, 2048), 3),      # a view 6 bytes past a 16-byte boundary (copied before the kernel's 16-byte loads)
+    ((4096, 1040), 0),    # 36864 blocks: eight a warp by size on 132 SMs
 ])
-def test_plain_quantization_matches_reference_bit_for_bit(shape, offset):
+def test_plain_quantization_matches_reference_bit_for_bit(shape, offset, blocks_per_warp):
     gen = torch.Generator(device="cuda").manual_seed(7)
     numel = torch.Size(shape).numel()
     base = (torch.randn(numel + offset, generator=gen, device="cuda") * 2).bfloat16()
     x = base[offset:].view(shape)
     x.view(-1, shape[-1])[1, :128] = 0  # an all-zero block: the floored scale, exact zeros
-    q, s = quantize_act(x)
+    q, s = quantize_act(x) if blocks_per_warp is None else quantize_cuda(x, blocks_per_warp=blocks_per_warp)
     q_ref, s_ref = quantize_act_reference(x)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
     assert s.stride()[-2] == scale_row_stride(s.shape[-1])

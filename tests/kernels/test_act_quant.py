@@ -10,12 +10,32 @@ import torch
 from kernels.act_quant import ActQuantError, quantize_act
 
 
-def test_masked_quantizer_compiles_for_sm90(monkeypatch):
+def test_quantizer_variants_compile_for_sm90(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
-    from kernels.act_quant_sm90 import compiled_quantizer
+    from kernels.act_quant_sm90 import BLOCKS_PER_WARP, compiled_quantizer
 
-    masked, plain = compiled_quantizer(768, masked=True), compiled_quantizer(768)
-    assert masked is not None and plain is not None and masked is not plain
+    masked = compiled_quantizer(768, masked=True)
+    plain = [compiled_quantizer(768, blocks_per_warp=b) for b in BLOCKS_PER_WARP]
+    assert len({id(k) for k in (masked, *plain)}) == 1 + len(BLOCKS_PER_WARP)
+
+
+def test_warps_take_more_blocks_only_where_the_grid_stays_wide():
+    from kernels.act_quant_sm90 import BLOCKS_PER_WARP, MIN_CTAS_PER_SM, WARPS_PER_CTA, warp_blocks_for
+
+    few, most = BLOCKS_PER_WARP[0], BLOCKS_PER_WARP[-1]
+    wide = 132 * MIN_CTAS_PER_SM * WARPS_PER_CTA * most  # blocks that give 132 SMs their CTAs at `most` a warp
+    assert warp_blocks_for(64 * 16, 132) == few         # a decode step's tokens, K = 2048
+    assert warp_blocks_for(wide - 1, 132) == few
+    assert warp_blocks_for(wide, 132) == most
+    assert warp_blocks_for(48000 * 32, 132) == most     # prefill-sized
+    assert warp_blocks_for(wide, 264) == few            # twice the SMs want twice the blocks
+
+
+def test_a_blocks_per_warp_without_a_kernel_is_refused():
+    from kernels.act_quant_sm90 import quantize_cuda
+
+    with pytest.raises(ActQuantError, match="blocks_per_warp"):
+        quantize_cuda(torch.zeros(4, 256, dtype=torch.bfloat16), blocks_per_warp=3)
 
 
 @pytest.mark.parametrize("counts, match", [
