@@ -185,9 +185,10 @@ def quantize_cuda(x: torch.Tensor, counts: torch.Tensor | None = None,
         return q, scale
     masked = counts is not None
     capacity = x.shape[1] if masked else rows
-    if masked or blocks_per_warp is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        blocks_per_warp = BLOCKS_PER_WARP[-1] if masked else warp_blocks_for(rows * kb, sms)
+    if masked:
+        blocks_per_warp = BLOCKS_PER_WARP[-1]  # the masked kernel has one layout: one compiled variant
+    elif blocks_per_warp is None:
+        blocks_per_warp = warp_blocks_for(rows * kb, torch.cuda.get_device_properties(x.device).multi_processor_count)
     if x.data_ptr() % 16:  # a view starting off a 16-byte boundary: the kernel's loads need one
         x = x.clone()
     with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
