@@ -47,9 +47,9 @@ LANE_VALUES = 8  # channels a lane quantizes: 16 bytes of bf16 in, 8 bytes of E4
 GROUP_LANES = QUANT_BLOCK // LANE_VALUES  # lanes of one 128-channel block: a half-warp
 # Plain layout: (row, block) pairs a warp loads before it reduces any.  Eight keep the bytes in flight where the
 # grid holds at least MIN_CTAS_PER_SM CTAs an SM; smaller inputs (decode) take two, so that their few blocks
-# spread over more SMs: with eight a warp everywhere a Qwen3-30B decode step (16 layers, FP8 experts, batch
-# 16 / 64 / 128, one H200, one run per arm) ran 2.3 / 1.7 / 1.3% slower than with the quantizer before
-# ([2730d28b7d89] against [fd1a4a369e8c]); two a warp for such inputs has not been timed yet.
+# spread over more SMs.  A Qwen3-30B decode step (16 layers, FP8 experts, batch 16 / 64 / 128, one H200, two
+# runs an arm in one call): eight a warp everywhere 2.75 / 3.73 / 4.18 ms, this rule 2.69 / 3.67 / 4.12, the
+# warp-per-block quantizer before 2.69-2.70 / 3.68-3.69 / 4.12-4.13 ([27027b788d11], [2730d28b7d89], [fd1a4a369e8c]).
 BLOCKS_PER_WARP = (2, 8)
 MIN_CTAS_PER_SM = 4
 
