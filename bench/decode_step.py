@@ -155,7 +155,7 @@ def cache_and_batches(c: ModelConfig, batch_sizes: list[int], context: int, dtyp
     return cache, batches
 
 
-def _model_case(model: str, c: ModelConfig, expert_weights: str) -> dict[str, object]:
+def model_case(model: str, c: ModelConfig, expert_weights: str) -> dict[str, object]:
     """The model part of a result's case (``expert_weights`` only when not bf16, so older rows keep their case)."""
     case: dict[str, object] = {"model": f"{model}-shapes", "layers": c.num_layers, "experts": c.num_experts, "top_k": c.top_k, "vocab": c.vocab_size}
     return case | ({"expert_weights": expert_weights} if expert_weights != "bf16" else {})
@@ -200,7 +200,7 @@ def _expert_parallel_rank(rank: int, world: int, model: str, c: ModelConfig, exp
         if impl != EP_NCCL:
             metrics["speedup_vs_nccl_all_to_all"] = nccl_s[b] / seconds
             peers[EP_NCCL] = {"tokens_per_s": b * world / nccl_s[b], "step_ms": nccl_s[b] * 1e3}
-        case = _model_case(model, c, expert_weights) | {"layout": f"dp{world}xep{world}", "batch_per_rank": b, "context": context,
+        case = model_case(model, c, expert_weights) | {"layout": f"dp{world}xep{world}", "batch_per_rank": b, "context": context,
                                                          "dtype": "bfloat16", "impl": impl}
         record(BENCH, case, metrics, peers)
         print(f"{impl} batch/rank {b}: {metrics['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, roofline {metrics['roofline_tokens_per_s_per_gpu']:.0f}", flush=True)
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         if impl != REFERENCE and ref is not None:
             metrics["speedup_vs_reference"] = ref / seconds
             peers[REFERENCE] = {"tokens_per_s": b / ref, "step_ms": ref * 1e3}
-        case = _model_case(a.model, c, a.weights) | {"batch": b, "context": a.context, "dtype": "bfloat16", "impl": impl}
+        case = model_case(a.model, c, a.weights) | {"batch": b, "context": a.context, "dtype": "bfloat16", "impl": impl}
         record(BENCH, case, metrics, peers)
         rows.append({"impl": impl, "batch": b, **metrics})
 

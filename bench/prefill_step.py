@@ -1,0 +1,170 @@
+"""Benchmark: one prefill forward of a Qwen3-MoE-shaped model on one GPU, reference ops vs kernels.
+
+What a prefill rank runs for each batch of prompts: `shared.model.model.Qwen3Model.forward`
+over every new token, its K/V written into the paged cache, logits at each sequence's
+last token. Weights are random and built on the GPU as in `bench.decode_step`
+(``--model`` shapes, ``--layers`` of them, experts bf16 or with ``--weights fp8`` block
+FP8). Each ``--prompts`` case ``SxN`` is S sequences of N new tokens, each after
+``--cached`` tokens already in the cache (random K/V: a prefix-cache hit).
+
+Implementations, in one process on the same weights and cache:
+
+* ``torch-reference``: the torch reference ops of `shared.model.layers` (per-expert
+  loops, fp32 attention) — the peer;
+* ``kernels``: the model's kernel path (the grouped-GEMM MoE of `kernels.moe`, fused
+  norms, router and q/k/v kernels, varlen flash attention), eager, as prefill runs.
+
+Figures per case: tokens/s, forward ms and model TFLOP/s: the matmul FLOPs a forward
+must do (attention projections, router, the top-k experts' three GEMMs per token,
+causal attention scores and values, lm_head at the last tokens; `forward_flops`)
+over its time. A dense bf16 GEMM (8192 cube, `torch.mm`) is timed in the same run as
+the ceiling those figures compare to. ``--profile N`` prints the GPU kernels of N
+kernel-path forwards of the largest case: where a prefill's time goes.
+
+    python -m bench.prefill_step --weights fp8 --layers 16 --prompts 1x2048 1x8192 8x1024
+    python -m bench.prefill_step --weights fp8 --layers 16 --prompts 4x4096 --impls kernels --profile 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch
+
+from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits
+from bench.decode_step import PAGE_SIZE, model_case, random_weights
+from bench.results import print_table, record
+from bench.timing import kernel_profile, sync, time_step
+from shared.kvcache import KVLayout, PagedKVCache
+from shared.model.config import ModelConfig
+from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
+
+BENCH = "prefill_step"
+REFERENCE, KERNELS = "torch-reference", "kernels"
+IMPLS = (REFERENCE, KERNELS)
+_PROMPTS = re.compile(r"^(\d+)x(\d+)$")
+
+
+def parse_prompts(spec: str) -> tuple[int, int]:
+    """``"SxN"`` -> (S sequences, N new tokens each); `ValueError` for anything else or a zero."""
+    m = _PROMPTS.match(spec)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"prompt case {spec!r}: expected SxN with S sequences and N new tokens each, both >= 1")
+    return int(m[1]), int(m[2])
+
+
+def forward_flops(c: ModelConfig, seqs: int, new: int, cached: int) -> float:
+    """Matmul FLOPs of one forward over ``seqs`` sequences of ``new`` tokens after ``cached`` each.
+
+    Per token and layer: q/k/v/o projections, router, and ``top_k`` experts of three
+    ``hidden x moe_intermediate`` GEMMs; per layer, causal attention (each new token
+    scores every cached key and the new keys up to itself, QK^T and PV: 4 FLOPs per
+    head dim); lm_head once per sequence. Norms, RoPE, softmax and SwiGLU are not counted.
+    """
+    h, d, i = c.hidden_size, c.head_dim, c.moe_intermediate_size
+    tokens = seqs * new
+    proj = 2 * h * d * (2 * c.num_heads + 2 * c.num_kv_heads)
+    moe = 2 * h * c.num_experts + c.top_k * 3 * 2 * h * i
+    keys_seen = seqs * (new * cached + new * (new + 1) // 2)
+    attn = 4 * d * c.num_heads * keys_seen
+    return c.num_layers * (tokens * (proj + moe) + attn) + seqs * 2 * h * c.vocab_size
+
+
+def dense_gemm_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
+    """bf16 ``n^3`` `torch.mm` TFLOP/s: the same run's ceiling for the model figures."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    return 2 * n**3 / time_step(lambda: torch.mm(a, b), device, iters) / 1e12
+
+
+def prefill_batch(c: ModelConfig, seqs: int, new: int, cached: int, page_stride: int, device: torch.device) -> ForwardBatch:
+    """``seqs`` prompts of ``new`` random tokens after ``cached`` tokens each; sequence ``s``
+    owns pages ``s, s + page_stride, ...`` of the pool (non-contiguous, as a real pool)."""
+    pages = -(-(cached + new) // PAGE_SIZE)
+    gen = torch.Generator().manual_seed(seqs * 1_000_003 + new)
+    chunks = [SequenceChunk(torch.randint(0, c.vocab_size, (new,), generator=gen).tolist(), cached,
+                            [p * page_stride + s for p in range(pages)]) for s in range(seqs)]
+    return ForwardBatch.build(chunks, PAGE_SIZE, device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", nargs="+", default=["1x2048", "1x8192", "8x1024"], help="cases SxN: S sequences of N new tokens")
+    ap.add_argument("--cached", type=int, default=0, help="tokens already cached per sequence (a prefix hit)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations, the reference first when present")
+    ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b", help="shapes (bench.decode_budget.MODELS)")
+    ap.add_argument("--weights", choices=EXPERT_WEIGHTS, default="bf16", help="expert weights: bf16 or block FP8 (attention etc. stay bf16)")
+    ap.add_argument("--layers", type=int, default=None, help="override (fewer layers to save time; recorded in the case)")
+    ap.add_argument("--experts", type=int, default=None, help="override (quick CPU checks)")
+    ap.add_argument("--vocab", type=int, default=None, help="override (quick CPU checks)")
+    ap.add_argument("--profile", type=int, default=0, metavar="FORWARDS", help="print the kernel profile of FORWARDS kernel-path forwards of the largest case")
+    a = ap.parse_args(argv)
+    try:
+        cases = [parse_prompts(p) for p in a.prompts]
+    except ValueError as e:
+        ap.error(str(e))
+    if a.cached < 0 or a.iters < 1:
+        ap.error("--cached must not be negative and --iters must be positive")
+    raw = dict(MODELS[a.model])
+    for key, value in (("num_hidden_layers", a.layers), ("num_experts", a.experts), ("vocab_size", a.vocab)):
+        if value is not None:
+            raw[key] = value
+    c = ModelConfig.from_dict(raw)
+    device, dtype = torch.device(a.device), torch.bfloat16
+    max_seqs = max(s for s, _ in cases)
+    longest = a.cached + max(n for _, n in cases)
+    if device.type == "cuda":
+        try:
+            check_fits(a.model, c, 1, max_seqs, longest, PAGE_SIZE, a.weights, torch.cuda.get_device_properties(device).total_memory)
+        except DoesNotFit as e:
+            ap.error(str(e))
+
+    torch.manual_seed(0)
+    weights = random_weights(c, dtype, device, expert_weights=a.weights)
+    pages_per_seq = -(-longest // PAGE_SIZE)
+    cache = PagedKVCache(KVLayout(c.num_layers, max_seqs * pages_per_seq, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
+    for pool in cache.pools:
+        pool.normal_()  # the cached prefixes' K/V
+    batches = {(s, n): prefill_batch(c, s, n, a.cached, max_seqs, device) for s, n in cases}
+    ceiling = dense_gemm_tflops(device) if device.type == "cuda" else None
+
+    times: dict[tuple[str, int, int], float] = {}
+    rows = []
+
+    def report(impl: str, s: int, n: int, seconds: float) -> None:
+        times[(impl, s, n)] = seconds
+        tflops = forward_flops(c, s, n, a.cached) / seconds / 1e12
+        metrics = {"tokens_per_s": s * n / seconds, "forward_ms": seconds * 1e3, "model_tflops": tflops}
+        if ceiling is not None:
+            metrics |= {"dense_bf16_gemm_tflops": ceiling, "fraction_of_dense_gemm": tflops / ceiling}
+        peers = {}
+        ref = times.get((REFERENCE, s, n))
+        if impl != REFERENCE and ref is not None:
+            metrics["speedup_vs_reference"] = ref / seconds
+            peers[REFERENCE] = {"tokens_per_s": s * n / ref, "forward_ms": ref * 1e3}
+        case = model_case(a.model, c, a.weights) | {"seqs": s, "new_tokens": n, "cached_tokens": a.cached, "dtype": "bfloat16", "impl": impl}
+        record(BENCH, case, metrics, peers)
+        rows.append({"impl": impl, "prompts": f"{s}x{n}", **metrics})
+
+    # The reference first: converting the experts for the kernels replaces their plain layout.
+    for impl in [i for i in IMPLS if i in a.impls]:
+        model = Qwen3Model(c, weights, kernels=impl == KERNELS)
+        for (s, n), batch in batches.items():
+            report(impl, s, n, time_step(lambda: model.forward(batch, cache), device, a.iters))
+        if impl == KERNELS and a.profile and device.type == "cuda":
+            s, n = max(batches, key=lambda sn: sn[0] * sn[1])
+            print(f"{KERNELS} {s}x{n}, {a.profile} forwards:\n{kernel_profile(lambda: model.forward(batches[(s, n)], cache), device, a.profile)}", flush=True)
+        del model
+        sync(device)
+    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "model_tflops", "speedup_vs_reference", "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
