@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 THREADS = 256
 MAX_LOCAL_EXPERTS = 1024
+COUNT_CTAS = 32  # the count kernel's most CTAs: each adds up to E_local counts to the global ones at its end
 
 
 class EpExchangeError(ValueError):
@@ -136,12 +137,26 @@ def ep_combine_reference(y: torch.Tensor, row_of: torch.Tensor, topk_weights: to
 @cute.kernel
 def _count_kernel(topk_ids: Int64, n_entries: Int32, expert_start: Int32, num_local: Int32, counts: Int64,
                   id_bytes: cutlass.Constexpr):
+    # Each CTA counts its entries in shared memory and adds its non-zero counts to the global ones: a prefill
+    # step's 65536 (token, slot) entries over 128 experts made 512 same-address global atomics per counter.
+    # One H200, bench.moe_layer (grouped_moe, FP8 experts), H N N H: Qwen3-30B at 4096 / 16384 tokens
+    # 498.5, 492.9 / 1804, 1797 us -> 487.7, 487.2 / 1787, 1754 ([f4403c1e7f22+cnt] against [f4403c1e7f22]).
+    tid, _, _ = cute.arch.thread_idx()
+    hist = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(MAX_LOCAL_EXPERTS), 16)
+    for e in cutlass.range(tid, num_local, THREADS):
+        hist[e] = Int32(0)
+    cute.arch.sync_threads()
     wait_for_previous_kernel()
     first, stride = grid_stride()
     for i in cutlass.range(first, n_entries, stride):
         le = load_i32(topk_ids + Int64(i) * id_bytes) - expert_start
         if le >= 0 and le < num_local:
-            cute.arch.atomic_add(gptr(Int32, counts + Int64(le) * 4, 4), Int32(1), sem="relaxed", scope="gpu")
+            cute.arch.atomic_add(hist.iterator + le, Int32(1), sem="relaxed", scope="cta")
+    cute.arch.sync_threads()
+    for e in cutlass.range(tid, num_local, THREADS):
+        n = hist[e]
+        if n > 0:
+            cute.arch.atomic_add(gptr(Int32, counts + Int64(e) * 4, 4), n, sem="relaxed", scope="gpu")
 
 
 @cute.kernel
@@ -248,7 +263,8 @@ def _launch_select(
 ):
     n_entries = n_tokens * topk
     _count_kernel(topk_ids, n_entries, expert_start, num_local, counts, id_bytes).launch(
-        grid=[(n_entries + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
+        grid=[cutlass.min((n_entries + THREADS - 1) // THREADS, COUNT_CTAS), 1, 1], block=[THREADS, 1, 1],
+        stream=stream, use_pdl=True
     )
     _offsets_kernel(counts, num_local, align, offsets, cursors).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream,
                                                                        use_pdl=True)
