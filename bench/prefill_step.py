@@ -18,7 +18,10 @@ Figures per case: tokens/s, forward ms and model TFLOP/s: the matmul FLOPs a for
 must do (attention projections, router, the top-k experts' three GEMMs per token,
 causal attention scores and values, lm_head at the last tokens; `forward_flops`)
 over its time. A dense bf16 GEMM (8192 cube, `torch.mm`) is timed in the same run as
-the ceiling those figures compare to. ``--profile N`` prints the GPU kernels of N
+the ceiling those figures compare to. ``host_issue_ms`` is how long the host takes to
+issue one forward with the GPU idle at its start (`bench.timing.issue_time`); near
+``forward_ms`` (``host_share`` near 1) the GPU waits for the host: eager prefill of short
+prompts is bound by the Python and launch work of each layer, not by the GPU. ``--profile N`` prints the GPU kernels of N
 kernel-path forwards of the largest case: where a prefill's time goes.
 
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 1x2048 1x8192 8x1024
@@ -38,7 +41,7 @@ import torch
 from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits
 from bench.decode_step import PAGE_SIZE, model_case, random_weights
 from bench.results import print_table, record
-from bench.timing import kernel_profile, sync, time_step
+from bench.timing import issue_time, kernel_profile, sync, time_step
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -137,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[tuple[str, int, int], float] = {}
     rows = []
 
-    def report(impl: str, s: int, n: int, seconds: float) -> None:
+    def report(impl: str, s: int, n: int, seconds: float, issue_s: float) -> None:
         times[(impl, s, n)] = seconds
         tflops = forward_flops(c, s, n, a.cached) / seconds / 1e12
-        metrics = {"tokens_per_s": s * n / seconds, "forward_ms": seconds * 1e3, "model_tflops": tflops}
+        metrics = {"tokens_per_s": s * n / seconds, "forward_ms": seconds * 1e3, "model_tflops": tflops,
+                   "host_issue_ms": issue_s * 1e3, "host_share": issue_s / seconds}
         if ceiling is not None:
             metrics |= {"dense_bf16_gemm_tflops": ceiling, "fraction_of_dense_gemm": tflops / ceiling}
         peers = {}
@@ -156,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     for impl in [i for i in IMPLS if i in a.impls]:
         model = Qwen3Model(c, weights, kernels=impl == KERNELS)
         for (s, n), batch in batches.items():
-            report(impl, s, n, time_step(lambda: model.forward(batch, cache), device, a.iters))
+            forward = lambda: model.forward(batch, cache)  # noqa: E731
+            report(impl, s, n, time_step(forward, device, a.iters), issue_time(forward, device, a.iters))
         if impl == KERNELS and a.profile and device.type == "cuda":
             s, n = max(batches, key=lambda sn: sn[0] * sn[1])
             print(f"{KERNELS} {s}x{n}, {a.profile} forwards:\n{kernel_profile(lambda: model.forward(batches[(s, n)], cache), device, a.profile)}", flush=True)
         del model
         sync(device)
-    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "model_tflops", "speedup_vs_reference", "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
+    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "model_tflops", "speedup_vs_reference",
+                       "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
     return 0
 
 

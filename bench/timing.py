@@ -87,3 +87,19 @@ def time_step(step: Callable[[], object], device: torch.device, iters: int) -> f
         if it >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def issue_time(step: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median wall seconds the host takes to issue ``step`` (one warm-up call first), the
+    device idle at the start and not waited for at the end: where this is close to
+    `time_step`'s figure, the GPU waits for the host (the step is host-bound). On a CPU
+    device the issue is the work itself."""
+    step()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    sync(device)
+    return statistics.median(times)
