@@ -50,6 +50,16 @@ QWEN3_235B_A22B = {
 MODELS = {"qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3-235b-a22b": QWEN3_235B_A22B}
 
 
+def model_config(model: str, layers: int | None = None, experts: int | None = None, vocab: int | None = None) -> ModelConfig:
+    """The `MODELS` entry ``model`` with the benchmarks' overrides (fewer layers to save time, fewer
+    experts or a smaller vocabulary for quick CPU checks); None keeps the model's own."""
+    raw = dict(MODELS[model])
+    for key, value in (("num_hidden_layers", layers), ("num_experts", experts), ("vocab_size", vocab)):
+        if value is not None:
+            raw[key] = value
+    return ModelConfig.from_dict(raw)
+
+
 class DoesNotFit(ValueError):
     """A decode layout whose ranks cannot hold their share of the model."""
 

@@ -66,7 +66,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch
 
-from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits, step_bytes
+from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits, model_config, step_bytes
 from bench.results import print_table, record
 from bench.timing import capture_graph, kernel_profile, sync, time_step
 from shared.kvcache import KVLayout, PagedKVCache
@@ -255,11 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = torch.device(a.device), torch.bfloat16
     if min(a.batches) < 1 or a.context < 0:
         ap.error("--batches must be positive and --context not negative")
-    raw = dict(MODELS[a.model])
-    for key, value in (("num_hidden_layers", a.layers), ("num_experts", a.experts), ("vocab_size", a.vocab)):
-        if value is not None:
-            raw[key] = value
-    c = ModelConfig.from_dict(raw)
+    c = model_config(a.model, layers=a.layers, experts=a.experts, vocab=a.vocab)
     if a.ep < 1 or c.num_experts % a.ep:
         ap.error(f"--ep {a.ep}: {c.num_experts} experts do not split evenly over {a.ep} GPUs")
     if device.type != "cuda" and a.ep > 1:

@@ -38,7 +38,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch
 
-from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits
+from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits, model_config
 from bench.decode_step import PAGE_SIZE, model_case, random_weights
 from bench.results import print_table, record
 from bench.timing import issue_time, kernel_profile, sync, time_step
@@ -114,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if a.cached < 0 or a.iters < 1:
         ap.error("--cached must not be negative and --iters must be positive")
-    raw = dict(MODELS[a.model])
-    for key, value in (("num_hidden_layers", a.layers), ("num_experts", a.experts), ("vocab_size", a.vocab)):
-        if value is not None:
-            raw[key] = value
-    c = ModelConfig.from_dict(raw)
+    c = model_config(a.model, layers=a.layers, experts=a.experts, vocab=a.vocab)
     device, dtype = torch.device(a.device), torch.bfloat16
     max_seqs = max(s for s, _ in cases)
     longest = a.cached + max(n for _, n in cases)
