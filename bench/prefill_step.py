@@ -21,8 +21,9 @@ over its time. A dense bf16 GEMM (8192 cube, `torch.mm`) is timed in the same ru
 the ceiling those figures compare to. ``host_issue_ms`` is how long the host takes to
 issue one forward with the GPU idle at its start (`bench.timing.issue_time`); near
 ``forward_ms`` (``host_share`` near 1) the GPU waits for the host: eager prefill of short
-prompts is bound by the Python and launch work of each layer, not by the GPU. ``--profile N`` prints the GPU kernels of N
-kernel-path forwards of the largest case: where a prefill's time goes.
+prompts is bound by the Python and launch work of each layer, not by the GPU.
+``--profile N`` prints the GPU kernels of N kernel-path forwards of the largest case:
+where a prefill's time goes.
 
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 1x2048 1x8192 8x1024
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 4x4096 --impls kernels --profile 3
