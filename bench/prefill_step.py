@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [parse_prompts(p) for p in a.prompts]
     except ValueError as e:
         ap.error(str(e))
-    if a.cached < 0 or a.iters < 1:
-        ap.error("--cached must not be negative and --iters must be positive")
+    if a.cached < 0 or a.profile < 0 or a.iters < 1:
+        ap.error("--cached and --profile must not be negative and --iters must be positive")
     c = model_config(a.model, layers=a.layers, experts=a.experts, vocab=a.vocab)
     device, dtype = torch.device(a.device), torch.bfloat16
     max_seqs = max(s for s, _ in cases)

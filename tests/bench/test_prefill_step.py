@@ -23,10 +23,11 @@ def test_impossible_prompt_cases_are_refused(spec, capsys):
     assert "expected SxN" in capsys.readouterr().err
 
 
-def test_negative_cached_prefix_is_refused(capsys):
+@pytest.mark.parametrize("args", [["--cached", "-1"], ["--profile", "-2"], ["--iters", "0"]])
+def test_impossible_counts_are_refused(args, capsys):
     with pytest.raises(SystemExit):
-        prefill_step.main(["--device", "cpu", "--cached", "-1"])
-    assert "--cached must not be negative" in capsys.readouterr().err
+        prefill_step.main(["--device", "cpu", *args])
+    assert "--cached and --profile must not be negative and --iters must be positive" in capsys.readouterr().err
 
 
 def _flops_token_by_token(c: ModelConfig, seqs: int, new: int, cached: int) -> int:
