@@ -36,7 +36,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from kernels._cute_comm import load_vec_f32, store_f32, store_vec_f32, wait_for_previous_kernel
-from kernels._cute_runtime import launch_stream
+from kernels._cute_runtime import launcher, sm_count
 from kernels.act_quant import AMAX_FLOOR, FP8_MAX, INV_FP8_MAX, QUANT_BLOCK, ActQuantError, scale_row_stride
 
 if TYPE_CHECKING:
@@ -188,15 +188,9 @@ def quantize_cuda(x: torch.Tensor, counts: torch.Tensor | None = None,
     if masked:
         blocks_per_warp = BLOCKS_PER_WARP[-1]  # the masked kernel has one layout: one compiled variant
     elif blocks_per_warp is None:
-        blocks_per_warp = warp_blocks_for(rows * kb, torch.cuda.get_device_properties(x.device).multi_processor_count)
+        blocks_per_warp = warp_blocks_for(rows * kb, sm_count(x.device))
     if x.data_ptr() % 16:  # a view starting off a 16-byte boundary: the kernel's loads need one
         x = x.clone()
-    with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
-        compiled_quantizer(K, masked, blocks_per_warp)(
-            x.data_ptr(), q.data_ptr(), scale.data_ptr(),
-            make_ptr(cutlass.Int32, 0 if counts is None else counts.data_ptr(), _GMEM, assumed_align=4),
-            cutlass.Int32(rows),
-            cutlass.Int32(capacity),
-            stream,
-        )
+    launcher(compiled_quantizer(K, masked, blocks_per_warp), x.device)(  # any calling thread: x's GPU, its current stream
+        x.data_ptr(), q.data_ptr(), scale.data_ptr(), 0 if counts is None else counts.data_ptr(), rows, capacity)
     return q, scale

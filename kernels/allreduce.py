@@ -349,7 +349,7 @@ class CudaAllReduce:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, algorithm: Algorithm | None = None) -> torch.Tensor:
         """Sum ``x`` over the group into ``out`` (new tensor if None; ``out=x`` is in place)."""
-        from kernels._cute_runtime import launch_stream
+        from kernels._cute_runtime import launcher
 
         _check_input(x, self.mem.device)
         if out is None:
@@ -367,47 +367,44 @@ class CudaAllReduce:
         esz = x.element_size()
         vec = VEC_BYTES // esz
         blocks = max(1, min(self.max_blocks, MAX_BLOCKS))
-        with launch_stream(self.mem.device) as stream:  # any calling thread: the communicator's GPU
-            mem = self.mem
-            table, flags, slots, ctrl = mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"], mem.control.data_ptr()
-            if algo == "two_shot":
-                chunk = self.two_shot_chunk_elems(esz)
-                if n + chunk >= 2**31:  # the kernel indexes up to one chunk past the end in int32
-                    raise AllReduceError(f"tensor of {n} elements is too large for two-shot steps of {chunk} (limit 2**31 - 1 - step)")
-                if -(-n // chunk) > MAX_CHUNKS:
-                    raise AllReduceError(f"{n} elements need more than {MAX_CHUNKS} two-shot steps of {chunk}; raise two_shot_chunk_bytes")
-                grid = min(-(-slice_elems(min(n, chunk), self.world, vec) // (vec * THREADS)), blocks)
-                compile_two_shot(x.dtype, self.world, self.rank)(
-                    x.data_ptr(), out.data_ptr(), n, chunk, table, flags, slots, self.slot_bytes, mem.layout["gather"], ctrl,
-                    grid, stream,
-                )
-                return out
-            # The other kernels reduce at most one slot's worth per launch: longer messages run as
-            # several launches. `walked(m)`: the elements one launch of m elements spreads over its threads.
-            if algo == "lamport_two_shot":
-                kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank, two_shot=True), "lamport_two_shot_threads"
-                per_launch = self.world * (self.lamport_two_shot_slot_bytes // esz)
-                region = (mem.layout["lamport_two_shot"], self.lamport_two_shot_slot_bytes, ctrl)
-                walked = lambda m: slice_elems(m, self.world, vec)  # noqa: E731
-            elif algo == "lamport":
-                kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank, two_shot=False), "one_shot_threads"
-                per_launch = self.lamport_slot_bytes // esz
-                region = (mem.layout["lamport"], self.lamport_slot_bytes, ctrl)
-                walked = lambda m: m  # noqa: E731
-            else:
-                kernel, threads_attr = compile_one_shot(x.dtype, self.world, self.rank), "one_shot_threads"
-                per_launch = self.slot_bytes // esz
-                region = (flags, slots, self.slot_bytes, ctrl)
-                walked = lambda m: m  # noqa: E731
-            threads = getattr(self, threads_attr)
-            if threads % 32 or not 32 <= threads <= 1024:
-                raise AllReduceError(f"{threads_attr} must be a multiple of 32 in 32..1024, got {threads}")
-            flat_in, flat_out = x.view(-1), out.view(-1)
-            for start in range(0, n, per_launch):
-                m = min(per_launch, n - start)
-                grid = min(-(-walked(m) // (vec * threads)), blocks)
-                kernel(flat_in[start].data_ptr(), flat_out[start].data_ptr(), m, table, *region, grid, threads, stream)
+        mem = self.mem
+        table, flags, slots, ctrl = mem.peer_table.data_ptr(), mem.layout["flags"], mem.layout["slots"], mem.control.data_ptr()
+        if algo == "two_shot":
+            chunk = self.two_shot_chunk_elems(esz)
+            if n + chunk >= 2**31:  # the kernel indexes up to one chunk past the end in int32
+                raise AllReduceError(f"tensor of {n} elements is too large for two-shot steps of {chunk} (limit 2**31 - 1 - step)")
+            if -(-n // chunk) > MAX_CHUNKS:
+                raise AllReduceError(f"{n} elements need more than {MAX_CHUNKS} two-shot steps of {chunk}; raise two_shot_chunk_bytes")
+            grid = min(-(-slice_elems(min(n, chunk), self.world, vec) // (vec * THREADS)), blocks)
+            launcher(compile_two_shot(x.dtype, self.world, self.rank), mem.device)(
+                x.data_ptr(), out.data_ptr(), n, chunk, table, flags, slots, self.slot_bytes, mem.layout["gather"], ctrl, grid)
             return out
+        # The other kernels reduce at most one slot's worth per launch: longer messages run as
+        # several launches. `walked(m)`: the elements one launch of m elements spreads over its threads.
+        if algo == "lamport_two_shot":
+            kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank, two_shot=True), "lamport_two_shot_threads"
+            per_launch = self.world * (self.lamport_two_shot_slot_bytes // esz)
+            region = (mem.layout["lamport_two_shot"], self.lamport_two_shot_slot_bytes, ctrl)
+            walked = lambda m: slice_elems(m, self.world, vec)  # noqa: E731
+        elif algo == "lamport":
+            kernel, threads_attr = compile_lamport(x.dtype, self.world, self.rank, two_shot=False), "one_shot_threads"
+            per_launch = self.lamport_slot_bytes // esz
+            region = (mem.layout["lamport"], self.lamport_slot_bytes, ctrl)
+            walked = lambda m: m  # noqa: E731
+        else:
+            kernel, threads_attr = compile_one_shot(x.dtype, self.world, self.rank), "one_shot_threads"
+            per_launch = self.slot_bytes // esz
+            region = (flags, slots, self.slot_bytes, ctrl)
+            walked = lambda m: m  # noqa: E731
+        threads = getattr(self, threads_attr)
+        if threads % 32 or not 32 <= threads <= 1024:
+            raise AllReduceError(f"{threads_attr} must be a multiple of 32 in 32..1024, got {threads}")
+        launch = launcher(kernel, mem.device)
+        for start in range(0, n, per_launch):
+            m = min(per_launch, n - start)
+            grid = min(-(-walked(m) // (vec * threads)), blocks)
+            launch(x.data_ptr() + start * esz, out.data_ptr() + start * esz, m, table, *region, grid, threads)
+        return out
 
 
 def _slot_size(name: str, nbytes: int) -> int:

@@ -564,7 +564,9 @@ class DispatchCombine:
         self.expert_counts = torch.zeros(self.num_local, dtype=torch.int32, device=dev)
         self._row_of = torch.empty(staged_rows * topk, dtype=torch.int32, device=dev)
         self._ctrl = self.mem.control
-        self._kernels = compile_kernels(world, self.rank, num_experts, hidden, topk, payload)
+        from kernels._cute_runtime import launcher
+
+        self._launchers = [launcher(fn, dev) for fn in compile_kernels(world, self.rank, num_experts, hidden, topk, payload)]
 
     def _check(self, name: str, t: torch.Tensor, cols: int | None, dtype: torch.dtype) -> None:
         rows_ok = t.shape == (1,) if cols is None else (t.dim() == 2 and t.shape[0] <= self.max_tokens and t.shape[1] == cols)
@@ -574,8 +576,6 @@ class DispatchCombine:
 
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Send each of the first ``num_tokens`` rows of ``x`` to the ranks owning its experts."""
-        from kernels._cute_runtime import launch_stream
-
         self._check("x", x, self.hidden, torch.bfloat16)
         self._check("topk_ids", topk_ids, self.topk, torch.int32)
         self._check("topk_weights", topk_weights, self.topk, torch.float32)
@@ -583,57 +583,47 @@ class DispatchCombine:
         if not x.shape[0] == topk_ids.shape[0] == topk_weights.shape[0]:
             raise DispatchCombineError(f"x, topk_ids and topk_weights disagree on rows: {x.shape[0]}, {topk_ids.shape[0]}, {topk_weights.shape[0]}")
         m, lay = self.mem, self.mem.layout
-        with launch_stream(self.mem.device) as stream:
-            self._kernels[0](
-                x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), num_tokens.data_ptr(), self.expert_counts.data_ptr(),
-                m.peer_table.data_ptr(), lay["flags"], lay["ntok"], lay["disp_x"], lay["disp_scales"], lay["disp_ids"], lay["disp_w"],
-                self.max_tokens, self.ctas_per_peer, stream,
-            )
+        self._launchers[0](
+            x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), num_tokens.data_ptr(), self.expert_counts.data_ptr(),
+            m.peer_table.data_ptr(), lay["flags"], lay["ntok"], lay["disp_x"], lay["disp_scales"], lay["disp_ids"], lay["disp_w"],
+            self.max_tokens, self.ctas_per_peer,
+        )
 
     def dispatch_recv(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Wait for every peer and fill the per-expert layout; returns ``(recv_x, recv_scales, expert_counts, recv_src)``."""
-        from kernels._cute_runtime import launch_stream
-
         m, lay = self.mem, self.mem.layout
         scales = self.recv_scales.data_ptr() if self.recv_scales is not None else 0
-        with launch_stream(self.mem.device) as stream:
-            self._kernels[1](
-                m.peer_table.data_ptr(), lay["flags"], lay["ntok"], lay["disp_x"], lay["disp_scales"], lay["disp_ids"],
-                self.recv_x.data_ptr(), scales, self.recv_src.data_ptr(), self._row_of.data_ptr(), self.expert_counts.data_ptr(),
-                self._ctrl.data_ptr(), self.max_tokens, self.ctas_per_peer, stream,
-            )
+        self._launchers[1](
+            m.peer_table.data_ptr(), lay["flags"], lay["ntok"], lay["disp_x"], lay["disp_scales"], lay["disp_ids"],
+            self.recv_x.data_ptr(), scales, self.recv_src.data_ptr(), self._row_of.data_ptr(), self.expert_counts.data_ptr(),
+            self._ctrl.data_ptr(), self.max_tokens, self.ctas_per_peer,
+        )
         return self.recv_x, self.recv_scales, self.expert_counts, self.recv_src
 
     def combine_send(self, y: torch.Tensor) -> None:
         """Send expert outputs ``y`` ``[E_local, capacity, H]`` bf16, weighted and summed per token, back to the tokens' ranks."""
-        from kernels._cute_runtime import launch_stream
-
         if tuple(y.shape) != (self.num_local, self.capacity, self.hidden) or y.dtype != torch.bfloat16 or not y.is_contiguous():
             raise DispatchCombineError(f"y must be contiguous bf16 {(self.num_local, self.capacity, self.hidden)}, got {y.dtype} {tuple(y.shape)}")
         m, lay = self.mem, self.mem.layout
-        with launch_stream(self.mem.device) as stream:
-            self._kernels[2](
-                y.data_ptr(), self._row_of.data_ptr(), m.peer_table.data_ptr(), lay["flags"], lay["ntok"], lay["disp_w"], lay["comb"],
-                self.max_tokens, self.ctas_per_peer, stream,
-            )
+        self._launchers[2](
+            y.data_ptr(), self._row_of.data_ptr(), m.peer_table.data_ptr(), lay["flags"], lay["ntok"], lay["disp_w"], lay["comb"],
+            self.max_tokens, self.ctas_per_peer,
+        )
 
     def combine_recv(self, topk_ids: torch.Tensor, num_tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Wait for every peer and write ``out`` ``[max_tokens, H]`` bf16 (the sum per token).
 
         ``topk_ids`` and ``num_tokens`` are the ones this round's `dispatch_send` took.
         """
-        from kernels._cute_runtime import launch_stream
-
         self._check("topk_ids", topk_ids, self.topk, torch.int32)
         self._check("num_tokens", num_tokens, None, torch.int32)
         if tuple(out.shape) != (self.max_tokens, self.hidden) or out.dtype != torch.bfloat16 or not out.is_contiguous():
             raise DispatchCombineError(f"out must be contiguous bf16 {(self.max_tokens, self.hidden)}, got {out.dtype} {tuple(out.shape)}")
         m, lay = self.mem, self.mem.layout
-        with launch_stream(self.mem.device) as stream:
-            self._kernels[3](
-                topk_ids.data_ptr(), num_tokens.data_ptr(), out.data_ptr(), m.peer_table.data_ptr(), lay["flags"], lay["comb"],
-                self._ctrl.data_ptr(), self.max_tokens, self.ctas_per_peer, stream,
-            )
+        self._launchers[3](
+            topk_ids.data_ptr(), num_tokens.data_ptr(), out.data_ptr(), m.peer_table.data_ptr(), lay["flags"], lay["comb"],
+            self._ctrl.data_ptr(), self.max_tokens, self.ctas_per_peer,
+        )
         return out
 
 

@@ -334,7 +334,7 @@ def ep_select(
     """
     if not x.is_cuda:
         return ep_select_reference(x, topk_ids, expert_start, num_local_experts, align, x_scale)
-    from kernels._cute_runtime import launch_stream
+    from kernels._cute_runtime import launcher
 
     _check(x, topk_ids, expert_start, num_local_experts, align, x_scale)
     if x.dtype not in _ROW_DTYPES or x.shape[1] * x.element_size() % VEC_BYTES or not x.is_contiguous():
@@ -352,13 +352,10 @@ def ep_select(
     scales = None if x_scale is None else torch.empty(rows.shape[0], scale_stride, dtype=torch.float32,
                                                       device=x.device)
     if t > 0:
-        with launch_stream(x.device) as stream:
-            compile_select(k, ids.dtype)(
-                x.data_ptr(), ids.data_ptr(), t, x.shape[1] * x.element_size(), expert_start, num_local_experts, align,
-                counts.data_ptr(), offsets.data_ptr(), cursors.data_ptr(), row_of.data_ptr(), rows.data_ptr(),
-                0 if x_scale is None else x_scale.data_ptr(), 0 if scales is None else scales.data_ptr(),
-                scale_stride * 4, _grid(t), stream,
-            )
+        launcher(compile_select(k, ids.dtype), x.device)(
+            x.data_ptr(), ids.data_ptr(), t, x.shape[1] * x.element_size(), expert_start, num_local_experts, align,
+            counts.data_ptr(), offsets.data_ptr(), cursors.data_ptr(), row_of.data_ptr(), rows.data_ptr(),
+            0 if x_scale is None else x_scale.data_ptr(), 0 if scales is None else scales.data_ptr(), scale_stride * 4, _grid(t))
     else:
         offsets.zero_()
     return SelectedRows(rows, offsets, counts, row_of, None if scales is None else scales[:, :x_scale.shape[1]])
@@ -368,7 +365,7 @@ def ep_combine(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor
     """Weighted sum of each token's local expert outputs: ``[T, H]`` in ``y.dtype``."""
     if not y.is_cuda:
         return ep_combine_reference(y, row_of, topk_weights)
-    from kernels._cute_runtime import launch_stream
+    from kernels._cute_runtime import launcher
 
     if row_of.shape != topk_weights.shape or y.dim() != 2 or not y.is_contiguous():
         raise EpExchangeError(f"y must be contiguous [rows, H]; row_of {tuple(row_of.shape)} vs weights {tuple(topk_weights.shape)}")
@@ -379,8 +376,6 @@ def ep_combine(y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor
     if t > 0:
         w = (topk_weights if topk_weights.dtype in _CUTE_DTYPES else topk_weights.to(torch.float32)).contiguous()
         ro = row_of.to(torch.int32).contiguous()
-        with launch_stream(y.device) as stream:
-            compile_combine(y.dtype, k, w.dtype)(
-                y.data_ptr(), ro.data_ptr(), w.data_ptr(), t, y.shape[1], out.data_ptr(), _grid(t), stream
-            )
+        launcher(compile_combine(y.dtype, k, w.dtype), y.device)(
+            y.data_ptr(), ro.data_ptr(), w.data_ptr(), t, y.shape[1], out.data_ptr(), _grid(t))
     return out

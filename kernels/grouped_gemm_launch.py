@@ -5,8 +5,8 @@ dtype, tile shape, epilogue, SM count): the token count stays a run-time
 argument, so one compiled kernel serves every batch of a weight shape and
 "shape bucket" here means the tile bucket chosen from tokens per expert.
 Launches take raw device pointers and the current torch stream of the
-tensors' device (under `launch_stream`: from any thread), so they are
-CUDA-graph capturable and never synchronise with the host.
+tensors' device (through `kernels._cute_runtime.launcher`: from any thread), so
+they are CUDA-graph capturable and never synchronise with the host.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
-from kernels._cute_runtime import launch_stream
+from kernels._cute_runtime import launcher, sm_count
 from kernels.act_quant import scale_row_stride
 from kernels.grouped_gemm import (MID_TILE_MAX_TOKENS_PER_EXPERT, MID_TILE_MAX_WEIGHT_ELEMENTS,
                                   SMALL_TILE_MAX_TOKENS_PER_EXPERT, SWAPPED_TOKEN_TILES)
@@ -152,10 +152,6 @@ def _scale_rows_padded(x_scale: torch.Tensor) -> torch.Tensor:
     return padded.copy_(x_scale)
 
 
-def _scale_ptr(t: torch.Tensor, dtype=cutlass.Float32):
-    """Pointer to scales already in a 16-byte aligned padded layout (``_scale_rows_padded``'s, or for MXFP8
-    ``kernel_scale_layout``'s; not contiguous when padded)."""
-    return make_ptr(dtype, t.data_ptr(), _GMEM, assumed_align=_ALIGN_AB)
 
 
 def _operand_types(cfg: GroupedGemmConfig) -> tuple:
@@ -195,12 +191,14 @@ def compiled_kernel(cfg: GroupedGemmConfig) -> JitCompiledFunction:
         return fn
 
 
-def _ptr(t: torch.Tensor, dtype, align: int):
-    if t.data_ptr() % align:
-        raise ValueError(f"tensor {tuple(t.shape)} {t.dtype} must be {align}-byte aligned (got address {t.data_ptr():#x})")
+def _address(t: torch.Tensor, align: int) -> int:
+    """``t``'s device address, which the kernel was compiled to assume ``align``-byte aligned."""
+    address = t.data_ptr()
+    if address % align:
+        raise ValueError(f"tensor {tuple(t.shape)} {t.dtype} must be {align}-byte aligned (got address {address:#x})")
     if not t.is_contiguous():
         raise ValueError(f"tensor {tuple(t.shape)} {t.dtype} must be contiguous")
-    return make_ptr(dtype, t.data_ptr(), _GMEM, assumed_align=align)
+    return address
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bool,
@@ -221,10 +219,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
     # The tile bucket's token count. A masked layout's host-side shape is its capacity, far
     # above what a decode step fills: its caller passes the expected rows per expert.
     tokens_per_expert = expected_rows_per_expert if expected_rows_per_expert is not None else (rows if masked else rows / E)
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = choose_config(num_experts=E, n=N, k=K, masked=masked, fp8=fp8, swiglu=swiglu,
                         row_weights=row_weights is not None, tokens_per_expert=tokens_per_expert,
-                        num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+                        num_sms=sm_count(x.device),
                         mxfp8=mxfp8, tile_m=tile_m, tile_n=tile_n, swap_ab=swap_ab)
     if fp8 and mxfp8 and not cfg.swap_ab:
         raise ValueError(f"FP8 activations with MXFP8 weights run only the decode tiles (at most "
@@ -239,25 +236,21 @@ def launch(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, *, masked: bo
         raise ValueError(f"out must be bfloat16 {out_shape}, got {out.dtype} {tuple(out.shape)}")
     if rows == 0:
         return out
-    a, b, sb = _operand_types(cfg)
     if fp8:
         x_scale = _scale_rows_padded(x_scale)
     if mxfp8:
         w_scale_e8m0 = kernel_scale_layout(w_scale_e8m0)  # the TMA box rows: 16-byte pitch and alignment
-    # Placeholder for pointers this configuration never reads (any word-aligned address).
-    unused = _ptr(groups, cutlass.Float32, _ALIGN_WORD)
-    with launch_stream(x.device) as stream:  # any calling thread: x's GPU, its current stream
-        fn = compiled_kernel(cfg)
-        fn(
-            _ptr(x, a, _ALIGN_AB),
-            _ptr(w, b, _ALIGN_AB),
-            _ptr(out, cutlass.BFloat16, _out_align(cfg)),
-            _ptr(groups, cutlass.Int32, _ALIGN_WORD),
-            _scale_ptr(x_scale) if fp8 else unused,
-            _scale_ptr(w_scale_e8m0, sb) if mxfp8 else (_ptr(w_scale, sb, _scale_align(cfg)) if fp8 else unused),
-            _ptr(row_weights, cutlass.Float32, _ALIGN_WORD) if row_weights is not None else unused,
-            cutlass.Int32(rows),
-            stream,
-        )
+    groups_address = _address(groups, _ALIGN_WORD)
+    unused = groups_address  # for pointers this configuration never reads (any word-aligned address)
+    launcher(compiled_kernel(cfg), x.device)(  # any calling thread: x's GPU, its current stream
+        _address(x, _ALIGN_AB),
+        _address(w, _ALIGN_AB),
+        _address(out, _out_align(cfg)),
+        groups_address,
+        x_scale.data_ptr() if fp8 else unused,  # 16-byte aligned padded rows (not contiguous when padded)
+        w_scale_e8m0.data_ptr() if mxfp8 else (_address(w_scale, _scale_align(cfg)) if fp8 else unused),
+        _address(row_weights, _ALIGN_WORD) if row_weights is not None else unused,
+        rows,
+    )
     return out
 

@@ -31,6 +31,7 @@ import torch
 from cutlass import Int16, Int32, Int64
 
 from kernels._cute_comm import gptr, load_i32, load_i64
+from kernels._cute_runtime import dummy_stream, launcher
 from kernels.kv_copy import LAUNCH_PARAMS, VECTOR_BYTES, KVCopyError
 
 if TYPE_CHECKING:
@@ -136,17 +137,9 @@ def compile_args(stream: cuda_driver.CUstream) -> tuple:
 @functools.cache
 def compile_kv_copy(vector_bytes: int) -> JitCompiledFunction:
     """The kernel for ``vector_bytes``-wide accesses, compiled once per process (no GPU needed)."""
-    from kernels._cute_runtime import dummy_stream
-
     if vector_bytes not in VECTOR_BYTES:
         raise KVCopyError(f"no KV copy kernel for {vector_bytes}-byte accesses (compiled widths: {VECTOR_BYTES})")
     return cute.compile(_launch_kv_copy, *compile_args(dummy_stream()), vector_bytes)
-
-
-@functools.cache
-def _executor(vector_bytes: int):
-    """The compiled kernel's executor (its CUDA library is context-free: one for every device)."""
-    return compile_kv_copy(vector_bytes).to()
 
 
 def upload(dst: int, src: int, nbytes: int, stream: int) -> None:
@@ -177,28 +170,17 @@ def _max_ctas(device_index: int) -> int:
 
 class Launcher:
     """Launches from one parameter slot (``kernels.kv_copy._ParamSlot``, used by one copy at a
-    time, then by the next): the kernel's five arguments live in
-    ctypes slots marshalled once, here, so a launch only sets three integers and calls the
-    compiled host function (calling the compiled function converts every argument through
-    the DSL's adapters on each call; a launch that way cost ~23 us in a loop and ~140 us once
-    per transfer on 2x H200, 488c9f91cf04). One thread at a time per launcher."""
+    time, then by the next) on the slot's stream: the kernel's parameter block and stream are
+    fixed here, so a launch passes three integers (`kernels._cute_runtime.Launcher`: calling the
+    compiled function instead converted every argument through the DSL's adapters, ~23 us in a
+    loop and ~140 us once per transfer on 2x H200, 488c9f91cf04)."""
 
     def __init__(self, device_index: int, stream: torch.cuda.Stream, vector_bytes: int, params: int) -> None:
-        self._device = device_index  # an index: the device context below then costs no parsing
-        self._executor = _executor(vector_bytes)
+        self._launch = launcher(compile_kv_copy(vector_bytes), device_index)
+        self._params, self._stream = params, stream.cuda_stream
         self._max_ctas = _max_ctas(device_index)
-        # The compiled host function takes a pointer to each argument's value (stream: its handle).
-        self._slots = (ctypes.c_int64(params), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p(stream.cuda_stream))
-        # As c_void_p objects: the executor packs those as they are, plain ints through a conversion each.
-        self._args = [ctypes.c_void_p(ctypes.addressof(slot)) for slot in self._slots]
 
     def launch(self, first_layer: int, num_layers: int, items: int) -> None:
         """One launch of layers ``[first_layer, first_layer + num_layers)``, ``items`` (layer, block,
         row) items (``kernels.kv_copy.KVCopy`` checks everything)."""
-        _, first, count, grid, _ = self._slots
-        first.value, count.value, grid.value = first_layer, num_layers, min(items, self._max_ctas)
-        if torch.cuda.current_device() == self._device:  # the usual case: no device switch to pay for
-            self._executor.run_compiled_program(self._args)
-            return
-        with torch.cuda.device(self._device):  # the launch runs in the pools' device's primary context
-            self._executor.run_compiled_program(self._args)
+        self._launch(self._params, first_layer, num_layers, min(items, self._max_ctas), stream=self._stream)

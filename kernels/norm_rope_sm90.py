@@ -38,7 +38,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from kernels._cute_comm import (gptr, load_i64, load_vec, load_vec_f32, row_launch, store_vec_f32,
                                 wait_for_previous_kernel, warp_row)
-from kernels._cute_runtime import dummy_stream, launch_stream
+from kernels._cute_runtime import dummy_stream, launcher
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
@@ -234,10 +234,8 @@ def add_rms_norm_cuda(h: torch.Tensor, delta: torch.Tensor | None, weight: torch
     out_h = h if delta is None else torch.empty_like(h)
     if rows == 0:
         return out_h, out
-    with launch_stream(h.device) as stream:
-        compiled_add_rms_norm(hidden, delta is not None)(
-            h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), out_h.data_ptr(), out.data_ptr(),
-            rows, eps, stream)
+    launcher(compiled_add_rms_norm(hidden, delta is not None), h.device)(
+        h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(), out_h.data_ptr(), out.data_ptr(), rows, eps)
     return out_h, out
 
 
@@ -247,9 +245,8 @@ def qk_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, 
     out = torch.empty_like(x)
     if t * heads == 0:
         return out
-    with launch_stream(x.device) as stream:
-        compiled_qk_norm_rope(head_dim)(x.data_ptr(), weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                                        t * heads, heads, eps, stream)
+    launcher(compiled_qk_norm_rope(head_dim), x.device)(x.data_ptr(), weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                                        out.data_ptr(), t * heads, heads, eps)
     return out
 
 
@@ -262,8 +259,7 @@ def qkv_norm_rope_store_cuda(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_w
     q = torch.empty(t, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
-    with launch_stream(qkv.device) as stream:
-        compiled_qkv_norm_rope_store(head_dim, q_heads, kv_heads, page_size)(
-            qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-            pool.data_ptr(), pages.data_ptr(), offsets.data_ptr(), t, eps, stream)
+    launcher(compiled_qkv_norm_rope_store(head_dim, q_heads, kv_heads, page_size), qkv.device)(
+        qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+        pool.data_ptr(), pages.data_ptr(), offsets.data_ptr(), t, eps)
     return q

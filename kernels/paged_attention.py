@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._cute_runtime import sm_count
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_GROUP = 16  # query heads per KV head: the 16 rows of the kernel's MMA tile
 HEAD_DIMS = (64, 128)  # the fragment layout takes multiples of 64; larger ones would spill the accumulator
@@ -132,8 +134,7 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, page_tables: tor
         return out
     from kernels import paged_attention_sm90  # CuTeDSL is imported only on the GPU path
 
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = choose_splits(b, hkv, page_tables.shape[1] * ps // TILE, num_sms)
+    splits = choose_splits(b, hkv, page_tables.shape[1] * ps // TILE, sm_count(q.device))
     paged_attention_sm90.launch(q.contiguous(), pool, page_tables.contiguous(), context_lens.contiguous(), scale, splits, out)
     return out
 

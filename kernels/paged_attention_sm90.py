@@ -65,6 +65,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from kernels._cute_comm import load_f32, load_i32, load_i64, store_f32, wait_for_previous_kernel
+from kernels._cute_runtime import dummy_stream, launcher
 from kernels.paged_attention import TILE
 
 if TYPE_CHECKING:
@@ -415,8 +416,6 @@ def _compiled(key: tuple, build):
 def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, len_bytes: int, options: str = "") -> JitCompiledFunction:
     """The split kernel of one head shape, page size and index widths, compiled once per process (no GPU
     needed); ``options`` go to ``cute.compile`` (and bypass the cache)."""
-    from kernels._cute_runtime import dummy_stream
-
     z64, z32 = Int64(0), Int32(1)
     args = (z64, z64, z64, z64, z64, z64, z64, z32, z32, z32, z32, Float32(1.0), dummy_stream(), group, head_dim, page_size,
             table_bytes, len_bytes)
@@ -427,8 +426,6 @@ def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, 
 
 def compiled_combine(group: int, head_dim: int, options: str = "") -> JitCompiledFunction:
     """The combine kernel of one head shape, compiled once per process."""
-    from kernels._cute_runtime import dummy_stream
-
     z64, z32 = Int64(0), Int32(1)
     args = (z64, z64, z64, z32, z32, z32, dummy_stream(), group, head_dim)
     if options:
@@ -440,22 +437,18 @@ def launch(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, conte
            splits: int, out: torch.Tensor) -> None:
     """Enqueue the attention on ``q``'s device's current stream (``kernels.paged_attention`` checked the
     arguments: contiguous, aligned, supported shape). ``splits > 1`` adds the partials' combine."""
-    from kernels._cute_runtime import launch_stream
-
     batch, q_heads, head_dim = q.shape
     _, _, kv_heads, page_size, _ = pool.shape
     group, max_pages = q_heads // kv_heads, page_tables.shape[1]
     table_bytes, len_bytes = page_tables.element_size(), context_lens.element_size()
-    with launch_stream(q.device) as stream:
-        split_fn = compiled_split(group, head_dim, page_size, table_bytes, len_bytes)
-        if splits == 1:
-            part_o = part_ml = out  # never touched with one split
-        else:
-            part_o = torch.empty(batch * kv_heads * splits * group * head_dim, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(batch * kv_heads * splits * group * 2, dtype=torch.float32, device=q.device)
-        split_fn(Int64(q.data_ptr()), Int64(pool.data_ptr()), Int64(page_tables.data_ptr()), Int64(context_lens.data_ptr()),
-                 Int64(out.data_ptr()), Int64(part_o.data_ptr()), Int64(part_ml.data_ptr()), Int32(batch), Int32(kv_heads),
-                 Int32(max_pages), Int32(splits), Float32(scale * LOG2E), stream)
-        if splits > 1:
-            compiled_combine(group, head_dim)(Int64(part_o.data_ptr()), Int64(part_ml.data_ptr()), Int64(out.data_ptr()),
-                                              Int32(batch), Int32(kv_heads), Int32(splits), stream)
+    split_fn = launcher(compiled_split(group, head_dim, page_size, table_bytes, len_bytes), q.device)
+    if splits == 1:
+        part_o = part_ml = out  # never touched with one split
+    else:
+        part_o = torch.empty(batch * kv_heads * splits * group * head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch * kv_heads * splits * group * 2, dtype=torch.float32, device=q.device)
+    split_fn(q.data_ptr(), pool.data_ptr(), page_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), part_o.data_ptr(),
+             part_ml.data_ptr(), batch, kv_heads, max_pages, splits, scale * LOG2E)
+    if splits > 1:
+        launcher(compiled_combine(group, head_dim), q.device)(part_o.data_ptr(), part_ml.data_ptr(), out.data_ptr(), batch,
+                                                              kv_heads, splits)

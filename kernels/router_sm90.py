@@ -21,7 +21,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from kernels._cute_comm import gptr, load_vec_f32, row_launch, wait_for_previous_kernel, warp_row
-from kernels._cute_runtime import dummy_stream, launch_stream
+from kernels._cute_runtime import dummy_stream, launcher
 
 if TYPE_CHECKING:
     from cutlass.base_dsl.jit_executor import JitCompiledFunction
@@ -112,6 +112,5 @@ def route_topk_cuda(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     ids = torch.empty(rows, top_k, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return weights, ids
-    with launch_stream(logits.device) as stream:
-        compiled_route(experts, top_k, renormalize)(logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), rows, stream)
+    launcher(compiled_route(experts, top_k, renormalize), logits.device)(logits.data_ptr(), weights.data_ptr(), ids.data_ptr(), rows)
     return weights, ids

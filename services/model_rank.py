@@ -162,7 +162,7 @@ def run_threads_on_device(device: torch.device) -> None:
 
     The current CUDA device is per thread and a new thread starts on GPU 0, while the
     model steps, the group's collectives and the KV packing run off the event loop. Torch
-    ops and the CuTeDSL kernels (`kernels._cute_runtime.launch_stream`) follow their
+    ops and the CuTeDSL kernels (`kernels._cute_runtime.launcher`) follow their
     tensors' device, but NCCL object collectives and anything else that uses the current
     device do not (before the kernels took their tensors' device, a rank placed on cuda:1
     hit cudaErrorIllegalAddress at its first kernel on 2x H200). Call before anything
