@@ -63,29 +63,30 @@ class GroupedGemmError(ValueError):
 
 
 # --------------------------------------------------------------------- checks
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise GroupedGemmError(msg)
-
-
 def check_layout(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, masked: bool,
                  row_weights: torch.Tensor | None, *others: torch.Tensor | None) -> None:
     """Shapes of ``x`` / ``w[E, N, K]`` / ``groups`` / ``row_weights`` for the layout, and one device for all."""
-    _check(w.dim() == 3, f"w must be [E, N, K], got shape {tuple(w.shape)}")
+    if w.dim() != 3:
+        raise GroupedGemmError(f"w must be [E, N, K], got shape {tuple(w.shape)}")
     E, N, K = w.shape
     if masked:
-        _check(x.dim() == 3 and x.shape[0] == E and x.shape[2] == K,
-               f"masked x must be [E={E}, max_tokens, K={K}], got {tuple(x.shape)}")
-        _check(groups.shape == (E,), f"counts must be [E={E}], got {tuple(groups.shape)}")
+        if not (x.dim() == 3 and x.shape[0] == E and x.shape[2] == K):
+            raise GroupedGemmError(f"masked x must be [E={E}, max_tokens, K={K}], got {tuple(x.shape)}")
+        if groups.shape != (E,):
+            raise GroupedGemmError(f"counts must be [E={E}], got {tuple(groups.shape)}")
     else:
-        _check(x.dim() == 2 and x.shape[1] == K, f"contiguous x must be [T, K={K}], got {tuple(x.shape)}")
-        _check(groups.shape == (E + 1,), f"offsets must be [E+1={E + 1}], got {tuple(groups.shape)}")
-    _check(groups.dtype == torch.int32, f"offsets/counts must be int32, got {groups.dtype}")
+        if not (x.dim() == 2 and x.shape[1] == K):
+            raise GroupedGemmError(f"contiguous x must be [T, K={K}], got {tuple(x.shape)}")
+        if groups.shape != (E + 1,):
+            raise GroupedGemmError(f"offsets must be [E+1={E + 1}], got {tuple(groups.shape)}")
+    if groups.dtype != torch.int32:
+        raise GroupedGemmError(f"offsets/counts must be int32, got {groups.dtype}")
     if row_weights is not None:
-        _check(tuple(row_weights.shape) == tuple(x.shape[:-1]) and row_weights.dtype == torch.float32,
-               f"row_weights must be float32 {tuple(x.shape[:-1])}, got {row_weights.dtype} {tuple(row_weights.shape)}")
+        if not (tuple(row_weights.shape) == tuple(x.shape[:-1]) and row_weights.dtype == torch.float32):
+            raise GroupedGemmError(f"row_weights must be float32 {tuple(x.shape[:-1])}, got {row_weights.dtype} {tuple(row_weights.shape)}")
     devices = {t.device for t in (x, w, groups, row_weights, *others) if t is not None}
-    _check(len(devices) == 1, f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if len(devices) != 1:
+        raise GroupedGemmError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, masked: bool,
@@ -94,18 +95,22 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, groups: torch.Tensor, mask
     check_layout(x, w, groups, masked, row_weights, x_scale, w_scale)
     E, N, K = w.shape
     fp8 = x.dtype == FP8_DTYPE
-    _check(w.dtype == x.dtype, f"x ({x.dtype}) and w ({w.dtype}) must have the same dtype")
-    _check(fp8 or x.dtype == torch.bfloat16, f"x must be bfloat16 or float8_e4m3fn, got {x.dtype}")
+    if w.dtype != x.dtype:
+        raise GroupedGemmError(f"x ({x.dtype}) and w ({w.dtype}) must have the same dtype")
+    if not (fp8 or x.dtype == torch.bfloat16):
+        raise GroupedGemmError(f"x must be bfloat16 or float8_e4m3fn, got {x.dtype}")
     kb = math.ceil(K / QUANT_BLOCK)
     if fp8:
-        _check(x_scale is not None and w_scale is not None, "FP8 inputs need x_scale and w_scale")
-        _check(tuple(x_scale.shape) == (*x.shape[:-1], kb) and x_scale.dtype == torch.float32,
-               f"x_scale must be float32 {(*x.shape[:-1], kb)}, got {x_scale.dtype} {tuple(x_scale.shape)}")
+        if not (x_scale is not None and w_scale is not None):
+            raise GroupedGemmError("FP8 inputs need x_scale and w_scale")
+        if not (tuple(x_scale.shape) == (*x.shape[:-1], kb) and x_scale.dtype == torch.float32):
+            raise GroupedGemmError(f"x_scale must be float32 {(*x.shape[:-1], kb)}, got {x_scale.dtype} {tuple(x_scale.shape)}")
         nb = math.ceil(N / w_scale_block_rows)
-        _check(tuple(w_scale.shape) == (E, nb, kb) and w_scale.dtype == torch.float32,
-               f"w_scale must be float32 [E={E}, N/{w_scale_block_rows}={nb}, K/128={kb}], got {w_scale.dtype} {tuple(w_scale.shape)}")
+        if not (tuple(w_scale.shape) == (E, nb, kb) and w_scale.dtype == torch.float32):
+            raise GroupedGemmError(f"w_scale must be float32 [E={E}, N/{w_scale_block_rows}={nb}, K/128={kb}], got {w_scale.dtype} {tuple(w_scale.shape)}")
     else:
-        _check(x_scale is None and w_scale is None, "scales are only meaningful with float8_e4m3fn inputs")
+        if not (x_scale is None and w_scale is None):
+            raise GroupedGemmError("scales are only meaningful with float8_e4m3fn inputs")
 
 
 # ------------------------------------------------------------ torch reference
@@ -168,15 +173,15 @@ def interleave_gate_up(w13: torch.Tensor, w_scale: torch.Tensor | None = None
     scales ``[E, 2I/128, K/128]`` become one scale per 64-row half-block,
     ``[E, 2I/64, K/128]``, in the same order.  Needs ``I % 64 == 0``.
     """
-    _check(w13.dim() == 3 and w13.shape[1] % (2 * SWIGLU_BLOCK) == 0,
-           f"w13 must be [E, 2I, K] with I a multiple of {SWIGLU_BLOCK}, got {tuple(w13.shape)}")
+    if not (w13.dim() == 3 and w13.shape[1] % (2 * SWIGLU_BLOCK) == 0):
+        raise GroupedGemmError(f"w13 must be [E, 2I, K] with I a multiple of {SWIGLU_BLOCK}, got {tuple(w13.shape)}")
     E, two_i, K = w13.shape
     blocks = two_i // 2 // SWIGLU_BLOCK
     w = w13.view(E, 2, blocks, SWIGLU_BLOCK, K).transpose(1, 2).reshape(E, two_i, K).contiguous()
     if w_scale is None:
         return w, None
-    _check(w_scale.dim() == 3 and w_scale.shape[0] == E,
-           f"w_scale must be [E, 2I/128, K/128], got {tuple(w_scale.shape)}")
+    if not (w_scale.dim() == 3 and w_scale.shape[0] == E):
+        raise GroupedGemmError(f"w_scale must be [E, 2I/128, K/128], got {tuple(w_scale.shape)}")
     half_rows = w_scale.repeat_interleave(QUANT_BLOCK // SWIGLU_BLOCK, dim=1)[:, : two_i // SWIGLU_BLOCK]
     s = half_rows.view(E, 2, blocks, -1).transpose(1, 2).reshape(E, 2 * blocks, -1).contiguous()
     return w, s
@@ -199,7 +204,8 @@ def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     """CPU path: return the fp32 result, or copy it into the caller's ``out`` (any float dtype)."""
     if out is None:
         return result
-    _check(tuple(out.shape) == tuple(result.shape), f"out must have shape {tuple(result.shape)}, got {tuple(out.shape)}")
+    if tuple(out.shape) != tuple(result.shape):
+        raise GroupedGemmError(f"out must have shape {tuple(result.shape)}, got {tuple(out.shape)}")
     return out.copy_(result)
 
 
@@ -244,8 +250,8 @@ def grouped_gemm_swiglu(x: torch.Tensor, w13_interleaved: torch.Tensor, groups: 
     ``row_weights`` the routing weight scales each row here, so the down GEMM
     output needs no extra pass.  ``expected_rows_per_expert`` as in :func:`grouped_gemm`.
     """
-    _check(w13_interleaved.dim() == 3 and w13_interleaved.shape[1] % (2 * SWIGLU_BLOCK) == 0,
-           f"w13 must be [E, 2I, K] with 2I a multiple of {2 * SWIGLU_BLOCK}, got {tuple(w13_interleaved.shape)}")
+    if not (w13_interleaved.dim() == 3 and w13_interleaved.shape[1] % (2 * SWIGLU_BLOCK) == 0):
+        raise GroupedGemmError(f"w13 must be [E, 2I, K] with 2I a multiple of {2 * SWIGLU_BLOCK}, got {tuple(w13_interleaved.shape)}")
     # Interleaved FP8 scales hold one row per 64-row half block (see interleave_gate_up).
     _check_operands(x, w13_interleaved, groups, masked, x_scale, w_scale_interleaved, row_weights,
                     w_scale_block_rows=SWIGLU_BLOCK)

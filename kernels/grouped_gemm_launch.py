@@ -11,6 +11,7 @@ they are CUDA-graph capturable and never synchronise with the host.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ _LOCK = threading.Lock()
 _GMEM = cute.AddressSpace.gmem
 
 
+@functools.lru_cache(maxsize=4096)  # a launch's arguments repeat from layer to layer; building the config took ~6 us
 def choose_config(*, num_experts: int, n: int, k: int, masked: bool, fp8: bool, swiglu: bool,
                   row_weights: bool, tokens_per_expert: float, num_sms: int, mxfp8: bool = False,
                   tile_m: int | None = None, tile_n: int | None = None,
@@ -182,12 +184,14 @@ def compile_kernel(cfg: GroupedGemmConfig, options: str = "") -> JitCompiledFunc
 
 
 def compiled_kernel(cfg: GroupedGemmConfig) -> JitCompiledFunction:
-    """The cached compiled kernel for ``cfg`` (compiled on first use)."""
+    """The cached compiled kernel for ``cfg`` (compiled on first use, once whatever the threads)."""
+    fn = _CACHE.get(cfg)
+    if fn is not None:
+        return fn
     with _LOCK:
         fn = _CACHE.get(cfg)
         if fn is None:
-            fn = compile_kernel(cfg)
-            _CACHE[cfg] = fn
+            fn = _CACHE[cfg] = compile_kernel(cfg)
         return fn
 
 

@@ -102,6 +102,7 @@ class AttentionMetadata:
     max_q: int
     host_lens: tuple[tuple[int, int], ...] | None = None  # (query_len, context_len) per sequence, when built on the host
     prefill_keys: PrefillKeys | None = None  # built by the batch's first prefill attention layer, reused by the others
+    page_rows: torch.Tensor | None = None  # `PagedKVCache.page_rows` of page_tables, likewise (one fresh prompt's gather)
 
     @property
     def num_seqs(self) -> int:
@@ -211,7 +212,9 @@ def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: A
     spans = meta.host_lens
     if q.is_cuda and spans is not None and len(spans) == 1 and spans[0][0] == spans[0][1]:
         n = spans[0][0]
-        k, v = cache.gather(layer, meta.page_tables)  # [1, Hkv, pages * page_size, D]
+        if meta.page_rows is None:
+            meta.page_rows = cache.page_rows(meta.page_tables)
+        k, v = cache.gather(layer, meta.page_tables, meta.page_rows)  # [1, Hkv, pages * page_size, D]
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[:, :, :n], v[:, :, :n], is_causal=True, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     pool = cache.pools[layer]
