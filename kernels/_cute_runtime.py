@@ -158,7 +158,9 @@ class Launcher:
         values, stream_cell, addresses = self._cells()
         for cell, arg in zip(values, args):
             cell.value = arg
-        stream_cell.value = torch.cuda.current_stream(self._device).cuda_stream if stream is None else stream
+        # torch's raw handle of the device's current stream (what its compiled code launches on): 0.19 us
+        # a call on an H200 host, where torch.cuda.current_stream(device).cuda_stream took 5.7
+        stream_cell.value = torch._C._cuda_getCurrentRawStream(self._device) if stream is None else stream
         if torch.cuda.current_device() == self._device:  # the usual case: no device switch to pay for
             self._executor.run_compiled_program(addresses)
             return
