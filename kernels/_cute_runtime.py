@@ -142,14 +142,15 @@ class Launcher:
             self._executor = fn.to(device)
         self._tls = threading.local()
 
-    def _cells(self) -> tuple[list[ctypes._SimpleCData], list[ctypes.c_void_p]]:
+    def _cells(self) -> tuple[list[ctypes._SimpleCData], ctypes.c_void_p, list[ctypes.c_void_p]]:
+        """This thread's cells: (the arguments' but the stream's, the stream's, every cell's address)."""
         cells = getattr(self._tls, "cells", None)
         if cells is None:
-            values = [ctypes.c_void_p() if t is _STREAM else t() for t in self._types]
-            stream = values.pop(self._stream_slot)
+            every = [ctypes.c_void_p() if t is _STREAM else t() for t in self._types]
             # As c_void_p objects: the executor packs those as they are, plain ints through a conversion each.
-            addresses = [ctypes.c_void_p(ctypes.addressof(v)) for v in [*values[:self._stream_slot], stream, *values[self._stream_slot:]]]
-            cells = self._tls.cells = (values, stream, addresses)
+            addresses = [ctypes.c_void_p(ctypes.addressof(c)) for c in every]
+            slot = self._stream_slot
+            cells = self._tls.cells = (every[:slot] + every[slot + 1:], every[slot], addresses)
         return cells
 
     def __call__(self, *args: int | float, stream: int | None = None) -> None:
