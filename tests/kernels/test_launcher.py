@@ -3,7 +3,7 @@
 A launcher skips the DSL's per-call marshalling: it hands the compiled host function one pointer per
 argument, to a ctypes cell holding the value. `check_marshalling` compares that with what the DSL's own
 marshalling produces for each compiled function the ops launch; the GPU tests
-(`tests/gpu/test_launcher.py`) run the launches.
+(`tests/gpu/test_launcher_cuda.py`) run the launches.
 """
 
 from __future__ import annotations
