@@ -22,6 +22,8 @@ the ceiling those figures compare to. ``host_issue_ms`` is how long the host tak
 issue one forward with the GPU idle at its start (`bench.timing.issue_time`); near
 ``forward_ms`` (``host_share`` near 1) the GPU waits for the host: eager prefill of short
 prompts is bound by the Python and launch work of each layer, not by the GPU.
+``batch_build_ms``: host time of `ForwardBatch.build` for the case (its indices and their copy
+to the device), which a prefill pays per batch before it issues the forward.
 ``--profile N`` prints the GPU kernels of N kernel-path forwards of the largest case:
 where a prefill's time goes.
 
@@ -34,6 +36,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
+import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -85,14 +89,26 @@ def dense_gemm_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> f
     return 2 * n**3 / time_step(lambda: torch.mm(a, b), device, iters) / 1e12
 
 
-def prefill_batch(c: ModelConfig, seqs: int, new: int, cached: int, page_stride: int, device: torch.device) -> ForwardBatch:
+def prefill_chunks(c: ModelConfig, seqs: int, new: int, cached: int, page_stride: int) -> list[SequenceChunk]:
     """``seqs`` prompts of ``new`` random tokens after ``cached`` tokens each; sequence ``s``
     owns pages ``s, s + page_stride, ...`` of the pool (non-contiguous, as a real pool)."""
     pages = -(-(cached + new) // PAGE_SIZE)
     gen = torch.Generator().manual_seed(seqs * 1_000_003 + new)
-    chunks = [SequenceChunk(torch.randint(0, c.vocab_size, (new,), generator=gen).tolist(), cached,
-                            [p * page_stride + s for p in range(pages)]) for s in range(seqs)]
-    return ForwardBatch.build(chunks, PAGE_SIZE, device)
+    return [SequenceChunk(torch.randint(0, c.vocab_size, (new,), generator=gen).tolist(), cached,
+                          [p * page_stride + s for p in range(pages)]) for s in range(seqs)]
+
+
+def build_time(chunks: list[SequenceChunk], device: torch.device, iters: int) -> float:
+    """Median wall seconds of `ForwardBatch.build` of ``chunks`` (its copy to ``device`` included): host
+    work a prefill does per batch before it issues the forward."""
+    times = []
+    for _ in range(iters + 1):  # the first is a warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        ForwardBatch.build(chunks, PAGE_SIZE, device)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = PagedKVCache(KVLayout(c.num_layers, max_seqs * pages_per_seq, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
     for pool in cache.pools:
         pool.normal_()  # the cached prefixes' K/V
-    batches = {(s, n): prefill_batch(c, s, n, a.cached, max_seqs, device) for s, n in cases}
+    chunks = {(s, n): prefill_chunks(c, s, n, a.cached, max_seqs) for s, n in cases}
+    batches = {sn: ForwardBatch.build(cs, PAGE_SIZE, device) for sn, cs in chunks.items()}
+    build_ms = {sn: build_time(cs, device, a.iters) * 1e3 for sn, cs in chunks.items()}
     ceiling = dense_gemm_tflops(device) if device.type == "cuda" else None
 
     times: dict[tuple[str, int, int], float] = {}
@@ -141,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         times[(impl, s, n)] = seconds
         tflops = forward_flops(c, s, n, a.cached) / seconds / 1e12
         metrics = {"tokens_per_s": s * n / seconds, "forward_ms": seconds * 1e3, "model_tflops": tflops,
-                   "host_issue_ms": issue_s * 1e3, "host_share": issue_s / seconds}
+                   "host_issue_ms": issue_s * 1e3, "host_share": issue_s / seconds, "batch_build_ms": build_ms[(s, n)]}
         if ceiling is not None:
             metrics |= {"dense_bf16_gemm_tflops": ceiling, "fraction_of_dense_gemm": tflops / ceiling}
         peers = {}
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{KERNELS} {s}x{n}, {a.profile} forwards:\n{kernel_profile(lambda: model.forward(batches[(s, n)], cache), device, a.profile)}", flush=True)
         del model
         sync(device)
-    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "model_tflops", "speedup_vs_reference",
+    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "batch_build_ms", "model_tflops", "speedup_vs_reference",
                        "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
     return 0
 

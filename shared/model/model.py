@@ -24,7 +24,8 @@ elsewhere it runs the torch reference ops of `shared.model.layers`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,50 +63,55 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, chunks: Sequence[SequenceChunk], page_size: int, device: torch.device) -> ForwardBatch:
-        tokens, positions, pages, offsets, seq_of, idx_in_seq, last = [], [], [], [], [], [], []
+        """The batch of ``chunks`` on ``device``: index tensors built with torch ops on the host and moved in
+        one copy (per-token Python lists and one copy per tensor took 1.2 ms of host time at 2048 tokens)."""
         max_pages = 1
         for b, c in enumerate(chunks):
             n = len(c.token_ids)
             if n == 0:
                 raise ValueError(f"sequence {b} of the batch has no new tokens")
-            end = c.start + n
-            needed = -(-end // page_size)
+            needed = -(-(c.start + n) // page_size)
             if len(c.page_table) < needed:
-                raise ValueError(f"sequence {b}: page table has {len(c.page_table)} pages, {needed} needed for {end} tokens")
+                raise ValueError(f"sequence {b}: page table has {len(c.page_table)} pages, {needed} needed for {c.start + n} tokens")
             max_pages = max(max_pages, needed)
-            pos = range(c.start, end)
-            tokens.extend(c.token_ids)
-            positions.extend(pos)
-            pages.extend(c.page_table[p // page_size] for p in pos)
-            offsets.extend(p % page_size for p in pos)
-            seq_of.extend([b] * n)
-            idx_in_seq.extend(range(n))
-            last.append(len(tokens) - 1)
-        tables = []
-        for c in chunks:  # pad every table to max_pages with a valid id; attention masks the padding
-            table = list(c.page_table[:max_pages])
-            tables.append(table + [table[0]] * (max_pages - len(table)))
-
-        def t(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
         query_lens = [len(c.token_ids) for c in chunks]
+        # Every table padded to max_pages with a valid id; attention masks the padding.
+        tables = _longs(p for c in chunks for p in (*c.page_table[:max_pages], *[c.page_table[0]] * (max_pages - len(c.page_table))))
+        tokens = _longs(t for c in chunks for t in c.token_ids)
+        q_lens, starts = _longs(query_lens), _longs(c.start for c in chunks)
+        first = torch.cumsum(q_lens, 0) - q_lens  # flat index of each sequence's first new token
+        seq_of = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
+        # (repeat_interleave rather than indexing by seq_of: a one-sequence CPU gather took 4 ms at 8192 tokens)
+        idx_in_seq = torch.arange(tokens.numel()) - torch.repeat_interleave(first, q_lens)
+        positions = torch.repeat_interleave(starts, q_lens) + idx_in_seq
+        slot_pages = tables.view(len(chunks), max_pages)[seq_of, positions // page_size]
+        host = [tokens, positions, slot_pages, positions % page_size, first + q_lens - 1, tables, starts + q_lens, q_lens,
+                seq_of, idx_in_seq]
+        (token_ids, positions, slot_pages, slot_offsets, last_token, flat_tables, context_lens, q_lens, token_seq,
+         token_idx) = torch.cat(host).to(device).split([t.numel() for t in host])
         return cls(
-            token_ids=t(tokens),
-            positions=t(positions),
-            slot_pages=t(pages),
-            slot_offsets=t(offsets),
-            last_token=t(last),
+            token_ids=token_ids,
+            positions=positions,
+            slot_pages=slot_pages,
+            slot_offsets=slot_offsets,
+            last_token=last_token,
             attn=ops.AttentionMetadata(
-                page_tables=t(tables) if chunks else t([]).view(0, 1),
-                context_lens=t([c.start + len(c.token_ids) for c in chunks]),
-                query_lens=t(query_lens),
-                token_seq=t(seq_of),
-                token_idx=t(idx_in_seq),
+                page_tables=flat_tables.view(len(chunks), max_pages),
+                context_lens=context_lens,
+                query_lens=q_lens,
+                token_seq=token_seq,
+                token_idx=token_idx,
                 max_q=max(query_lens, default=0),
                 host_lens=tuple((len(c.token_ids), c.start + len(c.token_ids)) for c in chunks),
             ),
         )
+
+
+def _longs(values: Iterable[int]) -> torch.Tensor:
+    """An int64 CPU tensor of ``values`` through an array (`torch.tensor` of a list converts element by
+    element: 1.1 ms for 8192 tokens, the array 0.19 ms)."""
+    packed = array.array("q", values)
+    return torch.frombuffer(packed, dtype=torch.long) if packed else torch.empty(0, dtype=torch.long)
 
 
 LayerCallback = Callable[[int], None]
