@@ -128,11 +128,17 @@ def health(addr: tuple[str, int]) -> tuple[int, str]:
         conn.close()
 
 
+def written_lines(log: Path) -> list[str]:
+    """The lines of a log a live process is writing, less a last line it has not finished yet
+    (reading between two writes of one event would otherwise see half a JSON object)."""
+    return log.read_text(errors="replace").split("\n")[:-1]
+
+
 def log_records(stack: LocalStack, needle: str) -> Iterator[dict[str, Any]]:
     """The JSON events of the replicas' logs on lines containing `needle` (other lines, e.g.
     tracebacks, are skipped), each with the replica's instance added."""
     for replica in stack.replicas:
-        for n, line in enumerate(replica.log_path.read_text(errors="replace").splitlines(), 1):
+        for n, line in enumerate(written_lines(replica.log_path), 1):
             if line.startswith("{") and needle in line:
                 try:
                     record = json.loads(line)

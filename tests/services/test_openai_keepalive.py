@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from services_helpers import cancelled_requests, frontend_address, log_events, run, stack_fixture, until
+from services_helpers import cancelled_requests, frontend_address, log_events, run, stack_fixture, until, written_lines
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ class Frontend:
         self.addr = match.group(1), int(match.group(2))
 
     def events(self, event: str) -> list[dict]:
-        return [e for line in self.log.read_text().splitlines() if line.startswith("{") and (e := json.loads(line)).get("event") == event]
+        return [e for line in written_lines(self.log) if line.startswith("{") and (e := json.loads(line)).get("event") == event]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
