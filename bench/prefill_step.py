@@ -12,7 +12,10 @@ Implementations, in one process on the same weights and cache:
 * ``torch-reference``: the torch reference ops of `shared.model.layers` (per-expert
   loops, fp32 attention) — the peer;
 * ``kernels``: the model's kernel path (the grouped-GEMM MoE of `kernels.moe`, fused
-  norms, router and q/k/v kernels, varlen flash attention), eager, as prefill runs.
+  norms, router and q/k/v kernels, varlen flash attention), eager;
+* ``kernels+cuda-graph``: the same kernels as piecewise CUDA graphs per token bucket, attention
+  eager between the pieces (`shared.model.prefill_graphs`, as a prefill rank runs batches of up to
+  ``--graph-max-tokens``; a case past that runs the eager forward). Padded to its bucket.
 
 Figures per case: tokens/s, forward ms and model TFLOP/s: the matmul FLOPs a forward
 must do (attention projections, router, the top-k experts' three GEMMs per token,
@@ -28,6 +31,7 @@ to the device), which a prefill pays per batch before it issues the forward.
 where a prefill's time goes.
 
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 1x2048 1x8192 8x1024
+    python -m bench.prefill_step --weights fp8 --layers 16 --prompts 1x128 1x512 1x1500 8x256 --impls kernels kernels+cuda-graph
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 4x4096 --impls kernels --profile 3
 """
 
@@ -50,10 +54,11 @@ from bench.timing import issue_time, kernel_profile, sync, time_step
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
+from shared.model.prefill_graphs import PrefillGraphs
 
 BENCH = "prefill_step"
-REFERENCE, KERNELS = "torch-reference", "kernels"
-IMPLS = (REFERENCE, KERNELS)
+REFERENCE, KERNELS, GRAPHS = "torch-reference", "kernels", "kernels+cuda-graph"
+IMPLS = (REFERENCE, KERNELS, GRAPHS)
 _PROMPTS = re.compile(r"^(\d+)x(\d+)$")
 
 
@@ -117,13 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cached", type=int, default=0, help="tokens already cached per sequence (a prefix hit)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations, the reference first when present")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=[REFERENCE, KERNELS],
+                    help="implementations, in this order (the reference first when present)")
     ap.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b", help="shapes (bench.decode_budget.MODELS)")
     ap.add_argument("--weights", choices=EXPERT_WEIGHTS, default="bf16", help="expert weights: bf16 or block FP8 (attention etc. stay bf16)")
     ap.add_argument("--layers", type=int, default=None, help="override (fewer layers to save time; recorded in the case)")
     ap.add_argument("--experts", type=int, default=None, help="override (quick CPU checks)")
     ap.add_argument("--vocab", type=int, default=None, help="override (quick CPU checks)")
     ap.add_argument("--profile", type=int, default=0, metavar="FORWARDS", help="print the kernel profile of FORWARDS kernel-path forwards of the largest case")
+    ap.add_argument("--graph-max-tokens", type=int, default=2048, help="largest token bucket of kernels+cuda-graph (the prefill setting cuda_graph_max_tokens)")
     a = ap.parse_args(argv)
     try:
         cases = [parse_prompts(p) for p in a.prompts]
@@ -131,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if a.cached < 0 or a.profile < 0 or a.iters < 1:
         ap.error("--cached and --profile must not be negative and --iters must be positive")
+    if a.graph_max_tokens < 1:
+        ap.error("--graph-max-tokens must be positive")
+    if GRAPHS in a.impls and a.device.startswith("cpu"):
+        ap.error(f"{GRAPHS} needs a CUDA device")
     c = model_config(a.model, layers=a.layers, experts=a.experts, vocab=a.vocab)
     device, dtype = torch.device(a.device), torch.bfloat16
     max_seqs = max(s for s, _ in cases)
@@ -144,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     weights = random_weights(c, dtype, device, expert_weights=a.weights)
     pages_per_seq = -(-longest // PAGE_SIZE)
-    cache = PagedKVCache(KVLayout(c.num_layers, max_seqs * pages_per_seq, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
+    # One page more than the prompts hold: the prefill graphs' scratch page (the prompts' pages are taken first).
+    cache = PagedKVCache(KVLayout(c.num_layers, max_seqs * pages_per_seq + 1, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
+    cache.allocator.alloc(max_seqs * pages_per_seq)
     for pool in cache.pools:
         pool.normal_()  # the cached prefixes' K/V
     chunks = {(s, n): prefill_chunks(c, s, n, a.cached, max_seqs) for s, n in cases}
@@ -167,22 +180,37 @@ def main(argv: list[str] | None = None) -> int:
         if impl != REFERENCE and ref is not None:
             metrics["speedup_vs_reference"] = ref / seconds
             peers[REFERENCE] = {"tokens_per_s": s * n / ref, "forward_ms": ref * 1e3}
+        eager = times.get((KERNELS, s, n))
+        if impl == GRAPHS and eager is not None:  # the same kernels issued eagerly, same run
+            metrics["speedup_vs_eager_kernels"] = eager / seconds
+            peers[KERNELS] = {"tokens_per_s": s * n / eager, "forward_ms": eager * 1e3}
         case = model_case(a.model, c, a.weights) | {"seqs": s, "new_tokens": n, "cached_tokens": a.cached, "dtype": "bfloat16", "impl": impl}
         record(BENCH, case, metrics, peers)
         rows.append({"impl": impl, "prompts": f"{s}x{n}", **metrics})
 
-    # The reference first: converting the experts for the kernels replaces their plain layout.
+    # The reference first: converting the experts for the kernels replaces their plain layout (the two
+    # kernel impls share one model).
+    model = graphs = None
     for impl in [i for i in IMPLS if i in a.impls]:
-        model = Qwen3Model(c, weights, kernels=impl == KERNELS)
+        if model is None or impl == REFERENCE:
+            model = Qwen3Model(c, weights, kernels=impl != REFERENCE)
+        if impl == GRAPHS:
+            graphs = PrefillGraphs(model, cache, a.graph_max_tokens)
         for (s, n), batch in batches.items():
-            forward = lambda: model.forward(batch, cache)  # noqa: E731
+            if impl == GRAPHS:
+                forward = lambda: model.logits(graphs.hidden_states(batch)[batch.last_token])  # noqa: E731
+            else:
+                forward = lambda: model.forward(batch, cache)  # noqa: E731
             report(impl, s, n, time_step(forward, device, a.iters), issue_time(forward, device, a.iters))
         if impl == KERNELS and a.profile and device.type == "cuda":
             s, n = max(batches, key=lambda sn: sn[0] * sn[1])
             print(f"{KERNELS} {s}x{n}, {a.profile} forwards:\n{kernel_profile(lambda: model.forward(batches[(s, n)], cache), device, a.profile)}", flush=True)
-        del model
+        if impl == REFERENCE:
+            model = None
         sync(device)
-    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "batch_build_ms", "model_tflops", "speedup_vs_reference",
+    if graphs is not None:
+        print(f"{GRAPHS}: {graphs.stats()}", flush=True)
+    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "batch_build_ms", "model_tflops", "speedup_vs_reference", "speedup_vs_eager_kernels",
                        "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
     return 0
 

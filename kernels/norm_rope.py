@@ -87,10 +87,11 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
 
 def qkv_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, eps: float, pool: torch.Tensor, pages: torch.Tensor,
-                        offsets: torch.Tensor, *, use_kernel: bool = True) -> torch.Tensor:
+                        offsets: torch.Tensor, *, use_kernel: bool = True, q_out: torch.Tensor | None = None) -> torch.Tensor:
     """q of an attention layer from its fused projection ``qkv [T, (q_heads + 2 kv_heads) * D]``.
 
-    Returns ``qk_norm_rope`` of the q heads ``[T, q_heads, D]``; stores ``qk_norm_rope`` of the
+    Returns ``qk_norm_rope`` of the q heads ``[T, q_heads, D]`` (written into ``q_out`` when given: contiguous,
+    in qkv's dtype, on its device; a CUDA-graph piece's queries go to a buffer outside the graphs); stores ``qk_norm_rope`` of the
     k heads and the v heads as they are into ``pool [pages, 2, kv_heads, page_size, D]`` at
     token ``i``'s slot ``(pages[i], offsets[i])``, K at index 0 and V at 1 of the pool's
     second dim (the layout of `shared.kvcache.PagedKVCache`), converted to the pool's dtype.
@@ -101,6 +102,9 @@ def qkv_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight
                          f"{q_heads} q and {kv_heads} kv heads of {d}")
     if pages.shape != (t,) or offsets.shape != (t,):
         raise ValueError(f"qkv_norm_rope_store: {t} tokens need pages and offsets of ({t},), got {tuple(pages.shape)}, {tuple(offsets.shape)}")
+    if q_out is not None and (q_out.shape != (t, q_heads, d) or q_out.dtype != qkv.dtype or q_out.device != qkv.device or not q_out.is_contiguous()):
+        raise ValueError(f"qkv_norm_rope_store: q_out must be contiguous {qkv.dtype} ({t}, {q_heads}, {d}) on {qkv.device}, got "
+                         f"{q_out.dtype} {tuple(q_out.shape)} on {q_out.device}")
     if not (use_kernel and _kernel_takes(qkv, d) and d in (64, 128) and pool.dtype == qkv.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == sin.dtype
             and pool.is_contiguous() and pages.dtype == offsets.dtype == torch.int64):
         heads = qkv.view(t, q_heads + 2 * kv_heads, d)
@@ -108,8 +112,9 @@ def qkv_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight
         k = qk_norm_rope(heads[:, q_heads:q_heads + kv_heads], k_weight, cos, sin, eps, use_kernel=use_kernel)
         pool[pages, 0, :, offsets, :] = k.to(pool.dtype)
         pool[pages, 1, :, offsets, :] = heads[:, q_heads + kv_heads:].to(pool.dtype)
-        return q
+        return q if q_out is None else q_out.copy_(q)
     from kernels import norm_rope_sm90
 
     return norm_rope_sm90.qkv_norm_rope_store_cuda(qkv.contiguous(), q_heads, kv_heads, q_weight.contiguous(), k_weight.contiguous(),
-                                                   cos.contiguous(), sin.contiguous(), eps, pool, pages.contiguous(), offsets.contiguous())
+                                                   cos.contiguous(), sin.contiguous(), eps, pool, pages.contiguous(), offsets.contiguous(),
+                                                   q_out)

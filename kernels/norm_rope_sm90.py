@@ -252,11 +252,11 @@ def qk_norm_rope_cuda(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, 
 
 def qkv_norm_rope_store_cuda(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                              cos: torch.Tensor, sin: torch.Tensor, eps: float, pool: torch.Tensor, pages: torch.Tensor,
-                             offsets: torch.Tensor) -> torch.Tensor:
+                             offsets: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
     """Contiguous bf16 CUDA tensors, int64 ``pages``/``offsets`` (checked by :func:`kernels.norm_rope.qkv_norm_rope_store`)."""
     t = qkv.shape[0]
     head_dim, page_size = pool.shape[-1], pool.shape[-2]
-    q = torch.empty(t, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(t, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
     if t == 0:
         return q
     launcher(compiled_qkv_norm_rope_store(head_dim, q_heads, kv_heads, page_size), qkv.device)(

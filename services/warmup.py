@@ -10,7 +10,9 @@ first users wait. So a rank runs, before its first heartbeat,
   past 512 the widest bf16 tiles for small experts and FP8's TMA-stored tiles; for MXFP8
   experts also past 8, 16 and 32, the swapped decode tiles' token counts), so every bucket a batch can reach is compiled before
   the first request — a forward is skipped when no real batch could reach its bucket
-  (`max_batch_tokens`, KV pages);
+  (`max_batch_tokens`, KV pages); with prefill CUDA graphs (`shared.model.prefill_graphs`),
+  one over a prompt of each token bucket's size as well, each twice: the first captures the
+  bucket's pieces (unless a shorter prompt in the bucket did), the second replays them;
 * decode: lockstep steps (`services.decode.lockstep.Lockstep`, the step loop's own
   path) over a batch of one sequence and over a full batch of `max_batch` (or as many
   sequences of 2 tokens as the KV pages hold, the most a real step can carry), and for MoE
@@ -65,10 +67,11 @@ class WarmupFailed(RuntimeError):
 def prefill_warmup_lengths(runner: ModelRunner, max_batch_tokens: int) -> list[int]:
     """Prompt lengths of the prefill warm-up forwards (see the module docstring)."""
     layout = runner.cache.layout
-    fits = min(max_batch_tokens, layout.num_pages * layout.page_size)
-    lengths = [min(SHORT_PROMPT_TOKENS, fits)]
-    lengths += [n for n in tokens_past_tile_bounds(runner) if lengths[0] < n <= fits]
-    return lengths
+    fits = min(max_batch_tokens, runner.cache.allocator.num_free * layout.page_size)
+    short = min(SHORT_PROMPT_TOKENS, fits)
+    graphs = runner.prefill_graphs
+    buckets = [b for b in graphs.buckets if b <= fits] if graphs is not None else []
+    return sorted({short, *buckets, *(n for n in tokens_past_tile_bounds(runner) if short < n <= fits)})
 
 
 def tokens_past_tile_bounds(runner: ModelRunner) -> list[int]:
@@ -142,7 +145,11 @@ def warm_up_prefill(runner: ModelRunner, settings: PrefillSettings) -> None:
         return run
 
     lengths = prefill_warmup_lengths(runner, settings.max_batch_tokens)
-    _run("prefill", runner, [(f"prefill_{n}_tokens", forward(i, n)) for i, n in enumerate(lengths)])
+    buckets = runner.prefill_graphs.buckets if runner.prefill_graphs is not None else []
+    # A graph bucket's length runs twice: its pieces captured (by it, or by a shorter length in the bucket),
+    # then replayed, before the rank reports ready.
+    phases = {n: ("", "_replay") if n in buckets else ("",) for n in lengths}
+    _run("prefill", runner, [(f"prefill_{n}_tokens{phase}", forward(i, n)) for i, n in enumerate(lengths) for phase in phases[n]])
 
 
 def warm_up_decode(runner: ModelRunner, settings: DecodeSettings, world: int) -> None:

@@ -181,6 +181,10 @@ class PrefillSettings(ServiceSettings, kw_only=True):
     # the leader withholds its heartbeats until the batch ends, so that watchers count the instance gone.
     stall_s: Seconds = 60.0
     prefix_caching: bool = True  # reuse the KV pages of prompt prefixes this instance computed before (shared.prefix_cache)
+    # On CUDA (kernel path): forwards of up to this many tokens (and max_batch_tokens) as piecewise CUDA-graph
+    # replays per token bucket, attention eager between the pieces (shared.model.prefill_graphs); ignored on CPU
+    cuda_graphs: bool = True
+    cuda_graph_max_tokens: Positive = 2048
 
     def __post_init__(self) -> None:
         _check_gpus(self.gpus, self.tp, "tp")

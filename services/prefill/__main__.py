@@ -13,6 +13,7 @@ from services.ranks import run_group
 from services.warmup import warm_up_prefill
 from shared.bus import connect
 from shared.logging import get_logger
+from shared.model.prefill_graphs import prefill_graphs_unsupported
 from shared.model.runner import ModelRunner
 from shared.parallel import Topology
 from shared.settings import PrefillSettings
@@ -24,9 +25,23 @@ log = get_logger(__name__)
 def run_rank(settings: PrefillSettings, rank: int, world: int, dist_port: int) -> None:
     # release_finished=False: a sequence's pages stay until its KV transfer is done.
     runner = start_model_rank(settings, Topology.prefill(world, rank), dist_port, release_finished=False)
+    use_cuda_graphs(runner, settings)
     if settings.warmup:
-        warm_up_prefill(runner, settings)  # before the leader's first heartbeat: ready means compiled
+        warm_up_prefill(runner, settings)  # before the leader's first heartbeat: ready means compiled (and graphs captured)
     asyncio.run(_serve(settings, runner, rank, world))
+
+
+def use_cuda_graphs(runner: ModelRunner, settings: PrefillSettings) -> None:
+    """Prefill forwards as piecewise CUDA graphs where the setting asks and the model allows (every
+    rank of an instance decides alike: same settings, checkpoint and kernel path)."""
+    if not settings.cuda_graphs:
+        log.info("prefill_graph.off", reason="cuda_graphs setting is false")
+        return
+    if (reason := prefill_graphs_unsupported(runner.model)) is not None:
+        log.info("prefill_graph.off", reason=reason)
+        return
+    graphs = runner.use_prefill_graphs(min(settings.cuda_graph_max_tokens, settings.max_batch_tokens), log=log)
+    log.info("prefill_graph.on", token_buckets=graphs.buckets, scratch_page=graphs.scratch_page)
 
 
 async def _serve(settings: PrefillSettings, runner: ModelRunner, rank: int, world: int) -> None:

@@ -39,7 +39,7 @@ from shared.kvcache import PagedKVCache
 from shared.model import layers as ops
 from shared.model.config import ModelConfig
 from shared.model.quant_formats import BlockFp8Weight
-from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, ModelWeights, MoEWeights, dequantize_dense, fuse_qkv, load_weights, prepare_for_kernels
+from shared.model.weights import HeadSplit, LayerWeights, ModelWeights, MoEWeights, dequantize_dense, fuse_qkv, load_weights, prepare_for_kernels
 from shared.parallel import Collectives, DecodeMoE, LocalCollectives, Topology
 
 
@@ -115,6 +115,7 @@ def _longs(values: Iterable[int]) -> torch.Tensor:
 
 
 LayerCallback = Callable[[int], None]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
 
 
 class Qwen3Model:
@@ -192,43 +193,76 @@ class Qwen3Model:
         ``on_layer_done(i)`` is called once layer ``i`` (its K/V write included) has been
         issued. On CUDA that means enqueued on the current stream, not finished: a KV
         sender records an event on the stream there and waits on it before reading pages.
+
+        The layer is split where `shared.model.prefill_graphs` splits it (its pieces are
+        captured as CUDA graphs, attention runs eagerly between them): `embed`, then per layer
+        `attention_input`, `attend` and `layer_output`.
         """
-        c, layers = self.config, self.weights.layers
-        h = F.embedding(batch.token_ids, self.weights.embed)
-        cos, sin = ops.rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, self.dtype)
-        # The residual stream h and its normed copy x: each residual add is fused with the
-        # norm after it (the next layer's input norm, or the final norm after the last).
-        h, x = self._add_norm(h, None, layers[0].input_norm if layers else self.weights.final_norm)
-        for i, layer in enumerate(layers):
-            h, x = self._add_norm(h, self._attention(i, layer.attn, x, batch, cache, cos, sin), layer.post_attention_norm)
-            h, x = self._add_norm(h, self._mlp(layer, x), layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm)
+        h, x, rope = self.embed(batch.token_ids, batch.positions)
+        for i in range(len(self.weights.layers)):
+            q = self.attention_input(i, x, rope, cache, batch.slot_pages, batch.slot_offsets)
+            h, x = self.layer_output(i, h, self.attend(i, q, cache, batch.attn))
             if on_layer_done is not None:
                 on_layer_done(i)
         return x
 
+    @torch.inference_mode()
+    def embed(self, token_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Rope]:
+        """The residual stream ``h`` of the tokens, its normed copy ``x`` (the first layer's input), and the
+        RoPE angles of their positions."""
+        c, layers = self.config, self.weights.layers
+        h = F.embedding(token_ids, self.weights.embed)
+        rope = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta, self.dtype)
+        # The residual stream h and its normed copy x: each residual add is fused with the
+        # norm after it (the next layer's input norm, or the final norm after the last).
+        h, x = self._add_norm(h, None, layers[0].input_norm if layers else self.weights.final_norm)
+        return h, x, rope
+
+    @torch.inference_mode()
+    def attention_input(self, layer_idx: int, x: torch.Tensor, rope: Rope, cache: PagedKVCache, slot_pages: torch.Tensor,
+                        slot_offsets: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``layer_idx``'s queries ``[T, Hq, D]`` (into ``q_out`` when given) from its normed input ``x``;
+        its keys and values go into the cache at the tokens' slots."""
+        c, t, d, w = self.config, x.shape[0], self.config.head_dim, self.weights.layers[layer_idx].attn
+        cos, sin = rope
+        if w.qkv_proj is not None:  # kernel path: one GEMM, one launch for norms, RoPE and the K/V store
+            return qkv_norm_rope_store(ops.linear(x, w.qkv_proj), self.heads.num_q, self.heads.num_kv, w.q_norm, w.k_norm, cos,
+                                       sin, c.rms_norm_eps, cache.pools[layer_idx], slot_pages, slot_offsets, q_out=q_out)
+        q = qk_norm_rope(ops.linear(x, w.q_proj).view(t, self.heads.num_q, d), w.q_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
+        k = qk_norm_rope(ops.linear(x, w.k_proj).view(t, self.heads.num_kv, d), w.k_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
+        v = ops.linear(x, w.v_proj).view(t, self.heads.num_kv, d)
+        cache.write(layer_idx, slot_pages, slot_offsets, k, v)
+        return q if q_out is None else q_out.copy_(q)
+
+    @torch.inference_mode()
+    def attend(self, layer_idx: int, q: torch.Tensor, cache: PagedKVCache, meta: ops.AttentionMetadata) -> torch.Tensor:
+        """Attention of the queries ``q [T, Hq, D]`` over the cached keys: ``[T, Hq, D]``."""
+        return self._attend(q, cache, layer_idx, meta, self.config.head_dim**-0.5)
+
+    @torch.inference_mode()
+    def layer_output(self, layer_idx: int, h: torch.Tensor, attn_out: torch.Tensor, padded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of layer ``layer_idx`` after attention: o_proj, the MLP and the residual adds; the new
+        residual stream and its normed copy (the next layer's input, or the final hidden state).
+        ``padded`` ([T] bool) marks rows that are padding: the experts skip them."""
+        layers, t = self.weights.layers, h.shape[0]
+        layer = layers[layer_idx]
+        out = ops.linear(attn_out.reshape(t, self.heads.num_q * self.config.head_dim), layer.attn.o_proj)
+        out = self.comm.all_reduce(out) if self.topology.tp_size > 1 else out
+        h, x = self._add_norm(h, out, layer.post_attention_norm)
+        following = layers[layer_idx + 1].input_norm if layer_idx + 1 < len(layers) else self.weights.final_norm
+        return self._add_norm(h, self._mlp(layer, x, padded), following)
+
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(h, delta, weight, self.config.rms_norm_eps, use_kernel=self.kernels)
 
-    def _attention(self, layer_idx: int, w: AttentionWeights, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        c, t, d = self.config, x.shape[0], self.config.head_dim
-        if w.qkv_proj is not None:  # kernel path: one GEMM, one launch for norms, RoPE and the K/V store
-            q = qkv_norm_rope_store(ops.linear(x, w.qkv_proj), self.heads.num_q, self.heads.num_kv, w.q_norm, w.k_norm, cos, sin,
-                                    c.rms_norm_eps, cache.pools[layer_idx], batch.slot_pages, batch.slot_offsets)
-        else:
-            q = qk_norm_rope(ops.linear(x, w.q_proj).view(t, self.heads.num_q, d), w.q_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
-            k = qk_norm_rope(ops.linear(x, w.k_proj).view(t, self.heads.num_kv, d), w.k_norm, cos, sin, c.rms_norm_eps, use_kernel=self.kernels)
-            v = ops.linear(x, w.v_proj).view(t, self.heads.num_kv, d)
-            cache.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
-        o = self._attend(q, cache, layer_idx, batch.attn, d**-0.5)
-        out = ops.linear(o.reshape(t, self.heads.num_q * d), w.o_proj)
-        return self.comm.all_reduce(out) if self.topology.tp_size > 1 else out
-
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
         w = layer.mlp
         if not isinstance(w, MoEWeights):
             out = ops.dense_mlp(x, w.w13, w.w2)
             return self.comm.all_reduce(out) if self.topology.tp_size > 1 else out
         weights, ids = route_topk(F.linear(x, w.router), self.config.top_k, self.config.norm_topk_prob, use_kernel=self.kernels)
+        if padded is not None:  # no expert's id: the grouped GEMM never sees these rows, which all share one route
+            ids = ids.masked_fill(padded[:, None], -1)
         if self.topology.ep_size == 1:
             return ops.moe_experts(x, w.w13, w.w2, ids, weights, w.expert_start)
         if self.topology.inputs_replicated:

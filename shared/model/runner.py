@@ -11,8 +11,10 @@ leave between steps (continuous batching).
 
 With `use_decode_graphs` (off by default; the decode service turns it on on CUDA), steps
 that feed one token per sequence run through `shared.model.cuda_graphs.DecodeGraphs`:
-CUDA-graph replays per batch and page bucket. The offline generator stays eager, an
-independent reference for the services.
+CUDA-graph replays per batch and page bucket. With `use_prefill_graphs` (the prefill service
+turns it on on CUDA) other steps run through `shared.model.prefill_graphs.PrefillGraphs`:
+piecewise CUDA graphs per token bucket, attention eager between them. The offline generator
+stays eager, an independent reference for the services.
 
 Under the prefill layout every TP rank computes identical logits, and with the
 same per-request generators samples identical tokens, so no broadcast is needed.
@@ -32,6 +34,7 @@ from shared.kvcache import KVLayout, OutOfPages, PagedKVCache
 from shared.model.config import GenerationConfig
 from shared.model.cuda_graphs import DecodeGraphs, EventLog
 from shared.model.model import ForwardBatch, LayerCallback, Qwen3Model, SequenceChunk
+from shared.model.prefill_graphs import PrefillGraphs
 from shared.model.sampling import PromptLogprobs, Sampler, TopLogprobs, prompt_logprobs, request_generator, top_logprobs
 from shared.model.sampling_params import SamplingParams
 from shared.parallel import Collectives, Topology
@@ -77,6 +80,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.release_finished = release_finished
         self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, num_pages: int | Callable[[Qwen3Model], int], page_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", topology: Topology = Topology.single(), comm: Collectives | None = None, release_finished: bool = True, max_tokens_per_rank: int | None = None) -> ModelRunner:
@@ -99,10 +103,17 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.cache, max_batch, max_graphs, capture, log)
         return self.decode_graphs
 
+    def use_prefill_graphs(self, max_tokens: int, capture: bool = True, log: EventLog | None = None) -> PrefillGraphs:
+        """Run steps of up to ``max_tokens`` tokens that the decode graphs do not take as piecewise
+        CUDA graphs from now on (see `PrefillGraphs`, which takes one KV page as scratch and reports
+        captures to ``log``). ``capture=False`` runs the same padded pieces eagerly (CPU tests)."""
+        self.prefill_graphs = PrefillGraphs(self.model, self.cache, max_tokens, capture, log)
+        return self.prefill_graphs
+
     @property
     def usable_pages(self) -> int:
-        """KV pages sequences can hold: all but the decode graphs' scratch page."""
-        return self.cache.layout.num_pages - (1 if self.decode_graphs is not None else 0)
+        """KV pages sequences can hold: all but the graphs' scratch pages."""
+        return self.cache.layout.num_pages - sum(g is not None for g in (self.decode_graphs, self.prefill_graphs))
 
     def add(self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, page_table: Sequence[int] = (), num_cached: int = 0, output_ids: Sequence[int] = ()) -> SequenceState:
         """A new sequence. A decode rank whose KV arrived by transfer passes the reserved
@@ -150,12 +161,13 @@ class ModelRunner:
             logits = self.decode_graphs.forward(chunks)
         else:
             batch = ForwardBatch.build(chunks, self.cache.layout.page_size, self.cache.device)
-            if wants_prompt:
-                hidden = self.model.hidden_states(batch, self.cache, on_layer_done)
-                prompts = self._prompt_logprobs(seqs, hidden)
-                logits = self.model.logits(hidden[batch.last_token])
+            if self.prefill_graphs is not None:
+                hidden = self.prefill_graphs.hidden_states(batch, on_layer_done)
             else:
-                logits = self.model.forward(batch, self.cache, on_layer_done)
+                hidden = self.model.hidden_states(batch, self.cache, on_layer_done)
+            if wants_prompt:
+                prompts = self._prompt_logprobs(seqs, hidden)
+            logits = self.model.logits(hidden[batch.last_token])
         if not seqs:
             return []
         params = [s.params for s in seqs]

@@ -30,6 +30,14 @@ def test_impossible_counts_are_refused(args, capsys):
     assert "--cached and --profile must not be negative and --iters must be positive" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [(["--graph-max-tokens", "0"], "--graph-max-tokens must be positive"),
+                                           (["--impls", "kernels", "kernels+cuda-graph"], "kernels+cuda-graph needs a CUDA device")])
+def test_impossible_graph_options_are_refused(args, message, capsys):
+    with pytest.raises(SystemExit):
+        prefill_step.main(["--device", "cpu", *args])
+    assert message in capsys.readouterr().err
+
+
 def _flops_token_by_token(c: ModelConfig, seqs: int, new: int, cached: int) -> int:
     """The same count written per token: its projections, router and experts, and one
     QK^T + PV per key it attends to (the cached ones and the new ones up to itself)."""

@@ -12,6 +12,7 @@ import torch
 
 from kernels.grouped_gemm import SWAPPED_TOKEN_TILES, TILE_BUCKET_BOUNDS
 from services.warmup import WarmupFailed, decode_warmup_batches, prefill_warmup_lengths, warm_up_decode, warm_up_prefill
+from shared.model.cuda_graphs import ForwardPath
 from shared.model.runner import ModelRunner
 from shared.model.sampling_params import SamplingParams
 from shared.settings import DecodeSettings, PrefillSettings
@@ -82,6 +83,24 @@ def test_prefill_warm_up_reaches_every_grouped_gemm_tile_bucket_a_batch_can(tiny
     # Nor when the KV pages cannot hold such a prompt (64 pages of 16 tokens).
     small = ModelRunner.from_dir(tiny_model, num_pages=64, page_size=16, release_finished=False)
     assert prefill_warmup_lengths(small, max_batch_tokens=300 * 16) == [n for n in lengths if n <= 64 * 16]
+
+
+def test_prefill_warm_up_captures_and_replays_every_graph_bucket_that_fits(tiny_model: Path):
+    """With prefill graphs (the padded pieces run eagerly on the CPU), each token bucket a batch can reach is
+    one prompt long twice: captured, then replayed; the KV pages are given back and zeroed but the scratch page."""
+    runner = ModelRunner.from_dir(tiny_model, num_pages=40, page_size=16, release_finished=False)
+    graphs = runner.use_prefill_graphs(max_tokens=1024, capture=False)
+    fits = (40 - 1) * 16  # the scratch page is taken
+    lengths = prefill_warmup_lengths(runner, max_batch_tokens=4096)
+    assert [b for b in graphs.buckets if b <= fits] == [16, 32, 64, 128, 256, 512] and set(lengths) >= {16, 32, 64, 128, 256, 512}
+    assert 768 not in lengths and max(lengths) <= fits
+    warm_up_prefill(runner, PrefillSettings(model=str(tiny_model), kv_pages=40, max_batch_tokens=4096))
+    forwards = sum(2 if n in graphs.buckets else 1 for n in lengths if n <= 1024)
+    assert graphs.counts[ForwardPath.CAPTURE] == 6 and graphs.counts[ForwardPath.REPLAY] == forwards - 6
+    assert graphs.counts[ForwardPath.EAGER] == sum(n > 1024 for n in lengths)
+    assert runner.cache.allocator.num_free == 40 - 1
+    others = [p for p in range(40) if p != graphs.scratch_page]
+    assert not runner.cache.storage[:, others].any()
 
 
 def test_prefill_warm_up_of_mxfp8_experts_reaches_every_swapped_decode_tile(tiny_model: Path, tmp_path: Path):
