@@ -148,13 +148,14 @@ def _kv_pages(settings: PrefillSettings | DecodeSettings, device: torch.device, 
     baseline = DeviceMemory.measure(device, utilization)  # before the weights: what is not this rank's
     # The largest forward counted twice: a decode rank's CUDA graphs hold their own memory pool beside the eager steps;
     # a prefill batch may also gather a cached prefix's K/V (up to max_batch_context_tokens), which the profile's
-    # fresh prompt does not.
+    # fresh prompt does not. Prefill CUDA graphs add their pool (at most a forward of their largest bucket, which is
+    # at most this one): three copies while the setting is on, also where the model turns out to allow none (TP > 1).
     if isinstance(settings, DecodeSettings):
-        lengths = [1] * settings.max_batch
+        lengths, copies = [1] * settings.max_batch, 2
     else:
-        lengths = [settings.max_batch_tokens]
+        lengths, copies = [settings.max_batch_tokens], 3 if settings.cuda_graphs else 2
     return functools.partial(pages_from_memory, baseline=baseline, utilization=utilization, page_size=settings.page_size,
-                             dtype=dtype, profile_lengths=lengths, activation_copies=2)
+                             dtype=dtype, profile_lengths=lengths, activation_copies=copies)
 
 
 def run_threads_on_device(device: torch.device) -> None:

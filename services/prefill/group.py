@@ -269,11 +269,14 @@ class PrefillGroup:
     # ------------------------------------------------------------ leader: results
 
     def _log_batch(self, outcomes: list[Outcome], times: BatchTimes) -> None:
-        """One ``prefill_batch`` event per batch: its sizes and where its time went (`BatchTimes`)."""
+        """One ``prefill_batch`` event per batch: its sizes, how its forward ran (``forward_path``: graph_replay,
+        graph_capture or eager, `shared.model.prefill_graphs`) and where its time went (`BatchTimes`)."""
         prompt_tokens = sum(len(o.task.job.input_ids) for o in outcomes)
         cached_tokens = sum(o.cached_tokens for o in outcomes)
+        graphs = self.runner.prefill_graphs
+        path = graphs.last_path.value if graphs is not None and graphs.last_path is not None else "eager"
         log.info("prefill_batch", request_ids=[o.task.job.request_id for o in outcomes], requests=len(outcomes), failed=sum(o.error is not None for o in outcomes), prompt_tokens=prompt_tokens,
-                 cached_tokens=cached_tokens, computed_tokens=prompt_tokens - cached_tokens,
+                 cached_tokens=cached_tokens, computed_tokens=prompt_tokens - cached_tokens, forward_path=path,
                  **{name: round(ms, 2) for name, ms in vars(times).items()})
 
     async def _report(self, outcomes: list[Outcome]) -> None:
