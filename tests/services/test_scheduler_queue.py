@@ -161,8 +161,16 @@ async def one_slot_per_heartbeat(url: str, settings: SchedulerSettings, jobs: li
     """A real Scheduler with `settings`; `jobs` submitted one at a time (so the order they came in is known)
     wait behind a stand-in decode rank of batch 1; each heartbeat then shows one free slot, which the rank
     grants once, until every job is placed. Returns the final answers, the requests granted in turn, and
-    how many reservations each heartbeat round set off."""
+    how many reservations each heartbeat round set off.
+
+    Each slot opens only once no placement attempt is in flight: the scheduler's own attempts are
+    counted around its real `_try_place`. Opened while the last round's reservations were still on
+    their way, it went to whichever came first, and a request idle when the one placed left the
+    line (it moved up into the head window) could ask before an older one whose refused attempt was
+    still being answered: a full run once granted burst-34 before burst-19. The queue promises the
+    head window's order only among attempts a heartbeat sets off together (`PLACING_AT_ONCE`)."""
     slots = [0]
+    attempts_in_flight = [0]
     asks: Counter[int] = Counter()  # heartbeat round -> reservations asked for in it
     granted: list[str] = []
 
@@ -181,6 +189,16 @@ async def one_slot_per_heartbeat(url: str, settings: SchedulerSettings, jobs: li
 
     async with connect(url, "scheduler") as bus, connect(url, "peers") as peers:
         scheduler = Scheduler(settings, bus)
+        try_place = scheduler._try_place
+
+        async def counted_try_place(job: Job) -> Placement | None:
+            attempts_in_flight[0] += 1
+            try:
+                return await try_place(job)
+            finally:
+                attempts_in_flight[0] -= 1
+
+        scheduler._try_place = counted_try_place  # type: ignore[method-assign]
         await scheduler.start()
         try:
             await peers.subscribe(subjects.decode_reserve("dx", 0), reserve, concurrent=False)
@@ -194,6 +212,7 @@ async def one_slot_per_heartbeat(url: str, settings: SchedulerSettings, jobs: li
                 answers.append(asyncio.ensure_future(final_ack(peers, SubmitJob(job=job), Deadline.after(60))))
                 await until(lambda: len(scheduler.queue) == i + 1, f"request {i} in the queue")
             for placed in range(len(jobs)):
+                await until(lambda: attempts_in_flight[0] == 0, f"the attempts before slot {placed} answered")
                 slots[0] = 1
                 await peers.publish(subjects.heartbeat("decode", "dx", 0), decode_beat(0))
                 await until(lambda: len(granted) == placed + 1, f"slot {placed} granted")
