@@ -73,7 +73,8 @@ from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 from shared.model.quant_formats import FP8_DTYPE, WEIGHT_BLOCK, BlockFp8Weight, quantize_block_fp8
-from shared.model.weights import AttentionWeights, LayerWeights, Linear, ModelWeights, MoEWeights
+from shared.model.weights import AttentionWeights, HeadSplit, LayerWeights, Linear, ModelWeights, MoEWeights
+from shared.parallel import ShardSpec
 
 BENCH = "decode_step"
 REFERENCE, KERNELS, GRAPHED = "torch-reference", "kernels", "kernels+cuda-graph"
@@ -96,11 +97,13 @@ def random_block_fp8(experts: int, rows: int, cols: int, device: torch.device) -
     return BlockFp8Weight(weight, scale_inv, WEIGHT_BLOCK)
 
 
-def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, ep_rank: int = 0, ep_size: int = 1, expert_weights: str = "bf16") -> ModelWeights:
+def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, ep_rank: int = 0, ep_size: int = 1, expert_weights: str = "bf16",
+                   tp_size: int = 1) -> ModelWeights:
     """Weights drawn on the device (no checkpoint): std 0.02 like HF's init, norms at one.
 
     Experts: expert-parallel rank ``ep_rank`` of ``ep_size``'s share (all of them by default),
-    in ``dtype`` or, with ``expert_weights="fp8"``, block FP8.
+    in ``dtype`` or, with ``expert_weights="fp8"``, block FP8. Attention: the heads of TP rank
+    ``ep_rank`` of ``tp_size`` (the prefill layout, where the TP group is the expert group), all by default.
     """
 
     def w(*shape: int) -> torch.Tensor:
@@ -114,11 +117,12 @@ def random_weights(c: ModelConfig, dtype: torch.dtype, device: torch.device, ep_
 
     h, d, i = c.hidden_size, c.head_dim, c.moe_intermediate_size
     local = c.num_experts // ep_size
+    heads = HeadSplit.for_rank(c, ShardSpec(tp_rank=ep_rank if tp_size > 1 else 0, tp_size=tp_size))
     layers = [
         LayerWeights(
             input_norm=ones(h),
             post_attention_norm=ones(h),
-            attn=AttentionWeights(w(c.num_heads * d, h), w(c.num_kv_heads * d, h), w(c.num_kv_heads * d, h), w(h, c.num_heads * d), ones(d), ones(d)),
+            attn=AttentionWeights(w(heads.num_q * d, h), w(heads.num_kv * d, h), w(heads.num_kv * d, h), w(h, heads.num_q * d), ones(d), ones(d)),
             mlp=MoEWeights(router=w(c.num_experts, h), w13=experts(2 * i, h), w2=experts(h, i), expert_start=ep_rank * local),
         )
         for _ in range(c.num_layers)

@@ -33,6 +33,12 @@ where a prefill's time goes.
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 1x2048 1x8192 8x1024
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 1x128 1x512 1x1500 8x256 --impls kernels kernels+cuda-graph
     python -m bench.prefill_step --weights fp8 --layers 16 --prompts 4x4096 --impls kernels --profile 3
+    python -m bench.prefill_step --tp 2 --model qwen3-235b-a22b --weights fp8 --layers 8 --prompts 1x128 1x2048 --impls kernels kernels+cuda-graph
+
+``--tp N`` runs the forward on N GPUs as a prefill instance of TP=N does (attention heads split, experts
+spread over the ranks, every token on every rank, the peer-memory all-reduce after o_proj and after the
+experts, inside the pieces of ``kernels+cuda-graph``); rank 0 records (case ``layout: tpN``), and its
+TFLOP/s count the whole forward's FLOPs over the group's time.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
 from shared.model.prefill_graphs import PrefillGraphs
+from shared.model.weights import HeadSplit
+from shared.parallel import ShardSpec, Topology
 
 BENCH = "prefill_step"
 REFERENCE, KERNELS, GRAPHS = "torch-reference", "kernels", "kernels+cuda-graph"
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="override (quick CPU checks)")
     ap.add_argument("--profile", type=int, default=0, metavar="FORWARDS", help="print the kernel profile of FORWARDS kernel-path forwards of the largest case")
     ap.add_argument("--graph-max-tokens", type=int, default=2048, help="largest token bucket of kernels+cuda-graph (the prefill setting cuda_graph_max_tokens)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each (the prefill layout: heads split, experts spread, "
+                                                       "the peer-memory all-reduce); rank 0 records")
     a = ap.parse_args(argv)
     try:
         cases = [parse_prompts(p) for p in a.prompts]
@@ -142,21 +152,47 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--graph-max-tokens must be positive")
     if GRAPHS in a.impls and a.device.startswith("cpu"):
         ap.error(f"{GRAPHS} needs a CUDA device")
+    if a.tp < 1 or (a.tp > 1 and (a.device != "cuda" or a.tp > torch.cuda.device_count())):
+        ap.error(f"--tp {a.tp} needs that many GPUs and --device cuda (this machine has {torch.cuda.device_count()})")
     c = model_config(a.model, layers=a.layers, experts=a.experts, vocab=a.vocab)
-    device, dtype = torch.device(a.device), torch.bfloat16
-    max_seqs = max(s for s, _ in cases)
-    longest = a.cached + max(n for _, n in cases)
-    if device.type == "cuda":
+    if a.tp > 1 and (c.num_experts % a.tp or c.num_heads % a.tp):
+        ap.error(f"--tp {a.tp} must divide the {c.num_experts} experts and {c.num_heads} attention heads")
+    if a.device.startswith("cuda"):
+        device = torch.device(a.device)
         try:
-            check_fits(a.model, c, 1, max_seqs, longest, PAGE_SIZE, a.weights, torch.cuda.get_device_properties(device).total_memory)
+            check_fits(a.model, c, a.tp, max(s for s, _ in cases), a.cached + max(n for _, n in cases), PAGE_SIZE, a.weights,
+                       torch.cuda.get_device_properties(device).total_memory)
         except DoesNotFit as e:
             ap.error(str(e))
+    if a.tp == 1:
+        rows = measure(0, 1, a, c, cases)
+    else:
+        from kernels._local_group import run_local_group
 
-    torch.manual_seed(0)
-    weights = random_weights(c, dtype, device, expert_weights=a.weights)
+        rows = run_local_group(measure, a.tp, "nccl", a, c, cases, timeout=1800)[0]
+    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "batch_build_ms", "model_tflops", "speedup_vs_reference", "speedup_vs_eager_kernels",
+                       "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
+    return 0
+
+
+def measure(rank: int, world: int, a: argparse.Namespace, c: ModelConfig, cases: list[tuple[int, int]]) -> list[dict]:
+    """Every implementation and case on this rank (one of ``world`` tensor-parallel ranks, in their process
+    group already when ``world > 1``); rank 0 records each as it is measured and returns the table rows."""
+    device, dtype = (torch.device("cuda", rank) if world > 1 else torch.device(a.device)), torch.bfloat16
+    topology, comm = Topology.single(), None
+    if world > 1:
+        from shared.parallel_cuda import CudaCollectives
+
+        topology = Topology.prefill(world, rank)
+        comm = CudaCollectives(topology)
+    max_seqs = max(s for s, _ in cases)
+    longest = a.cached + max(n for _, n in cases)
+    torch.manual_seed(rank)
+    weights = random_weights(c, dtype, device, rank, world, a.weights, tp_size=world)
     pages_per_seq = -(-longest // PAGE_SIZE)
+    kv_heads = HeadSplit.for_rank(c, ShardSpec(tp_rank=rank, tp_size=world)).num_kv
     # One page more than the prompts hold: the prefill graphs' scratch page (the prompts' pages are taken first).
-    cache = PagedKVCache(KVLayout(c.num_layers, max_seqs * pages_per_seq + 1, c.num_kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
+    cache = PagedKVCache(KVLayout(c.num_layers, max_seqs * pages_per_seq + 1, kv_heads, PAGE_SIZE, c.head_dim, dtype), device)
     cache.allocator.alloc(max_seqs * pages_per_seq)
     for pool in cache.pools:
         pool.normal_()  # the cached prefixes' K/V
@@ -166,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = dense_gemm_tflops(device) if device.type == "cuda" else None
 
     times: dict[tuple[str, int, int], float] = {}
-    rows = []
+    rows: list[dict] = []
 
     def report(impl: str, s: int, n: int, seconds: float, issue_s: float) -> None:
         times[(impl, s, n)] = seconds
+        if rank != 0:
+            return
         tflops = forward_flops(c, s, n, a.cached) / seconds / 1e12
         metrics = {"tokens_per_s": s * n / seconds, "forward_ms": seconds * 1e3, "model_tflops": tflops,
                    "host_issue_ms": issue_s * 1e3, "host_share": issue_s / seconds, "batch_build_ms": build_ms[(s, n)]}
@@ -185,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics["speedup_vs_eager_kernels"] = eager / seconds
             peers[KERNELS] = {"tokens_per_s": s * n / eager, "forward_ms": eager * 1e3}
         case = model_case(a.model, c, a.weights) | {"seqs": s, "new_tokens": n, "cached_tokens": a.cached, "dtype": "bfloat16", "impl": impl}
+        if world > 1:  # model TFLOP/s stay the whole forward's: the group's, over its GPUs
+            case["layout"] = f"tp{world}"
         record(BENCH, case, metrics, peers)
         rows.append({"impl": impl, "prompts": f"{s}x{n}", **metrics})
 
@@ -193,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     model = graphs = None
     for impl in [i for i in IMPLS if i in a.impls]:
         if model is None or impl == REFERENCE:
-            model = Qwen3Model(c, weights, kernels=impl != REFERENCE)
+            model = Qwen3Model(c, weights, topology, comm, kernels=impl != REFERENCE)
         if impl == GRAPHS:
             graphs = PrefillGraphs(model, cache, a.graph_max_tokens)
         for (s, n), batch in batches.items():
@@ -204,15 +244,15 @@ def main(argv: list[str] | None = None) -> int:
             report(impl, s, n, time_step(forward, device, a.iters), issue_time(forward, device, a.iters))
         if impl == KERNELS and a.profile and device.type == "cuda":
             s, n = max(batches, key=lambda sn: sn[0] * sn[1])
-            print(f"{KERNELS} {s}x{n}, {a.profile} forwards:\n{kernel_profile(lambda: model.forward(batches[(s, n)], cache), device, a.profile)}", flush=True)
+            profile = kernel_profile(lambda: model.forward(batches[(s, n)], cache), device, a.profile)
+            if rank == 0:
+                print(f"{KERNELS} {s}x{n}, {a.profile} forwards:\n{profile}", flush=True)
         if impl == REFERENCE:
             model = None
         sync(device)
-    if graphs is not None:
+    if graphs is not None and rank == 0:
         print(f"{GRAPHS}: {graphs.stats()}", flush=True)
-    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "batch_build_ms", "model_tflops", "speedup_vs_reference", "speedup_vs_eager_kernels",
-                       "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

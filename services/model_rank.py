@@ -149,7 +149,8 @@ def _kv_pages(settings: PrefillSettings | DecodeSettings, device: torch.device, 
     # The largest forward counted twice: a decode rank's CUDA graphs hold their own memory pool beside the eager steps;
     # a prefill batch may also gather a cached prefix's K/V (up to max_batch_context_tokens), which the profile's
     # fresh prompt does not. Prefill CUDA graphs add their pool (at most a forward of their largest bucket, which is
-    # at most this one): three copies while the setting is on, also where the model turns out to allow none (TP > 1).
+    # at most this one): three copies while the setting is on, also where the model turns out to allow none (on the CPU,
+    # or with the reference ops).
     if isinstance(settings, DecodeSettings):
         lengths, copies = [1] * settings.max_batch, 2
     else:

@@ -108,8 +108,17 @@ class EpDispatch:
 class Collectives(Protocol):
     """Communication the model performs; one implementation per transport."""
 
+    # Whether `all_reduce` can be captured in a CUDA graph and replayed (stream-ordered, no host sync, its
+    # buffers and flags on the device): the prefill graphs of a TP group need it (`shared.model.prefill_graphs`).
+    all_reduce_in_graphs: bool
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the TP group (in place allowed); returns the sum."""
+        ...
+
+    def all_agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank of the group (collective; waits for the host): lets the ranks
+        take the same path after a step that may fail on one of them."""
         ...
 
     def ep_dispatch(
@@ -143,8 +152,13 @@ class DecodeMoE(Protocol):
 class LocalCollectives:
     """One rank: all-reduce is the identity, dispatch keeps every token at home."""
 
+    all_reduce_in_graphs = True
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def all_agree(self, ok: bool) -> bool:
+        return ok
 
     def ep_dispatch(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts_per_rank: int
@@ -173,9 +187,19 @@ class TorchCollectives:
             )
         self.topology = topology
 
+    # NCCL's all-reduce could be captured, but this path is the reference (MOEBUS_KERNELS=reference, CPU): its
+    # graphs were never tested, and its expert exchange sizes buffers on the host.
+    all_reduce_in_graphs = False
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
+
+    def all_agree(self, ok: bool) -> bool:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def ep_dispatch(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts_per_rank: int

@@ -40,6 +40,8 @@ class CudaCollectives(TorchCollectives):
     """`TorchCollectives` with the all-reduce replaced by the peer-memory kernels, and
     the decode layout's MoE layer offered as `PeerDecodeMoE` (`decode_moe`)."""
 
+    all_reduce_in_graphs = True  # bf16 / fp16 / fp32 on the GPU (what the model reduces); others go to NCCL
+
     def __init__(self, topology: Topology) -> None:
         super().__init__(topology)
         self._all_reduce = CudaAllReduce(dist.group.WORLD) if topology.tp_size > 1 else None

@@ -108,8 +108,8 @@ def graphs_unsupported(model: Qwen3Model) -> str | None:
         return "the model runs the torch reference ops (MOEBUS_KERNELS=reference), whose MoE syncs with the host"
     if model.config.is_moe and model.moe_reference_reason is not None:
         return f"the experts run the reference ops ({model.moe_reference_reason})"
-    if topo.tp_size > 1:
-        return "tensor parallel all-reduces are not captured"
+    if topo.tp_size > 1 and not model.comm.all_reduce_in_graphs:
+        return f"the tensor-parallel all-reduce ({type(model.comm).__name__}) cannot be captured"
     if topo.ep_size > 1 and not topo.inputs_replicated and model.decode_moe is None:
         return "the expert all-to-all runs over NCCL with sizes known on the host"
     return None

@@ -37,8 +37,9 @@ The hidden states a forward returns are copied out of the pool before any other 
 Capture happens on a bucket's first use: the forward runs eagerly over the static buffers
 (compiling kernels outside any graph; this step's result), then each piece is captured,
 which records without running. A capture that raises is logged and leaves that bucket to
-the eager forward. ``capture=False`` runs the same padded pieces eagerly on any device (the
-CPU tests compare them with the plain forward).
+the eager forward, on every rank of a tensor-parallel group (they agree after each capture:
+the eager forward all-reduces the real rows, the pieces the bucket's). ``capture=False`` runs
+the same padded pieces eagerly on any device (the CPU tests compare them with the plain forward).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def prefill_token_buckets(max_tokens: int) -> list[int]:
 
 
 def prefill_graphs_unsupported(model: Qwen3Model) -> str | None:
-    """Why this model's prefill pieces cannot be captured (None when they can)."""
+    """Why this model's prefill pieces cannot be captured (None when they can). Under tensor parallelism
+    the pieces hold the all-reduces (after o_proj, after the experts or dense MLP), which the peer-memory
+    kernels (`shared.parallel_cuda.CudaCollectives`) run stream-ordered with their flags on the device."""
     topo = model.topology
     if topo.ep_size > 1 and not topo.inputs_replicated:
         return "prefill graphs run the prefill layout (inputs replicated over the expert group), not the decode layout"
@@ -196,14 +199,19 @@ class PrefillGraphs:
             with torch.cuda.stream(self._stream):  # first launches (compilation, library set-up) outside the graphs
                 hidden = self._run(rows, batch, on_layer_done)
             hidden.record_stream(current)
+            captured, error = None, None
             try:
-                self._captured[rows] = self._capture(rows)
+                captured = self._capture(rows)
             except Exception as e:  # an op that cannot be captured: this step's result stands, the bucket runs eagerly
-                self._failed.add(rows)
-                self.log.error("prefill_graph.capture_failed", token_bucket=rows, error=f"{type(e).__name__}: {e}")
-                return hidden
+                error = f"{type(e).__name__}: {e}"
             finally:
                 current.wait_stream(self._stream)
+        # A TP group's ranks must all replay or all run eagerly: the two paths all-reduce different row counts.
+        if not self.model.comm.all_agree(error is None):
+            self._failed.add(rows)
+            self.log.error("prefill_graph.capture_failed", token_bucket=rows, error=error or "failed on another rank of the group")
+            return hidden
+        self._captured[rows] = captured
         self.log.info("prefill_graph.captured", token_bucket=rows, pieces=len(self.model.weights.layers) + 1,
                       seconds=round(time.perf_counter() - started, 3), buckets=len(self._captured))
         return hidden

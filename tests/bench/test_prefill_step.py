@@ -38,6 +38,13 @@ def test_impossible_graph_options_are_refused(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [["--tp", "0"], ["--tp", "2"]])
+def test_tensor_parallel_ranks_need_as_many_gpus(args, capsys):
+    with pytest.raises(SystemExit):
+        prefill_step.main(["--device", "cpu", *args])
+    assert f"--tp {args[1]} needs that many GPUs and --device cuda" in capsys.readouterr().err
+
+
 def _flops_token_by_token(c: ModelConfig, seqs: int, new: int, cached: int) -> int:
     """The same count written per token: its projections, router and experts, and one
     QK^T + PV per key it attends to (the cached ones and the new ones up to itself)."""

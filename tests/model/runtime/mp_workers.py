@@ -62,3 +62,27 @@ def _greedy_run(runner: ModelRunner, prompts: list[list[int]], join_at: list[int
         batch = [s for s in seqs if s is not None and not s.finished]
         runner.step(batch)
     return [s.output_ids for s in seqs]
+
+
+def prefill_pieces_rank(rank: int, world: int, model_dir: str, prompts: list[list[int]]) -> dict:
+    """A prefill-layout rank (already in a gloo group): how `all_agree` answers (True everywhere; True on rank 0
+    only; False everywhere), then the same batches through the padded pieces of `PrefillGraphs` (``capture=False``,
+    the all-reduces over the padded rows) and through the plain forward of a second runner."""
+    from shared.model.prefill_graphs import PrefillGraphs
+    from shared.parallel import TorchCollectives
+
+    topology = Topology.prefill(world, rank)
+    comm = TorchCollectives(topology)
+    agreed = [comm.all_agree(ok) for ok in (True, rank == 0, False)]
+    padded, plain = (ModelRunner.from_dir(model_dir, num_pages=40, page_size=PAGE_SIZE, topology=topology, comm=comm) for _ in range(2))
+    graphs = PrefillGraphs(padded.model, padded.cache, max_tokens=32, capture=False)
+    assert plain.cache.allocator.alloc(1) == [graphs.scratch_page]  # the allocators in step
+    tables = [padded.cache.allocator.alloc(padded.cache.layout.pages_for(len(p))) for p in prompts]
+    assert [plain.cache.allocator.alloc(plain.cache.layout.pages_for(len(p))) for p in prompts] == tables
+    got, want, paths = [], [], []
+    for batch in ([0, 1], [2], [0, 1, 2]):  # buckets 16 (a replay next), 32, and past 32: eager
+        chunks = [SequenceChunk(prompts[i], 0, tables[i]) for i in batch]
+        got.append(graphs.hidden_states(ForwardBatch.build(chunks, PAGE_SIZE, padded.cache.device)))
+        paths.append(graphs.last_path.value if graphs.last_path is not None else None)
+        want.append(plain.model.hidden_states(ForwardBatch.build(chunks, PAGE_SIZE, plain.cache.device), plain.cache))
+    return {"agreed": agreed, "got": got, "want": want, "paths": paths}

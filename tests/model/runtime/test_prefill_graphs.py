@@ -134,6 +134,25 @@ def test_runner_with_prefill_graphs_samples_the_same_tokens_and_prompt_logprobs(
     assert [t.token_ids for t in prompts[0].top] == [t.token_ids for t in want_prompts[0].top]
 
 
+def test_tp2_padded_pieces_match_the_plain_tp2_forward(tiny_checkpoint):
+    """Two prefill-layout ranks over gloo: the padded pieces all-reduce the bucket's rows (padding included)
+    after o_proj and after the experts, and give each rank the plain TP2 forward's hidden states; the
+    ranks' `all_agree` (how they agree on a bucket's capture) says False as soon as one rank does."""
+    from kernels._local_group import run_local_group
+    from mp_workers import prefill_pieces_rank
+
+    prompts = random_prompts([6, 5, 29], seed=12)  # batches of 11, 29 and 40 tokens: buckets 16 and 32, then eager
+    results = run_local_group(prefill_pieces_rank, 2, "gloo", str(tiny_checkpoint(NAME)), prompts, timeout=240)
+    for rank, res in enumerate(results):
+        assert res["agreed"] == [True, False, False], (rank, res["agreed"])
+        assert res["paths"] == ["graph_capture", "graph_capture", "eager"], (rank, res["paths"])
+        for got, want in zip(res["got"], res["want"]):
+            assert got.shape == want.shape
+            assert rel_err(got, want) <= 1e-5, (rank, rel_err(got, want))
+    for got0, got1 in zip(results[0]["got"], results[1]["got"]):
+        assert torch.equal(got0, got1)  # the ranks' residual streams are replicated
+
+
 def test_prefill_graphs_need_the_kernel_path_on_cuda(tiny_checkpoint):
     runner = _runner(tiny_checkpoint(NAME))
     with pytest.raises(ValueError, match="prefill CUDA graphs unavailable: .*cpu"):
