@@ -25,6 +25,10 @@ the ceiling those figures compare to. ``host_issue_ms`` is how long the host tak
 issue one forward with the GPU idle at its start (`bench.timing.issue_time`); near
 ``forward_ms`` (``host_share`` near 1) the GPU waits for the host: eager prefill of short
 prompts is bound by the Python and launch work of each layer, not by the GPU.
+``gpu_ms`` is the GPU's own time for the forward, the host having issued all of it in advance
+(`bench.timing.gpu_time`: a spin kernel holds the stream meanwhile), and ``gpu_share`` its part of
+``forward_ms``: near 1 the forward is as fast as its kernels allow; below, the rest is the GPU
+waiting for the host. Left out where the forward waits for the GPU itself (a host sync inside it).
 ``batch_build_ms``: host time of `ForwardBatch.build` for the case (its indices and their copy
 to the device), which a prefill pays per batch before it issues the forward.
 ``--profile N`` prints the GPU kernels of N kernel-path forwards of the largest case:
@@ -56,7 +60,7 @@ import torch
 from bench.decode_budget import EXPERT_WEIGHTS, MODELS, DoesNotFit, check_fits, model_config
 from bench.decode_step import PAGE_SIZE, model_case, random_weights
 from bench.results import print_table, record
-from bench.timing import issue_time, kernel_profile, sync, time_step
+from bench.timing import gpu_time, issue_time, kernel_profile, sync, time_step
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model.config import ModelConfig
 from shared.model.model import ForwardBatch, Qwen3Model, SequenceChunk
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         from kernels._local_group import run_local_group
 
         rows = run_local_group(measure, a.tp, "nccl", a, c, cases, timeout=1800)[0]
-    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "host_issue_ms", "host_share", "batch_build_ms", "model_tflops", "speedup_vs_reference", "speedup_vs_eager_kernels",
+    print_table(rows, ["impl", "prompts", "tokens_per_s", "forward_ms", "gpu_ms", "gpu_share", "host_issue_ms", "host_share", "batch_build_ms", "model_tflops", "speedup_vs_reference", "speedup_vs_eager_kernels",
                        "fraction_of_dense_gemm", "dense_bf16_gemm_tflops"])
     return 0
 
@@ -204,13 +208,15 @@ def measure(rank: int, world: int, a: argparse.Namespace, c: ModelConfig, cases:
     times: dict[tuple[str, int, int], float] = {}
     rows: list[dict] = []
 
-    def report(impl: str, s: int, n: int, seconds: float, issue_s: float) -> None:
+    def report(impl: str, s: int, n: int, seconds: float, issue_s: float, gpu_s: float | None) -> None:
         times[(impl, s, n)] = seconds
         if rank != 0:
             return
         tflops = forward_flops(c, s, n, a.cached) / seconds / 1e12
         metrics = {"tokens_per_s": s * n / seconds, "forward_ms": seconds * 1e3, "model_tflops": tflops,
                    "host_issue_ms": issue_s * 1e3, "host_share": issue_s / seconds, "batch_build_ms": build_ms[(s, n)]}
+        if gpu_s is not None:
+            metrics |= {"gpu_ms": gpu_s * 1e3, "gpu_share": gpu_s / seconds}
         if ceiling is not None:
             metrics |= {"dense_bf16_gemm_tflops": ceiling, "fraction_of_dense_gemm": tflops / ceiling}
         peers = {}
@@ -241,7 +247,8 @@ def measure(rank: int, world: int, a: argparse.Namespace, c: ModelConfig, cases:
                 forward = lambda: model.logits(graphs.hidden_states(batch)[batch.last_token])  # noqa: E731
             else:
                 forward = lambda: model.forward(batch, cache)  # noqa: E731
-            report(impl, s, n, time_step(forward, device, a.iters), issue_time(forward, device, a.iters))
+            gpu_s = gpu_time(forward, device, a.iters) if impl != REFERENCE else None  # the reference syncs in its experts' loops
+            report(impl, s, n, time_step(forward, device, a.iters), issue_time(forward, device, a.iters), gpu_s)
         if impl == KERNELS and a.profile and device.type == "cuda":
             s, n = max(batches, key=lambda sn: sn[0] * sn[1])
             profile = kernel_profile(lambda: model.forward(batches[(s, n)], cache), device, a.profile)

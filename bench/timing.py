@@ -103,3 +103,42 @@ def issue_time(step: Callable[[], object], device: torch.device, iters: int) -> 
         times.append(time.perf_counter() - t0)
     sync(device)
     return statistics.median(times)
+
+
+def gpu_time(step: Callable[[], object], device: torch.device, iters: int) -> float | None:
+    """Median seconds the GPU alone spends on ``step``: a spin kernel (`torch.cuda._sleep`) holds
+    the stream while the host issues the whole step behind it, and CUDA events after the spin and
+    after the step time the GPU's part. Against `time_step`'s figure the difference is what the
+    GPU waits for the host. None on a CPU device, and where the spin had ended before the host
+    finished issuing in every sample: the step waits for the GPU (a host sync inside it) or its
+    issue outlasted the spin, so the figure would count host time."""
+    if device.type != "cuda":
+        return None
+    issue_s = issue_time(step, device, 1)  # also the warm-up
+    spin_cycles = int((3 * issue_s + 2e-3) * _spin_cycles_per_s(device))
+    times = []
+    for _ in range(iters):
+        sync(device)
+        spun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(spin_cycles)
+        spun.record()
+        step()
+        done.record()
+        if spun.query():  # the GPU was already past the spin: the host was not ahead of it
+            continue
+        done.synchronize()
+        times.append(spun.elapsed_time(done) / 1e3)
+    sync(device)
+    return statistics.median(times) if times else None
+
+
+def _spin_cycles_per_s(device: torch.device) -> float:
+    """Clock cycles `torch.cuda._sleep` spins per second on ``device``, timed once."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sync(device)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)

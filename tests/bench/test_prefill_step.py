@@ -80,6 +80,7 @@ def test_prefill_step_runs_both_impls_on_cpu_and_records_the_peer(tmp_path, monk
         assert x["metrics"]["tokens_per_s"] == pytest.approx(tokens / x["metrics"]["forward_ms"] * 1e3)
         assert x["metrics"]["host_issue_ms"] > 0 and x["metrics"]["batch_build_ms"] > 0
         assert x["metrics"]["host_share"] == pytest.approx(x["metrics"]["host_issue_ms"] / x["metrics"]["forward_ms"])
+        assert "gpu_ms" not in x["metrics"]  # a GPU-only time needs a GPU (bench.timing.gpu_time)
     for ref, kern in zip(lines[:2], lines[2:]):
         assert kern["peers"]["torch-reference"]["forward_ms"] == ref["metrics"]["forward_ms"]
         assert kern["metrics"]["speedup_vs_reference"] == pytest.approx(ref["metrics"]["forward_ms"] / kern["metrics"]["forward_ms"])
