@@ -109,27 +109,38 @@ def gpu_time(step: Callable[[], object], device: torch.device, iters: int) -> fl
     """Median seconds the GPU alone spends on ``step``: a spin kernel (`torch.cuda._sleep`) holds
     the stream while the host issues the whole step behind it, and CUDA events after the spin and
     after the step time the GPU's part. Against `time_step`'s figure the difference is what the
-    GPU waits for the host. None on a CPU device, and where the spin had ended before the host
-    finished issuing in every sample: the step waits for the GPU (a host sync inside it) or its
-    issue outlasted the spin, so the figure would count host time."""
+    GPU waits for the host. A sample whose spin ended before the host finished issuing is taken
+    again with a spin twice as long (the clock may run faster than when the spin rate was
+    timed); None on a CPU device, or where even a spin over 48x the issue time ended first: the step
+    waits for the GPU (a host sync inside it), so its figure would count host time."""
     if device.type != "cuda":
         return None
     issue_s = issue_time(step, device, 1)  # also the warm-up
-    spin_cycles = int((3 * issue_s + 2e-3) * _spin_cycles_per_s(device))
+    spin_s, cycles_per_s = 3 * issue_s + 2e-3, _spin_cycles_per_s(device)
     times = []
     for _ in range(iters):
-        sync(device)
-        spun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(spin_cycles)
-        spun.record()
-        step()
-        done.record()
-        if spun.query():  # the GPU was already past the spin: the host was not ahead of it
-            continue
-        done.synchronize()
-        times.append(spun.elapsed_time(done) / 1e3)
+        for _attempt in range(5):
+            seconds = _gpu_sample(step, device, int(spin_s * cycles_per_s))
+            if seconds is not None:
+                times.append(seconds)
+                break
+            spin_s *= 2
+        else:
+            return None
+    return statistics.median(times)
+
+
+def _gpu_sample(step: Callable[[], object], device: torch.device, spin_cycles: int) -> float | None:
+    """One sample of `gpu_time`, None when the GPU was already past the spin once the step was issued."""
     sync(device)
-    return statistics.median(times) if times else None
+    spun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(spin_cycles)
+    spun.record()
+    step()
+    done.record()
+    issued_in_time = not spun.query()
+    done.synchronize()
+    return spun.elapsed_time(done) / 1e3 if issued_in_time else None
 
 
 def _spin_cycles_per_s(device: torch.device) -> float:
