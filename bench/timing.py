@@ -146,10 +146,5 @@ def _gpu_sample(step: Callable[[], object], device: torch.device, spin_cycles: i
 def _spin_cycles_per_s(device: torch.device) -> float:
     """Clock cycles `torch.cuda._sleep` spins per second on ``device``, timed once."""
     cycles = 10_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     sync(device)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / (start.elapsed_time(end) / 1e3)
+    return cycles / (event_time_us(lambda: torch.cuda._sleep(cycles)) / 1e6)

@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from bench.timing import gpu_time, sync, time_step
+from bench.timing import event_time_us, gpu_time, sync, time_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -26,18 +28,14 @@ def _kernels(a: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def _events_time(fn, device: torch.device, iters: int = 5) -> float:
-    """Median seconds between events around ``fn``, issued with nothing else in the way."""
+def _events_time(fn: Callable[[], object], device: torch.device, iters: int = 5) -> float:
+    """Median seconds between events around ``fn`` (after one warm-up call), issued with nothing else in the way."""
+    fn()
     times = []
-    for _ in range(iters + 1):
+    for _ in range(iters):
         sync(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times[1:])[iters // 2]
+        times.append(event_time_us(fn) / 1e6)
+    return statistics.median(times)
 
 
 def test_a_host_bound_step_counts_only_its_kernels() -> None:
