@@ -7,12 +7,16 @@ all of them as the prefix cache shares them), page size 16, head_dim 128, bf16, 
 of one rank of Qwen3-30B-A3B (32 query / 4 KV heads) and Qwen3-235B-A22B (64 / 4). Implementations
 in the same run on the same queries and K/V:
 
-* ``ours``: ``shared.model.layers.paged_attention_sdpa`` (what the model runs: every sequence's
-  keys gathered from the pages in one row gather, one variable-length flash attention call;
-  one fresh prompt alone: SDPA's causal path on its gathered pages, as ``loop`` runs it),
-  timed with the batch's key plan already built, as every layer after the first finds it;
-  ``plan_us`` is what building that plan (`layers.PrefillKeys.build`) adds to the first layer
-  (0 for one fresh prompt alone, which builds none);
+* ``ours``: ``shared.model.layers.paged_attention_sdpa``, what the model runs: the route
+  `layers.prefill_attention_route` picks (``route`` in the table), one of the next two,
+  timed with the batch's plan already built, as every layer after the first finds it;
+  ``plan_us`` is what building that plan adds to the first layer (`layers.PrefillKeys.build`
+  or `layers.QueriesAsDecode.build`; 0 for one fresh prompt alone, which builds none);
+* ``varlen``: `layers.varlen_prefill_attention` (every sequence's keys gathered from the pages in
+  one row gather, one variable-length flash attention call; one fresh prompt alone: SDPA's
+  causal path on its gathered pages, as ``loop`` runs it);
+* ``as_decode``: `layers.queries_as_decode_attention` (each query a decode query of the paged
+  decode attention kernel), up to 128 queries per sequence where the kernel takes the shape;
 * ``loop``: the path before it, a sequence at a time (its pages gathered, SDPA with a
   bottom-right causal mask on flash attention): a few launches per sequence and layer;
 * ``folded``: ``shared.model.layers.folded_attention`` (query heads folded into rows under a
@@ -111,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                     meta = ForwardBatch.build(chunks, PAGE, dev).attn
                     q = torch.randn((seqs * n, hq, HEAD_DIM), generator=gen, device=dev, dtype=torch.bfloat16)
                     lone_fresh = seqs == 1 and cached == 0  # `_prefill_attention`'s SDPA path: no plan built
-                    plan_us = 0.0 if lone_fresh else statistics.median(event_time_us(lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)) for _ in range(a.reps))
+                    route = layers.prefill_attention_route(meta, hq, cache.pools[0].shape, q.dtype, dev)
+                    build_plan = (lambda: layers.QueriesAsDecode.build(meta)) if route == "as_decode" else lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)
+                    plan_us = 0.0 if lone_fresh and route == "varlen" else statistics.median(event_time_us(build_plan) for _ in range(a.reps))
                     k, v = cache.gather(0, meta.page_tables)
                     k, v = k[:, :, :length], v[:, :, :length]
                     if seqs == 1:
@@ -127,30 +133,37 @@ def main(argv: list[str] | None = None) -> int:
                     flops = 4 * hq * HEAD_DIM * seqs * sum(cached + i + 1 for i in range(n))
                     arms = {
                         "ours": lambda: layers.paged_attention_sdpa(q, cache, 0, meta, scale),
+                        "varlen": lambda: layers.varlen_prefill_attention(q, cache, 0, meta, scale),
                         "loop": lambda: loop_attention(q, cache, meta, scale),
                         "folded": lambda: layers.folded_attention(q, cache, 0, meta, scale),
                         "flash_peer": peer_fn,
                     }
+                    if n <= 128 and layers.decode_attention_kernel(hq, hkv, HEAD_DIM, PAGE, q.dtype, dev):
+                        arms["as_decode"] = lambda: layers.queries_as_decode_attention(q, cache, 0, meta, scale)
                     results = {name: _measure(fn, a.reps) for name, fn in arms.items()}
                     ours, peer = results["ours"], results["flash_peer"]
                     assert ours is not None and peer is not None, "the model's path and the flash peer must fit"
-                    rel_err = ((ours[2].float() - peer[2].float()).norm() / peer[2].float().norm()).item()
-                    case = {"model": f"qwen3-{model}-heads", "q_heads": hq, "kv_heads": hkv, "head_dim": HEAD_DIM, "page_size": PAGE,
+                    def err(out: torch.Tensor) -> float:
+                        return ((out.float() - peer[2].float()).norm() / peer[2].float().norm()).item()
+
+                    rel_err = err(ours[2])
+                    case = {"route": route, "model": f"qwen3-{model}-heads", "q_heads": hq, "kv_heads": hkv, "head_dim": HEAD_DIM, "page_size": PAGE,
                             "seqs": seqs, "new_tokens": n, "cached_tokens": cached, "dtype": "bfloat16"}
                     metrics = {"latency_us": ours[0], "plan_us": plan_us, "tflops": flops / ours[0] / 1e6, "peak_extra_mib": ours[1],
                                "rel_err_vs_peer": rel_err, "ratio_to_flash_peer": peer[0] / ours[0]}
-                    peers = {name: {"latency_us": r[0], "tflops": flops / r[0] / 1e6, "peak_extra_mib": r[1]}
+                    peers = {name: {"latency_us": r[0], "tflops": flops / r[0] / 1e6, "peak_extra_mib": r[1], "rel_err_vs_peer": err(r[2])}
                              for name, r in results.items() if name != "ours" and r is not None}
                     record(BENCH, case, metrics, peers)
-                    loop, folded = results["loop"], results["folded"]
-                    rows.append({"model": model, "seqs": seqs, "new": n, "cached": cached, "ours_us": ours[0], "plan_us": plan_us,
+                    loop, folded, varlen, as_decode = (results.get(name) for name in ("loop", "folded", "varlen", "as_decode"))
+                    rows.append({"model": model, "seqs": seqs, "new": n, "cached": cached, "route": route, "ours_us": ours[0], "plan_us": plan_us,
+                                 "varlen_us": varlen[0] if varlen else "-", "as_decode_us": as_decode[0] if as_decode else "-",
                                  "ours_TFLOPs": metrics["tflops"], "ours_MiB": ours[1], "loop_us": loop[0] if loop else "OOM",
                                  "peer_us": peer[0], "ours/peer": metrics["ratio_to_flash_peer"], "folded_us": folded[0] if folded else "OOM",
                                  "rel_err": rel_err})
-                    del cache, meta, q, k, v, results, ours, peer, loop, folded, peer_fn
+                    del cache, meta, q, k, v, results, ours, peer, loop, folded, varlen, as_decode, peer_fn, arms
                     torch.cuda.empty_cache()
-    print_table(rows, ["model", "seqs", "new", "cached", "ours_us", "plan_us", "ours_TFLOPs", "ours_MiB", "loop_us", "peer_us", "ours/peer",
-                       "folded_us", "rel_err"])
+    print_table(rows, ["model", "seqs", "new", "cached", "route", "ours_us", "plan_us", "varlen_us", "as_decode_us", "ours_TFLOPs", "ours_MiB",
+                       "loop_us", "peer_us", "ours/peer", "folded_us", "rel_err"])
     return 0
 
 

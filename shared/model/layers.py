@@ -37,7 +37,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import grouped_moe
 from kernels.ops import env_mode
-from kernels.paged_attention import kernel_supports, paged_decode_attention, prepare_paged_decode_attention
+from kernels.paged_attention import MAX_GRID_DIM, kernel_supports, paged_decode_attention, prepare_paged_decode_attention
 from shared.kvcache import PagedKVCache
 from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.model.weights import FusedGateUp, Linear
@@ -86,6 +86,21 @@ class PrefillKeys:
         return cls(first_row[None, :, None] + head_rows[:, None, :], cu[0], cu[1], max(q_lens), max(k_lens))
 
 
+@dataclass(frozen=True)
+class QueriesAsDecode:
+    """A prefill batch seen as a decode batch, for `_queries_as_decode`: one row per query, query ``i``
+    of a sequence with ``n`` new tokens and ``L`` in all reading that sequence's pages with context
+    ``L - n + i + 1`` (exactly the keys its causal mask shows it)."""
+
+    page_tables: torch.Tensor  # [T, P]: each query's sequence's page table
+    context_lens: torch.Tensor  # [T]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> QueriesAsDecode:
+        first_key = (meta.context_lens - meta.query_lens)[meta.token_seq]
+        return cls(meta.page_tables[meta.token_seq], first_key + meta.token_idx + 1)
+
+
 @dataclass
 class AttentionMetadata:
     """Where a batch's tokens sit: per-sequence query spans, cache lengths and page tables.
@@ -103,6 +118,7 @@ class AttentionMetadata:
     host_lens: tuple[tuple[int, int], ...] | None = None  # (query_len, context_len) per sequence, when built on the host
     prefill_keys: PrefillKeys | None = None  # built by the batch's first prefill attention layer, reused by the others
     page_rows: torch.Tensor | None = None  # `PagedKVCache.page_rows` of page_tables, likewise (one fresh prompt's gather)
+    as_decode: QueriesAsDecode | None = None  # likewise, for batches `_queries_as_decode` runs
 
     @property
     def num_seqs(self) -> int:
@@ -191,8 +207,46 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     return out[meta.token_seq, meta.token_idx]
 
 
+# Prefill batches of at most this many queries per sequence run as decode batches
+# (`queries_as_decode_attention`): set from bench.prefill_attention (see `prefill_attention_route`).
+AS_DECODE_MAX_QUERIES = 16
+
+
 def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """`paged_attention_sdpa` of a batch with several queries per sequence: one gather, one call.
+    """`paged_attention_sdpa` of a batch with several queries per sequence: the route
+    `prefill_attention_route` picks (`queries_as_decode_attention` or `varlen_prefill_attention`)."""
+    if prefill_attention_route(meta, q.shape[1], cache.pools[layer].shape, q.dtype, q.device) == "as_decode":
+        return queries_as_decode_attention(q, cache, layer, meta, scale)
+    return varlen_prefill_attention(q, cache, layer, meta, scale)
+
+
+def prefill_attention_route(meta: AttentionMetadata, q_heads: int, pool_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> str:
+    """``"as_decode"`` for a prefill batch whose sequences each bring at most `AS_DECODE_MAX_QUERIES`
+    queries, on CUDA where the decode kernel takes the shape (`decode_attention_kernel`); else ``"varlen"``."""
+    _, _, hkv, page_size, d = pool_shape
+    if meta.max_q > AS_DECODE_MAX_QUERIES or meta.token_seq.shape[0] > MAX_GRID_DIM:
+        return "varlen"
+    return "as_decode" if decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device) else "varlen"
+
+
+def queries_as_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A prefill batch through the paged decode attention kernel, every query a decode query of its own.
+
+    Query ``i`` of ``n`` after ``L - n`` cached tokens sees keys ``0 .. L - n + i``: the keys a decode
+    query with context ``L - n + i + 1`` sees, so the batch is a decode batch of ``T`` rows over the
+    same pages (`QueriesAsDecode`). Each query reads its sequence's K/V again (from L2 when the
+    queries of a sequence run together), but the kernel splits every context over CTAs, where
+    the varlen flash call runs one CTA per 128 queries and query head and walks the whole
+    context in it: a prefix-cache hit with a short suffix leaves that call a few dozen CTAs.
+    """
+    if meta.as_decode is None:
+        meta.as_decode = QueriesAsDecode.build(meta)
+    view = meta.as_decode
+    return paged_decode_attention(q, cache.pools[layer], view.page_tables, view.context_lens, scale)
+
+
+def varlen_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A prefill batch in one gather and one call.
 
     A sequence's ``n`` queries follow ``L - n`` cached tokens: query ``i`` sees keys ``0 .. L - n + i``,
     the causal mask aligned to the bottom right. Every sequence's ``L`` keys are gathered from the

@@ -210,3 +210,38 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
     got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
     want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
+
+
+@pytest.mark.parametrize("hq", [32, 64])
+def test_prefill_of_short_suffixes_runs_as_decode_queries(hq):
+    """A prefix-cache hit's batch, every sequence at most `AS_DECODE_MAX_QUERIES` new tokens (after
+    a shared 1000-token prefix, after private prefixes, and fresh), at Qwen3-30B's / 235B's heads
+    per rank: `paged_attention_sdpa` takes the decode kernel (each query its own decode row), and
+    agrees with the fp32 reference and with the varlen flash call it replaces."""
+    from shared.kvcache import KVLayout, PagedKVCache
+    from shared.model import layers
+    from shared.model.model import ForwardBatch, SequenceChunk
+
+    gen = torch.Generator().manual_seed(17 + hq)
+    dev = torch.device("cuda")
+    page, hkv, d, shared_len = 16, 4, 128, 1000
+    cache = PagedKVCache(KVLayout(1, 300, hkv, page, d, torch.bfloat16), dev)
+    cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
+    ids = torch.randperm(300, generator=gen).tolist()
+    prefix, free = ids[: shared_len // page], ids[shared_len // page :]  # 62 whole pages, then a partly shared one per sequence
+    chunks = []
+    cap = layers.AS_DECODE_MAX_QUERIES
+    for i, (n, cached) in enumerate([(cap, shared_len), (2, shared_len), (7, shared_len), (cap, 37), (3, 0), (cap, 0), (5, 250)]):
+        own = -(-(cached + n) // page) - (len(prefix) if cached == shared_len else 0)
+        table = (prefix if cached == shared_len else []) + free[:own]
+        free = free[own:]
+        chunks.append(SequenceChunk([i] * n, cached, table))
+    meta = ForwardBatch.build(chunks, page, dev).attn
+    q = torch.randn((sum(len(c.token_ids) for c in chunks), hq, d), generator=gen).to(dev, torch.bfloat16)
+    assert layers.prefill_attention_route(meta, hq, cache.pools[0].shape, q.dtype, dev) == "as_decode"
+    got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
+    assert meta.as_decode is not None and meta.prefill_keys is None  # the decode route ran, not the varlen call
+    want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
+    varlen = layers.varlen_prefill_attention(q, cache, 0, meta, d**-0.5).float()
+    torch.testing.assert_close(got, varlen, rtol=2.0**-6, atol=2.0**-6)

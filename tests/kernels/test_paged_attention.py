@@ -136,6 +136,50 @@ def test_model_switch_reads_the_environment(monkeypatch):
         layers.decode_attention_kernel(32, 4, 128, 16, torch.bfloat16, cuda)
 
 
+def test_prefill_batch_as_decode_queries_equals_the_models_attention():
+    """`layers.queries_as_decode_attention` (on CPU: the kernel's fp32 reference) on a batch a
+    prefix-cache hit makes: suffixes of 1-6 queries after cached prefixes (page-aligned and not),
+    a fresh 5-token prompt and a decode row, against the model's own causal attention."""
+    gen = torch.Generator().manual_seed(21)
+    hq, hkv, d, page = 8, 2, 64, 4
+    cache = PagedKVCache(KVLayout(1, 40, hkv, page, d, torch.float32))
+    cache.pools[0].copy_(torch.randn(cache.pools[0].shape, generator=gen))
+    order = torch.randperm(40, generator=gen).tolist()
+    chunks = []
+    for n, cached in ((3, 8), (6, 13), (1, 20), (5, 0), (2, 1)):
+        need = -(-(cached + n) // page)
+        chunks.append(SequenceChunk([1] * n, cached, order[:need]))
+        order = order[need:]
+    meta = ForwardBatch.build(chunks, page, torch.device("cpu")).attn
+    q = torch.randn(17, hq, d, generator=gen)
+    expect = layers.paged_attention(q, cache, 0, meta, d**-0.5)
+    got = layers.queries_as_decode_attention(q, cache, 0, meta, d**-0.5)
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+    # query i of a sequence reads exactly its causal prefix: L - n + i + 1 keys of its own pages
+    assert meta.as_decode is not None
+    assert meta.as_decode.context_lens.tolist() == [9, 10, 11, 14, 15, 16, 17, 18, 19, 21, 1, 2, 3, 4, 5, 2, 3]
+    assert torch.equal(meta.as_decode.page_tables, meta.page_tables[meta.token_seq])
+
+
+def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence(monkeypatch):
+    monkeypatch.delenv(layers.DECODE_ATTENTION_ENV, raising=False)
+    cuda = torch.device("cuda")
+    pool_shape = torch.Size((64, 2, 4, 16, 128))
+    cap = layers.AS_DECODE_MAX_QUERIES
+
+    def route(queries_per_seq: int, seqs: int = 3, device: torch.device = cuda, dtype: torch.dtype = torch.bfloat16) -> str:
+        chunks = [SequenceChunk([1] * queries_per_seq, 32, [0, 1, 2, 3, 4, 5]) for _ in range(seqs)]
+        meta = ForwardBatch.build(chunks, 16, torch.device("cpu")).attn
+        return layers.prefill_attention_route(meta, 32, pool_shape, dtype, device)
+
+    assert route(cap) == "as_decode" and route(2) == "as_decode"
+    assert route(cap + 1) == "varlen"
+    assert route(cap, device=torch.device("cpu")) == "varlen"
+    assert route(cap, dtype=torch.float16) == "varlen"
+    monkeypatch.setenv(layers.DECODE_ATTENTION_ENV, "sdpa")
+    assert route(2) == "varlen"
+
+
 # --------------------------------------------------------------------------- compilation (sm_90a, no GPU)
 
 
