@@ -24,8 +24,10 @@ in the same run on the same queries and K/V:
 * ``flash_peer``: flash attention on K/V already contiguous, no paging, the ceiling (SDPA for
   one sequence, the varlen kernel for several).
 
-Each is timed eagerly (CUDA events, median of ``--reps`` after a warm-up call), with its peak
-memory beyond the inputs (``torch.cuda.max_memory_allocated``). ``tflops`` counts the causal
+Each is timed eagerly (CUDA events, median of ``--reps`` after a warm-up call: ``*_us``, which
+counts the host's issue time where it is longer than the GPU's) and by the GPU's own time
+(`bench.timing.gpu_time`: ``*_gpu_us``, what it costs between graph pieces that keep the GPU
+busy), with its peak memory beyond the inputs (``torch.cuda.max_memory_allocated``). ``tflops`` counts the causal
 attention FLOPs (4 * visible keys * head_dim per query and query head). A path that runs out of
 memory is reported as such.
 
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.results import print_table, record
-from bench.timing import event_time_us
+from bench.timing import event_time_us, gpu_time
 from shared.kvcache import KVLayout, PagedKVCache
 from shared.model import layers
 from shared.model.model import ForwardBatch, SequenceChunk
@@ -54,8 +56,9 @@ HEADS = {"30b": (32, 4), "235b": (64, 4)}  # query heads, KV heads
 HEAD_DIM, PAGE = 128, 16
 
 
-def _measure(fn: Callable[[], torch.Tensor], reps: int) -> tuple[float, float, torch.Tensor] | None:
-    """(median µs, peak MiB beyond what was allocated before, output), or None when out of memory."""
+def _measure(fn: Callable[[], torch.Tensor], reps: int) -> tuple[float, float, torch.Tensor, float | None] | None:
+    """(median µs, peak MiB beyond what was allocated before, output, the GPU's own median µs), or None
+    when out of memory."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -64,10 +67,11 @@ def _measure(fn: Callable[[], torch.Tensor], reps: int) -> tuple[float, float, t
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20
         us = statistics.median(event_time_us(fn) for _ in range(reps))
+        gpu_s = gpu_time(fn, out.device, reps)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
-    return us, peak, out
+    return us, peak, out, None if gpu_s is None else gpu_s * 1e6
 
 
 def loop_attention(q: torch.Tensor, cache: PagedKVCache, meta: layers.AttentionMetadata, scale: float) -> torch.Tensor:
@@ -149,21 +153,22 @@ def main(argv: list[str] | None = None) -> int:
                     rel_err = err(ours[2])
                     case = {"route": route, "model": f"qwen3-{model}-heads", "q_heads": hq, "kv_heads": hkv, "head_dim": HEAD_DIM, "page_size": PAGE,
                             "seqs": seqs, "new_tokens": n, "cached_tokens": cached, "dtype": "bfloat16"}
-                    metrics = {"latency_us": ours[0], "plan_us": plan_us, "tflops": flops / ours[0] / 1e6, "peak_extra_mib": ours[1],
+                    metrics = {"latency_us": ours[0], "gpu_us": ours[3], "plan_us": plan_us, "tflops": flops / ours[0] / 1e6, "peak_extra_mib": ours[1],
                                "rel_err_vs_peer": rel_err, "ratio_to_flash_peer": peer[0] / ours[0]}
-                    peers = {name: {"latency_us": r[0], "tflops": flops / r[0] / 1e6, "peak_extra_mib": r[1], "rel_err_vs_peer": err(r[2])}
+                    peers = {name: {"latency_us": r[0], "gpu_us": r[3], "tflops": flops / r[0] / 1e6, "peak_extra_mib": r[1], "rel_err_vs_peer": err(r[2])}
                              for name, r in results.items() if name != "ours" and r is not None}
                     record(BENCH, case, metrics, peers)
                     loop, folded, varlen, as_decode = (results.get(name) for name in ("loop", "folded", "varlen", "as_decode"))
                     rows.append({"model": model, "seqs": seqs, "new": n, "cached": cached, "route": route, "ours_us": ours[0], "plan_us": plan_us,
-                                 "varlen_us": varlen[0] if varlen else "-", "as_decode_us": as_decode[0] if as_decode else "-",
+                                 "ours_gpu_us": ours[3], "varlen_us": varlen[0] if varlen else "-", "varlen_gpu_us": varlen[3] if varlen else "-",
+                                 "as_decode_us": as_decode[0] if as_decode else "-", "as_decode_gpu_us": as_decode[3] if as_decode else "-",
                                  "ours_TFLOPs": metrics["tflops"], "ours_MiB": ours[1], "loop_us": loop[0] if loop else "OOM",
                                  "peer_us": peer[0], "ours/peer": metrics["ratio_to_flash_peer"], "folded_us": folded[0] if folded else "OOM",
                                  "rel_err": rel_err})
                     del cache, meta, q, k, v, results, ours, peer, loop, folded, varlen, as_decode, peer_fn, arms
                     torch.cuda.empty_cache()
-    print_table(rows, ["model", "seqs", "new", "cached", "route", "ours_us", "plan_us", "varlen_us", "as_decode_us", "ours_TFLOPs", "ours_MiB",
-                       "loop_us", "peer_us", "ours/peer", "folded_us", "rel_err"])
+    print_table(rows, ["model", "seqs", "new", "cached", "route", "ours_us", "ours_gpu_us", "plan_us", "varlen_us", "varlen_gpu_us", "as_decode_us",
+                       "as_decode_gpu_us", "ours_TFLOPs", "ours_MiB", "loop_us", "peer_us", "ours/peer", "folded_us", "rel_err"])
     return 0
 
 

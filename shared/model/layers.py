@@ -23,7 +23,9 @@ a mask). Prefill batches (several queries per sequence) gather every sequence's 
 the pages at once and run one variable-length flash attention call, causal to the bottom
 right (each sequence's queries after its cached tokens), so many short prompts cost no launch
 per sequence and no prompt any [queries x keys] memory (`_prefill_attention`; one fresh prompt
-alone takes SDPA's faster causal kernel).
+alone takes SDPA's faster causal kernel). A prefill batch whose sequences bring only a few new
+tokens each (a prefix-cache hit with a short suffix) runs through the decode kernel instead,
+every query a decode row whose context ends at its own position (`queries_as_decode_attention`).
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 
 # Prefill batches of at most this many queries per sequence run as decode batches
 # (`queries_as_decode_attention`): set from bench.prefill_attention (see `prefill_attention_route`).
-AS_DECODE_MAX_QUERIES = 16
+AS_DECODE_MAX_QUERIES = 32
 
 
 def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
