@@ -28,6 +28,8 @@ split count are launch arguments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels._cute_runtime import sm_count
@@ -51,28 +53,30 @@ class PagedAttentionError(ValueError):
     """Arguments the paged decode attention cannot take; the message names the tensor."""
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg: Callable[[], str]) -> None:
+    # The message is built only on failure: formatting every message ahead took ~20 us of host
+    # time a call, paid per layer by prefill batches that run as decode queries.
     if not cond:
-        raise PagedAttentionError(msg)
+        raise PagedAttentionError(msg())
 
 
 def check_arguments(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
     """Shapes, dtypes and devices (see the module doc); raises ``PagedAttentionError``."""
-    _check(q.dim() == 3, f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
+    _check(q.dim() == 3, lambda: f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
     _check(pool.dim() == 5 and pool.shape[1] == 2,
-           f"pool must be [num_pages, 2, kv_heads, page_size, head_dim], got shape {tuple(pool.shape)}")
+           lambda: f"pool must be [num_pages, 2, kv_heads, page_size, head_dim], got shape {tuple(pool.shape)}")
     b, hq, d = q.shape
     _, _, hkv, _, pool_d = pool.shape
-    _check(pool_d == d, f"pool head_dim {pool_d} differs from q's {d}")
-    _check(hkv > 0 and hq % hkv == 0, f"q_heads {hq} must be a multiple of the pool's kv_heads {hkv}")
-    _check(pool.dtype == q.dtype, f"pool dtype {pool.dtype} differs from q's {q.dtype}")
+    _check(pool_d == d, lambda: f"pool head_dim {pool_d} differs from q's {d}")
+    _check(hkv > 0 and hq % hkv == 0, lambda: f"q_heads {hq} must be a multiple of the pool's kv_heads {hkv}")
+    _check(pool.dtype == q.dtype, lambda: f"pool dtype {pool.dtype} differs from q's {q.dtype}")
     _check(page_tables.dim() == 2 and page_tables.shape[0] == b and page_tables.shape[1] > 0,
-           f"page_tables must be [batch={b}, pages >= 1], got shape {tuple(page_tables.shape)}")
-    _check(context_lens.shape == (b,), f"context_lens must be [batch={b}], got shape {tuple(context_lens.shape)}")
+           lambda: f"page_tables must be [batch={b}, pages >= 1], got shape {tuple(page_tables.shape)}")
+    _check(context_lens.shape == (b,), lambda: f"context_lens must be [batch={b}], got shape {tuple(context_lens.shape)}")
     for name, t in (("page_tables", page_tables), ("context_lens", context_lens)):
-        _check(t.dtype in INDEX_DTYPES, f"{name} must be int32 or int64, got {t.dtype}")
+        _check(t.dtype in INDEX_DTYPES, lambda: f"{name} must be int32 or int64, got {t.dtype}")
     devices = {t.device for t in (q, pool, page_tables, context_lens)}
-    _check(len(devices) == 1, f"q, pool, page_tables and context_lens must be on one device, got {sorted(map(str, devices))}")
+    _check(len(devices) == 1, lambda: f"q, pool, page_tables and context_lens must be on one device, got {sorted(map(str, devices))}")
 
 
 def kernel_supports(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> str | None:
@@ -124,12 +128,12 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, page_tables: tor
     if not q.is_cuda or reason is not None:
         result = paged_decode_attention_reference(q, pool, page_tables, context_lens, scale).to(q.dtype)
         return result if out is None else out.copy_(result)
-    _check(pool.is_contiguous(), f"the kernel needs a contiguous pool, got strides {pool.stride()}")
-    _check(b <= MAX_GRID_DIM and hkv <= MAX_GRID_DIM, f"batch {b} or kv_heads {hkv} above the grid limit {MAX_GRID_DIM}")
+    _check(pool.is_contiguous(), lambda: f"the kernel needs a contiguous pool, got strides {pool.stride()}")
+    _check(b <= MAX_GRID_DIM and hkv <= MAX_GRID_DIM, lambda: f"batch {b} or kv_heads {hkv} above the grid limit {MAX_GRID_DIM}")
     if out is None:
         out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     _check(out.shape == (b, hq, d) and out.dtype == q.dtype and out.is_contiguous(),
-           f"out must be contiguous {q.dtype} {(b, hq, d)}, got {out.dtype} {tuple(out.shape)}")
+           lambda: f"out must be contiguous {q.dtype} {(b, hq, d)}, got {out.dtype} {tuple(out.shape)}")
     if b == 0:
         return out
     from kernels import paged_attention_sm90  # CuTeDSL is imported only on the GPU path

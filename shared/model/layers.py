@@ -90,7 +90,7 @@ class PrefillKeys:
 
 @dataclass(frozen=True)
 class QueriesAsDecode:
-    """A prefill batch seen as a decode batch, for `_queries_as_decode`: one row per query, query ``i``
+    """A prefill batch seen as a decode batch, for `queries_as_decode_attention`: one row per query, query ``i``
     of a sequence with ``n`` new tokens and ``L`` in all reading that sequence's pages with context
     ``L - n + i + 1`` (exactly the keys its causal mask shows it)."""
 
@@ -120,7 +120,8 @@ class AttentionMetadata:
     host_lens: tuple[tuple[int, int], ...] | None = None  # (query_len, context_len) per sequence, when built on the host
     prefill_keys: PrefillKeys | None = None  # built by the batch's first prefill attention layer, reused by the others
     page_rows: torch.Tensor | None = None  # `PagedKVCache.page_rows` of page_tables, likewise (one fresh prompt's gather)
-    as_decode: QueriesAsDecode | None = None  # likewise, for batches `_queries_as_decode` runs
+    prefill_route: str | None = None  # `prefill_attention_route`'s choice, likewise (host time on every layer)
+    as_decode: QueriesAsDecode | None = None  # likewise, for batches `queries_as_decode_attention` runs
 
     @property
     def num_seqs(self) -> int:
@@ -209,25 +210,41 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     return out[meta.token_seq, meta.token_idx]
 
 
-# Prefill batches of at most this many queries per sequence run as decode batches
-# (`queries_as_decode_attention`): set from bench.prefill_attention (see `prefill_attention_route`).
+# Prefill batches of few queries per sequence run as decode batches (`queries_as_decode_attention`):
+# up to AS_DECODE_MAX_QUERIES per sequence where the batch's cached tokens are at least its new ones (a
+# prefix-cache hit), up to AS_DECODE_FRESH_MAX_QUERIES otherwise. Measured on one H200 (bench.prefill_attention,
+# the GPU's own time, 7757fe48ef32): after 1024-4096 cached tokens the decode route took 0.08-0.8x the
+# varlen call's time up to 32 new tokens a sequence (64 prompts of 4 after 4096: 308 against 2832 us at
+# 30B heads), and 1.2-1.6x at 48-64 at 30B heads (8 query heads per KV head: half the kernel's 16 MMA rows
+# idle; at 235B heads, 16 per KV head, still 0.74-0.82x at 48 and level at 64); fresh prompts, whose
+# context grows with their own length, gained up to 16 tokens (64 x 4: 16.8 against 51.5 us; 64 x 16 60.0
+# against 55.6) and lost at 32 (64 x 32: 120 against 63 us).
 AS_DECODE_MAX_QUERIES = 32
+AS_DECODE_FRESH_MAX_QUERIES = 16
 
 
 def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """`paged_attention_sdpa` of a batch with several queries per sequence: the route
     `prefill_attention_route` picks (`queries_as_decode_attention` or `varlen_prefill_attention`)."""
-    if prefill_attention_route(meta, q.shape[1], cache.pools[layer].shape, q.dtype, q.device) == "as_decode":
+    if meta.prefill_route is None:
+        meta.prefill_route = prefill_attention_route(meta, q.shape[1], cache.pools[layer].shape, q.dtype, q.device)
+    if meta.prefill_route == "as_decode":
         return queries_as_decode_attention(q, cache, layer, meta, scale)
     return varlen_prefill_attention(q, cache, layer, meta, scale)
 
 
 def prefill_attention_route(meta: AttentionMetadata, q_heads: int, pool_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> str:
-    """``"as_decode"`` for a prefill batch whose sequences each bring at most `AS_DECODE_MAX_QUERIES`
-    queries, on CUDA where the decode kernel takes the shape (`decode_attention_kernel`); else ``"varlen"``."""
+    """``"as_decode"`` for a prefill batch of few queries per sequence (`AS_DECODE_MAX_QUERIES` after a
+    cached context at least as long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise), on CUDA
+    where the decode kernel takes the shape (`decode_attention_kernel`); else ``"varlen"``."""
     _, _, hkv, page_size, d = pool_shape
     if meta.max_q > AS_DECODE_MAX_QUERIES or meta.token_seq.shape[0] > MAX_GRID_DIM:
         return "varlen"
+    if meta.max_q > AS_DECODE_FRESH_MAX_QUERIES:
+        new = meta.token_seq.shape[0]
+        cached = sum(length - n for n, length in meta.host_lens) if meta.host_lens is not None else 0
+        if cached < new:
+            return "varlen"
     return "as_decode" if decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device) else "varlen"
 
 

@@ -167,13 +167,17 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
     pool_shape = torch.Size((64, 2, 4, 16, 128))
     cap = layers.AS_DECODE_MAX_QUERIES
 
-    def route(queries_per_seq: int, seqs: int = 3, device: torch.device = cuda, dtype: torch.dtype = torch.bfloat16) -> str:
-        chunks = [SequenceChunk([1] * queries_per_seq, 32, [0, 1, 2, 3, 4, 5]) for _ in range(seqs)]
+    def route(queries_per_seq: int, seqs: int = 3, device: torch.device = cuda, dtype: torch.dtype = torch.bfloat16, cached: int = 32) -> str:
+        chunks = [SequenceChunk([1] * queries_per_seq, cached, [0, 1, 2, 3, 4, 5]) for _ in range(seqs)]
         meta = ForwardBatch.build(chunks, 16, torch.device("cpu")).attn
         return layers.prefill_attention_route(meta, 32, pool_shape, dtype, device)
 
     assert route(cap) == "as_decode" and route(2) == "as_decode"
     assert route(cap + 1) == "varlen"
+    # fresh prompts (or less cached than new) only up to the smaller cap
+    fresh_cap = layers.AS_DECODE_FRESH_MAX_QUERIES
+    assert route(fresh_cap, cached=0) == "as_decode" and route(fresh_cap + 1, cached=0) == "varlen"
+    assert route(fresh_cap + 1, cached=fresh_cap) == "varlen" and route(fresh_cap + 1, cached=fresh_cap + 1) == "as_decode"
     assert route(cap, device=torch.device("cpu")) == "varlen"
     assert route(cap, dtype=torch.float16) == "varlen"
     monkeypatch.setenv(layers.DECODE_ATTENTION_ENV, "sdpa")
