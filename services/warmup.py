@@ -22,9 +22,13 @@ first users wait. So a rank runs, before its first heartbeat,
   `max_batch`). With
   CUDA graphs (`shared.model.cuda_graphs`), every batch bucket up to that largest batch
   instead, each twice: the first step captures the bucket's graph (page bucket 1; longer
-  contexts capture theirs on first use), the second replays it. Before them, the paged
-  decode attention kernels are compiled (`shared.model.layers.prepare_decode_attention`):
-  the warm-up's one-page contexts would not reach the combine of split long contexts.
+  contexts capture theirs on first use), the second replays it.
+
+Before either, the paged decode attention kernels are compiled
+(`shared.model.layers.prepare_decode_attention`): decode runs them, and so does a prefill batch of
+few new tokens per sequence (a prefix-cache hit with a short suffix,
+`shared.model.layers.prefill_attention_route`); the warm-up's short contexts would not reach the
+combine of split long contexts.
 
 The ranks of an instance run it together: every step is collective (TP all-reduces,
 the expert all-to-all, the lockstep's all-reduce), and every rank derives the same
@@ -137,6 +141,7 @@ Step = Callable[[Borrowed], None]
 def warm_up_prefill(runner: ModelRunner, settings: PrefillSettings) -> None:
     """Prefill forwards over dummy prompts (every rank of the TP group, same order)."""
     vocab = runner.model.config.vocab_size
+    _prepare_decode_attention(runner)
 
     def forward(i: int, n: int) -> Step:
         def run(borrowed: Borrowed) -> None:
@@ -159,10 +164,8 @@ def warm_up_decode(runner: ModelRunner, settings: DecodeSettings, world: int) ->
     cache) and its first token, so the step feeds one token per sequence like a real one.
     """
     lockstep = Lockstep(runner, world)
-    model, vocab = runner.model, runner.model.config.vocab_size
-    if model.kernels:
-        prepare_decode_attention(model.heads.num_q, model.local_kv_heads, model.config.head_dim, runner.cache.layout.page_size,
-                                 model.dtype, runner.cache.device)
+    vocab = runner.model.config.vocab_size
+    _prepare_decode_attention(runner)
 
     def step(batch: int) -> Step:
         def run(borrowed: Borrowed) -> None:
@@ -178,6 +181,14 @@ def warm_up_decode(runner: ModelRunner, settings: DecodeSettings, world: int) ->
     if runner.decode_graphs is not None:  # capture, then replay each bucket's graph before reporting ready
         steps = [(f"{name}_{phase}", run) for name, run in steps for phase in ("capture", "replay")]
     _run("decode", runner, steps)
+
+
+def _prepare_decode_attention(runner: ModelRunner) -> None:
+    """Compile the paged decode attention kernels the model's attention may run (module doc)."""
+    model = runner.model
+    if model.kernels:
+        prepare_decode_attention(model.heads.num_q, model.local_kv_heads, model.config.head_dim, runner.cache.layout.page_size,
+                                 model.dtype, runner.cache.device)
 
 
 def _run(service: str, runner: ModelRunner, steps: Sequence[tuple[str, Step]]) -> None:
