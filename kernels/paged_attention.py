@@ -21,7 +21,12 @@ it runs ``paged_decode_attention_reference`` (fp32). Slots of a sequence's last 
 its length are read and given weight 0, so they must hold finite values (the model's
 pools do: zeroed at start, then only ever written with K/V).
 
-Kernels are compiled once per (query heads per KV head, head dim, page size, index widths)
+``paged_multi_query_attention`` runs ``n`` queries of each sequence (a prefill's new tokens after
+a cached prefix, each a decode query whose context ends at its own position): where ``n`` times the
+query heads per KV head fit the kernel's 16 rows, one CTA takes them all, every K/V load feeding
+each of them (the query heads of a Qwen3-30B rank, 8 per KV head, fill only half the rows alone).
+
+Kernels are compiled once per (rows per KV head, queries per CTA, head dim, page size, index widths)
 and cached (``prepare_paged_decode_attention`` compiles ahead); batch, page-table width and
 split count are launch arguments.
 """
@@ -143,15 +148,58 @@ def paged_decode_attention(q: torch.Tensor, pool: torch.Tensor, page_tables: tor
     return out
 
 
+def queries_per_cta(q_heads: int, kv_heads: int) -> int:
+    """How many queries of one sequence `paged_multi_query_attention` packs into a CTA's 16 MMA rows."""
+    return max(1, MAX_GROUP // (q_heads // kv_heads))
+
+
+def paged_multi_query_attention(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    """``n`` queries per sequence as decode queries sharing the sequence's pages: ``q`` ``[B, n, Hq, D]``,
+    ``context_lens`` ``[B, n]`` (query ``j`` of sequence ``b`` sees keys ``0 .. context_lens[b, j] - 1``,
+    nondecreasing along ``j``: the kernel runs a sequence's tiles up to its last query's length);
+    returns ``[B, n, Hq, D]`` in q's dtype.
+
+    Where ``n`` times the query heads per KV head fit the kernel's 16 MMA rows (`queries_per_cta`), one
+    CTA takes all ``n`` queries of a (sequence, KV head, split), each K/V load feeding every one of them
+    (rows ``r`` of KV head ``h``: query ``r // g``'s head ``h * g + r % g``, packed here and unpacked after);
+    otherwise each query runs as a sequence of its own (`paged_decode_attention`).
+    """
+    _check(q.dim() == 4 and context_lens.shape == q.shape[:2],
+           lambda: f"q must be [batch, n, q_heads, head_dim] and context_lens [batch, n], got {tuple(q.shape)} and {tuple(context_lens.shape)}")
+    b, n, hq, d = q.shape
+    check_arguments(q[:, 0], pool, page_tables, context_lens[:, 0])
+    _, _, hkv, ps, _ = pool.shape
+    g = hq // hkv
+    if not q.is_cuda or kernel_supports(n * hq, hkv, d, ps, q.dtype) is not None:  # (also when n * g > 16)
+        flat = paged_decode_attention(q.reshape(b * n, hq, d), pool, page_tables.repeat_interleave(n, dim=0), context_lens.reshape(-1), scale)
+        return flat.view(b, n, hq, d)
+    _check(pool.is_contiguous(), lambda: f"the kernel needs a contiguous pool, got strides {pool.stride()}")
+    _check(b <= MAX_GRID_DIM and hkv <= MAX_GRID_DIM, lambda: f"batch {b} or kv_heads {hkv} above the grid limit {MAX_GRID_DIM}")
+    packed_q = q.reshape(b, n, hkv, g, d).transpose(1, 2).reshape(b, hkv * n * g, d)
+    packed_out = torch.empty_like(packed_q)
+    if b > 0:
+        from kernels import paged_attention_sm90  # CuTeDSL is imported only on the GPU path
+
+        splits = choose_splits(b, hkv, page_tables.shape[1] * ps // TILE, sm_count(q.device))
+        paged_attention_sm90.launch(packed_q, pool, page_tables.contiguous(), context_lens.contiguous(), scale, splits, packed_out)
+    return packed_out.view(b, hkv, n, g, d).transpose(1, 2).reshape(b, n, hq, d)
+
+
 def prepare_paged_decode_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int,
                                    index_dtype: torch.dtype = torch.int64) -> bool:
-    """Compile the kernels of this shape ahead of the first call (both the split kernel and the
-    combine of split contexts); False when the kernel does not take the shape (bf16 assumed)."""
+    """Compile the kernels of this shape ahead of the first call (the split kernel and the combine
+    of split contexts, for one query per CTA and for `paged_multi_query_attention`'s packed CTAs);
+    False when the kernel does not take the shape (bf16 assumed)."""
     if kernel_supports(q_heads, kv_heads, head_dim, page_size, torch.bfloat16) is not None:
         return False
     from kernels import paged_attention_sm90
 
     width = torch.empty((), dtype=index_dtype).element_size()
-    paged_attention_sm90.compiled_split(q_heads // kv_heads, head_dim, page_size, width, width)
-    paged_attention_sm90.compiled_combine(q_heads // kv_heads, head_dim)
+    group, packed = q_heads // kv_heads, queries_per_cta(q_heads, kv_heads)
+    paged_attention_sm90.compiled_split(group, head_dim, page_size, width, width)
+    paged_attention_sm90.compiled_combine(group, head_dim)
+    if packed > 1:  # `paged_multi_query_attention`'s CTAs of several queries
+        paged_attention_sm90.compiled_split(group * packed, head_dim, page_size, width, width, packed)
+        paged_attention_sm90.compiled_combine(group * packed, head_dim)
     return True

@@ -205,11 +205,17 @@ def _load_kv_tile(dst, pool: Int64, table_row: Int64, tok0: Int32, head: Int32, 
                 dst[2 * k_chunks * 4 + (i * v_chunks + hh) * 4 + e] = w[e]
 
 
+@cute.jit
+def _context_length(lens: Int64, entry: Int64, max_pages: Int32, page_size: cutlass.Constexpr, len_bytes: cutlass.Constexpr) -> Int32:
+    """Entry ``entry`` of the length vector, clamped to ``0 .. max_pages * page_size``."""
+    return Int32(cutlass.min(cutlass.max(_load_index(lens + entry * len_bytes, len_bytes), Int64(0)), Int64(max_pages) * page_size))
+
+
 @cute.kernel
 def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64, part_o: Int64, part_ml: Int64,
                   kv_heads: Int32, max_pages: Int32, splits: Int32, scale_log2: Float32, group: cutlass.Constexpr,
                   head_dim: cutlass.Constexpr, page_size: cutlass.Constexpr, table_bytes: cutlass.Constexpr,
-                  len_bytes: cutlass.Constexpr):
+                  len_bytes: cutlass.Constexpr, queries: cutlass.Constexpr):
     wait_for_previous_kernel()
     split, head, seq = cute.arch.block_idx()
     tid, _, _ = cute.arch.thread_idx()
@@ -220,8 +226,15 @@ def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
     k_chunks = head_dim // 32  # 16-byte loads per K row and thread (two k-steps each)
     v_chunks = head_dim // 64  # 16-byte loads per V row and thread
 
-    length = Int32(cutlass.min(cutlass.max(_load_index(lens + Int64(seq) * len_bytes, len_bytes), Int64(0)),
-                               Int64(max_pages) * page_size))
+    # ``queries`` queries of one sequence share the CTA's rows, ``group // queries`` each (module doc): rows
+    # grp and grp + 8 see their own query's length, the tiles run to the last (longest) query's.
+    length = _context_length(lens, Int64(seq) * queries + queries - 1, max_pages, page_size, len_bytes)
+    row_lengths = (length, length)
+    if cutlass.const_expr(queries > 1):
+        heads = group // queries
+        row_lengths = (_context_length(lens, Int64(seq) * queries + Int64(cutlass.min(grp // heads, queries - 1)), max_pages, page_size, len_bytes),
+                       _context_length(lens, Int64(seq) * queries + Int64(cutlass.min((grp + 8) // heads, queries - 1)), max_pages, page_size,
+                                       len_bytes))
     n_tiles = (length + TILE - 1) // TILE
     share = (n_tiles + splits - 1) // splits
     first = split * share
@@ -289,7 +302,7 @@ def _split_kernel(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64,
                     s = _mma((qf[ks * 4], qf[ks * 4 + 1], qf[ks * 4 + 2], qf[ks * 4 + 3]), kw[nt][j][2 * hh], kw[nt][j][2 * hh + 1], s)
             for c in cutlass.range_constexpr(4):
                 token = tok0 + nt * 8 + 2 * t + c % 2
-                x.append(cutlass.select_(token < length, s[c] * scale_log2, Float32(MASKED)))
+                x.append(cutlass.select_(token < row_lengths[c // 2], s[c] * scale_log2, Float32(MASKED)))
         # x[4 * nt + c]; row grp: c in (0, 1), row grp + 8: c in (2, 3).
         p = [Float32(0.0)] * 8
         for half in cutlass.range_constexpr(2):
@@ -388,10 +401,11 @@ def _combine_kernel(part_o: Int64, part_ml: Int64, out: Int64, kv_heads: Int32, 
 def _launch_split(q: Int64, pool: Int64, tables: Int64, lens: Int64, out: Int64, part_o: Int64, part_ml: Int64,
                   batch: Int32, kv_heads: Int32, max_pages: Int32, splits: Int32, scale_log2: Float32,
                   stream: cuda_driver.CUstream, group: cutlass.Constexpr, head_dim: cutlass.Constexpr,
-                  page_size: cutlass.Constexpr, table_bytes: cutlass.Constexpr, len_bytes: cutlass.Constexpr):
+                  page_size: cutlass.Constexpr, table_bytes: cutlass.Constexpr, len_bytes: cutlass.Constexpr,
+                  queries: cutlass.Constexpr):
     smem_bytes = (WARPS * group * head_dim + WARPS * ROWS * 2) * 4 + 64
     _split_kernel(q, pool, tables, lens, out, part_o, part_ml, kv_heads, max_pages, splits, scale_log2, group, head_dim,
-                  page_size, table_bytes, len_bytes).launch(grid=[splits, kv_heads, batch], block=[THREADS, 1, 1], smem=smem_bytes,
+                  page_size, table_bytes, len_bytes, queries).launch(grid=[splits, kv_heads, batch], block=[THREADS, 1, 1], smem=smem_bytes,
                                                  stream=stream, use_pdl=True)
 
 
@@ -413,16 +427,19 @@ def _compiled(key: tuple, build):
         return _CACHE[key]
 
 
-def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, len_bytes: int, options: str = "") -> JitCompiledFunction:
-    """The split kernel of one head shape, page size and index widths, compiled once per process (no GPU
-    needed); ``options`` go to ``cute.compile`` (and bypass the cache)."""
+def compiled_split(group: int, head_dim: int, page_size: int, table_bytes: int, len_bytes: int, queries: int = 1,
+                   options: str = "") -> JitCompiledFunction:
+    """The split kernel of one row count per KV head (``group``: query heads per KV head times ``queries``,
+    the queries of a sequence sharing a CTA), head dim, page size and index widths, compiled once per
+    process (no GPU needed); ``options`` go to ``cute.compile`` (and bypass the cache)."""
     def compile_split() -> JitCompiledFunction:
         z64, z32 = Int64(0), Int32(1)
         return cute.compile(_launch_split, z64, z64, z64, z64, z64, z64, z64, z32, z32, z32, z32, Float32(1.0), dummy_stream(), group,
-                            head_dim, page_size, table_bytes, len_bytes, options=options)
+                            head_dim, page_size, table_bytes, len_bytes, queries, options=options)
 
     # Looked up on every launch: the compile arguments are built only on a miss (they took ~8 us of host time).
-    return compile_split() if options else _compiled(("split", group, head_dim, page_size, table_bytes, len_bytes), compile_split)
+    key = ("split", group, head_dim, page_size, table_bytes, len_bytes, queries)
+    return compile_split() if options else _compiled(key, compile_split)
 
 
 def compiled_combine(group: int, head_dim: int, options: str = "") -> JitCompiledFunction:
@@ -437,12 +454,15 @@ def compiled_combine(group: int, head_dim: int, options: str = "") -> JitCompile
 def launch(q: torch.Tensor, pool: torch.Tensor, page_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
            splits: int, out: torch.Tensor) -> None:
     """Enqueue the attention on ``q``'s device's current stream (``kernels.paged_attention`` checked the
-    arguments: contiguous, aligned, supported shape). ``splits > 1`` adds the partials' combine."""
+    arguments: contiguous, aligned, supported shape). ``q`` ``[B, kv_heads * group, D]`` holds a CTA's rows:
+    with ``context_lens`` ``[B, n]``, KV head ``h``'s rows are n queries' heads of ``h`` in turn (the
+    caller's packing). ``splits > 1`` adds the partials' combine."""
     batch, q_heads, head_dim = q.shape
     _, _, kv_heads, page_size, _ = pool.shape
     group, max_pages = q_heads // kv_heads, page_tables.shape[1]
     table_bytes, len_bytes = page_tables.element_size(), context_lens.element_size()
-    split_fn = launcher(compiled_split(group, head_dim, page_size, table_bytes, len_bytes), q.device)
+    queries = context_lens.shape[1] if context_lens.dim() == 2 else 1
+    split_fn = launcher(compiled_split(group, head_dim, page_size, table_bytes, len_bytes, queries), q.device)
     if splits == 1:
         part_o = part_ml = out  # never touched with one split
     else:

@@ -39,7 +39,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import grouped_moe
 from kernels.ops import env_mode
-from kernels.paged_attention import MAX_GRID_DIM, kernel_supports, paged_decode_attention, prepare_paged_decode_attention
+from kernels.paged_attention import (MAX_GRID_DIM, kernel_supports, paged_decode_attention, paged_multi_query_attention,
+                                     prepare_paged_decode_attention, queries_per_cta)
 from shared.kvcache import PagedKVCache
 from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
 from shared.model.weights import FusedGateUp, Linear
@@ -90,17 +91,31 @@ class PrefillKeys:
 
 @dataclass(frozen=True)
 class QueriesAsDecode:
-    """A prefill batch seen as a decode batch, for `queries_as_decode_attention`: one row per query, query ``i``
-    of a sequence with ``n`` new tokens and ``L`` in all reading that sequence's pages with context
-    ``L - n + i + 1`` (exactly the keys its causal mask shows it)."""
+    """A prefill batch seen as a decode batch, for `queries_as_decode_attention`: query ``i`` of a sequence
+    with ``n`` new tokens and ``L`` in all reads that sequence's pages with context ``L - n + i + 1``
+    (exactly the keys its causal mask shows it). A sequence's queries go ``per_cta`` at a time to one
+    kernel CTA (`kernels.paged_attention.paged_multi_query_attention`), its last CTA's spare places
+    repeating its last query (computed, never read)."""
 
-    page_tables: torch.Tensor  # [T, P]: each query's sequence's page table
-    context_lens: torch.Tensor  # [T]
+    rows: torch.Tensor  # [P, per_cta]: each place's query, an index into the batch's T rows
+    page_tables: torch.Tensor  # [P, pages]: the page table of each CTA's sequence
+    context_lens: torch.Tensor  # [P, per_cta], nondecreasing along a row
+    slots: torch.Tensor  # [T]: where each query's result is among the P * per_cta places
 
     @classmethod
-    def build(cls, meta: AttentionMetadata) -> QueriesAsDecode:
-        first_key = (meta.context_lens - meta.query_lens)[meta.token_seq]
-        return cls(meta.page_tables[meta.token_seq], first_key + meta.token_idx + 1)
+    def build(cls, meta: AttentionMetadata, per_cta: int) -> QueriesAsDecode:
+        if meta.host_lens is None:
+            raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
+        n = meta.query_lens
+        ctas = (n + per_cta - 1) // per_cta  # per sequence
+        total = sum(-(-q // per_cta) for q, _ in meta.host_lens)
+        first_cta, first_query = ctas.cumsum(0) - ctas, n.cumsum(0) - n
+        seq = torch.repeat_interleave(torch.arange(len(meta.host_lens), device=n.device), ctas, output_size=total)
+        place = torch.arange(per_cta, device=n.device)
+        index = torch.minimum((torch.arange(total, device=n.device) - first_cta[seq])[:, None] * per_cta + place, n[seq, None] - 1)
+        slots = (first_cta[meta.token_seq] + meta.token_idx // per_cta) * per_cta + meta.token_idx % per_cta
+        context = (meta.context_lens - n)[seq, None] + index + 1
+        return cls(first_query[seq, None] + index, meta.page_tables[seq], context, slots)
 
 
 @dataclass
@@ -253,16 +268,20 @@ def queries_as_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int
     """A prefill batch through the paged decode attention kernel, every query a decode query of its own.
 
     Query ``i`` of ``n`` after ``L - n`` cached tokens sees keys ``0 .. L - n + i``: the keys a decode
-    query with context ``L - n + i + 1`` sees, so the batch is a decode batch of ``T`` rows over the
-    same pages (`QueriesAsDecode`). Each query reads its sequence's K/V again (from L2 when the
-    queries of a sequence run together), but the kernel splits every context over CTAs, where
+    query with context ``L - n + i + 1`` sees, so the batch is a decode batch over the same pages
+    (`QueriesAsDecode`), a sequence's queries sharing a CTA as far as its 16 MMA rows hold their heads
+    (2 at Qwen3-30B's 8 query heads per KV head, 1 at 235B's 16). Each CTA reads its sequence's K/V
+    again (from L2 when they run together), but the kernel splits every context over CTAs, where
     the varlen flash call runs one CTA per 128 queries and query head and walks the whole
     context in it: a prefix-cache hit with a short suffix leaves that call a few dozen CTAs.
     """
+    t, hq, d = q.shape
+    pool = cache.pools[layer]
     if meta.as_decode is None:
-        meta.as_decode = QueriesAsDecode.build(meta)
+        meta.as_decode = QueriesAsDecode.build(meta, queries_per_cta(hq, pool.shape[2]))
     view = meta.as_decode
-    return paged_decode_attention(q, cache.pools[layer], view.page_tables, view.context_lens, scale)
+    out = paged_multi_query_attention(q[view.rows], pool, view.page_tables, view.context_lens, scale)  # [P, per_cta, Hq, D]
+    return out.view(-1, hq, d)[view.slots]
 
 
 def varlen_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:

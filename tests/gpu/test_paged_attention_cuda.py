@@ -245,3 +245,27 @@ def test_prefill_of_short_suffixes_runs_as_decode_queries(hq):
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
     varlen = layers.varlen_prefill_attention(q, cache, 0, meta, d**-0.5).float()
     torch.testing.assert_close(got, varlen, rtol=2.0**-6, atol=2.0**-6)
+
+
+@pytest.mark.parametrize("hq,hkv,d,page", [(32, 4, 128, 16), (16, 4, 128, 16), (64, 4, 128, 16), (8, 4, 64, 4)])
+@pytest.mark.parametrize("batch", [3, 96])
+def test_ctas_of_several_queries_match_the_reference(hq, hkv, d, page, batch):
+    """`paged_multi_query_attention`: each sequence's `queries_per_cta` queries (2 / 4 / 1 / 8 here) in one
+    CTA, query j seeing one key more than query j - 1 (a prefill suffix), lengths uneven and past 8k at
+    batch 3 (split contexts and their combine) and short at 96 (one split), against the fp32 reference of
+    each query alone; the poisoned slots past each sequence's longest context must not leak in."""
+    gen = torch.Generator().manual_seed(hq * batch + page)
+    n = pa.queries_per_cta(hq, hkv)
+    longest = [9000, 1, 37][:batch] if batch == 3 else [1 + (53 * i) % 700 for i in range(batch)]
+    q1, pool, tables, lens = _case(gen, batch, hq, hkv, d, page, longest)
+    q = torch.randn((batch, n, hq, d), generator=gen).to(q1.device, torch.bfloat16)
+    contexts = torch.clamp(lens[:, None] - (n - 1) + torch.arange(n, device=lens.device), min=1)  # nondecreasing, each >= 1
+    contexts = torch.minimum(contexts, lens[:, None])
+    out = pa.paged_multi_query_attention(q, pool, tables, contexts, d**-0.5)
+    ref = pa.paged_decode_attention_reference(q.reshape(batch * n, hq, d), pool, tables.repeat_interleave(n, dim=0),
+                                              contexts.reshape(-1), d**-0.5).view(batch, n, hq, d)
+    torch.cuda.synchronize()
+    err = (out.float() - ref).norm() / ref.norm()
+    print(f"  B={batch} n={n} Hq={hq} D={d} page={page} rel_err={err.item():.2e}")
+    assert out.shape == (batch, n, hq, d) and torch.isfinite(out.float()).all()
+    assert err < REL_TOL and (out.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()

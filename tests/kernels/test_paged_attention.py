@@ -155,10 +155,19 @@ def test_prefill_batch_as_decode_queries_equals_the_models_attention():
     expect = layers.paged_attention(q, cache, 0, meta, d**-0.5)
     got = layers.queries_as_decode_attention(q, cache, 0, meta, d**-0.5)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
-    # query i of a sequence reads exactly its causal prefix: L - n + i + 1 keys of its own pages
-    assert meta.as_decode is not None
-    assert meta.as_decode.context_lens.tolist() == [9, 10, 11, 14, 15, 16, 17, 18, 19, 21, 1, 2, 3, 4, 5, 2, 3]
-    assert torch.equal(meta.as_decode.page_tables, meta.page_tables[meta.token_seq])
+    # 2 KV heads of 4 query heads: 4 queries of a sequence share a CTA, its last CTA's spare places
+    # repeating its last query; query i reads exactly its causal prefix, L - n + i + 1 keys of its own pages.
+    view = meta.as_decode
+    assert view is not None and view.rows.shape[1] == 4
+    assert view.context_lens.tolist() == [[9, 10, 11, 11], [14, 15, 16, 17], [18, 19, 19, 19], [21, 21, 21, 21], [1, 2, 3, 4],
+                                          [5, 5, 5, 5], [2, 3, 3, 3]]
+    assert view.rows.view(-1)[view.slots].tolist() == list(range(17))
+    assert view.context_lens.view(-1)[view.slots].tolist() == [9, 10, 11, 14, 15, 16, 17, 18, 19, 21, 1, 2, 3, 4, 5, 2, 3]
+    assert torch.equal(view.page_tables[view.slots // 4], meta.page_tables[meta.token_seq])
+    # one query a CTA (16 query heads per KV head): the same contexts, one place each
+    single = layers.QueriesAsDecode.build(meta, 1)
+    assert single.context_lens.view(-1).tolist() == view.context_lens.view(-1)[view.slots].tolist()
+    assert single.slots.tolist() == list(range(17)) and torch.equal(single.page_tables, meta.page_tables[meta.token_seq])
 
 
 def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence(monkeypatch):
@@ -187,12 +196,15 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
 # --------------------------------------------------------------------------- compilation (sm_90a, no GPU)
 
 
-@pytest.mark.parametrize("group,head_dim,page,table_bytes", [(8, 128, 16, 8), (16, 128, 16, 4), (2, 64, 4, 8)])
-def test_kernels_compile_for_sm90a_with_tensor_core_tiles(group, head_dim, page, table_bytes, tmp_path, monkeypatch):
+# (rows per KV head, queries per CTA): one query of 8 / 16 / 2 heads per KV head, and the packed CTAs of
+# paged_multi_query_attention (2 queries of 8 heads, Qwen3-30B's rank; 8 queries of 2 heads, the tiny model's)
+@pytest.mark.parametrize("group,queries,head_dim,page,table_bytes", [(8, 1, 128, 16, 8), (16, 1, 128, 16, 4), (2, 1, 64, 4, 8),
+                                                                     (16, 2, 128, 16, 8), (16, 8, 64, 4, 8)])
+def test_kernels_compile_for_sm90a_with_tensor_core_tiles(group, queries, head_dim, page, table_bytes, tmp_path, monkeypatch):
     from kernels import paged_attention_sm90 as sm90
 
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes its file into the working directory
-    ptx = sm90.compiled_split(group, head_dim, page, table_bytes, 8, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}").__ptx__
+    ptx = sm90.compiled_split(group, head_dim, page, table_bytes, 8, queries, options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}").__ptx__
     assert ".target sm_90a" in ptx and "multimem" not in ptx and ".local" not in ptx
     # One tile: Q @ K^T in 2 n-tiles x head_dim / 16 k-steps, P @ V in head_dim / 8 n-tiles.
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * head_dim // 16 + head_dim // 8
@@ -214,4 +226,7 @@ def test_prepare_compiles_both_kernels_or_declines():
 
     assert not pa.prepare_paged_decode_attention(32, 4, 96, 16)
     assert pa.prepare_paged_decode_attention(8, 4, 64, 8)
-    assert ("split", 2, 64, 8, 8, 8) in sm90._CACHE and ("combine", 2, 64) in sm90._CACHE
+    assert ("split", 2, 64, 8, 8, 8, 1) in sm90._CACHE and ("combine", 2, 64) in sm90._CACHE
+    # and the CTAs of 8 queries (2 query heads per KV head) that paged_multi_query_attention packs
+    assert pa.queries_per_cta(8, 4) == 8
+    assert ("split", 16, 64, 8, 8, 8, 8) in sm90._CACHE and ("combine", 16, 64) in sm90._CACHE
