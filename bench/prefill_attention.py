@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     q = torch.randn((seqs * n, hq, HEAD_DIM), generator=gen, device=dev, dtype=torch.bfloat16)
                     lone_fresh = seqs == 1 and cached == 0  # `_prefill_attention`'s SDPA path: no plan built
                     route = layers.prefill_attention_route(meta, hq, cache.pools[0].shape, q.dtype, dev)
-                    build_plan = (lambda: layers.QueriesAsDecode.build(meta)) if route == "as_decode" else lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)
+                    per_cta = layers.as_decode_queries_per_cta(seqs * n, hq, hkv, dev)
+                    build_plan = (lambda: layers.QueriesAsDecode.build(meta, per_cta)) if route == "as_decode" else lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)
                     plan_us = 0.0 if lone_fresh and route == "varlen" else statistics.median(event_time_us(build_plan) for _ in range(a.reps))
                     k, v = cache.gather(0, meta.page_tables)
                     k, v = k[:, :, :length], v[:, :, :length]

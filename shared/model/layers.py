@@ -39,7 +39,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.moe import grouped_moe
 from kernels.ops import env_mode
-from kernels.paged_attention import (MAX_GRID_DIM, kernel_supports, paged_decode_attention, paged_multi_query_attention,
+from kernels._cute_runtime import sm_count
+from kernels.paged_attention import (CTAS_PER_SM_TARGET, MAX_GRID_DIM, kernel_supports, paged_decode_attention, paged_multi_query_attention,
                                      prepare_paged_decode_attention, queries_per_cta)
 from shared.kvcache import PagedKVCache
 from shared.model.quant_formats import BlockFp8Weight, Mxfp8Weight
@@ -278,10 +279,23 @@ def queries_as_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int
     t, hq, d = q.shape
     pool = cache.pools[layer]
     if meta.as_decode is None:
-        meta.as_decode = QueriesAsDecode.build(meta, queries_per_cta(hq, pool.shape[2]))
+        meta.as_decode = QueriesAsDecode.build(meta, as_decode_queries_per_cta(t, hq, pool.shape[2], q.device))
     view = meta.as_decode
     out = paged_multi_query_attention(q[view.rows], pool, view.page_tables, view.context_lens, scale)  # [P, per_cta, Hq, D]
     return out.view(-1, hq, d)[view.slots]
+
+
+def as_decode_queries_per_cta(num_queries: int, q_heads: int, kv_heads: int, device: torch.device) -> int:
+    """How many queries of a sequence `queries_as_decode_attention` gives one kernel CTA: as many as their
+    heads fill (`kernels.paged_attention.queries_per_cta`) once a CTA per query and KV head would already
+    fill the GPU (`CTAS_PER_SM_TARGET` per SM), else 1. Measured on one H200 (bench.prefill_step, 16 of
+    Qwen3-30B's layers graphed after 1024 cached tokens, 68139045cc1e): two queries a CTA took 4.19-4.20 /
+    4.81 / 4.18-4.19 ms of GPU time at 8x16 / 32x8 / 4x32 new tokens against one's 4.40 / 5.23-5.25 /
+    4.41 (64a08ec7448a), but 2.37-2.38 / 3.28 at 1x8 / 1x32 against 2.21-2.22 / 3.14: with few queries,
+    halving the CTAs and the extra packing copies cost more than the K/V reads saved."""
+    if device.type != "cuda" or num_queries * kv_heads < CTAS_PER_SM_TARGET * sm_count(device):
+        return 1
+    return queries_per_cta(q_heads, kv_heads)
 
 
 def varlen_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:

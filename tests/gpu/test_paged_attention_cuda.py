@@ -241,6 +241,7 @@ def test_prefill_of_short_suffixes_runs_as_decode_queries(hq):
     assert layers.prefill_attention_route(meta, hq, cache.pools[0].shape, q.dtype, dev) == "as_decode"
     got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
     assert meta.as_decode is not None and meta.prefill_keys is None  # the decode route ran, not the varlen call
+    assert meta.as_decode.rows.shape[1] == (2 if hq == 32 else 1)  # 113 queries fill the GPU: 30B's pairs share CTAs
     want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
     varlen = layers.varlen_prefill_attention(q, cache, 0, meta, d**-0.5).float()

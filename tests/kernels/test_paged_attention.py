@@ -157,13 +157,16 @@ def test_prefill_batch_as_decode_queries_equals_the_models_attention():
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
     # 2 KV heads of 4 query heads: 4 queries of a sequence share a CTA, its last CTA's spare places
     # repeating its last query; query i reads exactly its causal prefix, L - n + i + 1 keys of its own pages.
-    view = meta.as_decode
-    assert view is not None and view.rows.shape[1] == 4
+    assert meta.as_decode is not None and meta.as_decode.rows.shape[1] == 1  # on CPU one query a place
+    view = layers.QueriesAsDecode.build(meta, 4)
     assert view.context_lens.tolist() == [[9, 10, 11, 11], [14, 15, 16, 17], [18, 19, 19, 19], [21, 21, 21, 21], [1, 2, 3, 4],
                                           [5, 5, 5, 5], [2, 3, 3, 3]]
     assert view.rows.view(-1)[view.slots].tolist() == list(range(17))
     assert view.context_lens.view(-1)[view.slots].tolist() == [9, 10, 11, 14, 15, 16, 17, 18, 19, 21, 1, 2, 3, 4, 5, 2, 3]
     assert torch.equal(view.page_tables[view.slots // 4], meta.page_tables[meta.token_seq])
+    # the packed places through the multi-query attention (on CPU each place alone), results put back by slot
+    packed = pa.paged_multi_query_attention(q[view.rows], cache.pools[0], view.page_tables, view.context_lens, d**-0.5)
+    torch.testing.assert_close(packed.view(-1, hq, d)[view.slots], expect, rtol=1e-5, atol=1e-5)
     # one query a CTA (16 query heads per KV head): the same contexts, one place each
     single = layers.QueriesAsDecode.build(meta, 1)
     assert single.context_lens.view(-1).tolist() == view.context_lens.view(-1)[view.slots].tolist()
