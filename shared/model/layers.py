@@ -229,14 +229,16 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 # Prefill batches of few queries per sequence run as decode batches (`queries_as_decode_attention`):
 # up to AS_DECODE_MAX_QUERIES per sequence where the batch's cached tokens are at least its new ones (a
 # prefix-cache hit), up to AS_DECODE_FRESH_MAX_QUERIES otherwise. Measured on one H200 (bench.prefill_attention,
-# the GPU's own time, 7757fe48ef32): after 1024-4096 cached tokens the decode route took 0.07-0.86x the
-# varlen call's time up to 32 new tokens a sequence (64 prompts of 4 after 4096: 310 against 2832 us at 30B
-# heads); at 48-64 new tokens, with 8 or 64 prompts, 1.2-1.7x at 30B heads (8 query heads per KV head: half
-# the kernel's 16 MMA rows idle) and 0.74-1.09x at 235B heads (16 per KV head); fresh prompts, whose context
-# grows with their own length, gained at 4 new tokens (64 x 4: 16.8 against 51.5 us), were within 8% either
-# way at 16 (8 x 16: 10.2 against 12.5 us; 64 x 16: 60.0 against 55.6) and lost 1.3-1.9x at 32 with 8 or 64
-# prompts (64 x 32: 120 against 63 us).
-AS_DECODE_MAX_QUERIES = 32
+# the GPU's own time), one query a CTA (7757fe48ef32): after 1024-4096 cached tokens the decode route took
+# 0.07-0.86x the varlen call's time up to 32 new tokens a sequence (64 prompts of 4 after 4096: 310 against
+# 2832 us at 30B heads); at 48 with 8 or 64 prompts 1.2-1.3x at 30B heads (8 query heads per KV head: half
+# the kernel's 16 MMA rows idle) and 0.74-0.82x at 235B heads (16 per KV head). With two 30B queries a CTA
+# (`as_decode_queries_per_cta`, 0129684c39f2) 48 new tokens took 0.62-0.84x (64 x 48 after 1024: 615 against
+# 792 us; one prompt of 48, one query a CTA: 0.60-0.64x); 64 was not measured with them (one query a CTA:
+# 1.6x at 30B heads, 0.99-1.09x at 235B). Fresh prompts, whose context grows with their own length, gained at
+# 4 new tokens (64 x 4: 16.8 against 51.5 us), were within 8% either way at 16 (8 x 16: 10.2 against 12.5 us;
+# 64 x 16: 60.0 against 55.6) and lost 1.3-1.9x at 32 with 8 or 64 prompts (64 x 32: 120 against 63 us).
+AS_DECODE_MAX_QUERIES = 48
 AS_DECODE_FRESH_MAX_QUERIES = 16
 
 
@@ -281,6 +283,8 @@ def queries_as_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int
     if meta.as_decode is None:
         meta.as_decode = QueriesAsDecode.build(meta, as_decode_queries_per_cta(t, hq, pool.shape[2], q.device))
     view = meta.as_decode
+    if view.rows.shape[1] == 1:  # one query a CTA: places are the queries in order, no gather either way
+        return paged_decode_attention(q, pool, view.page_tables, view.context_lens.view(-1), scale)
     out = paged_multi_query_attention(q[view.rows], pool, view.page_tables, view.context_lens, scale)  # [P, per_cta, Hq, D]
     return out.view(-1, hq, d)[view.slots]
 

@@ -179,8 +179,8 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
     pool_shape = torch.Size((64, 2, 4, 16, 128))
     cap = layers.AS_DECODE_MAX_QUERIES
 
-    def route(queries_per_seq: int, seqs: int = 3, device: torch.device = cuda, dtype: torch.dtype = torch.bfloat16, cached: int = 32) -> str:
-        chunks = [SequenceChunk([1] * queries_per_seq, cached, [0, 1, 2, 3, 4, 5]) for _ in range(seqs)]
+    def route(queries_per_seq: int, seqs: int = 3, device: torch.device = cuda, dtype: torch.dtype = torch.bfloat16, cached: int = 64) -> str:
+        chunks = [SequenceChunk([1] * queries_per_seq, cached, list(range(8))) for _ in range(seqs)]
         meta = ForwardBatch.build(chunks, 16, torch.device("cpu")).attn
         return layers.prefill_attention_route(meta, 32, pool_shape, dtype, device)
 
