@@ -233,9 +233,9 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 # 0.07-0.86x the varlen call's time up to 32 new tokens a sequence (64 prompts of 4 after 4096: 310 against
 # 2832 us at 30B heads); at 48 with 8 or 64 prompts 1.2-1.3x at 30B heads (8 query heads per KV head: half
 # the kernel's 16 MMA rows idle) and 0.74-0.82x at 235B heads (16 per KV head). With two 30B queries a CTA
-# (`as_decode_queries_per_cta`, 0129684c39f2) 48 new tokens took 0.62-0.84x (64 x 48 after 1024: 615 against
+# (`as_decode_queries_per_cta`, 0129684c39f2) 48 new tokens took 0.62-0.83x (64 x 48 after 1024: 615 against
 # 792 us; one prompt of 48, one query a CTA: 0.60-0.64x); 64 was not measured with them (one query a CTA:
-# 1.6x at 30B heads, 0.99-1.09x at 235B). Fresh prompts, whose context grows with their own length, gained at
+# 1.55-1.7x at 30B heads, 1.0-1.09x at 235B). Fresh prompts, whose context grows with their own length, gained at
 # 4 new tokens (64 x 4: 16.8 against 51.5 us), were within 8% either way at 16 (8 x 16: 10.2 against 12.5 us;
 # 64 x 16: 60.0 against 55.6) and lost 1.3-1.9x at 32 with 8 or 64 prompts (64 x 32: 120 against 63 us).
 AS_DECODE_MAX_QUERIES = 48
