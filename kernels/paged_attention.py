@@ -165,8 +165,8 @@ def paged_multi_query_attention(q: torch.Tensor, pool: torch.Tensor, page_tables
     (rows ``r`` of KV head ``h``: query ``r // g``'s head ``h * g + r % g``, packed here and unpacked after);
     otherwise each query runs as a sequence of its own (`paged_decode_attention`).
     """
-    _check(q.dim() == 4 and context_lens.shape == q.shape[:2],
-           lambda: f"q must be [batch, n, q_heads, head_dim] and context_lens [batch, n], got {tuple(q.shape)} and {tuple(context_lens.shape)}")
+    _check(q.dim() == 4 and q.shape[1] > 0 and context_lens.shape == q.shape[:2],
+           lambda: f"q must be [batch, n >= 1, q_heads, head_dim] and context_lens [batch, n], got {tuple(q.shape)} and {tuple(context_lens.shape)}")
     b, n, hq, d = q.shape
     check_arguments(q[:, 0], pool, page_tables, context_lens[:, 0])
     _, _, hkv, ps, _ = pool.shape

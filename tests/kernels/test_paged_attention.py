@@ -196,6 +196,26 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
     assert route(2) == "varlen"
 
 
+def test_queries_share_a_cta_only_once_one_query_a_cta_fills_the_gpu(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(layers, "sm_count", lambda device: 132)
+    target = pa.CTAS_PER_SM_TARGET * 132 // 4  # queries whose CTAs (4 KV heads) reach the target alone
+    assert layers.as_decode_queries_per_cta(target, 32, 4, cuda) == 2  # 8 heads a KV head: two queries fill 16 rows
+    assert layers.as_decode_queries_per_cta(target - 1, 32, 4, cuda) == 1
+    assert layers.as_decode_queries_per_cta(10 * target, 64, 4, cuda) == 1  # 16 heads fill the rows alone
+    assert layers.as_decode_queries_per_cta(10 * target, 8, 4, cuda) == 8
+    assert layers.as_decode_queries_per_cta(10 * target, 32, 4, torch.device("cpu")) == 1
+
+
+def test_multi_query_attention_refuses_bad_shapes_by_name():
+    cache, meta, q = _decode_case(torch.Generator().manual_seed(5), 4, 2, 64, 16, [5, 20])
+    pool, tables = cache.pools[0], meta.page_tables
+    with pytest.raises(pa.PagedAttentionError, match="context_lens"):
+        pa.paged_multi_query_attention(q[:, None], pool, tables, meta.context_lens, 0.1)  # lens not [batch, n]
+    with pytest.raises(pa.PagedAttentionError, match="n >= 1"):
+        pa.paged_multi_query_attention(q[:, None][:, :0], pool, tables, meta.context_lens[:, None][:, :0], 0.1)
+
+
 # --------------------------------------------------------------------------- compilation (sm_90a, no GPU)
 
 
