@@ -16,7 +16,8 @@ in the same run on the same queries and K/V:
   one row gather, one variable-length flash attention call; one fresh prompt alone: SDPA's
   causal path on its gathered pages, as ``loop`` runs it);
 * ``as_decode``: `layers.queries_as_decode_attention` (each query a decode query of the paged
-  decode attention kernel), up to 128 queries per sequence where the kernel takes the shape;
+  decode attention kernel, a sequence's queries sharing CTAs where `layers.as_decode_queries_per_cta`
+  packs them), up to 128 queries per sequence where the kernel takes the shape;
 * ``loop``: the path before it, a sequence at a time (its pages gathered, SDPA with a
   bottom-right causal mask on flash attention): a few launches per sequence and layer;
 * ``folded``: ``shared.model.layers.folded_attention`` (query heads folded into rows under a

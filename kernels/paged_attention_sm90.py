@@ -14,6 +14,12 @@ with 16 MMAs, runs the online softmax in fp32 (exp2, scale folded in), and adds 
 shared memory; with one split the CTA writes the bf16 output, otherwise fp32 partials that
 ``_combine_kernel`` merges (one CTA per (sequence, query head)).
 
+Several queries a CTA (``queries`` > 1, `kernels.paged_attention.paged_multi_query_attention`): the
+rows of KV head ``h`` hold ``queries`` queries of one sequence, ``group // queries`` heads each, and
+``lens`` holds a length per query (nondecreasing). Rows ``grp`` and ``grp + 8`` of a thread are masked
+at their own query's length; the tiles run to the last query's. With one query the kernel is the
+decode kernel above (its PTX is unchanged by this option).
+
 Fragment layouts (PTX ISA, ``mma.m16n8k16``; lane = 4 * grp + t): A holds rows ``grp`` and
 ``grp + 8`` at k ``2t, 2t+1`` and ``2t+8, 2t+9``; B holds k ``2t, 2t+1`` and ``2t+8, 2t+9`` at
 column ``grp``; C holds rows ``grp``, ``grp + 8`` at columns ``2t, 2t+1``. Contracted
