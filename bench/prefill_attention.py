@@ -1,4 +1,4 @@
-"""Prefill attention of a batch of prompts: the model's path vs the per-sequence loop vs plain flash.
+"""Prefill attention of a batch of prompts: the model's routes vs plain flash.
 
 ``--seqs`` sequences of ``--prompts`` new tokens each, every one after the same ``--cached``
 tokens already in the pages (one long prompt with ``--seqs 1``; many short prompts after a
@@ -8,18 +8,19 @@ of one rank of Qwen3-30B-A3B (32 query / 4 KV heads) and Qwen3-235B-A22B (64 / 4
 in the same run on the same queries and K/V:
 
 * ``ours``: ``shared.model.layers.paged_attention_sdpa``, what the model runs: the route
-  `layers.prefill_attention_route` picks (``route`` in the table), one of the next two,
+  `layers.prefill_attention_route` picks (``route`` in the table), one of the next three,
   timed with the batch's plan already built, as every layer after the first finds it;
-  ``plan_us`` is what building that plan adds to the first layer (`layers.PrefillKeys.build`
-  or `layers.QueriesAsDecode.build`; 0 for one fresh prompt alone, which builds none);
+  ``plan_us`` is what building that plan adds to the first layer (`layers.PrefillKeys.build`,
+  `layers.QueriesAsDecode.build` or `PagedKVCache.page_rows`);
 * ``varlen``: `layers.varlen_prefill_attention` (every sequence's keys gathered from the pages in
-  one row gather, one variable-length flash attention call; one fresh prompt alone: SDPA's
-  causal path on its gathered pages, as ``loop`` runs it);
+  one row gather, one variable-length flash attention call);
+* ``per_sequence``: `layers.per_sequence_prefill_attention` (the batch's pages gathered at once, then SDPA
+  with a bottom-right causal mask a sequence at a time: flash attention, which splits long contexts
+  over CTAs where its query blocks are few; a few launches per sequence and layer); result lines
+  before it became a route name this arm ``loop`` (then a page gather per sequence, otherwise the same);
 * ``as_decode``: `layers.queries_as_decode_attention` (each query a decode query of the paged
   decode attention kernel, a sequence's queries sharing CTAs where `layers.as_decode_queries_per_cta`
   packs them), up to 128 queries per sequence where the kernel takes the shape;
-* ``loop``: the path before it, a sequence at a time (its pages gathered, SDPA with a
-  bottom-right causal mask on flash attention): a few launches per sequence and layer;
 * ``folded``: ``shared.model.layers.folded_attention`` (query heads folded into rows under a
   ``[B, g * n, L]`` boolean mask), where it fits in memory;
 * ``flash_peer``: flash attention on K/V already contiguous, no paging, the ceiling (SDPA for
@@ -75,21 +76,6 @@ def _measure(fn: Callable[[], torch.Tensor], reps: int) -> tuple[float, float, t
     return us, peak, out, None if gpu_s is None else gpu_s * 1e6
 
 
-def loop_attention(q: torch.Tensor, cache: PagedKVCache, meta: layers.AttentionMetadata, scale: float) -> torch.Tensor:
-    """The prefill attention the model ran before the varlen call: a sequence at a time, its pages
-    gathered, SDPA with a bottom-right causal mask (flash attention, GQA)."""
-    assert meta.host_lens is not None
-    out = torch.empty_like(q)
-    start = 0
-    for b, (n, length) in enumerate(meta.host_lens):
-        k, v = cache.gather(0, meta.page_tables[b : b + 1, : -(-length // PAGE)])
-        o = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1)[None], k[:, :, :length], v[:, :, :length],
-                                           attn_mask=causal_lower_right(n, length), scale=scale, enable_gqa=True)
-        out[start : start + n] = o[0].transpose(0, 1)
-        start += n
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", choices=list(HEADS), default=list(HEADS))
@@ -119,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                     chunks = [SequenceChunk([0] * n, cached, prefix + rest[s * own : (s + 1) * own]) for s in range(seqs)]
                     meta = ForwardBatch.build(chunks, PAGE, dev).attn
                     q = torch.randn((seqs * n, hq, HEAD_DIM), generator=gen, device=dev, dtype=torch.bfloat16)
-                    lone_fresh = seqs == 1 and cached == 0  # `_prefill_attention`'s SDPA path: no plan built
                     route = layers.prefill_attention_route(meta, hq, cache.pools[0].shape, q.dtype, dev)
                     per_cta = layers.as_decode_queries_per_cta(seqs * n, hq, hkv, dev)
-                    build_plan = (lambda: layers.QueriesAsDecode.build(meta, per_cta)) if route == "as_decode" else lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)
-                    plan_us = 0.0 if lone_fresh and route == "varlen" else statistics.median(event_time_us(build_plan) for _ in range(a.reps))
+                    plans = {"as_decode": lambda: layers.QueriesAsDecode.build(meta, per_cta), "per_sequence": lambda: cache.page_rows(meta.page_tables),
+                             "varlen": lambda: layers.PrefillKeys.build(meta, cache.pools[0].shape)}
+                    plan_us = statistics.median(event_time_us(plans[route]) for _ in range(a.reps))
                     k, v = cache.gather(0, meta.page_tables)
                     k, v = k[:, :, :length], v[:, :, :length]
                     if seqs == 1:
@@ -140,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     arms = {
                         "ours": lambda: layers.paged_attention_sdpa(q, cache, 0, meta, scale),
                         "varlen": lambda: layers.varlen_prefill_attention(q, cache, 0, meta, scale),
-                        "loop": lambda: loop_attention(q, cache, meta, scale),
+                        "per_sequence": lambda: layers.per_sequence_prefill_attention(q, cache, 0, meta, scale),
                         "folded": lambda: layers.folded_attention(q, cache, 0, meta, scale),
                         "flash_peer": peer_fn,
                     }
@@ -160,17 +146,18 @@ def main(argv: list[str] | None = None) -> int:
                     peers = {name: {"latency_us": r[0], "gpu_us": r[3], "tflops": flops / r[0] / 1e6, "peak_extra_mib": r[1], "rel_err_vs_peer": err(r[2])}
                              for name, r in results.items() if name != "ours" and r is not None}
                     record(BENCH, case, metrics, peers)
-                    loop, folded, varlen, as_decode = (results.get(name) for name in ("loop", "folded", "varlen", "as_decode"))
+                    per_seq, folded, varlen, as_decode = (results.get(name) for name in ("per_sequence", "folded", "varlen", "as_decode"))
                     rows.append({"model": model, "seqs": seqs, "new": n, "cached": cached, "route": route, "ours_us": ours[0], "plan_us": plan_us,
                                  "ours_gpu_us": ours[3], "varlen_us": varlen[0] if varlen else "-", "varlen_gpu_us": varlen[3] if varlen else "-",
                                  "as_decode_us": as_decode[0] if as_decode else "-", "as_decode_gpu_us": as_decode[3] if as_decode else "-",
-                                 "ours_TFLOPs": metrics["tflops"], "ours_MiB": ours[1], "loop_us": loop[0] if loop else "OOM",
+                                 "ours_TFLOPs": metrics["tflops"], "ours_MiB": ours[1], "per_seq_us": per_seq[0] if per_seq else "OOM",
+                                 "per_seq_gpu_us": per_seq[3] if per_seq else "-",
                                  "peer_us": peer[0], "ours/peer": metrics["ratio_to_flash_peer"], "folded_us": folded[0] if folded else "OOM",
                                  "rel_err": rel_err})
-                    del cache, meta, q, k, v, results, ours, peer, loop, folded, varlen, as_decode, peer_fn, arms
+                    del cache, meta, q, k, v, results, ours, peer, per_seq, folded, varlen, as_decode, peer_fn, arms
                     torch.cuda.empty_cache()
     print_table(rows, ["model", "seqs", "new", "cached", "route", "ours_us", "ours_gpu_us", "plan_us", "varlen_us", "varlen_gpu_us", "as_decode_us",
-                       "as_decode_gpu_us", "ours_TFLOPs", "ours_MiB", "loop_us", "peer_us", "ours/peer", "folded_us", "rel_err"])
+                       "as_decode_gpu_us", "ours_TFLOPs", "ours_MiB", "per_seq_us", "per_seq_gpu_us", "peer_us", "ours/peer", "folded_us", "rel_err"])
     return 0
 
 

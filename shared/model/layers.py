@@ -19,13 +19,15 @@ path `linear` dequantizes it on every call.
 Decode batches (one query per sequence) take the paged decode attention kernel of
 `kernels.paged_attention` inside `paged_attention_sdpa`: K/V read straight from the pool
 (``MOEBUS_DECODE_ATTENTION=sdpa`` turns it off; they then gather their pages for SDPA with
-a mask). Prefill batches (several queries per sequence) gather every sequence's keys from
-the pages at once and run one variable-length flash attention call, causal to the bottom
-right (each sequence's queries after its cached tokens), so many short prompts cost no launch
-per sequence and no prompt any [queries x keys] memory (`_prefill_attention`; one fresh prompt
-alone takes SDPA's faster causal kernel). A prefill batch whose sequences bring only a few new
-tokens each (a prefix-cache hit with a short suffix) runs through the decode kernel instead,
-every query a decode row whose context ends at its own position (`queries_as_decode_attention`).
+a mask). Prefill batches (several queries per sequence) take one of three routes
+(`prefill_attention_route`), all causal to the bottom right (each sequence's queries after its
+cached tokens) and none with [queries x keys] memory: many sequences gather their keys from
+the pages at once and run one variable-length flash attention call, so short prompts cost no
+launch per sequence (`varlen_prefill_attention`); one sequence, or a few whose queries leave
+most SMs idle, run a flash call each, which splits every context over CTAs
+(`per_sequence_prefill_attention`); and sequences that bring only a few new tokens each (a
+prefix-cache hit with a short suffix) run through the decode kernel, every query a decode row
+whose context ends at its own position (`queries_as_decode_attention`).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ class AttentionMetadata:
     max_q: int
     host_lens: tuple[tuple[int, int], ...] | None = None  # (query_len, context_len) per sequence, when built on the host
     prefill_keys: PrefillKeys | None = None  # built by the batch's first prefill attention layer, reused by the others
-    page_rows: torch.Tensor | None = None  # `PagedKVCache.page_rows` of page_tables, likewise (one fresh prompt's gather)
+    page_rows: torch.Tensor | None = None  # `PagedKVCache.page_rows` of page_tables, likewise (the per-sequence route's gather)
     prefill_route: str | None = None  # `prefill_attention_route`'s choice, likewise (host time on every layer)
     as_decode: QueriesAsDecode | None = None  # likewise, for batches `queries_as_decode_attention` runs
 
@@ -244,27 +246,57 @@ AS_DECODE_FRESH_MAX_QUERIES = 16
 
 def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """`paged_attention_sdpa` of a batch with several queries per sequence: the route
-    `prefill_attention_route` picks (`queries_as_decode_attention` or `varlen_prefill_attention`)."""
+    `prefill_attention_route` picks."""
     if meta.prefill_route is None:
         meta.prefill_route = prefill_attention_route(meta, q.shape[1], cache.pools[layer].shape, q.dtype, q.device)
     if meta.prefill_route == "as_decode":
         return queries_as_decode_attention(q, cache, layer, meta, scale)
+    if meta.prefill_route == "per_sequence":
+        return per_sequence_prefill_attention(q, cache, layer, meta, scale)
     return varlen_prefill_attention(q, cache, layer, meta, scale)
 
 
 def prefill_attention_route(meta: AttentionMetadata, q_heads: int, pool_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> str:
-    """``"as_decode"`` for a prefill batch of few queries per sequence (`AS_DECODE_MAX_QUERIES` after a
-    cached context at least as long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise), on CUDA
-    where the decode kernel takes the shape (`decode_attention_kernel`); else ``"varlen"``."""
+    """How `_prefill_attention` runs a prefill batch:
+
+    * ``"as_decode"`` for few queries per sequence (`AS_DECODE_MAX_QUERIES` after a cached context at
+      least as long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise), on CUDA where the
+      decode kernel takes the shape (`decode_attention_kernel`);
+    * else ``"per_sequence"`` off CUDA, and on CUDA for one sequence or for a batch whose flash CTAs would
+      leave most SMs idle (`flash_splits_keys`);
+    * else ``"varlen"``."""
     _, _, hkv, page_size, d = pool_shape
-    if meta.max_q > AS_DECODE_MAX_QUERIES or meta.token_seq.shape[0] > MAX_GRID_DIM:
-        return "varlen"
-    if meta.max_q > AS_DECODE_FRESH_MAX_QUERIES:
-        new = meta.token_seq.shape[0]
-        cached = sum(length - n for n, length in meta.host_lens) if meta.host_lens is not None else 0
-        if cached < new:
-            return "varlen"
-    return "as_decode" if decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device) else "varlen"
+    if meta.max_q <= AS_DECODE_MAX_QUERIES and meta.token_seq.shape[0] <= MAX_GRID_DIM:
+        few_new = meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES
+        if not few_new:
+            new = meta.token_seq.shape[0]
+            cached = sum(length - n for n, length in meta.host_lens) if meta.host_lens is not None else 0
+            few_new = cached >= new
+        if few_new and decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device):
+            return "as_decode"
+    if device.type != "cuda" or meta.num_seqs == 1:
+        return "per_sequence"
+    if meta.host_lens is not None and flash_splits_keys([n for n, _ in meta.host_lens], q_heads, device):
+        return "per_sequence"
+    return "varlen"
+
+
+# FlashAttention-2 (the flash kernels of torch's SDPA and of `varlen_prefill_attention`) runs a CTA per
+# FLASH_QUERY_BLOCK queries and query head, each walking all of its sequence's keys. Its batched call (SDPA)
+# splits the keys over several CTAs when those CTAs would fill less than FLASH_SPLIT_SM_FRACTION of the SMs (its
+# ``num_splits_heuristic``, blocks of 64 queries there); its variable-length call never does. A prefill after a
+# long cached context with few new tokens (a follow-up turn of a chat, an agent's next tool result) leaves that
+# call a few dozen CTAs: one prompt of 64 new tokens after 4096 cached at Qwen3-30B's heads took 145.5 us of GPU
+# time in the varlen call, 67.6 us in SDPA's (bench.prefill_attention, one H200, 7757fe48ef32: its "loop" arm).
+FLASH_QUERY_BLOCK = 64
+FLASH_SPLIT_SM_FRACTION = 0.8
+
+
+def flash_splits_keys(query_lens: list[int], q_heads: int, device: torch.device) -> bool:
+    """Whether SDPA's flash kernel would split the keys of every one of these sequences over CTAs, their
+    query blocks together filling less than `FLASH_SPLIT_SM_FRACTION` of ``device``'s SMs."""
+    blocks = q_heads * sum(-(-n // FLASH_QUERY_BLOCK) for n in query_lens)
+    return blocks < FLASH_SPLIT_SM_FRACTION * sm_count(device)
 
 
 def queries_as_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -303,48 +335,48 @@ def as_decode_queries_per_cta(num_queries: int, q_heads: int, kv_heads: int, dev
 
 
 def varlen_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """A prefill batch in one gather and one call.
+    """A prefill batch in one gather and one call (CUDA).
 
     A sequence's ``n`` queries follow ``L - n`` cached tokens: query ``i`` sees keys ``0 .. L - n + i``,
     the causal mask aligned to the bottom right. Every sequence's ``L`` keys are gathered from the
-    pages into one ``[K, kv_heads, D]`` K and V (one row gather, `PrefillKeys`), then on CUDA one
+    pages into one ``[K, kv_heads, D]`` K and V (one row gather, `PrefillKeys`), then one
     variable-length flash attention call (FlashAttention-2's varlen kernel, whose causal mask is
     bottom-right, GQA native) runs the whole batch: no mask tensor, no K/V copy per query head, and
-    no launch per sequence. The loop it replaces (page gather + SDPA per sequence) cost ~0.2 ms of
+    no launch per sequence. The loop it replaced (page gather + SDPA per sequence) cost ~0.2 ms of
     launches per prompt and layer: on one H200 (bench.prefill_attention, 30B heads, 9705db4f) 64
     prompts of 128 tokens after a shared 1024-token cached prefix took 10.2 ms per layer that way
     and 0.92 ms in the varlen call; 7 fresh prompts of 1152 tokens 1.57 ms and 0.41 ms.
-
-    One prompt alone with nothing cached (how a long prompt runs) keeps SDPA's causal path on its
-    gathered pages instead: its kernel ran 1.4-1.7x faster than the varlen one there (8k-32k
-    tokens: e.g. 32k at 30B heads 14.3 ms against 24.9 ms). Elsewhere (CPU) SDPA runs per sequence
-    on the keys `PrefillKeys` gathers.
     """
-    spans = meta.host_lens
-    if q.is_cuda and spans is not None and len(spans) == 1 and spans[0][0] == spans[0][1]:
-        n = spans[0][0]
-        if meta.page_rows is None:
-            meta.page_rows = cache.page_rows(meta.page_tables)
-        k, v = cache.gather(layer, meta.page_tables, meta.page_rows)  # [1, Hkv, pages * page_size, D]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[:, :, :n], v[:, :, :n], is_causal=True, scale=scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+    if not q.is_cuda:
+        raise ValueError(f"the varlen flash attention call runs on CUDA, got q on {q.device}")
     pool = cache.pools[layer]
     if meta.prefill_keys is None:
         meta.prefill_keys = PrefillKeys.build(meta, pool.shape)
     keys = meta.prefill_keys
     k, v = pool.view(-1, pool.shape[-1])[keys.rows]  # [K, kv_heads, D] each, contiguous
-    if q.is_cuda:
-        return torch.ops.aten._flash_attention_forward(q.contiguous(), k, v, keys.cu_q, keys.cu_k, keys.max_q, keys.max_k, 0.0, True, False,
-                                                       scale=scale)[0]
-    assert meta.host_lens is not None  # PrefillKeys.build checked
+    return torch.ops.aten._flash_attention_forward(q.contiguous(), k, v, keys.cu_q, keys.cu_k, keys.max_q, keys.max_k, 0.0, True, False,
+                                                   scale=scale)[0]
+
+
+def per_sequence_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A prefill batch a sequence at a time: the batch's pages gathered at once (`PagedKVCache.gather`),
+    then SDPA with the bottom-right causal mask on each sequence's keys (on CUDA FlashAttention-2's
+    batched kernel, GQA native, which splits a long context over CTAs where its query blocks are
+    few: see `flash_splits_keys`). One prompt with nothing cached ran 1.4-1.7x faster this way than
+    in the varlen call (8k-32k tokens: 32k at 30B heads 14.3 ms against 24.9 ms)."""
+    if meta.host_lens is None:
+        raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
+    if meta.page_rows is None:
+        meta.page_rows = cache.page_rows(meta.page_tables)
+    k, v = cache.gather(layer, meta.page_tables, meta.page_rows)  # [B, Hkv, pages * page_size, D]
     out = torch.empty_like(q)
-    q_start = k_start = 0
-    for n, length in meta.host_lens:
-        queries = q[q_start : q_start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
-        k_seq, v_seq = (t[k_start : k_start + length].transpose(0, 1)[None] for t in (k, v))
-        o = F.scaled_dot_product_attention(queries, k_seq, v_seq, attn_mask=causal_lower_right(n, length), scale=scale, enable_gqa=True)
-        out[q_start : q_start + n] = o[0].transpose(0, 1)
-        q_start, k_start = q_start + n, k_start + length
+    start = 0
+    for b, (n, length) in enumerate(meta.host_lens):
+        queries = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+        o = F.scaled_dot_product_attention(queries, k[b : b + 1, :, :length], v[b : b + 1, :, :length], attn_mask=causal_lower_right(n, length),
+                                           scale=scale, enable_gqa=True)
+        out[start : start + n] = o[0].transpose(0, 1)
+        start += n
     return out
 
 

@@ -180,7 +180,7 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
     """The batch a prefix-cache hit makes: 24 prompts of 1 to 40 new tokens after the same 96
     cached tokens (their 6 pages shared by all), next to a fresh 50-token prompt, at Qwen3-30B's
     per-rank heads: one variable-length call against the fp32 reference of every sequence; then
-    a fresh prompt alone (SDPA's causal path)."""
+    a fresh prompt alone (the per-sequence route: SDPA's flash kernel)."""
     from shared.kvcache import KVLayout, PagedKVCache
     from shared.model import layers
     from shared.model.model import ForwardBatch, SequenceChunk
@@ -204,12 +204,50 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
     want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
 
-    # One fresh prompt alone: SDPA's causal path instead of the varlen call, the same attention.
+    assert meta.prefill_route == "varlen"
+    # One fresh prompt alone: the per-sequence route instead of the varlen call, the same attention.
     meta = ForwardBatch.build([SequenceChunk([3] * 300, 0, free[4:23])], page, dev).attn
     q = torch.randn((300, hq, d), generator=gen).to(dev, torch.bfloat16)
     got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
+    assert meta.prefill_route == "per_sequence"
     want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
+
+
+@pytest.mark.parametrize("hq", [32, 64])
+def test_few_sequences_after_long_contexts_run_a_flash_call_each(hq):
+    """Sequences past the decode route's cap after long cached contexts, whose flash query blocks leave
+    most SMs idle (Qwen3-30B's / 235B's heads per rank): one prompt of 200 new tokens after 4000 cached,
+    and two of 70 after 3000 and 49 fresh. The route runs a flash call per sequence where
+    `flash_splits_keys` says so (always for one sequence), and agrees with the fp32 reference and with
+    the varlen call."""
+    from shared.kvcache import KVLayout, PagedKVCache
+    from shared.model import layers
+    from shared.model.model import ForwardBatch, SequenceChunk
+
+    gen = torch.Generator().manual_seed(23 + hq)
+    dev = torch.device("cuda")
+    page, hkv, d = 16, 4, 128
+    cache = PagedKVCache(KVLayout(1, 700, hkv, page, d, torch.bfloat16), dev)
+    cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
+    for lens in ([(200, 4000)], [(70, 3000), (49, 0)]):
+        free = torch.randperm(700, generator=gen).tolist()
+        chunks = []
+        for n, cached in lens:
+            own = -(-(cached + n) // page)
+            chunks.append(SequenceChunk([1] * n, cached, free[:own]))
+            free = free[own:]
+        meta = ForwardBatch.build(chunks, page, dev).attn
+        q = torch.randn((meta.token_seq.shape[0], hq, d), generator=gen).to(dev, torch.bfloat16)
+        few_blocks = layers.flash_splits_keys([n for n, _ in lens], hq, dev)
+        got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
+        assert meta.prefill_route == ("per_sequence" if len(lens) == 1 or few_blocks else "varlen"), (lens, meta.prefill_route)
+        per_sequence = layers.per_sequence_prefill_attention(q, cache, 0, meta, d**-0.5).float()
+        want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
+        torch.testing.assert_close(per_sequence, want, rtol=2.0**-6, atol=2.0**-6)
+        torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6)
+        varlen = layers.varlen_prefill_attention(q, cache, 0, meta, d**-0.5).float()
+        torch.testing.assert_close(per_sequence, varlen, rtol=2.0**-6, atol=2.0**-6)
 
 
 @pytest.mark.parametrize("hq", [32, 64])

@@ -175,25 +175,32 @@ def test_prefill_batch_as_decode_queries_equals_the_models_attention():
 
 def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence(monkeypatch):
     monkeypatch.delenv(layers.DECODE_ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(layers, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     pool_shape = torch.Size((64, 2, 4, 16, 128))
     cap = layers.AS_DECODE_MAX_QUERIES
 
-    def route(queries_per_seq: int, seqs: int = 3, device: torch.device = cuda, dtype: torch.dtype = torch.bfloat16, cached: int = 64) -> str:
+    def route(queries_per_seq: int, seqs: int, device: torch.device = cuda, dtype: torch.dtype = torch.bfloat16, cached: int = 64) -> str:
         chunks = [SequenceChunk([1] * queries_per_seq, cached, list(range(8))) for _ in range(seqs)]
         meta = ForwardBatch.build(chunks, 16, torch.device("cpu")).attn
         return layers.prefill_attention_route(meta, 32, pool_shape, dtype, device)
 
-    assert route(cap) == "as_decode" and route(2) == "as_decode"
-    assert route(cap + 1) == "varlen"
+    # 8 sequences: 8 x 32 flash query blocks fill the GPU, so past the decode route one varlen call
+    assert route(cap, seqs=8) == "as_decode" and route(2, seqs=8) == "as_decode"
+    assert route(cap + 1, seqs=8) == "varlen"
     # fresh prompts (or less cached than new) only up to the smaller cap
     fresh_cap = layers.AS_DECODE_FRESH_MAX_QUERIES
-    assert route(fresh_cap, cached=0) == "as_decode" and route(fresh_cap + 1, cached=0) == "varlen"
-    assert route(fresh_cap + 1, cached=fresh_cap) == "varlen" and route(fresh_cap + 1, cached=fresh_cap + 1) == "as_decode"
-    assert route(cap, device=torch.device("cpu")) == "varlen"
-    assert route(cap, dtype=torch.float16) == "varlen"
+    assert route(fresh_cap, seqs=8, cached=0) == "as_decode" and route(fresh_cap + 1, seqs=8, cached=0) == "varlen"
+    assert route(fresh_cap + 1, seqs=8, cached=fresh_cap) == "varlen" and route(fresh_cap + 1, seqs=8, cached=fresh_cap + 1) == "as_decode"
+    assert route(cap, seqs=8, dtype=torch.float16) == "varlen"
+    # one sequence, or few flash query blocks (3 x 32 < 0.8 x 132 SMs, 4 x 32 not): a flash call each
+    assert route(cap + 1, seqs=1) == "per_sequence" and route(100, seqs=1, cached=0) == "per_sequence"
+    assert route(cap + 1, seqs=3) == "per_sequence" and route(cap + 1, seqs=4) == "varlen"
+    assert route(layers.FLASH_QUERY_BLOCK + 1, seqs=2, cached=0) == "varlen"  # 2 x 2 x 32 blocks
+    # off CUDA every batch past the decode route runs a sequence at a time
+    assert route(cap, seqs=8, device=torch.device("cpu")) == "per_sequence"
     monkeypatch.setenv(layers.DECODE_ATTENTION_ENV, "sdpa")
-    assert route(2) == "varlen"
+    assert route(2, seqs=8) == "varlen" and route(2, seqs=1) == "per_sequence"
 
 
 def test_queries_share_a_cta_only_once_one_query_a_cta_fills_the_gpu(monkeypatch):
