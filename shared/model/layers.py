@@ -259,44 +259,37 @@ def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: A
 def prefill_attention_route(meta: AttentionMetadata, q_heads: int, pool_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> str:
     """How `_prefill_attention` runs a prefill batch:
 
-    * ``"as_decode"`` for few queries per sequence (`AS_DECODE_MAX_QUERIES` after a cached context at
-      least as long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise), on CUDA where the
-      decode kernel takes the shape (`decode_attention_kernel`);
-    * else ``"per_sequence"`` off CUDA, and on CUDA for one sequence or for a batch whose flash CTAs would
-      leave most SMs idle (`flash_splits_keys`);
+    * ``"per_sequence"`` off CUDA; on CUDA for one sequence, or up to `PER_SEQUENCE_MAX_SEQS` whose cached
+      tokens are at least their new ones, unless their new tokens are at most `AS_DECODE_FEW_SEQS_MAX_QUERIES`
+      a sequence;
+    * ``"as_decode"`` for few queries per sequence (`AS_DECODE_MAX_QUERIES` after a cached context at least as
+      long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise), on CUDA where the decode kernel takes
+      the shape (`decode_attention_kernel`);
     * else ``"varlen"``."""
+    if device.type != "cuda":
+        return "per_sequence"
     _, _, hkv, page_size, d = pool_shape
-    if meta.max_q <= AS_DECODE_MAX_QUERIES and meta.token_seq.shape[0] <= MAX_GRID_DIM:
-        few_new = meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES
-        if not few_new:
-            new = meta.token_seq.shape[0]
-            cached = sum(length - n for n, length in meta.host_lens) if meta.host_lens is not None else 0
-            few_new = cached >= new
-        if few_new and decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device):
-            return "as_decode"
-    if device.type != "cuda" or meta.num_seqs == 1:
-        return "per_sequence"
-    if meta.host_lens is not None and flash_splits_keys([n for n, _ in meta.host_lens], q_heads, device):
-        return "per_sequence"
-    return "varlen"
+    new = meta.token_seq.shape[0]
+    cached = sum(length - n for n, length in meta.host_lens) if meta.host_lens is not None else 0
+    decode_kernel = decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device) and new <= MAX_GRID_DIM
+    if meta.num_seqs == 1 or (meta.num_seqs <= PER_SEQUENCE_MAX_SEQS and cached >= new):
+        few_new = meta.max_q <= AS_DECODE_FEW_SEQS_MAX_QUERIES and (meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES or cached >= new)
+        return "as_decode" if few_new and decode_kernel else "per_sequence"
+    few_new = meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES or (meta.max_q <= AS_DECODE_MAX_QUERIES and cached >= new)
+    return "as_decode" if few_new and decode_kernel else "varlen"
 
 
-# FlashAttention-2 (the flash kernels of torch's SDPA and of `varlen_prefill_attention`) runs a CTA per
-# FLASH_QUERY_BLOCK queries and query head, each walking all of its sequence's keys. Its batched call (SDPA)
-# splits the keys over several CTAs when those CTAs would fill less than FLASH_SPLIT_SM_FRACTION of the SMs (its
-# ``num_splits_heuristic``, blocks of 64 queries there); its variable-length call never does. A prefill after a
-# long cached context with few new tokens (a follow-up turn of a chat, an agent's next tool result) leaves that
-# call a few dozen CTAs: one prompt of 64 new tokens after 4096 cached at Qwen3-30B's heads took 145.5 us of GPU
-# time in the varlen call, 67.6 us in SDPA's (bench.prefill_attention, one H200, 7757fe48ef32: its "loop" arm).
-FLASH_QUERY_BLOCK = 64
-FLASH_SPLIT_SM_FRACTION = 0.8
-
-
-def flash_splits_keys(query_lens: list[int], q_heads: int, device: torch.device) -> bool:
-    """Whether SDPA's flash kernel would split the keys of every one of these sequences over CTAs, their
-    query blocks together filling less than `FLASH_SPLIT_SM_FRACTION` of ``device``'s SMs."""
-    blocks = q_heads * sum(-(-n // FLASH_QUERY_BLOCK) for n in query_lens)
-    return blocks < FLASH_SPLIT_SM_FRACTION * sm_count(device)
+# A batch of few sequences after long cached contexts (a follow-up turn of a chat, an agent's next tool result)
+# runs a flash call per sequence (`per_sequence_prefill_attention`): FlashAttention-2's batched kernel splits a
+# long context over CTAs where its query blocks (64 queries of a query head) are few, its variable-length kernel,
+# one CTA per 128 queries and query head walking the whole context, leaves most SMs idle there. On one H200
+# (bench.prefill_attention, the GPU's own time, 9f3109401542), Qwen3-30B heads: one prompt of 64 / 128 / 256 new
+# tokens after 16384 cached took 94 / 148 / 256 us a sequence at a time against the varlen call's 550 / 553 / 554,
+# 3 prompts of 64 / 128 / 256 after 4096 171 / 150 / 240 against 191 / 196 / 281; fresh prompts lost (3 of 48:
+# 30 against 11 us), and 235B heads, 3 prompts of 256 after 16384, were level (1510 against 1470). One fresh
+# prompt alone, 8k / 32k tokens: 946 / 14054 against 1753 / 24408 us.
+PER_SEQUENCE_MAX_SEQS = 3
+AS_DECODE_FEW_SEQS_MAX_QUERIES = 32
 
 
 def queries_as_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -360,24 +353,28 @@ def varlen_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, m
 
 def per_sequence_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """A prefill batch a sequence at a time: the batch's pages gathered at once (`PagedKVCache.gather`),
-    then SDPA with the bottom-right causal mask on each sequence's keys (on CUDA FlashAttention-2's
-    batched kernel, GQA native, which splits a long context over CTAs where its query blocks are
-    few: see `flash_splits_keys`). One prompt with nothing cached ran 1.4-1.7x faster this way than
-    in the varlen call (8k-32k tokens: 32k at 30B heads 14.3 ms against 24.9 ms)."""
+    then each sequence's queries against its keys, causal to the bottom right: on CUDA one call of
+    FlashAttention-2's batched kernel (GQA native; it splits a long context over CTAs where its query
+    blocks are few), called directly rather than through SDPA's causal-bias dispatch (~0.1 ms of host
+    time a call); elsewhere SDPA. See `PER_SEQUENCE_MAX_SEQS` for where it beats the varlen call."""
     if meta.host_lens is None:
         raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
     if meta.page_rows is None:
         meta.page_rows = cache.page_rows(meta.page_tables)
     k, v = cache.gather(layer, meta.page_tables, meta.page_rows)  # [B, Hkv, pages * page_size, D]
-    out = torch.empty_like(q)
+    outs = []
     start = 0
     for b, (n, length) in enumerate(meta.host_lens):
-        queries = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
-        o = F.scaled_dot_product_attention(queries, k[b : b + 1, :, :length], v[b : b + 1, :, :length], attn_mask=causal_lower_right(n, length),
-                                           scale=scale, enable_gqa=True)
-        out[start : start + n] = o[0].transpose(0, 1)
+        queries, k_seq, v_seq = q[start : start + n], k[b : b + 1, :, :length], v[b : b + 1, :, :length]
+        if q.is_cuda:  # [1, tokens, heads, D] views; FlashAttention-2's causal mask is bottom-right
+            o = torch.ops.aten._flash_attention_forward(queries[None], k_seq.transpose(1, 2), v_seq.transpose(1, 2), None, None, n, length,
+                                                        0.0, True, False, scale=scale)[0][0]
+        else:
+            o = F.scaled_dot_product_attention(queries.transpose(0, 1)[None], k_seq, v_seq, attn_mask=causal_lower_right(n, length), scale=scale,
+                                               enable_gqa=True)[0].transpose(0, 1)
+        outs.append(o)
         start += n
-    return out
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _padded_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -216,10 +216,9 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
 
 @pytest.mark.parametrize("hq", [32, 64])
 def test_few_sequences_after_long_contexts_run_a_flash_call_each(hq):
-    """Sequences past the decode route's cap after long cached contexts, whose flash query blocks leave
-    most SMs idle (Qwen3-30B's / 235B's heads per rank): one prompt of 200 new tokens after 4000 cached,
-    and two of 70 after 3000 and 49 fresh. The route runs a flash call per sequence where
-    `flash_splits_keys` says so (always for one sequence), and agrees with the fp32 reference and with
+    """Few sequences past the decode route's caps after long cached contexts (Qwen3-30B's / 235B's heads
+    per rank): one prompt of 200 new tokens after 4000 cached; 70 after 3000 beside 49 fresh; the route
+    runs a flash call per sequence, against the fp32 reference and the varlen call. Four sequences take
     the varlen call."""
     from shared.kvcache import KVLayout, PagedKVCache
     from shared.model import layers
@@ -228,10 +227,11 @@ def test_few_sequences_after_long_contexts_run_a_flash_call_each(hq):
     gen = torch.Generator().manual_seed(23 + hq)
     dev = torch.device("cuda")
     page, hkv, d = 16, 4, 128
-    cache = PagedKVCache(KVLayout(1, 700, hkv, page, d, torch.bfloat16), dev)
+    cache = PagedKVCache(KVLayout(1, 800, hkv, page, d, torch.bfloat16), dev)
     cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
-    for lens in ([(200, 4000)], [(70, 3000), (49, 0)]):
-        free = torch.randperm(700, generator=gen).tolist()
+    for lens, route in (([(200, 4000)], "per_sequence"), ([(70, 3000), (49, 0)], "per_sequence"),
+                        ([(70, 3000), (49, 0), (60, 1000), (50, 800)], "varlen")):
+        free = torch.randperm(800, generator=gen).tolist()
         chunks = []
         for n, cached in lens:
             own = -(-(cached + n) // page)
@@ -239,9 +239,8 @@ def test_few_sequences_after_long_contexts_run_a_flash_call_each(hq):
             free = free[own:]
         meta = ForwardBatch.build(chunks, page, dev).attn
         q = torch.randn((meta.token_seq.shape[0], hq, d), generator=gen).to(dev, torch.bfloat16)
-        few_blocks = layers.flash_splits_keys([n for n, _ in lens], hq, dev)
         got = layers.paged_attention_sdpa(q, cache, 0, meta, d**-0.5).float()
-        assert meta.prefill_route == ("per_sequence" if len(lens) == 1 or few_blocks else "varlen"), (lens, meta.prefill_route)
+        assert meta.prefill_route == route, (lens, meta.prefill_route)
         per_sequence = layers.per_sequence_prefill_attention(q, cache, 0, meta, d**-0.5).float()
         want = layers.paged_attention(q, cache, 0, meta, d**-0.5).float()
         torch.testing.assert_close(per_sequence, want, rtol=2.0**-6, atol=2.0**-6)

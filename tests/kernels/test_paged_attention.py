@@ -175,7 +175,6 @@ def test_prefill_batch_as_decode_queries_equals_the_models_attention():
 
 def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence(monkeypatch):
     monkeypatch.delenv(layers.DECODE_ATTENTION_ENV, raising=False)
-    monkeypatch.setattr(layers, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     pool_shape = torch.Size((64, 2, 4, 16, 128))
     cap = layers.AS_DECODE_MAX_QUERIES
@@ -185,7 +184,7 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
         meta = ForwardBatch.build(chunks, 16, torch.device("cpu")).attn
         return layers.prefill_attention_route(meta, 32, pool_shape, dtype, device)
 
-    # 8 sequences: 8 x 32 flash query blocks fill the GPU, so past the decode route one varlen call
+    # 8 sequences: past the decode route one varlen call
     assert route(cap, seqs=8) == "as_decode" and route(2, seqs=8) == "as_decode"
     assert route(cap + 1, seqs=8) == "varlen"
     # fresh prompts (or less cached than new) only up to the smaller cap
@@ -193,12 +192,17 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
     assert route(fresh_cap, seqs=8, cached=0) == "as_decode" and route(fresh_cap + 1, seqs=8, cached=0) == "varlen"
     assert route(fresh_cap + 1, seqs=8, cached=fresh_cap) == "varlen" and route(fresh_cap + 1, seqs=8, cached=fresh_cap + 1) == "as_decode"
     assert route(cap, seqs=8, dtype=torch.float16) == "varlen"
-    # one sequence, or few flash query blocks (3 x 32 < 0.8 x 132 SMs, 4 x 32 not): a flash call each
-    assert route(cap + 1, seqs=1) == "per_sequence" and route(100, seqs=1, cached=0) == "per_sequence"
-    assert route(cap + 1, seqs=3) == "per_sequence" and route(cap + 1, seqs=4) == "varlen"
-    assert route(layers.FLASH_QUERY_BLOCK + 1, seqs=2, cached=0) == "varlen"  # 2 x 2 x 32 blocks
+    # one sequence, or a few after cached contexts at least as long: a flash call each past the smaller cap
+    few_cap = layers.AS_DECODE_FEW_SEQS_MAX_QUERIES
+    assert route(few_cap, seqs=1) == "as_decode" and route(few_cap + 1, seqs=1) == "per_sequence"
+    assert route(fresh_cap, seqs=1, cached=0) == "as_decode" and route(fresh_cap + 1, seqs=1, cached=0) == "per_sequence"
+    assert route(100, seqs=1, cached=0) == "per_sequence"
+    few = layers.PER_SEQUENCE_MAX_SEQS
+    assert route(few_cap + 1, seqs=few) == "per_sequence" and route(cap + 1, seqs=few) == "per_sequence"
+    assert route(few_cap + 1, seqs=few + 1) == "as_decode" and route(cap + 1, seqs=few + 1) == "varlen"
+    assert route(cap + 1, seqs=few, cached=16) == "varlen"  # less cached than new
     # off CUDA every batch past the decode route runs a sequence at a time
-    assert route(cap, seqs=8, device=torch.device("cpu")) == "per_sequence"
+    assert route(2, seqs=8, device=torch.device("cpu")) == "per_sequence"
     monkeypatch.setenv(layers.DECODE_ATTENTION_ENV, "sdpa")
     assert route(2, seqs=8) == "varlen" and route(2, seqs=1) == "per_sequence"
 
