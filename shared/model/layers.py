@@ -240,6 +240,16 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 # 1.55-1.7x at 30B heads, 1.0-1.09x at 235B). Fresh prompts, whose context grows with their own length, gained at
 # 4 new tokens (64 x 4: 16.8 against 51.5 us), were within 8% either way at 16 (8 x 16: 10.2 against 12.5 us;
 # 64 x 16: 60.0 against 55.6) and lost 1.3-1.9x at 32 with 8 or 64 prompts (64 x 32: 120 against 63 us).
+# One sequence alone runs a flash call (`per_sequence_prefill_attention`) past AS_DECODE_FRESH_MAX_QUERIES new
+# tokens whatever its cached context: FlashAttention-2's batched kernel splits a long context over CTAs where its
+# query blocks (64 queries of a query head) are few, where the varlen kernel runs one CTA per 128 queries and query
+# head, each walking the whole context, and leaves most SMs idle. One H200, the GPU's own time (bench.prefill_attention,
+# 149267955909), Qwen3-30B heads, one prompt after 16384 cached: 24 / 32 / 64 / 128 new tokens took 90 / 90 / 92 /
+# 146 us that way against the decode route's 158 / 161 / 305 / 293 and the varlen call's 548-554; after 1024 cached
+# the decode route kept a lead up to 32 (18.7 against 21.1 us at 24) and lost from 40; at 235B heads after 16384
+# the two were level at 24-32 (144 against 145 us) and 16 stayed with the decode route (78 against 144). With 3
+# sequences a call each lost to the decode route up to 40 new tokens after 4096 (139 against 89 us at 40) and to
+# the varlen call after 1024 (60-74 against 58-61 us at 40-128), so batches of several keep those routes.
 AS_DECODE_MAX_QUERIES = 48
 AS_DECODE_FRESH_MAX_QUERIES = 16
 
@@ -259,37 +269,19 @@ def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: A
 def prefill_attention_route(meta: AttentionMetadata, q_heads: int, pool_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> str:
     """How `_prefill_attention` runs a prefill batch:
 
-    * ``"per_sequence"`` off CUDA; on CUDA for one sequence, or up to `PER_SEQUENCE_MAX_SEQS` whose cached
-      tokens are at least their new ones, unless their new tokens are at most `AS_DECODE_FEW_SEQS_MAX_QUERIES`
-      a sequence;
     * ``"as_decode"`` for few queries per sequence (`AS_DECODE_MAX_QUERIES` after a cached context at least as
-      long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise), on CUDA where the decode kernel takes
-      the shape (`decode_attention_kernel`);
+      long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise or for one sequence alone), on CUDA where
+      the decode kernel takes the shape (`decode_attention_kernel`);
+    * else ``"per_sequence"`` for one sequence, and off CUDA;
     * else ``"varlen"``."""
-    if device.type != "cuda":
-        return "per_sequence"
     _, _, hkv, page_size, d = pool_shape
     new = meta.token_seq.shape[0]
-    cached = sum(length - n for n, length in meta.host_lens) if meta.host_lens is not None else 0
-    decode_kernel = decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device) and new <= MAX_GRID_DIM
-    if meta.num_seqs == 1 or (meta.num_seqs <= PER_SEQUENCE_MAX_SEQS and cached >= new):
-        few_new = meta.max_q <= AS_DECODE_FEW_SEQS_MAX_QUERIES and (meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES or cached >= new)
-        return "as_decode" if few_new and decode_kernel else "per_sequence"
-    few_new = meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES or (meta.max_q <= AS_DECODE_MAX_QUERIES and cached >= new)
-    return "as_decode" if few_new and decode_kernel else "varlen"
-
-
-# A batch of few sequences after long cached contexts (a follow-up turn of a chat, an agent's next tool result)
-# runs a flash call per sequence (`per_sequence_prefill_attention`): FlashAttention-2's batched kernel splits a
-# long context over CTAs where its query blocks (64 queries of a query head) are few, its variable-length kernel,
-# one CTA per 128 queries and query head walking the whole context, leaves most SMs idle there. On one H200
-# (bench.prefill_attention, the GPU's own time, 9f3109401542), Qwen3-30B heads: one prompt of 64 / 128 / 256 new
-# tokens after 16384 cached took 94 / 148 / 256 us a sequence at a time against the varlen call's 550 / 553 / 554,
-# 3 prompts of 64 / 128 / 256 after 4096 171 / 150 / 240 against 191 / 196 / 281; fresh prompts lost (3 of 48:
-# 30 against 11 us), and 235B heads, 3 prompts of 256 after 16384, were level (1510 against 1470). One fresh
-# prompt alone, 8k / 32k tokens: 946 / 14054 against 1753 / 24408 us.
-PER_SEQUENCE_MAX_SEQS = 3
-AS_DECODE_FEW_SEQS_MAX_QUERIES = 32
+    few_new = meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES
+    if not few_new and meta.num_seqs > 1 and meta.max_q <= AS_DECODE_MAX_QUERIES:
+        few_new = sum(length - n for n, length in meta.host_lens) >= new if meta.host_lens is not None else False
+    if few_new and new <= MAX_GRID_DIM and decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device):
+        return "as_decode"
+    return "per_sequence" if device.type != "cuda" or meta.num_seqs == 1 else "varlen"
 
 
 def queries_as_decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -356,7 +348,8 @@ def per_sequence_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: 
     then each sequence's queries against its keys, causal to the bottom right: on CUDA one call of
     FlashAttention-2's batched kernel (GQA native; it splits a long context over CTAs where its query
     blocks are few), called directly rather than through SDPA's causal-bias dispatch (~0.1 ms of host
-    time a call); elsewhere SDPA. See `PER_SEQUENCE_MAX_SEQS` for where it beats the varlen call."""
+    time a call); elsewhere SDPA. One fresh prompt alone, 8k / 32k tokens, took 946 / 14054 us of GPU time this
+    way against the varlen call's 1753 / 24408 (Qwen3-30B heads, one H200, 9f3109401542)."""
     if meta.host_lens is None:
         raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
     if meta.page_rows is None:

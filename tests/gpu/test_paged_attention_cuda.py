@@ -215,11 +215,11 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
 
 
 @pytest.mark.parametrize("hq", [32, 64])
-def test_few_sequences_after_long_contexts_run_a_flash_call_each(hq):
-    """Few sequences past the decode route's caps after long cached contexts (Qwen3-30B's / 235B's heads
-    per rank): one prompt of 200 new tokens after 4000 cached; 70 after 3000 beside 49 fresh; the route
-    runs a flash call per sequence, against the fp32 reference and the varlen call. Four sequences take
-    the varlen call."""
+def test_one_sequence_after_a_long_context_runs_a_flash_call(hq):
+    """One sequence past the decode route's cap for it, after a long cached context (Qwen3-30B's / 235B's
+    heads per rank): 200 new tokens after 4000 cached, 24 after 3000; the route runs a flash call per
+    sequence, against the fp32 reference and the varlen call. Two sequences (70 after 3000, 49 fresh)
+    and four take the varlen call, whose result the per-sequence call must match there too."""
     from shared.kvcache import KVLayout, PagedKVCache
     from shared.model import layers
     from shared.model.model import ForwardBatch, SequenceChunk
@@ -229,7 +229,7 @@ def test_few_sequences_after_long_contexts_run_a_flash_call_each(hq):
     page, hkv, d = 16, 4, 128
     cache = PagedKVCache(KVLayout(1, 800, hkv, page, d, torch.bfloat16), dev)
     cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
-    for lens, route in (([(200, 4000)], "per_sequence"), ([(70, 3000), (49, 0)], "per_sequence"),
+    for lens, route in (([(200, 4000)], "per_sequence"), ([(24, 3000)], "per_sequence"), ([(70, 3000), (49, 0)], "varlen"),
                         ([(70, 3000), (49, 0), (60, 1000), (50, 800)], "varlen")):
         free = torch.randperm(800, generator=gen).tolist()
         chunks = []

@@ -192,15 +192,10 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
     assert route(fresh_cap, seqs=8, cached=0) == "as_decode" and route(fresh_cap + 1, seqs=8, cached=0) == "varlen"
     assert route(fresh_cap + 1, seqs=8, cached=fresh_cap) == "varlen" and route(fresh_cap + 1, seqs=8, cached=fresh_cap + 1) == "as_decode"
     assert route(cap, seqs=8, dtype=torch.float16) == "varlen"
-    # one sequence, or a few after cached contexts at least as long: a flash call each past the smaller cap
-    few_cap = layers.AS_DECODE_FEW_SEQS_MAX_QUERIES
-    assert route(few_cap, seqs=1) == "as_decode" and route(few_cap + 1, seqs=1) == "per_sequence"
-    assert route(fresh_cap, seqs=1, cached=0) == "as_decode" and route(fresh_cap + 1, seqs=1, cached=0) == "per_sequence"
-    assert route(100, seqs=1, cached=0) == "per_sequence"
-    few = layers.PER_SEQUENCE_MAX_SEQS
-    assert route(few_cap + 1, seqs=few) == "per_sequence" and route(cap + 1, seqs=few) == "per_sequence"
-    assert route(few_cap + 1, seqs=few + 1) == "as_decode" and route(cap + 1, seqs=few + 1) == "varlen"
-    assert route(cap + 1, seqs=few, cached=16) == "varlen"  # less cached than new
+    # one sequence alone: a flash call past the fresh cap, cached context or not
+    assert route(fresh_cap, seqs=1) == "as_decode" and route(fresh_cap + 1, seqs=1) == "per_sequence"
+    assert route(fresh_cap, seqs=1, cached=0) == "as_decode" and route(100, seqs=1, cached=0) == "per_sequence"
+    assert route(fresh_cap + 1, seqs=2) == "as_decode" and route(cap + 1, seqs=2) == "varlen"
     # off CUDA every batch past the decode route runs a sequence at a time
     assert route(2, seqs=8, device=torch.device("cpu")) == "per_sequence"
     monkeypatch.setenv(layers.DECODE_ATTENTION_ENV, "sdpa")
