@@ -240,8 +240,8 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 # 1.55-1.7x at 30B heads, 1.0-1.09x at 235B). Fresh prompts, whose context grows with their own length, gained at
 # 4 new tokens (64 x 4: 16.8 against 51.5 us), were within 8% either way at 16 (8 x 16: 10.2 against 12.5 us;
 # 64 x 16: 60.0 against 55.6) and lost 1.3-1.9x at 32 with 8 or 64 prompts (64 x 32: 120 against 63 us).
-# One sequence alone runs a flash call (`per_sequence_prefill_attention`) past AS_DECODE_FRESH_MAX_QUERIES new
-# tokens whatever its cached context: FlashAttention-2's batched kernel splits a long context over CTAs where its
+# One sequence alone runs a flash call (`per_sequence_prefill_attention`) past AS_DECODE_ONE_SEQUENCE_MAX_QUERIES
+# new tokens after a cached context (past AS_DECODE_FRESH_MAX_QUERIES without one): FlashAttention-2's batched kernel splits a long context over CTAs where its
 # query blocks (64 queries of a query head) are few, where the varlen kernel runs one CTA per 128 queries and query
 # head, each walking the whole context, and leaves most SMs idle. One H200, the GPU's own time (bench.prefill_attention,
 # 149267955909), Qwen3-30B heads, one prompt after 16384 cached: 24 / 32 / 64 / 128 new tokens took 90 / 90 / 92 /
@@ -249,9 +249,16 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 # the decode route kept a lead up to 32 (18.7 against 21.1 us at 24) and lost from 40; at 235B heads after 16384
 # the two were level at 24-32 (144 against 145 us) and 16 stayed with the decode route (78 against 144). With 3
 # sequences a call each lost to the decode route up to 40 new tokens after 4096 (139 against 89 us at 40) and to
-# the varlen call after 1024 (60-74 against 58-61 us at 40-128), so batches of several keep those routes.
+# the varlen call after 1024 (60-74 against 58-61 us at 40-128), so batches of several keep those routes. In
+# whole forwards (bench.prefill_step, 16 of Qwen3-30B's layers, FP8 experts, graphed, after 4096 cached; each arm
+# from its own tree, B N N B, 6540701a47ef against a02b4b8f509f) one prompt of 64 / 128 / 512 new tokens took 4.43 /
+# 4.44-4.45 / 6.59 ms of GPU time a call per sequence against the varlen call's 6.04-6.05 / 6.26-6.27 / 7.12-7.13,
+# but 24 took 3.77 against the decode route's 3.56-3.57 (the single-layer bench had the call ahead there, perhaps
+# from K/V left in L2 between its repetitions); 48 took 4.27 against the decode route's 4.61 (149267955909), 32 ran
+# the decode route in both arms (3.78). Hence one sequence's own cap.
 AS_DECODE_MAX_QUERIES = 48
 AS_DECODE_FRESH_MAX_QUERIES = 16
+AS_DECODE_ONE_SEQUENCE_MAX_QUERIES = 32
 
 
 def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -269,15 +276,16 @@ def _prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: A
 def prefill_attention_route(meta: AttentionMetadata, q_heads: int, pool_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> str:
     """How `_prefill_attention` runs a prefill batch:
 
-    * ``"as_decode"`` for few queries per sequence (`AS_DECODE_MAX_QUERIES` after a cached context at least as
-      long as the new tokens, `AS_DECODE_FRESH_MAX_QUERIES` otherwise or for one sequence alone), on CUDA where
-      the decode kernel takes the shape (`decode_attention_kernel`);
+    * ``"as_decode"`` for few queries per sequence (after a cached context at least as long as the new tokens
+      `AS_DECODE_MAX_QUERIES`, or `AS_DECODE_ONE_SEQUENCE_MAX_QUERIES` for one sequence alone;
+      `AS_DECODE_FRESH_MAX_QUERIES` otherwise), on CUDA where the decode kernel takes the shape
+      (`decode_attention_kernel`);
     * else ``"per_sequence"`` for one sequence, and off CUDA;
     * else ``"varlen"``."""
     _, _, hkv, page_size, d = pool_shape
     new = meta.token_seq.shape[0]
     few_new = meta.max_q <= AS_DECODE_FRESH_MAX_QUERIES
-    if not few_new and meta.num_seqs > 1 and meta.max_q <= AS_DECODE_MAX_QUERIES:
+    if not few_new and meta.max_q <= (AS_DECODE_MAX_QUERIES if meta.num_seqs > 1 else AS_DECODE_ONE_SEQUENCE_MAX_QUERIES):
         few_new = sum(length - n for n, length in meta.host_lens) >= new if meta.host_lens is not None else False
     if few_new and new <= MAX_GRID_DIM and decode_attention_kernel(q_heads, hkv, d, page_size, dtype, device):
         return "as_decode"

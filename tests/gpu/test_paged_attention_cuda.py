@@ -217,7 +217,7 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
 @pytest.mark.parametrize("hq", [32, 64])
 def test_one_sequence_after_a_long_context_runs_a_flash_call(hq):
     """One sequence past the decode route's cap for it, after a long cached context (Qwen3-30B's / 235B's
-    heads per rank): 200 new tokens after 4000 cached, 24 after 3000; the route runs a flash call per
+    heads per rank): 200 new tokens after 4000 cached, 40 after 3000, 24 fresh; the route runs a flash call per
     sequence, against the fp32 reference and the varlen call. Two sequences (70 after 3000, 49 fresh)
     and four take the varlen call, whose result the per-sequence call must match there too."""
     from shared.kvcache import KVLayout, PagedKVCache
@@ -229,7 +229,7 @@ def test_one_sequence_after_a_long_context_runs_a_flash_call(hq):
     page, hkv, d = 16, 4, 128
     cache = PagedKVCache(KVLayout(1, 800, hkv, page, d, torch.bfloat16), dev)
     cache.storage.copy_(torch.randn(cache.storage.shape, generator=gen).to(torch.bfloat16))
-    for lens, route in (([(200, 4000)], "per_sequence"), ([(24, 3000)], "per_sequence"), ([(70, 3000), (49, 0)], "varlen"),
+    for lens, route in (([(200, 4000)], "per_sequence"), ([(40, 3000)], "per_sequence"), ([(24, 0)], "per_sequence"), ([(70, 3000), (49, 0)], "varlen"),
                         ([(70, 3000), (49, 0), (60, 1000), (50, 800)], "varlen")):
         free = torch.randperm(800, generator=gen).tolist()
         chunks = []

@@ -192,9 +192,11 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
     assert route(fresh_cap, seqs=8, cached=0) == "as_decode" and route(fresh_cap + 1, seqs=8, cached=0) == "varlen"
     assert route(fresh_cap + 1, seqs=8, cached=fresh_cap) == "varlen" and route(fresh_cap + 1, seqs=8, cached=fresh_cap + 1) == "as_decode"
     assert route(cap, seqs=8, dtype=torch.float16) == "varlen"
-    # one sequence alone: a flash call past the fresh cap, cached context or not
-    assert route(fresh_cap, seqs=1) == "as_decode" and route(fresh_cap + 1, seqs=1) == "per_sequence"
-    assert route(fresh_cap, seqs=1, cached=0) == "as_decode" and route(100, seqs=1, cached=0) == "per_sequence"
+    # one sequence alone: a flash call past its own cap after a cached context, past the fresh cap without one
+    one_cap = layers.AS_DECODE_ONE_SEQUENCE_MAX_QUERIES
+    assert route(one_cap, seqs=1) == "as_decode" and route(one_cap + 1, seqs=1) == "per_sequence"
+    assert route(fresh_cap, seqs=1, cached=0) == "as_decode" and route(fresh_cap + 1, seqs=1, cached=0) == "per_sequence"
+    assert route(100, seqs=1, cached=0) == "per_sequence"
     assert route(fresh_cap + 1, seqs=2) == "as_decode" and route(cap + 1, seqs=2) == "varlen"
     # off CUDA every batch past the decode route runs a sequence at a time
     assert route(2, seqs=8, device=torch.device("cpu")) == "per_sequence"
