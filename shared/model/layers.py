@@ -21,13 +21,13 @@ Decode batches (one query per sequence) take the paged decode attention kernel o
 (``MOEBUS_DECODE_ATTENTION=sdpa`` turns it off; they then gather their pages for SDPA with
 a mask). Prefill batches (several queries per sequence) take one of three routes
 (`prefill_attention_route`), all causal to the bottom right (each sequence's queries after its
-cached tokens) and none with [queries x keys] memory: many sequences gather their keys from
+cached tokens) and none with [queries x keys] memory: several sequences gather their keys from
 the pages at once and run one variable-length flash attention call, so short prompts cost no
-launch per sequence (`varlen_prefill_attention`); one sequence, or a few whose queries leave
-most SMs idle, run a flash call each, which splits every context over CTAs
-(`per_sequence_prefill_attention`); and sequences that bring only a few new tokens each (a
-prefix-cache hit with a short suffix) run through the decode kernel, every query a decode row
-whose context ends at its own position (`queries_as_decode_attention`).
+launch per sequence (`varlen_prefill_attention`); one sequence alone runs a flash call of its
+own, which splits a long context over CTAs (`per_sequence_prefill_attention`); and sequences
+that bring only a few new tokens each (a prefix-cache hit with a short suffix) run through the
+decode kernel, every query a decode row whose context ends at its own position
+(`queries_as_decode_attention`).
 """
 
 from __future__ import annotations
