@@ -14,10 +14,10 @@ in the same run on the same queries and K/V:
   `layers.QueriesAsDecode.build` or `PagedKVCache.page_rows`);
 * ``varlen``: `layers.varlen_prefill_attention` (every sequence's keys gathered from the pages in
   one row gather, one variable-length flash attention call);
-* ``per_sequence``: `layers.per_sequence_prefill_attention` (the batch's pages gathered at once, then SDPA
-  with a bottom-right causal mask a sequence at a time: flash attention, which splits long contexts
-  over CTAs where its query blocks are few; a few launches per sequence and layer); result lines
-  before it became a route name this arm ``loop`` (then a page gather per sequence, otherwise the same);
+* ``per_sequence``: `layers.per_sequence_prefill_attention` (the batch's pages gathered at once, then
+  FlashAttention-2's batched kernel a sequence at a time, which splits long contexts over CTAs where
+  its query blocks are few: a launch per sequence and layer); result lines before it became a route
+  name this arm ``loop`` (then a page gather and SDPA's dispatch per sequence, the same kernel);
 * ``as_decode``: `layers.queries_as_decode_attention` (each query a decode query of the paged
   decode attention kernel, a sequence's queries sharing CTAs where `layers.as_decode_queries_per_cta`
   packs them), up to 128 queries per sequence where the kernel takes the shape;

@@ -240,10 +240,11 @@ def folded_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 # 1.55-1.7x at 30B heads, 1.0-1.09x at 235B). Fresh prompts, whose context grows with their own length, gained at
 # 4 new tokens (64 x 4: 16.8 against 51.5 us), were within 8% either way at 16 (8 x 16: 10.2 against 12.5 us;
 # 64 x 16: 60.0 against 55.6) and lost 1.3-1.9x at 32 with 8 or 64 prompts (64 x 32: 120 against 63 us).
-# One sequence alone runs a flash call (`per_sequence_prefill_attention`) past AS_DECODE_ONE_SEQUENCE_MAX_QUERIES
-# new tokens after a cached context (past AS_DECODE_FRESH_MAX_QUERIES without one): FlashAttention-2's batched kernel splits a long context over CTAs where its
-# query blocks (64 queries of a query head) are few, where the varlen kernel runs one CTA per 128 queries and query
-# head, each walking the whole context, and leaves most SMs idle. One H200, the GPU's own time (bench.prefill_attention,
+# One sequence alone runs a flash call of its own (`per_sequence_prefill_attention`) past
+# AS_DECODE_ONE_SEQUENCE_MAX_QUERIES new tokens after a cached context, past AS_DECODE_FRESH_MAX_QUERIES without one.
+# FlashAttention-2's batched kernel splits a long context over CTAs where its query blocks are few (its split
+# heuristic; the times below bear it out), where the varlen kernel runs one CTA per 128 queries and query head, each
+# walking the whole context, and leaves most SMs idle. One H200, the GPU's own time (bench.prefill_attention,
 # 149267955909), Qwen3-30B heads, one prompt after 16384 cached: 24 / 32 / 64 / 128 new tokens took 90 / 90 / 92 /
 # 146 us that way against the decode route's 158 / 161 / 305 / 293 and the varlen call's 548-554; after 1024 cached
 # the decode route kept a lead up to 32 (18.7 against 21.1 us at 24) and lost from 40; at 235B heads after 16384
@@ -356,8 +357,8 @@ def per_sequence_prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: 
     then each sequence's queries against its keys, causal to the bottom right: on CUDA one call of
     FlashAttention-2's batched kernel (GQA native; it splits a long context over CTAs where its query
     blocks are few), called directly rather than through SDPA's causal-bias dispatch (~0.1 ms of host
-    time a call); elsewhere SDPA. One fresh prompt alone, 8k / 32k tokens, took 946 / 14054 us of GPU time this
-    way against the varlen call's 1753 / 24408 (Qwen3-30B heads, one H200, 9f3109401542)."""
+    time a call); elsewhere SDPA. One fresh prompt alone, 8k / 32k tokens, took 946 / 14054 us of GPU
+    time this way against the varlen call's 1753 / 24408 (Qwen3-30B heads, one H200, 9f3109401542)."""
     if meta.host_lens is None:
         raise ValueError("prefill attention needs the batch's host_lens (ForwardBatch.build sets them)")
     if meta.page_rows is None:
