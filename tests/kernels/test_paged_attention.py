@@ -204,6 +204,17 @@ def test_prefill_route_takes_the_decode_kernel_only_for_few_queries_per_sequence
     assert route(2, seqs=8) == "varlen" and route(2, seqs=1) == "per_sequence"
 
 
+def test_prefill_routes_refuse_what_they_cannot_run_by_name():
+    """The varlen flash call runs on CUDA only (off CUDA the route sends every batch a sequence at a time),
+    and the per-sequence route needs the batch's host-side lengths."""
+    cache, meta, q = _decode_case(torch.Generator().manual_seed(3), 8, 2, 64, 4, [5, 20])
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        layers.varlen_prefill_attention(q, cache, 0, meta, 0.1)
+    meta.host_lens = None
+    with pytest.raises(ValueError, match="host_lens"):
+        layers.per_sequence_prefill_attention(q, cache, 0, meta, 0.1)
+
+
 def test_queries_share_a_cta_only_once_one_query_a_cta_fills_the_gpu(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(layers, "sm_count", lambda device: 132)
