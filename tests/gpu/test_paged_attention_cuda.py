@@ -180,7 +180,7 @@ def test_prefill_attention_of_many_short_prompts_after_a_shared_cached_prefix():
     """The batch a prefix-cache hit makes: 24 prompts of 1 to 40 new tokens after the same 96
     cached tokens (their 6 pages shared by all), next to a fresh 50-token prompt, at Qwen3-30B's
     per-rank heads: one variable-length call against the fp32 reference of every sequence; then
-    a fresh prompt alone (the per-sequence route: SDPA's flash kernel)."""
+    a fresh prompt alone (the per-sequence route: FlashAttention-2's batched kernel)."""
     from shared.kvcache import KVLayout, PagedKVCache
     from shared.model import layers
     from shared.model.model import ForwardBatch, SequenceChunk
